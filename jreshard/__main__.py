@@ -1,0 +1,5 @@
+"""``python -m jreshard``: see :mod:`jreshard.cli`."""
+
+from jreshard.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""Exceptions raised by jreshard.
+
+Every error about a bad argument is a ``ValueError`` subclass that names the
+argument and shows the offending values; errors about the world (a peer that
+died, a backend that cannot start) are ``RuntimeError`` subclasses.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "IndivisibleError",
+    "JReshardError",
+    "LayoutError",
+    "LayoutJSONError",
+    "LayoutMismatchError",
+    "PeerError",
+    "TopologyError",
+    "TransferError",
+    "TransferTimeoutError",
+]
+
+
+class JReshardError(Exception):
+    """Base class of every exception jreshard raises on purpose."""
+
+
+class LayoutError(JReshardError, ValueError):
+    """A layout is malformed: boxes out of bounds, unknown or repeated mesh axes,
+    duplicated ranks, a source that does not cover what the destination needs."""
+
+
+class IndivisibleError(LayoutError):
+    """A tensor dimension is not divisible by the mesh axes that split it."""
+
+
+class LayoutMismatchError(JReshardError, ValueError):
+    """Source and destination disagree on global shape, dtype or structure.
+
+    Attributes:
+      src: the source value (shape, dtype or tree structure).
+      dst: the destination value.
+      what: which property differs.
+    """
+
+    def __init__(self, message: str, *, src: object = None, dst: object = None, what: str = ""):
+        super().__init__(message)
+        self.src = src
+        self.dst = dst
+        self.what = what
+
+
+class LayoutJSONError(LayoutError):
+    """A serialized layout or topology could not be parsed."""
+
+
+class TopologyError(JReshardError, ValueError):
+    """A topology is malformed or does not know a rank that a layout uses."""
+
+
+class BackendUnavailableError(JReshardError, RuntimeError):
+    """The requested backend cannot start; the message names what to install."""
+
+
+class TransferError(JReshardError, RuntimeError):
+    """A transfer failed after it started. ``destination_intact`` says whether
+    the destination buffers still hold their previous contents."""
+
+    def __init__(self, message: str, *, destination_intact: bool | None = None):
+        super().__init__(message)
+        self.destination_intact = destination_intact
+
+
+class TransferTimeoutError(TransferError):
+    """A peer did not answer within ``Options.timeout_s``."""
+
+
+class PeerError(TransferError):
+    """A peer reported a failure or disagreed on the declared layouts."""

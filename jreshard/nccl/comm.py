@@ -1,0 +1,69 @@
+"""Communicator: NCCL-like point-to-point groups, abstract.
+
+The engine talks to every transport through this one interface, so the
+in-process, MPI and NCCL paths share every line of planning, chunking, packing
+order and bookkeeping. A communicator serves the jreshard ranks that one
+process drives (``local_ranks``); a transfer between two of them is still a
+send/recv pair, and a transport may satisfy it with a copy.
+
+Semantics follow NCCL's grouped point-to-point calls: :meth:`exchange` posts
+every send and receive of a group at once (``ncclGroupStart``/``ncclGroupEnd``)
+and returns when all have completed. Within one group, the messages between one
+ordered pair of ranks are matched in the order they are listed, by ``tag``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Communicator", "RecvOp", "SendOp"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendOp:
+    """Send ``buffer`` (a contiguous 1-D uint8 array: numpy, or CuPy on GPU) from
+    local rank ``src`` to rank ``dst``. ``tag`` identifies the (stage, chunk)."""
+
+    src: int
+    dst: int
+    tag: int
+    buffer: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecvOp:
+    """Receive into ``buffer`` (contiguous 1-D uint8) at local rank ``dst`` from rank ``src``."""
+
+    src: int
+    dst: int
+    tag: int
+    buffer: Any
+
+
+class Communicator(abc.ABC):
+    """Grouped, non-blocking point-to-point messages between jreshard ranks (abstract).
+
+    Implementations are final: ``LocalComm`` and ``RecordingComm`` (one process),
+    ``MpiComm`` (mpi4py), ``NcclComm`` (cupy.cuda.nccl).
+    """
+
+    @property
+    @abc.abstractmethod
+    def local_ranks(self) -> tuple[int, ...]:
+        """The jreshard ranks whose buffers live in this process."""
+
+    @abc.abstractmethod
+    def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
+        """Post all ``sends`` and ``recvs`` as one group and wait until every one completes.
+
+        Raises:
+          TransferTimeoutError: some peer did not complete within ``timeout_s``;
+            the message names the peers still outstanding.
+          PeerError: the transport reported a failure.
+        """
+
+    def close(self) -> None:
+        """Release transport resources (default: nothing to release)."""

@@ -1,0 +1,73 @@
+"""Options: the explicit, frozen settings of a transfer (and of its plan)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["Backend", "Options"]
+
+
+class Backend(enum.Enum):
+    """Which transport runs a transfer."""
+
+    AUTO = "auto"  # local copies in one process; NCCL on GPUs across processes; else MPI
+    LOCAL = "local"  # one process, every device addressable: direct copies
+    MPI = "mpi"  # mpi4py (CPU buffers, or CUDA-aware MPI)
+    NCCL = "nccl"  # cupy.cuda.nccl point-to-point
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Options:
+    """Settings of a transfer. Frozen and hashable: part of every plan cache key.
+
+    Args:
+      backend: "auto", "local", "mpi" or "nccl" (or a :class:`Backend`).
+      staging_bytes: the most staging memory one rank may hold at once.
+      chunk_bytes: messages are cut into chunks of at most this many bytes;
+        the fast-link fan-out of chunk k runs while chunk k+1 crosses the network.
+      timeout_s: a wait on a peer longer than this aborts the transfer.
+      relays: let a destination that received a piece forward it to another
+        domain when destination domains outnumber source replicas.
+      min_stripe_bytes: a piece landing in a domain is cut along its outermost
+        dimension to balance the receiving NICs, never into stripes smaller than this.
+
+    Example:
+      >>> Options(backend="mpi", chunk_bytes=1 << 20).backend
+      <Backend.MPI: 'mpi'>
+    """
+
+    backend: Backend = Backend.AUTO
+    staging_bytes: int = 256 << 20
+    chunk_bytes: int = 8 << 20
+    timeout_s: float = 300.0
+    relays: bool = True
+    min_stripe_bytes: int = 64 << 10
+
+    def __post_init__(self) -> None:
+        b = self.backend
+        if not isinstance(b, Backend):
+            try:
+                b = Backend(str(b).lower())
+            except ValueError:
+                raise ValueError(
+                    f"Options: backend={self.backend!r}; expected one of {[m.value for m in Backend]}"
+                ) from None
+            object.__setattr__(self, "backend", b)
+        for f in ("staging_bytes", "chunk_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"Options: {f}={v!r} must be a positive int")
+        if self.chunk_bytes > self.staging_bytes:
+            raise ValueError(
+                f"Options: chunk_bytes={self.chunk_bytes} exceeds staging_bytes={self.staging_bytes}; "
+                "a chunk must fit in staging"
+            )
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"Options: timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        if not isinstance(self.min_stripe_bytes, int) or self.min_stripe_bytes < 0:
+            raise ValueError(f"Options: min_stripe_bytes={self.min_stripe_bytes!r} must be an int >= 0")
+
+    def plan_key(self) -> tuple:
+        """The fields that change a plan (the rest change only how it runs)."""
+        return (self.relays, self.min_stripe_bytes)

@@ -1,0 +1,4 @@
+"""The layout algebra and planning: pure, numpy only, no transport.
+
+Only ``jreshard.sharding.jax`` imports jax.
+"""

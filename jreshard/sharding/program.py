@@ -1,0 +1,324 @@
+"""Plan: every byte movement of a transfer, its statistics, and each rank's program.
+
+A :class:`Plan` holds one :class:`TensorPlan` per tensor. All pieces that one
+sender sends one receiver at one stage, across all tensors, travel as one
+:class:`Message`; inside it the pieces are in (tensor, unit, emission) order,
+which both sides derive from the plan alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from jreshard.options import Options
+from jreshard.sharding.box import Box
+from jreshard.sharding.bounds import network_lower_bound
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.plan import Phase, TensorPlan, TensorSpec, check_pair, plan_tensor, plan_tensor_for_rank
+from jreshard.sharding.topology import Link, Topology
+
+__all__ = ["Message", "Piece", "Plan", "PlanStats", "RankProgram", "Transfer", "plan_layouts", "rank_program"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer:
+    """One byte movement: ``box`` of tensor ``tensor`` from ``src`` to ``dst``."""
+
+    tensor: int
+    src: int
+    dst: int
+    box: Box
+    link: Link
+    phase: Phase
+    stage: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """One part of a message: a box of a tensor, in global coordinates."""
+
+    tensor: int
+    box: Box
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """All pieces ``src`` sends ``dst`` at ``stage``, in a fixed order."""
+
+    stage: int
+    src: int
+    dst: int
+    link: Link
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankProgram:
+    """What one rank does: local copies into its destination shards, then, stage
+    by stage, the messages it sends and receives.
+
+    ``local`` are transfers whose sender shares the rank's device (the sender's
+    buffer is in this process). ``sends`` and ``recvs`` are sorted by
+    ``(stage, peer)``.
+    """
+
+    rank: int
+    local: tuple[Transfer, ...]
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({m.stage for m in self.sends} | {m.stage for m in self.recvs}))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Whole-plan statistics (bytes, counts). See ``docs/metrics.md``.
+
+    Attributes:
+      network_bytes, fast_bytes, local_bytes: bytes moved over each link kind.
+      network_bytes_lower_bound: ``Σ_G Σ_beta |beta \\ U(G)|`` bytes, computed apart from the planner.
+      relay_bytes: network bytes sent by destinations forwarding to other domains.
+      max_rank_network_send_bytes, max_rank_network_recv_bytes: the busiest NIC, each way.
+      max_rank_fast_send_bytes, max_rank_fast_recv_bytes: the busiest fast link, each way.
+      messages: point-to-point messages (all pieces between one pair at one stage are one).
+      network_messages: those that cross the network.
+      stages: dependency stages.
+      destination_bytes: the bytes the destination shards hold in all.
+    """
+
+    network_bytes: int
+    fast_bytes: int
+    local_bytes: int
+    network_bytes_lower_bound: int
+    relay_bytes: int
+    max_rank_network_send_bytes: int
+    max_rank_network_recv_bytes: int
+    max_rank_fast_send_bytes: int
+    max_rank_fast_recv_bytes: int
+    messages: int
+    network_messages: int
+    stages: int
+    destination_bytes: int
+
+
+def _concat(parts: Sequence[TensorPlan], field: str) -> np.ndarray:
+    arrays = [getattr(tp, field) for tp in parts]
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+
+class Plan:
+    """A transfer plan for a list of tensors over a topology (final).
+
+    Build one with :func:`jreshard.plan`; do not construct directly.
+    """
+
+    __slots__ = ("tensors", "topology", "options", "tensor_plans", "kind", "__dict__")
+
+    def __init__(
+        self,
+        tensors: Sequence[TensorSpec],
+        topology: Topology,
+        options: Options,
+        tensor_plans: Sequence[TensorPlan],
+        kind: str = "jreshard",
+    ):
+        self.tensors = tuple(tensors)
+        self.topology = topology
+        self.options = options
+        self.tensor_plans = tuple(tensor_plans)
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"Plan({self.kind}, {len(self.tensors)} tensors, network={s.network_bytes} B "
+            f"(bound {s.network_bytes_lower_bound}), fast={s.fast_bytes} B, local={s.local_bytes} B, "
+            f"{s.messages} messages)"
+        )
+
+    def transfers(self) -> Iterator[Transfer]:
+        """Every byte movement, tensor by tensor, in emission order."""
+        for t, tp in enumerate(self.tensor_plans):
+            for i in range(len(tp)):
+                yield Transfer(
+                    t,
+                    int(tp.src[i]),
+                    int(tp.dst[i]),
+                    tp.box(i),
+                    Link(int(tp.link[i])),
+                    Phase(int(tp.phase[i])),
+                    int(tp.stage[i]),
+                    int(tp.nbytes[i]),
+                )
+
+    @functools.cached_property
+    def _columns(self) -> dict[str, np.ndarray]:
+        cols = {f: _concat(self.tensor_plans, f) for f in ("src", "dst", "link", "phase", "stage", "nbytes")}
+        cols["tensor"] = np.concatenate(
+            [np.full(len(tp), t, dtype=np.int64) for t, tp in enumerate(self.tensor_plans)] or [np.zeros(0, np.int64)]
+        )
+        return cols
+
+    def network_lower_bound(self) -> int:
+        return sum(network_lower_bound(t.src, t.dst, self.topology) for t in self.tensors)
+
+    def rank_loads(self) -> dict[str, dict[int, int]]:
+        """Per-rank bytes: ``{"network_send": {rank: bytes}, "network_recv", "fast_send", "fast_recv", "local"}``."""
+        c = self._columns
+        out: dict[str, dict[int, int]] = {}
+        for name, link, who in (
+            ("network_send", Link.NETWORK, "src"),
+            ("network_recv", Link.NETWORK, "dst"),
+            ("fast_send", Link.FAST, "src"),
+            ("fast_recv", Link.FAST, "dst"),
+            ("local", Link.LOCAL, "dst"),
+        ):
+            m = c["link"] == link
+            ranks, inv = np.unique(c[who][m], return_inverse=True)
+            sums = np.bincount(inv, weights=c["nbytes"][m], minlength=len(ranks))
+            out[name] = {int(r): int(v) for r, v in zip(ranks, sums, strict=True)}
+        return out
+
+    def message_keys(self) -> np.ndarray:
+        """Distinct ``(stage, src, dst, link)`` rows of the non-local transfers."""
+        c = self._columns
+        m = c["link"] != Link.LOCAL
+        keys = np.stack([c["stage"][m], c["src"][m], c["dst"][m], c["link"][m]], axis=1).astype(np.int64)
+        return np.unique(keys, axis=0) if len(keys) else keys.reshape(0, 4)
+
+    @functools.lru_cache(maxsize=1)  # noqa: B019 - one Plan, one cached stats
+    def stats(self) -> PlanStats:
+        """Bytes by link kind, the lower bound, per-rank maxima and message counts."""
+        c = self._columns
+        loads = self.rank_loads()
+        keys = self.message_keys()
+        by_link = {lk: int(c["nbytes"][c["link"] == lk].sum()) for lk in Link}
+        return PlanStats(
+            network_bytes=by_link[Link.NETWORK],
+            fast_bytes=by_link[Link.FAST],
+            local_bytes=by_link[Link.LOCAL],
+            network_bytes_lower_bound=self.network_lower_bound(),
+            relay_bytes=int(c["nbytes"][c["phase"] == Phase.RELAY].sum()),
+            max_rank_network_send_bytes=max(loads["network_send"].values(), default=0),
+            max_rank_network_recv_bytes=max(loads["network_recv"].values(), default=0),
+            max_rank_fast_send_bytes=max(loads["fast_send"].values(), default=0),
+            max_rank_fast_recv_bytes=max(loads["fast_recv"].values(), default=0),
+            messages=int(len(keys)),
+            network_messages=int(np.sum(keys[:, 3] == Link.NETWORK)) if len(keys) else 0,
+            stages=int(c["stage"].max()) + 1 if len(c["stage"]) else 0,
+            destination_bytes=sum(sum(b.volume for b in t.dst.boxes) * t.dst.itemsize for t in self.tensors),
+        )
+
+    def program(self, rank: int) -> RankProgram:
+        """The part of this plan that ``rank`` runs."""
+        parts = [tp.select((tp.src == rank) | (tp.dst == rank)) for tp in self.tensor_plans]
+        return _program(rank, parts)
+
+
+def _program(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
+    local: list[Transfer] = []
+    sends: dict[tuple[int, int], list[Piece]] = {}
+    recvs: dict[tuple[int, int], list[Piece]] = {}
+    links: dict[tuple[int, int, int], Link] = {}
+    for t, tp in enumerate(parts):
+        for i in range(len(tp)):
+            src, dst, link = int(tp.src[i]), int(tp.dst[i]), Link(int(tp.link[i]))
+            stage, box, nb = int(tp.stage[i]), tp.box(i), int(tp.nbytes[i])
+            if link == Link.LOCAL:
+                if dst == rank:
+                    local.append(Transfer(t, src, dst, box, link, Phase(int(tp.phase[i])), stage, nb))
+                continue
+            if src == rank:
+                sends.setdefault((stage, dst), []).append(Piece(t, box, nb))
+                links[(stage, src, dst)] = link
+            if dst == rank:
+                recvs.setdefault((stage, src), []).append(Piece(t, box, nb))
+                links[(stage, src, dst)] = link
+    return RankProgram(
+        rank,
+        tuple(local),
+        tuple(Message(s, rank, p, links[(s, rank, p)], tuple(v)) for (s, p), v in sorted(sends.items())),
+        tuple(Message(s, p, rank, links[(s, p, rank)], tuple(v)) for (s, p), v in sorted(recvs.items())),
+    )
+
+
+def _check(pairs: Sequence[tuple[Layout, Layout]], topology: Topology, names: Sequence[str]) -> None:
+    for (src, dst), name in zip(pairs, names, strict=True):
+        check_pair(src, dst, name)
+        topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
+        topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
+
+
+def default_topology(pairs: Sequence[tuple[Layout, Layout]]) -> Topology:
+    """Every rank its own device and its own domain: each move between ranks is
+    counted as network traffic (the conservative view when nothing is known)."""
+    ranks = sorted({r for s, d in pairs for r in (*s.ranks, *d.ranks)})
+    return Topology.from_domains({r: r for r in ranks}, devices={r: r for r in ranks})
+
+
+def _names(pairs: Sequence, names: Sequence[str] | None) -> tuple[str, ...]:
+    if names is None:
+        return tuple(str(i) for i in range(len(pairs)))
+    names = tuple(names)
+    if len(names) != len(pairs):
+        raise ValueError(f"names has {len(names)} entries for {len(pairs)} tensors")
+    return names
+
+
+@functools.lru_cache(maxsize=128)
+def _plan_cached(pairs: tuple[tuple[Layout, Layout], ...], topology: Topology, options: Options, names: tuple[str, ...]) -> Plan:
+    _check(pairs, topology, names)
+    tps = [plan_tensor(s, d, topology, options, t) for t, (s, d) in enumerate(pairs)]
+    return Plan([TensorSpec(n, s, d) for n, (s, d) in zip(names, pairs, strict=True)], topology, options, tps)
+
+
+def plan_layouts(
+    pairs: Sequence[tuple[Layout, Layout]],
+    topology: Topology | None = None,
+    options: Options | None = None,
+    names: Sequence[str] | None = None,
+) -> Plan:
+    """Plan moving each tensor from its source layout to its destination layout.
+
+    Plans are cached by their inputs: asking again for the same layouts,
+    topology and planning options returns the same :class:`Plan`.
+    """
+    pairs = tuple((s, d) for s, d in pairs)
+    topology = topology or default_topology(pairs)
+    options = options or Options()
+    key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
+    p = _plan_cached(pairs, topology, key_opts, _names(pairs, names))
+    if p.options != options:
+        p = Plan(p.tensors, p.topology, options, p.tensor_plans, p.kind)
+    return p
+
+
+def rank_program(
+    pairs: Sequence[tuple[Layout, Layout]],
+    rank: int,
+    topology: Topology | None = None,
+    options: Options | None = None,
+    names: Sequence[str] | None = None,
+) -> RankProgram:
+    """One rank's program, built from only the units that rank takes part in.
+
+    Equal to ``plan_layouts(...).program(rank)`` without planning other ranks' units.
+    """
+    pairs = tuple((s, d) for s, d in pairs)
+    topology = topology or default_topology(pairs)
+    options = options or Options()
+    _check(pairs, topology, _names(pairs, names))
+    parts = [plan_tensor_for_rank(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
+    return _program(rank, parts)
