@@ -75,7 +75,8 @@ def _leaf_layout(leaf: Any, like: Any, which: str, name: str) -> Layout:
     sharding = getattr(leaf, "sharding", None)
     if sharding is None or not hasattr(leaf, "shape"):
         raise LayoutError(
-            f"{which} leaf {name} is {type(leaf).__name__}; expected a jax.Array, a ShapeDtypeStruct with a sharding, or a Sharding"
+            f"{which} leaf {name} is {type(leaf).__name__}; "
+            "expected a jax.Array, a ShapeDtypeStruct with a sharding, or a Sharding"
         )
     return Layout.from_sharding(sharding, leaf.shape, leaf.dtype)
 

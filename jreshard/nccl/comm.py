@@ -65,5 +65,5 @@ class Communicator(abc.ABC):
           PeerError: the transport reported a failure.
         """
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release transport resources (default: nothing to release)."""

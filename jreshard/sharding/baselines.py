@@ -24,7 +24,7 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.pieces import pieces_of, source_index
 from jreshard.sharding.plan import Phase, TensorPlan, TensorSpec
 from jreshard.sharding.program import Plan, _check, _names, default_topology
-from jreshard.sharding.topology import Link, Topology
+from jreshard.sharding.topology import Topology
 
 __all__ = ["flat_direct_layouts", "gather_broadcast_layouts"]
 
@@ -34,7 +34,7 @@ def _gather_broadcast_rows(t: int, src: Layout, dst: Layout, topo: Topology, rin
     rows: list[tuple] = []
     for q, r in enumerate(src.ranks):
         mine = src.box_of(r)
-        for j, (box, holders) in enumerate(zip(sidx.boxes, sidx.holders, strict=True)):
+        for box, holders in zip(sidx.boxes, sidx.holders, strict=True):
             if r in holders or box.empty or mine.contains(box):
                 continue
             h = holders[(q + t) % len(holders)]

@@ -35,7 +35,9 @@ def uncovered_volume(beta: Box, cover: list[Box]) -> int:
         return beta.volume
     if beta.ndim == 0:
         return 0
-    cuts = [np.unique([beta.lo[d], beta.hi[d]] + [v for p in parts for v in (p.lo[d], p.hi[d])]) for d in range(beta.ndim)]
+    cuts = [
+        np.unique([beta.lo[d], beta.hi[d]] + [v for p in parts for v in (p.lo[d], p.hi[d])]) for d in range(beta.ndim)
+    ]
     covered = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
     for p in parts:
         covered[

@@ -86,13 +86,11 @@ class Box:
         )
 
     def contains(self, other: Box) -> bool:
-        return all(
-            a <= c and d <= b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi, strict=True)
-        )
+        return all(a <= c and d <= b for a, b, c, d in zip(self.lo, self.hi, other.lo, other.hi, strict=True))
 
     def split(self, dim: int, at: int) -> tuple[Box, Box]:
         """Cut along ``dim`` at global index ``at``: ``[lo, at)`` and ``[at, hi)``."""
-        lo1, hi1 = list(self.lo), list(self.hi)
+        hi1 = list(self.hi)
         hi1[dim] = at
         lo2 = list(self.lo)
         lo2[dim] = at
@@ -111,9 +109,7 @@ class Box:
         d = 0
         while d < len(shape) and shape[d] == 1:
             d += 1
-        return all(
-            self.lo[e] == 0 and self.hi[e] == outer_shape[e] for e in range(d + 1, len(shape))
-        )
+        return all(self.lo[e] == 0 and self.hi[e] == outer_shape[e] for e in range(d + 1, len(shape)))
 
     def to_json(self) -> list[list[int]]:
         return [list(self.lo), list(self.hi)]

@@ -54,7 +54,8 @@ def normalize_spec(spec: Sequence[object], ndim: int, axis_names: Sequence[str])
                 raise LayoutError(f"spec={spec} names mesh axis {a!r}, but the mesh axes are {tuple(axis_names)}")
             if a in seen:
                 raise LayoutError(
-                    f"spec={spec} uses mesh axis {a!r} twice (dimensions {seen[a]} and {d}); an axis may split one dimension"
+                    f"spec={spec} uses mesh axis {a!r} twice (dimensions {seen[a]} and {d}); "
+                    "an axis may split one dimension"
                 )
             seen[a] = d
         out.append(axes)
@@ -128,7 +129,7 @@ class Layout:
         Ranks are kept in ascending order.
         """
         ranks = tuple(sorted(int(r) for r in boxes))
-        return cls(tuple(shape), dtype_name(dtype), ranks, tuple(boxes[r] for r in ranks))
+        return cls(tuple(shape), dtype, ranks, tuple(boxes[r] for r in ranks))  # type: ignore[arg-type]
 
     @classmethod
     def from_mesh(
@@ -182,7 +183,7 @@ class Layout:
             hi[:, d] = block * step + step
         ranks = tuple(int(r) for r in flat)
         boxes = tuple(Box(tuple(lo[i]), tuple(hi[i])) for i in range(flat.size))
-        return cls(shape, dtype_name(dtype), ranks, boxes)
+        return cls(shape, dtype, ranks, boxes)  # type: ignore[arg-type]
 
     @classmethod
     def from_sharding(cls, sharding: object, shape: Sequence[int], dtype: object, rank_of: object = None) -> Layout:
@@ -207,7 +208,7 @@ class Layout:
     def replicated(cls, ranks: Sequence[int], shape: Sequence[int], dtype: object) -> Layout:
         """Every rank holds the whole tensor."""
         full = Box.full(shape)
-        return cls(tuple(shape), dtype_name(dtype), tuple(ranks), (full,) * len(ranks))
+        return cls(tuple(shape), dtype, tuple(ranks), (full,) * len(ranks))  # type: ignore[arg-type]
 
     # ----- queries ------------------------------------------------------
     @property

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from jreshard.options import Options
-from jreshard.sharding.box import Box
 from jreshard.sharding.bounds import network_lower_bound
+from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Phase, TensorPlan, TensorSpec, check_pair, plan_tensor, plan_tensor_for_rank
 from jreshard.sharding.topology import Link, Topology
@@ -124,7 +124,7 @@ class Plan:
     Build one with :func:`jreshard.plan`; do not construct directly.
     """
 
-    __slots__ = ("tensors", "topology", "options", "tensor_plans", "kind", "__dict__")
+    __slots__ = ("__dict__", "kind", "options", "tensor_plans", "tensors", "topology")
 
     def __init__(
         self,
@@ -215,7 +215,7 @@ class Plan:
             max_rank_network_recv_bytes=max(loads["network_recv"].values(), default=0),
             max_rank_fast_send_bytes=max(loads["fast_send"].values(), default=0),
             max_rank_fast_recv_bytes=max(loads["fast_recv"].values(), default=0),
-            messages=int(len(keys)),
+            messages=len(keys),
             network_messages=int(np.sum(keys[:, 3] == Link.NETWORK)) if len(keys) else 0,
             stages=int(c["stage"].max()) + 1 if len(c["stage"]) else 0,
             destination_bytes=sum(sum(b.volume for b in t.dst.boxes) * t.dst.itemsize for t in self.tensors),
@@ -278,7 +278,9 @@ def _names(pairs: Sequence, names: Sequence[str] | None) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=128)
-def _plan_cached(pairs: tuple[tuple[Layout, Layout], ...], topology: Topology, options: Options, names: tuple[str, ...]) -> Plan:
+def _plan_cached(
+    pairs: tuple[tuple[Layout, Layout], ...], topology: Topology, options: Options, names: tuple[str, ...]
+) -> Plan:
     _check(pairs, topology, names)
     tps = [plan_tensor(s, d, topology, options, t) for t, (s, d) in enumerate(pairs)]
     return Plan([TensorSpec(n, s, d) for n, (s, d) in zip(names, pairs, strict=True)], topology, options, tps)

@@ -211,7 +211,8 @@ class Topology:
         if missing:
             raise TopologyError(
                 f"{what} uses ranks {_short(tuple(missing))} that are not in the topology "
-                f"(topology ranks {_short(self.ranks)}); the fix is to build the topology over every rank of both layouts"
+                f"(topology ranks {_short(self.ranks)}); "
+                "the fix is to build the topology over every rank of both layouts"
             )
 
     def bandwidth(self, link: Link) -> float:

@@ -1,0 +1,76 @@
+"""Property tests of the planner against the numpy reference executor and oracles."""
+
+from __future__ import annotations
+
+import numpy as np
+from _reference import brute_force_lower_bound, check_destinations, execute, network_entries, random_values
+from hypothesis import given
+from strategies import plan_case
+
+from jreshard.options import Options
+from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
+from jreshard.sharding.program import plan_layouts, rank_program
+from jreshard.sharding.topology import Link
+
+
+@given(plan_case())
+def test_plan_delivers_exactly_and_minimally(case):
+    src, dst, topo, opts = case
+    p = plan_layouts([(src, dst)], topo, Options(**opts))
+    values = random_values(p)
+    check_destinations(p, values, execute(p, values))
+    s = p.stats()
+    assert s.network_bytes == s.network_bytes_lower_bound == brute_force_lower_bound(src, dst, topo)
+    for key, count in network_entries(p).items():
+        assert count.max() <= 1, f"{key}: some element entered the domain over the network {count.max()} times"
+
+
+@given(plan_case())
+def test_links_follow_topology(case):
+    src, dst, topo, opts = case
+    p = plan_layouts([(src, dst)], topo, Options(**opts))
+    for t in p.transfers():
+        assert t.link == topo.link(t.src, t.dst)
+
+
+@given(plan_case())
+def test_rank_program_equals_slice_of_whole_plan(case):
+    src, dst, topo, opts = case
+    o = Options(**opts)
+    whole = plan_layouts([(src, dst), (src, dst)], topo, o)
+    for r in sorted(set(src.ranks) | set(dst.ranks)):
+        assert rank_program([(src, dst), (src, dst)], r, topo, o) == whole.program(r)
+
+
+@given(plan_case())
+def test_baselines_deliver(case):
+    src, dst, topo, _ = case
+    for p in (
+        flat_direct_layouts([(src, dst)], topo),
+        gather_broadcast_layouts([(src, dst)], topo),
+        gather_broadcast_layouts([(src, dst)], topo, ring=True),
+    ):
+        values = random_values(p)
+        check_destinations(p, values, execute(p, values, strict=False), exactly_once=False)
+        assert p.stats().network_bytes >= p.stats().network_bytes_lower_bound
+
+
+@given(plan_case())
+def test_plan_is_deterministic(case):
+    src, dst, topo, opts = case
+    from jreshard.sharding import plan as plan_mod
+
+    a = plan_mod._tensor_plan.__wrapped__(src, dst, topo, Options(**opts), 0)
+    b = plan_mod._tensor_plan.__wrapped__(src, dst, topo, Options(**opts), 0)
+    for f in ("src", "dst", "link", "phase", "stage", "lo", "hi"):
+        np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+
+
+@given(plan_case())
+def test_messages_are_coalesced_per_pair_and_stage(case):
+    src, dst, topo, opts = case
+    p = plan_layouts([(src, dst), (src, dst)], topo, Options(**opts))
+    keys = {(t.stage, t.src, t.dst) for t in p.transfers() if t.link != Link.LOCAL}
+    assert p.stats().messages == len(keys)
+    sent = sum(len(p.program(r).sends) for r in set(src.ranks) | set(dst.ranks))
+    assert sent == len(keys)
