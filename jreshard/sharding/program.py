@@ -198,9 +198,12 @@ class Plan:
         keys = np.stack([c["stage"][m], c["src"][m], c["dst"][m], c["link"][m]], axis=1).astype(np.int64)
         return np.unique(keys, axis=0) if len(keys) else keys.reshape(0, 4)
 
-    @functools.lru_cache(maxsize=1)  # noqa: B019 - one Plan, one cached stats
     def stats(self) -> PlanStats:
-        """Bytes by link kind, the lower bound, per-rank maxima and message counts."""
+        """Bytes by link kind, the lower bound, per-rank maxima and message counts (computed once)."""
+        return self._stats
+
+    @functools.cached_property
+    def _stats(self) -> PlanStats:
         c = self._columns
         loads = self.rank_loads()
         keys = self.message_keys()
