@@ -1,7 +1,13 @@
 """jreshard: move JAX arrays and parameter pytrees between distributed layouts.
 
-The public API; everything here is re-exported from private modules.
+The public API; everything here is re-exported from private modules. The names
+that need jax (``transfer``, ``transfer_into``, ``RefitGroup``) are loaded on
+first use, so that planning and simulation at scale (``jreshard.plan`` on
+layouts, ``jreshard.cost``) run with numpy alone.
 """
+
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
 from jreshard import baselines as baselines
 from jreshard.errors import BackendUnavailableError as BackendUnavailableError
@@ -27,5 +33,25 @@ from jreshard.sharding.program import Transfer as Transfer
 from jreshard.sharding.topology import Link as Link
 from jreshard.sharding.topology import Links as Links
 from jreshard.sharding.topology import Topology as Topology
+
+if TYPE_CHECKING:
+    from jreshard.api import transfer as transfer
+    from jreshard.api import transfer_into as transfer_into
+    from jreshard.refit import RefitGroup as RefitGroup
+
+_LAZY = {"transfer": "jreshard.api", "transfer_into": "jreshard.api", "RefitGroup": "jreshard.refit"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jreshard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"

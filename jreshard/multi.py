@@ -1,0 +1,183 @@
+"""Multi-controller transfer: every process of one ``jax.distributed`` cluster calls ``transfer``.
+
+This is the case ``jax.device_put`` refuses: source and target shardings on
+different processes, on different devices of the same processes, or
+overlapping. Every process computes the same plan from the two global
+shardings (no communication), then runs the ranks of its own devices through
+the shared engine (:func:`jreshard.nccl.engine.execute`) over :class:`MpiComm`.
+A device's rank is its ``device.id``, which is unique in a jax cluster.
+
+**What each process gets.** A global ``jax.Array`` per leaf with the target
+sharding, exactly as jax represents global arrays in a multi-controller
+program: its addressable shards are this process's target devices, filled with
+their bytes. A process that holds no target device gets an array with no
+addressable shards (``x.addressable_shards == []``, ``x.is_fully_addressable``
+is false); its shape, dtype and sharding are those of the target, and it is
+safe to pass on to jitted code or to drop.
+
+The jax processes must be the MPI processes of ``comm`` (``MPI.COMM_WORLD`` by
+default), e.g. ``jax.distributed.initialize(cluster_detection_method="mpi4py")``
+under ``mpiexec``; :func:`initialize` does that for CPU devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jreshard.errors import BackendUnavailableError
+from jreshard.nccl.buffers import BufferBackend, CpuBuffers
+from jreshard.nccl.engine import ExecStats, Shards, execute
+from jreshard.nccl.mpi import MpiComm, import_mpi
+from jreshard.options import Options
+from jreshard.planning import layout_pairs
+from jreshard.sharding.program import Plan, plan_layouts
+from jreshard.sharding.topology import Topology
+
+__all__ = ["initialize", "run_plan", "transfer_multiprocess"]
+
+_COMMS: dict[int, MpiComm] = {}
+
+
+def initialize(comm: Any = None, *, port: int | None = None) -> None:
+    """Start ``jax.distributed`` over the processes of an MPI communicator.
+
+    With ``comm`` = ``MPI.COMM_WORLD`` (the default) this is
+    ``jax.distributed.initialize(cluster_detection_method="mpi4py")``. For a
+    sub-communicator (one program of an MPMD launch), process 0 of ``comm``
+    picks a free local port for the coordinator and shares it, so each program
+    is its own jax cluster. Set the CPU device count with ``JAX_NUM_CPU_DEVICES``
+    before jax starts.
+    """
+    import jax
+
+    MPI = import_mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm == MPI.COMM_WORLD and port is None:
+        jax.distributed.initialize(cluster_detection_method="mpi4py")
+        return
+    if port is None and comm.Get_rank() == 0:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=comm.Get_size(), process_id=comm.Get_rank()
+    )
+
+
+def _cluster_comm(comm: Any) -> MpiComm:
+    """One MpiComm per MPI communicator, mapping every jax device id to its MPI process."""
+    import jax
+
+    key = id(comm)
+    c = _COMMS.get(key)
+    if c is not None and c.broken is None:
+        return c
+    procs = comm.allgather(jax.process_index())  # MPI rank -> jax process index (setup, once)
+    if sorted(procs) != list(range(jax.process_count())) or comm.Get_size() != jax.process_count():
+        raise BackendUnavailableError(
+            f"transfer across processes: the MPI communicator has {comm.Get_size()} processes with jax process "
+            f"indices {procs}, but the jax cluster has {jax.process_count()}; the fix is to start jax.distributed "
+            "over the MPI processes (jreshard.multi.initialize())"
+        )
+    mpi_of = {p: i for i, p in enumerate(procs)}
+    c = _COMMS[key] = MpiComm(comm, {d.id: mpi_of[d.process_index] for d in jax.devices()})
+    return c
+
+
+def run_plan(
+    plan: Plan,
+    comm: MpiComm,
+    sources: Mapping[tuple[int, int], Any],
+    targets: Mapping[tuple[int, int], Any],
+    *,
+    options: Options | None = None,
+    backend: BufferBackend | None = None,
+) -> tuple[dict[tuple[int, int], Any], ExecStats]:
+    """Run this process's ranks of ``plan`` and return the new destination shards.
+
+    Args:
+      plan: the plan every process computed.
+      comm: the transport; its local ranks are this process's.
+      sources: ``{(tensor, rank): single-device jax array}``, the source shards held here.
+      targets: ``{(tensor, rank): jax device}``, the destination shards to make here.
+      options: chunking, staging, timeout.
+      backend: buffer operations (default numpy on CPU).
+
+    Returns:
+      ``({(tensor, rank): single-device jax array}, stats)``. The arrays alias
+      freshly allocated buffers: nothing the caller holds is written.
+    """
+    backend = backend or CpuBuffers()
+    src = {k: backend.export_source(a) for k, a in sources.items()}
+    dst, meta = {}, {}
+    for (t, r), device in targets.items():
+        lay = plan.tensors[t].dst
+        box = lay.box_of(r)
+        (dst[(t, r)],) = backend.allocate([box.volume * lay.itemsize], device)
+        meta[(t, r)] = (box.shape, lay.np_dtype, device)
+    stats = execute(plan, comm, Shards(src=src, dst=dst), options=options, backend=backend)
+    out = {k: backend.import_shard(dst[k], *meta[k]) for k in dst}
+    return out, stats
+
+
+def assemble(shape: tuple[int, ...], dtype: Any, sharding: Any, shards: Mapping[Any, Any]) -> Any:
+    """A global jax array from this process's shards ``{device: array}`` (none: no addressable shards)."""
+    import jax
+
+    arrays = [shards[d] for d in sorted(shards, key=lambda d: d.id)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+
+
+def transfer_multiprocess(
+    x: Any, target: Any, *, topology: Topology | None = None, options: Options | None = None, comm: Any = None
+) -> Any:
+    """``jreshard.transfer`` when not every device is addressable: every process of the cluster calls it.
+
+    Args:
+      x: a jax array or pytree of arrays (global arrays of the cluster).
+      target: a sharding or pytree of shardings (or arrays / ShapeDtypeStructs carrying one).
+      topology: ranks (device ids), domains and links; default one domain per process.
+      options: chunking, staging and ``timeout_s`` (every wait on a peer).
+      comm: the MPI communicator of the cluster's processes (default ``MPI.COMM_WORLD``).
+
+    Returns:
+      The same tree of global arrays with the target shardings (see the module
+      docstring for processes that hold no target device).
+
+    Raises:
+      TransferTimeoutError: a peer process did not answer within ``options.timeout_s``.
+      LayoutMismatchError, LayoutError: the trees, shapes or dtypes disagree.
+    """
+    import jax
+
+    MPI = import_mpi()
+    options = options or Options()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    x_leaves, treedef = jax.tree_util.tree_flatten(x)
+    tgt = jax.tree_util.tree_leaves(target, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
+    pairs, names, devices = layout_pairs(x, target)
+    topology = topology or Topology.from_devices(devices)
+    plan = plan_layouts(pairs, topology, options, names)
+    mpi = _cluster_comm(comm)
+    sources, targets = {}, {}
+    me = jax.process_index()
+    for t, (a, s) in enumerate(zip(x_leaves, tgt, strict=True)):
+        sharding = s if isinstance(s, jax.sharding.Sharding) else s.sharding
+        src_ranks = set(pairs[t][0].ranks)
+        for sh in a.addressable_shards:
+            if sh.device.id in src_ranks:
+                sources[(t, sh.device.id)] = sh.data
+        for d in sharding.device_set:
+            if d.process_index == me:
+                targets[(t, d.id)] = d
+    shards, _ = run_plan(plan, mpi, sources, targets, options=options)
+    out = []
+    for t, (a, s) in enumerate(zip(x_leaves, tgt, strict=True)):
+        sharding = s if isinstance(s, jax.sharding.Sharding) else s.sharding
+        mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
+        out.append(assemble(tuple(a.shape), a.dtype, sharding, mine))
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -1,0 +1,255 @@
+"""Shard buffers: zero-copy DLPack export and import between jax shards and byte buffers.
+
+The engine sees every shard as a contiguous 1-D ``uint8`` buffer (see
+``kernels.py``). A :class:`BufferBackend` says where such buffers live and how bytes
+move between them inside one rank; :class:`CpuBuffers` is the numpy one. A GPU
+backend (CuPy buffers, a CUDA kernel per descriptor table) implements the same
+methods, and the engine and ``api.py`` never look past them.
+
+CPU facts this module is built on (measured with jax 0.10 on CPU devices):
+
+- ``np.from_dlpack(shard)`` is zero-copy and read-only, but numpy rejects
+  bfloat16 and float8. The DLPack tensor is therefore re-typed, in the capsule, to
+  an unsigned integer of the same width before numpy reads it: the bytes are what
+  the engine moves.
+- ``jax.dlpack.from_dlpack(buf, device=d)`` copies (at about 1 GB/s) unless ``d``
+  is the device the capsule reports, and numpy's capsules always report CPU
+  device 0; numpy's own allocations are only 16-byte aligned, and a misaligned
+  buffer is copied too. So destination buffers are allocated 64-byte aligned and
+  their capsule is handed to jax through a small holder whose
+  ``__dlpack_device__`` names the destination device; the capsule's dtype is set
+  to the real DLPack type (bfloat16 included). The import is then zero-copy on the
+  right device, and :func:`import_shard` checks the dtype it got.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jreshard.errors import TransferError
+from jreshard.nccl import kernels
+
+__all__ = ["ALIGN", "BufferBackend", "CpuBuffers", "aligned_empty", "dlpack_type", "export_source", "import_shard"]
+
+ALIGN = 64  # bytes; jax imports CPU buffers zero-copy only at this alignment
+
+# DLPack DLDataTypeCode values.
+_INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
+_FLOAT8 = {"float8_e4m3fn": 10, "float8_e4m3fnuz": 11, "float8_e5m2": 12, "float8_e5m2fnuz": 13}
+_KDLCPU = 1
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = (("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32))
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = (("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16))
+
+
+class _DLTensor(ctypes.Structure):  # the first member of DLManagedTensor
+    _fields_ = (
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    )
+
+
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+
+
+def dlpack_type(dtype: np.dtype) -> tuple[int, int]:
+    """The DLPack ``(type code, bits)`` of a numpy / ml_dtypes dtype.
+
+    >>> import ml_dtypes
+    >>> dlpack_type(np.dtype(ml_dtypes.bfloat16)), dlpack_type(np.dtype("bool"))
+    ((4, 16), (6, 8))
+    """
+    bits = dtype.itemsize * 8
+    if dtype.name == "bfloat16":
+        return _BFLOAT, bits
+    if dtype.name in _FLOAT8:
+        return _FLOAT8[dtype.name], bits
+    code = {"b": _BOOL, "i": _INT, "u": _UINT, "f": _FLOAT, "c": _COMPLEX}.get(dtype.kind)
+    if code is None or dtype.name.startswith(("float4", "float6", "int4", "uint4", "int2", "uint2")):
+        raise TransferError(f"dtype {dtype.name} has no DLPack type code jreshard knows; cannot move it zero-copy")
+    return code, bits
+
+
+def _retype(capsule: Any, code: int, bits: int, device_id: int | None = None) -> Any:
+    """Rewrite the dtype (and device id) of an unconsumed legacy DLPack capsule in place."""
+    t = _DLTensor.from_address(_get_pointer(capsule, b"dltensor"))
+    t.dtype.code, t.dtype.bits = code, bits
+    if device_id is not None:
+        t.device.device_id = device_id
+    return capsule
+
+
+class _Capsule:
+    """Hands one capsule to a DLPack consumer, reporting ``device`` as its location."""
+
+    __slots__ = ("_capsule", "_device")
+
+    def __init__(self, capsule: Any, device_id: int):
+        self._capsule, self._device = capsule, device_id
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_KDLCPU, self._device)
+
+
+def export_source(shard: Any) -> np.ndarray:
+    """A read-only, zero-copy 1-D uint8 view of one single-device jax array (a shard's ``.data``).
+
+    The export waits until the array is ready (DLPack with no stream).
+    """
+    if shard.size == 0:
+        return np.zeros(0, np.uint8)
+    bits = shard.dtype.itemsize * 8
+    capsule = _retype(shard.__dlpack__(), _UINT, bits)
+    flat = np.from_dlpack(_Capsule(capsule, 0)).reshape(-1)
+    return flat.view(np.uint8)
+
+
+def writable_view(array: Any) -> np.ndarray:
+    """A writable 1-D uint8 view of a single-device jax array's memory (for ``transfer_into``,
+    whose destinations the caller donates). The caller keeps ``array`` alive while the view is used."""
+    array.block_until_ready()
+    nbytes = array.size * array.dtype.itemsize
+    if nbytes == 0:
+        return np.zeros(0, np.uint8)
+    raw = (ctypes.c_uint8 * nbytes).from_address(array.unsafe_buffer_pointer())
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """An uninitialised 1-D uint8 array of ``nbytes`` whose first byte is ``align``-aligned."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    skip = (-raw.ctypes.data) % align
+    return raw[skip : skip + nbytes]
+
+
+def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+    """A jax array on ``device`` that aliases ``region`` (1-D uint8, ``ALIGN``-aligned), zero-copy.
+
+    Raises:
+      TransferError: the buffer is misaligned or jax did not produce the dtype asked for.
+    """
+    import jax
+
+    shape = tuple(int(n) for n in shape)
+    if region.size == 0:
+        return jax.device_put(np.zeros(shape, dtype), device)
+    if region.ctypes.data % ALIGN:
+        raise TransferError(f"import_shard: buffer at {region.ctypes.data:#x} is not {ALIGN}-byte aligned")
+    code, bits = dlpack_type(dtype)
+    typed = region.view(np.dtype(f"uint{bits}")).reshape(shape)
+    hw = device.local_hardware_id
+    out = jax.dlpack.from_dlpack(_Capsule(_retype(typed.__dlpack__(), code, bits, hw), hw))
+    if out.dtype != dtype:
+        raise TransferError(f"import_shard: asked jax for {dtype} and got {out.dtype}")
+    return out
+
+
+class BufferBackend(abc.ABC):
+    """Where shard and staging buffers live and how bytes move inside one rank (abstract).
+
+    Buffers are 1-D uint8 arrays (numpy on CPU, CuPy on GPU); byte movements are
+    descriptor tables (``kernels.py``). Final implementations: :class:`CpuBuffers`
+    here, and a CuPy one for GPUs.
+    """
+
+    @abc.abstractmethod
+    def export_source(self, shard: Any) -> Any:
+        """A zero-copy, read-only 1-D uint8 view of one single-device jax array."""
+
+    @abc.abstractmethod
+    def writable_view(self, array: Any) -> Any:
+        """A zero-copy, writable 1-D uint8 view of a donated single-device jax array."""
+
+    @abc.abstractmethod
+    def allocate(self, sizes: Sequence[int], device: Any) -> list[Any]:
+        """Uninitialised, ``ALIGN``-aligned 1-D uint8 buffers of ``sizes`` bytes on ``device``."""
+
+    @abc.abstractmethod
+    def import_shard(self, buffer: Any, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+        """A jax array on ``device`` aliasing ``buffer`` (from :meth:`allocate`), zero-copy."""
+
+    @abc.abstractmethod
+    def staging(self, nbytes: int) -> Any:
+        """A 1-D uint8 staging buffer."""
+
+    @abc.abstractmethod
+    def pack(self, table: np.ndarray, buffers: Sequence[Any], staging: Any) -> None:
+        """Gather the pieces of ``table`` into ``staging``."""
+
+    @abc.abstractmethod
+    def unpack(self, table: np.ndarray, staging: Any, buffers: Sequence[Any]) -> None:
+        """Scatter ``staging`` into the pieces of ``table``."""
+
+    @abc.abstractmethod
+    def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
+        """Copy piece ``i`` of ``src_table`` into piece ``i`` of ``dst_table``."""
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far (default: copies are synchronous)."""
+        return None
+
+
+class CpuBuffers(BufferBackend):
+    """numpy buffers on jax CPU devices (final).
+
+    Example:
+      >>> import jax
+      >>> cpu = CpuBuffers()
+      >>> (buf,) = cpu.allocate([16], jax.devices()[3])
+      >>> buf.view(np.float32)[:] = [1, 2, 3, 4]
+      >>> x = cpu.import_shard(buf, (2, 2), np.dtype("float32"), jax.devices()[3])
+      >>> x.devices() == {jax.devices()[3]}, x.unsafe_buffer_pointer() == buf.ctypes.data
+      (True, True)
+      >>> cpu.export_source(x).view(np.float32).tolist()
+      [1.0, 2.0, 3.0, 4.0]
+    """
+
+    def export_source(self, shard: Any) -> np.ndarray:
+        return export_source(shard)
+
+    def writable_view(self, array: Any) -> np.ndarray:
+        return writable_view(array)
+
+    def allocate(self, sizes: Sequence[int], device: Any) -> list[np.ndarray]:
+        # One block per call: each buffer starts ALIGN-aligned inside it.
+        starts, pos = [], 0
+        for n in sizes:
+            starts.append(pos)
+            pos += -(-int(n) // ALIGN) * ALIGN
+        block = aligned_empty(pos)
+        return [block[s : s + int(n)] for s, n in zip(starts, sizes, strict=True)]
+
+    def import_shard(self, buffer: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+        return import_shard(buffer, shape, dtype, device)
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        return aligned_empty(nbytes)
+
+    def pack(self, table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
+        kernels.pack_cpu(table, buffers, staging)
+
+    def unpack(self, table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
+        kernels.unpack_cpu(table, staging, buffers)
+
+    def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
+        kernels.copy_cpu(src_table, src, dst_table, dst)

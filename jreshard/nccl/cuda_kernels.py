@@ -1,0 +1,303 @@
+"""GPU pack, unpack and copy: one CuPy ``RawKernel`` launch per descriptor table.
+
+The engine describes a chunk's pieces with the descriptor table of
+:mod:`jreshard.nccl.kernels` (one ``int64`` row per piece: buffer, byte offset,
+staging offset, extents and byte strides, innermost stride 1). Here each table
+becomes a *launch table*, a second small ``int64`` array with absolute addresses,
+and one kernel launch moves every piece of it, strided to strided. The index math
+of the launch table and of the kernel lives in numpy too (:func:`unit_addresses`),
+so the CPU tests check it against ``kernels.pack_cpu``/``unpack_cpu``; the CUDA
+source is also compiled as plain C++ on CPU by the tests where a compiler exists.
+
+Launch table columns (``LAUNCH_COLUMNS`` per row):
+
+==========  =================================================================
+``SRC``     address of the piece's first source byte
+``DST``     address of the piece's first destination byte
+``UNITS``   units in the piece: ``NBYTES / WIDTH``
+``WIDTH``   bytes per unit, 16, 8, 4, 2 or 1: the largest that divides both
+            addresses, the innermost extent and every outer stride
+``NDIM``    used dimensions (as in the descriptor table)
+``TILE``    first tile of this row; tiles are numbered across rows
+``LUNITS``  units per innermost run: ``SHAPE[NDIM-1] / WIDTH``
+``SHAPE``   8 columns from ``SHAPE0``: the extents in bytes
+``SSTRIDE`` 8 columns: the source byte strides (staging: C strides of SHAPE)
+``DSTRIDE`` 8 columns: the destination byte strides
+==========  =================================================================
+
+A tile is ``THREADS * UNROLL`` consecutive units of one row, and one CUDA block
+copies one tile: thread ``t`` copies units ``first + k * THREADS + t`` for
+``k < UNROLL`` (consecutive threads touch consecutive units, so loads coalesce).
+Unit ``u`` of a row is run ``r = u // LUNITS`` at position ``p = u % LUNITS``;
+``r`` unravels over the outer extents, and the unit's address on each side is the
+base plus ``p * WIDTH`` plus the outer indices times that side's strides.
+
+Everything that calls CUDA here is not run on GPU yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jreshard.nccl import kernels as K
+
+__all__ = [
+    "CUDA_SOURCE",
+    "LAUNCH_COLUMNS",
+    "THREADS",
+    "UNROLL",
+    "copy_launch",
+    "launch",
+    "pack_launch",
+    "unit_addresses",
+    "unpack_launch",
+]
+
+THREADS, UNROLL = 256, 4
+TILE_UNITS = THREADS * UNROLL
+SRC, DST, UNITS, WIDTH, NDIM, TILE, LUNITS = range(7)
+SHAPE0, SSTRIDE0, DSTRIDE0 = 8, 8 + K.MAX_DIMS, 8 + 2 * K.MAX_DIMS
+LAUNCH_COLUMNS = 8 + 3 * K.MAX_DIMS
+_WIDTHS = (16, 8, 4, 2, 1)
+
+CUDA_SOURCE = r"""
+#define JR_COLS 32
+#define JR_SRC 0
+#define JR_DST 1
+#define JR_UNITS 2
+#define JR_WIDTH 3
+#define JR_NDIM 4
+#define JR_TILE 5
+#define JR_LUNITS 6
+#define JR_SHAPE 8
+#define JR_SSTR 16
+#define JR_DSTR 24
+#define JR_THREADS 256
+#define JR_UNROLL 4
+
+template <typename T>
+__device__ __forceinline__ void jr_move(long long dst, long long src) {
+  *reinterpret_cast<T*>(dst) = *reinterpret_cast<const T*>(src);
+}
+
+extern "C" __global__ void jreshard_copy(const long long* __restrict__ table, const int nrows) {
+  const long long b = blockIdx.x;
+  int lo = 0, hi = nrows - 1;  /* the row whose first tile is the last one <= b */
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (table[(long long)mid * JR_COLS + JR_TILE] <= b) lo = mid; else hi = mid - 1;
+  }
+  const long long* row = table + (long long)lo * JR_COLS;
+  const unsigned int units = (unsigned int)row[JR_UNITS];
+  const unsigned int lu = (unsigned int)row[JR_LUNITS];
+  const int w = (int)row[JR_WIDTH];
+  const int nd = (int)row[JR_NDIM];
+  const unsigned int first = (unsigned int)(b - row[JR_TILE]) * (JR_THREADS * JR_UNROLL);
+#pragma unroll
+  for (int k = 0; k < JR_UNROLL; ++k) {
+    const unsigned int u = first + k * JR_THREADS + threadIdx.x;
+    if (u >= units) break;
+    long long s = row[JR_SRC], d = row[JR_DST];
+    if (nd == 1) {
+      s += (long long)u * w;
+      d += (long long)u * w;
+    } else {
+      unsigned int r = u / lu;
+      const long long p = (long long)(u - r * lu) * w;
+      s += p;
+      d += p;
+      for (int dim = nd - 2; dim > 0; --dim) {
+        const unsigned int n = (unsigned int)row[JR_SHAPE + dim];
+        const unsigned int q = r / n;
+        const unsigned int idx = r - q * n;
+        s += (long long)idx * row[JR_SSTR + dim];
+        d += (long long)idx * row[JR_DSTR + dim];
+        r = q;
+      }
+      s += (long long)r * row[JR_SSTR];
+      d += (long long)r * row[JR_DSTR];
+    }
+    switch (w) {
+      case 16: jr_move<uint4>(d, s); break;
+      case 8: jr_move<uint2>(d, s); break;
+      case 4: jr_move<unsigned int>(d, s); break;
+      case 2: jr_move<unsigned short>(d, s); break;
+      default: jr_move<unsigned char>(d, s);
+    }
+  }
+}
+"""
+
+
+def _c_strides(shape: np.ndarray, ndim: np.ndarray) -> np.ndarray:
+    """C strides of each row's used extents (unused columns 0): the staging side."""
+    out = np.zeros_like(shape)
+    for i in range(len(shape)):
+        nd = int(ndim[i])
+        acc = 1
+        for d in range(nd - 1, -1, -1):
+            out[i, d] = acc
+            acc *= int(shape[i, d])
+    return out
+
+
+def _build(src: np.ndarray, sstr: np.ndarray, dst: np.ndarray, dstr: np.ndarray, table: np.ndarray) -> np.ndarray:
+    n = len(table)
+    out = np.zeros((n, LAUNCH_COLUMNS), dtype=np.int64)
+    if n == 0:
+        out.setflags(write=False)
+        return out
+    ndim = table[:, K.NDIM]
+    shape = table[:, K.SHAPE0 : K.SHAPE0 + K.MAX_DIMS]
+    inner = shape[np.arange(n), ndim - 1]
+    width = np.ones(n, dtype=np.int64)
+    outer = np.arange(K.MAX_DIMS)[None, :] < (ndim - 1)[:, None]  # strides that must be multiples of WIDTH
+    for w in reversed(_WIDTHS[:-1]):  # 2, 4, 8, 16: keep the largest that divides everything
+        ok = (src % w == 0) & (dst % w == 0) & (inner % w == 0)
+        ok &= np.all(~outer | ((sstr % w == 0) & (dstr % w == 0)), axis=1)
+        width[ok] = w
+    units = table[:, K.NBYTES] // width
+    if units.max() >= 1 << 32:
+        raise ValueError(
+            f"cuda_kernels: a piece of {int(table[:, K.NBYTES].max())} bytes has {int(units.max())} units; "
+            "a launch handles fewer than 2**32 per piece: the fix is a smaller Options.chunk_bytes"
+        )
+    tiles = -(-units // TILE_UNITS)
+    out[:, SRC], out[:, DST], out[:, UNITS], out[:, WIDTH], out[:, NDIM] = src, dst, units, width, ndim
+    out[:, TILE] = np.concatenate([[0], np.cumsum(tiles)[:-1]])
+    out[:, LUNITS] = inner // width
+    out[:, SHAPE0 : SHAPE0 + K.MAX_DIMS] = shape
+    out[:, SSTRIDE0 : SSTRIDE0 + K.MAX_DIMS] = sstr
+    out[:, DSTRIDE0 : DSTRIDE0 + K.MAX_DIMS] = dstr
+    out.setflags(write=False)
+    return out
+
+
+def _addresses(table: np.ndarray, pointers: Sequence[int]) -> np.ndarray:
+    ptrs = np.asarray([int(p) for p in pointers], dtype=np.int64)
+    return ptrs[table[:, K.BUF]] + table[:, K.OFF] if len(table) else np.zeros(0, np.int64)
+
+
+def _strides(table: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(table[:, K.STRIDE0 : K.STRIDE0 + K.MAX_DIMS])
+
+
+def pack_launch(table: np.ndarray, pointers: Sequence[int], staging: int) -> np.ndarray:
+    """The launch table that packs ``table``'s pieces from buffers at ``pointers`` into staging at ``staging``.
+
+    Example:
+      >>> from jreshard.sharding.box import Box
+      >>> t = K.build_table([(0, (4, 64), Box((1, 16), (3, 48)))])
+      >>> row = pack_launch(t, [4096], 8192)[0]
+      >>> int(row[SRC]), int(row[DST]), int(row[WIDTH]), int(row[UNITS]), int(row[LUNITS])
+      (4176, 8192, 16, 4, 2)
+    """
+    shape = table[:, K.SHAPE0 : K.SHAPE0 + K.MAX_DIMS]
+    return _build(_addresses(table, pointers), _strides(table), staging + table[:, K.STAGE],
+                  _c_strides(shape, table[:, K.NDIM]), table)
+
+
+def unpack_launch(table: np.ndarray, staging: int, pointers: Sequence[int]) -> np.ndarray:
+    """The launch table that unpacks staging at ``staging`` into ``table``'s pieces in buffers at ``pointers``."""
+    shape = table[:, K.SHAPE0 : K.SHAPE0 + K.MAX_DIMS]
+    return _build(staging + table[:, K.STAGE], _c_strides(shape, table[:, K.NDIM]),
+                  _addresses(table, pointers), _strides(table), table)
+
+
+def copy_launch(
+    src_table: np.ndarray, src_pointers: Sequence[int], dst_table: np.ndarray, dst_pointers: Sequence[int]
+) -> np.ndarray:
+    """The launch table that copies piece ``i`` of ``src_table`` into piece ``i`` of ``dst_table``
+    (tables from ``kernels.build_copy_tables``: equal extents, no staging)."""
+    if len(src_table) != len(dst_table):
+        raise ValueError(f"copy_launch: {len(src_table)} source rows and {len(dst_table)} destination rows")
+    return _build(_addresses(src_table, src_pointers), _strides(src_table),
+                  _addresses(dst_table, dst_pointers), _strides(dst_table), src_table)
+
+
+def grid_size(launch_table: np.ndarray) -> int:
+    """CUDA blocks one launch needs: every tile of every row."""
+    if len(launch_table) == 0:
+        return 0
+    last = launch_table[-1]
+    return int(last[TILE]) + math.ceil(int(last[UNITS]) / TILE_UNITS)
+
+
+def unit_addresses(launch_table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the kernel does, in numpy: ``(src_address, dst_address, width)`` of every
+    unit every (block, thread, k) copies, in launch order. For tests on CPU."""
+    blocks = grid_size(launch_table)
+    if blocks == 0:
+        return (np.zeros(0, np.int64),) * 3
+    b = np.arange(blocks, dtype=np.int64)
+    rows = np.searchsorted(launch_table[:, TILE], b, side="right") - 1
+    rt = launch_table[rows]
+    k = np.arange(UNROLL, dtype=np.int64)[:, None] * THREADS + np.arange(THREADS, dtype=np.int64)[None, :]
+    u = ((b - rt[:, TILE]) * TILE_UNITS)[:, None, None] + k[None]  # (block, k, thread)
+    valid = u < rt[:, UNITS][:, None, None]
+    u = u.reshape(blocks, -1)
+    valid = valid.reshape(blocks, -1)
+    bi, ui = np.nonzero(valid)
+    u = u[bi, ui]
+    row = rt[bi]
+    w = row[:, WIDTH]
+    nd = row[:, NDIM]
+    lu = row[:, LUNITS]
+    r = np.where(nd == 1, 0, u // np.maximum(lu, 1))
+    p = np.where(nd == 1, u, u - r * lu) * w
+    s = row[:, SRC] + p
+    d = row[:, DST] + p
+    for dim in range(K.MAX_DIMS - 2, 0, -1):  # dims nd-2 .. 1 of each row
+        active = dim <= nd - 2
+        n = np.where(active, row[:, SHAPE0 + dim], 1)
+        idx = np.where(active, r % n, 0)
+        s += idx * row[:, SSTRIDE0 + dim]
+        d += idx * row[:, DSTRIDE0 + dim]
+        r = np.where(active, r // n, r)
+    s += np.where(nd > 1, r * row[:, SSTRIDE0], 0)
+    d += np.where(nd > 1, r * row[:, DSTRIDE0], 0)
+    return s, d, w
+
+
+def contiguous_run(table: np.ndarray, pointers: Sequence[int]) -> tuple[int, int] | None:
+    """``(address, nbytes)`` when ``table`` is one contiguous piece: the engine can hand
+    that run to NCCL in place and skip packing. ``None`` otherwise.
+
+    >>> from jreshard.sharding.box import Box
+    >>> contiguous_run(K.build_table([(0, (4, 8), Box((1, 0), (3, 8)))]), [1000])
+    (1008, 16)
+    """
+    if len(table) != 1 or int(table[0, K.NDIM]) != 1:
+        return None
+    return int(_addresses(table, pointers)[0]), int(table[0, K.NBYTES])
+
+
+_KERNELS: dict[int, Any] = {}
+
+
+def _kernel(cupy: Any) -> Any:
+    """The compiled kernel for the current device (compiled once per device). Not run on GPU."""
+    dev = cupy.cuda.Device().id
+    if dev not in _KERNELS:
+        _KERNELS[dev] = cupy.RawKernel(CUDA_SOURCE, "jreshard_copy", options=("--std=c++14",))
+    return _KERNELS[dev]
+
+
+def launch(launch_table: np.ndarray, stream: Any, cupy: Any = None) -> None:
+    """Run one launch table on ``stream`` (a CuPy stream of the current device). Not run on GPU.
+
+    The table is copied to the device on the same stream, so it is ordered with
+    the launch; every address in it must be readable (source) and writable
+    (destination) from the current device: same device, or peer access enabled.
+    """
+    if len(launch_table) == 0:
+        return
+    if cupy is None:
+        import cupy
+    with stream:
+        table = cupy.asarray(np.ascontiguousarray(launch_table))
+        _kernel(cupy)((grid_size(launch_table),), (THREADS,), (table, np.int32(len(launch_table))))

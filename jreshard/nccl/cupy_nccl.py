@@ -1,0 +1,372 @@
+"""NcclComm: the Communicator over ``cupy.cuda.nccl`` (GPU). Not run on GPU yet.
+
+One NCCL rank per GPU. jreshard ranks that share a GPU (a colocated trainer and
+inference engine) share its NCCL rank, because NCCL refuses two ranks of one
+communicator on one device; the planner sends no messages between them (those
+are local copies). A process that drives several GPUs holds one NCCL
+communicator per device, created together inside one NCCL group, and issues
+every send and receive of an exchange inside one ``groupStart``/``groupEnd``.
+
+Message matching. NCCL matches the sends and receives between two NCCL ranks in
+the order they are issued. Both sides issue them sorted by
+``(src, dst, tag)`` in jreshard ranks, a key both derive from the plan, so the
+n-th send from one GPU to another meets the n-th receive there even when several
+jreshard ranks share those GPUs.
+
+Completion and failure. After ``groupEnd`` the host polls a CUDA event recorded
+on each device's stream and NCCL's asynchronous error state; past ``timeout_s``
+every communicator of this process is aborted (``ncclCommAbort``), so no rank
+waits forever on a dead peer, and :class:`TransferTimeoutError` names the
+peers still outstanding. A reported error aborts the same way and raises
+:class:`PeerError`. Aborted communicators leave the cache; the next
+:class:`NcclComm` over the same group makes new ones.
+
+Communicators are cached per process by (namespace, group, local devices) and
+reused across refits: building one is a collective over every process of the
+group, done once.
+
+The ``nccl`` and ``cuda`` modules are arguments: ``cupy.cuda.nccl`` and
+``cupy.cuda`` by default, a recording stand-in in the CPU tests (which checks
+the calls and their order, not NCCL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import platform
+import threading
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
+from jreshard.nccl.backend import cuda_extra
+from jreshard.nccl.comm import Communicator, RecvOp, SendOp
+from jreshard.nccl.rendezvous import Rendezvous
+
+__all__ = ["NcclComm", "destroy_cached_communicators", "device_pointer", "uid_from_bytes", "uid_to_bytes"]
+
+# C ``char`` is signed on x86 and unsigned on ARM and POWER Linux; cupy's
+# get_unique_id returns, and NcclCommunicator expects, 128 values of that type.
+_SIGNED_CHAR = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 5e-3
+
+
+def uid_to_bytes(uid: Sequence[int]) -> bytes:
+    """The 128 ``char`` values of an NCCL unique id as bytes.
+
+    Example:
+      >>> uid_from_bytes(uid_to_bytes((-1, 0, 127)), signed=True)
+      (-1, 0, 127)
+    """
+    return bytes(int(v) & 0xFF for v in uid)
+
+
+def uid_from_bytes(raw: bytes, *, signed: bool = _SIGNED_CHAR) -> tuple[int, ...]:
+    """Bytes back to ``char`` values of this platform's signedness."""
+    return tuple(b - 256 if signed and b > 127 else b for b in raw)
+
+
+def device_pointer(buffer: Any) -> tuple[int, int]:
+    """``(device pointer, nbytes)`` of a contiguous 1-D uint8 CUDA buffer.
+
+    Reads ``__cuda_array_interface__`` (CuPy arrays, and anything else that speaks it).
+
+    Raises:
+      ValueError: the buffer is not a contiguous 1-D uint8 CUDA array.
+    """
+    try:
+        cai = buffer.__cuda_array_interface__
+    except AttributeError:
+        raise ValueError(
+            f"NcclComm: buffer of type {type(buffer).__name__} is not a CUDA array "
+            "(no __cuda_array_interface__); pass CuPy uint8 arrays"
+        ) from None
+    shape, typestr, strides = tuple(cai["shape"]), cai["typestr"], cai.get("strides")
+    if len(shape) != 1 or typestr not in ("|u1", "<u1", ">u1") or strides not in (None, (1,)):
+        raise ValueError(
+            f"NcclComm: buffer has shape={shape}, typestr={typestr!r}, strides={strides}; "
+            "expected a contiguous 1-D uint8 array"
+        )
+    return int(cai["data"][0]), int(shape[0])
+
+
+@dataclasses.dataclass(slots=True)
+class _Local:
+    """One GPU this process drives: its NCCL rank, communicator and stream."""
+
+    ordinal: int
+    nccl_rank: int
+    comm: Any
+    stream: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Group:
+    """The identity of a set of cached communicators."""
+
+    namespace: str
+    world: tuple[int, ...]  # device keys, ascending: NCCL rank i is world[i]
+    local: tuple[tuple[int, int], ...]  # (device key, CUDA ordinal) this process drives
+    modules: tuple[int, int]  # id() of the nccl and cuda modules in use
+
+
+_CACHE: dict[_Group, dict[int, _Local]] = {}
+_GENERATION: dict[tuple[str, tuple[int, ...]], itertools.count] = {}
+_LOCK = threading.Lock()
+
+
+def destroy_cached_communicators() -> int:
+    """Destroy every cached NCCL communicator of this process; returns how many.
+
+    Not run on GPU. Collective in NCCL's sense: every process of a group should call it.
+    """
+    with _LOCK:
+        groups = list(_CACHE.values())
+        _CACHE.clear()
+    n = 0
+    for locals_ in groups:
+        for loc in locals_.values():
+            loc.comm.destroy()
+            n += 1
+    return n
+
+
+def _import(name: str) -> ModuleType:
+    """Import a CuPy module, or raise BackendUnavailableError saying why and what to install."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            mod = importlib.import_module(name)
+        except (ImportError, OSError) as err:
+            raise BackendUnavailableError(
+                f"NcclComm: importing {name} failed ({type(err).__name__}: {err}); the fix is {cuda_extra()}"
+            ) from err
+    if name == "cupy.cuda.nccl" and mod.available is not True:  # imports without libnccl, says so here
+        said = "; ".join(" ".join(str(w.message).split()) for w in caught) or "libnccl was not loaded"
+        raise BackendUnavailableError(
+            f"NcclComm: cupy.cuda.nccl.available is False ({said}); the fix is {cuda_extra()}"
+        )
+    return mod
+
+
+class NcclComm(Communicator):
+    """Grouped NCCL point-to-point messages between GPUs (final). Not run on GPU.
+
+    Constructing one is collective: every process of the group constructs one
+    with the same ``devices`` and ``namespace``, in the same order.
+
+    Args:
+      devices: ``{jreshard rank: device key}`` for every rank of the group
+        (``Topology.devices``); ranks with one key share a GPU and an NCCL rank.
+      local_devices: ``{jreshard rank: CUDA ordinal}`` for the ranks this process drives.
+      rendezvous: shares the NCCL unique id (see :mod:`jreshard.nccl.rendezvous`).
+      namespace: names the group; two groups with one ``devices`` map need two names.
+      timeout_s: how long creating the communicators may wait for the unique id.
+      nccl: the NCCL module (``cupy.cuda.nccl`` by default; a stand-in in CPU tests).
+      cuda: the CUDA module (``cupy.cuda`` by default; a stand-in in CPU tests).
+
+    Raises:
+      BackendUnavailableError: CuPy or its NCCL does not import.
+      ValueError: a local rank is not in ``devices``, or two local ranks on one
+        device key name different CUDA ordinals.
+    """
+
+    __slots__ = ("_cuda", "_device_key", "_group", "_local", "_local_ranks", "_nccl", "_nccl_rank")
+
+    def __init__(
+        self,
+        *,
+        devices: Mapping[int, int],
+        local_devices: Mapping[int, int],
+        rendezvous: Rendezvous,
+        namespace: str = "default",
+        timeout_s: float = 300.0,
+        nccl: ModuleType | Any = None,
+        cuda: ModuleType | Any = None,
+    ):
+        self._nccl = nccl if nccl is not None else _import("cupy.cuda.nccl")
+        self._cuda = cuda if cuda is not None else _import("cupy.cuda")
+        self._device_key = {int(r): int(k) for r, k in devices.items()}
+        world = tuple(sorted(set(self._device_key.values())))
+        self._nccl_rank = {k: i for i, k in enumerate(world)}
+        ordinal_of: dict[int, int] = {}
+        for r, o in sorted(local_devices.items()):
+            if r not in self._device_key:
+                raise ValueError(f"NcclComm: local rank {r} is not in devices (ranks {sorted(self._device_key)})")
+            k = self._device_key[r]
+            if ordinal_of.setdefault(k, int(o)) != int(o):
+                raise ValueError(
+                    f"NcclComm: ranks on device key {k} name CUDA ordinals {ordinal_of[k]} and {o}; "
+                    "ranks that share a device must share its ordinal"
+                )
+        if not ordinal_of:
+            raise ValueError("NcclComm: local_devices is empty; this process must drive at least one rank")
+        self._local_ranks = tuple(sorted(int(r) for r in local_devices))
+        self._group = _Group(
+            namespace, world, tuple(sorted(ordinal_of.items())), (id(self._nccl), id(self._cuda))
+        )
+        with _LOCK:
+            cached = _CACHE.get(self._group)
+        self._local = cached if cached is not None else self._create(rendezvous, timeout_s)
+
+    def _create(self, rendezvous: Rendezvous, timeout_s: float) -> dict[int, _Local]:
+        nccl, cuda, g = self._nccl, self._cuda, self._group
+        gen = next(_GENERATION.setdefault((g.namespace, g.world), itertools.count()))
+        key = f"nccl-uid/{g.namespace}/{hash(g.world) & 0xFFFFFFFF:08x}/{len(g.world)}/{gen}"
+        makes_id = any(self._nccl_rank[k] == 0 for k, _ in g.local)
+        raw = rendezvous.share(key, uid_to_bytes(nccl.get_unique_id()) if makes_id else None, timeout_s=timeout_s)
+        uid = uid_from_bytes(raw)
+        out: dict[int, _Local] = {}
+        several = len(g.local) > 1
+        if several:  # ncclCommInitRank for several devices of one thread must be grouped
+            nccl.groupStart()
+        try:
+            for k, ordinal in g.local:
+                with cuda.Device(ordinal):
+                    comm = nccl.NcclCommunicator(len(g.world), uid, self._nccl_rank[k])
+                    out[k] = _Local(ordinal, self._nccl_rank[k], comm, cuda.Stream(non_blocking=True))
+        finally:
+            if several:
+                nccl.groupEnd()
+        with _LOCK:
+            _CACHE[g] = out
+        return out
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return self._local_ranks
+
+    def stream(self, rank: int) -> Any:
+        """The CuPy stream NCCL uses for local ``rank``'s device: pack and unpack on it
+        to order them with the messages without extra events."""
+        return self._local[self._device_key[rank]].stream
+
+    def nccl_rank(self, rank: int) -> int:
+        """The NCCL rank of jreshard ``rank``'s device."""
+        return self._nccl_rank[self._device_key[rank]]
+
+    def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
+        """Post every send and receive in one NCCL group and wait for all. Not run on GPU.
+
+        Each device's NCCL stream first waits on that device's current CuPy stream,
+        so buffers packed there are complete before NCCL reads them. On return every
+        receive has landed (the host waited on an event after the group).
+
+        Raises:
+          ValueError: an op's local rank is not driven here, a peer is unknown, or a
+            buffer is not a contiguous 1-D uint8 CUDA array.
+          TransferTimeoutError: not complete within ``timeout_s``; every communicator
+            of this process was aborted.
+          PeerError: NCCL reported an error; every communicator was aborted.
+        """
+        issued = self._validate(sends, recvs)
+        if not issued:
+            return
+        nccl, cuda = self._nccl, self._cuda
+        used = sorted({k for k, *_ in issued})
+        for k in used:
+            loc = self._local[k]
+            with cuda.Device(loc.ordinal):
+                loc.stream.wait_event(cuda.get_current_stream().record())
+        try:
+            nccl.groupStart()
+            try:
+                for k, is_send, peer, ptr, n, _ in issued:
+                    loc = self._local[k]
+                    with cuda.Device(loc.ordinal):
+                        if is_send:
+                            loc.comm.send(ptr, n, nccl.NCCL_UINT8, self._nccl_rank[peer], loc.stream.ptr)
+                        else:
+                            loc.comm.recv(ptr, n, nccl.NCCL_UINT8, self._nccl_rank[peer], loc.stream.ptr)
+            finally:
+                nccl.groupEnd()
+        except Exception as err:
+            self._abort()
+            raise PeerError(
+                f"NcclComm: NCCL failed while posting {len(issued)} sends/receives of ranks {self._local_ranks} "
+                f"({type(err).__name__}: {err}); communicators aborted",
+                destination_intact=False,
+            ) from err
+        self._wait(issued, used, timeout_s)
+
+    def _validate(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple]:
+        """``(device key, is_send, peer device key, pointer, nbytes, op)`` in issue order."""
+        local = set(self._local_ranks)
+        rows: list[tuple[tuple[int, int, int], tuple]] = []
+        for op, mine, peer, is_send in itertools.chain(
+            ((s, s.src, s.dst, True) for s in sends), ((r, r.dst, r.src, False) for r in recvs)
+        ):
+            if mine not in local:
+                what = "sends from" if is_send else "receives at"
+                raise ValueError(
+                    f"NcclComm: an op {what} rank {mine}, which this process does not drive {tuple(sorted(local))}"
+                )
+            if peer not in self._device_key:
+                raise ValueError(f"NcclComm: peer rank {peer} is not in this communicator's devices")
+            ptr, n = device_pointer(op.buffer)
+            # Sends first, then receives; each sorted by the key both sides share.
+            key = (0 if is_send else 1, op.src, op.dst, op.tag)
+            rows.append((key, (self._device_key[mine], is_send, self._device_key[peer], ptr, n, op)))
+        rows.sort(key=lambda row: row[0])
+        return [r for _, r in rows]
+
+    def _wait(self, issued: list[tuple], used: list[int], timeout_s: float) -> None:
+        cuda = self._cuda
+        events = {}
+        for k in used:
+            loc = self._local[k]
+            with cuda.Device(loc.ordinal):
+                events[k] = loc.stream.record()
+        deadline = time.monotonic() + timeout_s
+        pause = _POLL_MIN_S
+        pending = set(used)
+        while pending:
+            for k in sorted(pending):
+                if events[k].done:
+                    pending.discard(k)
+                    continue
+                try:
+                    self._local[k].comm.check_async_error()
+                except Exception as err:
+                    self._abort()
+                    raise PeerError(
+                        f"NcclComm: NCCL reported an error on device key {k} while waiting for "
+                        f"{self._peers(issued, {k})} ({type(err).__name__}: {err}); communicators aborted",
+                        destination_intact=False,
+                    ) from err
+            if not pending:
+                break
+            if time.monotonic() > deadline:
+                self._abort()
+                raise TransferTimeoutError(
+                    f"NcclComm: ranks {self._local_ranks} still waiting after timeout_s={timeout_s} on "
+                    f"{self._peers(issued, pending)}; communicators aborted so no rank hangs",
+                    destination_intact=False,
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    @staticmethod
+    def _peers(issued: list[tuple], keys: set[int]) -> str:
+        sends = sorted({op.dst for k, s, _, _, _, op in issued if k in keys and s})
+        recvs = sorted({op.src for k, s, _, _, _, op in issued if k in keys and not s})
+        return f"sends to ranks {sends} and receives from ranks {recvs}"
+
+    def _abort(self) -> None:
+        """ncclCommAbort every communicator of this process and forget them."""
+        with _LOCK:
+            _CACHE.pop(self._group, None)
+        for loc in self._local.values():
+            try:
+                loc.comm.abort()
+            except Exception:  # already failing: abort what can be aborted
+                pass
+
+    def close(self) -> None:
+        """Nothing to release: the communicators stay cached for the next refit
+        (:func:`destroy_cached_communicators` destroys them)."""

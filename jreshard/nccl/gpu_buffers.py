@@ -1,0 +1,283 @@
+"""CupyBuffers: shard, staging and destination buffers on CUDA GPUs. Not run on GPU.
+
+The GPU :class:`~jreshard.nccl.buffers.BufferBackend`. Buffers are 1-D ``uint8``
+CuPy arrays; pack, unpack and copy are one ``RawKernel`` launch per descriptor
+table (:mod:`jreshard.nccl.cuda_kernels`).
+
+Stream-correct DLPack, both ways:
+
+- *Export.* A source shard is exported with ``shard.__dlpack__(stream=s)``, where
+  ``s`` is this backend's stream on the shard's GPU: JAX makes ``s`` wait for the
+  computation that produces the shard, without blocking the host, and every kernel
+  that reads the view runs on ``s``.
+- *Import.* A destination buffer is handed to ``jax.dlpack.from_dlpack`` through a
+  holder whose ``__dlpack__(stream=j)`` exports the CuPy array with ``stream=j``
+  from inside ``with s:``, so JAX's stream ``j`` waits for the kernels on ``s``
+  that filled it.
+
+Dtypes travel as bytes: the DLPack capsule is re-typed to an unsigned integer of
+the same width before CuPy reads it, and back to the real DLPack type (bfloat16,
+float8_*) before JAX reads it, so bf16 and fp8 need no dtype support in CuPy.
+Destination buffers are CuPy allocations carved at 256-byte boundaries, which
+JAX imports without a copy.
+
+The exported views keep the JAX source buffers alive (and not donatable):
+:meth:`CupyBuffers.release` drops them; call it when a refit ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jreshard.errors import BackendUnavailableError, TransferError
+from jreshard.nccl import cuda_kernels as CK
+from jreshard.nccl import kernels as K
+from jreshard.nccl.backend import cuda_extra
+from jreshard.nccl.buffers import BufferBackend, _retype, dlpack_type
+
+__all__ = ["GPU_ALIGN", "CupyBuffers"]
+
+GPU_ALIGN = 256  # bytes: the alignment of every destination and staging buffer
+_KDLCUDA = 2
+_UINT = 1
+
+
+class _Capsule:
+    """Hands one already-made capsule to a DLPack consumer (CuPy) on CUDA device ``ordinal``."""
+
+    __slots__ = ("_capsule", "_ordinal")
+
+    def __init__(self, capsule: Any, ordinal: int):
+        self._capsule, self._ordinal = capsule, ordinal
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_KDLCUDA, self._ordinal)
+
+
+class _Typed:
+    """A CuPy array re-typed for JAX: exports with the consumer's stream, after ``stream``'s work."""
+
+    __slots__ = ("_array", "_bits", "_code", "_ordinal", "_stream")
+
+    def __init__(self, array: Any, code: int, bits: int, stream: Any, ordinal: int):
+        self._array, self._code, self._bits, self._stream, self._ordinal = array, code, bits, stream, ordinal
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        with self._stream:  # the consumer's stream waits on this one
+            capsule = self._array.__dlpack__(stream=stream)
+        return _retype(capsule, self._code, self._bits)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_KDLCUDA, self._ordinal)
+
+
+def _ordinal(device: Any) -> int:
+    """The CUDA ordinal of a jax GPU device."""
+    return int(device.local_hardware_id)
+
+
+class CupyBuffers(BufferBackend):
+    """CuPy buffers on jax CUDA devices (final). Not run on GPU.
+
+    Args:
+      streams: ``{CUDA ordinal: CuPy stream}`` to run on (pass ``NcclComm.stream(rank)``
+        so kernels and NCCL share one stream per GPU); others are made as needed.
+      cupy: the ``cupy`` module (imported when not given).
+
+    Raises:
+      BackendUnavailableError: CuPy does not import.
+    """
+
+    __slots__ = ("_cp", "_peers", "_streams", "_views")
+
+    def __init__(self, *, streams: Mapping[int, Any] | None = None, cupy: Any = None):
+        if cupy is None:
+            try:
+                cupy = importlib.import_module("cupy")
+            except (ImportError, OSError) as err:
+                raise BackendUnavailableError(
+                    f"CupyBuffers: cupy does not import ({type(err).__name__}: {err}); the fix is {cuda_extra()}"
+                ) from err
+        self._cp = cupy
+        self._streams: dict[int, Any] = dict(streams or {})
+        self._views: list[Any] = []
+        self._peers: set[tuple[int, int]] = set()
+
+    def stream(self, ordinal: int) -> Any:
+        """This backend's stream on GPU ``ordinal``."""
+        if ordinal not in self._streams:
+            with self._cp.cuda.Device(ordinal):
+                self._streams[ordinal] = self._cp.cuda.Stream(non_blocking=True)
+        return self._streams[ordinal]
+
+    # ----- DLPack ----------------------------------------------------------
+    def export_source(self, shard: Any) -> Any:
+        """A zero-copy 1-D uint8 CuPy view of a single-device jax array, ordered after
+        the computation that produces it (on this backend's stream). Not run on GPU."""
+        cp = self._cp
+        (device,) = shard.devices()
+        o = _ordinal(device)
+        if shard.size == 0:
+            with cp.cuda.Device(o):
+                return cp.zeros(0, cp.uint8)
+        bits = shard.dtype.itemsize * 8
+        if bits > 64:
+            raise TransferError(f"CupyBuffers: dtype {shard.dtype} ({bits} bits) has no unsigned integer of its width")
+        s = self.stream(o)
+        with cp.cuda.Device(o), s:
+            capsule = _retype(shard.__dlpack__(stream=s.ptr), _UINT, bits)
+            view = cp.from_dlpack(_Capsule(capsule, o)).reshape(-1).view(cp.uint8)
+        self._views.append(view)
+        return view
+
+    def writable_view(self, array: Any) -> Any:
+        """A writable 1-D uint8 view of a donated single-device jax array. Not run on GPU.
+
+        Waits for the array to be ready (host-side); the caller keeps ``array`` alive.
+        """
+        cp = self._cp
+        (device,) = array.devices()
+        o = _ordinal(device)
+        nbytes = array.size * array.dtype.itemsize
+        with cp.cuda.Device(o):
+            if nbytes == 0:
+                return cp.zeros(0, cp.uint8)
+            array.block_until_ready()
+            mem = cp.cuda.UnownedMemory(array.unsafe_buffer_pointer(), nbytes, array, o)
+            view = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+        self._views.append(view)
+        return view
+
+    def allocate(self, sizes: Sequence[int], device: Any) -> list[Any]:
+        """Uninitialised uint8 buffers on ``device``, each starting at a 256-byte boundary of one
+        CuPy allocation (CuPy's pool hands out 512-byte-aligned blocks). Not run on GPU."""
+        cp = self._cp
+        starts, pos = [], 0
+        for n in sizes:
+            starts.append(pos)
+            pos += -(-int(n) // GPU_ALIGN) * GPU_ALIGN
+        with cp.cuda.Device(_ordinal(device)):
+            block = cp.empty(max(pos, 1), cp.uint8)
+        if block.data.ptr % GPU_ALIGN:
+            raise TransferError(f"CupyBuffers: CuPy returned {block.data.ptr:#x}, not {GPU_ALIGN}-byte aligned")
+        return [block[s : s + int(n)] for s, n in zip(starts, sizes, strict=True)]
+
+    def import_shard(self, buffer: Any, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+        """A jax array on ``device`` aliasing ``buffer``, after the kernels that wrote it. Not run on GPU.
+
+        Raises:
+          TransferError: jax produced another dtype than ``dtype``.
+        """
+        import jax
+
+        shape = tuple(int(n) for n in shape)
+        dtype = np.dtype(dtype)
+        if buffer.size == 0:
+            return jax.device_put(np.zeros(shape, dtype), device)
+        code, bits = dlpack_type(dtype)
+        o = _ordinal(device)
+        typed = buffer.view(self._cp.dtype(f"uint{bits}")).reshape(shape)
+        out = jax.dlpack.from_dlpack(_Typed(typed, code, bits, self.stream(o), o))
+        if out.dtype != dtype:
+            raise TransferError(f"CupyBuffers.import_shard: asked jax for {dtype} and got {out.dtype}")
+        return out
+
+    def release(self) -> int:
+        """Drop every exported DLPack view (so the jax buffers behind them can be donated
+        again); returns how many. The engine must hold no views of its own by then."""
+        n = len(self._views)
+        self._views.clear()
+        return n
+
+    # ----- kernels -----------------------------------------------------------
+    def staging(self, nbytes: int) -> Any:
+        """A uint8 staging buffer on the current CuPy device. Not run on GPU."""
+        return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
+
+    @staticmethod
+    def _pointers(buffers: Sequence[Any]) -> list[int]:
+        return [0 if b is None else int(b.data.ptr) for b in buffers]
+
+    def pack(self, table: np.ndarray, buffers: Sequence[Any], staging: Any) -> None:
+        """One kernel launch gathering ``table``'s pieces into ``staging``. Not run on GPU."""
+        if len(table) == 0:
+            return
+        o = staging.device.id
+        with self._cp.cuda.Device(o):
+            CK.launch(CK.pack_launch(table, self._pointers(buffers), staging.data.ptr), self.stream(o), self._cp)
+
+    def unpack(self, table: np.ndarray, staging: Any, buffers: Sequence[Any]) -> None:
+        """One kernel launch scattering ``staging`` into ``table``'s pieces. Not run on GPU."""
+        if len(table) == 0:
+            return
+        o = staging.device.id
+        with self._cp.cuda.Device(o):
+            CK.launch(CK.unpack_launch(table, staging.data.ptr, self._pointers(buffers)), self.stream(o), self._cp)
+
+    def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
+        """Piece ``i`` of ``src_table`` into piece ``i`` of ``dst_table``: one kernel on the
+        destination GPU, reading other GPUs through peer access where the hardware allows it,
+        else pack there, ``cudaMemcpyPeerAsync``, unpack here. Not run on GPU."""
+        if len(src_table) == 0:
+            return
+        cp = self._cp
+        d = dst[int(dst_table[0, K.BUF])].device.id
+        on = np.array([src[int(b)].device.id for b in src_table[:, K.BUF]])
+        for s in sorted(set(on.tolist())):
+            st, dt = src_table[on == s], dst_table[on == s]
+            if s != d and not self._peer(d, s):
+                self._copy_through_staging(st, src, dt, dst, s, d)
+                continue
+            if s != d:
+                with cp.cuda.Device(s):
+                    event = self.stream(s).record()
+                self.stream(d).wait_event(event)
+            with cp.cuda.Device(d):
+                CK.launch(CK.copy_launch(st, self._pointers(src), dt, self._pointers(dst)), self.stream(d), cp)
+
+    def _peer(self, d: int, s: int) -> bool:
+        """Whether GPU ``d`` can read GPU ``s``'s memory, enabling peer access once."""
+        rt = self._cp.cuda.runtime
+        if (d, s) in self._peers:
+            return True
+        if not rt.deviceCanAccessPeer(d, s):
+            return False
+        with self._cp.cuda.Device(d):
+            try:
+                rt.deviceEnablePeerAccess(s)
+            except rt.CUDARuntimeError as err:  # already enabled by someone else is fine
+                if "PeerAccessAlreadyEnabled" not in str(err):
+                    raise
+        self._peers.add((d, s))
+        return True
+
+    def _copy_through_staging(self, src_table, src, dst_table, dst, s: int, d: int) -> None:
+        cp = self._cp
+        nbytes = src_table[:, K.NBYTES]
+        stage = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
+        st, dt = np.array(src_table), np.array(dst_table)
+        st[:, K.STAGE] = stage
+        dt[:, K.STAGE] = stage
+        total = int(nbytes.sum())
+        with cp.cuda.Device(s):
+            here = cp.empty(total, cp.uint8)
+            self.pack(st, src, here)
+            event = self.stream(s).record()
+        with cp.cuda.Device(d):
+            there = cp.empty(total, cp.uint8)
+            self.stream(d).wait_event(event)
+            cp.cuda.runtime.memcpyPeerAsync(there.data.ptr, d, here.data.ptr, s, total, self.stream(d).ptr)
+            self.unpack(dt, there, dst)
+        self.stream(d).synchronize()  # ``here`` may be freed once the peer copy has run
+
+    def synchronize(self) -> None:
+        """Wait for every kernel issued on this backend's streams. Not run on GPU."""
+        for s in self._streams.values():
+            s.synchronize()

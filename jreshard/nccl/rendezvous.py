@@ -1,0 +1,140 @@
+"""Rendezvous: how the processes of a group agree on one small value (the NCCL
+unique id) before they share a communicator.
+
+Exactly one process makes the value; every process of the group calls
+:meth:`Rendezvous.share` with the same key and gets it back. Implementations:
+
+- :class:`KeyValueRendezvous`: the key-value store of a ``jax.distributed``
+  cluster (or any client with the same two calls), when every process is in one
+  JAX cluster;
+- :class:`MpiRendezvous`: an ``allgather`` over an mpi4py communicator, when
+  the processes were launched under MPI;
+- a ``RefitGroup`` supplies its own over the address the group was formed at.
+
+These move a few hundred bytes once per communicator; they are not a data path.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
+
+__all__ = ["KeyValueRendezvous", "MpiRendezvous", "Rendezvous"]
+
+
+class Rendezvous(abc.ABC):
+    """Shares one value, made by one process, with every process of a group (abstract)."""
+
+    @abc.abstractmethod
+    def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
+        """Collective: every process of the group calls it with the same ``key``.
+
+        Args:
+          key: names this exchange; unique within the group's lifetime.
+          value: the value, from exactly one process; ``None`` from every other.
+          timeout_s: how long to wait for the value.
+
+        Returns:
+          The value.
+
+        Raises:
+          TransferTimeoutError: the value did not arrive within ``timeout_s``.
+          PeerError: no process, or more than one, supplied a value.
+        """
+
+
+class KeyValueRendezvous(Rendezvous):
+    """Over a key-value store: the maker sets the key, the others wait for it (final).
+
+    Args:
+      client: has ``key_value_set(key: str, value: str)`` and
+        ``blocking_key_value_get(key: str, timeout_in_ms: int) -> str``, as the
+        ``jax.distributed`` runtime client does.
+      namespace: prefixed to every key, so two groups in one cluster never meet.
+
+    Example:
+      >>> class Store:
+      ...     def __init__(self): self.d = {}
+      ...     def key_value_set(self, k, v): self.d[k] = v
+      ...     def blocking_key_value_get(self, k, timeout_in_ms): return self.d[k]
+      >>> store = Store()
+      >>> KeyValueRendezvous(store).share("uid/0", b"\\x01\\xff", timeout_s=1.0)
+      b'\\x01\\xff'
+      >>> KeyValueRendezvous(store).share("uid/0", None, timeout_s=1.0)
+      b'\\x01\\xff'
+    """
+
+    __slots__ = ("_client", "_namespace")
+
+    def __init__(self, client: Any, *, namespace: str = "jreshard"):
+        self._client = client
+        self._namespace = namespace
+
+    @classmethod
+    def from_jax(cls, *, namespace: str = "jreshard") -> KeyValueRendezvous:
+        """The key-value store of this process's ``jax.distributed`` cluster.
+
+        Raises:
+          BackendUnavailableError: ``jax.distributed.initialize()`` has not run.
+        """
+        from jax._src import distributed  # the client has no public accessor in jax 0.10/0.11
+
+        client = distributed.global_state.client
+        if client is None:
+            raise BackendUnavailableError(
+                "KeyValueRendezvous.from_jax: this process is not in a jax.distributed cluster; "
+                "the fix is to call jax.distributed.initialize(...) first, or to use MpiRendezvous under mpiexec"
+            )
+        return cls(client, namespace=namespace)
+
+    def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
+        full = f"{self._namespace}/{key}"
+        if value is not None:
+            self._client.key_value_set(full, bytes(value).hex())
+            return bytes(value)
+        try:
+            text = self._client.blocking_key_value_get(full, int(timeout_s * 1000))
+        except Exception as err:  # the runtime raises its own error type on a deadline
+            raise TransferTimeoutError(
+                f"rendezvous: key {full!r} was not set within timeout_s={timeout_s}; the process that makes "
+                f"the NCCL unique id did not reach this point ({type(err).__name__}: {err})",
+                destination_intact=True,
+            ) from err
+        return bytes.fromhex(text)
+
+
+class MpiRendezvous(Rendezvous):
+    """Over an mpi4py communicator: an ``allgather`` of every process's value (final).
+
+    MPI has no timeout on a collective: ``timeout_s`` is not enforced here.
+
+    Args:
+      comm: an mpi4py communicator spanning every process of the group
+        (``mpi4py.MPI.COMM_WORLD`` by default, imported when first needed).
+    """
+
+    __slots__ = ("_comm",)
+
+    def __init__(self, comm: Any = None):
+        if comm is None:
+            try:
+                from mpi4py import MPI
+            except ImportError as err:
+                raise BackendUnavailableError(
+                    f"MpiRendezvous: mpi4py does not import ({err}); the fix is pip install 'jreshard[mpi]'"
+                ) from err
+            comm = MPI.COMM_WORLD
+        self._comm = comm
+
+    def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
+        values = self._comm.allgather(None if value is None else bytes(value))
+        made = [i for i, v in enumerate(values) if v is not None]
+        if len(made) != 1:
+            raise PeerError(
+                f"rendezvous {key!r}: MPI processes {made} supplied a value; exactly one must "
+                f"(the one that drives NCCL rank 0)",
+                destination_intact=True,
+            )
+        return values[made[0]]

@@ -1,0 +1,318 @@
+"""RefitGroup: a source program (trainer) and a destination program (server), versioned refits over MPI.
+
+Forming a group. Every process of both programs constructs a ``RefitGroup``
+with its role and its parameter declaration (a pytree of ``jax.Array`` or
+``jax.ShapeDtypeStruct`` with shardings; leaf names are their key paths):
+
+- one launch, MPMD: ``mpiexec -n A python trainer.py : -n B python server.py``,
+  ``RefitGroup(role, params)`` over ``MPI.COMM_WORLD``;
+- two launches: ``RefitGroup.connect(role, params, address=path)``: the source
+  side opens an MPI port and writes its name to the file ``path``; the
+  destination side reads it and connects (``MPI.Open_port`` / ``Comm_accept``
+  / ``Comm_connect``).
+
+Each process declares the boxes of the devices it drives (``devices``, default
+``jax.local_devices()``); ranks are numbered sources first, then destinations,
+process by process. Declarations are exchanged; every process checks all of
+them (names, shapes, dtypes on both sides, every process of a side agreeing, a
+device a process does not have, a source that does not cover a tensor) and
+raises :class:`LayoutMismatchError` with the same full list on every process of
+both sides before any weight moves. Otherwise each process computes the same
+plan and caches it.
+
+A refit. ``push(params, version)`` on every source process and ``pull(...)`` on
+every destination process: (1) a *begin* vote (each side's local checks, the
+version), (2) the data, through the shared engine over :class:`MpiComm`, into
+freshly allocated destination buffers, (3) a *commit* vote. ``pull`` returns the
+new arrays only if every process of the group reported success; otherwise it
+raises and the arrays the caller holds (the previous version) are untouched and
+``group.version`` is unchanged. A failed begin vote (bad input) leaves the group
+usable; a failure after data moved (a dead or silent peer: every wait is bounded
+by ``options.timeout_s``) breaks it, fail-stop as NCCL: form a new group.
+Under one ``mpiexec`` a killed process makes the launcher kill the whole job;
+with two launches the other program survives and raises within the timeout.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jreshard.errors import LayoutMismatchError, PeerError, TransferError
+from jreshard.multi import assemble, run_plan
+from jreshard.nccl.mpi import MpiComm, import_mpi
+from jreshard.nccl.mpi_control import Control
+from jreshard.options import Options
+from jreshard.refit_decl import declare_local, group_layouts, validate
+from jreshard.sharding.topology import Topology
+
+__all__ = ["RefitGroup", "Role"]
+
+
+class Role(enum.Enum):
+    """Which side of a refit a process is on."""
+
+    SOURCE = "source"
+    DESTINATION = "destination"
+
+
+class RefitGroup:
+    """A trainer side and a server side that refit versioned parameters (final).
+
+    Args:
+      role: ``"source"`` or ``"destination"`` (or a :class:`Role`).
+      params: this side's parameter declaration: a pytree of ``jax.Array`` or
+        ``jax.ShapeDtypeStruct`` with shardings.
+      comm: an MPI intracommunicator spanning both sides (default ``MPI.COMM_WORLD``).
+      devices: the jax devices this process drives (default ``jax.local_devices()``).
+      domain: this process's fast-link domain id (default: its own).
+      options: chunking, staging and ``timeout_s`` (every wait on a peer).
+      links: link speeds for the plan's topology (``Topology.from_domains`` keywords).
+
+    Raises:
+      LayoutMismatchError: the declarations disagree (same message on every process).
+      TransferTimeoutError: a process did not answer while forming the group.
+    """
+
+    def __init__(
+        self,
+        role: Role | str,
+        params: Any,
+        *,
+        comm: Any = None,
+        devices: Sequence[Any] | None = None,
+        domain: int | None = None,
+        options: Options | None = None,
+        links: dict[str, float] | None = None,
+    ):
+        import jax
+
+        MPI = import_mpi()
+        self.role = Role(role)
+        self.options = options or Options()
+        comm = MPI.COMM_WORLD if comm is None else comm
+        self._devices = list(jax.local_devices() if devices is None else devices)
+        mine = declare_local(self.role.value, params, self._devices, domain)
+        self._control = Control(comm, describe=self._describe)
+        self._roles: dict[int, str] = {}
+        decls = self._control.allgather(mine, timeout_s=self.options.timeout_s)
+        self._roles = {p: d["role"] for p, d in decls.items()}
+        errors = validate(decls)
+        if errors:
+            self._control.close()
+            raise LayoutMismatchError(
+                f"RefitGroup: the declarations disagree ({len(errors)} problems, reported on every process of "
+                "both sides; no weights moved):\n  " + "\n  ".join(errors),
+                what="declaration",
+            )
+        self.names, pairs, domains, rank_process, bases = group_layouts(decls)
+        self._base = bases[self._control.rank]
+        self._index = {n: t for t, n in enumerate(self.names)}
+        self.topology = Topology.from_domains(domains, devices={r: r for r in domains}, **(links or {}))
+        from jreshard.sharding.program import plan_layouts
+
+        self.plan = plan_layouts(pairs, self.topology, self.options, self.names)
+        self._me = self._control.rank
+        self._comm = MpiComm(comm, rank_process)
+        self._decl = mine
+        self._shardings = None
+        self.version: int | None = None
+        self._broken: str | None = None
+
+    @classmethod
+    def connect(cls, role: Role | str, params: Any, *, address: str, comm: Any = None, **kwargs: Any) -> RefitGroup:
+        """Form a group between two separate launches meeting at ``address`` (a file path both can reach).
+
+        The source side's process 0 opens an MPI port and writes its name to
+        ``address``; the destination side waits (up to ``options.timeout_s``)
+        for the file and connects. The two sides are merged into one
+        communicator, sources first. The source side waits in ``Comm_accept``
+        until the destination connects (MPI offers no timeout there).
+        """
+        MPI = import_mpi()
+        role = Role(role)
+        comm = MPI.COMM_WORLD if comm is None else comm
+        timeout = (kwargs.get("options") or Options()).timeout_s
+        if role is Role.SOURCE:
+            port = MPI.Open_port() if comm.Get_rank() == 0 else None
+            if comm.Get_rank() == 0:
+                with open(address + ".tmp", "w") as f:
+                    f.write(port)
+                os.replace(address + ".tmp", address)
+            inter = comm.Accept(port, root=0)
+            if comm.Get_rank() == 0:
+                os.remove(address)
+                MPI.Close_port(port)
+        else:
+            port = None
+            if comm.Get_rank() == 0:
+                deadline = time.monotonic() + timeout
+                while not os.path.exists(address):
+                    if time.monotonic() > deadline:
+                        port = ""
+                        break
+                    time.sleep(0.05)
+                else:
+                    with open(address) as f:
+                        port = f.read()
+            port = comm.bcast(port, root=0)
+            if not port:
+                from jreshard.errors import TransferTimeoutError
+
+                raise TransferTimeoutError(
+                    f"RefitGroup.connect: no source side published {address!r} within timeout_s={timeout}"
+                )
+            inter = comm.Connect(port, root=0)
+        merged = inter.Merge(high=role is Role.DESTINATION)
+        return cls(role, params, comm=merged, **kwargs)
+
+    def _describe(self, p: int) -> str:
+        return f"process {p} ({self._roles.get(p, 'unknown role')})"
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise PeerError(
+                f"RefitGroup is broken since an earlier failure ({self._broken}); form a new group",
+                destination_intact=True,
+            )
+
+    def _begin(self, vote: dict, timeout_s: float) -> int:
+        votes = self._control.allgather(vote, timeout_s=timeout_s)
+        bad = [f"{self._describe(p)}: {v['error']}" for p, v in sorted(votes.items()) if v["error"]]
+        versions = {v["version"] for v in votes.values() if v["role"] == "source"}
+        if len(versions) > 1:
+            bad.append(f"the source processes push different versions {sorted(versions)}")
+        if bad:
+            raise PeerError("refit not started (nothing moved):\n  " + "\n  ".join(bad), destination_intact=True)
+        return versions.pop()
+
+    def _run(self, sources: dict, targets: dict) -> dict:
+        err = ""
+        shards: dict = {}
+        try:
+            shards, _ = run_plan(self.plan, self._comm, sources, targets, options=self.options)
+        except TransferError as e:
+            err = f"{type(e).__name__}: {e}"
+            self._broken = err
+        failed: list[str] = [f"{self._describe(self._control.rank)}: {err}"] if err else []
+        try:
+            votes = self._control.allgather(
+                {"error": err},
+                timeout_s=0.0 if err else self.options.timeout_s,  # a failed process only tells the others
+                stop=lambda p, v: bool(v["error"]),
+            )
+            failed = [f"{self._describe(p)}: {v['error']}" for p, v in sorted(votes.items()) if v["error"]]
+            if err and not failed:
+                failed = [f"{self._describe(self._control.rank)}: {err}"]
+        except TransferError as e:
+            self._broken = self._broken or str(e)
+            if not err:
+                raise
+            failed.append(f"commit vote: {e}")
+        if failed:
+            self._broken = self._broken or failed[0]
+            raise PeerError(
+                "refit failed; the destination keeps its previous version:\n  " + "\n  ".join(failed),
+                destination_intact=True,
+            )
+        return shards
+
+    def push(self, params: Any, *, version: int) -> None:
+        """Send ``params`` (matching the declaration) as ``version`` to the destination side.
+
+        Returns when every process of the group has committed the new version.
+
+        Raises:
+          PeerError: some process rejected the refit or failed (message names it).
+          TransferTimeoutError: a process did not answer within ``options.timeout_s``.
+        """
+
+        if self.role is not Role.SOURCE:
+            raise ValueError(f"RefitGroup.push: this process is a {self.role.value}; call pull()")
+        self._check_usable()
+        error = self._local_check(params)
+        self._begin({"role": "source", "error": error, "version": int(version)}, self.options.timeout_s)
+        sources = {}
+        for t, a in self._indexed(params):
+            for sh in a.addressable_shards:
+                r = self._rank_of(sh.device)
+                if r is not None and r in self.plan.tensors[t].src.ranks:
+                    sources[(t, r)] = sh.data
+        self._run(sources, {})
+        self.version = int(version)
+
+    def pull(self, *, into: Any = None, like: Any = None, timeout_s: float | None = None) -> tuple[Any, int]:
+        """Receive the next version: ``(new arrays, version)``, shaped like ``into`` (or ``like``).
+
+        ``into`` / ``like`` must match this side's declaration; neither is
+        written: the new version lands in fresh buffers and is returned only
+        when every process committed it.
+
+        Args:
+          into: the current parameter tree (its arrays are left untouched).
+          like: an abstract tree (``ShapeDtypeStruct`` with shardings) instead.
+          timeout_s: how long to wait for the source side to start (default ``options.timeout_s``).
+
+        Raises:
+          PeerError, TransferTimeoutError: the refit failed; ``group.version``
+            and the caller's arrays are the previous version.
+        """
+        import jax
+
+        if self.role is not Role.DESTINATION:
+            raise ValueError(f"RefitGroup.pull: this process is a {self.role.value}; call push()")
+        tree = into if into is not None else like
+        if tree is None:
+            raise ValueError("RefitGroup.pull: pass into=<current params> or like=<abstract tree>")
+        self._check_usable()
+        error = self._local_check(tree)
+        vote = {"role": "destination", "error": error, "version": None}
+        version = self._begin(vote, timeout_s or self.options.timeout_s)
+        leaves = self._indexed(tree)
+        targets = {}
+        for t, a in leaves:
+            for d in a.sharding.addressable_devices:
+                r = self._rank_of(d)
+                if r is not None:
+                    targets[(t, r)] = d
+        shards = self._run({}, targets)
+        out = []
+        for t, a in leaves:
+            mine = {d: shards[(t, self._rank_of(d))] for d in a.sharding.addressable_devices}
+            out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine))
+        self.version = version
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), out), version
+
+    def _indexed(self, tree: Any) -> list[tuple[int, Any]]:
+        """``(plan tensor index, leaf)`` in the tree's own leaf order (tensors are matched by name)."""
+        import jax
+
+        leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+        return [(self._index[jax.tree_util.keystr(p) or "x"], a) for p, a in leaves]
+
+    def _rank_of(self, device: Any) -> int | None:
+        try:
+            return self._base + self._devices.index(device)
+        except ValueError:
+            return None
+
+    def _local_check(self, tree: Any) -> str:
+        try:
+            now = declare_local(self.role.value, tree, self._devices, self._decl["domain"])
+        except (ValueError, TypeError) as err:
+            return f"{type(err).__name__}: {err}"
+        if now["params"] != self._decl["params"] or now["errors"]:
+            diff = [p[0] for p, q in zip(now["params"], self._decl["params"], strict=False) if p != q]
+            if len(now["params"]) != len(self._decl["params"]):
+                diff.append(f"{len(now['params'])} leaves where {len(self._decl['params'])} were declared")
+            return f"the parameters do not match this side's declaration: {diff or now['errors']}"
+        return ""
+
+    def close(self) -> None:
+        """Release the communicators (kept, unfreed, when broken: a dead peer never answers)."""
+        if self._broken is None:
+            self._comm.close()
+            self._control.close()

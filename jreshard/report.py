@@ -1,0 +1,189 @@
+"""TransferReport: what one transfer (one refit) moved, how long each phase took,
+and which backend ran it.
+
+The engine fills a :class:`ReportBuilder` while it runs and returns
+``builder.build()``. Every number is measured, never predicted: bytes are
+counted as the engine hands them to a link, times are host wall-clock seconds
+around each phase (on GPUs a phase's time includes the stream synchronisation
+that ends it, so a phase that only enqueues work reads as short and the wait
+shows up in the phase that synchronises). Definitions are in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Iterator
+
+from jreshard.options import Backend
+from jreshard.sharding.topology import Link
+
+__all__ = ["ReportBuilder", "ReportPhase", "TransferReport"]
+
+
+class ReportPhase(enum.Enum):
+    """The timed phases of a transfer, in the order they first run."""
+
+    PLAN = "plan"  # plan lookup or planning, and building this rank's program
+    PACK = "pack"  # gathering strided pieces into staging buffers
+    NETWORK = "network"  # point-to-point messages between domains (and their waits)
+    FANOUT = "fanout"  # messages inside a fast-link domain
+    UNPACK = "unpack"  # scattering staging buffers into destination shards, and local copies
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TransferReport:
+    """One transfer's measured bytes, times and backend (frozen).
+
+    Attributes:
+      backend: the backend that ran the transfer (never ``Backend.AUTO``).
+      backend_reason: why it was picked, in words (``"auto: arrays on GPUs and cupy.cuda.nccl imports"``).
+      network_bytes, fast_bytes, local_bytes: bytes this process moved over each link kind
+        (counted once, at the sender; a local copy counts at the destination).
+      plan_s, pack_s, network_s, fanout_s, unpack_s: seconds spent in each phase.
+      total_s: wall-clock seconds from the start of the transfer to its end; at least
+        the sum of the phases (phases may overlap when chunks are pipelined, so the sum
+        can also exceed it).
+      peak_staging_bytes: the most staging memory held at once.
+      messages: point-to-point messages this process sent.
+
+    Example:
+      >>> r = TransferReport(backend=Backend.LOCAL, local_bytes=2_000_000_000, total_s=1.0)
+      >>> r.moved_bytes, r.achieved_gbps
+      (2000000000, 2.0)
+    """
+
+    backend: Backend
+    backend_reason: str = ""
+    network_bytes: int = 0
+    fast_bytes: int = 0
+    local_bytes: int = 0
+    plan_s: float = 0.0
+    pack_s: float = 0.0
+    network_s: float = 0.0
+    fanout_s: float = 0.0
+    unpack_s: float = 0.0
+    total_s: float = 0.0
+    peak_staging_bytes: int = 0
+    messages: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, Backend) or self.backend is Backend.AUTO:
+            raise ValueError(f"TransferReport: backend={self.backend!r} must be a resolved Backend, not AUTO")
+        for f in ("network_bytes", "fast_bytes", "local_bytes", "peak_staging_bytes", "messages"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"TransferReport: {f}={v!r} must be an int >= 0")
+        for f in ("plan_s", "pack_s", "network_s", "fanout_s", "unpack_s", "total_s"):
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"TransferReport: {f}={v!r} must be a number of seconds >= 0")
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes moved over every link kind."""
+        return self.network_bytes + self.fast_bytes + self.local_bytes
+
+    @property
+    def achieved_gbps(self) -> float:
+        """``moved_bytes / total_s`` in GB/s (1e9 bytes per second); 0 when nothing was timed."""
+        return self.moved_bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    @property
+    def network_gbps(self) -> float:
+        """``network_bytes / network_s`` in GB/s; 0 when no network time was recorded."""
+        return self.network_bytes / self.network_s / 1e9 if self.network_s > 0 else 0.0
+
+    def bytes_by_link(self) -> dict[Link, int]:
+        """``{Link.LOCAL: ..., Link.FAST: ..., Link.NETWORK: ...}``."""
+        return {Link.LOCAL: self.local_bytes, Link.FAST: self.fast_bytes, Link.NETWORK: self.network_bytes}
+
+    def seconds_by_phase(self) -> dict[ReportPhase, float]:
+        """Seconds per :class:`ReportPhase`."""
+        return {p: getattr(self, f"{p.value}_s") for p in ReportPhase}
+
+    def summary(self) -> str:
+        """One line for logs."""
+        phases = ", ".join(f"{p.value} {s * 1e3:.1f} ms" for p, s in self.seconds_by_phase().items())
+        return (
+            f"{self.backend.value}: {self.moved_bytes} B (network {self.network_bytes}, fast {self.fast_bytes}, "
+            f"local {self.local_bytes}) in {self.total_s * 1e3:.1f} ms = {self.achieved_gbps:.2f} GB/s; "
+            f"{phases}; peak staging {self.peak_staging_bytes} B; {self.messages} messages"
+        )
+
+
+class ReportBuilder:
+    """Accumulates one transfer's measurements; :meth:`build` freezes them (final).
+
+    Args:
+      backend: the resolved backend.
+      reason: why it was picked.
+      clock: a monotonic clock in seconds (``time.perf_counter`` unless a test passes another).
+
+    Example:
+      >>> ticks = iter([0.0, 1.0, 1.5, 3.0])
+      >>> b = ReportBuilder(Backend.MPI, clock=lambda: next(ticks))
+      >>> with b.timed(ReportPhase.NETWORK):
+      ...     b.add_bytes(Link.NETWORK, 100)
+      >>> b.staging(64); b.staging(-64); b.staging(32)
+      >>> r = b.build()
+      >>> r.network_s, r.total_s, r.peak_staging_bytes, r.network_bytes
+      (0.5, 3.0, 64, 100)
+    """
+
+    __slots__ = ("_backend", "_bytes", "_clock", "_messages", "_peak", "_reason", "_seconds", "_staging", "_start")
+
+    def __init__(self, backend: Backend, reason: str = "", *, clock: Callable[[], float] = time.perf_counter):
+        self._backend = backend
+        self._reason = reason
+        self._clock = clock
+        self._start = clock()
+        self._seconds = dict.fromkeys(ReportPhase, 0.0)
+        self._bytes = dict.fromkeys(Link, 0)
+        self._staging = 0
+        self._peak = 0
+        self._messages = 0
+
+    @contextlib.contextmanager
+    def timed(self, phase: ReportPhase) -> Iterator[None]:
+        """Add the wall-clock time of the ``with`` body to ``phase``."""
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self._seconds[phase] += self._clock() - t0
+
+    def add_seconds(self, phase: ReportPhase, seconds: float) -> None:
+        """Add seconds measured elsewhere (a CUDA event pair, say) to ``phase``."""
+        self._seconds[phase] += float(seconds)
+
+    def add_bytes(self, link: Link, nbytes: int, *, messages: int = 0) -> None:
+        """Count ``nbytes`` moved over ``link`` and ``messages`` messages sent."""
+        self._bytes[Link(link)] += int(nbytes)
+        self._messages += int(messages)
+
+    def staging(self, delta: int) -> None:
+        """Staging memory grew (``delta > 0``) or shrank; the peak is kept."""
+        self._staging += int(delta)
+        self._peak = max(self._peak, self._staging)
+
+    def build(self) -> TransferReport:
+        """The frozen report; ``total_s`` runs from construction to this call."""
+        s = self._seconds
+        return TransferReport(
+            backend=self._backend,
+            backend_reason=self._reason,
+            network_bytes=self._bytes[Link.NETWORK],
+            fast_bytes=self._bytes[Link.FAST],
+            local_bytes=self._bytes[Link.LOCAL],
+            plan_s=s[ReportPhase.PLAN],
+            pack_s=s[ReportPhase.PACK],
+            network_s=s[ReportPhase.NETWORK],
+            fanout_s=s[ReportPhase.FANOUT],
+            unpack_s=s[ReportPhase.UNPACK],
+            total_s=max(self._clock() - self._start, 0.0),
+            peak_staging_bytes=self._peak,
+            messages=self._messages,
+        )

@@ -1,0 +1,52 @@
+"""Shared by the bodies launched under mpiexec: results go to one JSON file per process in
+``$JRESHARD_MPI_OUT``, named ``<tag>-<world rank>.json``; a body that fails writes its traceback there too."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def world_rank() -> int:
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def write(tag: str, result: dict[str, Any]) -> None:
+    out = os.environ["JRESHARD_MPI_OUT"]
+    path = os.path.join(out, f"{tag}-{world_rank()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+def main(tag: str, body: Callable[[], dict[str, Any]], *, hard_exit: bool = False) -> None:
+    """Run ``body``; write its result (or the traceback). ``hard_exit`` skips interpreter teardown
+    (MPI_Finalize with a dead peer can block)."""
+    code = 0
+    try:
+        result = body()
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+        code = 1
+    write(tag, result)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if hard_exit:
+        # Exiting without MPI_Finalize makes the launcher kill the job: first wait (bounded) until the
+        # survivors the test expects have all written their results.
+        expect = int(os.environ.get("JRESHARD_EXPECT", "0"))
+        deadline = time.monotonic() + 30
+        while len(glob.glob(os.path.join(os.environ["JRESHARD_MPI_OUT"], "*.json"))) < expect:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        os._exit(code)
+    sys.exit(code)

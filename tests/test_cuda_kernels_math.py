@@ -1,0 +1,224 @@
+"""The GPU pack/unpack kernel's index math, on CPU.
+
+``cuda_kernels`` turns a descriptor table into a launch table (absolute
+addresses, vector widths, tiles). Here the kernel's work is replayed two ways
+on CPU and compared with ``kernels.pack_cpu``/``unpack_cpu``/``copy_cpu`` on
+random boxes: by :func:`unit_addresses` (the kernel re-expressed in numpy), and,
+where a C++ compiler exists, by the CUDA source itself compiled as C++ with
+``blockIdx``/``threadIdx`` looped over on the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from jreshard.nccl import cuda_kernels as CK
+from jreshard.nccl import kernels as K
+from jreshard.sharding.box import Box, intersect
+
+ARENA = 1 << 20
+
+
+class Arena:
+    """One 256-byte-aligned block holding every buffer, so addresses map back to bytes."""
+
+    def __init__(self, rng: np.random.Generator):
+        raw = np.zeros(ARENA + 256, np.uint8)
+        skip = (-raw.ctypes.data) % 256
+        self.mem = raw[skip : skip + ARENA]
+        self.base = self.mem.ctypes.data
+        self.pos = 0
+        self.rng = rng
+
+    def take(self, nbytes: int, misalign: int = 0) -> tuple[int, np.ndarray]:
+        self.pos = -(-self.pos // 256) * 256 + misalign
+        buf = self.mem[self.pos : self.pos + nbytes]
+        self.pos += nbytes
+        return self.base + (self.pos - nbytes), buf
+
+
+def random_case(rng, n_pieces, misalign=False):
+    arena = Arena(rng)
+    itemsize = int(rng.choice([1, 2, 4, 8]))
+    ndim = int(rng.integers(1, 5))
+    shapes, ptrs, bufs, pieces, taken = [], [], [], [], []
+    for _ in range(int(rng.integers(1, 4))):
+        shape = tuple(int(v) for v in rng.integers(1, 9, size=ndim))
+        outer = K.byte_shape(shape, itemsize)
+        ptr, buf = arena.take(int(np.prod(outer)), int(rng.integers(0, 16)) if misalign else 0)
+        buf[:] = rng.integers(0, 256, size=buf.size, dtype=np.uint8)
+        shapes.append(shape)
+        ptrs.append(ptr)
+        bufs.append(buf)
+    for _ in range(n_pieces):
+        b = int(rng.integers(0, len(shapes)))
+        lo = [int(rng.integers(0, n)) for n in shapes[b]]
+        hi = [int(rng.integers(l + 1, n + 1)) for l, n in zip(lo, shapes[b], strict=True)]
+        box = Box(tuple(lo), tuple(hi))
+        if any(pb == b and intersect(box, other) is not None for pb, other in taken):
+            continue  # pieces of one message never overlap (so unpack has one writer per byte)
+        taken.append((b, box))
+        pieces.append((b, K.byte_shape(shapes[b], itemsize), K.byte_box(box, itemsize)))
+    table = K.build_table(pieces)
+    sptr, staging = arena.take(K.table_bytes(table), int(rng.integers(0, 16)) if misalign else 0)
+    return arena, table, ptrs, bufs, sptr, staging
+
+
+def replay(arena: Arena, launch: np.ndarray) -> None:
+    """Copy every unit the kernel would copy (numpy re-expression), checking no byte is written twice."""
+    s, d, w = CK.unit_addresses(launch)
+    assert np.all(s % w == 0) and np.all(d % w == 0)  # vector loads and stores are aligned
+    idx = np.repeat(np.arange(len(w)), w)
+    within = np.arange(int(w.sum())) - np.repeat(np.cumsum(w) - w, w)
+    src = s[idx] - arena.base + within
+    dst = d[idx] - arena.base + within
+    assert len(np.unique(dst)) == len(dst)
+    arena.mem[dst] = arena.mem[src]
+
+
+@pytest.mark.parametrize("misalign", [False, True])
+@pytest.mark.parametrize("seed", range(40))
+def test_pack_and_unpack_launches_match_numpy(seed, misalign):
+    rng = np.random.default_rng(seed)
+    arena, table, ptrs, bufs, sptr, staging = random_case(rng, int(rng.integers(1, 6)), misalign)
+    expected = np.zeros_like(staging)
+    K.pack_cpu(table, bufs, expected)
+    replay(arena, CK.pack_launch(table, ptrs, sptr))
+    np.testing.assert_array_equal(staging, expected)
+    # Unpack fresh bytes into the shards and compare with numpy's unpack into copies.
+    staging[:] = rng.integers(0, 256, size=staging.size, dtype=np.uint8)
+    want = [b.copy() for b in bufs]
+    K.unpack_cpu(table, staging, want)
+    replay(arena, CK.unpack_launch(table, sptr, ptrs))
+    for got, exp in zip(bufs, want, strict=True):
+        np.testing.assert_array_equal(got, exp)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_copy_launch_matches_numpy(seed):
+    rng = np.random.default_rng(100 + seed)
+    arena = Arena(rng)
+    itemsize = int(rng.choice([2, 4]))
+    shape_a, shape_b = (8, 6, 4), (4, 12, 8)
+    pa, a = arena.take(int(np.prod(K.byte_shape(shape_a, itemsize))))
+    pb, b = arena.take(int(np.prod(K.byte_shape(shape_b, itemsize))))
+    a[:] = rng.integers(0, 256, size=a.size, dtype=np.uint8)
+    ext = [int(rng.integers(1, 5)) for _ in range(3)]
+    lo_a = [int(rng.integers(0, n - e + 1)) for n, e in zip(shape_a, ext, strict=True)]
+    lo_b = [int(rng.integers(0, n - e + 1)) for n, e in zip(shape_b, ext, strict=True)]
+    box_a = Box(tuple(lo_a), tuple(x + e for x, e in zip(lo_a, ext, strict=True)))
+    box_b = Box(tuple(lo_b), tuple(x + e for x, e in zip(lo_b, ext, strict=True)))
+    st, dt = K.build_copy_tables(
+        [(0, K.byte_shape(shape_a, itemsize), K.byte_box(box_a, itemsize),
+          0, K.byte_shape(shape_b, itemsize), K.byte_box(box_b, itemsize))]
+    )
+    want = b.copy()
+    K.copy_cpu(st, [a], dt, [want])
+    replay(arena, CK.copy_launch(st, [pa], dt, [pb]))
+    np.testing.assert_array_equal(b, want)
+
+
+def test_vector_width_and_tiles():
+    # A (64, 4096)-byte shard; rows 1..3, bytes 1024..3072: 16-byte units, 128 per run.
+    t = K.build_table([(0, (64, 4096), Box((1, 1024), (3, 3072))), (0, (64, 4096), Box((5, 3), (6, 8)))])
+    lt = CK.pack_launch(t, [1 << 20], 1 << 24)
+    assert lt[0, CK.WIDTH] == 16 and lt[0, CK.UNITS] == 256 and lt[0, CK.LUNITS] == 128
+    assert lt[1, CK.WIDTH] == 1 and lt[1, CK.UNITS] == 5  # odd offset: byte units
+    assert lt[0, CK.TILE] == 0 and lt[1, CK.TILE] == 1 and CK.grid_size(lt) == 2
+    big = K.build_table([(0, (1 << 20,), Box((0,), (1 << 20,)))])
+    assert CK.grid_size(CK.pack_launch(big, [0], 0)) == (1 << 20) // 16 // CK.TILE_UNITS
+    assert CK.contiguous_run(big, [4096]) == (4096, 1 << 20)
+    assert CK.contiguous_run(t, [0]) is None
+    assert CK.pack_launch(K.build_table([]), [], 0).shape == (0, CK.LAUNCH_COLUMNS)
+    assert CK.grid_size(CK.pack_launch(K.build_table([]), [], 0)) == 0
+
+
+def test_too_many_units_asks_for_smaller_chunks():
+    t = np.zeros((1, K.COLUMNS), np.int64)
+    t[0, K.NBYTES], t[0, K.NDIM], t[0, K.SHAPE0] = (1 << 32) + 1, 1, (1 << 32) + 1
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        CK.pack_launch(t, [1], 0)
+
+
+# ---- the CUDA source itself, compiled as C++ on the host -------------------
+
+SHIM = r"""
+#include <cstdint>
+struct jr_dim3 { unsigned int x; };
+static jr_dim3 blockIdx, threadIdx;
+struct uint4 { unsigned int x, y, z, w; };
+struct uint2 { unsigned int x, y; };
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+"""
+DRIVER = r"""
+extern "C" void run(const long long* table, int nrows, unsigned int blocks) {
+  for (unsigned int b = 0; b < blocks; ++b)
+    for (unsigned int t = 0; t < JR_THREADS; ++t) { blockIdx.x = b; threadIdx.x = t; jreshard_copy(table, nrows); }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def host_kernel(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler: the CUDA source is checked on CPU only where one exists")
+    d = tmp_path_factory.mktemp("kernel")
+    (d / "k.cpp").write_text(SHIM + CK.CUDA_SOURCE + DRIVER)
+    subprocess.run([cxx, "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cpp")], check=True)
+    lib = ctypes.CDLL(str(d / "k.so"))
+    lib.run.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+    return lib
+
+
+def run_host(lib, launch):
+    lt = np.ascontiguousarray(launch)
+    lib.run(lt.ctypes.data, len(lt), CK.grid_size(lt))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cuda_source_compiled_for_the_host_matches_numpy(host_kernel, seed):
+    rng = np.random.default_rng(200 + seed)
+    _, table, ptrs, bufs, sptr, staging = random_case(rng, int(rng.integers(1, 6)), misalign=bool(seed % 2))
+    expected = np.zeros_like(staging)
+    K.pack_cpu(table, bufs, expected)
+    run_host(host_kernel, CK.pack_launch(table, ptrs, sptr))
+    np.testing.assert_array_equal(staging, expected)
+    staging[:] = rng.integers(0, 256, size=staging.size, dtype=np.uint8)
+    want = [b.copy() for b in bufs]
+    K.unpack_cpu(table, staging, want)
+    run_host(host_kernel, CK.unpack_launch(table, sptr, ptrs))
+    for got, exp in zip(bufs, want, strict=True):
+        np.testing.assert_array_equal(got, exp)
+
+
+def test_many_tiles_and_widths_through_both_replays(host_kernel):
+    rng = np.random.default_rng(7)
+    arena = Arena(rng)
+    p0, b0 = arena.take(64 * 4096)
+    b0[:] = rng.integers(0, 256, size=b0.size, dtype=np.uint8)
+    pieces = [
+        (0, (64, 4096), Box((1, 16), (40, 4000))),  # 16-byte units, several tiles
+        (0, (64, 4096), Box((40, 2), (41, 4094))),  # 2-byte units
+        (0, (64, 4096), Box((41, 0), (60, 4096))),  # contiguous: one run
+        (0, (16, 16, 1024), Box((3, 2, 8), (9, 15, 1000))),  # 3 strided dims over the same bytes
+    ]
+    table = K.build_table(pieces)
+    sptr, staging = arena.take(K.table_bytes(table))
+    launch = CK.pack_launch(table, [p0], sptr)
+    assert {2, 16} < set(launch[:, CK.WIDTH].tolist()) and CK.grid_size(launch) > 10
+    expected = np.zeros_like(staging)
+    K.pack_cpu(table, [b0], expected)
+    replay(arena, launch)
+    np.testing.assert_array_equal(staging, expected)
+    staging[:] = 0
+    run_host(host_kernel, launch)
+    np.testing.assert_array_equal(staging, expected)

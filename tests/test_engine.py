@@ -1,0 +1,216 @@
+"""The message-passing engine over RecordingComm: values, bytes per link, staging, pipelining, causality."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jreshard.errors import PeerError, TransferError
+from jreshard.nccl import kernels
+from jreshard.nccl.comm import RecvOp, SendOp
+from jreshard.nccl.engine import Shards, build_schedule, chunk_pieces, execute
+from jreshard.nccl.local import LocalComm
+from jreshard.nccl.recording import RecordingComm
+from jreshard.options import Options
+from jreshard.sharding.box import Box
+from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.program import plan_layouts
+from jreshard.sharding.topology import Link, Topology
+
+SENTINEL = 0xA5
+
+
+def _global(lay: Layout, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=lay.nbytes, dtype=np.uint8)
+    return raw.view(lay.np_dtype).reshape(lay.shape) if lay.nbytes else np.zeros(lay.shape, lay.np_dtype)
+
+
+def _shards(pairs, globals_):
+    src, dst = {}, {}
+    for t, ((s, d), g) in enumerate(zip(pairs, globals_, strict=True)):
+        for r, b in zip(s.ranks, s.boxes, strict=True):
+            src[(t, r)] = np.ascontiguousarray(g[b.slices()]).reshape(-1).view(np.uint8)
+        for r, b in zip(d.ranks, d.boxes, strict=True):
+            dst[(t, r)] = np.full(b.volume * d.itemsize, SENTINEL, np.uint8)
+    return Shards(src=src, dst=dst)
+
+
+def _run(pairs, topo, options, seed=0):
+    plan = plan_layouts(pairs, topo, options)
+    globals_ = [_global(s, seed + t) for t, (s, _) in enumerate(pairs)]
+    shards = _shards(pairs, globals_)
+    comm = RecordingComm(ranks=topo.ranks, topology=topo)
+    stats = execute(plan, comm, shards, options=options)
+    for t, ((_, d), g) in enumerate(zip(pairs, globals_, strict=True)):
+        for r, b in zip(d.ranks, d.boxes, strict=True):
+            got = shards.dst[(t, r)].view(d.np_dtype).reshape(b.shape)
+            want = np.ascontiguousarray(g[b.slices()]).reshape(-1).view(np.uint8)
+            np.testing.assert_array_equal(got.reshape(-1).view(np.uint8), want)
+    return plan, comm, stats
+
+
+def _assert_bytes_match_plan(plan, comm, stats):
+    s = plan.stats()
+    rec = comm.bytes_by_link()
+    assert rec[Link.NETWORK] == s.network_bytes
+    assert rec[Link.FAST] == s.fast_bytes
+    assert rec[Link.LOCAL] == 0 and stats.local_bytes == s.local_bytes
+    assert stats.sent_bytes[Link.NETWORK] == s.network_bytes
+    # Per (sender, receiver): the recorded bytes are the plan's non-local transfers.
+    want: dict[tuple[int, int], int] = {}
+    for tr in plan.transfers():
+        if tr.link != Link.LOCAL:
+            want[(tr.src, tr.dst)] = want.get((tr.src, tr.dst), 0) + tr.nbytes
+    assert comm.bytes_by_pair() == {k: v for k, v in want.items() if v}
+
+
+@st.composite
+def layout_case(draw):
+    n = 8
+    src_n = draw(st.sampled_from([1, 2, 4, 8]))
+    dst_n = draw(st.sampled_from([1, 2, 4, 8]))
+    mode = draw(st.sampled_from(["disjoint", "same", "overlap"]))
+    perm = draw(st.permutations(range(n)))
+    src_ranks = perm[:src_n]
+    dst_ranks = (
+        perm[n - dst_n :] if mode == "disjoint" else perm[:dst_n] if mode == "same" else perm[n // 4 : n // 4 + dst_n]
+    )
+    ndim = draw(st.integers(0, 3))
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "int8", "bool", "float64"]))
+
+    def mesh(ranks):
+        a = draw(st.sampled_from([d for d in (1, 2, 4, 8) if len(ranks) % d == 0]))
+        axes = ("a", "b")
+        m = np.array(ranks).reshape(a, len(ranks) // a)
+        spec = []
+        free = list(axes)
+        for _ in range(ndim):
+            k = draw(st.integers(0, len(free)))
+            pick = tuple(draw(st.permutations(free))[:k])
+            free = [x for x in free if x not in pick]
+            spec.append(pick)
+        return m, axes, spec
+
+    sm, dm = mesh(src_ranks), mesh(dst_ranks)
+    shape = []
+    for d in range(ndim):
+        need = 1
+        for m, axes, spec in (sm, dm):
+            sizes = dict(zip(axes, m.shape, strict=True))
+            need = np.lcm(need, int(np.prod([sizes[a] for a in spec[d]])))
+        shape.append(int(need) * draw(st.integers(1, 3)))
+    src = Layout.from_mesh(sm[0], sm[1], sm[2], shape, dtype)
+    dst = Layout.from_mesh(dm[0], dm[1], dm[2], shape, dtype)
+    domain = draw(st.sampled_from([1, 2, 4, 8]))
+    return src, dst, Topology.uniform(range(n), domain_size=domain)
+
+
+@given(st.lists(layout_case(), min_size=1, max_size=3), st.sampled_from([16, 64, 1000]), st.integers(1, 4))
+def test_execute_matches_global_and_plan_bytes(cases, chunk, staging_chunks):
+    topo = cases[0][2]
+    pairs = [(s, d) for s, d, _ in cases]
+    opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging_chunks)
+    plan, comm, stats = _run(pairs, topo, opts)
+    _assert_bytes_match_plan(plan, comm, stats)
+    assert all(v <= opts.staging_bytes for v in stats.peak_staging_bytes.values())
+    assert all(r.nbytes <= chunk for r in comm.records)
+
+
+def test_fanout_of_chunk_k_runs_with_network_chunk_k_plus_1():
+    # 4 sources in domain 0; 4 destinations in domain 1 that all hold the whole tensor.
+    src = Layout.from_mesh(np.arange(4), ("x",), ("x",), (64, 64), "float32")
+    dst = Layout.replicated(range(4, 8), (64, 64), "float32")
+    topo = Topology.uniform(range(8), domain_size=4)
+    opts = Options(chunk_bytes=1024, staging_bytes=8192)
+    plan, comm, stats = _run([(src, dst)], topo, opts)
+    _assert_bytes_match_plan(plan, comm, stats)
+    assert plan.stats().fast_bytes > 0 and plan.stats().network_bytes == 64 * 64 * 4
+    groups = {}
+    for r in comm.records:
+        groups.setdefault(r.group, set()).add(r.link)
+    overlapped = [g for g, links in groups.items() if links == {Link.NETWORK, Link.FAST}]
+    assert len(overlapped) >= len(groups) // 2, groups
+    assert max(stats.peak_staging_bytes.values()) <= 8192
+    assert stats.rounds < 2 * max(1, len({r.group for r in comm.records if r.link == Link.NETWORK}))
+
+
+def test_relays_forward_only_bytes_already_received():
+    # One source replica, 4 destination domains: relays chain through the domains.
+    src = Layout.replicated([0], (32, 16), "int32")
+    dst = Layout.from_mesh(np.arange(1, 9).reshape(4, 2), ("dp", "tp"), (None, "tp"), (32, 16), "int32")
+    topo = Topology.from_domains({0: 0, **{r: 1 + (r - 1) // 2 for r in range(1, 9)}})
+    opts = Options(chunk_bytes=128, staging_bytes=256)
+    plan, comm, stats = _run([(src, dst)], topo, opts)
+    assert plan.stats().relay_bytes > 0
+    _assert_bytes_match_plan(plan, comm, stats)
+
+
+def test_in_place_sends_use_no_staging():
+    src = Layout.from_mesh(np.arange(4), ("x",), ("x",), (64, 32), "float32")
+    dst = Layout.from_mesh(np.arange(4, 8), ("x",), ("x",), (64, 32), "float32")
+    topo = Topology.uniform(range(8), domain_size=4)
+    _, comm, stats = _run([(src, dst)], topo, Options(chunk_bytes=1024, staging_bytes=1024))
+    assert set(stats.peak_staging_bytes.values()) == {0}
+    assert comm.bytes_by_link()[Link.NETWORK] == 64 * 32 * 4
+
+
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(1, 5), min_size=0, max_size=3), st.sampled_from([1, 2, 4])),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(1, 50),
+)
+def test_chunks_are_exact_and_cover_every_byte_once(shapes, chunk):
+    pieces = [(t, kernels.byte_box(Box.full(s), isz)) for t, (s, isz) in enumerate(shapes)]
+    chunks = chunk_pieces(pieces, chunk)
+    sizes = [sum(b.volume for _, b in c) for c in chunks]
+    total = sum(b.volume for _, b in pieces)
+    assert sum(sizes) == total and all(n == chunk for n in sizes[:-1]) and len(chunks) == -(-total // chunk)
+    seen = [np.zeros(b.shape, np.int32) for _, b in pieces]
+    order = []
+    for c in chunks:
+        for t, b in c:
+            seen[t][b.slices()] += 1
+            order.append((t, b.lo))
+    assert all((s == 1).all() for s in seen)
+    assert order == sorted(order)  # plan order, C order inside each piece
+
+
+def test_missing_buffers_raise_before_writing():
+    src = Layout.from_mesh(np.arange(2), ("x",), ("x",), (8,), "float32")
+    dst = Layout.from_mesh(np.arange(2, 4), ("x",), (None,), (8,), "float32")
+    topo = Topology.uniform(range(4), domain_size=2)
+    plan = plan_layouts([(src, dst)], topo)
+    shards = _shards([(src, dst)], [_global(src, 0)])
+    del shards.src[(0, 1)]
+    with pytest.raises(TransferError, match="source shard of tensor 0 on rank 1") as info:
+        execute(plan, RecordingComm(ranks=range(4), topology=topo), shards)
+    assert info.value.destination_intact
+    assert all((b == SENTINEL).all() for b in shards.dst.values())
+
+
+def test_schedule_is_cached_and_chunk_must_hold_an_item():
+    src = Layout.from_mesh(np.arange(2), ("x",), ("x",), (8,), "float64")
+    dst = Layout.from_mesh(np.arange(2, 4), ("x",), (None,), (8,), "float64")
+    plan = plan_layouts([(src, dst)], Topology.uniform(range(4), domain_size=2))
+    assert build_schedule(plan, Options()) is build_schedule(plan, Options())
+    with pytest.raises(ValueError, match="chunk_bytes=4"):
+        build_schedule(plan, Options(chunk_bytes=4, staging_bytes=4))
+
+
+def test_local_comm_rejects_unmatched_ops():
+    comm = LocalComm(ranks=[0, 1])
+    a = np.zeros(4, np.uint8)
+    with pytest.raises(PeerError, match="no matching receive"):
+        comm.exchange([SendOp(0, 1, 0, a)], [], timeout_s=1.0)
+    with pytest.raises(PeerError, match="expects 3 B"):
+        comm.exchange([SendOp(0, 1, 0, a)], [RecvOp(0, 1, 0, np.zeros(3, np.uint8))], timeout_s=1.0)
+    with pytest.raises(PeerError, match="ranks \\[5\\]"):
+        comm.exchange([SendOp(5, 1, 0, a)], [RecvOp(5, 1, 0, a)], timeout_s=1.0)
+    assert numpy_dtype("bfloat16").itemsize == 2

@@ -1,0 +1,189 @@
+"""GPU tests (marker ``gpu``): DLPack round trips, bf16/fp8, stream ordering, the
+pack/unpack kernel, and NCCL through the engine on one GPU.
+
+They skip cleanly without CuPy, without a CUDA device, or when jax has no GPU
+backend (the suite defaults ``JAX_PLATFORMS`` to ``cpu``; ``benchmarks/gpu_check.py``
+runs them with ``JAX_PLATFORMS=cuda,cpu``). Not run on GPU yet: written against
+the CuPy and jax documentation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jreshard.nccl import kernels as K
+from jreshard.sharding.box import Box
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def env():
+    """``(cupy, jax, first GPU)``, or a skip saying what is missing."""
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # ImportError, or a CUDA error without a driver or device
+        pytest.skip(f"no usable CuPy/CUDA here ({type(err).__name__}: {err})")
+    if count < 1:
+        pytest.skip("CuPy sees no CUDA device")
+    import jax
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as err:
+        pytest.skip(f"jax has no GPU backend here ({err}); run with JAX_PLATFORMS=cuda,cpu")
+    return cupy, jax, gpus[0]
+
+
+@pytest.fixture
+def bufs(env):
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+
+    b = CupyBuffers()
+    yield b
+    b.synchronize()
+    b.release()
+
+
+def test_export_is_zero_copy_and_holds_the_bytes(env, bufs):
+    cupy, jax, gpu = env
+    x = jax.device_put(np.arange(4096, dtype=np.float32).reshape(64, 64), gpu)
+    view = bufs.export_source(x)
+    assert view.dtype == cupy.uint8 and view.size == x.nbytes
+    assert view.data.ptr == x.unsafe_buffer_pointer()  # no copy
+    bufs.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(view), np.asarray(x).reshape(-1).view(np.uint8))
+    assert bufs.release() == 1
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2", "float16", "int8", "bool"])
+def test_round_trip_through_cupy_bytes_keeps_dtype_and_aliases(env, bufs, dtype):
+    cupy, jax, gpu = env
+    import ml_dtypes  # noqa: F401 - registers bfloat16/float8 with numpy
+
+    host = (np.arange(2 * 3 * 256) % 7).astype(np.float32).reshape(2, 3, 256).astype(np.dtype(dtype))
+    x = jax.device_put(host, gpu)
+    src = bufs.export_source(x)
+    (dst,) = bufs.allocate([x.nbytes], gpu)
+    assert dst.data.ptr % 256 == 0
+    with cupy.cuda.Device(gpu.local_hardware_id), bufs.stream(gpu.local_hardware_id):
+        dst[:] = src
+    y = bufs.import_shard(dst, x.shape, np.dtype(dtype), gpu)
+    assert y.dtype == np.dtype(dtype) and y.devices() == {gpu}
+    assert y.unsafe_buffer_pointer() == dst.data.ptr  # imported without a copy
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint8), host.view(np.uint8))
+
+
+def test_export_waits_for_a_pending_jax_computation(env, bufs):
+    cupy, jax, gpu = env
+    import jax.numpy as jnp
+
+    @jax.jit
+    def slow(a):
+        for _ in range(20):
+            a = jnp.tanh(a @ a) * 0.5
+        return a + 1.0
+
+    a = jax.device_put(np.eye(4096, dtype=np.float32) * 0.1, gpu)
+    y = slow(a)  # dispatched, still running on the GPU
+    view = bufs.export_source(y)  # must not block the host, and must order after `slow`
+    (stage,) = bufs.allocate([4096 * 4], gpu)
+    t = K.build_table([(0, (4096, 4096 * 4), Box((7, 0), (8, 4096 * 4)))])
+    bufs.pack(t, [view], stage)  # on the export stream: after the computation
+    bufs.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(stage), np.asarray(y)[7].view(np.uint8))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pack_unpack_kernels_match_numpy(env, bufs, seed):
+    cupy, _, gpu = env
+    rng = np.random.default_rng(seed)
+    itemsize = int(rng.choice([1, 2, 4, 8]))
+    shape = tuple(int(v) for v in rng.integers(2, 40, size=3))
+    outer = K.byte_shape(shape, itemsize)
+    host = rng.integers(0, 256, size=int(np.prod(outer)), dtype=np.uint8)
+    pieces, taken = [], []
+    for _ in range(8):
+        lo = [int(rng.integers(0, n)) for n in shape]
+        box = Box(tuple(lo), tuple(int(rng.integers(x + 1, n + 1)) for x, n in zip(lo, shape, strict=True)))
+        if all(box.hi[d] <= o.lo[d] or o.hi[d] <= box.lo[d] for o in taken for d in range(3)):
+            taken.append(box)
+            pieces.append((0, outer, K.byte_box(box, itemsize)))
+    table = K.build_table(pieces)
+    with cupy.cuda.Device(gpu.local_hardware_id):
+        dev = cupy.asarray(host)
+        stage = cupy.zeros(K.table_bytes(table), cupy.uint8)
+    want = np.zeros(K.table_bytes(table), np.uint8)
+    K.pack_cpu(table, [host], want)
+    bufs.pack(table, [dev], stage)
+    bufs.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(stage), want)
+    fresh = rng.integers(0, 256, size=want.size, dtype=np.uint8)
+    expected = host.copy()
+    K.unpack_cpu(table, fresh, [expected])
+    with cupy.cuda.Device(gpu.local_hardware_id):
+        stage.set(fresh)
+    bufs.unpack(table, stage, [dev])
+    bufs.synchronize()
+    np.testing.assert_array_equal(cupy.asnumpy(dev), expected)
+
+
+class _Store:
+    """An in-process key-value store: the rendezvous of a one-process group."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set(self, key, value):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        return self.values[key]
+
+
+def test_one_gpu_nccl_sends_to_itself_through_the_engine(env):
+    """Ranks 0 (source) and 1, 2 (destination, split by columns) are different devices to
+    the planner, so it plans FAST messages; NcclComm maps all three to the one GPU's NCCL
+    rank 0, which sends to and receives from itself inside one group."""
+    cupy, jax, gpu = env
+    try:
+        from jreshard.nccl.cupy_nccl import NcclComm
+    except Exception as err:
+        pytest.skip(f"cupy.cuda.nccl does not import ({err})")
+    from jreshard.nccl.engine import Shards, execute
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.nccl.rendezvous import KeyValueRendezvous
+    from jreshard.options import Options
+    from jreshard.sharding.layout import Layout
+    from jreshard.sharding.program import plan_layouts
+    from jreshard.sharding.topology import Topology
+
+    shape = (256, 1024)
+    src = Layout.from_boxes(shape, "float32", {0: Box((0, 0), shape)})
+    dst = Layout.from_boxes(shape, "float32", {1: Box((0, 0), (256, 512)), 2: Box((0, 512), shape)})
+    topo = Topology.from_domains({0: 0, 1: 0, 2: 0}, devices={0: 0, 1: 1, 2: 2})
+    opts = Options(backend="nccl", chunk_bytes=128 << 10, staging_bytes=1 << 20, timeout_s=60.0)
+    plan = plan_layouts([(src, dst)], topo, opts)
+    assert plan.stats().fast_bytes == 256 * 1024 * 4
+    o = gpu.local_hardware_id
+    comm = NcclComm(
+        devices={0: 0, 1: 0, 2: 0},
+        local_devices={0: o, 1: o, 2: o},
+        rendezvous=KeyValueRendezvous(_Store()),
+        namespace="gpu-test-self",
+    )
+    bufs = CupyBuffers(streams={o: comm.stream(0)})
+    host = np.arange(256 * 1024, dtype=np.float32).reshape(shape)
+    x = jax.device_put(host, gpu)
+    d1, d2 = bufs.allocate([256 * 512 * 4, 256 * 512 * 4], gpu)
+    with cupy.cuda.Device(o):
+        execute(plan, comm, Shards(src={(0, 0): bufs.export_source(x)}, dst={(0, 1): d1, (0, 2): d2}),
+                options=opts, backend=bufs)
+    y1 = bufs.import_shard(d1, (256, 512), np.dtype("float32"), gpu)
+    y2 = bufs.import_shard(d2, (256, 512), np.dtype("float32"), gpu)
+    np.testing.assert_array_equal(np.asarray(y1), host[:, :512])
+    np.testing.assert_array_equal(np.asarray(y2), host[:, 512:])
+    bufs.release()

@@ -1,0 +1,86 @@
+"""Across processes under mpiexec: multi-controller transfers between random layouts (2, 4 and 8
+processes with 1 or 2 CPU devices each), an MPMD trainer + server doing 5 versioned refits, mismatched
+declarations rejected on both sides, and a peer killed mid-refit (two launches: the other program
+survives, raises within the timeout and keeps the previous version)."""
+
+import time
+
+import pytest
+from mpi_launch import MPIEXEC, launch, need_mpi, program, results, start_and_wait
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize(("procs", "devices"), [(2, 2), (4, 1), (8, 1)])
+def test_multicontroller_random_layouts(tmp_path, procs, devices):
+    need_mpi()
+    launch([program(procs, "multi_transfer.py")], tmp_path, devices=devices, timeout_s=150)
+    got = results(tmp_path, "multi")
+    assert sorted(got) == list(range(procs))
+    assert all(r["devices"] == procs * devices for r in got.values())
+    assert sum(r["checked"] for r in got.values()) > 0
+    # every (case, leaf) has each target shard on exactly one process: 6 cases x 2 leaves
+    assert sum(r["empty"] for r in got.values()) > 0  # some process held no target device: empty result
+
+
+@pytest.mark.parametrize(("trainers", "servers", "devices"), [(2, 2, 2), (4, 4, 1)])
+def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices):
+    need_mpi()
+    launch(
+        [program(trainers, "refit_body.py", "source"), program(servers, "refit_body.py", "destination")],
+        tmp_path,
+        devices=devices,
+        timeout_s=150,
+    )
+    src, dst = results(tmp_path, "refit-source"), results(tmp_path, "refit-destination")
+    assert len(src) == trainers and len(dst) == servers
+    for r in (*src.values(), *dst.values()):
+        assert "error" not in r, r
+        assert r["versions"] == [1, 2, 3, 4, 5]
+    # every destination shard byte was checked against numpy at every version
+    per_version = [sum(r["bytes"][v] for r in dst.values()) for v in range(5)]
+    assert len(set(per_version)) == 1 and per_version[0] > 0
+
+
+def test_mismatched_declarations_rejected_on_both_sides(tmp_path):
+    need_mpi()
+    launch(
+        [program(2, "refit_body.py", "source", "mismatch"), program(2, "refit_body.py", "destination", "mismatch")],
+        tmp_path,
+        devices=2,
+        timeout_s=120,
+    )
+    got = results(tmp_path, "refit-source") | results(tmp_path, "refit-destination")
+    assert sorted(got) == [0, 1, 2, 3]
+    messages = {r["rejected"] for r in got.values()}
+    assert len(messages) == 1 and None not in messages  # the same full report everywhere
+    (msg,) = messages
+    assert "no weights moved" in msg
+    assert "['embed']: source shape (64, 16) != destination shape (65, 16)" in msg
+    assert "parameter ['l0_norm'] is declared by the source side only" in msg
+    assert "parameter ['extra'] is declared by the destination side only" in msg
+    assert "process 3 (destination): declares device CpuDevice(id=0) that it does not have" in msg
+
+
+@pytest.mark.parametrize("victim", ["source", "destination"])
+def test_peer_killed_mid_refit(tmp_path, victim):
+    need_mpi()
+    timeout = 3.0
+    env = {"JRESHARD_TIMEOUT": str(timeout), "JRESHARD_ADDRESS": str(tmp_path / "address"), "JRESHARD_EXPECT": "2"}
+    mode = f"kill-{victim}"
+    cmds = [
+        [str(MPIEXEC), *program(2, "refit_body.py", "source", mode)],
+        [str(MPIEXEC), *program(2, "refit_body.py", "destination", mode)],
+    ]
+    t0 = time.monotonic()
+    start_and_wait(cmds, tmp_path, devices=2, timeout_s=120, env=env, check=False)
+    assert time.monotonic() - t0 < 60
+    survivors = results(tmp_path, "refit-destination" if victim == "source" else "refit-source")
+    assert len(survivors) == 2  # the victim's own program is torn down by its launcher
+    for r in survivors.values():
+        assert r["failed_at"] == 3 and r["versions"] == [1, 2], r
+        assert "Timeout" in r["error"] or "did not answer" in r["error"] or "no answer" in r["error"], r
+        assert r["elapsed"] < timeout + 2.0, r  # raised within the configured timeout (+ polling slack)
+        assert r["version_after_failure"] == 2
+        if victim == "source":
+            assert r["previous_intact_bytes"] > 0  # the destination still holds version 2, byte for byte

@@ -1,0 +1,226 @@
+"""jreshard.transfer / transfer_into in one process on 8 CPU devices, against jax.device_put."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax._src.array import ArrayImpl
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jreshard
+from jreshard import api
+from jreshard.errors import BackendUnavailableError, IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
+from jreshard.nccl.recording import RecordingComm
+from jreshard.sharding.topology import Link, Topology
+
+DEVS = np.array(jax.devices())
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int8, jnp.int32, jnp.bool_, jnp.uint8]
+
+
+def _shards_equal(a: jax.Array, b: jax.Array) -> None:
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    sa = {s.device: s for s in a.addressable_shards}
+    for s in b.addressable_shards:
+        x = sa[s.device]
+        assert x.index == s.index
+        np.testing.assert_array_equal(np.asarray(x.data), np.asarray(s.data))
+
+
+@st.composite
+def sharding_on(draw, devices: list, ndim: int):
+    n = len(devices)
+    a = draw(st.sampled_from([d for d in (1, 2, 4, 8) if n % d == 0]))
+    mesh = Mesh(np.array(devices).reshape(a, n // a), ("a", "b"))
+    free, spec = ["a", "b"], []
+    for _ in range(ndim):
+        k = draw(st.integers(0, len(free)))
+        pick = tuple(draw(st.permutations(free))[:k])
+        free = [x for x in free if x not in pick]
+        spec.append(pick if len(pick) != 1 else pick[0])
+    return NamedSharding(mesh, P(*spec))
+
+
+def _divisor(sh: NamedSharding, d: int) -> int:
+    e = sh.spec[d] if d < len(sh.spec) else None
+    axes = () if e is None else (e,) if isinstance(e, str) else e
+    return int(np.prod([sh.mesh.shape[x] for x in axes]))
+
+
+@st.composite
+def sharding_pair(draw):
+    perm = list(draw(st.permutations(list(DEVS))))
+    n_src, n_dst = draw(st.sampled_from([1, 2, 4, 8])), draw(st.sampled_from([1, 2, 4, 8]))
+    mode = draw(st.sampled_from(["disjoint", "same", "overlap"]))
+    first = {"disjoint": 8 - n_dst, "same": 0, "overlap": 2}[mode] if n_dst < 8 else 0
+    ndim = draw(st.integers(0, 3))
+    s = draw(sharding_on(perm[:n_src], ndim))
+    d = draw(sharding_on(perm[first : first + n_dst], ndim))
+    shape = tuple(int(np.lcm(_divisor(s, k), _divisor(d, k))) * draw(st.integers(0, 3)) for k in range(ndim))
+    dtype = draw(st.sampled_from(DTYPES))
+    return s, d, shape, dtype
+
+
+def _make(shape, dtype, sharding, seed=0):
+    rng = np.random.default_rng(seed)
+    host = rng.integers(0, 120, size=shape).astype(np.dtype(dtype))
+    return jax.device_put(host, sharding)
+
+
+@given(sharding_pair(), st.integers(0, 1000))
+def test_transfer_equals_device_put(case, seed):
+    s, d, shape, dtype = case
+    x = _make(shape, dtype, s, seed)
+    out = jreshard.transfer(x, d)
+    assert out.sharding == d and out.shape == x.shape and out.dtype == x.dtype
+    _shards_equal(out, jax.device_put(x, d))
+
+
+@given(sharding_pair(), st.integers(0, 1000), st.sampled_from([1, 2, 4, 8]))
+def test_message_path_equals_device_put_and_plan_bytes(case, seed, domain):
+    s, d, shape, dtype = case
+    x = _make(shape, dtype, s, seed)
+    topo = Topology.uniform(range(8), domain_size=domain)
+    comm = RecordingComm(ranks=range(8), topology=topo)
+    opts = jreshard.Options(chunk_bytes=64, staging_bytes=256)
+    out, stats, plan = api.transfer_with({"w": x}, {"w": d}, comm, topology=topo, options=opts)
+    _shards_equal(out["w"], jax.device_put(x, d))
+    if plan.tensors:
+        ps, rec = plan.stats(), comm.bytes_by_link()
+        assert (rec[Link.NETWORK], rec[Link.FAST], stats.local_bytes) == (
+            ps.network_bytes,
+            ps.fast_bytes,
+            ps.local_bytes,
+        )
+    assert max(stats.peak_staging_bytes.values(), default=0) <= 256
+
+
+def _refit_tree(mesh):
+    fsdp = NamedSharding(mesh, P("x"))
+    tree = {"layers": [], "embed": None}
+    for i, dt in enumerate(DTYPES):
+        tree["layers"].append({"w": _make((8, 4), dt, fsdp, i), "b": _make((8,), dt, fsdp, i + 10)})
+    tree["embed"] = _make((16, 2), jnp.bfloat16, fsdp, 99)
+    tree["scalar"] = _make((), jnp.float32, NamedSharding(mesh, P()), 5)
+    tree["empty"] = _make((0, 4), jnp.int32, fsdp, 6)
+    return tree
+
+
+def test_pytree_of_mixed_dtypes_with_none_targets_scalars_and_empty_leaves():
+    src_mesh, dst_mesh = Mesh(DEVS[:4], ("x",)), Mesh(DEVS[4:].reshape(2, 2), ("dp", "tp"))
+    x = _refit_tree(src_mesh)
+    tp = NamedSharding(dst_mesh, P(None, "tp"))
+    target = jax.tree.map(lambda a: tp if a.ndim == 2 else NamedSharding(dst_mesh, P()), x)
+    target["embed"] = None
+    out = jreshard.transfer(x, target)
+    assert out["embed"] is x["embed"]
+    treedef = jax.tree.structure(x)
+    for a, t, o in zip(jax.tree.leaves(x), treedef.flatten_up_to(target), jax.tree.leaves(out), strict=True):
+        if t is not None:
+            _shards_equal(o, jax.device_put(a, t))
+
+
+def test_thousands_of_leaves_and_a_cached_second_transfer():
+    src, dst = NamedSharding(Mesh(DEVS[:2], ("x",)), P("x")), NamedSharding(Mesh(DEVS[6:], ("y",)), P(None, "y"))
+    x = [jax.device_put(jnp.full((2, 2), i, jnp.float32), src) for i in range(2000)]
+    out = jreshard.transfer(x, dst)
+    assert [float(o[1, 1]) for o in out[::400]] == [0.0, 400.0, 800.0, 1200.0, 1600.0]
+    before = api._program.cache_info()
+    jreshard.transfer(x, dst)
+    after = api._program.cache_info()
+    assert after.hits == before.hits + 1 and after.misses == before.misses
+
+
+def test_identical_shardings_move_nothing():
+    s = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x"))
+    x = {"a": _make((8, 8), jnp.float32, s), "b": _make((4,), jnp.int8, s)}
+    out = jreshard.transfer(x, s)
+    assert out["a"] is x["a"] and out["b"] is x["b"]
+    # Equivalent sharding, other spec spelling: same buffers, the target sharding.
+    t = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x", None))
+    y = jreshard.transfer(x["a"], t)
+    assert y.sharding == t
+    ptrs = {s.device: s.data.unsafe_buffer_pointer() for s in x["a"].addressable_shards}
+    assert all(ptrs[s.device] == s.data.unsafe_buffer_pointer() for s in y.addressable_shards)
+
+
+def test_same_devices_other_order_shares_shards_that_stay_put():
+    s = NamedSharding(Mesh(DEVS[:4].reshape(2, 2), ("a", "b")), P("a", "b"))
+    d = NamedSharding(Mesh(DEVS[:4].reshape(2, 2), ("a", "b")), P("a", None))
+    x = _make((4, 4), jnp.float32, s)
+    out = jreshard.transfer(x, d)
+    _shards_equal(out, jax.device_put(x, d))
+
+
+def test_global_array_is_never_materialised_on_the_host(monkeypatch):
+    s, d = (
+        NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")),
+        NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("a", "b")), P("b", "a")),
+    )
+    x = _make((64, 32), jnp.float32, s)
+    into = jax.device_put(jnp.zeros((64, 32)), d)
+    expect = jax.device_put(x, d)
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError("the host value of a jax.Array was taken during a transfer")
+
+    monkeypatch.setattr(ArrayImpl, "__array__", forbidden)
+    monkeypatch.setattr(ArrayImpl, "_value", property(forbidden))
+    monkeypatch.setattr(ArrayImpl, "tolist", forbidden)
+    out = jreshard.transfer(x, d)
+    out2 = jreshard.transfer_into(x, into)
+    monkeypatch.undo()
+    _shards_equal(out, expect)
+    _shards_equal(out2, expect)
+
+
+def test_transfer_into_writes_in_place_and_aliases():
+    s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))
+    x = {"w": _make((8, 8), jnp.bfloat16, s, 1), "v": _make((8, 4), jnp.int32, s, 2)}
+    into = {k: jax.device_put(jnp.zeros(v.shape, v.dtype), d) for k, v in x.items()}
+    ptrs = {k: [sh.data.unsafe_buffer_pointer() for sh in v.addressable_shards] for k, v in into.items()}
+    out = jreshard.transfer_into(x, into)
+    for k in x:
+        _shards_equal(out[k], jax.device_put(x[k], d))
+        assert [sh.data.unsafe_buffer_pointer() for sh in out[k].addressable_shards] == ptrs[k]
+        assert out[k].sharding == d
+
+
+def test_transfer_into_leaves_destinations_untouched_on_error():
+    s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P("y"))
+    x = {"a": _make((8,), jnp.float32, s, 1), "b": _make((8,), jnp.float32, s, 2)}
+    into = {"a": jax.device_put(jnp.zeros(8), d), "b": jax.device_put(jnp.zeros(4), d)}
+    with pytest.raises(LayoutMismatchError, match="into holds"):
+        jreshard.transfer_into(x, into)
+    assert not np.asarray(into["a"]).any()
+    into["b"] = jax.device_put(jnp.zeros(8, jnp.int32), d)
+    with pytest.raises(LayoutMismatchError) as info:
+        jreshard.transfer_into(x, into)
+    assert info.value.what == "dtype" and not np.asarray(into["a"]).any()
+    x["b"].delete()
+    into["b"] = jax.device_put(jnp.zeros(8), d)
+    with pytest.raises(LayoutError, match="deleted or donated"):
+        jreshard.transfer_into(x, into)
+    assert not np.asarray(into["a"]).any()
+
+
+def test_bad_input_raises_specific_errors():
+    s = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x"))
+    x = {"a": _make((8,), jnp.float32, s), "b": _make((6,), jnp.float32, NamedSharding(Mesh(DEVS[:2], ("x",)), P("x")))}
+    with pytest.raises(LayoutMismatchError, match="structure"):
+        jreshard.transfer(x, {"a": s})
+    with pytest.raises(LayoutError, match=r"not a jax\.Array"):
+        jreshard.transfer({"a": np.zeros(8)}, {"a": s})
+    with pytest.raises(LayoutError, match="expected a jax Sharding"):
+        jreshard.transfer(x, {"a": s, "b": "tp"})
+    with pytest.raises(IndivisibleError):
+        jreshard.transfer(x, s)  # 6 rows over 4 devices
+    abstract = NamedSharding(jax.sharding.AbstractMesh((4,), ("x",)), P("x"))
+    with pytest.raises(TopologyError):
+        jreshard.transfer(x["a"], abstract)
+    with pytest.raises(BackendUnavailableError, match="RefitGroup"):
+        jreshard.transfer(x["a"], s, options=jreshard.Options(backend="mpi"))
