@@ -1,264 +1,204 @@
-"""transfer() and transfer_into(): move jax arrays and pytrees between shardings in one process.
+"""transfer() and transfer_into(): move jax arrays and pytrees between shardings.
 
-Every device taking part is addressable here (a single-controller program on CPU
-devices, or one host's GPUs), so each piece of each destination shard is copied
-straight from a source shard that holds it: no staging, no messages, and the
-global array is never materialised on the host. Source shards are exported
-zero-copy with DLPack; destination shards are allocated aligned and imported
-zero-copy on their device, then assembled with
-``jax.make_array_from_single_device_arrays``.
+**Which backend.** ``options.backend`` and where the arrays live pick the
+transport (:func:`jreshard.nccl.backend.select_backend`), and the choice is final:
+an explicit backend that cannot start raises :class:`BackendUnavailableError`
+saying why, never falling back to another.
 
-All the work that depends only on shapes, dtypes and shardings (layouts, the
-pieces of every shard, the descriptor tables) is cached by the pytree structure,
-the shapes, dtypes and shardings of its leaves, the topology and the options: the
-second transfer of the same pytree spends no time planning. Every check runs
-before any byte is written.
+- ``local``: every device taking part is addressable here (a single-controller
+  program on CPU devices, or one host's GPUs). Each piece of each destination shard
+  is copied straight from a source shard that holds it: no staging, no messages,
+  and the global array is never materialised on the host. Source shards are
+  exported zero-copy with DLPack; destination shards are taken from a pool of
+  buffers that jax has released (warm memory, :mod:`jreshard.nccl.pool`), imported
+  zero-copy on their device, and assembled with
+  ``jax.make_array_from_single_device_arrays``.
+- ``mpi``: :func:`jreshard.multi.transfer_multiprocess`, the message-passing
+  engine over MPI; every process of the cluster calls ``transfer``.
+- ``nccl``: in one process with GPUs, the same engine over ``NcclComm`` (not run
+  on GPU). Across processes, NCCL is not wired into ``transfer`` yet: that raises.
+
+All the work that depends only on shapes, dtypes and shardings is cached
+(:func:`jreshard.nccl.direct.direct_transfer`): the second transfer of the same
+pytree spends no time planning. Every check runs before any byte is written.
+``report=True`` returns a :class:`~jreshard.report.TransferReport` with the result.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TopologyError
-from jreshard.nccl import kernels
+from jreshard.errors import BackendUnavailableError
+from jreshard.nccl.backend import BackendChoice, Placement, select_backend
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator
+from jreshard.nccl.direct import DirectTransfer, assemble, flatten, local_devices, prepare
 from jreshard.nccl.engine import ExecStats, Shards, execute
-from jreshard.nccl.local import DirectProgram, direct_copies
 from jreshard.options import Backend, Options
-from jreshard.sharding.layout import Layout
+from jreshard.report import ReportBuilder, ReportPhase, TransferReport
 from jreshard.sharding.program import Plan, plan_layouts
 from jreshard.sharding.topology import Topology
 
-__all__ = ["transfer", "transfer_into", "transfer_with"]
+__all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]
 
 
-class _Kind(enum.IntEnum):
-    KEEP = 0  # the leaf stays as it is (a None target, or the very same sharding)
-    REWRAP = 1  # same shards on the same devices: a new jax.Array over the same buffers
-    MOVE = 2  # bytes move
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Program:
-    """Everything about one transfer that depends only on the cache key."""
-
-    kinds: tuple[_Kind, ...]
-    moves: tuple[int, ...]  # leaf index of each moved tensor
-    pairs: tuple[tuple[Layout, Layout], ...]  # per moved tensor
-    names: tuple[str, ...]
-    src_keys: tuple[tuple[int, int], ...]  # (moved tensor, rank) of each source buffer
-    dst_keys: tuple[tuple[int, int], ...]  # (moved tensor, rank) of each written destination buffer
-    aliases: frozenset[tuple[int, int]]  # (moved tensor, rank): the destination shard is the source shard
-    direct: DirectProgram
-
-
-def _leaf_error(i: int, names: Sequence[str], what: str) -> str:
-    return f"leaf {names[i]} (#{i}) {what}"
-
-
-def _check_source(leaf: Any, i: int, names: Sequence[str], which: str = "source") -> None:
-    if not isinstance(leaf, jax.Array):
-        raise LayoutError(_leaf_error(i, names, f"of the {which} is {type(leaf).__name__}, not a jax.Array"))
-    if leaf.is_deleted():
-        raise LayoutError(
-            _leaf_error(i, names, f"of the {which} has been deleted or donated; the fix is to pass a live array")
-        )
-    if not leaf.is_fully_addressable:
-        raise TopologyError(
-            _leaf_error(i, names, f"of the {which} spans other processes; transfer() runs in one process")
-        )
-
-
-def _check_target(sharding: Any, i: int, names: Sequence[str]) -> None:
-    if not isinstance(sharding, jax.sharding.Sharding):
-        raise LayoutError(_leaf_error(i, names, f"has target {sharding!r}; expected a jax Sharding or None"))
-    try:
-        devices = sharding.device_set
-    except Exception as err:  # an abstract mesh has no devices
-        raise TopologyError(_leaf_error(i, names, f"has target {sharding} with no concrete devices: {err}")) from err
-    known = _local_devices()
-    missing = [d for d in devices if d not in known]
-    if missing:
-        raise TopologyError(
-            _leaf_error(i, names, f"has target on devices {missing} that this process cannot address (local {known})")
-        )
-
-
-@functools.cache
-def _local_devices() -> frozenset:
-    return frozenset(jax.local_devices())
-
-
-def _same_boxes(a: Layout, b: Layout) -> bool:
-    return a._index() == b._index()
-
-
-@functools.lru_cache(maxsize=64)
-def _program(key: tuple, mode: str) -> _Program:
-    _treedef, leaves = key[0], key[1]
-    names = tuple(str(i) for i in range(len(leaves)))
-    kinds, moves, pairs = [], [], []
-    for i, (shape, dtype, src_sh, dst_sh) in enumerate(leaves):
-        if dst_sh is None or (mode == "transfer" and dst_sh == src_sh):
-            kinds.append(_Kind.KEEP)
-            continue
+def _route(leaves: list, targets: list, what: str, options: Options) -> tuple[BackendChoice, bool]:
+    """The backend for these leaves and targets, and whether one process addresses every device
+    (the checks of each leaf come later, in order)."""
+    shardings = {leaf.sharding for leaf in leaves if isinstance(leaf, jax.Array)}
+    for t in targets:
+        sh = t.sharding if what == "into" and isinstance(t, jax.Array) else t
+        if isinstance(sh, jax.sharding.Sharding):
+            shardings.add(sh)
+    devices = set()
+    for sh in shardings:
         try:
-            src, dst = Layout.from_sharding(src_sh, shape, dtype), Layout.from_sharding(dst_sh, shape, dtype)
-        except LayoutError as err:  # IndivisibleError, a spec naming unknown axes...
-            raise type(err)(f"leaf #{i} of shape {shape}: {err}") from err
-        if mode == "transfer" and _same_boxes(src, dst):
-            kinds.append(_Kind.REWRAP)
+            devices |= sh.device_set
+        except Exception:
             continue
-        kinds.append(_Kind.MOVE)
-        moves.append(i)
-        pairs.append((src, dst))
-    src_keys: dict[tuple[int, int], int] = {}
-    dst_keys: dict[tuple[int, int], int] = {}
-    aliases: set[tuple[int, int]] = set()
-    rows = []
-    for t, (src, dst) in enumerate(pairs):
-        isz = src.itemsize
-        sidx, didx = src._index(), dst._index()
-        for r, h, box in direct_copies(src, dst):
-            if mode == "transfer" and r in sidx and sidx[r] == didx[r]:
-                aliases.add((t, r))  # a shard already where it must be: share its buffer
-                continue
-            sb, db, bb = kernels.byte_box(sidx[h], isz), kernels.byte_box(didx[r], isz), kernels.byte_box(box, isz)
-            si = src_keys.setdefault((t, h), len(src_keys))
-            di = dst_keys.setdefault((t, r), len(dst_keys))
-            rows.append((si, sb.shape, bb.relative_to(sb), di, db.shape, bb.relative_to(db)))
-        for r in dst.ranks:  # shards with nothing to copy (zero-size) still need a buffer
-            if (t, r) not in aliases:
-                dst_keys.setdefault((t, r), len(dst_keys))
-    return _Program(
-        kinds=tuple(kinds),
-        moves=tuple(moves),
-        pairs=tuple(pairs),
-        names=names,
-        src_keys=tuple(src_keys),
-        dst_keys=tuple(dst_keys),
-        aliases=frozenset(aliases),
-        direct=DirectProgram.build(rows),
-    )
-
-
-def _flatten(x: Any, target: Any, what: str) -> tuple[list, Any, list, list[str]]:
-    leaves_p, treedef = jax.tree_util.tree_flatten_with_path(x)
-    names = [jax.tree_util.keystr(p) or "x" for p, _ in leaves_p]
-    leaves = [v for _, v in leaves_p]
-    if what == "target" and isinstance(target, jax.sharding.Sharding):
-        return leaves, treedef, [target] * len(leaves), names
-    try:
-        targets = treedef.flatten_up_to(target)
-    except (ValueError, TypeError) as err:
-        raise LayoutMismatchError(
-            f"{what} does not match the structure of x ({treedef}): {err}", src=treedef, dst=target, what="structure"
-        ) from None
-    return leaves, treedef, targets, names
+    if not devices:  # nothing to place: an empty tree
+        return BackendChoice(backend=Backend.LOCAL, reason="no devices take part (an empty pytree)"), True
+    placement = Placement.of_devices(devices, jax.process_index())
+    return select_backend(options.backend, placement), placement.single_process
 
 
 def _prepare(x: Any, target: Any, what: str, topology: Topology | None, options: Options) -> tuple:
-    if options.backend not in (Backend.AUTO, Backend.LOCAL):
+    leaves, treedef, targets, names = flatten(x, target, what)
+    choice, here = _route(leaves, targets, what, options)
+    if choice.backend is not Backend.LOCAL:
+        return (choice, here), leaves, treedef, targets, None
+    return (choice, here), leaves, treedef, targets, prepare(leaves, treedef, targets, names, what, topology, options)
+
+
+def _buffers(leaves: list) -> BufferBackend:
+    """numpy buffers, or CuPy ones when the arrays are on GPUs (not run on GPU)."""
+    on_gpu = any(d.platform in ("gpu", "cuda") for leaf in leaves[:1] for d in leaf.sharding.device_set)
+    if not on_gpu:
+        return CpuBuffers()
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+
+    return CupyBuffers()
+
+
+def _copy(prog: DirectTransfer, backend: BufferBackend, src: list, dst: list) -> None:
+    if isinstance(backend, CpuBuffers):
+        prog.direct.run(src, dst)
+        return
+    # GPUs (not run on GPU): one backend copy per destination device, then wait.
+    d = prog.direct
+    rank_of_buf = np.array([r for _, r in prog.dst_keys], dtype=np.int64)
+    rows = rank_of_buf[d.dst_table[:, 0]] if len(d.dst_table) else rank_of_buf[:0]
+    for r in sorted(set(rows.tolist())):
+        mask = rows == r
+        backend.copy(d.src_table[mask], src, d.dst_table[mask], dst)
+    backend.synchronize()
+
+
+def _elsewhere(
+    route: tuple[BackendChoice, bool],
+    x: Any,
+    target: Any,
+    what: str,
+    topology: Topology | None,
+    options: Options,
+    builder: ReportBuilder,
+) -> Any:
+    """Run a transfer that the direct path does not: across processes (MPI), or over NCCL."""
+    choice, single_process = route
+    if what == "into":
         raise BackendUnavailableError(
-            f"transfer() moves arrays inside one process (backend 'auto' or 'local'), got backend="
-            f"{options.backend.value!r}; the fix is to use jreshard.RefitGroup for transfers across processes"
+            f"transfer_into runs in one process with backend 'local', but {choice.reason} picked backend "
+            f"{choice.backend.value!r}. The fix is jreshard.RefitGroup.pull(into=...) across processes, "
+            "or backend='auto' or 'local' in one process"
         )
-    leaves, treedef, targets, names = _flatten(x, target, what)
-    specs = []
-    for i, (leaf, tgt) in enumerate(zip(leaves, targets, strict=True)):
-        _check_source(leaf, i, names)
-        if what == "into" and tgt is not None:
-            _check_source(tgt, i, names, "destination (into)")
-            if tgt.shape != leaf.shape or tgt.dtype != leaf.dtype:
-                have = f"is {leaf.dtype}{list(leaf.shape)} but into holds {tgt.dtype}{list(tgt.shape)}"
-                raise LayoutMismatchError(
-                    _leaf_error(i, names, have),
-                    src=(leaf.shape, leaf.dtype),
-                    dst=(tgt.shape, tgt.dtype),
-                    what="shape" if tgt.shape != leaf.shape else "dtype",
-                )
-            sh = tgt.sharding
-        else:
-            sh = tgt
-        if sh is not None:
-            _check_target(sh, i, names)
-        specs.append((tuple(leaf.shape), np.dtype(leaf.dtype), leaf.sharding, sh))
-    key = (treedef, tuple(specs), topology, options)
-    return leaves, treedef, targets, _program(key, "into" if what == "into" else "transfer")
+    if choice.backend is Backend.MPI:
+        from jreshard.multi import transfer_multiprocess
+
+        if isinstance(target, jax.sharding.Sharding):
+            target = jax.tree.map(lambda _: target, x)
+        return transfer_multiprocess(x, target, topology=topology, options=options)
+    if not single_process:
+        raise BackendUnavailableError(
+            f"backend 'nccl' ({choice.reason}) is not wired into jreshard.transfer across processes yet: "
+            "there transfer() runs over MPI (jreshard.multi). The fix is backend='mpi' with a CUDA-aware MPI"
+        )
+    return _nccl_in_process(x, target, topology, options, builder)
 
 
-def _export(prog: _Program, leaves: list, backend: BufferBackend) -> tuple[list, list[dict]]:
-    shards = [{s.device.id: s.data for s in leaves[i].addressable_shards} for i in prog.moves]
-    return [backend.export_source(shards[t][h]) for t, h in prog.src_keys], shards
+class _Store:
+    """An in-process key-value store: the NCCL unique id's rendezvous when one process drives every GPU."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        return self.values[key]
 
 
-def _dst_shape(prog: _Program, t: int, r: int) -> tuple[int, ...]:
-    return prog.pairs[t][1].box_of(r).shape
+def _nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Options, builder: ReportBuilder) -> Any:
+    """``backend="nccl"`` with every GPU in this process: the engine over ``NcclComm``. Not run on GPU."""
+    from jreshard.nccl.cupy_nccl import NcclComm
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.nccl.rendezvous import KeyValueRendezvous
 
-
-def _allocate(prog: _Program, backend: BufferBackend, devices: dict) -> list:
-    by_dev: dict[int, list[int]] = {}
-    for k, (_t, r) in enumerate(prog.dst_keys):
-        by_dev.setdefault(r, []).append(k)
-    out: list = [None] * len(prog.dst_keys)
-    for r, ks in by_dev.items():
-        sizes = []
-        for k in ks:
-            t, _ = prog.dst_keys[k]
-            sizes.append(int(np.prod(_dst_shape(prog, t, r))) * prog.pairs[t][0].itemsize)
-        for k, buf in zip(ks, backend.allocate(sizes, devices[r]), strict=True):
-            out[k] = buf
+    leaves, _, targets, _ = flatten(x, target, "target")
+    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
+    devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
+    comm = NcclComm(
+        devices={r: r for r in devs},
+        local_devices={r: int(d.local_hardware_id) for r, d in devs.items()},
+        rendezvous=KeyValueRendezvous(_Store()),
+        namespace="jreshard.transfer",
+        timeout_s=options.timeout_s,
+    )
+    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in devs.items()})
+    try:
+        out, _, _ = transfer_with(x, target, comm, topology=topology, options=options, buffers=buffers, report=builder)
+    finally:
+        buffers.synchronize()
+        buffers.release()
     return out
 
 
-def _assemble(prog: _Program, leaves: list, targets: list, parts: dict, what: str) -> list:
-    out = []
-    t = 0
-    for i, kind in enumerate(prog.kinds):
-        leaf, tgt = leaves[i], targets[i]
-        sh = tgt.sharding if what == "into" and tgt is not None else tgt
-        if kind == _Kind.KEEP:
-            out.append(leaf if what != "into" or tgt is None else tgt)
-        elif kind == _Kind.REWRAP:
-            same = [s.data for s in leaf.addressable_shards]
-            out.append(jax.make_array_from_single_device_arrays(leaf.shape, sh, same))
-        else:
-            out.append(jax.make_array_from_single_device_arrays(leaf.shape, sh, parts[t]))
-            t += 1
-    return out
+def _finish(builder: ReportBuilder, result: Any, report: bool) -> Any:
+    return (result, builder.build()) if report else result
 
 
-def transfer(x: Any, target: Any, *, topology: Topology | None = None, options: Options | None = None) -> Any:
-    """Move ``x`` (a jax.Array or a pytree of them) to ``target`` shardings, in one process.
+def transfer(
+    x: Any, target: Any, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
+) -> Any:
+    """Move ``x`` (a jax.Array or a pytree of them) to ``target`` shardings.
 
     Args:
-      x: a ``jax.Array`` or a pytree of them, every device addressable from this process.
+      x: a ``jax.Array`` or a pytree of them.
       target: a ``jax.sharding.Sharding`` (for every leaf) or a pytree matching ``x``
         whose leaves are shardings; a ``None`` leaf keeps that leaf where it is.
       topology: ranks and domains (default: ``Topology.from_devices``, rank = ``device.id``);
         part of the cache key.
-      options: ``jreshard.Options``; ``backend`` must be ``"auto"`` or ``"local"``.
+      options: ``jreshard.Options``; ``backend`` picks the transport (module docstring).
+      report: also return a :class:`TransferReport` (backend and why, bytes per link,
+        seconds per phase, the destination bytes allocated fresh).
 
     Returns:
       The same structure, each leaf committed to exactly its target sharding and equal
-      to ``x``. Leaves whose sharding already is the target are returned as they are (no
-      bytes move); destination shards that equal a source shard on the same device share
-      its buffer.
+      to ``x`` (with ``report=True``: ``(result, report)``). Leaves whose sharding
+      already is the target are returned as they are (no bytes move); destination
+      shards that equal a source shard on the same device share its buffer.
+      Destination buffers come from a pool of buffers jax released earlier
+      (``jreshard.nccl.pool.default_pool()``; ``.clear()`` gives them back).
 
     Raises:
       LayoutMismatchError: ``target`` does not match the structure of ``x``.
       LayoutError: a leaf is not a jax.Array, was deleted or donated, or a target is not a
         sharding; IndivisibleError: a target cannot hold the leaf's shape.
-      TopologyError: a target uses devices this process cannot address.
-      BackendUnavailableError: ``options.backend`` is ``"mpi"`` or ``"nccl"``.
+      TopologyError: a target uses devices that do not exist.
+      BackendUnavailableError: ``options.backend`` cannot run these arrays (the message says why).
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, jreshard
@@ -272,26 +212,49 @@ def transfer(x: Any, target: Any, *, topology: Topology | None = None, options: 
       (P(None, 'tp'), True)
       >>> out["w"].addressable_shards[0].data.shape
       (4, 4)
+      >>> out, rep = jreshard.transfer(w, NamedSharding(infer, P("dp")), report=True)
+      >>> rep.backend.value, rep.bytes_by_link()[jreshard.Link.FAST], rep.moved_bytes == 2 * w.nbytes
+      ('local', 256, True)
     """
     options = options or Options()
-    backend = CpuBuffers()
-    leaves, treedef, targets, prog = _prepare(x, target, "target", topology, options)
+    builder = ReportBuilder(Backend.LOCAL)
+    with builder.timed(ReportPhase.PLAN):
+        route, leaves, treedef, targets, prog = _prepare(x, target, "target", topology, options)
+    choice = route[0]
+    builder.choose(choice.backend, choice.reason)
+    if prog is None:
+        return _finish(builder, _elsewhere(route, x, target, "target", topology, options, builder), report)
     if not prog.moves:
-        return treedef.unflatten(_assemble(prog, leaves, targets, {}, "target"))
-    src_bufs, shards = _export(prog, leaves, backend)
-    devices = {d.id: d for d in _local_devices()}
-    dst_bufs = _allocate(prog, backend, devices)
-    prog.direct.run(src_bufs, dst_bufs)
-    parts: dict[int, list] = {t: [] for t in range(len(prog.moves))}
-    for (t, r), buf in zip(prog.dst_keys, dst_bufs, strict=True):
-        dt = prog.pairs[t][1].np_dtype
-        parts[t].append(backend.import_shard(buf, _dst_shape(prog, t, r), dt, devices[r]))
-    for t, r in prog.aliases:
-        parts[t].append(shards[t][r])
-    return treedef.unflatten(_assemble(prog, leaves, targets, parts, "target"))
+        return _finish(builder, treedef.unflatten(assemble(prog, leaves, targets, {}, "target")), report)
+    backend = _buffers(leaves)
+    devices = {d.id: d for d in local_devices()}
+    pool = backend.pool if isinstance(backend, CpuBuffers) else None
+    fresh0 = pool.stats().fresh_bytes if pool is not None else 0
+    with builder.timed(ReportPhase.BUFFERS):
+        shards = [{s.device.id: s.data for s in leaves[i].addressable_shards} for i in prog.moves]
+        src_bufs = [backend.export_source(shards[t][h]) for t, h in prog.src_keys]
+        dst_bufs = [backend.allocate([prog.dst_nbytes(t, r)], devices[r])[0] for t, r in prog.dst_keys]
+    with builder.timed(ReportPhase.COPY):
+        _copy(prog, backend, src_bufs, dst_bufs)
+    with builder.timed(ReportPhase.BUFFERS):
+        parts: dict[int, list] = {t: [] for t in range(len(prog.moves))}
+        for (t, r), buf in zip(prog.dst_keys, dst_bufs, strict=True):
+            lay = prog.pairs[t][1]
+            parts[t].append(backend.import_shard(buf, prog.dst_shape(t, r), lay.np_dtype, devices[r]))
+        for t, r in prog.aliases:
+            parts[t].append(shards[t][r])
+        out = treedef.unflatten(assemble(prog, leaves, targets, parts, "target"))
+        del src_bufs, dst_bufs
+    for link, n in prog.link_bytes:
+        builder.add_bytes(link, n)
+    if pool is not None:
+        builder.add_fresh(pool.stats().fresh_bytes - fresh0)
+    return _finish(builder, out, report)
 
 
-def transfer_into(x: Any, into: Any, *, topology: Topology | None = None, options: Options | None = None) -> Any:
+def transfer_into(
+    x: Any, into: Any, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
+) -> Any:
     """Write ``x`` into the existing arrays ``into`` (same structure, shapes and dtypes), in one process.
 
     The caller donates ``into``: its buffers are overwritten in place, so an inference
@@ -305,13 +268,16 @@ def transfer_into(x: Any, into: Any, *, topology: Topology | None = None, option
       x: a ``jax.Array`` or a pytree of them.
       into: a matching pytree of ``jax.Array`` (or ``None`` leaves), the destinations.
       topology: as for :func:`transfer`.
-      options: as for :func:`transfer`.
+      options: as for :func:`transfer`; the backend must resolve to ``"local"``.
+      report: also return a :class:`TransferReport`.
 
     Returns:
-      Arrays with ``into``'s shardings, equal to ``x``, over ``into``'s buffers.
+      Arrays with ``into``'s shardings, equal to ``x``, over ``into``'s buffers (with
+      ``report=True``: ``(result, report)``).
 
     Raises:
       LayoutMismatchError: structure, shape or dtype differ between ``x`` and ``into``;
+      BackendUnavailableError: the arrays span processes, or the backend is not local;
       and the errors of :func:`transfer`.
 
     Example:
@@ -323,34 +289,64 @@ def transfer_into(x: Any, into: Any, *, topology: Topology | None = None, option
       >>> src = jax.device_put(jnp.arange(16.0).reshape(4, 4), a)
       >>> dst = jax.device_put(jnp.zeros((4, 4)), b)
       >>> ptr = dst.addressable_shards[0].data.unsafe_buffer_pointer()
-      >>> out = jreshard.transfer_into(src, dst)
+      >>> out, rep = jreshard.transfer_into(src, dst, report=True)
       >>> np.array_equal(out, src), out.addressable_shards[0].data.unsafe_buffer_pointer() == ptr
       (True, True)
+      >>> rep.moved_bytes, rep.fresh_bytes
+      (64, 0)
     """
     options = options or Options()
-    backend = CpuBuffers()
-    leaves, treedef, targets, prog = _prepare(x, into, "into", topology, options)
-    src_bufs, _ = _export(prog, leaves, backend)
-    dst_shards = [{s.device.id: s.data for s in targets[i].addressable_shards} for i in prog.moves]
-    dst_bufs = [backend.writable_view(dst_shards[t][r]) for t, r in prog.dst_keys]
-    prog.direct.run(src_bufs, dst_bufs)
-    parts = {t: list(d.values()) for t, d in enumerate(dst_shards)}
-    return treedef.unflatten(_assemble(prog, leaves, targets, parts, "into"))
+    builder = ReportBuilder(Backend.LOCAL)
+    with builder.timed(ReportPhase.PLAN):
+        route, leaves, treedef, targets, prog = _prepare(x, into, "into", topology, options)
+    choice = route[0]
+    builder.choose(choice.backend, choice.reason)
+    if prog is None:
+        return _finish(builder, _elsewhere(route, x, into, "into", topology, options, builder), report)
+    backend = _buffers(leaves) if prog.moves else CpuBuffers()
+    with builder.timed(ReportPhase.BUFFERS):
+        src_bufs = []
+        if prog.moves:
+            shards = [{s.device.id: s.data for s in leaves[i].addressable_shards} for i in prog.moves]
+            src_bufs = [backend.export_source(shards[t][h]) for t, h in prog.src_keys]
+        dst_shards = [{s.device.id: s.data for s in targets[i].addressable_shards} for i in prog.moves]
+        dst_bufs = [backend.writable_view(dst_shards[t][r]) for t, r in prog.dst_keys]
+    with builder.timed(ReportPhase.COPY):
+        _copy(prog, backend, src_bufs, dst_bufs)
+    with builder.timed(ReportPhase.BUFFERS):
+        parts = {t: list(d.values()) for t, d in enumerate(dst_shards)}
+        out = treedef.unflatten(assemble(prog, leaves, targets, parts, "into"))
+        del src_bufs, dst_bufs
+    for link, n in prog.link_bytes:
+        builder.add_bytes(link, n)
+    return _finish(builder, out, report)
 
 
 def transfer_with(
-    x: Any, target: Any, comm: Communicator, *, topology: Topology | None = None, options: Options | None = None
+    x: Any,
+    target: Any,
+    comm: Communicator,
+    *,
+    topology: Topology | None = None,
+    options: Options | None = None,
+    buffers: BufferBackend | None = None,
+    report: ReportBuilder | None = None,
 ) -> tuple[Any, ExecStats, Plan]:
     """:func:`transfer` through the message-passing engine (the path MPI and NCCL take), over
     ``comm`` whose ``local_ranks`` must be every rank taking part. For tests and comparisons.
+
+    Args:
+      buffers: the buffer backend (default numpy buffers from the pool).
+      report: a builder the engine adds its phases, bytes and staging to.
 
     Returns:
       ``(result, stats, plan)``: the moved pytree, what the engine did, and the plan it ran.
     """
     options = options or Options()
-    backend = CpuBuffers()
-    leaves, treedef, targets, prog = _prepare(x, target, "target", topology, options)
-    devices = {d.id: d for d in _local_devices()}
+    backend = buffers or CpuBuffers()
+    leaves, treedef, targets, names = flatten(x, target, "target")
+    prog = prepare(leaves, treedef, targets, names, "target", topology, options)
+    devices = {d.id: d for d in local_devices()}
     used = sorted({r for p in prog.pairs for lay in p for r in lay.ranks})
     topo = topology or Topology.from_devices([devices[r] for r in used])
     plan = plan_layouts(prog.pairs, topo, options, [str(i) for i in prog.moves])
@@ -360,10 +356,12 @@ def transfer_with(
             src[(t, s.device.id)] = backend.export_source(s.data)
         lay = prog.pairs[t][1]
         for r in lay.ranks:
-            (dst[(t, r)],) = backend.allocate([int(np.prod(lay.box_of(r).shape)) * lay.itemsize], devices[r])
-    stats = execute(plan, comm, Shards(src=src, dst=dst), options=options, backend=backend)
+            (dst[(t, r)],) = backend.allocate([prog.dst_nbytes(t, r)], devices[r])
+    stats = execute(
+        plan, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
+    )
     parts = {
         t: [backend.import_shard(dst[(t, r)], lay.box_of(r).shape, lay.np_dtype, devices[r]) for r in lay.ranks]
         for t, (_, lay) in enumerate(prog.pairs)
     }
-    return treedef.unflatten(_assemble(prog, leaves, targets, parts, "target")), stats, plan
+    return treedef.unflatten(assemble(prog, leaves, targets, parts, "target")), stats, plan

@@ -1,8 +1,11 @@
 """TransferReport: what one transfer (one refit) moved, how long each phase took,
 and which backend ran it.
 
-The engine fills a :class:`ReportBuilder` while it runs and returns
-``builder.build()``. Every number is measured, never predicted: bytes are
+``jreshard.transfer(..., report=True)`` and ``transfer_into(..., report=True)``
+return one with their result; the in-process path fills the ``plan``, ``buffers``
+and ``copy`` phases, and the message-passing engine (``engine.execute(...,
+report=builder)``) the ``pack``, ``network``, ``fanout`` and ``unpack`` phases.
+Every number is measured, never predicted: bytes are
 counted as the engine hands them to a link, times are host wall-clock seconds
 around each phase (on GPUs a phase's time includes the stream synchronisation
 that ends it, so a phase that only enqueues work reads as short and the wait
@@ -26,11 +29,13 @@ __all__ = ["ReportBuilder", "ReportPhase", "TransferReport"]
 class ReportPhase(enum.Enum):
     """The timed phases of a transfer, in the order they first run."""
 
-    PLAN = "plan"  # plan lookup or planning, and building this rank's program
+    PLAN = "plan"  # checks, plan lookup or planning, and building this rank's program
     PACK = "pack"  # gathering strided pieces into staging buffers
     NETWORK = "network"  # point-to-point messages between domains (and their waits)
     FANOUT = "fanout"  # messages inside a fast-link domain
     UNPACK = "unpack"  # scattering staging buffers into destination shards, and local copies
+    COPY = "copy"  # in one process: the direct copies from source shards into destination shards
+    BUFFERS = "buffers"  # in one process: DLPack export, destination allocation, import, assembly
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -42,7 +47,11 @@ class TransferReport:
       backend_reason: why it was picked, in words (``"auto: arrays on GPUs and cupy.cuda.nccl imports"``).
       network_bytes, fast_bytes, local_bytes: bytes this process moved over each link kind
         (counted once, at the sender; a local copy counts at the destination).
-      plan_s, pack_s, network_s, fanout_s, unpack_s: seconds spent in each phase.
+      plan_s, pack_s, network_s, fanout_s, unpack_s, copy_s, buffers_s: seconds spent in
+        each :class:`ReportPhase`.
+      fresh_bytes: destination bytes allocated new for this transfer (their pages are
+        faulted in on first touch, the slow case on CPU hosts); the others were reused
+        warm from the buffer pool or written in place.
       total_s: wall-clock seconds from the start of the transfer to its end; at least
         the sum of the phases (phases may overlap when chunks are pipelined, so the sum
         can also exceed it).
@@ -65,18 +74,21 @@ class TransferReport:
     network_s: float = 0.0
     fanout_s: float = 0.0
     unpack_s: float = 0.0
+    copy_s: float = 0.0
+    buffers_s: float = 0.0
     total_s: float = 0.0
     peak_staging_bytes: int = 0
     messages: int = 0
+    fresh_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend) or self.backend is Backend.AUTO:
             raise ValueError(f"TransferReport: backend={self.backend!r} must be a resolved Backend, not AUTO")
-        for f in ("network_bytes", "fast_bytes", "local_bytes", "peak_staging_bytes", "messages"):
+        for f in ("network_bytes", "fast_bytes", "local_bytes", "peak_staging_bytes", "messages", "fresh_bytes"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"TransferReport: {f}={v!r} must be an int >= 0")
-        for f in ("plan_s", "pack_s", "network_s", "fanout_s", "unpack_s", "total_s"):
+        for f in ("plan_s", "pack_s", "network_s", "fanout_s", "unpack_s", "copy_s", "buffers_s", "total_s"):
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"TransferReport: {f}={v!r} must be a number of seconds >= 0")
@@ -106,11 +118,12 @@ class TransferReport:
 
     def summary(self) -> str:
         """One line for logs."""
-        phases = ", ".join(f"{p.value} {s * 1e3:.1f} ms" for p, s in self.seconds_by_phase().items())
+        phases = ", ".join(f"{p.value} {s * 1e3:.1f} ms" for p, s in self.seconds_by_phase().items() if s)
         return (
             f"{self.backend.value}: {self.moved_bytes} B (network {self.network_bytes}, fast {self.fast_bytes}, "
             f"local {self.local_bytes}) in {self.total_s * 1e3:.1f} ms = {self.achieved_gbps:.2f} GB/s; "
-            f"{phases}; peak staging {self.peak_staging_bytes} B; {self.messages} messages"
+            f"{phases or 'no phase timed'}; peak staging {self.peak_staging_bytes} B; {self.messages} messages; "
+            f"fresh {self.fresh_bytes} B; {self.backend_reason}"
         )
 
 
@@ -133,7 +146,18 @@ class ReportBuilder:
       (0.5, 3.0, 64, 100)
     """
 
-    __slots__ = ("_backend", "_bytes", "_clock", "_messages", "_peak", "_reason", "_seconds", "_staging", "_start")
+    __slots__ = (
+        "_backend",
+        "_bytes",
+        "_clock",
+        "_fresh",
+        "_messages",
+        "_peak",
+        "_reason",
+        "_seconds",
+        "_staging",
+        "_start",
+    )
 
     def __init__(self, backend: Backend, reason: str = "", *, clock: Callable[[], float] = time.perf_counter):
         self._backend = backend
@@ -145,6 +169,11 @@ class ReportBuilder:
         self._staging = 0
         self._peak = 0
         self._messages = 0
+        self._fresh = 0
+
+    def choose(self, backend: Backend, reason: str) -> None:
+        """Record the backend once it is picked (a builder starts before the choice is made)."""
+        self._backend, self._reason = backend, reason
 
     @contextlib.contextmanager
     def timed(self, phase: ReportPhase) -> Iterator[None]:
@@ -163,6 +192,10 @@ class ReportBuilder:
         """Count ``nbytes`` moved over ``link`` and ``messages`` messages sent."""
         self._bytes[Link(link)] += int(nbytes)
         self._messages += int(messages)
+
+    def add_fresh(self, nbytes: int) -> None:
+        """Count destination bytes allocated new (not reused from a pool)."""
+        self._fresh += int(nbytes)
 
     def staging(self, delta: int) -> None:
         """Staging memory grew (``delta > 0``) or shrank; the peak is kept."""
@@ -183,7 +216,10 @@ class ReportBuilder:
             network_s=s[ReportPhase.NETWORK],
             fanout_s=s[ReportPhase.FANOUT],
             unpack_s=s[ReportPhase.UNPACK],
+            copy_s=s[ReportPhase.COPY],
+            buffers_s=s[ReportPhase.BUFFERS],
             total_s=max(self._clock() - self._start, 0.0),
             peak_staging_bytes=self._peak,
             messages=self._messages,
+            fresh_bytes=self._fresh,
         )

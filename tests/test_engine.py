@@ -13,7 +13,9 @@ from jreshard.nccl.comm import RecvOp, SendOp
 from jreshard.nccl.engine import Shards, build_schedule, chunk_pieces, execute
 from jreshard.nccl.local import LocalComm
 from jreshard.nccl.recording import RecordingComm
-from jreshard.options import Options
+from jreshard.nccl.schedule import STAGE_ALIGN, STAGING
+from jreshard.options import Backend, Options
+from jreshard.report import ReportBuilder
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
@@ -214,3 +216,26 @@ def test_local_comm_rejects_unmatched_ops():
     with pytest.raises(PeerError, match="ranks \\[5\\]"):
         comm.exchange([SendOp(5, 1, 0, a)], [RecvOp(5, 1, 0, a)], timeout_s=1.0)
     assert numpy_dtype("bfloat16").itemsize == 2
+
+
+def test_execute_fills_the_report_and_staged_chunks_start_16_byte_aligned():
+    src = Layout.from_mesh(np.arange(4), ("x",), ("x",), (24, 20), "float32")
+    dst = Layout.from_mesh(np.arange(4, 8).reshape(2, 2), ("dp", "tp"), (None, "tp"), (24, 20), "float32")
+    topo = Topology.uniform(range(8), domain_size=2)
+    opts = Options(chunk_bytes=100, staging_bytes=320)
+    plan = plan_layouts([(src, dst)], topo, opts)
+    shards = _shards([(src, dst)], [_global(src, 1)])
+    comm = RecordingComm(ranks=topo.ranks, topology=topo)
+    builder = ReportBuilder(Backend.LOCAL, "test")
+    stats = execute(plan, comm, shards, options=opts, report=builder)
+    rep = builder.build()
+    s = plan.stats()
+    assert (rep.network_bytes, rep.fast_bytes, rep.local_bytes) == (s.network_bytes, s.fast_bytes, s.local_bytes)
+    assert rep.messages == stats.chunks == len(comm.records)
+    assert rep.peak_staging_bytes == sum(stats.peak_staging_bytes.values()) > 0
+    assert rep.network_s > 0 and rep.total_s >= rep.pack_s + rep.network_s + rep.fanout_s + rep.unpack_s - 1e-6
+    sched = build_schedule(plan, opts)
+    staged = [w for steps in sched.steps.values() for step in steps.values() for w in (*step.sends, *step.recvs)]
+    staged = [w for w in staged if w.buf == STAGING]
+    assert staged and all(w.offset % STAGE_ALIGN == 0 for w in staged)
+    assert max(sched.staging.values()) <= opts.staging_bytes

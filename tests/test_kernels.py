@@ -121,3 +121,38 @@ def test_too_many_strided_dimensions_is_refused():
     with pytest.raises(ValueError, match="at most 8"):
         kernels.build_table([(0, (3,) * 10, Box((0,) * 10, (2,) * 10))])
     assert kernels.build_table([(0, (3,) * 8, Box((0,) * 8, (2,) * 8))])[0, kernels.NDIM] == 8
+
+
+def test_build_table_aligns_staging_offsets_when_asked():
+    pieces = [(0, (100,), Box((i,), (i + 1 + i % 5,))) for i in range(0, 90, 7)]
+    packed = kernels.build_table(pieces)
+    aligned = kernels.build_table(pieces, align=16, staging_offset=32)
+    assert packed[0, kernels.STAGE] == 0 and (np.diff(packed[:, kernels.STAGE]) == packed[:-1, kernels.NBYTES]).all()
+    assert (aligned[:, kernels.STAGE] % 16 == 0).all() and aligned[0, kernels.STAGE] == 32
+    assert (np.diff(aligned[:, kernels.STAGE]) >= aligned[:-1, kernels.NBYTES]).all()
+    shard = np.arange(100, dtype=np.uint8)
+    staging = np.zeros(int(aligned[-1, kernels.STAGE] + aligned[-1, kernels.NBYTES]), np.uint8)
+    kernels.pack_cpu(aligned, [shard], staging)
+    back = np.zeros(100, np.uint8)
+    kernels.unpack_cpu(aligned, staging, [back])
+    for _, _, box in pieces:
+        np.testing.assert_array_equal(back[box.slices()], shard[box.slices()])
+    with pytest.raises(ValueError, match="align=0"):
+        kernels.build_table(pieces, align=0)
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 60)), min_size=1, max_size=12), st.integers(0, 2**31))
+def test_copy_rows_by_source_copy_the_same_bytes(rows, seed):
+    rng = np.random.default_rng(seed)
+    srcs = [rng.integers(0, 256, size=64, dtype=np.uint8) for _ in range(3)]
+    pairs = [
+        (b, (64,), Box((o,), (o + 4,)), k, (4 * len(rows),), Box((4 * k,), (4 * k + 4,)))
+        for k, (b, o) in enumerate(rows)
+    ]
+    st_, dt_ = kernels.build_copy_tables(pairs)
+    ss, sd = kernels.by_source(st_, dt_)
+    assert [tuple(r) for r in ss[:, : kernels.OFF + 1]] == sorted(tuple(r) for r in st_[:, : kernels.OFF + 1])
+    want, got = [np.zeros(4 * len(rows), np.uint8)], [np.zeros(4 * len(rows), np.uint8)]
+    kernels.copy_cpu(st_, srcs, dt_, [want[0]] * len(rows))
+    kernels.copy_cpu(ss, srcs, sd, [got[0]] * len(rows))
+    np.testing.assert_array_equal(got[0], want[0])

@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 import jreshard
 from jreshard import api
 from jreshard.errors import BackendUnavailableError, IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
+from jreshard.nccl import pool
+from jreshard.nccl.direct import direct_transfer
 from jreshard.nccl.recording import RecordingComm
 from jreshard.sharding.topology import Link, Topology
 
@@ -129,9 +131,9 @@ def test_thousands_of_leaves_and_a_cached_second_transfer():
     x = [jax.device_put(jnp.full((2, 2), i, jnp.float32), src) for i in range(2000)]
     out = jreshard.transfer(x, dst)
     assert [float(o[1, 1]) for o in out[::400]] == [0.0, 400.0, 800.0, 1200.0, 1600.0]
-    before = api._program.cache_info()
+    before = direct_transfer.cache_info()
     jreshard.transfer(x, dst)
-    after = api._program.cache_info()
+    after = direct_transfer.cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses
 
 
@@ -222,5 +224,73 @@ def test_bad_input_raises_specific_errors():
     abstract = NamedSharding(jax.sharding.AbstractMesh((4,), ("x",)), P("x"))
     with pytest.raises(TopologyError):
         jreshard.transfer(x["a"], abstract)
-    with pytest.raises(BackendUnavailableError, match="RefitGroup"):
-        jreshard.transfer(x["a"], s, options=jreshard.Options(backend="mpi"))
+    with pytest.raises(BackendUnavailableError, match="NCCL moves CUDA device buffers"):
+        jreshard.transfer(x["a"], s, options=jreshard.Options(backend="nccl"))  # select_backend's message
+    with pytest.raises(BackendUnavailableError, match=r"RefitGroup\.pull"):
+        jreshard.transfer_into(x["a"], x["a"], options=jreshard.Options(backend="mpi"))
+
+
+def test_backend_mpi_in_one_process_runs_the_message_passing_engine():
+    pytest.importorskip("mpi4py.MPI")
+    s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))
+    x = {"w": _make((8, 8), jnp.bfloat16, s, 3), "v": _make((8, 4), jnp.int32, s, 4)}
+    out, rep = jreshard.transfer(x, d, options=jreshard.Options(backend="mpi"), report=True)
+    assert rep.backend is jreshard.Backend.MPI and rep.backend_reason.startswith("requested")
+    for k in x:
+        _shards_equal(out[k], jax.device_put(x[k], d))
+
+
+def test_report_of_a_local_transfer_counts_bytes_phases_and_fresh_memory():
+    s = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x"))
+    d = NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    x = {"a": _make((64, 32), jnp.float32, s, 1), "b": _make((32, 8), jnp.bfloat16, s, 2)}
+    pool.default_pool().clear()
+    out, rep = jreshard.transfer(x, d, report=True)
+    want = sum(sh.data.nbytes for leaf in jax.tree.leaves(out) for sh in leaf.addressable_shards)
+    assert rep.backend is jreshard.Backend.LOCAL and rep.backend_reason.startswith("auto: every device")
+    assert rep.bytes_by_link() == {Link.LOCAL: 0, Link.FAST: want, Link.NETWORK: 0}
+    assert rep.fresh_bytes >= want and rep.messages == 0 and rep.peak_staging_bytes == 0
+    assert rep.total_s >= rep.copy_s + rep.buffers_s + rep.plan_s - 1e-6 and rep.copy_s > 0
+    del out
+    out, rep2 = jreshard.transfer(x, d, report=True)  # the released buffers come back: nothing fresh
+    assert rep2.fresh_bytes == 0 and rep2.moved_bytes == rep.moved_bytes
+    same = jreshard.transfer(out, d, report=True)[1]
+    assert same.moved_bytes == 0 and same.backend is jreshard.Backend.LOCAL
+    into, rep3 = jreshard.transfer_into(x, out, report=True)
+    assert rep3.moved_bytes == want and rep3.fresh_bytes == 0
+    # With a topology that puts every device in one domain but gives 4..7 their own host: network bytes.
+    topo = jreshard.Topology.from_domains({r: int(r >= 4) for r in range(8)})
+    rep4 = jreshard.transfer(x, d, topology=topo, report=True)[1]
+    assert rep4.network_bytes == want and rep4.fast_bytes == 0
+    _shards_equal(into["a"], jax.device_put(x["a"], d))
+
+
+def test_destination_buffers_are_reused_only_after_jax_releases_them():
+    s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))
+    x = _make((64, 64), jnp.float32, s, 5)
+    y = _make((64, 64), jnp.float32, s, 6)
+    a = jreshard.transfer(x, d)
+    ptrs_a = {sh.data.unsafe_buffer_pointer() for sh in a.addressable_shards}
+    b = jreshard.transfer(y, d)  # `a` is alive: its buffers must not be handed out again
+    assert ptrs_a.isdisjoint(sh.data.unsafe_buffer_pointer() for sh in b.addressable_shards)
+    keep = a.addressable_shards[0].data  # one shard of `a` stays alive through a single-device array
+    del a
+    c = jreshard.transfer(y, d)
+    ptrs_c = {sh.data.unsafe_buffer_pointer() for sh in c.addressable_shards}
+    assert keep.unsafe_buffer_pointer() not in ptrs_c and len(ptrs_c & ptrs_a) == 3
+    _shards_equal(b, c)
+    np.testing.assert_array_equal(np.asarray(keep), np.asarray(x)[:, :16])  # never overwritten
+
+
+def test_buffer_pool_counts_caps_and_clears():
+    p = pool.BufferPool(max_bytes=128)
+    a, b = p.take(100), p.take(64)
+    assert a.ctypes.data % pool.ALIGN == 0 and b.ctypes.data % pool.ALIGN == 0 and a.size == 100
+    st = p.stats()
+    assert (st.leased_bytes, st.misses, st.hits, st.fresh_bytes) == (192, 2, 0, 192)
+    del a, b  # 128 + 64 > max_bytes: one of them is let go
+    st = p.stats()
+    assert st.leased_bytes == 0 and st.retained_bytes in (64, 128)
+    assert p.clear() == st.retained_bytes and p.stats().retained_bytes == 0
+    with pytest.raises(ValueError, match="max_bytes=-1"):
+        pool.BufferPool(max_bytes=-1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,10 +34,18 @@ import numpy as np
 
 from jreshard.errors import TransferError
 from jreshard.nccl import kernels
+from jreshard.nccl.pool import ALIGN, BufferPool, default_pool
 
-__all__ = ["ALIGN", "BufferBackend", "CpuBuffers", "aligned_empty", "dlpack_type", "export_source", "import_shard"]
-
-ALIGN = 64  # bytes; jax imports CPU buffers zero-copy only at this alignment
+__all__ = [
+    "ALIGN",
+    "BufferBackend",
+    "CpuBuffers",
+    "aligned_empty",
+    "dlpack_type",
+    "export_source",
+    "import_shard",
+    "retype_capsule",
+]
 
 # DLPack DLDataTypeCode values.
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
@@ -69,6 +78,7 @@ _get_pointer.restype = ctypes.c_void_p
 _get_pointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
 
 
+@functools.lru_cache(maxsize=64)
 def dlpack_type(dtype: np.dtype) -> tuple[int, int]:
     """The DLPack ``(type code, bits)`` of a numpy / ml_dtypes dtype.
 
@@ -87,8 +97,20 @@ def dlpack_type(dtype: np.dtype) -> tuple[int, int]:
     return code, bits
 
 
-def _retype(capsule: Any, code: int, bits: int, device_id: int | None = None) -> Any:
-    """Rewrite the dtype (and device id) of an unconsumed legacy DLPack capsule in place."""
+def retype_capsule(capsule: Any, code: int, bits: int, device_id: int | None = None) -> Any:
+    """Rewrite the dtype (and device id) of an unconsumed legacy DLPack capsule in place; returns it.
+
+    Args:
+      capsule: a ``dltensor`` capsule nobody has consumed yet (``x.__dlpack__()``).
+      code, bits: the DLPack type code and width to write (:func:`dlpack_type`).
+      device_id: the device id to write, or ``None`` to keep it.
+
+    Example:
+      >>> x = np.arange(3, dtype=np.int16)
+      >>> y = np.from_dlpack(_Capsule(retype_capsule(x.__dlpack__(), _UINT, 16), 0))
+      >>> y.dtype, y.tolist()
+      (dtype('uint16'), [0, 1, 2])
+    """
     t = _DLTensor.from_address(_get_pointer(capsule, b"dltensor"))
     t.dtype.code, t.dtype.bits = code, bits
     if device_id is not None:
@@ -119,7 +141,7 @@ def export_source(shard: Any) -> np.ndarray:
     if shard.size == 0:
         return np.zeros(0, np.uint8)
     bits = shard.dtype.itemsize * 8
-    capsule = _retype(shard.__dlpack__(), _UINT, bits)
+    capsule = retype_capsule(shard.__dlpack__(), _UINT, bits)
     flat = np.from_dlpack(_Capsule(capsule, 0)).reshape(-1)
     return flat.view(np.uint8)
 
@@ -158,7 +180,7 @@ def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, devi
     code, bits = dlpack_type(dtype)
     typed = region.view(np.dtype(f"uint{bits}")).reshape(shape)
     hw = device.local_hardware_id
-    out = jax.dlpack.from_dlpack(_Capsule(_retype(typed.__dlpack__(), code, bits, hw), hw))
+    out = jax.dlpack.from_dlpack(_Capsule(retype_capsule(typed.__dlpack__(), code, bits, hw), hw))
     if out.dtype != dtype:
         raise TransferError(f"import_shard: asked jax for {dtype} and got {out.dtype}")
     return out
@@ -189,8 +211,12 @@ class BufferBackend(abc.ABC):
         """A jax array on ``device`` aliasing ``buffer`` (from :meth:`allocate`), zero-copy."""
 
     @abc.abstractmethod
-    def staging(self, nbytes: int) -> Any:
-        """A 1-D uint8 staging buffer."""
+    def staging(self, nbytes: int, device: Any = None) -> Any:
+        """A 1-D uint8 staging buffer of ``nbytes`` on ``device`` (a jax device; ``None``: the current one).
+
+        A process that drives several GPUs needs one arena per GPU, so the engine
+        passes the device of the rank the arena serves.
+        """
 
     @abc.abstractmethod
     def pack(self, table: np.ndarray, buffers: Sequence[Any], staging: Any) -> None:
@@ -212,6 +238,12 @@ class BufferBackend(abc.ABC):
 class CpuBuffers(BufferBackend):
     """numpy buffers on jax CPU devices (final).
 
+    Args:
+      pool: where destination buffers come from (default: the process-wide
+        :func:`~jreshard.nccl.pool.default_pool`, which hands out blocks that jax
+        has released, warm). ``BufferPool(max_bytes=0)`` keeps nothing: every
+        buffer is allocated fresh.
+
     Example:
       >>> import jax
       >>> cpu = CpuBuffers()
@@ -224,6 +256,11 @@ class CpuBuffers(BufferBackend):
       [1.0, 2.0, 3.0, 4.0]
     """
 
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: BufferPool | None = None):
+        self.pool = default_pool() if pool is None else pool
+
     def export_source(self, shard: Any) -> np.ndarray:
         return export_source(shard)
 
@@ -231,18 +268,13 @@ class CpuBuffers(BufferBackend):
         return writable_view(array)
 
     def allocate(self, sizes: Sequence[int], device: Any) -> list[np.ndarray]:
-        # One block per call: each buffer starts ALIGN-aligned inside it.
-        starts, pos = [], 0
-        for n in sizes:
-            starts.append(pos)
-            pos += -(-int(n) // ALIGN) * ALIGN
-        block = aligned_empty(pos)
-        return [block[s : s + int(n)] for s, n in zip(starts, sizes, strict=True)]
+        # One lease per buffer: each goes back to the pool on its own when jax lets it go.
+        return [self.pool.take(int(n)) for n in sizes]
 
     def import_shard(self, buffer: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
         return import_shard(buffer, shape, dtype, device)
 
-    def staging(self, nbytes: int) -> np.ndarray:
+    def staging(self, nbytes: int, device: Any = None) -> np.ndarray:
         return aligned_empty(nbytes)
 
     def pack(self, table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:

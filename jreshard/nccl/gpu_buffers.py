@@ -37,7 +37,7 @@ from jreshard.errors import BackendUnavailableError, TransferError
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl import kernels as K
 from jreshard.nccl.backend import cuda_extra
-from jreshard.nccl.buffers import BufferBackend, _retype, dlpack_type
+from jreshard.nccl.buffers import BufferBackend, dlpack_type, retype_capsule
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
 
@@ -72,7 +72,7 @@ class _Typed:
     def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
         with self._stream:  # the consumer's stream waits on this one
             capsule = self._array.__dlpack__(stream=stream)
-        return _retype(capsule, self._code, self._bits)
+        return retype_capsule(capsule, self._code, self._bits)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (_KDLCUDA, self._ordinal)
@@ -132,7 +132,7 @@ class CupyBuffers(BufferBackend):
             raise TransferError(f"CupyBuffers: dtype {shard.dtype} ({bits} bits) has no unsigned integer of its width")
         s = self.stream(o)
         with cp.cuda.Device(o), s:
-            capsule = _retype(shard.__dlpack__(stream=s.ptr), _UINT, bits)
+            capsule = retype_capsule(shard.__dlpack__(stream=s.ptr), _UINT, bits)
             view = cp.from_dlpack(_Capsule(capsule, o)).reshape(-1).view(cp.uint8)
         self._views.append(view)
         return view
@@ -197,9 +197,12 @@ class CupyBuffers(BufferBackend):
         return n
 
     # ----- kernels -----------------------------------------------------------
-    def staging(self, nbytes: int) -> Any:
-        """A uint8 staging buffer on the current CuPy device. Not run on GPU."""
-        return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
+    def staging(self, nbytes: int, device: Any = None) -> Any:
+        """A uint8 staging buffer on ``device`` (default: the current CuPy device). Not run on GPU."""
+        if device is None:
+            return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
+        with self._cp.cuda.Device(_ordinal(device)):
+            return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
 
     @staticmethod
     def _pointers(buffers: Sequence[Any]) -> list[int]:

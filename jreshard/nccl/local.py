@@ -122,8 +122,11 @@ class DirectProgram:
 
     Row ``i`` of ``src_table`` (buffer index into the source buffer list) is copied
     into row ``i`` of ``dst_table`` (buffer index into the destination buffer list).
-    ``parts`` are row ranges of near-equal bytes, one per copy thread: numpy's copies
-    release the GIL, so on a multi-core host they run in parallel.
+    Rows are ordered by source position (:func:`kernels.by_source`), so the copies
+    of one source piece into its destination replicas run back to back and the
+    second one reads from cache. ``parts`` are row ranges of near-equal bytes, one
+    per copy thread: numpy's copies release the GIL, so on a multi-core host they
+    run in parallel.
     """
 
     src_table: np.ndarray
@@ -141,10 +144,11 @@ class DirectProgram:
     ) -> DirectProgram:
         """From ``(src_buf, src_byte_shape, src_box, dst_buf, dst_byte_shape, dst_box)`` pairs
         (see :func:`kernels.build_copy_tables`)."""
-        st, dt = kernels.build_copy_tables(pairs)
+        st, dt = kernels.by_source(*kernels.build_copy_tables(pairs))
         total = kernels.table_bytes(dt)
-        # Half the cores: on a shared 2-core host a second copy thread mostly waits for a core
-        # (measured: transfer_into of the 2.2 GiB refit 0.49-0.57 s on one thread, 0.70-0.93 s on two).
+        # Half the cores: the copies are bound by memory bandwidth, and on the shared 2-core host a
+        # second thread never paid (measured: the 2.2 GiB refit copy 0.62 s on one thread, 0.62 s on
+        # two, 0.62 s with rows cut to 1 MiB so replicas alternate; earlier 0.49-0.57 s vs 0.70-0.93 s).
         threads = threads or max(1, (os.cpu_count() or 1) // 2)
         n = max(1, min(threads, total // max(min_part_bytes, 1)))
         if n > 1:
