@@ -10,6 +10,7 @@ import importlib as _importlib
 from typing import TYPE_CHECKING
 
 from jreshard import baselines as baselines
+from jreshard import cost as cost
 from jreshard.errors import BackendUnavailableError as BackendUnavailableError
 from jreshard.errors import IndivisibleError as IndivisibleError
 from jreshard.errors import LayoutError as LayoutError

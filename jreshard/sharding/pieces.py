@@ -130,6 +130,12 @@ def pieces_of(beta: Box, index: SourceIndex, *, what: str = "destination") -> li
     Raises:
       LayoutError: the source boxes do not cover all of ``beta``.
     """
+    # Replicas of a box, and tensors that share layouts, ask for the same pieces: compute once.
+    return list(_pieces_of(beta, index, what))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _pieces_of(beta: Box, index: SourceIndex, what: str) -> tuple[tuple[Box, int], ...]:
     out: list[tuple[Box, int]] = []
     covered = 0
     blo, bhi = beta.lo, beta.hi
@@ -149,4 +155,4 @@ def pieces_of(beta: Box, index: SourceIndex, *, what: str = "destination") -> li
             f"the source layout covers only {covered} of the {beta.volume} elements of {what} box {beta}; "
             "every element a destination needs must be held by some source rank"
         )
-    return out
+    return tuple(out)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -93,8 +94,9 @@ class TensorPlan:
         n = len(rows)
         cols = list(zip(*rows, strict=True)) if rows else [()] * 7
         src, dst, link, phase, stage, unit, boxes = cols
-        lo = np.array([b.lo for b in boxes], dtype=np.int64).reshape(n, ndim)
-        hi = np.array([b.hi for b in boxes], dtype=np.int64).reshape(n, ndim)
+        # fromiter over the flattened bounds: several times faster than np.array on a list of tuples.
+        lo = np.fromiter(itertools.chain.from_iterable(b.lo for b in boxes), np.int64, n * ndim).reshape(n, ndim)
+        hi = np.fromiter(itertools.chain.from_iterable(b.hi for b in boxes), np.int64, n * ndim).reshape(n, ndim)
         nbytes = np.prod(hi - lo, axis=1, dtype=np.int64) * itemsize
         arrays = [
             np.array(src, dtype=np.int64),
@@ -221,14 +223,19 @@ def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
     return _Context(src, dst, topo, sidx, groups, tuple(by_domain), tuple(holders_in), tuple(on_device), dlo, dhi)
 
 
-def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[tuple]) -> None:
-    """Append the rows of destination replica group ``u`` to ``out`` (module docstring)."""
+def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[tuple], only: int | None = None) -> None:
+    """Append the rows of destination replica group ``u`` to ``out`` (module docstring).
+
+    With ``only`` set, append just the rows that send from or arrive at rank
+    ``only``, in the same order: hops of a chain that ``only`` takes no part in
+    are skipped, except for what the replica rotation ``turn`` needs.
+    """
     beta, _ = ctx.groups[u]
     topo, itemsize = ctx.topo, ctx.src.itemsize
     pcs = pieces_of(beta, ctx.sidx)
-    stripes: dict[int, list[tuple[int, Box, int]]] = {}
     need: list[list[int]] = [[] for _ in pcs]  # piece -> domains that need it over the network
     ranks_of: dict[int, tuple[int, ...]] = {}
+    nets: dict[int, tuple[tuple[int, Box], ...]] = {}
     for g, holders in ctx.by_domain[u]:
         ranks_of[g] = holders
         net: list[tuple[int, Box]] = []
@@ -241,12 +248,33 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[tuple])
             for q, r in enumerate(holders):
                 h = ctx.on_device[j].get(topo.device_of(r))
                 if h is not None:
-                    out.append((h, r, Link.LOCAL, Phase.LAND, 0, u, pbox))
+                    row = (h, r, Link.LOCAL, Phase.LAND, 0, u, pbox)
                 else:
                     h = inside[(q + rot + k) % len(inside)]
-                    out.append((h, r, Link.FAST, Phase.LAND, 0, u, pbox))
+                    row = (h, r, Link.FAST, Phase.LAND, 0, u, pbox)
+                if only is None or h == only or r == only:
+                    out.append(row)
         if net:
-            stripes[g] = stripe(net, len(holders), itemsize, opts.min_stripe_bytes)
+            nets[g] = tuple(net)
+    # stripe() is a pure function of (pieces, landers): domains with equal inputs share one result,
+    # and a domain's stripes are cut only when a row needs them. by_piece[g][k]: the (sub_box, lander)
+    # stripes of piece k in domain g, in stripe order.
+    striped: dict[tuple, dict[int, list[tuple[Box, int]]]] = {}
+    by_piece: dict[int, dict[int, list[tuple[Box, int]]]] = {}
+
+    def stripes_of(g: int) -> dict[int, list[tuple[Box, int]]]:
+        got = by_piece.get(g)
+        if got is None:
+            key = (nets[g], len(ranks_of[g]))
+            got = striped.get(key)
+            if got is None:
+                got = {}
+                for kk, b, q in stripe(nets[g], len(ranks_of[g]), itemsize, opts.min_stripe_bytes):
+                    got.setdefault(kk, []).append((b, q))
+                striped[key] = got
+            by_piece[g] = got
+        return got
+
     for k, doms in enumerate(need):
         if not doms:
             continue
@@ -261,22 +289,47 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[tuple])
             prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
             for hop, g in enumerate(chain):
                 holders = ranks_of[g]
-                mine = [(b, q) for kk, b, q in stripes[g] if kk == k]
+                if only is not None and only not in holders and (prev is None or only not in prev[0]):
+                    # No row of this hop involves ``only`` except a landing it sends as a replica;
+                    # the landings still advance ``turn``.
+                    mine = stripes_of(g).get(k, []) if prev is None or chain[hop + 1 :] else []
+                    if prev is None:
+                        for b, q in mine:
+                            if replicas[turn % s] == only:
+                                out.append((only, holders[q], Link.NETWORK, Phase.LAND, 0, u, b))
+                            turn += 1
+                    prev = (holders, mine)
+                    continue
+                mine = stripes_of(g).get(k, [])
                 if prev is None:
                     for b, q in mine:
-                        out.append((replicas[turn % s], holders[q], Link.NETWORK, Phase.LAND, 0, u, b))
+                        sender = replicas[turn % s]
+                        if only is None or sender == only or holders[q] == only:
+                            out.append((sender, holders[q], Link.NETWORK, Phase.LAND, 0, u, b))
                         turn += 1
+                elif prev[1] is mine:
+                    # Both hops cut piece k alike (one shared stripe() result), and the stripes of a
+                    # piece are disjoint: stripe b meets only itself, so the relay is lander q -> lander q.
+                    prev_holders = prev[0]
+                    for b, q in mine:
+                        if only is None or prev_holders[q] == only or holders[q] == only:
+                            out.append((prev_holders[q], holders[q], Link.NETWORK, Phase.RELAY, hop, u, b))
                 else:
                     prev_holders, prev_mine = prev
                     for b, q in mine:
                         for pb, pq in prev_mine:
+                            if only is not None and prev_holders[pq] != only and holders[q] != only:
+                                continue
                             x = intersect(b, pb)
                             if x is not None:
                                 out.append((prev_holders[pq], holders[q], Link.NETWORK, Phase.RELAY, hop, u, x))
                 for b, q in mine:
-                    for qq, r in enumerate(holders):
-                        if qq != q:
-                            out.append((holders[q], r, Link.FAST, Phase.FANOUT, hop + 1, u, b))
+                    if only is None or holders[q] == only:
+                        for qq, r in enumerate(holders):
+                            if qq != q:
+                                out.append((holders[q], r, Link.FAST, Phase.FANOUT, hop + 1, u, b))
+                    elif only in holders and holders.index(only) != q:
+                        out.append((holders[q], only, Link.FAST, Phase.FANOUT, hop + 1, u, b))
                 prev = (holders, mine)
 
 
@@ -335,6 +388,5 @@ def plan_tensor_for_rank(
     rot = tensor_index % period if period else tensor_index
     rows: list[tuple] = []
     for u in units_of_rank(src, dst, topo, rank):
-        _plan_unit(ctx, u, rot, opts, rows)
-    tp = TensorPlan.from_rows(rows, src.ndim, src.itemsize)
-    return tp.select((tp.src == rank) | (tp.dst == rank))
+        _plan_unit(ctx, u, rot, opts, rows, only=rank)
+    return TensorPlan.from_rows(rows, src.ndim, src.itemsize)

@@ -1,0 +1,214 @@
+"""Planner speed and predicted refit times at scale.
+
+    JAX_PLATFORMS=cpu python benchmarks/plan_bench.py            # everything (several minutes on 2 cores)
+    JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --quick    # skip the 512 + 512 models
+
+Prints:
+1. the published FFN-MoE case (one [256, 2048, 7168] bf16 tensor, EP16 -> TP8 x r):
+   jreshard's and the baselines' predicted times beside the published measurements;
+2. the time to plan one tensor across 512 + 512 ranks;
+3. for DeepSeek-V3 and Kimi-K2, trainer and inference on 128 + 128 and 512 + 512
+   GPUs: time to plan the whole model, to extract one rank's program, a cached
+   plan call; network bytes against the lower bound; predicted refit times of
+   jreshard and the baselines.
+
+Each model configuration runs in a fresh process, so no cache from another
+configuration helps it; times are wall-clock (and CPU, as the machine may be
+shared). Every refit time printed is *predicted* by the cost model
+(``jreshard.cost``), never measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jreshard.cost import predict
+from jreshard.models import refit, refit_topology
+from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
+from jreshard.sharding.box import Box
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.program import plan_layouts, rank_program
+from jreshard.sharding.topology import Topology
+
+NIC, NVLINK = 50e9, 900e9  # GB200 NVL72: 400 Gb/s NIC per GPU; NVLink 5 at 900 GB/s each way per GPU
+DOMAIN = 64  # GPUs of a job per NVL72 rack: 128 + 128 GPUs fill 4 racks, as in the published DeepSeek-V3 run
+
+# Published measurements (../shared/REFERENCE.md): NCCL M2N, flat direct sends, all-gather + broadcast.
+PUBLISHED = {2: (10.25, 20.86), 4: (13.83, 35.84), 8: (9.78, 77.26)}
+PUBLISHED_GATHER = "222-240"
+FLOOR_MS = 7168e6 / (16 * 50e9) * 1e3  # the published floor: 7168 MB / (16 x 50 GB/s) = 8.96 ms
+
+
+def _timed(fn):
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t, time.process_time() - c
+
+
+def _median_call(fn, repeat: int = 7) -> float:
+    """Median wall time of ``repeat`` calls (a cached call is short enough for the machine's noise to matter)."""
+    times = [_timed(fn)[1] for _ in range(repeat)]
+    return float(np.median(times))
+
+
+def ffn_moe() -> None:
+    """One [256, 2048, 7168] bf16 expert tensor, EP16 on 16 GPUs of one NVL72 rack, to TP8 x r replicas
+    on another rack (r = 8 fills 64 of its 72 GPUs)."""
+    print("== published FFN-MoE case: [256, 2048, 7168] bf16 (7.52 GB = 7168 MiB), EP16 -> TP8 x r, NVL72 racks,")
+    print(f"   50 GB/s per NIC, 900 GB/s NVLink; sources in rack 0, destinations in rack 1; floor {FLOOR_MS:.2f} ms")
+    print(
+        f"{'r':>3}{'jreshard':>12}{'published':>11}{'flat direct':>13}{'published':>11}"
+        f"{'gather+bcast ring':>18}{'gather+bcast':>14}{'published':>11}{'jreshard/floor':>16}"
+    )
+    shape = (256, 2048, 7168)
+    for r in (2, 4, 8):
+        src = Layout.from_mesh(np.arange(16), ("ep",), ("ep",), shape, "bfloat16")
+        dst = Layout.from_mesh(
+            np.arange(72, 72 + 8 * r).reshape(r, 8), ("dp", "tp"), (None, None, "tp"), shape, "bfloat16"
+        )
+        topo = Topology.uniform(range(72 + 8 * r), 72, network_bw=NIC, fast_bw=NVLINK)
+        pairs = [(src, dst)]
+        jr = predict(plan_layouts(pairs, topo)).seconds * 1e3
+        fd = predict(flat_direct_layouts(pairs, topo)).seconds * 1e3
+        ring = predict(gather_broadcast_layouts(pairs, topo, ring=True)).seconds * 1e3
+        gb = predict(gather_broadcast_layouts(pairs, topo)).seconds * 1e3
+        pub, pub_flat = PUBLISHED[r]
+        print(
+            f"{r:>3}{jr:>9.2f} ms{pub:>8.2f} ms{fd:>10.2f} ms{pub_flat:>8.2f} ms{ring:>15.2f} ms{gb:>11.0f} ms"
+            f"{PUBLISHED_GATHER:>8} ms{jr / FLOOR_MS:>15.3f}x"
+        )
+    print("   jreshard, flat direct and gather+bcast columns are predicted (cost model); 'published' are measured")
+    print("   by NVIDIA (NCCL M2N, flat direct sends, all-gather + broadcast). The exact floor for 7.52e9 bytes")
+    print(f"   over 16 x 50e9 B/s is {7.516192768e9 / 16 / NIC * 1e3:.2f} ms (the published 8.96 ms counts 7168 MB).\n")
+
+
+def single_tensor() -> None:
+    """Issue 2: one tensor across 512 + 512 ranks, planned from scratch."""
+    print("== one tensor across 512 + 512 ranks (8 ranks per domain)")
+    shape = (256, 2048, 7168)
+    cases = {
+        "EP16 x DP32 -> TP8 x DP64": (
+            Layout.from_mesh(np.arange(512).reshape(32, 16), ("dp", "ep"), ("ep",), shape, "bfloat16"),
+            Layout.from_mesh(np.arange(512, 1024).reshape(64, 8), ("dp", "tp"), (None, None, "tp"), shape, "bfloat16"),
+        ),
+        "FSDP512 -> TP8 x DP64": (
+            Layout.from_mesh(np.arange(512), ("fsdp",), (None, "fsdp"), shape, "bfloat16"),
+            Layout.from_mesh(np.arange(512, 1024).reshape(64, 8), ("dp", "tp"), (None, None, "tp"), shape, "bfloat16"),
+        ),
+    }
+    topo = Topology.uniform(range(1024), 8, network_bw=NIC, fast_bw=450e9)
+    for label, (src, dst) in cases.items():
+        p, wall, cpu = _timed(lambda s=src, d=dst: plan_layouts([(s, d)], topo))
+        s = p.stats()
+        print(
+            f"   {label:<28} planned in {wall * 1e3:7.1f} ms wall ({cpu * 1e3:.1f} ms CPU): {s.messages} messages, "
+            f"network {s.network_bytes / 1e9:.2f} GB = lower bound {s.network_bytes_lower_bound / 1e9:.2f} GB; "
+            f"{predict(p)}"
+        )
+    print()
+
+
+def _copy(lay: Layout) -> Layout:
+    return Layout(lay.shape, lay.dtype, lay.ranks, tuple(Box(b.lo, b.hi) for b in lay.boxes))
+
+
+def one_model(name: str, n: int) -> dict:
+    """Everything about one model configuration (run in a fresh process)."""
+    r = refit(name, n, n)
+    topo = refit_topology(n, n, DOMAIN, network_bw=NIC, fast_bw=NVLINK)
+    out: dict = {
+        "name": r.model.name,
+        "n": n,
+        "tensors": len(r.pairs),
+        "bytes": r.model.nbytes,
+        "trainer": r.trainer.name,
+        "inference": r.inference.name,
+    }
+    # One rank's program first, so that nothing the whole plan computed helps it.
+    dst_rank, src_rank = n + n // 2 + 3, n // 2 + 3
+    _, out["program_dst_s"], out["program_dst_cpu"] = _timed(
+        lambda: rank_program(r.pairs, dst_rank, topo, names=r.names)
+    )
+    _, out["program_src_s"], out["program_src_cpu"] = _timed(
+        lambda: rank_program(r.pairs, src_rank, topo, names=r.names)
+    )
+    p, out["plan_s"], out["plan_cpu"] = _timed(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    out["cached_s"] = _median_call(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    # Equal layouts built anew, one object per tensor (as a caller rebuilding them every step would):
+    # the first lookup compares each once, later lookups go by identity.
+    fresh = [(_copy(s), _copy(d)) for s, d in r.pairs]
+    _, out["cached_fresh_s"], _ = _timed(lambda: plan_layouts(fresh, topo, names=r.names))
+    out["cached_fresh_again_s"] = _median_call(lambda: plan_layouts(fresh, topo, names=r.names))
+    s = p.stats()
+    out["network"], out["bound"] = s.network_bytes, s.network_bytes_lower_bound
+    out["predicted"] = {}
+    for label, build in (
+        ("jreshard", lambda: p),
+        ("gather-broadcast", lambda: gather_broadcast_layouts(r.pairs, topo, names=r.names)),
+        ("gather-broadcast (ring)", lambda: gather_broadcast_layouts(r.pairs, topo, names=r.names, ring=True)),
+        ("flat-direct", lambda: flat_direct_layouts(r.pairs, topo, names=r.names)),
+    ):
+        pr = predict(build())
+        out["predicted"][label] = (
+            pr.seconds,
+            pr.bound_seconds,
+            f"rank {pr.bottleneck_rank} {pr.bottleneck_port.label}" if pr.bottleneck_port is not None else "-",
+        )
+    return out
+
+
+def models(quick: bool) -> None:
+    print(f"== whole models: trainer ranks 0..n-1, inference ranks n..2n-1; NVL72 racks with {DOMAIN} GPUs each")
+    print("   (each side starts a rack of its own), 50 GB/s NIC, 900 GB/s NVLink, 5 us latency, 8 MiB chunks\n")
+    for name in ("deepseek-v3", "kimi-k2"):
+        for n in (128,) if quick else (128, 512):
+            cmd = [sys.executable, __file__, "--one", name, str(n)]
+            res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
+            o = json.loads(res.stdout.strip().splitlines()[-1])
+            print(
+                f"{o['name']} on {n} + {n} GPUs: {o['tensors']} tensors, {o['bytes'] / 1e12:.2f} TB; "
+                f"trainer {o['trainer']}, inference {o['inference']}"
+            )
+            print(f"   plan the whole model      {o['plan_s']:7.3f} s wall ({o['plan_cpu']:.3f} s CPU)")
+            print(f"   one destination's program {o['program_dst_s']:7.3f} s wall ({o['program_dst_cpu']:.3f} s CPU)")
+            print(f"   one source's program      {o['program_src_s']:7.3f} s wall ({o['program_src_cpu']:.3f} s CPU)")
+            print(
+                f"   cached plan (median of 7) {o['cached_s'] * 1e3:7.3f} ms (same layouts); equal layouts built "
+                f"anew: {o['cached_fresh_s'] * 1e3:.3f} ms first call, {o['cached_fresh_again_s'] * 1e3:.3f} ms after"
+            )
+            ratio = o["network"] / o["bound"] if o["bound"] else 1.0
+            print(
+                f"   network bytes             {o['network'] / 1e12:.4f} TB, lower bound {o['bound'] / 1e12:.4f} TB "
+                f"(ratio {ratio:.4f})"
+            )
+            base = o["predicted"]["jreshard"][0]
+            for label, (secs, bound, where) in o["predicted"].items():
+                print(
+                    f"   predicted {label:<24}{secs:9.3f} s  (predicted bound {bound:.3f} s; {where}; "
+                    f"{secs / base:.2f}x jreshard)"
+                )
+            print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="skip the 512 + 512 configurations")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one_model(args.one[0], int(args.one[1]))))
+        return
+    ffn_moe()
+    single_tensor()
+    models(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Qwen3-235B-A22B: GQA attention with QK norms, 128 experts in every layer, no shared expert.
+
+Shapes follow the public ``config.json`` of ``Qwen/Qwen3-235B-A22B``: 94 layers,
+hidden 4096, 64 query heads and 4 KV heads of 128, 128 experts of intermediate
+size 1536, vocabulary 151936, untied embeddings.
+"""
+
+from __future__ import annotations
+
+from jreshard.models.table import Model, Parallelism, Param, Role
+
+__all__ = ["qwen3_235b", "qwen3_235b_inference", "qwen3_235b_trainer"]
+
+
+def qwen3_235b() -> Model:
+    """Qwen3-235B-A22B.
+
+    Example:
+      >>> m = qwen3_235b()
+      >>> round(m.n_params / 1e9), len(m.params)
+      (235, 1131)
+    """
+    hidden, heads, kv, hd, experts, inter, vocab, layers = 4096, 64, 4, 128, 128, 1536, 151936, 94
+    ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=Role.EMBEDDING)]
+    for i in range(layers):
+        a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        ps += [
+            Param(name=f"layers.{i}.input_layernorm", shape=(hidden,), layer=i),
+            Param(name=f"{a}.q_proj", shape=(hidden, heads * hd), role=Role.COLUMN, layer=i, unit=hd),
+            Param(name=f"{a}.k_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
+            Param(name=f"{a}.v_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
+            Param(name=f"{a}.q_norm", shape=(hd,), layer=i),
+            Param(name=f"{a}.k_norm", shape=(hd,), layer=i),
+            Param(name=f"{a}.o_proj", shape=(heads * hd, hidden), role=Role.ROW, layer=i, unit=hd),
+            Param(name=f"layers.{i}.post_attention_layernorm", shape=(hidden,), layer=i),
+            Param(name=f"{m}.gate.weight", shape=(hidden, experts), layer=i),
+            Param(name=f"{m}.experts.gate_proj", shape=(experts, hidden, inter), role=Role.EXPERT_COLUMN, layer=i),
+            Param(name=f"{m}.experts.up_proj", shape=(experts, hidden, inter), role=Role.EXPERT_COLUMN, layer=i),
+            Param(name=f"{m}.experts.down_proj", shape=(experts, inter, hidden), role=Role.EXPERT_ROW, layer=i),
+        ]
+    ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=Role.HEAD)]
+    return Model(name="Qwen3-235B-A22B", layers=layers, params=tuple(ps))
+
+
+def qwen3_235b_trainer(n_gpus: int) -> Parallelism:
+    """Megatron style with MoE parallel folding: PP4 stage sub-meshes of (dp, tp=4); attention TP4;
+    experts EP over the whole stage (dp x tp)."""
+    stage = n_gpus // 4
+    return Parallelism(
+        name=f"PP4 x DP{stage // 4} x TP4, EP{stage} (Megatron)",
+        mesh=(("dp", stage // 4), ("tp", 4)),
+        pp=4,
+        ep=("dp", "tp"),
+    )
+
+
+def qwen3_235b_inference(n_gpus: int) -> Parallelism:
+    """TP8 x DP(n/8), experts EP8 over the TP group (KV heads replicated: 4 < 8)."""
+    return Parallelism(name=f"TP8 x DP{n_gpus // 8}, EP8", mesh=(("dp", n_gpus // 8), ("tp", 8)), ep=("tp",))
