@@ -31,6 +31,8 @@ class Options:
         domain when destination domains outnumber source replicas.
       min_stripe_bytes: a piece landing in a domain is cut along its outermost
         dimension to balance the receiving NICs, never into stripes smaller than this.
+      copy_threads: host threads for the in-process copies on CPU (numpy releases
+        the GIL, so copies run in parallel); ``None`` uses every core.
 
     Example:
       >>> Options(backend="mpi", chunk_bytes=1 << 20).backend
@@ -43,6 +45,7 @@ class Options:
     timeout_s: float = 300.0
     relays: bool = True
     min_stripe_bytes: int = 64 << 10
+    copy_threads: int | None = None
 
     def __post_init__(self) -> None:
         b = self.backend
@@ -65,6 +68,8 @@ class Options:
             )
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"Options: timeout_s={self.timeout_s!r} must be a positive number of seconds")
+        if self.copy_threads is not None and (not isinstance(self.copy_threads, int) or self.copy_threads < 1):
+            raise ValueError(f"Options: copy_threads={self.copy_threads!r} must be None or an int >= 1")
         if not isinstance(self.min_stripe_bytes, int) or self.min_stripe_bytes < 0:
             raise ValueError(f"Options: min_stripe_bytes={self.min_stripe_bytes!r} must be an int >= 0")
 

@@ -18,6 +18,7 @@ from jreshard.errors import BackendUnavailableError, IndivisibleError, LayoutErr
 from jreshard.nccl import pool
 from jreshard.nccl.direct import direct_transfer
 from jreshard.nccl.recording import RecordingComm
+from jreshard.sharding.box import Box
 from jreshard.sharding.topology import Link, Topology
 
 DEVS = np.array(jax.devices())
@@ -294,3 +295,23 @@ def test_buffer_pool_counts_caps_and_clears():
     assert p.clear() == st.retained_bytes and p.stats().retained_bytes == 0
     with pytest.raises(ValueError, match="max_bytes=-1"):
         pool.BufferPool(max_bytes=-1)
+
+
+def test_threaded_copies_equal_device_put():
+    """Copies big enough to be cut into one part per thread (4 MiB parts) still land exactly."""
+    devs = np.array(jax.devices())
+    src = NamedSharding(Mesh(devs[:4], ("tp",)), P(None, "tp"))
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    x = jax.device_put(np.arange(1024 * 4096, dtype=np.float32).reshape(1024, 4096), src)
+    for threads in (1, 2, 3):
+        y = jreshard.transfer(x, dst, options=jreshard.Options(copy_threads=threads))
+        want = jax.device_put(x, dst)
+        for a, b in zip(y.addressable_shards, want.addressable_shards, strict=True):
+            assert a.device == b.device
+            np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    from jreshard.nccl.local import DirectProgram
+
+    whole = Box((0, 0), (1024, 16384))  # 16 MiB of bytes: four 4 MiB parts at most
+    assert len(DirectProgram.build([(0, whole.shape, whole, 0, whole.shape, whole)], threads=2).parts) == 2
+    with pytest.raises(ValueError, match="copy_threads=0"):
+        jreshard.Options(copy_threads=0)

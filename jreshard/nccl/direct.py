@@ -87,7 +87,7 @@ def direct_transfer(key: tuple, mode: str) -> DirectTransfer:
     Raises:
       LayoutError: a sharding cannot hold its leaf (``IndivisibleError``, unknown axes...).
     """
-    _treedef, leaves, topology = key[0], key[1], key[2]
+    _treedef, leaves, topology, options = key[0], key[1], key[2], key[3]
     names = tuple(str(i) for i in range(len(leaves)))
     kinds, moves, pairs = [], [], []
     for i, (shape, dtype, src_sh, dst_sh) in enumerate(leaves):
@@ -132,7 +132,7 @@ def direct_transfer(key: tuple, mode: str) -> DirectTransfer:
         src_keys=tuple(src_keys),
         dst_keys=tuple(dst_keys),
         aliases=frozenset(aliases),
-        direct=DirectProgram.build(rows),
+        direct=DirectProgram.build(rows, threads=options.copy_threads if options is not None else None),
         link_bytes=tuple((k, v) for k, v in links.items() if v),
     )
 
