@@ -18,46 +18,6 @@ from typing import Any
 __all__ = ["main"]
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _demo(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from jreshard.planning import flat_direct, gather_broadcast, plan
-    from jreshard.sharding.layout import Layout
-    from jreshard.sharding.topology import Topology
-
-    # A [256, 2048, 7168] bf16 expert tensor: EP16 trainer -> TP8 x 4 replicas, 72-GPU domains.
-    shape = (256, 2048, 7168)
-    src = Layout.from_mesh(np.arange(16), ("ep",), ("ep",), shape, "bfloat16")
-    dst = Layout.from_mesh(np.arange(72, 72 + 32).reshape(4, 8), ("dp", "tp"), (None, None, "tp"), shape, "bfloat16")
-    topo = Topology.uniform(range(72 + 32), domain_size=72)
-    rows = [
-        ("jreshard", plan(src, dst, topo)),
-        ("gather-broadcast", gather_broadcast(src, dst, topo)),
-        ("flat-direct", flat_direct(src, dst, topo)),
-    ]
-    print(f"tensor {shape} bfloat16: EP16 (ranks 0-15) -> TP8 x DP4 (ranks 72-103), 72 ranks per fast-link domain")
-    print(
-        f"{'plan':<18}{'network':>14}{'lower bound':>14}{'fast':>14}"
-        f"{'max NIC send':>14}{'max NIC recv':>14}{'messages':>10}"
-    )
-    for name, p in rows:
-        s = p.stats()
-        print(
-            f"{name:<18}{_fmt_bytes(s.network_bytes):>14}{_fmt_bytes(s.network_bytes_lower_bound):>14}"
-            f"{_fmt_bytes(s.fast_bytes):>14}{_fmt_bytes(s.max_rank_network_send_bytes):>14}"
-            f"{_fmt_bytes(s.max_rank_network_recv_bytes):>14}{s.messages:>10}"
-        )
-    return 0
-
-
 LAYOUT_SYNTAX = """\
 layouts (--src, --dst):  MESH[:SPEC][@FIRST_RANK]
   MESH        mesh axes major to minor, AXIS=SIZE joined by commas: "ep=16", "dp=4,tp=8"
@@ -250,7 +210,9 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         "planned in",
     )
     print(f"\n{'plan':<24}" + "".join(f"{c:>14}" for c in cols))
+    drawn = None
     for label, p, secs in _plans(case):
+        drawn = p if drawn is None else drawn  # jreshard's own plan comes first
         s = p.stats()
         vals = (
             _si(s.network_bytes),
@@ -269,6 +231,15 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         "\nnetwork: bytes crossing between fast-link domains; lower bound: the bytes any plan must move there;"
         "\nmax NIC send/recv, max fast send: the busiest rank's load on that link, each way."
     )
+    if args.draw and drawn is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from jreshard.draw import draw_loads, draw_plan
+
+        ax = draw_plan(drawn) if len(drawn.tensors) == 1 else draw_loads(drawn)
+        ax.figure.savefig(args.draw, dpi=110)
+        print(f"\nsaved a picture of the {drawn.kind} plan to {args.draw}")
     return 0
 
 
@@ -328,8 +299,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         p = sub.add_parser(name, help=text, description=text, epilog=LAYOUT_SYNTAX, formatter_class=fmt)
         _add_case_args(p)
         p.set_defaults(func=func)
-    d = sub.add_parser("demo", help="the main job: plan a large layout change, beside the baselines")
-    d.set_defaults(func=_demo)
+        if name == "plan":
+            p.add_argument(
+                "--draw",
+                metavar="PNG",
+                help="save a picture: the tensor's shards and moves (one tensor) or per-rank loads (a model)",
+            )
+    from jreshard import demo as demo_module  # stdlib-only import; jax starts inside run_from_args
+
+    d = sub.add_parser("demo", help="the main job: refit a small transformer on 8 CPU devices, beside jax.device_put")
+    demo_module.add_arguments(d)
+    d.set_defaults(func=demo_module.run_from_args)
     args = parser.parse_args(argv)
     return int(args.func(args))
 
