@@ -183,6 +183,13 @@ def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, devi
     out = jax.dlpack.from_dlpack(_Capsule(retype_capsule(typed.__dlpack__(), code, bits, hw), hw))
     if out.dtype != dtype:
         raise TransferError(f"import_shard: asked jax for {dtype} and got {out.dtype}")
+    # The engine may import a destination before its bytes are written: a copy here would
+    # silently freeze the unwritten bytes, so insist on the alias.
+    if out.unsafe_buffer_pointer() != region.ctypes.data:
+        raise TransferError(
+            f"import_shard: jax copied the buffer at {region.ctypes.data:#x} (got {out.unsafe_buffer_pointer():#x}) "
+            f"instead of aliasing it on {device}"
+        )
     return out
 
 
