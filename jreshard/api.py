@@ -97,6 +97,15 @@ def _copy(prog: DirectTransfer, backend: BufferBackend, src: list, dst: list) ->
     backend.synchronize()
 
 
+def _begin(x: Any, target: Any, what: str, topology: Topology | None, options: Options) -> tuple:
+    """Check and plan (timed as the report's ``plan`` phase) and pick the backend."""
+    builder = ReportBuilder(Backend.LOCAL)
+    with builder.timed(ReportPhase.PLAN):
+        route, leaves, treedef, targets, prog = _prepare(x, target, what, topology, options)
+    builder.choose(route[0].backend, route[0].reason)
+    return builder, route, leaves, treedef, targets, prog
+
+
 def _elsewhere(
     route: tuple[BackendChoice, bool],
     x: Any,
@@ -217,11 +226,7 @@ def transfer(
       ('local', 256, True)
     """
     options = options or Options()
-    builder = ReportBuilder(Backend.LOCAL)
-    with builder.timed(ReportPhase.PLAN):
-        route, leaves, treedef, targets, prog = _prepare(x, target, "target", topology, options)
-    choice = route[0]
-    builder.choose(choice.backend, choice.reason)
+    builder, route, leaves, treedef, targets, prog = _begin(x, target, "target", topology, options)
     if prog is None:
         return _finish(builder, _elsewhere(route, x, target, "target", topology, options, builder), report)
     if not prog.moves:
@@ -296,11 +301,7 @@ def transfer_into(
       (64, 0)
     """
     options = options or Options()
-    builder = ReportBuilder(Backend.LOCAL)
-    with builder.timed(ReportPhase.PLAN):
-        route, leaves, treedef, targets, prog = _prepare(x, into, "into", topology, options)
-    choice = route[0]
-    builder.choose(choice.backend, choice.reason)
+    builder, route, leaves, treedef, targets, prog = _begin(x, into, "into", topology, options)
     if prog is None:
         return _finish(builder, _elsewhere(route, x, into, "into", topology, options, builder), report)
     backend = _buffers(leaves) if prog.moves else CpuBuffers()

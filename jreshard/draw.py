@@ -206,31 +206,16 @@ def draw_plan(
 
     boxes(src_grid, src, src.ranks)
     label_box = {"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "lw": 0}
-    ax.text(
-        0.5,
-        src_grid.y0 + h + 0.03,
-        f"source: {_label(src.ranks)}",
-        ha="center",
-        va="bottom",
-        fontsize=10,
-        weight="bold",
-        bbox=label_box,
-        zorder=7,
-    )
+
+    def title(grid: Any, text: str) -> None:
+        ax.text(grid.x0 + 0.5, grid.y0 + h + 0.03, text, ha="center", va="bottom", fontsize=10, weight="bold",
+                bbox=label_box, zorder=7)  # fmt: skip
+
+    title(src_grid, f"source: {_label(src.ranks)}")
     for k, (grid, c) in enumerate(zip(dst_grids, shown, strict=True)):
         boxes(grid, dst, c)
         name = "destination" if len(copies) == 1 else f"destination replica {k + 1}/{len(copies)}"
-        ax.text(
-            grid.x0 + 0.5,
-            grid.y0 + h + 0.03,
-            f"{name}: {_label(c)}",
-            ha="center",
-            va="bottom",
-            fontsize=10,
-            weight="bold",
-            bbox=label_box,
-            zorder=7,
-        )
+        title(grid, f"{name}: {_label(c)}")
 
     # One arrow per (sender, receiver, link): pieces summed, drawn between the centres of their unions.
     src_set, dst_set = set(src.ranks), set(dst.ranks)
