@@ -15,8 +15,9 @@ saying why, never falling back to another.
   ``jax.make_array_from_single_device_arrays``.
 - ``mpi``: :func:`jreshard.multi.transfer_multiprocess`, the message-passing
   engine over MPI; every process of the cluster calls ``transfer``.
-- ``nccl``: in one process with GPUs, the same engine over ``NcclComm`` (not run
-  on GPU). Across processes, NCCL is not wired into ``transfer`` yet: that raises.
+- ``nccl``: the same engine over ``NcclComm``, in one process with GPUs or across
+  the processes of a ``jax.distributed`` cluster (through
+  :func:`jreshard.multi.transfer_multiprocess`). Not run on GPU.
 
 All the work that depends only on shapes, dtypes and shardings is cached
 (:func:`jreshard.nccl.direct.direct_transfer`): the second transfer of the same
@@ -130,10 +131,7 @@ def _elsewhere(
             target = jax.tree.map(lambda _: target, x)
         return transfer_multiprocess(x, target, topology=topology, options=options)
     if not single_process:
-        raise BackendUnavailableError(
-            f"backend 'nccl' ({choice.reason}) is not wired into jreshard.transfer across processes yet: "
-            "there transfer() runs over MPI (jreshard.multi). The fix is backend='mpi' with a CUDA-aware MPI"
-        )
+        return _nccl_multiprocess(x, target, topology, options)
     return _nccl_in_process(x, target, topology, options, builder)
 
 
@@ -173,6 +171,42 @@ def _nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Op
         buffers.synchronize()
         buffers.release()
     return out
+
+
+def _nccl_multiprocess(x: Any, target: Any, topology: Topology | None, options: Options) -> Any:
+    """``backend="nccl"`` across the processes of a ``jax.distributed`` cluster: every process
+    calls ``transfer``; the engine runs over ``NcclComm``, the unique id shared through the
+    cluster's key-value store. Not run on GPU."""
+    from jreshard.multi import transfer_multiprocess
+    from jreshard.nccl.cupy_nccl import NcclComm
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.nccl.rendezvous import KeyValueRendezvous
+
+    if isinstance(target, jax.sharding.Sharding):
+        target = jax.tree.map(lambda _: target, x)
+    leaves, _, targets, _ = flatten(x, target, "target")
+    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
+    devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
+    mine = {r: d for r, d in devs.items() if d.process_index == jax.process_index()}
+    if not mine:
+        raise BackendUnavailableError(
+            f"backend 'nccl': process {jax.process_index()} holds none of the {len(devs)} devices of this transfer, "
+            "and an NCCL communicator needs at least one; the fix is to call transfer only on the processes "
+            "that take part, or backend='mpi'"
+        )
+    comm = NcclComm(
+        devices={r: r for r in devs},
+        local_devices={r: int(d.local_hardware_id) for r, d in mine.items()},
+        rendezvous=KeyValueRendezvous.from_jax(namespace="jreshard.transfer"),
+        namespace="jreshard.transfer",
+        timeout_s=options.timeout_s,
+    )
+    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in mine.items()})
+    try:
+        return transfer_multiprocess(x, target, topology=topology, options=options, transport=comm, buffers=buffers)
+    finally:
+        buffers.synchronize()
+        buffers.release()
 
 
 def _finish(builder: ReportBuilder, result: Any, report: bool) -> Any:

@@ -27,6 +27,7 @@ from typing import Any
 
 from jreshard.errors import BackendUnavailableError
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
+from jreshard.nccl.comm import Communicator
 from jreshard.nccl.engine import ExecStats, Shards, execute
 from jreshard.nccl.mpi import MpiComm, import_mpi
 from jreshard.options import Options
@@ -90,7 +91,7 @@ def _cluster_comm(comm: Any) -> MpiComm:
 
 def run_plan(
     plan: Plan,
-    comm: MpiComm,
+    comm: Communicator,
     sources: Mapping[tuple[int, int], Any],
     targets: Mapping[tuple[int, int], Any],
     *,
@@ -133,7 +134,14 @@ def assemble(shape: tuple[int, ...], dtype: Any, sharding: Any, shards: Mapping[
 
 
 def transfer_multiprocess(
-    x: Any, target: Any, *, topology: Topology | None = None, options: Options | None = None, comm: Any = None
+    x: Any,
+    target: Any,
+    *,
+    topology: Topology | None = None,
+    options: Options | None = None,
+    comm: Any = None,
+    transport: Communicator | None = None,
+    buffers: BufferBackend | None = None,
 ) -> Any:
     """``jreshard.transfer`` when not every device is addressable: every process of the cluster calls it.
 
@@ -143,6 +151,10 @@ def transfer_multiprocess(
       topology: ranks (device ids), domains and links; default one domain per process.
       options: chunking, staging and ``timeout_s`` (every wait on a peer).
       comm: the MPI communicator of the cluster's processes (default ``MPI.COMM_WORLD``).
+      transport: another :class:`Communicator` to run the plan over instead of MPI (on GPUs,
+        ``NcclComm``: not run on GPU); its local ranks must be this process's device ids
+        that take part. ``comm`` is then unused.
+      buffers: the buffer operations (default numpy on CPU; ``CupyBuffers`` on GPUs).
 
     Returns:
       The same tree of global arrays with the target shardings (see the module
@@ -154,15 +166,15 @@ def transfer_multiprocess(
     """
     import jax
 
-    MPI = import_mpi()
     options = options or Options()
-    comm = MPI.COMM_WORLD if comm is None else comm
     x_leaves, treedef = jax.tree_util.tree_flatten(x)
     tgt = jax.tree_util.tree_leaves(target, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
     pairs, names, devices = layout_pairs(x, target)
     topology = topology or Topology.from_devices(devices)
     plan = plan_layouts(pairs, topology, options, names)
-    mpi = _cluster_comm(comm)
+    if transport is None:
+        MPI = import_mpi()
+        transport = _cluster_comm(MPI.COMM_WORLD if comm is None else comm)
     sources, targets = {}, {}
     me = jax.process_index()
     for t, (a, s) in enumerate(zip(x_leaves, tgt, strict=True)):
@@ -174,7 +186,7 @@ def transfer_multiprocess(
         for d in sharding.device_set:
             if d.process_index == me:
                 targets[(t, d.id)] = d
-    shards, _ = run_plan(plan, mpi, sources, targets, options=options)
+    shards, _ = run_plan(plan, transport, sources, targets, options=options, backend=buffers)
     out = []
     for t, (a, s) in enumerate(zip(x_leaves, tgt, strict=True)):
         sharding = s if isinstance(s, jax.sharding.Sharding) else s.sharding
