@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard.errors import BackendUnavailableError
+from jreshard.errors import BackendUnavailableError, TransferError
 from jreshard.nccl.backend import BackendChoice, Placement, select_backend
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator
@@ -347,7 +347,14 @@ def transfer_into(
         dst_shards = [{s.device.id: s.data for s in targets[i].addressable_shards} for i in prog.moves]
         dst_bufs = [backend.writable_view(dst_shards[t][r]) for t, r in prog.dst_keys]
     with builder.timed(ReportPhase.COPY):
-        _copy(prog, backend, src_bufs, dst_bufs)
+        try:
+            _copy(prog, backend, src_bufs, dst_bufs)
+        except Exception as err:  # every check passed before this point: say what state `into` is in
+            raise TransferError(
+                f"transfer_into failed while copying ({type(err).__name__}: {err}); the destination arrays "
+                "`into` are partly overwritten and hold neither the old nor the new values",
+                destination_intact=False,
+            ) from err
     with builder.timed(ReportPhase.BUFFERS):
         parts = {t: list(d.values()) for t, d in enumerate(dst_shards)}
         out = treedef.unflatten(assemble(prog, leaves, targets, parts, "into"))

@@ -334,3 +334,19 @@ def test_multiprocess_path_over_any_transport():
     stats = jreshard.plan(x, {"a": dst, "b": dst}, topo).stats()
     rec = comm.bytes_by_link()
     assert (rec[Link.NETWORK], rec[Link.FAST]) == (stats.network_bytes, stats.fast_bytes) != (0, 0)
+
+
+def test_transfer_into_says_when_a_copy_fails_midway(monkeypatch):
+    devs = np.array(jax.devices())
+    src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+    dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+    x = _make((8, 8), jnp.float32, src)
+    into = jreshard.transfer(x, dst)
+
+    def broken(*args, **kwargs):
+        raise OSError("simulated failure inside a copy")
+
+    monkeypatch.setattr("jreshard.nccl.kernels.copy_cpu", broken)
+    with pytest.raises(jreshard.TransferError, match="partly overwritten") as info:
+        jreshard.transfer_into(x, into)
+    assert info.value.destination_intact is False
