@@ -130,83 +130,11 @@ def _elsewhere(
         if isinstance(target, jax.sharding.Sharding):
             target = jax.tree.map(lambda _: target, x)
         return transfer_multiprocess(x, target, topology=topology, options=options)
+    from jreshard.nccl.nccl_route import nccl_in_process, nccl_multiprocess
+
     if not single_process:
-        return _nccl_multiprocess(x, target, topology, options)
-    return _nccl_in_process(x, target, topology, options, builder)
-
-
-class _Store:
-    """An in-process key-value store: the NCCL unique id's rendezvous when one process drives every GPU."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, str] = {}
-
-    def key_value_set(self, key: str, value: str) -> None:
-        self.values[key] = value
-
-    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
-        return self.values[key]
-
-
-def _nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Options, builder: ReportBuilder) -> Any:
-    """``backend="nccl"`` with every GPU in this process: the engine over ``NcclComm``. Not run on GPU."""
-    from jreshard.nccl.cupy_nccl import NcclComm
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.rendezvous import KeyValueRendezvous
-
-    leaves, _, targets, _ = flatten(x, target, "target")
-    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
-    devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
-    comm = NcclComm(
-        devices={r: r for r in devs},
-        local_devices={r: int(d.local_hardware_id) for r, d in devs.items()},
-        rendezvous=KeyValueRendezvous(_Store()),
-        namespace="jreshard.transfer",
-        timeout_s=options.timeout_s,
-    )
-    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in devs.items()})
-    try:
-        out, _, _ = transfer_with(x, target, comm, topology=topology, options=options, buffers=buffers, report=builder)
-    finally:
-        buffers.synchronize()
-        buffers.release()
-    return out
-
-
-def _nccl_multiprocess(x: Any, target: Any, topology: Topology | None, options: Options) -> Any:
-    """``backend="nccl"`` across the processes of a ``jax.distributed`` cluster: every process
-    calls ``transfer``; the engine runs over ``NcclComm``, the unique id shared through the
-    cluster's key-value store. Not run on GPU."""
-    from jreshard.multi import transfer_multiprocess
-    from jreshard.nccl.cupy_nccl import NcclComm
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.rendezvous import KeyValueRendezvous
-
-    if isinstance(target, jax.sharding.Sharding):
-        target = jax.tree.map(lambda _: target, x)
-    leaves, _, targets, _ = flatten(x, target, "target")
-    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
-    devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
-    mine = {r: d for r, d in devs.items() if d.process_index == jax.process_index()}
-    if not mine:
-        raise BackendUnavailableError(
-            f"backend 'nccl': process {jax.process_index()} holds none of the {len(devs)} devices of this transfer, "
-            "and an NCCL communicator needs at least one; the fix is to call transfer only on the processes "
-            "that take part, or backend='mpi'"
-        )
-    comm = NcclComm(
-        devices={r: r for r in devs},
-        local_devices={r: int(d.local_hardware_id) for r, d in mine.items()},
-        rendezvous=KeyValueRendezvous.from_jax(namespace="jreshard.transfer"),
-        namespace="jreshard.transfer",
-        timeout_s=options.timeout_s,
-    )
-    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in mine.items()})
-    try:
-        return transfer_multiprocess(x, target, topology=topology, options=options, transport=comm, buffers=buffers)
-    finally:
-        buffers.synchronize()
-        buffers.release()
+        return nccl_multiprocess(x, target, topology, options)
+    return nccl_in_process(x, target, topology, options, builder)
 
 
 def _finish(builder: ReportBuilder, result: Any, report: bool) -> Any:

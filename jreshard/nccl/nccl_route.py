@@ -1,0 +1,90 @@
+"""``backend="nccl"`` for ``jreshard.transfer``: the engine over ``NcclComm`` with CuPy
+buffers, in one process with GPUs or across the processes of a ``jax.distributed``
+cluster. Not run on GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jreshard.errors import BackendUnavailableError
+from jreshard.nccl.cupy_nccl import NcclComm
+from jreshard.nccl.direct import flatten
+from jreshard.nccl.gpu_buffers import CupyBuffers
+from jreshard.nccl.rendezvous import KeyValueRendezvous
+from jreshard.options import Options
+from jreshard.report import ReportBuilder
+from jreshard.sharding.topology import Topology
+
+__all__ = ["nccl_in_process", "nccl_multiprocess"]
+
+
+class _Store:
+    """An in-process key-value store: the NCCL unique id's rendezvous when one process drives every GPU."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        return self.values[key]
+
+
+def nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Options, builder: ReportBuilder) -> Any:
+    """``backend="nccl"`` with every GPU in this process: the engine over ``NcclComm``. Not run on GPU."""
+    from jreshard.api import transfer_with  # api imports this module lazily, and this one api
+
+    leaves, _, targets, _ = flatten(x, target, "target")
+    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
+    devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
+    comm = NcclComm(
+        devices={r: r for r in devs},
+        local_devices={r: int(d.local_hardware_id) for r, d in devs.items()},
+        rendezvous=KeyValueRendezvous(_Store()),
+        namespace="jreshard.transfer",
+        timeout_s=options.timeout_s,
+    )
+    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in devs.items()})
+    try:
+        out, _, _ = transfer_with(x, target, comm, topology=topology, options=options, buffers=buffers, report=builder)
+    finally:
+        buffers.synchronize()
+        buffers.release()
+    return out
+
+
+def nccl_multiprocess(x: Any, target: Any, topology: Topology | None, options: Options) -> Any:
+    """``backend="nccl"`` across the processes of a ``jax.distributed`` cluster: every process
+    calls ``transfer``; the engine runs over ``NcclComm``, the unique id shared through the
+    cluster's key-value store. Not run on GPU."""
+    from jreshard.multi import transfer_multiprocess
+
+    if isinstance(target, jax.sharding.Sharding):
+        target = jax.tree.map(lambda _: target, x)
+    leaves, _, targets, _ = flatten(x, target, "target")
+    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
+    devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
+    mine = {r: d for r, d in devs.items() if d.process_index == jax.process_index()}
+    if not mine:
+        raise BackendUnavailableError(
+            f"backend 'nccl': process {jax.process_index()} holds none of the {len(devs)} devices of this transfer, "
+            "and an NCCL communicator needs at least one; the fix is to call transfer only on the processes "
+            "that take part, or backend='mpi'"
+        )
+    comm = NcclComm(
+        devices={r: r for r in devs},
+        local_devices={r: int(d.local_hardware_id) for r, d in mine.items()},
+        rendezvous=KeyValueRendezvous.from_jax(namespace="jreshard.transfer"),
+        namespace="jreshard.transfer",
+        timeout_s=options.timeout_s,
+    )
+    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in mine.items()})
+    try:
+        return transfer_multiprocess(x, target, topology=topology, options=options, transport=comm, buffers=buffers)
+    finally:
+        buffers.synchronize()
+        buffers.release()
