@@ -30,6 +30,7 @@ from typing import Any
 
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
+from jreshard.nccl.local import match_and_copy
 
 __all__ = ["MpiComm", "import_mpi"]
 
@@ -136,48 +137,30 @@ class MpiComm(Communicator):
         key = lambda op: (op.src, op.dst, op.tag)  # noqa: E731
         sends = sorted(sends, key=key)
         recvs = sorted(recvs, key=key)
-        local_recvs: dict[tuple[int, int, int], list[RecvOp]] = {}
-        remote_recvs = []
-        for r in recvs:
-            if self.process_of(r.src) == self._me:
-                local_recvs.setdefault(key(r), []).append(r)
-            else:
-                remote_recvs.append(r)
+        local_recvs = [r for r in recvs if self.process_of(r.src) == self._me]
+        remote_recvs = [r for r in recvs if self.process_of(r.src) != self._me]
+        local_sends = [s for s in sends if self.process_of(s.dst) == self._me]
         pending: list[tuple[Any, SendOp | RecvOp]] = []
         try:
             for r in remote_recvs:
                 req = self._comm.Irecv(r.buffer, source=self._proc[r.src], tag=self._tag(r))
                 pending.append((req, r))
             for s in sends:
-                if self.process_of(s.dst) == self._me:
-                    self._copy_local(s, local_recvs)
-                    continue
-                req = self._comm.Isend(s.buffer, dest=self._proc[s.dst], tag=self._tag(s))
-                pending.append((req, s))
+                if self.process_of(s.dst) != self._me:
+                    req = self._comm.Isend(s.buffer, dest=self._proc[s.dst], tag=self._tag(s))
+                    pending.append((req, s))
         except self._MPI.Exception as err:
             self._abort(pending, f"MPI error while posting: {err}")
             raise PeerError(f"MpiComm.exchange: MPI error while posting the group: {err}") from err
-        left = [k for k, v in local_recvs.items() if v]
-        if left:
-            self._abort(pending, "unmatched local receives")
-            raise ValueError(f"MpiComm.exchange: local receives {left} have no matching send in this group")
+        try:  # messages between ranks of this process: copies, matched as LocalComm matches them
+            match_and_copy(local_sends, local_recvs)
+        except PeerError:
+            self._abort(pending, "unmatched local messages")
+            raise
         self._wait(pending, timeout_s)
 
     def _tag(self, op: SendOp | RecvOp) -> int:
         return _key_tag(op.src, op.dst, op.tag, self._tag_ub)
-
-    @staticmethod
-    def _copy_local(s: SendOp, local_recvs: dict[tuple[int, int, int], list[RecvOp]]) -> None:
-        queue = local_recvs.get((s.src, s.dst, s.tag))
-        if not queue:
-            raise ValueError(f"MpiComm.exchange: local send {(s.src, s.dst, s.tag)} has no matching receive")
-        r = queue.pop(0)
-        if _nbytes(r.buffer) != _nbytes(s.buffer):
-            raise ValueError(
-                f"MpiComm.exchange: local message {(s.src, s.dst, s.tag)} sends {_nbytes(s.buffer)} bytes "
-                f"into a {_nbytes(r.buffer)}-byte receive buffer"
-            )
-        r.buffer[...] = s.buffer
 
     def _wait(self, pending: list[tuple[Any, SendOp | RecvOp]], timeout_s: float) -> None:
         MPI = self._MPI
