@@ -86,15 +86,20 @@ def replay(arena: Arena, launch: np.ndarray) -> None:
 def test_pack_and_unpack_launches_match_numpy(seed, misalign):
     rng = np.random.default_rng(seed)
     arena, table, ptrs, bufs, sptr, staging = random_case(rng, int(rng.integers(1, 6)), misalign)
+    check_pack_unpack(rng, table, ptrs, bufs, sptr, staging, lambda launch: replay(arena, launch))
+
+
+def check_pack_unpack(rng, table, ptrs, bufs, sptr, staging, run) -> None:
+    """``run`` the pack launch and compare with numpy's pack; then unpack fresh bytes into
+    the shards and compare with numpy's unpack into copies."""
     expected = np.zeros_like(staging)
     K.pack_cpu(table, bufs, expected)
-    replay(arena, CK.pack_launch(table, ptrs, sptr))
+    run(CK.pack_launch(table, ptrs, sptr))
     np.testing.assert_array_equal(staging, expected)
-    # Unpack fresh bytes into the shards and compare with numpy's unpack into copies.
     staging[:] = rng.integers(0, 256, size=staging.size, dtype=np.uint8)
     want = [b.copy() for b in bufs]
     K.unpack_cpu(table, staging, want)
-    replay(arena, CK.unpack_launch(table, sptr, ptrs))
+    run(CK.unpack_launch(table, sptr, ptrs))
     for got, exp in zip(bufs, want, strict=True):
         np.testing.assert_array_equal(got, exp)
 
@@ -114,8 +119,16 @@ def test_copy_launch_matches_numpy(seed):
     box_a = Box(tuple(lo_a), tuple(x + e for x, e in zip(lo_a, ext, strict=True)))
     box_b = Box(tuple(lo_b), tuple(x + e for x, e in zip(lo_b, ext, strict=True)))
     st, dt = K.build_copy_tables(
-        [(0, K.byte_shape(shape_a, itemsize), K.byte_box(box_a, itemsize),
-          0, K.byte_shape(shape_b, itemsize), K.byte_box(box_b, itemsize))]
+        [
+            (
+                0,
+                K.byte_shape(shape_a, itemsize),
+                K.byte_box(box_a, itemsize),
+                0,
+                K.byte_shape(shape_b, itemsize),
+                K.byte_box(box_b, itemsize),
+            )
+        ]
     )
     want = b.copy()
     K.copy_cpu(st, [a], dt, [want])
@@ -188,16 +201,7 @@ def run_host(lib, launch):
 def test_cuda_source_compiled_for_the_host_matches_numpy(host_kernel, seed):
     rng = np.random.default_rng(200 + seed)
     _, table, ptrs, bufs, sptr, staging = random_case(rng, int(rng.integers(1, 6)), misalign=bool(seed % 2))
-    expected = np.zeros_like(staging)
-    K.pack_cpu(table, bufs, expected)
-    run_host(host_kernel, CK.pack_launch(table, ptrs, sptr))
-    np.testing.assert_array_equal(staging, expected)
-    staging[:] = rng.integers(0, 256, size=staging.size, dtype=np.uint8)
-    want = [b.copy() for b in bufs]
-    K.unpack_cpu(table, staging, want)
-    run_host(host_kernel, CK.unpack_launch(table, sptr, ptrs))
-    for got, exp in zip(bufs, want, strict=True):
-        np.testing.assert_array_equal(got, exp)
+    check_pack_unpack(rng, table, ptrs, bufs, sptr, staging, lambda launch: run_host(host_kernel, launch))
 
 
 def test_many_tiles_and_widths_through_both_replays(host_kernel):

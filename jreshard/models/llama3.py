@@ -7,7 +7,7 @@ vocabulary 128256, untied embeddings.
 
 from __future__ import annotations
 
-from jreshard.models.table import Model, Parallelism, Param, Role
+from jreshard.models.table import Model, Parallelism, Param, Role, gqa_attention
 
 __all__ = ["llama3_70b", "llama3_70b_inference", "llama3_70b_trainer"]
 
@@ -23,14 +23,9 @@ def llama3_70b() -> Model:
     hidden, heads, kv, hd, inter, vocab, layers = 8192, 64, 8, 128, 28672, 128256, 80
     ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=Role.EMBEDDING)]
     for i in range(layers):
-        a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        m = f"layers.{i}.mlp"
+        ps += gqa_attention(i, hidden, heads, kv, hd)
         ps += [
-            Param(name=f"layers.{i}.input_layernorm", shape=(hidden,), layer=i),
-            Param(name=f"{a}.q_proj", shape=(hidden, heads * hd), role=Role.COLUMN, layer=i, unit=hd),
-            Param(name=f"{a}.k_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
-            Param(name=f"{a}.v_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
-            Param(name=f"{a}.o_proj", shape=(heads * hd, hidden), role=Role.ROW, layer=i, unit=hd),
-            Param(name=f"layers.{i}.post_attention_layernorm", shape=(hidden,), layer=i),
             Param(name=f"{m}.gate_proj", shape=(hidden, inter), role=Role.COLUMN, layer=i),
             Param(name=f"{m}.up_proj", shape=(hidden, inter), role=Role.COLUMN, layer=i),
             Param(name=f"{m}.down_proj", shape=(inter, hidden), role=Role.ROW, layer=i),

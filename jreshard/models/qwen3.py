@@ -7,7 +7,7 @@ size 1536, vocabulary 151936, untied embeddings.
 
 from __future__ import annotations
 
-from jreshard.models.table import Model, Parallelism, Param, Role
+from jreshard.models.table import Model, Parallelism, Param, Role, gqa_attention
 
 __all__ = ["qwen3_235b", "qwen3_235b_inference", "qwen3_235b_trainer"]
 
@@ -23,16 +23,9 @@ def qwen3_235b() -> Model:
     hidden, heads, kv, hd, experts, inter, vocab, layers = 4096, 64, 4, 128, 128, 1536, 151936, 94
     ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=Role.EMBEDDING)]
     for i in range(layers):
-        a, m = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        m = f"layers.{i}.mlp"
+        ps += gqa_attention(i, hidden, heads, kv, hd, qk_norm=True)
         ps += [
-            Param(name=f"layers.{i}.input_layernorm", shape=(hidden,), layer=i),
-            Param(name=f"{a}.q_proj", shape=(hidden, heads * hd), role=Role.COLUMN, layer=i, unit=hd),
-            Param(name=f"{a}.k_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
-            Param(name=f"{a}.v_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
-            Param(name=f"{a}.q_norm", shape=(hd,), layer=i),
-            Param(name=f"{a}.k_norm", shape=(hd,), layer=i),
-            Param(name=f"{a}.o_proj", shape=(heads * hd, hidden), role=Role.ROW, layer=i, unit=hd),
-            Param(name=f"layers.{i}.post_attention_layernorm", shape=(hidden,), layer=i),
             Param(name=f"{m}.gate.weight", shape=(hidden, experts), layer=i),
             Param(name=f"{m}.experts.gate_proj", shape=(experts, hidden, inter), role=Role.EXPERT_COLUMN, layer=i),
             Param(name=f"{m}.experts.up_proj", shape=(experts, hidden, inter), role=Role.EXPERT_COLUMN, layer=i),

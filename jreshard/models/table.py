@@ -39,7 +39,7 @@ from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 
-__all__ = ["Model", "Param", "Parallelism", "Role", "refit_topology"]
+__all__ = ["Model", "Param", "Parallelism", "Role", "gqa_attention", "refit_topology"]
 
 
 class Role(enum.Enum):
@@ -100,6 +100,22 @@ class Model:
     @property
     def n_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.params)
+
+
+def gqa_attention(i: int, hidden: int, heads: int, kv: int, hd: int, *, qk_norm: bool = False) -> list[Param]:
+    """Layer ``i``'s input norm and grouped-query attention (Llama and Qwen naming),
+    column-parallel q/k/v and row-parallel o, split by whole heads of ``hd``."""
+    a = f"layers.{i}.self_attn"
+    norms = [Param(name=f"{a}.q_norm", shape=(hd,), layer=i), Param(name=f"{a}.k_norm", shape=(hd,), layer=i)]
+    return [
+        Param(name=f"layers.{i}.input_layernorm", shape=(hidden,), layer=i),
+        Param(name=f"{a}.q_proj", shape=(hidden, heads * hd), role=Role.COLUMN, layer=i, unit=hd),
+        Param(name=f"{a}.k_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
+        Param(name=f"{a}.v_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
+        *(norms if qk_norm else []),
+        Param(name=f"{a}.o_proj", shape=(heads * hd, hidden), role=Role.ROW, layer=i, unit=hd),
+        Param(name=f"layers.{i}.post_attention_layernorm", shape=(hidden,), layer=i),
+    ]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
