@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from jreshard import baselines as baselines
 from jreshard import cost as cost
+from jreshard._cache import clear_caches as clear_caches
 from jreshard.errors import BackendUnavailableError as BackendUnavailableError
 from jreshard.errors import IndivisibleError as IndivisibleError
 from jreshard.errors import LayoutError as LayoutError

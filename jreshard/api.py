@@ -30,35 +30,38 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
-from jreshard.errors import BackendUnavailableError, TransferError
+from jreshard.errors import BackendUnavailableError
+from jreshard.frontdoor import Mode, Prepared, prepare, target_sharding
 from jreshard.nccl.backend import BackendChoice, Placement, select_backend
-from jreshard.nccl.buffers import BufferBackend, CpuBuffers
-from jreshard.nccl.comm import Communicator
-from jreshard.nccl.direct import DirectTransfer, assemble, flatten, local_devices, prepare
-from jreshard.nccl.engine import ExecStats, Shards, execute
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
-from jreshard.sharding.program import Plan, plan_layouts
 from jreshard.sharding.topology import Topology
 
 __all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]
 
+PyTree = Any
 
-def _route(leaves: list, targets: list, what: str, options: Options) -> tuple[BackendChoice, bool]:
-    """The backend for these leaves and targets, and whether one process addresses every device
-    (the checks of each leaf come later, in order)."""
-    shardings = {leaf.sharding for leaf in leaves if isinstance(leaf, jax.Array)}
-    for t in targets:
-        sh = t.sharding if what == "into" and isinstance(t, jax.Array) else t
-        if isinstance(sh, jax.sharding.Sharding):
-            shardings.add(sh)
-    devices = set()
+
+def _route(x: PyTree, target: PyTree, mode: Mode, options: Options) -> tuple[BackendChoice, bool]:
+    """The backend for these arrays, and whether one process addresses every device."""
+    shardings = set()
+    for leaf in jax.tree_util.tree_leaves(x):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            shardings.add(leaf.sharding)
+    is_leaf = None if mode is Mode.INTO else (lambda v: v is None or not isinstance(v, (dict, list, tuple)))
+    for t in jax.tree_util.tree_leaves(target, is_leaf=is_leaf):
+        if isinstance(t, jax.Array):
+            shardings.add(t.sharding)
+        elif isinstance(t, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
+            sh = target_sharding(t, "a target")
+            if sh is not None:
+                shardings.add(sh)
+    devices: set = set()
     for sh in shardings:
         try:
             devices |= sh.device_set
-        except Exception:
+        except Exception:  # an abstract mesh: the front door says so
             continue
     if not devices:  # nothing to place: an empty tree
         return BackendChoice(backend=Backend.LOCAL, reason="no devices take part (an empty pytree)"), True
@@ -66,79 +69,74 @@ def _route(leaves: list, targets: list, what: str, options: Options) -> tuple[Ba
     return select_backend(options.backend, placement), placement.single_process
 
 
-def _prepare(x: Any, target: Any, what: str, topology: Topology | None, options: Options) -> tuple:
-    leaves, treedef, targets, names = flatten(x, target, what)
-    choice, here = _route(leaves, targets, what, options)
-    if choice.backend is not Backend.LOCAL:
-        return (choice, here), leaves, treedef, targets, None
-    return (choice, here), leaves, treedef, targets, prepare(leaves, treedef, targets, names, what, topology, options)
+def _on_gpus(prep: Prepared) -> bool:
+    return any(d.platform in ("gpu", "cuda") for leaf in prep.leaves[:1] for d in leaf.sharding.device_set)
 
 
-def _buffers(leaves: list) -> BufferBackend:
-    """numpy buffers, or CuPy ones when the arrays are on GPUs (not run on GPU)."""
-    on_gpu = any(d.platform in ("gpu", "cuda") for leaf in leaves[:1] for d in leaf.sharding.device_set)
-    if not on_gpu:
-        return CpuBuffers()
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-
-    return CupyBuffers()
-
-
-def _copy(prog: DirectTransfer, backend: BufferBackend, src: list, dst: list) -> None:
-    if isinstance(backend, CpuBuffers):
-        prog.direct.run(src, dst)
-        return
-    # GPUs (not run on GPU): one backend copy per destination device, then wait.
-    d = prog.direct
-    rank_of_buf = np.array([r for _, r in prog.dst_keys], dtype=np.int64)
-    rows = rank_of_buf[d.dst_table[:, 0]] if len(d.dst_table) else rank_of_buf[:0]
-    for r in sorted(set(rows.tolist())):
-        mask = rows == r
-        backend.copy(d.src_table[mask], src, d.dst_table[mask], dst)
-    backend.synchronize()
-
-
-def _begin(x: Any, target: Any, what: str, topology: Topology | None, options: Options) -> tuple:
-    """Check and plan (timed as the report's ``plan`` phase) and pick the backend."""
+def _run(
+    x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options | None, report: bool
+) -> Any:
+    """The one path of every call: route, front door, run the backend's lowering, assemble."""
+    if options is not None and not isinstance(options, Options):
+        raise TypeError(f"options={options!r} ({type(options).__name__}); expected jreshard.Options or None")
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology={topology!r} ({type(topology).__name__}); expected jreshard.Topology or None")
+    options = options or Options()
     builder = ReportBuilder(Backend.LOCAL)
     with builder.timed(ReportPhase.PLAN):
-        route, leaves, treedef, targets, prog = _prepare(x, target, what, topology, options)
-    builder.choose(route[0].backend, route[0].reason)
-    return builder, route, leaves, treedef, targets, prog
-
-
-def _elsewhere(
-    route: tuple[BackendChoice, bool],
-    x: Any,
-    target: Any,
-    what: str,
-    topology: Topology | None,
-    options: Options,
-    builder: ReportBuilder,
-) -> Any:
-    """Run a transfer that the direct path does not: across processes (MPI), or over NCCL."""
-    choice, single_process = route
-    if what == "into":
+        choice, single_process = _route(x, target, mode, options)
+        builder.choose(choice.backend, choice.reason)
+        if choice.backend is Backend.LOCAL or single_process:
+            prep = prepare(x, target, mode, topology, options)
+    if mode is Mode.INTO and choice.backend is not Backend.LOCAL:
         raise BackendUnavailableError(
             f"transfer_into runs in one process with backend 'local', but {choice.reason} picked backend "
             f"{choice.backend.value!r}. The fix is jreshard.RefitGroup.pull(into=...) across processes, "
             "or backend='auto' or 'local' in one process"
         )
-    if choice.backend is Backend.MPI:
-        from jreshard.multi import transfer_multiprocess
+    if choice.backend is Backend.LOCAL and not _on_gpus(prep):
+        from jreshard.nccl.inprocess import run_local
 
-        if isinstance(target, jax.sharding.Sharding):
-            target = jax.tree.map(lambda _: target, x)
-        return transfer_multiprocess(x, target, topology=topology, options=options)
+        leaves = run_local(prep, topology, options, builder)
+        result = prep.treedef.unflatten(leaves)
+    else:
+        result = _engine(x, target, choice, single_process, topology, options, builder)
+    return (result, builder.build()) if report else result
+
+
+def _engine(
+    x: PyTree,
+    target: PyTree,
+    choice: BackendChoice,
+    single_process: bool,
+    topology: Topology | None,
+    options: Options,
+    builder: ReportBuilder,
+) -> Any:
+    """The message-passing engine: MPI across processes, NCCL, or GPUs in one process (not run on GPU)."""
+    from jreshard.multi import transfer_multiprocess
+
+    if choice.backend is Backend.MPI:
+        return transfer_multiprocess(x, target, topology=topology, options=options, report=builder)
+    if choice.backend is Backend.LOCAL:  # GPUs in one process: the engine over local copies
+        from jreshard.nccl.gpu_buffers import CupyBuffers
+        from jreshard.nccl.local import LocalComm
+
+        ranks = sorted({d.id for leaf in jax.tree_util.tree_leaves(x) for d in leaf.sharding.device_set})
+        return transfer_multiprocess(
+            x,
+            target,
+            topology=topology,
+            options=options,
+            transport=LocalComm(ranks),
+            buffers=CupyBuffers(),
+            report=builder,
+        )
     from jreshard.nccl.nccl_route import nccl_in_process, nccl_multiprocess
 
     if not single_process:
-        return nccl_multiprocess(x, target, topology, options)
+        return nccl_multiprocess(x, target, topology, options, builder)
     return nccl_in_process(x, target, topology, options, builder)
-
-
-def _finish(builder: ReportBuilder, result: Any, report: bool) -> Any:
-    return (result, builder.build()) if report else result
 
 
 def transfer(
@@ -149,7 +147,10 @@ def transfer(
     Args:
       x: a ``jax.Array`` or a pytree of them.
       target: a ``jax.sharding.Sharding`` (for every leaf) or a pytree matching ``x``
-        whose leaves are shardings; a ``None`` leaf keeps that leaf where it is.
+        whose leaves are shardings, ``jax.ShapeDtypeStruct``s with a sharding (of the
+        leaf's shape and dtype), or ``None`` (keep that leaf where it is). Sources must be
+        ``jax.Array``s (``jax.device_put`` places host data first); it runs outside
+        ``jax.jit``.
       topology: ranks and domains (default: ``Topology.from_devices``, rank = ``device.id``);
         part of the cache key.
       options: ``jreshard.Options``; ``backend`` picks the transport (module docstring).
@@ -158,11 +159,14 @@ def transfer(
 
     Returns:
       The same structure, each leaf committed to exactly its target sharding and equal
-      to ``x`` (with ``report=True``: ``(result, report)``). Leaves whose sharding
-      already is the target are returned as they are (no bytes move); destination
-      shards that equal a source shard on the same device share its buffer.
-      Destination buffers come from a pool of buffers jax released earlier
-      (``jreshard.nccl.pool.default_pool()``; ``.clear()`` gives them back).
+      to ``x`` (with ``report=True``: ``(result, report)``). A leaf whose sharding
+      already is the target, or whose target is ``None``, is returned as it is (as
+      ``jax.device_put`` does); every other result owns new memory and shares no buffer
+      with ``x``, even where a destination shard equals a source shard on the same
+      device (colocated meshes, renamed axes): a train step that donates ``x`` never
+      deletes a result. Nothing in ``x`` is written. Destination buffers come from a
+      pool of memory that jax released earlier (``jreshard.nccl.pool.default_pool()``;
+      ``.clear()`` gives it back).
 
     Raises:
       LayoutMismatchError: ``target`` does not match the structure of ``x``.
@@ -187,36 +191,7 @@ def transfer(
       >>> rep.backend.value, rep.bytes_by_link()[jreshard.Link.FAST], rep.moved_bytes == 2 * w.nbytes
       ('local', 256, True)
     """
-    options = options or Options()
-    builder, route, leaves, treedef, targets, prog = _begin(x, target, "target", topology, options)
-    if prog is None:
-        return _finish(builder, _elsewhere(route, x, target, "target", topology, options, builder), report)
-    if not prog.moves:
-        return _finish(builder, treedef.unflatten(assemble(prog, leaves, targets, {}, "target")), report)
-    backend = _buffers(leaves)
-    devices = {d.id: d for d in local_devices()}
-    pool = backend.pool if isinstance(backend, CpuBuffers) else None
-    fresh0 = pool.stats().fresh_bytes if pool is not None else 0
-    with builder.timed(ReportPhase.BUFFERS):
-        shards = [{s.device.id: s.data for s in leaves[i].addressable_shards} for i in prog.moves]
-        src_bufs = [backend.export_source(shards[t][h]) for t, h in prog.src_keys]
-        dst_bufs = [backend.allocate([prog.dst_nbytes(t, r)], devices[r])[0] for t, r in prog.dst_keys]
-    with builder.timed(ReportPhase.COPY):
-        _copy(prog, backend, src_bufs, dst_bufs)
-    with builder.timed(ReportPhase.BUFFERS):
-        parts: dict[int, list] = {t: [] for t in range(len(prog.moves))}
-        for (t, r), buf in zip(prog.dst_keys, dst_bufs, strict=True):
-            lay = prog.pairs[t][1]
-            parts[t].append(backend.import_shard(buf, prog.dst_shape(t, r), lay.np_dtype, devices[r]))
-        for t, r in prog.aliases:
-            parts[t].append(shards[t][r])
-        out = treedef.unflatten(assemble(prog, leaves, targets, parts, "target"))
-        del src_bufs, dst_bufs
-    for link, n in prog.link_bytes:
-        builder.add_bytes(link, n)
-    if pool is not None:
-        builder.add_fresh(pool.stats().fresh_bytes - fresh0)
-    return _finish(builder, out, report)
+    return _run(x, target, Mode.TRANSFER, topology, options, report)
 
 
 def transfer_into(
@@ -224,12 +199,18 @@ def transfer_into(
 ) -> Any:
     """Write ``x`` into the existing arrays ``into`` (same structure, shapes and dtypes), in one process.
 
-    The caller donates ``into``: its buffers are overwritten in place, so an inference
-    engine's weights are updated without a second copy. Use the returned arrays (they
-    alias ``into``'s memory) and not ``into`` itself afterwards, and make sure no
-    computation still reads ``into`` concurrently. A ``None`` leaf in ``into`` keeps
-    that leaf of ``x``. On any error raised here, ``into`` is untouched: every check
-    runs before the first byte is written.
+    **Ownership.** ``transfer_into`` consumes ``into`` the way
+    ``jax.jit(..., donate_argnums=...)`` consumes donated arguments: after the call,
+    every ``into`` leaf it wrote is deleted (using it raises jax's "deleted" error) and
+    only the returned arrays are live; they own the memory ``into`` had, so an
+    inference engine's weights are updated without a second copy. It writes in place
+    only into memory that no other live array can observe: never into a buffer that
+    is also a source leaf's, nor one that another ``into`` leaf names (the same array
+    twice). Such leaves, and ``into`` leaves already deleted, get fresh buffers
+    instead: they are left as they are, and the report counts those bytes
+    (``not_in_place_bytes``). Nothing in ``x`` ever changes. A ``None`` leaf in
+    ``into`` returns that leaf of ``x`` itself. On any error raised before the copy,
+    ``into`` is untouched: every check runs before the first byte is written.
 
     Args:
       x: a ``jax.Array`` or a pytree of them.
@@ -239,8 +220,8 @@ def transfer_into(
       report: also return a :class:`TransferReport`.
 
     Returns:
-      Arrays with ``into``'s shardings, equal to ``x``, over ``into``'s buffers (with
-      ``report=True``: ``(result, report)``).
+      Arrays with ``into``'s shardings, equal to ``x``, over ``into``'s memory where
+      it was exclusively owned (with ``report=True``: ``(result, report)``).
 
     Raises:
       LayoutMismatchError: structure, shape or dtype differ between ``x`` and ``into``;
@@ -259,79 +240,30 @@ def transfer_into(
       >>> out, rep = jreshard.transfer_into(src, dst, report=True)
       >>> np.array_equal(out, src), out.addressable_shards[0].data.unsafe_buffer_pointer() == ptr
       (True, True)
-      >>> rep.moved_bytes, rep.fresh_bytes
-      (64, 0)
+      >>> rep.moved_bytes, rep.fresh_bytes, dst.is_deleted()
+      (64, 0, True)
     """
-    options = options or Options()
-    builder, route, leaves, treedef, targets, prog = _begin(x, into, "into", topology, options)
-    if prog is None:
-        return _finish(builder, _elsewhere(route, x, into, "into", topology, options, builder), report)
-    backend = _buffers(leaves) if prog.moves else CpuBuffers()
-    with builder.timed(ReportPhase.BUFFERS):
-        src_bufs = []
-        if prog.moves:
-            shards = [{s.device.id: s.data for s in leaves[i].addressable_shards} for i in prog.moves]
-            src_bufs = [backend.export_source(shards[t][h]) for t, h in prog.src_keys]
-        dst_shards = [{s.device.id: s.data for s in targets[i].addressable_shards} for i in prog.moves]
-        dst_bufs = [backend.writable_view(dst_shards[t][r]) for t, r in prog.dst_keys]
-    with builder.timed(ReportPhase.COPY):
-        try:
-            _copy(prog, backend, src_bufs, dst_bufs)
-        except Exception as err:  # every check passed before this point: say what state `into` is in
-            raise TransferError(
-                f"transfer_into failed while copying ({type(err).__name__}: {err}); the destination arrays "
-                "`into` are partly overwritten and hold neither the old nor the new values",
-                destination_intact=False,
-            ) from err
-    with builder.timed(ReportPhase.BUFFERS):
-        parts = {t: list(d.values()) for t, d in enumerate(dst_shards)}
-        out = treedef.unflatten(assemble(prog, leaves, targets, parts, "into"))
-        del src_bufs, dst_bufs
-    for link, n in prog.link_bytes:
-        builder.add_bytes(link, n)
-    return _finish(builder, out, report)
+    return _run(x, into, Mode.INTO, topology, options, report)
 
 
 def transfer_with(
-    x: Any,
-    target: Any,
-    comm: Communicator,
+    x: PyTree,
+    target: PyTree,
+    comm: Any,
     *,
     topology: Topology | None = None,
     options: Options | None = None,
-    buffers: BufferBackend | None = None,
+    buffers: Any = None,
     report: ReportBuilder | None = None,
-) -> tuple[Any, ExecStats, Plan]:
-    """:func:`transfer` through the message-passing engine (the path MPI and NCCL take), over
-    ``comm`` whose ``local_ranks`` must be every rank taking part. For tests and comparisons.
-
-    Args:
-      buffers: the buffer backend (default numpy buffers from the pool).
-      report: a builder the engine adds its phases, bytes and staging to.
+) -> tuple[Any, Any, Any]:
+    """:func:`transfer` through the message-passing engine over ``comm`` (whose local ranks are every
+    rank taking part): the path MPI and NCCL take, in one process. For tests and comparisons.
 
     Returns:
       ``(result, stats, plan)``: the moved pytree, what the engine did, and the plan it ran.
     """
-    options = options or Options()
-    backend = buffers or CpuBuffers()
-    leaves, treedef, targets, names = flatten(x, target, "target")
-    prog = prepare(leaves, treedef, targets, names, "target", topology, options)
-    devices = {d.id: d for d in local_devices()}
-    used = sorted({r for p in prog.pairs for lay in p for r in lay.ranks})
-    topo = topology or Topology.from_devices([devices[r] for r in used])
-    plan = plan_layouts(prog.pairs, topo, options, [str(i) for i in prog.moves])
-    src, dst = {}, {}
-    for t, i in enumerate(prog.moves):
-        for s in leaves[i].addressable_shards:
-            src[(t, s.device.id)] = backend.export_source(s.data)
-        lay = prog.pairs[t][1]
-        for r in lay.ranks:
-            (dst[(t, r)],) = backend.allocate([prog.dst_nbytes(t, r)], devices[r])
-    stats = execute(
-        plan, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
+    from jreshard.multi import transfer_multiprocess
+
+    return transfer_multiprocess(
+        x, target, topology=topology, options=options, transport=comm, buffers=buffers, report=report, details=True
     )
-    parts = {
-        t: [backend.import_shard(dst[(t, r)], lay.box_of(r).shape, lay.np_dtype, devices[r]) for r in lay.ranks]
-        for t, (_, lay) in enumerate(prog.pairs)
-    }
-    return treedef.unflatten(assemble(prog, leaves, targets, parts, "target")), stats, plan

@@ -25,13 +25,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jreshard.errors import BackendUnavailableError
+from jreshard.errors import BackendUnavailableError, LayoutMismatchError
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator
 from jreshard.nccl.engine import ExecStats, Shards, execute
 from jreshard.nccl.mpi import MpiComm, import_mpi
 from jreshard.options import Options
 from jreshard.planning import layout_pairs
+from jreshard.report import ReportBuilder
 from jreshard.sharding.program import Plan, plan_layouts
 from jreshard.sharding.topology import Topology
 
@@ -97,6 +98,7 @@ def run_plan(
     *,
     options: Options | None = None,
     backend: BufferBackend | None = None,
+    report: ReportBuilder | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """Run this process's ranks of ``plan`` and return the new destination shards.
 
@@ -107,6 +109,7 @@ def run_plan(
       targets: ``{(tensor, rank): jax device}``, the destination shards to make here.
       options: chunking, staging, timeout.
       backend: buffer operations (default numpy on CPU).
+      report: where the engine adds its phases, bytes per link and messages.
 
     Returns:
       ``({(tensor, rank): single-device jax array}, stats)``. The arrays alias
@@ -115,12 +118,18 @@ def run_plan(
     backend = backend or CpuBuffers()
     src = {k: backend.export_source(a) for k, a in sources.items()}
     dst, meta = {}, {}
+    devices: dict[int, Any] = {}
     for (t, r), device in targets.items():
         lay = plan.tensors[t].dst
         box = lay.box_of(r)
         (dst[(t, r)],) = backend.allocate([box.volume * lay.itemsize], device)
         meta[(t, r)] = (box.shape, lay.np_dtype, device)
-    stats = execute(plan, comm, Shards(src=src, dst=dst), options=options, backend=backend)
+        devices[r] = device
+    for (_, r), a in sources.items():
+        devices.setdefault(r, next(iter(a.devices())))
+    stats = execute(
+        plan, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
+    )
     out = {k: backend.import_shard(dst[k], *meta[k]) for k in dst}
     return out, stats
 
@@ -142,19 +151,24 @@ def transfer_multiprocess(
     comm: Any = None,
     transport: Communicator | None = None,
     buffers: BufferBackend | None = None,
+    report: ReportBuilder | None = None,
+    details: bool = False,
 ) -> Any:
-    """``jreshard.transfer`` when not every device is addressable: every process of the cluster calls it.
+    """``jreshard.transfer`` through the message-passing engine: every process of the cluster calls it.
 
     Args:
       x: a jax array or pytree of arrays (global arrays of the cluster).
-      target: a sharding or pytree of shardings (or arrays / ShapeDtypeStructs carrying one).
+      target: a sharding or pytree of shardings (or arrays / ShapeDtypeStructs carrying one);
+        a ``None`` leaf keeps that leaf of ``x`` as it is.
       topology: ranks (device ids), domains and links; default one domain per process.
       options: chunking, staging and ``timeout_s`` (every wait on a peer).
       comm: the MPI communicator of the cluster's processes (default ``MPI.COMM_WORLD``).
       transport: another :class:`Communicator` to run the plan over instead of MPI (on GPUs,
-        ``NcclComm``: not run on GPU); its local ranks must be this process's device ids
-        that take part. ``comm`` is then unused.
+        ``NcclComm``: not run on GPU; in one process, ``LocalComm``); its local ranks must
+        be this process's device ids that take part. ``comm`` is then unused.
       buffers: the buffer operations (default numpy on CPU; ``CupyBuffers`` on GPUs).
+      report: a report builder the engine adds its phases, bytes and messages to.
+      details: return ``(result, stats, plan)`` instead of the result alone.
 
     Returns:
       The same tree of global arrays with the target shardings (see the module
@@ -166,10 +180,28 @@ def transfer_multiprocess(
     """
     import jax
 
+    from jreshard.frontdoor import target_sharding
+
     options = options or Options()
     x_leaves, treedef = jax.tree_util.tree_flatten(x)
-    tgt = jax.tree_util.tree_leaves(target, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
-    pairs, names, devices = layout_pairs(x, target)
+    if target is None or isinstance(target, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
+        tgt = [target] * len(x_leaves)
+    else:
+        try:
+            tgt = treedef.flatten_up_to(target)
+        except (ValueError, TypeError) as err:
+            raise LayoutMismatchError(
+                f"target does not match the structure of x ({treedef}): {err}",
+                src=treedef,
+                dst=target,
+                what="structure",
+            ) from None
+    moved = [i for i, t in enumerate(tgt) if t is not None]
+    shardings = {
+        i: tgt[i].sharding if isinstance(tgt[i], jax.Array) else target_sharding(tgt[i], f"the target of leaf #{i}")
+        for i in moved
+    }
+    pairs, names, devices = layout_pairs([x_leaves[i] for i in moved], [shardings[i] for i in moved])
     topology = topology or Topology.from_devices(devices)
     plan = plan_layouts(pairs, topology, options, names)
     if transport is None:
@@ -177,19 +209,19 @@ def transfer_multiprocess(
         transport = _cluster_comm(MPI.COMM_WORLD if comm is None else comm)
     sources, targets = {}, {}
     me = jax.process_index()
-    for t, (a, s) in enumerate(zip(x_leaves, tgt, strict=True)):
-        sharding = s if isinstance(s, jax.sharding.Sharding) else s.sharding
+    for t, i in enumerate(moved):
         src_ranks = set(pairs[t][0].ranks)
-        for sh in a.addressable_shards:
+        for sh in x_leaves[i].addressable_shards:
             if sh.device.id in src_ranks:
                 sources[(t, sh.device.id)] = sh.data
-        for d in sharding.device_set:
+        for d in shardings[i].device_set:
             if d.process_index == me:
                 targets[(t, d.id)] = d
-    shards, _ = run_plan(plan, transport, sources, targets, options=options, backend=buffers)
-    out = []
-    for t, (a, s) in enumerate(zip(x_leaves, tgt, strict=True)):
-        sharding = s if isinstance(s, jax.sharding.Sharding) else s.sharding
+    shards, stats = run_plan(plan, transport, sources, targets, options=options, backend=buffers, report=report)
+    out = list(x_leaves)
+    for t, i in enumerate(moved):
+        a, sharding = x_leaves[i], shardings[i]
         mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
-        out.append(assemble(tuple(a.shape), a.dtype, sharding, mine))
-    return jax.tree_util.tree_unflatten(treedef, out)
+        out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine)
+    result = jax.tree_util.tree_unflatten(treedef, out)
+    return (result, stats, plan) if details else result

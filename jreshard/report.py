@@ -55,6 +55,10 @@ class TransferReport:
       total_s: wall-clock seconds from the start of the transfer to its end; at least
         the sum of the phases (phases may overlap when chunks are pipelined, so the sum
         can also exceed it).
+      not_in_place_bytes: ``transfer_into`` destination bytes written into fresh buffers
+        instead of in place, because the ``into`` leaf shared memory with a source leaf or
+        with another ``into`` leaf, or had been deleted (see the ownership rule in
+        ``transfer_into``).
       peak_staging_bytes: the most staging memory held at once.
       messages: point-to-point messages this process sent.
 
@@ -80,11 +84,20 @@ class TransferReport:
     peak_staging_bytes: int = 0
     messages: int = 0
     fresh_bytes: int = 0
+    not_in_place_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend) or self.backend is Backend.AUTO:
             raise ValueError(f"TransferReport: backend={self.backend!r} must be a resolved Backend, not AUTO")
-        for f in ("network_bytes", "fast_bytes", "local_bytes", "peak_staging_bytes", "messages", "fresh_bytes"):
+        for f in (
+            "network_bytes",
+            "fast_bytes",
+            "local_bytes",
+            "peak_staging_bytes",
+            "messages",
+            "fresh_bytes",
+            "not_in_place_bytes",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"TransferReport: {f}={v!r} must be an int >= 0")
@@ -157,6 +170,7 @@ class ReportBuilder:
         "_seconds",
         "_staging",
         "_start",
+        "_unowned",
     )
 
     def __init__(self, backend: Backend, reason: str = "", *, clock: Callable[[], float] = time.perf_counter):
@@ -170,6 +184,7 @@ class ReportBuilder:
         self._peak = 0
         self._messages = 0
         self._fresh = 0
+        self._unowned = 0
 
     def choose(self, backend: Backend, reason: str) -> None:
         """Record the backend once it is picked (a builder starts before the choice is made)."""
@@ -197,6 +212,10 @@ class ReportBuilder:
         """Count destination bytes allocated new (not reused from a pool)."""
         self._fresh += int(nbytes)
 
+    def add_unowned(self, nbytes: int) -> None:
+        """Count ``transfer_into`` bytes written to fresh buffers because ``into`` was not exclusively owned."""
+        self._unowned += int(nbytes)
+
     def staging(self, delta: int) -> None:
         """Staging memory grew (``delta > 0``) or shrank; the peak is kept."""
         self._staging += int(delta)
@@ -222,4 +241,5 @@ class ReportBuilder:
             peak_staging_bytes=self._peak,
             messages=self._messages,
             fresh_bytes=self._fresh,
+            not_in_place_bytes=self._unowned,
         )

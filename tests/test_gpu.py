@@ -180,8 +180,13 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env):
     x = jax.device_put(host, gpu)
     d1, d2 = bufs.allocate([256 * 512 * 4, 256 * 512 * 4], gpu)
     with cupy.cuda.Device(o):
-        execute(plan, comm, Shards(src={(0, 0): bufs.export_source(x)}, dst={(0, 1): d1, (0, 2): d2}),
-                options=opts, backend=bufs)
+        execute(
+            plan,
+            comm,
+            Shards(src={(0, 0): bufs.export_source(x)}, dst={(0, 1): d1, (0, 2): d2}),
+            options=opts,
+            backend=bufs,
+        )
     y1 = bufs.import_shard(d1, (256, 512), np.dtype("float32"), gpu)
     y2 = bufs.import_shard(d2, (256, 512), np.dtype("float32"), gpu)
     np.testing.assert_array_equal(np.asarray(y1), host[:, :512])

@@ -207,9 +207,7 @@ class NcclComm(Communicator):
         if not ordinal_of:
             raise ValueError("NcclComm: local_devices is empty; this process must drive at least one rank")
         self._local_ranks = tuple(sorted(int(r) for r in local_devices))
-        self._group = _Group(
-            namespace, world, tuple(sorted(ordinal_of.items())), (id(self._nccl), id(self._cuda))
-        )
+        self._group = _Group(namespace, world, tuple(sorted(ordinal_of.items())), (id(self._nccl), id(self._cuda)))
         with _LOCK:
             cached = _CACHE.get(self._group)
         self._local = cached if cached is not None else self._create(rendezvous, timeout_s)

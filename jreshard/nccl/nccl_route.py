@@ -11,7 +11,6 @@ import jax
 
 from jreshard.errors import BackendUnavailableError
 from jreshard.nccl.cupy_nccl import NcclComm
-from jreshard.nccl.direct import flatten
 from jreshard.nccl.gpu_buffers import CupyBuffers
 from jreshard.nccl.rendezvous import KeyValueRendezvous
 from jreshard.options import Options
@@ -34,11 +33,23 @@ class _Store:
         return self.values[key]
 
 
+def _leaves_and_targets(x: Any, target: Any) -> tuple[list, list]:
+    """The leaves of ``x`` and the target sharding of each (``None``: kept)."""
+    from jreshard.frontdoor import target_sharding
+
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if isinstance(target, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
+        targets = [target] * len(leaves)
+    else:
+        targets = treedef.flatten_up_to(target)
+    return leaves, [t.sharding if isinstance(t, jax.Array) else target_sharding(t, "a target") for t in targets]
+
+
 def nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Options, builder: ReportBuilder) -> Any:
     """``backend="nccl"`` with every GPU in this process: the engine over ``NcclComm``. Not run on GPU."""
-    from jreshard.api import transfer_with  # api imports this module lazily, and this one api
+    from jreshard.multi import transfer_multiprocess
 
-    leaves, _, targets, _ = flatten(x, target, "target")
+    leaves, targets = _leaves_and_targets(x, target)
     devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
     devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
     comm = NcclComm(
@@ -50,22 +61,24 @@ def nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Opt
     )
     buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in devs.items()})
     try:
-        out, _, _ = transfer_with(x, target, comm, topology=topology, options=options, buffers=buffers, report=builder)
+        out = transfer_multiprocess(
+            x, target, topology=topology, options=options, transport=comm, buffers=buffers, report=builder
+        )
     finally:
         buffers.synchronize()
         buffers.release()
     return out
 
 
-def nccl_multiprocess(x: Any, target: Any, topology: Topology | None, options: Options) -> Any:
+def nccl_multiprocess(
+    x: Any, target: Any, topology: Topology | None, options: Options, builder: ReportBuilder | None = None
+) -> Any:
     """``backend="nccl"`` across the processes of a ``jax.distributed`` cluster: every process
     calls ``transfer``; the engine runs over ``NcclComm``, the unique id shared through the
     cluster's key-value store. Not run on GPU."""
     from jreshard.multi import transfer_multiprocess
 
-    if isinstance(target, jax.sharding.Sharding):
-        target = jax.tree.map(lambda _: target, x)
-    leaves, _, targets, _ = flatten(x, target, "target")
+    leaves, targets = _leaves_and_targets(x, target)
     devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
     devs.update({d.id: d for t in targets if t is not None for d in t.device_set})
     mine = {r: d for r, d in devs.items() if d.process_index == jax.process_index()}
@@ -84,7 +97,9 @@ def nccl_multiprocess(x: Any, target: Any, topology: Topology | None, options: O
     )
     buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in mine.items()})
     try:
-        return transfer_multiprocess(x, target, topology=topology, options=options, transport=comm, buffers=buffers)
+        return transfer_multiprocess(
+            x, target, topology=topology, options=options, transport=comm, buffers=buffers, report=builder
+        )
     finally:
         buffers.synchronize()
         buffers.release()

@@ -1,0 +1,309 @@
+"""The front door of every transfer: flatten once, check everything once, group by layout pair.
+
+:func:`prepare` turns ``(x, target)`` into a :class:`Prepared`: the leaves, the
+tree structure, and a cached :class:`Shape` of the transfer that every backend
+consumes. The shape depends only on the cache key (tree structure, and per leaf
+its shape, dtype, source sharding and target sharding, plus the mode, topology and
+options), so the second call with the same key does no planning and no per-leaf
+layout work. Leaves with the same (source layout, destination layout) form one
+:class:`Group`: one plan, one lowered copy program, whatever the number of leaves.
+
+Every check runs here, before any byte moves, and every error names the leaf by
+its key path and shows the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreshard._cache import cache
+from jreshard.errors import IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
+from jreshard.options import Options
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.topology import Topology
+
+__all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "prepare", "target_sharding"]
+
+PyTree = Any
+
+
+class Mode(enum.Enum):
+    """What the call writes: new arrays (``transfer``) or the caller's ``into`` arrays."""
+
+    TRANSFER = "transfer"
+    INTO = "into"
+
+
+class Kind(enum.IntEnum):
+    """What happens to one leaf."""
+
+    KEEP = 0  # returned as it is: a None target, or (transfer) the very same sharding
+    MOVE = 1  # bytes move into new or donated destination shards
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Group:
+    """Moved leaves that share a (source layout, destination layout) pair.
+
+    Attributes:
+      src, dst: the layouts.
+      leaves: the leaf indices of the group, in tree order.
+      src_order: per leaf of the group, for each of its source array's addressable
+        shards (in ``addressable_data`` order), the source slot it fills.
+      dst_order: per leaf, for each device of its target sharding (in the order jax
+        assembles them), the destination slot it holds.
+      devices: per leaf, the target sharding's devices in that order.
+    """
+
+    src: Layout
+    dst: Layout
+    leaves: tuple[int, ...]
+    src_order: tuple[tuple[int, ...], ...]
+    dst_order: tuple[tuple[int, ...], ...]
+    devices: tuple[list[Any], ...]
+
+    @property
+    def dst_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The destination shard shape of each slot."""
+        return tuple(self.dst.box_of(r).shape for r in self.dst.ranks)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Shape:
+    """Everything about a transfer that depends only on its cache key.
+
+    Attributes:
+      kinds: per leaf, kept or moved.
+      groups: the moved leaves, grouped by layout pair.
+      shardings: per leaf, the target sharding (``None`` for a kept leaf).
+    """
+
+    kinds: tuple[Kind, ...]
+    groups: tuple[Group, ...]
+    shardings: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Prepared:
+    """One call: its leaves, targets, tree structure, names and cached :class:`Shape`."""
+
+    mode: Mode
+    leaves: list[Any]
+    targets: list[Any]
+    treedef: Any
+    names: tuple[str, ...]
+    shape: Shape
+
+
+def _is_target_leaf(v: Any) -> bool:
+    return v is None or isinstance(v, (jax.sharding.Sharding, jax.ShapeDtypeStruct, jax.sharding.PartitionSpec))
+
+
+def _flatten(x: PyTree, target: PyTree, mode: Mode) -> tuple[list, Any, list, tuple[str, ...]]:
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if mode is Mode.TRANSFER and _is_target_leaf(target) and target is not None:
+        return leaves, treedef, [target] * len(leaves), ()
+    try:
+        targets = treedef.flatten_up_to(target)
+    except (ValueError, TypeError) as err:
+        what = "target" if mode is Mode.TRANSFER else "into"
+        raise LayoutMismatchError(
+            f"{what} does not match the structure of x ({treedef}): {err}", src=treedef, dst=target, what="structure"
+        ) from None
+    return leaves, treedef, targets, ()
+
+
+def leaf_names(treedef: Any, x: PyTree) -> tuple[str, ...]:
+    """The key path of every leaf (``"x"`` for a bare array), for messages."""
+    paths = jax.tree_util.tree_flatten_with_path(x)[0]
+    return tuple(jax.tree_util.keystr(p) or "x" for p, _ in paths)
+
+
+def _name(names: tuple[str, ...], i: int) -> str:
+    return f"leaf {names[i]}" if names else f"leaf #{i}"
+
+
+def target_sharding(t: Any, where: str) -> Any:
+    """The sharding a target leaf asks for (a Sharding, or a ShapeDtypeStruct's), or ``None``.
+
+    Raises:
+      LayoutError: a PartitionSpec (no mesh), a ShapeDtypeStruct without a sharding, or
+        anything else that is not a sharding.
+    """
+    if t is None or isinstance(t, jax.sharding.Sharding):
+        return t
+    if isinstance(t, jax.sharding.PartitionSpec):
+        raise LayoutError(
+            f"{where} is the PartitionSpec {t}, which names no devices; the fix is "
+            f"jax.sharding.NamedSharding(mesh, {t})"
+        )
+    if isinstance(t, jax.ShapeDtypeStruct):
+        if t.sharding is None:
+            raise LayoutError(f"{where} is {t} with no sharding; the fix is jax.ShapeDtypeStruct(..., sharding=...)")
+        return t.sharding
+    raise LayoutError(f"{where} is {t!r} ({type(t).__name__}); expected a jax Sharding, a ShapeDtypeStruct or None")
+
+
+def _check_leaf(leaf: Any, where: str) -> None:
+    if isinstance(leaf, jax.core.Tracer):
+        raise LayoutError(
+            f"{where} is a traced value ({type(leaf).__name__}): jreshard moves concrete arrays and runs "
+            "outside jax.jit / jax.grad / vmap; the fix is to call it from Python, not from a traced function"
+        )
+    if not isinstance(leaf, jax.Array):
+        raise LayoutError(
+            f"{where} is {type(leaf).__name__} {np.shape(leaf)}, not a jax.Array; jreshard moves arrays that "
+            "are already on devices: the fix is jax.device_put(value, sharding) for host data"
+        )
+    if leaf.is_deleted():
+        raise LayoutError(f"{where} has been deleted or donated; the fix is to pass a live array")
+
+
+def _check_default_layout(arr: Any, where: str) -> None:
+    """Refuse arrays whose memory layout is not row-major: jreshard reads and writes shards as C-order bytes."""
+    try:
+        fmt = arr.format
+    except AttributeError:  # older jax: no memory layouts to worry about
+        return
+    lay = getattr(fmt, "layout", None)
+    m2m = getattr(lay, "major_to_minor", None)
+    if m2m is not None and tuple(m2m) != tuple(range(arr.ndim)):
+        raise LayoutError(
+            f"{where} has memory layout major_to_minor={tuple(m2m)}; jreshard reads and writes row-major shards "
+            f"only (major_to_minor={tuple(range(arr.ndim))}): the fix is an array in the default layout"
+        )
+
+
+def _check_sharding(sh: Any, where: str) -> None:
+    try:
+        devices = sh.device_set
+    except Exception as err:  # an abstract mesh has no devices
+        raise TopologyError(f"{where} has target {sh} with no concrete devices: {err}") from err
+    kind = getattr(sh, "memory_kind", None)
+    if kind not in (None, "device"):
+        raise LayoutError(
+            f"{where} has target memory_kind={kind!r}; jreshard writes device memory only: the fix is "
+            "jax.device_put(result, sharding.with_memory_kind(...)) after the transfer"
+        )
+    known = _local_devices()
+    missing = sorted(d.id for d in devices if d not in known)
+    if missing:
+        raise TopologyError(f"{where} has target on devices {missing} that this process cannot address")
+
+
+@cache(max_size=1)
+def _local_devices() -> frozenset:
+    return frozenset(jax.local_devices())
+
+
+def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options) -> Prepared:
+    """Flatten, check and look up the cached :class:`Shape` of one call.
+
+    Raises:
+      LayoutMismatchError: structure, shape or dtype differ between ``x`` and its target.
+      LayoutError, IndivisibleError, TopologyError: a leaf or a target is unusable (the message
+        names the leaf's key path and the values).
+    """
+    leaves, treedef, targets, _ = _flatten(x, target, mode)
+    names: tuple[str, ...] = ()
+    try:
+        specs = []
+        for i, (leaf, t) in enumerate(zip(leaves, targets, strict=True)):
+            _check_leaf(leaf, f"{_name(names, i)} of x")
+            if mode is Mode.INTO and t is not None:
+                if not isinstance(t, jax.Array) or isinstance(t, jax.core.Tracer):
+                    _check_leaf(t, f"{_name(names, i)} of into")
+                if t.shape != leaf.shape or t.dtype != leaf.dtype:
+                    raise LayoutMismatchError(
+                        f"{_name(names, i)} is {leaf.dtype}{list(leaf.shape)} but into holds {t.dtype}{list(t.shape)}",
+                        src=(leaf.shape, leaf.dtype),
+                        dst=(t.shape, t.dtype),
+                        what="shape" if t.shape != leaf.shape else "dtype",
+                    )
+                sh = t.sharding
+            else:
+                sh = target_sharding(t, f"the target of {_name(names, i)}")
+                if isinstance(t, jax.ShapeDtypeStruct) and (t.shape != leaf.shape or t.dtype != leaf.dtype):
+                    raise LayoutMismatchError(
+                        f"{_name(names, i)} is {leaf.dtype}{list(leaf.shape)} but its target is {t}; "
+                        "casting needs jreshard.views.astype",
+                        src=(leaf.shape, leaf.dtype),
+                        dst=(t.shape, t.dtype),
+                        what="shape" if t.shape != leaf.shape else "dtype",
+                    )
+            specs.append((leaf.shape, leaf.dtype, leaf.sharding, sh))
+        key = (treedef, tuple(specs), mode, topology, options)
+        shape = _shape(key)
+    except (LayoutError, TopologyError) as err:
+        if names or not leaves:
+            raise
+        # Name leaves by key path: computed only on the error path (it costs a second flatten).
+        names = leaf_names(treedef, x)
+        raise type(err)(_renamed(str(err), names)) from err.__cause__
+    return Prepared(mode, leaves, targets, treedef, names, shape)
+
+
+def _renamed(message: str, names: tuple[str, ...]) -> str:
+    import re
+
+    return re.sub(r"leaf #(\d+)", lambda m: f"leaf {names[int(m.group(1))]}", message, count=1)
+
+
+@cache(max_size=256)
+def _shape(key: tuple) -> Shape:
+    _treedef, specs, mode, _topology, _options = key
+    kinds: list[Kind] = []
+    shardings: list[Any] = []
+    by_pair: dict[tuple[Layout, Layout], list[int]] = {}
+    for i, (shape, dtype, src_sh, dst_sh) in enumerate(specs):
+        where = f"leaf #{i}"
+        _check_sharding(src_sh, f"{where} of x")
+        kind = getattr(src_sh, "memory_kind", None)
+        if kind not in (None, "device"):
+            raise LayoutError(f"{where} of x lives in memory_kind={kind!r}; jreshard reads device memory only")
+        if dst_sh is None or (mode is Mode.TRANSFER and dst_sh == src_sh):
+            kinds.append(Kind.KEEP)
+            shardings.append(None)
+            continue
+        _check_sharding(dst_sh, where)
+        try:
+            src = Layout.from_sharding(src_sh, shape, dtype)
+            dst = Layout.from_sharding(dst_sh, shape, dtype)
+        except IndivisibleError as err:
+            raise IndivisibleError(f"{where} of shape {tuple(shape)}: {err}") from err
+        except LayoutError as err:  # a spec naming unknown axes...
+            raise type(err)(f"{where} of shape {tuple(shape)}: {err}") from err
+        kinds.append(Kind.MOVE)
+        shardings.append(dst_sh)
+        by_pair.setdefault((src, dst), []).append(i)
+    groups = []
+    for (src, dst), idx in by_pair.items():
+        s_slot = {r: k for k, r in enumerate(src.ranks)}
+        d_slot = {r: k for k, r in enumerate(dst.ranks)}
+        src_order, dst_order, devices = [], [], []
+        for i in idx:
+            src_sh, dst_sh = specs[i][2], specs[i][3]
+            src_order.append(tuple(s_slot[d.id] for d in _addressable_order(src_sh)))
+            devs = _addressable_order(dst_sh)
+            dst_order.append(tuple(d_slot[d.id] for d in devs))
+            devices.append(list(devs))
+        groups.append(Group(src, dst, tuple(idx), tuple(src_order), tuple(dst_order), tuple(devices)))
+    return Shape(kinds=tuple(kinds), groups=tuple(groups), shardings=tuple(shardings))
+
+
+def _addressable_order(sharding: Any) -> tuple[Any, ...]:
+    """The devices of a sharding in the order jax lists an array's shards (``addressable_data``)."""
+    return tuple(sharding._internal_device_list.addressable_device_list)
+
+
+def default_layout_check(arrays: Sequence[Any], names: Sequence[str], side: str) -> None:
+    """Refuse any array whose memory layout is not row-major (see :func:`_check_default_layout`)."""
+    for i, a in enumerate(arrays):
+        if a is not None and a.ndim > 1:
+            _check_default_layout(a, f"{_name(tuple(names), i)} of {side}")

@@ -1,0 +1,270 @@
+"""Run a prepared transfer in one process on CPU devices: the local-copy lowering of its plans.
+
+Per layout group (:class:`~jreshard.frontdoor.Group`) the plan of its layout pair is
+lowered once (:func:`~jreshard.nccl.lowering.lower_local`, cached) and applied to
+every leaf of the group at once:
+
+1. **Sources.** The arrays are waited on once (``jax.block_until_ready``), then each
+   shard's buffer address is read (``unsafe_buffer_pointer``: microseconds, where a
+   DLPack export costs tens). The sources are only read, and stay referenced until
+   the copies end.
+2. **Destinations.** ``transfer``: one warm block per (group, destination device)
+   from the buffer pool (:mod:`jreshard.nccl.pool`), cut into one aligned shard per
+   leaf. ``transfer_into``: the ``into`` arrays, consumed as ``jax.jit`` with
+   ``donate_argnums`` consumes them (they are donated to an identity computation,
+   whose outputs own the same memory), but only where nothing else can observe that
+   memory; otherwise fresh shards, counted in the report.
+3. **Copies.** Every stage's copy classes, for the whole group, as batched strided
+   copies (:mod:`jreshard.nccl.strided`).
+4. **Results.** Each destination array is made from its shards in one call
+   (zero-copy on CPU: jax keeps the numpy shard alive, and the pool takes the block
+   back when jax lets it go).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreshard._cache import cache
+from jreshard.errors import TransferError
+from jreshard.frontdoor import Group, Kind, Mode, Prepared
+from jreshard.nccl import strided
+from jreshard.nccl.lowering import LocalProgram, addresses, lower_local
+from jreshard.nccl.pool import ALIGN, BufferPool, default_pool
+from jreshard.options import Options
+from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.sharding.program import plan_layouts
+from jreshard.sharding.topology import Topology
+
+__all__ = ["program_of", "run_local"]
+
+
+@cache(max_size=1024)
+def program_of(src: Any, dst: Any, topology: Topology | None, options: Options) -> LocalProgram:
+    """The lowered in-process program of one layout pair (cached)."""
+    topo = topology or _host_topology(tuple(sorted(set(src.ranks) | set(dst.ranks))))
+    return lower_local(plan_layouts([(src, dst)], topo, options))
+
+
+@cache(max_size=64)
+def _host_topology(ranks: tuple[int, ...]) -> Topology:
+    devices = {d.id: d for d in jax.devices()}
+    return Topology.from_devices([devices[r] for r in ranks])
+
+
+def _arrays(a: Any) -> Sequence[Any]:
+    """The single-device arrays of ``a`` in ``addressable_data`` order."""
+    try:
+        return a._arrays  # jax's own list: no Shard objects built
+    except AttributeError:  # pragma: no cover - other jax versions
+        return [a.addressable_data(i) for i in range(len(a.addressable_shards))]
+
+
+def _pointer(a: Any) -> int:
+    return 0 if a.size == 0 else int(a.unsafe_buffer_pointer())
+
+
+def _pointers(arrs: list[Any], orders: Sequence[Sequence[int]], slots: int, empty: bool) -> np.ndarray:
+    """``(len(arrs), slots)`` int64 buffer addresses, column = slot (``empty``: some shards have no bytes)."""
+    if not empty and len(set(orders)) == 1:  # the common case: one sharding for the whole group
+        flat = [s.unsafe_buffer_pointer() for a in arrs for s in _arrays(a)]
+        out = np.empty((len(arrs), slots), dtype=np.int64)
+        out[:, list(orders[0])] = np.array(flat, dtype=np.int64).reshape(len(arrs), -1)
+        return out
+    out = np.zeros((len(arrs), slots), dtype=np.int64)
+    for j, a in enumerate(arrs):
+        out[j, list(orders[j])] = [_pointer(s) for s in _arrays(a)]
+    return out
+
+
+@cache(max_size=1024)
+def _has_empty(layout: Any) -> bool:
+    return any(b.volume == 0 for b in layout.boxes)
+
+
+def _batched_put() -> Any:
+    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU)."""
+    try:
+        from jax._src import core
+        from jax._src.lib import xla_client as xc
+
+        fn = xc.batched_device_put
+        aval = cache(max_size=4096)(core.ShapedArray)
+        return lambda shape, dtype, sharding, views, devices: fn(aval(shape, dtype), sharding, views, devices, True)
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions: the public path
+        return None
+
+
+_PUT = _batched_put()
+
+
+def _make_array(shape: tuple[int, ...], dtype: Any, sharding: Any, views: list[np.ndarray], devices: Any) -> Any:
+    if _PUT is not None:
+        try:
+            return _PUT(shape, dtype, sharding, views, devices)
+        except TypeError:  # pragma: no cover - signature changed: fall back for good
+            pass
+    shards = [jax.device_put(v, d) for v, d in zip(views, devices, strict=True)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _padded(nbytes: int) -> int:
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
+def _fresh(group: Group, n: int, pool: BufferPool) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """Destination shards for ``n`` leaves of ``group``: one pool block per slot, cut per leaf.
+
+    Returns ``(addresses (n, slots), views[leaf][slot])``.
+    """
+    dtype = group.dst.np_dtype
+    shapes = group.dst_shapes
+    ptr = np.zeros((n, len(shapes)), dtype=np.int64)
+    views: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for k, shape in enumerate(shapes):
+        count = math.prod(shape)
+        step = _padded(count * dtype.itemsize)
+        block = pool.take(step * n)
+        ptr[:, k] = block.ctypes.data + np.arange(n, dtype=np.int64) * step
+        # One view of the block as (leaf, padded shard), cut to the shard: iterating it yields
+        # each leaf's C-contiguous shard view without a Python slice per leaf.
+        per_leaf = block.view(dtype).reshape(n, step // dtype.itemsize)[:, :count].reshape(n, *shape)
+        for j, v in enumerate(per_leaf):
+            views[j].append(v)
+    return ptr, views
+
+
+def _donate(arrays: list[Any]) -> list[Any]:
+    """New arrays that own the memory of ``arrays``, which are deleted (jit with ``donate_argnums``)."""
+    by_devices: dict[Any, list[int]] = {}
+    for i, a in enumerate(arrays):
+        by_devices.setdefault(a.sharding._internal_device_list, []).append(i)
+    out: list[Any] = [None] * len(arrays)
+    for idx in by_devices.values():
+        group = [arrays[i] for i in idx]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            moved = _identity(tuple(a.sharding for a in group))(*group)
+        for i, a in zip(idx, moved, strict=True):
+            out[i] = a
+    jax.block_until_ready(out)
+    return out
+
+
+@cache(max_size=64)
+def _identity(shardings: tuple[Any, ...]) -> Any:
+    """An identity computation that takes its arguments' memory and keeps their exact shardings."""
+    return jax.jit(lambda *xs: xs, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
+
+
+def _claim_into(prep: Prepared, src_ptrs: set[int], builder: ReportBuilder) -> dict[int, bool]:
+    """For each moved leaf, whether its ``into`` array may be written in place.
+
+    Not when it is deleted, shares a buffer with any source leaf, or shares one with an
+    ``into`` leaf claimed before it (the same array twice).
+    """
+    claimed: set[int] = set()
+    own: dict[int, bool] = {}
+    for g in prep.shape.groups:
+        for i in g.leaves:
+            t = prep.targets[i]
+            if t.is_deleted():
+                own[i] = False
+                continue
+            ptrs = {_pointer(s) for s in _arrays(t)} - {0}
+            ok = not (ptrs & src_ptrs) and not (ptrs & claimed)
+            own[i] = ok
+            if ok:
+                claimed |= ptrs
+    return own
+
+
+def run_local(
+    prep: Prepared, topology: Topology | None, options: Options, builder: ReportBuilder, pool: BufferPool | None = None
+) -> list[Any]:
+    """The result leaves of a prepared call, run in this process on CPU devices.
+
+    Raises:
+      TransferError: a copy failed (for ``transfer_into``, the message says that the
+        ``into`` arrays were consumed and the results are incomplete).
+    """
+    pool = default_pool() if pool is None else pool
+    leaves, shape = prep.leaves, prep.shape
+    out: list[Any] = [None] * len(leaves)
+    for i, kind in enumerate(shape.kinds):
+        if kind is Kind.KEEP:
+            out[i] = leaves[i] if prep.mode is Mode.TRANSFER or prep.targets[i] is None else prep.targets[i]
+    if not shape.groups:
+        return out
+    with builder.timed(ReportPhase.PLAN):
+        programs = [program_of(g.src, g.dst, topology, options) for g in shape.groups]
+    fresh0 = pool.stats().fresh_bytes
+    with builder.timed(ReportPhase.BUFFERS):
+        moved = [leaves[i] for g in shape.groups for i in g.leaves]
+        jax.block_until_ready(moved)
+        src_ptr = [
+            _pointers([leaves[i] for i in g.leaves], g.src_order, len(g.src.ranks), _has_empty(g.src))
+            for g in shape.groups
+        ]
+        dst_ptr: list[np.ndarray] = []
+        views: list[list[list[np.ndarray]] | None] = []
+        donated: dict[int, Any] = {}
+        if prep.mode is Mode.INTO:
+            every_src = {_pointer(s) for a in leaves for s in _arrays(a)} - {0}
+            own = _claim_into(prep, every_src, builder)
+            mine = [i for g in shape.groups for i in g.leaves if own[i]]
+            donated = dict(zip(mine, _donate([prep.targets[i] for i in mine]), strict=True))
+        for g in shape.groups:
+            n = len(g.leaves)
+            if prep.mode is Mode.TRANSFER:
+                p, v = _fresh(g, n, pool)
+                dst_ptr.append(p)
+                views.append(v)
+                continue
+            p = np.zeros((n, len(g.dst.ranks)), dtype=np.int64)
+            v_g: list[list[np.ndarray]] = []
+            for j, i in enumerate(g.leaves):
+                if i in donated:
+                    p[j, list(g.dst_order[j])] = [_pointer(s) for s in _arrays(donated[i])]
+                    v_g.append([])
+                else:
+                    one_p, one_v = _fresh(Group(g.src, g.dst, (i,), (), (), ()), 1, pool)
+                    p[j] = one_p[0]
+                    v_g.append(one_v[0])
+                    builder.add_unowned(sum(x.nbytes for x in one_v[0]))
+            dst_ptr.append(p)
+            views.append(v_g)
+    with builder.timed(ReportPhase.COPY):
+        try:
+            for prog, sp, dp in zip(programs, src_ptr, dst_ptr, strict=True):
+                for stage in prog.stages:
+                    strided.copy_classes([(rows.cls, *addresses(rows, sp, dp)) for rows in stage])
+        except Exception as err:
+            if prep.mode is Mode.INTO:
+                raise TransferError(
+                    f"transfer_into failed while copying ({type(err).__name__}: {err}); the into arrays were "
+                    "consumed and the results hold neither the old nor the new values",
+                    destination_intact=False,
+                ) from err
+            raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
+    with builder.timed(ReportPhase.BUFFERS):
+        for g, prog, v_g in zip(shape.groups, programs, views, strict=True):
+            for link, nb in prog.link_bytes:
+                builder.add_bytes(link, nb * len(g.leaves))
+            for j, i in enumerate(g.leaves):
+                if i in donated:
+                    out[i] = donated[i]
+                    continue
+                order = g.dst_order[j]
+                leaf = leaves[i]
+                sharding = shape.shardings[i]
+                out[i] = _make_array(tuple(leaf.shape), leaf.dtype, sharding, [v_g[j][k] for k in order], g.devices[j])
+        del src_ptr, moved
+    builder.add_fresh(pool.stats().fresh_bytes - fresh0)
+    return out

@@ -1,0 +1,173 @@
+"""Batched strided copies between raw CPU buffers: the in-process copy kernel.
+
+A *copy class* is a set of pieces with one geometry: every piece is ``outer``
+(a tuple of extents) blocks of ``run`` contiguous bytes, read with byte strides
+``src_strides`` and written with byte strides ``dst_strides``. Pieces of one class
+differ only in their two start addresses. A pytree of a thousand leaves that share
+a layout pair gives a handful of classes with a thousand pieces each, so the copy
+costs one numpy call per class and chunk, not one per piece:
+
+- each side is seen as one numpy array over the address range its pieces touch
+  (``__array_interface__`` over raw memory, no copy), of shape
+  ``(span, *outer)`` and strides ``(1, *strides)`` with a ``V{run}`` (raw bytes)
+  element, so "the piece starting at byte ``a``" is row ``a - base``;
+- ``dst[rows_d] = src[rows_s]`` copies a chunk of pieces (a gather into a
+  cache-sized temporary, then a scatter), with the GIL released, on two threads
+  when the machine has two cores.
+
+Large pieces (:data:`LARGE_PIECE`) are copied one by one with ``np.copyto`` on
+views of the piece itself, cut along their outermost extent across threads.
+
+Nothing here checks addresses: callers compute them from shard shapes they
+checked (:mod:`jreshard.nccl.lowering`), and the tests compare every layout against
+``jax.device_put``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["LARGE_PIECE", "CopyClass", "copy_classes", "raw_view"]
+
+LARGE_PIECE = 256 << 10  # bytes: pieces at least this big are copied one by one
+_CHUNK_BYTES = 1 << 20  # bytes of pieces per gather/scatter call: the temporary stays in cache
+_MAX_VIEW_BYTES = 1 << 60  # numpy refuses arrays whose size in bytes overflows its index type
+
+
+class _Raw:
+    """An ``__array_interface__`` over raw memory (numpy reads the pointer, nothing is copied)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, addr: int, shape: tuple[int, ...], strides: tuple[int, ...], typestr: str):
+        self.__array_interface__ = {
+            "version": 3,
+            "data": (int(addr), False),
+            "shape": shape,
+            "strides": strides,
+            "typestr": typestr,
+        }
+
+
+def raw_view(addr: int, shape: tuple[int, ...], strides: tuple[int, ...], typestr: str = "|u1") -> np.ndarray:
+    """A writable numpy view of raw memory at ``addr`` (the caller guarantees it is valid)."""
+    return np.asarray(_Raw(addr, tuple(shape), tuple(strides), typestr))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyClass:
+    """Pieces of one geometry: ``outer`` blocks of ``run`` bytes, strided on each side.
+
+    Attributes:
+      run: contiguous bytes per block (the innermost, merged extent).
+      outer: block counts, outermost first (``()`` for one block).
+      src_strides, dst_strides: byte strides of ``outer`` on each side.
+    """
+
+    run: int
+    outer: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+
+    @property
+    def piece_bytes(self) -> int:
+        return self.run * math.prod(self.outer)
+
+    def extent(self, strides: tuple[int, ...]) -> int:
+        """Bytes from a piece's first byte to one past its last, with these strides."""
+        return sum((n - 1) * s for n, s in zip(self.outer, strides, strict=True)) + self.run
+
+
+_THREADS: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _threads() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _THREADS
+    if _THREADS is None:
+        _THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="jreshard-copy")
+    return _THREADS
+
+
+def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callable[[], None]]:
+    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses) through fancy indexing."""
+    jobs: list[Callable[[], None]] = []
+    lo_s, lo_d = int(src.min()), int(dst.min())
+    span_s = int(src.max()) - lo_s + 1
+    span_d = int(dst.max()) - lo_d + 1
+    typestr = f"|V{cls.run}"
+    # The address-range view has one row per byte; its nominal size must fit numpy's index type.
+    nominal = max(span_s, span_d) * cls.piece_bytes
+    if nominal >= _MAX_VIEW_BYTES:
+        return _one_by_one(cls, src, dst)
+    sv = np.asarray(_Raw(lo_s, (span_s, *cls.outer), (1, *cls.src_strides), typestr))
+    dv = np.asarray(_Raw(lo_d, (span_d, *cls.outer), (1, *cls.dst_strides), typestr))
+    rs, rd = src - lo_s, dst - lo_d
+    step = max(1, _CHUNK_BYTES // max(cls.piece_bytes, 1))
+    bounds = [(a, min(a + step, len(rs))) for a in range(0, len(rs), step)]
+    n = min(_threads(), len(bounds))
+    for k in range(n):
+        mine = bounds[k::n]
+
+        def job(mine: list[tuple[int, int]] = mine) -> None:
+            for a, b in mine:
+                dv[rd[a:b]] = sv[rs[a:b]]
+
+        jobs.append(job)
+    return jobs
+
+
+def _one_by_one(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callable[[], None]]:
+    """Jobs that copy each piece with ``np.copyto``, big pieces cut along their outermost extent."""
+    shape = (*cls.outer, cls.run)
+    s_str, d_str = (*cls.src_strides, 1), (*cls.dst_strides, 1)
+    n = _threads()
+    cuts = n if cls.outer and cls.outer[0] >= n and cls.piece_bytes >= 4 * LARGE_PIECE else 1
+    jobs: list[Callable[[], None]] = []
+    for a, b in zip(src.tolist(), dst.tolist(), strict=True):
+        if cuts == 1:
+            jobs.append(lambda a=a, b=b: np.copyto(raw_view(b, shape, d_str), raw_view(a, shape, s_str)))
+            continue
+        rows = cls.outer[0]
+        for k in range(cuts):
+            r0, r1 = rows * k // cuts, rows * (k + 1) // cuts
+            part = (r1 - r0, *shape[1:])
+            a0, b0 = a + r0 * s_str[0], b + r0 * d_str[0]
+            jobs.append(lambda a0=a0, b0=b0, part=part: np.copyto(raw_view(b0, part, d_str), raw_view(a0, part, s_str)))
+    return jobs
+
+
+def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]]) -> int:
+    """Copy every piece of every class; returns the bytes copied.
+
+    Args:
+      work: ``(class, src_addresses, dst_addresses)``; the address arrays are int64,
+        one entry per piece. Pieces of one call must not overlap on the destination
+        side, nor read bytes another piece of the call writes.
+    """
+    jobs: list[Callable[[], None]] = []
+    total = 0
+    for cls, src, dst in work:
+        if not len(src) or cls.piece_bytes == 0:
+            continue
+        total += cls.piece_bytes * len(src)
+        if cls.piece_bytes >= LARGE_PIECE or len(src) == 1:
+            jobs.extend(_one_by_one(cls, src, dst))
+        else:
+            jobs.extend(_batched(cls, src, dst))
+    if len(jobs) <= 1 or _threads() == 1 or total < (1 << 20):
+        for job in jobs:
+            job()
+        return total
+    for f in [_executor().submit(job) for job in jobs]:
+        f.result()
+    return total
