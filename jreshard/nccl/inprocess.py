@@ -135,7 +135,8 @@ def _fresh(group: Group, n: int, pool: BufferPool) -> tuple[np.ndarray, list[lis
         # One view of the block as (leaf, padded shard), cut to the shard: iterating it yields
         # each leaf's C-contiguous shard view without a Python slice per leaf.
         per_leaf = block.view(dtype).reshape(n, step // dtype.itemsize)[:, :count].reshape(n, *shape)
-        for j, v in enumerate(per_leaf):
+        # (Iterating a 1-D array yields numpy scalars, copies taken now: rank-0 shards index with `...`.)
+        for j, v in enumerate(per_leaf if shape else (per_leaf[j, ...] for j in range(n))):
             views[j].append(v)
     return ptr, views
 
