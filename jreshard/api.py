@@ -32,7 +32,7 @@ from typing import Any
 import jax
 
 from jreshard.errors import BackendUnavailableError
-from jreshard.frontdoor import Mode, Prepared, prepare, target_sharding
+from jreshard.frontdoor import Mode, Prepared, prepare
 from jreshard.nccl.backend import BackendChoice, Placement, select_backend
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
@@ -53,10 +53,10 @@ def _route(x: PyTree, target: PyTree, mode: Mode, options: Options) -> tuple[Bac
     for t in jax.tree_util.tree_leaves(target, is_leaf=is_leaf):
         if isinstance(t, jax.Array):
             shardings.add(t.sharding)
-        elif isinstance(t, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
-            sh = target_sharding(t, "a target")
-            if sh is not None:
-                shardings.add(sh)
+        elif isinstance(t, jax.sharding.Sharding):
+            shardings.add(t)
+        elif isinstance(t, jax.ShapeDtypeStruct) and t.sharding is not None:
+            shardings.add(t.sharding)
     devices: set = set()
     for sh in shardings:
         try:

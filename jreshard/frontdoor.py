@@ -216,9 +216,13 @@ def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, op
         specs = []
         for i, (leaf, t) in enumerate(zip(leaves, targets, strict=True)):
             _check_leaf(leaf, f"{_name(names, i)} of x")
+            if leaf.ndim > 1:
+                _check_default_layout(leaf, f"{_name(names, i)} of x")
             if mode is Mode.INTO and t is not None:
                 if not isinstance(t, jax.Array) or isinstance(t, jax.core.Tracer):
                     _check_leaf(t, f"{_name(names, i)} of into")
+                if t.ndim > 1 and not t.is_deleted():
+                    _check_default_layout(t, f"{_name(names, i)} of into")
                 if t.shape != leaf.shape or t.dtype != leaf.dtype:
                     raise LayoutMismatchError(
                         f"{_name(names, i)} is {leaf.dtype}{list(leaf.shape)} but into holds {t.dtype}{list(t.shape)}",
@@ -240,12 +244,15 @@ def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, op
             specs.append((leaf.shape, leaf.dtype, leaf.sharding, sh))
         key = (treedef, tuple(specs), mode, topology, options)
         shape = _shape(key)
-    except (LayoutError, TopologyError) as err:
+    except (LayoutError, TopologyError, LayoutMismatchError) as err:
         if names or not leaves:
             raise
         # Name leaves by key path: computed only on the error path (it costs a second flatten).
         names = leaf_names(treedef, x)
-        raise type(err)(_renamed(str(err), names)) from err.__cause__
+        message = _renamed(str(err), names)
+        if isinstance(err, LayoutMismatchError):
+            raise LayoutMismatchError(message, src=err.src, dst=err.dst, what=err.what) from None
+        raise type(err)(message) from err.__cause__
     return Prepared(mode, leaves, targets, treedef, names, shape)
 
 
@@ -300,10 +307,3 @@ def _shape(key: tuple) -> Shape:
 def _addressable_order(sharding: Any) -> tuple[Any, ...]:
     """The devices of a sharding in the order jax lists an array's shards (``addressable_data``)."""
     return tuple(sharding._internal_device_list.addressable_device_list)
-
-
-def default_layout_check(arrays: Sequence[Any], names: Sequence[str], side: str) -> None:
-    """Refuse any array whose memory layout is not row-major (see :func:`_check_default_layout`)."""
-    for i, a in enumerate(arrays):
-        if a is not None and a.ndim > 1:
-            _check_default_layout(a, f"{_name(tuple(names), i)} of {side}")

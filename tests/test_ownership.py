@@ -1,0 +1,167 @@
+"""Ownership: transfer never shares memory with a source it does not return whole, transfer_into consumes
+only what it owns exclusively, and no array the caller holds ever changes value."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jreshard
+
+DEVS = np.array(jax.devices())
+TRAIN = NamedSharding(Mesh(DEVS[:4], ("fsdp",)), P("fsdp"))
+INFER = NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+
+
+def _host(a):
+    return np.asarray(jax.device_get(a))
+
+
+def _deleted(a) -> bool:
+    with pytest.raises(RuntimeError, match="deleted"):
+        np.asarray(a)
+    return True
+
+
+def test_readme_loop_with_none_target_never_changes_the_trainer_array():
+    """Case 1: a None target returns the trainer's own array; transfer_into must not write through it."""
+    params = {"w": jax.device_put(jnp.ones((8, 8)), TRAIN), "step": jax.device_put(jnp.int32(7), DEVS[0])}
+    weights = jreshard.transfer(params, {"w": INFER, "step": None})
+    assert weights["step"] is params["step"]
+    params_next = {"w": jax.device_put(jnp.full((8, 8), 2.0), TRAIN), "step": params["step"] + 7}
+    out = jreshard.transfer_into(params_next, weights)
+    assert int(out["step"]) == 14 and int(params_next["step"]) == 14
+    # The old step array was consumed (weights held it): deleted, never changed to 14.
+    assert params["step"].is_deleted() and _deleted(params["step"])
+
+
+@pytest.mark.parametrize("how", ["transfer", "device_put"])
+def test_identical_sharding_pass_through_is_consumed_not_overwritten(how):
+    """Cases 2 and 3: w is p itself; transfer_into(p_next, w) consumes p (deleted), never writes 100 into it."""
+    p = jax.device_put(jnp.zeros((8, 8)), INFER)
+    w = jreshard.transfer(p, INFER) if how == "transfer" else jax.device_put(p, INFER)
+    assert w is p
+    p_next = jax.device_put(jnp.full((8, 8), 100.0), TRAIN)
+    out = jreshard.transfer_into(p_next, w)
+    assert _host(out).min() == 100.0
+    assert p.is_deleted() and _deleted(p)  # consumed like a donated argument: an error, never a silent change
+
+
+def test_readme_loop_with_a_donating_train_step():
+    """Case 4: the README pattern survives `jax.jit(step, donate_argnums=0)`."""
+    step = jax.jit(lambda p: jax.tree.map(lambda v: v + 1, p), donate_argnums=0)
+    params = {"w": jax.device_put(jnp.ones((8, 8)), TRAIN), "step": jax.device_put(jnp.int32(0), TRAIN.update(spec=P()))}
+    weights = jreshard.transfer(params, {"w": INFER, "step": None})
+    for i in range(1, 4):
+        params = step(params)
+        weights = jreshard.transfer_into(params, weights)
+        assert float(_host(weights["w"])[0, 0]) == 1.0 + i and int(weights["step"]) == i
+
+
+def test_colocated_replicated_result_survives_a_donating_train_step():
+    """Case 5: a replicated leaf on colocated meshes comes back in new memory, not the trainer's buffers."""
+    rep_train = NamedSharding(Mesh(DEVS[:4], ("fsdp",)), P())
+    rep_infer = NamedSharding(Mesh(DEVS[:4].reshape(2, 2), ("dp", "tp")), P())
+    params = {"b": jax.device_put(jnp.arange(8.0), rep_train)}
+    weights = jreshard.transfer(params, {"b": rep_infer})
+    src = {s.data.unsafe_buffer_pointer() for s in params["b"].addressable_shards}
+    assert not src & {s.data.unsafe_buffer_pointer() for s in weights["b"].addressable_shards}
+    jax.jit(lambda p: jax.tree.map(lambda v: v * 2, p), donate_argnums=0)(params)
+    np.testing.assert_array_equal(_host(weights["b"]), np.arange(8.0))
+
+
+def test_same_into_array_twice_and_into_naming_a_source_leaf():
+    """Case 6: each result holds its own leaf's values; the source leaf named by into never changes."""
+    x = {"a": jax.device_put(jnp.full((8, 8), 1.0), TRAIN), "b": jax.device_put(jnp.full((8, 8), 2.0), TRAIN)}
+    w = jax.device_put(jnp.zeros((8, 8)), INFER)
+    out, rep = jreshard.transfer_into(x, {"a": w, "b": w}, report=True)
+    assert _host(out["a"]).max() == 1.0 and _host(out["b"]).min() == 2.0
+    assert rep.not_in_place_bytes == 8 * 8 * 4 * 2  # b's two replicas went to fresh memory
+    z = jax.device_put(jnp.zeros((8, 8)), TRAIN)
+    out = jreshard.transfer_into(x, {"a": x["b"], "b": z})
+    assert _host(out["a"]).max() == 1.0 and _host(out["b"]).min() == 2.0
+    assert _host(x["b"]).min() == 2.0 and not x["b"].is_deleted()  # a source: never written, never consumed
+
+
+def test_same_boxes_renamed_axes_result_owns_new_memory():
+    """Case 7: same boxes under another axis name: new memory, so a later transfer_into leaves x alone."""
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")))
+    w = jreshard.transfer(x, NamedSharding(Mesh(DEVS[:4], ("tp",)), P("tp")))
+    jreshard.transfer_into(jax.device_put(jnp.full(16, 5.0), TRAIN), w)
+    np.testing.assert_array_equal(_host(x), np.arange(16.0))
+
+
+def test_zero_size_jit_array_to_the_same_boxes():
+    """Case 10: shards of shape (2, 0) from jit."""
+    s = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x"))
+    x = jax.jit(lambda: jnp.zeros((8, 0)), out_shardings=s)()
+    for t in (NamedSharding(Mesh(DEVS[:4], ("y",)), P("y")), INFER):
+        out = jreshard.transfer(x, t)
+        assert out.shape == (8, 0) and out.sharding == t
+    into = jax.jit(lambda: jnp.ones((8, 0)), out_shardings=INFER)()
+    assert jreshard.transfer_into(x, into).shape == (8, 0)
+
+
+def test_non_default_memory_layout_is_refused_before_any_write():
+    """Case 11: a column-major destination would get row-major bytes: refused, into untouched."""
+    from jax.experimental.layout import Format, Layout
+
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), TRAIN)
+    try:
+        into = jax.device_put(jnp.zeros((8, 8)), Format(Layout(major_to_minor=(1, 0)), INFER))
+    except Exception as err:  # pragma: no cover - a backend without custom layouts
+        pytest.skip(f"this jax cannot make a column-major array: {err}")
+    if tuple(into.format.layout.major_to_minor) == (0, 1):  # pragma: no cover
+        pytest.skip("this jax ignored the requested layout")
+    with pytest.raises(jreshard.LayoutError, match=r"major_to_minor=\(1, 0\)"):
+        jreshard.transfer_into(x, into)
+    assert not into.is_deleted() and _host(into).max() == 0.0
+
+
+@st.composite
+def _aliasing(draw):
+    n = draw(st.integers(1, 4))
+    kinds = [draw(st.sampled_from(["fresh", "same_as_x", "dup", "third", "deleted"])) for _ in range(n)]
+    return n, kinds
+
+
+@settings(max_examples=25, deadline=None)
+@given(_aliasing(), st.integers(0, 1000))
+def test_random_aliasing_never_changes_a_live_array(case, seed):
+    """Random pytrees with random aliasing between x, into and third arrays: every live array that is
+    not a returned leaf holds exactly its old bytes afterwards."""
+    n, kinds = case
+    rng = np.random.default_rng(seed)
+    sh = [TRAIN, INFER][seed % 2]
+    x = [jax.device_put(jnp.asarray(rng.integers(0, 99, (8, 8)), jnp.float32), TRAIN) for _ in range(n)]
+    third = jax.device_put(jnp.full((8, 8), -1.0), sh)
+    into = []
+    for i, k in enumerate(kinds):
+        if k == "same_as_x":
+            into.append(x[(i + 1) % n] if sh == TRAIN else jax.device_put(jnp.zeros((8, 8)), sh))
+        elif k == "dup" and into:
+            into.append(into[-1])
+        elif k == "third":
+            into.append(third)
+        elif k == "deleted":
+            a = jax.device_put(jnp.zeros((8, 8)), sh)
+            a.delete()
+            into.append(a)
+        else:
+            into.append(jax.device_put(jnp.zeros((8, 8)), sh))
+    live = [a for a in (*x, third, *into) if not a.is_deleted()]
+    before = {id(a): _host(a) for a in live}
+    out = jreshard.transfer_into(x, into)
+    for o, a in zip(out, x, strict=True):
+        np.testing.assert_array_equal(_host(o), _host(a))
+    returned = {id(o) for o in out}
+    for a in live:
+        if id(a) in returned or a.is_deleted():  # consumed: raises on use, never a silent change
+            continue
+        np.testing.assert_array_equal(_host(a), before[id(a)])
