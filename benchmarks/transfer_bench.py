@@ -1,36 +1,26 @@
-"""Benchmark jreshard.transfer against jax.device_put and the memcpy floor, in one process on 8 CPU devices.
+"""Benchmark jreshard.transfer / transfer_into against jax.device_put and the memcpy floor, 8 CPU devices.
 
-Cases (DESIGN.md section 4, issue 4):
+Cases, all measured in one run (these hosts are shared and noisy: read the ratios):
 
-- ``refit``: a stack of transformer layers (attention in bfloat16, MLP and norms in
-  float32, a bfloat16 embedding), >= 1 GiB, from a trainer layout (FSDP over
-  devices 0-3) to an inference layout (TP2 x DP2 over devices 4-7, Megatron
-  column/row-parallel).
-- ``tensor``: one 512 MiB float32 tensor, TP4 (devices 0-3) -> TP2 x DP2 (devices 4-7).
+- ``leaves``: pytrees of many small leaves, FSDP over devices 0-3 -> TP2 x DP2 over
+  devices 4-7 (1000 and 200 leaves of 128x128 float32, 1000 leaves of 8x8): the
+  case users hit first. Besides the time, the *fixed cost per leaf*:
+  ``(time - destination bytes / warm copy bandwidth) / leaves``.
+- ``first call``: the 1000-leaf pytree after ``jreshard.clear_caches()`` (planning
+  included), against the cached call.
+- ``tensor``: one 256 MiB float32 tensor, TP4 -> TP2 x DP2, against the warm memcpy
+  floor of the destination bytes.
+- ``refit``: a stack of transformer layers (bfloat16 attention, float32 MLP and norms)
+  from FSDP4 to Megatron TP2 x DP2.
 
-Every time is wall clock; "median" is the median of ``--repeats`` calls after the
-first, each result freed before the next call. Which floor applies to which call:
+Every time is wall clock over ``--repeats`` calls after a warm-up call, each result
+freed before the next; the table prints the median and [min-max]. ``jax.device_put``
+runs on new arrays over the same source buffers each call (:func:`rewrap`), as in a
+refit where every step brings new weights (repeating it on one array reuses a host copy
+jax caches on it). The floor is the destination bytes at the ``np.copyto`` bandwidth
+into warm memory, measured in this run with 8 MiB calls.
 
-- ``transfer`` first call: destination memory is new to the process (plan built,
-  pool empty), so it is compared with the *fresh* floor.
-- ``transfer`` median: the previous call's destination buffers were released by
-  jax and handed out again by jreshard's pool (``report.fresh_bytes`` is printed to
-  show it), so it is compared with the *warm* floor.
-- ``transfer_into`` median: writes into existing destinations: the *warm* floor.
-- ``jax.device_put`` median: on new source arrays over the same buffers each call
-  (:func:`rewrap`), as in a refit where every step brings new weights. Its
-  allocator recycles freed memory too where glibc's heap serves the size (shards
-  under 32 MiB). Between these meshes it gathers the whole array to the host and
-  caches it on the source array, so repeating it on the *same* array (printed in
-  brackets) skips the gather: not what a refit can do, and not the ratio's basis.
-
-The floors are the destination bytes written once at the ``np.copyto`` bandwidth
-measured in this run with 256 MiB calls, into fresh and into warm memory. glibc
-switches to non-temporal stores for copies this large (above about 128-256 MiB on
-the development host), which no piece-by-piece copy gets, so the bandwidth of
-8 MiB calls into warm memory is printed beside it for reference.
-
-Run:  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/transfer_bench.py
+Run:  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/transfer_bench.py   (``--quick``: fewer repeats)
 """
 
 from __future__ import annotations
@@ -116,143 +106,152 @@ def rewrap(tree):
     )
 
 
+def leaves_case(n: int, side: int):
+    devs = np.array(jax.devices())
+    fsdp = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
+    tp = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    fill = jax.jit(lambda: [jnp.full((side, side), i, jnp.float32) for i in range(n)], out_shardings=[fsdp] * n)
+    return jax.block_until_ready(fill()), tp
+
+
 def _median(times: list[float]) -> float:
     return float(np.median(times))
 
 
-def copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 5) -> tuple[float, float, float]:
-    """(fresh, warm, warm in 8 MiB calls) np.copyto bandwidth in bytes/s, medians of ``repeats``."""
-    src = aligned_empty(nbytes)
-    src[:] = 1
-    warm = aligned_empty(nbytes)
-    warm[:] = 0
-    fresh_t, warm_t, piece_t = [], [], []
-    step = 8 * MiB
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst = aligned_empty(nbytes)
-        np.copyto(dst, src)
-        fresh_t.append(time.perf_counter() - t)
-        del dst
-        t = time.perf_counter()
-        np.copyto(warm, src)
-        warm_t.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        for i in range(0, nbytes, step):
-            np.copyto(warm[i : i + step], src[i : i + step])
-        piece_t.append(time.perf_counter() - t)
-    return nbytes / _median(fresh_t), nbytes / _median(warm_t), nbytes / _median(piece_t)
+def stats(times: list[float]) -> str:
+    """``median [min-max]`` in milliseconds."""
+    return f"{np.median(times) * 1e3:.1f} [{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]"
 
 
-def timed(fn, repeats: int) -> tuple[float, float, object]:
-    """(first call, median of the next ``repeats`` calls, the last call's report or None) in seconds;
-    each result is freed before the next call."""
-    times, last = [], None
-    for _ in range(repeats + 1):
+def timings(fn, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls after one warm-up call; each result freed before the next."""
+    out = []
+    for k in range(repeats + 1):
         gc.collect()
         t = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t)
-        if isinstance(out, tuple):
-            last = out[1]
-        del out
-    return times[0], _median(times[1:]), last
+        r = fn()
+        jax.block_until_ready(r)
+        dt = time.perf_counter() - t
+        del r
+        if k:
+            out.append(dt)
+    return out
 
 
-def run_case(name: str, x, target, repeats: int, bw: tuple[float, float, float]) -> dict:
-    pool = default_pool()
-    pool.clear()
-    first, jr, rep = timed(lambda: jreshard.transfer(x, target, report=True), repeats)
+def warm_bandwidth(nbytes: int = 256 * MiB, step: int = 8 * MiB, repeats: int = 5) -> float:
+    """np.copyto bandwidth into warm memory in ``step``-byte calls (bytes/s, median)."""
+    src, dst = aligned_empty(nbytes), aligned_empty(nbytes)
+    src[:] = 1
+    dst[:] = 0
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for i in range(0, nbytes, step):
+            np.copyto(dst[i : i + step], src[i : i + step])
+        ts.append(time.perf_counter() - t)
+    return nbytes / _median(ts)
+
+
+def compare(name: str, x, target, repeats: int, bw: float, leaves: int | None = None) -> dict:
+    """transfer, transfer_into and device_put on one case."""
     held = [jreshard.transfer(x, target)]
     nbytes = dest_bytes(held[0])
-    _, jr_into, rep_into = timed(lambda: jreshard.transfer_into(x, held[0], report=True), repeats)
+    t_tr = timings(lambda: jreshard.transfer(x, target), repeats)
+
+    def into():
+        held[0] = jreshard.transfer_into(x, held[0])
+        return held[0]
+
+    t_in = timings(into, repeats)
+    _, rep = jreshard.transfer(x, target, report=True)
     held.clear()
-    pool.clear()
-    dp_first, dp, _ = timed(lambda: jax.device_put(rewrap(x), target), repeats)
-    _, dp_cached, _ = timed(lambda: jax.device_put(x, target), repeats)
-    return {
-        "case": name,
-        "bytes": nbytes,
-        "first": first,
-        "transfer": jr,
-        "into": jr_into,
-        "dp_first": dp_first,
-        "device_put": dp,
-        "dp_cached": dp_cached,
-        "floor_fresh": nbytes / bw[0],
-        "floor_warm": nbytes / bw[1],
-        "floor_pieces": nbytes / bw[2],
-        "report": rep,
-        "report_into": rep_into,
-    }
+    t_dp = timings(lambda: jax.device_put(rewrap(x), target), repeats)
+    floor = nbytes / bw
+    row = {"case": name, "bytes": nbytes, "transfer": t_tr, "into": t_in, "device_put": t_dp, "floor": floor}
+    row["report"] = rep
+    if leaves:
+        row["per_leaf_us"] = {k: (np.median(row[k]) - floor) / leaves * 1e6 for k in ("transfer", "into")}
+    return row
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--d-model", type=int, default=1024)
-    ap.add_argument("--tensor-mib", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tensor-mib", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="3 repeats, 4 layers")
     args = ap.parse_args()
-    print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices, {os.cpu_count()} cores; medians of {args.repeats}")
-    bw = copy_bandwidth()
-    print(
-        f"np.copyto bandwidth, 256 MiB calls: fresh {bw[0] / 1e9:.2f} GB/s, warm {bw[1] / 1e9:.2f} GB/s; "
-        f"warm in 8 MiB calls: {bw[2] / 1e9:.2f} GB/s"
-    )
+    if args.quick:
+        args.repeats, args.layers = 3, 4
+    print(f"$ python benchmarks/transfer_bench.py{' --quick' if args.quick else ''}")
+    print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices, {os.cpu_count()} cores, {args.repeats} repeats")
+    bw = warm_bandwidth()
+    print(f"warm np.copyto bandwidth (8 MiB calls): {bw / 1e9:.2f} GB/s")
     rows = []
-    x, target = refit_case(args.layers, args.d_model)
+    for n, side in ((1000, 128), (200, 128), (1000, 8)):
+        x, t = leaves_case(n, side)
+        rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, bw, leaves=n))
+        if (n, side) == (1000, 128):
+            firsts, cached = [], []
+            for _ in range(3):
+                jreshard.clear_caches()
+                t0 = time.perf_counter()
+                jax.block_until_ready(jreshard.transfer(x, t))
+                firsts.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                jax.block_until_ready(jreshard.transfer(x, t))
+                cached.append(time.perf_counter() - t0)
+            first_row = (firsts, cached)
+        del x
+    x, t = tensor_case(args.tensor_mib)
+    rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats, bw))
+    del x
+    x, t = refit_case(args.layers, args.d_model)
     src_bytes = sum(a.nbytes for a in jax.tree.leaves(x))
-    name = f"refit {len(jax.tree.leaves(x))} leaves, {src_bytes / 2**30:.2f} GiB"
-    rows.append(run_case(name, x, target, args.repeats, bw))
-    del x, target
-    gc.collect()
-    x, target = tensor_case(args.tensor_mib)
-    rows.append(run_case(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, target, args.repeats, bw))
-    # Identical shardings: nothing moves, the arrays come back as they are.
-    same = jreshard.transfer(x, x.sharding)
-    assert same is x
-    ts = []
-    for _ in range(1001):
-        t0 = time.perf_counter()
-        jreshard.transfer(x, x.sharding)
-        ts.append(time.perf_counter() - t0)
-    identical_us = sorted(ts)[len(ts) // 2] * 1e6
-    del x, same
+    rows.append(compare(f"refit {len(jax.tree.leaves(x))} leaves {src_bytes / MiB:.0f} MiB", x, t, args.repeats, bw))
+    del x
     default_pool().clear()
     print()
+    print("times in ms: median [min-max]; floor = destination bytes at the warm copy bandwidth")
     cols = [
         "case",
         "dest MiB",
-        "transfer first s / fresh floor",
-        "transfer s / warm floor",
-        "transfer_into s / warm floor",
-        "device_put s (first) [same x, host-cached]",
+        "transfer",
+        "transfer_into",
+        "jax.device_put",
         "device_put / transfer",
-        "fresh floor s",
-        "warm floor s (8 MiB calls)",
+        "device_put / transfer_into",
+        "transfer / floor",
+        "transfer_into / floor",
+        "fixed us/leaf (tr, into)",
     ]
-    print(f"transfer between identical shardings ({args.tensor_mib} MiB tensor): {identical_us:.1f} us, median of 1001")
     print("| " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * (len(cols) - 1))
     for r in rows:
+        med = {k: float(np.median(r[k])) for k in ("transfer", "into", "device_put")}
+        per_leaf = r.get("per_leaf_us")
         cells = [
             r["case"],
             f"{r['bytes'] / MiB:.0f}",
-            f"{r['first']:.3f} / {r['first'] / r['floor_fresh']:.2f}x",
-            f"{r['transfer']:.3f} / {r['transfer'] / r['floor_warm']:.2f}x",
-            f"{r['into']:.3f} / {r['into'] / r['floor_warm']:.2f}x",
-            f"{r['device_put']:.3f} ({r['dp_first']:.3f}) [{r['dp_cached']:.3f}]",
-            f"{r['device_put'] / r['transfer']:.2f}x",
-            f"{r['floor_fresh']:.3f}",
-            f"{r['floor_warm']:.3f} ({r['floor_pieces']:.3f})",
+            stats(r["transfer"]),
+            stats(r["into"]),
+            stats(r["device_put"]),
+            f"{med['device_put'] / med['transfer']:.2f}x",
+            f"{med['device_put'] / med['into']:.2f}x",
+            f"{med['transfer'] / r['floor']:.2f}x",
+            f"{med['into'] / r['floor']:.2f}x",
+            f"{per_leaf['transfer']:.0f}, {per_leaf['into']:.0f}" if per_leaf else "",
         ]
         print("| " + " | ".join(cells) + " |")
-    print()
+    firsts, cached = first_row
+    print(
+        f"\nfirst call on 1000 leaves (clear_caches, planning included): {stats(firsts)} ms; "
+        f"cached: {stats(cached)} ms; ratio {np.median(firsts) / np.median(cached):.2f}x"
+    )
+    print("\nwhere the time goes (last transfer of each case, TransferReport phases):")
     for r in rows:
-        print(f"{r['case']}, last transfer: {r['report'].summary()}")
-        print(f"{r['case']}, last transfer_into: {r['report_into'].summary()}")
+        print(f"  {r['case']}: {r['report'].summary()}")
 
 
 if __name__ == "__main__":

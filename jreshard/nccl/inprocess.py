@@ -70,6 +70,11 @@ def _pointer(a: Any) -> int:
     return 0 if a.size == 0 else int(a.unsafe_buffer_pointer())
 
 
+def _raw_pointers(a: Any) -> set[int]:
+    """The buffer addresses of an array's shards (all of them non-empty)."""
+    return {s.unsafe_buffer_pointer() for s in _arrays(a)}
+
+
 def _pointers(arrs: list[Any], orders: Sequence[Sequence[int]], slots: int, empty: bool) -> np.ndarray:
     """``(len(arrs), slots)`` int64 buffer addresses, column = slot (``empty``: some shards have no bytes)."""
     if not empty and len(set(orders)) == 1:  # the common case: one sharding for the whole group
@@ -178,7 +183,7 @@ def _claim_into(prep: Prepared, src_ptrs: set[int], builder: ReportBuilder) -> d
             if t.is_deleted():
                 own[i] = False
                 continue
-            ptrs = {_pointer(s) for s in _arrays(t)} - {0}
+            ptrs = {_pointer(s) for s in _arrays(t)} - {0} if _has_empty(g.dst) else _raw_pointers(t)
             ok = not (ptrs & src_ptrs) and not (ptrs & claimed)
             own[i] = ok
             if ok:
@@ -217,7 +222,7 @@ def run_local(
         views: list[list[list[np.ndarray]] | None] = []
         donated: dict[int, Any] = {}
         if prep.mode is Mode.INTO:
-            every_src = {_pointer(s) for a in leaves for s in _arrays(a)} - {0}
+            every_src = set().union(*(_raw_pointers(a) for a in leaves if a.size)) if leaves else set()
             own = _claim_into(prep, every_src, builder)
             mine = [i for g in shape.groups for i in g.leaves if own[i]]
             donated = dict(zip(mine, _donate([prep.targets[i] for i in mine]), strict=True))
@@ -232,7 +237,10 @@ def run_local(
             v_g: list[list[np.ndarray]] = []
             for j, i in enumerate(g.leaves):
                 if i in donated:
-                    p[j, list(g.dst_order[j])] = [_pointer(s) for s in _arrays(donated[i])]
+                    arrs = _arrays(donated[i])
+                    p[j, list(g.dst_order[j])] = (
+                        [_pointer(s) for s in arrs] if _has_empty(g.dst) else [s.unsafe_buffer_pointer() for s in arrs]
+                    )
                     v_g.append([])
                 else:
                     one_p, one_v = _fresh(Group(g.src, g.dst, (i,), (), (), ()), 1, pool)
