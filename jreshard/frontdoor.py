@@ -165,17 +165,26 @@ def _check_leaf(leaf: Any, where: str) -> None:
         raise LayoutError(f"{where} has been deleted or donated; the fix is to pass a live array")
 
 
+def _major_to_minor(arr: Any) -> tuple[int, ...] | None:
+    """The memory layout of an array's shards, major dimension first (``None``: unknown)."""
+    try:  # the fast path: the runtime's own layout object (``arr.format`` builds Python objects around it)
+        return tuple(arr._pjrt_layout._xla_layout().minor_to_major())[::-1]
+    except Exception:
+        pass
+    try:
+        lay = getattr(arr.format, "layout", None)
+    except Exception:  # pragma: no cover - a backend without layouts
+        return None
+    m2m = getattr(lay, "major_to_minor", None)
+    return None if m2m is None else tuple(m2m)
+
+
 def _check_default_layout(arr: Any, where: str) -> None:
     """Refuse arrays whose memory layout is not row-major: jreshard reads and writes shards as C-order bytes."""
-    try:
-        fmt = arr.format
-    except AttributeError:  # older jax: no memory layouts to worry about
-        return
-    lay = getattr(fmt, "layout", None)
-    m2m = getattr(lay, "major_to_minor", None)
-    if m2m is not None and tuple(m2m) != tuple(range(arr.ndim)):
+    m2m = _major_to_minor(arr)
+    if m2m is not None and m2m != tuple(range(arr.ndim)):
         raise LayoutError(
-            f"{where} has memory layout major_to_minor={tuple(m2m)}; jreshard reads and writes row-major shards "
+            f"{where} has memory layout major_to_minor={m2m}; jreshard reads and writes row-major shards "
             f"only (major_to_minor={tuple(range(arr.ndim))}): the fix is an array in the default layout"
         )
 

@@ -70,21 +70,22 @@ def _pointer(a: Any) -> int:
     return 0 if a.size == 0 else int(a.unsafe_buffer_pointer())
 
 
-def _raw_pointers(a: Any) -> set[int]:
-    """The buffer addresses of an array's shards (all of them non-empty)."""
-    return {s.unsafe_buffer_pointer() for s in _arrays(a)}
+def _raw_pointers(shards: Sequence[Any]) -> set[int]:
+    """The buffer addresses of non-empty single-device arrays."""
+    return {s.unsafe_buffer_pointer() for s in shards}
 
 
-def _pointers(arrs: list[Any], orders: Sequence[Sequence[int]], slots: int, empty: bool) -> np.ndarray:
-    """``(len(arrs), slots)`` int64 buffer addresses, column = slot (``empty``: some shards have no bytes)."""
+def _pointers(shards: list[Sequence[Any]], orders: Sequence[Sequence[int]], slots: int, empty: bool) -> np.ndarray:
+    """``(len(shards), slots)`` int64 buffer addresses of each leaf's shards, column = slot
+    (``empty``: some shards have no bytes)."""
     if not empty and len(set(orders)) == 1:  # the common case: one sharding for the whole group
-        flat = [s.unsafe_buffer_pointer() for a in arrs for s in _arrays(a)]
-        out = np.empty((len(arrs), slots), dtype=np.int64)
-        out[:, list(orders[0])] = np.array(flat, dtype=np.int64).reshape(len(arrs), -1)
+        flat = [s.unsafe_buffer_pointer() for arrs in shards for s in arrs]
+        out = np.empty((len(shards), slots), dtype=np.int64)
+        out[:, list(orders[0])] = np.array(flat, dtype=np.int64).reshape(len(shards), -1)
         return out
-    out = np.zeros((len(arrs), slots), dtype=np.int64)
-    for j, a in enumerate(arrs):
-        out[j, list(orders[j])] = [_pointer(s) for s in _arrays(a)]
+    out = np.zeros((len(shards), slots), dtype=np.int64)
+    for j, arrs in enumerate(shards):
+        out[j, list(orders[j])] = [_pointer(s) for s in arrs]
     return out
 
 
@@ -147,7 +148,12 @@ def _fresh(group: Group, n: int, pool: BufferPool) -> tuple[np.ndarray, list[lis
 
 
 def _donate(arrays: list[Any]) -> list[Any]:
-    """New arrays that own the memory of ``arrays``, which are deleted (jit with ``donate_argnums``)."""
+    """New arrays that own the memory of ``arrays``, which are deleted.
+
+    ``arrays`` are donated to an identity computation, one call per device set for the
+    whole pytree, as ``jax.jit(..., donate_argnums=...)`` would: its outputs take the memory
+    over (jax copies instead where it cannot), and every array that shared it is deleted.
+    """
     by_devices: dict[Any, list[int]] = {}
     for i, a in enumerate(arrays):
         by_devices.setdefault(a.sharding._internal_device_list, []).append(i)
@@ -169,7 +175,7 @@ def _identity(shardings: tuple[Any, ...]) -> Any:
     return jax.jit(lambda *xs: xs, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
 
 
-def _claim_into(prep: Prepared, src_ptrs: set[int], builder: ReportBuilder) -> dict[int, bool]:
+def _claim_into(prep: Prepared, src_ptrs: set[int]) -> dict[int, bool]:
     """For each moved leaf, whether its ``into`` array may be written in place.
 
     Not when it is deleted, shares a buffer with any source leaf, or shares one with an
@@ -183,7 +189,8 @@ def _claim_into(prep: Prepared, src_ptrs: set[int], builder: ReportBuilder) -> d
             if t.is_deleted():
                 own[i] = False
                 continue
-            ptrs = {_pointer(s) for s in _arrays(t)} - {0} if _has_empty(g.dst) else _raw_pointers(t)
+            arrs = _arrays(t)
+            ptrs = {_pointer(s) for s in arrs} - {0} if _has_empty(g.dst) else _raw_pointers(arrs)
             ok = not (ptrs & src_ptrs) and not (ptrs & claimed)
             own[i] = ok
             if ok:
@@ -214,18 +221,22 @@ def run_local(
     with builder.timed(ReportPhase.BUFFERS):
         moved = [leaves[i] for g in shape.groups for i in g.leaves]
         jax.block_until_ready(moved)
+        src_shards = {i: _arrays(leaves[i]) for g in shape.groups for i in g.leaves}  # (each read builds arrays)
         src_ptr = [
-            _pointers([leaves[i] for i in g.leaves], g.src_order, len(g.src.ranks), _has_empty(g.src))
+            _pointers([src_shards[i] for i in g.leaves], g.src_order, len(g.src.ranks), _has_empty(g.src))
             for g in shape.groups
         ]
         dst_ptr: list[np.ndarray] = []
         views: list[list[list[np.ndarray]] | None] = []
         donated: dict[int, Any] = {}
         if prep.mode is Mode.INTO:
-            every_src = set().union(*(_raw_pointers(a) for a in leaves if a.size)) if leaves else set()
-            own = _claim_into(prep, every_src, builder)
+            every_src = {int(v) for p in src_ptr for v in p.ravel().tolist()} - {0}
+            for i, kind in enumerate(shape.kinds):  # kept leaves are sources an into leaf may name too
+                if kind is Kind.KEEP and leaves[i].size:
+                    every_src |= _raw_pointers(_arrays(leaves[i]))
+            own = _claim_into(prep, every_src)
             mine = [i for g in shape.groups for i in g.leaves if own[i]]
-            donated = dict(zip(mine, _donate([prep.targets[i] for i in mine]), strict=True))
+            donated = {i: (a, _arrays(a)) for i, a in zip(mine, _donate([prep.targets[i] for i in mine]), strict=True)}
         for g in shape.groups:
             n = len(g.leaves)
             if prep.mode is Mode.TRANSFER:
@@ -237,7 +248,7 @@ def run_local(
             v_g: list[list[np.ndarray]] = []
             for j, i in enumerate(g.leaves):
                 if i in donated:
-                    arrs = _arrays(donated[i])
+                    arrs = donated[i][1]
                     p[j, list(g.dst_order[j])] = (
                         [_pointer(s) for s in arrs] if _has_empty(g.dst) else [s.unsafe_buffer_pointer() for s in arrs]
                     )
@@ -268,7 +279,7 @@ def run_local(
                 builder.add_bytes(link, nb * len(g.leaves))
             for j, i in enumerate(g.leaves):
                 if i in donated:
-                    out[i] = donated[i]
+                    out[i] = donated[i][0]
                     continue
                 order = g.dst_order[j]
                 leaf = leaves[i]
