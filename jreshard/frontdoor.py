@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,7 +27,7 @@ from jreshard.options import Options
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 
-__all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "prepare", "target_sharding"]
+__all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "flatten", "prepare", "target_sharding"]
 
 PyTree = Any
 
@@ -105,18 +104,24 @@ def _is_target_leaf(v: Any) -> bool:
     return v is None or isinstance(v, (jax.sharding.Sharding, jax.ShapeDtypeStruct, jax.sharding.PartitionSpec))
 
 
-def _flatten(x: PyTree, target: PyTree, mode: Mode) -> tuple[list, Any, list, tuple[str, ...]]:
+def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any], Any, list[Any]]:
+    """``(leaves, treedef, targets)``: ``x`` flattened once, and ``target`` flattened up to its structure
+    (one Sharding or ShapeDtypeStruct: every leaf).
+
+    Raises:
+      LayoutMismatchError: ``target`` (named ``what`` in the message) does not match the structure of ``x``.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(x)
-    if mode is Mode.TRANSFER and _is_target_leaf(target) and target is not None:
-        return leaves, treedef, [target] * len(leaves), ()
+    if what == "target" and _is_target_leaf(target) and target is not None:
+        return leaves, treedef, [target] * len(leaves)
+    tree: Any = treedef  # (jax's stubs do not declare PyTreeDef.flatten_up_to)
     try:
-        targets = treedef.flatten_up_to(target)
+        targets = tree.flatten_up_to(target)
     except (ValueError, TypeError) as err:
-        what = "target" if mode is Mode.TRANSFER else "into"
         raise LayoutMismatchError(
             f"{what} does not match the structure of x ({treedef}): {err}", src=treedef, dst=target, what="structure"
         ) from None
-    return leaves, treedef, targets, ()
+    return leaves, treedef, targets
 
 
 def leaf_names(treedef: Any, x: PyTree) -> tuple[str, ...]:
@@ -219,7 +224,7 @@ def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, op
       LayoutError, IndivisibleError, TopologyError: a leaf or a target is unusable (the message
         names the leaf's key path and the values).
     """
-    leaves, treedef, targets, _ = _flatten(x, target, mode)
+    leaves, treedef, targets = flatten(x, target, mode.value if mode is Mode.INTO else "target")
     names: tuple[str, ...] = ()
     try:
         specs = []

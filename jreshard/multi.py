@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jreshard.errors import BackendUnavailableError, LayoutMismatchError
+from jreshard.errors import BackendUnavailableError
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator
 from jreshard.nccl.engine import ExecStats, Shards, execute
@@ -180,25 +180,13 @@ def transfer_multiprocess(
     """
     import jax
 
-    from jreshard.frontdoor import target_sharding
+    from jreshard.frontdoor import flatten, target_sharding
 
     options = options or Options()
-    x_leaves, treedef = jax.tree_util.tree_flatten(x)
-    if target is None or isinstance(target, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
-        tgt = [target] * len(x_leaves)
-    else:
-        try:
-            tgt = treedef.flatten_up_to(target)
-        except (ValueError, TypeError) as err:
-            raise LayoutMismatchError(
-                f"target does not match the structure of x ({treedef}): {err}",
-                src=treedef,
-                dst=target,
-                what="structure",
-            ) from None
+    x_leaves, treedef, tgt = flatten(x, target)
     moved = [i for i, t in enumerate(tgt) if t is not None]
     shardings = {
-        i: tgt[i].sharding if isinstance(tgt[i], jax.Array) else target_sharding(tgt[i], f"the target of leaf #{i}")
+        i: t.sharding if isinstance(t := tgt[i], jax.Array) else target_sharding(t, f"the target of leaf #{i}")
         for i in moved
     }
     pairs, names, devices = layout_pairs([x_leaves[i] for i in moved], [shardings[i] for i in moved])

@@ -227,7 +227,7 @@ def run_local(
             for g in shape.groups
         ]
         dst_ptr: list[np.ndarray] = []
-        views: list[list[list[np.ndarray]] | None] = []
+        views: list[list[list[np.ndarray]]] = []
         donated: dict[int, Any] = {}
         if prep.mode is Mode.INTO:
             every_src = {int(v) for p in src_ptr for v in p.ravel().tolist()} - {0}

@@ -35,13 +35,9 @@ class _Store:
 
 def _leaves_and_targets(x: Any, target: Any) -> tuple[list, list]:
     """The leaves of ``x`` and the target sharding of each (``None``: kept)."""
-    from jreshard.frontdoor import target_sharding
+    from jreshard.frontdoor import flatten, target_sharding
 
-    leaves, treedef = jax.tree_util.tree_flatten(x)
-    if isinstance(target, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
-        targets = [target] * len(leaves)
-    else:
-        targets = treedef.flatten_up_to(target)
+    leaves, _, targets = flatten(x, target)
     return leaves, [t.sharding if isinstance(t, jax.Array) else target_sharding(t, "a target") for t in targets]
 
 

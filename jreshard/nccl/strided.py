@@ -133,16 +133,18 @@ def _one_by_one(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callab
     n = _threads()
     cuts = n if cls.outer and cls.outer[0] >= n and cls.piece_bytes >= 4 * LARGE_PIECE else 1
     jobs: list[Callable[[], None]] = []
+
+    def job(a: int, b: int, part: tuple[int, ...]) -> Callable[[], None]:
+        return lambda: np.copyto(raw_view(b, part, d_str), raw_view(a, part, s_str))
+
     for a, b in zip(src.tolist(), dst.tolist(), strict=True):
         if cuts == 1:
-            jobs.append(lambda a=a, b=b: np.copyto(raw_view(b, shape, d_str), raw_view(a, shape, s_str)))
+            jobs.append(job(a, b, shape))
             continue
         rows = cls.outer[0]
         for k in range(cuts):
             r0, r1 = rows * k // cuts, rows * (k + 1) // cuts
-            part = (r1 - r0, *shape[1:])
-            a0, b0 = a + r0 * s_str[0], b + r0 * d_str[0]
-            jobs.append(lambda a0=a0, b0=b0, part=part: np.copyto(raw_view(b0, part, d_str), raw_view(a0, part, s_str)))
+            jobs.append(job(a + r0 * s_str[0], b + r0 * d_str[0], (r1 - r0, *shape[1:])))
     return jobs
 
 
