@@ -185,7 +185,7 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
         "gather-and-broadcast": jreshard.baselines.gather_broadcast(params, targets, topo),
         "flat direct sends": jreshard.baselines.flat_direct(params, targets, topo),
     }
-    say("\nplans (bytes a two-node deployment would move; counted from the plans, MiB):")
+    say("\nplans, MODELLED: the bytes a two-node deployment would move, counted from the plans (MiB):")
     say(f"  {'plan':<22}{'network':>9}{'bound':>8}{'fast':>8}{'local':>8}{'busiest NIC send':>18}{'messages':>10}")
     for name, p in plans.items():
         s = p.stats()
@@ -200,10 +200,11 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
 
     js = plans["jreshard"].stats()
     gb = plans["gather-and-broadcast"].stats()
-    say("\nrefits (times measured here; each result checked bit-for-bit against jax.device_put's):")
-    say("  transfer: into new arrays; transfer_into: into the engine's current weights (donated); MiB from the plan")
+    say("\nrefits, MEASURED on this host (times) beside the MODELLED plan bytes (MiB); each result checked")
+    say("  bit-for-bit against jax.device_put's. transfer: into new arrays; transfer_into: into the engine's")
+    say("  current weights (consumed like donated arguments)")
     say(
-        f"  {'refit':>5}{'network MiB':>13}{'= bound':>9}{'gather-bcast':>14}{'fast MiB':>10}"
+        f"  {'refit':>5}{'model net MiB':>14}{'= bound':>9}{'gather-bcast':>14}{'model fast':>11}"
         f"{'transfer ms':>13}{'transfer_into ms':>18}{'device_put ms':>15}{'exact':>7}"
     )
     rows = []
@@ -234,8 +235,8 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
         }
         rows.append(row)
         say(
-            f"  {i:>5}{_mib(js.network_bytes):>13}{'yes' if at_bound else 'NO':>9}"
-            f"{_mib(gb.network_bytes):>14}{_mib(js.fast_bytes):>10}{row['transfer_s'] * 1e3:>13.1f}"
+            f"  {i:>5}{_mib(js.network_bytes):>14}{'yes' if at_bound else 'NO':>9}"
+            f"{_mib(gb.network_bytes):>14}{_mib(js.fast_bytes):>11}{row['transfer_s'] * 1e3:>13.1f}"
             f"{row['transfer_into_s'] * 1e3:>18.1f}{row['device_put_s'] * 1e3:>15.1f}{'yes' if exact else 'NO':>7}"
         )
         del fresh, reference
@@ -245,13 +246,19 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
         return float(np.median([r[key] for r in later])) * 1e3
 
     say(
-        f"\nnetwork bytes: jreshard {_mib(js.network_bytes)} MiB = the lower bound; gather-and-broadcast "
-        f"{_mib(gb.network_bytes)} MiB ({gb.network_bytes / js.network_bytes:.1f}x)."
+        f"\nMODELLED network bytes: jreshard {_mib(js.network_bytes)} MiB = the lower bound; gather-and-broadcast "
+        f"{_mib(gb.network_bytes)} MiB ({gb.network_bytes / max(js.network_bytes, 1):.1f}x)."
+    )
+    tr, into, dp = median("transfer_s"), median("transfer_into_s"), median("device_put_s")
+    say(
+        f"MEASURED median time{' after the first refit' if len(rows) > 1 else ''}: transfer {tr:.1f} ms, "
+        f"transfer_into {into:.1f} ms, jax.device_put {dp:.1f} ms for {_mib(n_bytes)} MiB of weights "
+        f"({_mib(2 * n_bytes)} MiB written: two replicas)."
     )
     say(
-        f"median time{' after the first refit' if len(rows) > 1 else ''}: transfer {median('transfer_s'):.1f} ms, "
-        f"transfer_into {median('transfer_into_s'):.1f} ms, jax.device_put {median('device_put_s'):.1f} ms "
-        f"for {_mib(n_bytes)} MiB of weights ({_mib(2 * n_bytes)} MiB written: two replicas)."
+        f"MEASURED ratio to jax.device_put: transfer {dp / tr:.2f}x, transfer_into {dp / into:.2f}x "
+        f"({'faster' if dp > tr else 'NOT faster'} than device_put on this model; one host, noisy: see "
+        "benchmarks/transfer_bench.py for medians and spreads)"
     )
     return rows
 
