@@ -44,7 +44,9 @@ def test_shape_dtype_struct_target_is_accepted():
 
 @pytest.mark.parametrize("value", [np.ones((8, 8), np.float32), 3.0])
 def test_host_values_are_refused_with_the_fix(value):
-    with pytest.raises(jreshard.LayoutError, match=r"\['a'\] of x is (ndarray|float).*jax.device_put\(value, sharding\)"):
+    with pytest.raises(
+        jreshard.LayoutError, match=r"\['a'\] of x is (ndarray|float).*jax.device_put\(value, sharding\)"
+    ):
         jreshard.transfer({"a": value}, {"a": INFER})
 
 

@@ -84,3 +84,17 @@ def test_peer_killed_mid_refit(tmp_path, victim):
         assert r["version_after_failure"] == 2
         if victim == "source":
             assert r["previous_intact_bytes"] > 0  # the destination still holds version 2, byte for byte
+
+
+@pytest.mark.parametrize(("procs", "devices"), [(2, 2), (4, 1)])
+def test_report_over_mpi_counts_the_plans_bytes_and_messages(tmp_path, procs, devices):
+    need_mpi()
+    launch([program(procs, "report_transfer.py")], tmp_path, devices=devices, timeout_s=120)
+    got = results(tmp_path, "report")
+    assert sorted(got) == list(range(procs)), got
+    for r in got.values():
+        assert "error" not in r, r
+        assert r["backend"] == "mpi"
+    network, fast, local, messages = (sum(r[k] for r in got.values()) for k in ("network", "fast", "local", "messages"))
+    (plan,) = {tuple(r["plan"]) for r in got.values()}
+    assert (network, fast, local, messages) == plan and network > 0

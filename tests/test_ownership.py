@@ -56,7 +56,10 @@ def test_identical_sharding_pass_through_is_consumed_not_overwritten(how):
 def test_readme_loop_with_a_donating_train_step():
     """Case 4: the README pattern survives `jax.jit(step, donate_argnums=0)`."""
     step = jax.jit(lambda p: jax.tree.map(lambda v: v + 1, p), donate_argnums=0)
-    params = {"w": jax.device_put(jnp.ones((8, 8)), TRAIN), "step": jax.device_put(jnp.int32(0), TRAIN.update(spec=P()))}
+    params = {
+        "w": jax.device_put(jnp.ones((8, 8)), TRAIN),
+        "step": jax.device_put(jnp.int32(0), TRAIN.update(spec=P())),
+    }
     weights = jreshard.transfer(params, {"w": INFER, "step": None})
     for i in range(1, 4):
         params = step(params)
