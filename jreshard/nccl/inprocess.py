@@ -264,7 +264,8 @@ def run_local(
         try:
             for prog, sp, dp in zip(programs, src_ptr, dst_ptr, strict=True):
                 for stage in prog.stages:
-                    strided.copy_classes([(rows.cls, *addresses(rows, sp, dp)) for rows in stage])
+                    work = [(rows.cls, *addresses(rows, sp, dp)) for rows in stage]
+                    strided.copy_classes(work, threads=options.copy_threads)
         except Exception as err:
             if prep.mode is Mode.INTO:
                 raise TransferError(

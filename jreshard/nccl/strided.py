@@ -87,18 +87,18 @@ class CopyClass:
 _THREADS: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _threads() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
+def _cores() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _THREADS
     if _THREADS is None:
-        _THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="jreshard-copy")
+        _THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=_cores(), thread_name_prefix="jreshard-copy")
     return _THREADS
 
 
-def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callable[[], None]]:
+def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
     """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses) through fancy indexing."""
     jobs: list[Callable[[], None]] = []
     lo_s, lo_d = int(src.min()), int(dst.min())
@@ -108,13 +108,13 @@ def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callable[
     # The address-range view has one row per byte; its nominal size must fit numpy's index type.
     nominal = max(span_s, span_d) * cls.piece_bytes
     if nominal >= _MAX_VIEW_BYTES:
-        return _one_by_one(cls, src, dst)
+        return _one_by_one(cls, src, dst, threads)
     sv = np.asarray(_Raw(lo_s, (span_s, *cls.outer), (1, *cls.src_strides), typestr))
     dv = np.asarray(_Raw(lo_d, (span_d, *cls.outer), (1, *cls.dst_strides), typestr))
     rs, rd = src - lo_s, dst - lo_d
     step = max(1, _CHUNK_BYTES // max(cls.piece_bytes, 1))
     bounds = [(a, min(a + step, len(rs))) for a in range(0, len(rs), step)]
-    n = min(_threads(), len(bounds))
+    n = min(threads, len(bounds))
     for k in range(n):
         mine = bounds[k::n]
 
@@ -126,11 +126,11 @@ def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callable[
     return jobs
 
 
-def _one_by_one(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callable[[], None]]:
+def _one_by_one(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
     """Jobs that copy each piece with ``np.copyto``, big pieces cut along their outermost extent."""
     shape = (*cls.outer, cls.run)
     s_str, d_str = (*cls.src_strides, 1), (*cls.dst_strides, 1)
-    n = _threads()
+    n = threads
     cuts = n if cls.outer and cls.outer[0] >= n and cls.piece_bytes >= 4 * LARGE_PIECE else 1
     jobs: list[Callable[[], None]] = []
 
@@ -148,14 +148,16 @@ def _one_by_one(cls: CopyClass, src: np.ndarray, dst: np.ndarray) -> list[Callab
     return jobs
 
 
-def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]]) -> int:
+def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], threads: int | None = None) -> int:
     """Copy every piece of every class; returns the bytes copied.
 
     Args:
       work: ``(class, src_addresses, dst_addresses)``; the address arrays are int64,
         one entry per piece. Pieces of one call must not overlap on the destination
         side, nor read bytes another piece of the call writes.
+      threads: copy threads (numpy's copies release the GIL); ``None``: one per core, up to 8.
     """
+    threads = _cores() if threads is None else max(1, min(int(threads), _cores()))
     jobs: list[Callable[[], None]] = []
     total = 0
     for cls, src, dst in work:
@@ -163,10 +165,10 @@ def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]]) -> int:
             continue
         total += cls.piece_bytes * len(src)
         if cls.piece_bytes >= LARGE_PIECE or len(src) == 1:
-            jobs.extend(_one_by_one(cls, src, dst))
+            jobs.extend(_one_by_one(cls, src, dst, threads))
         else:
-            jobs.extend(_batched(cls, src, dst))
-    if len(jobs) <= 1 or _threads() == 1 or total < (1 << 20):
+            jobs.extend(_batched(cls, src, dst, threads))
+    if len(jobs) <= 1 or threads == 1 or total < (1 << 20):
         for job in jobs:
             job()
         return total
