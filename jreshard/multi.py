@@ -120,7 +120,9 @@ def run_plan(
         box = lay.box_of(r)
         (dst[(t, r)],) = backend.allocate([box.volume * lay.itemsize], device)
         meta[(t, r)] = (box.shape, lay.np_dtype, device)
-    stats = execute(plan, comm, Shards(src=src, dst=dst), options=options, backend=backend)
+    devices = {r: d for (_, r), d in targets.items()}  # each rank's staging on its own device
+    devices.update({r: next(iter(a.devices())) for (_, r), a in sources.items() if r not in devices})
+    stats = execute(plan, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices)
     out = {k: backend.import_shard(dst[k], *meta[k]) for k in dst}
     return out, stats
 

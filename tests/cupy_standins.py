@@ -262,3 +262,44 @@ def fake_nvml(fabric: dict[str, object], *, versioned: bool = True):
         mod.nvmlDeviceGetGpuFabricInfoV = get_fabric_v
         mod.c_nvmlGpuFabricInfoV_t = GpuFabricInfoV
     return mod
+
+
+class OutOfMemoryError(MemoryError):
+    """``cupy.cuda.memory.OutOfMemoryError``."""
+
+
+class FakeDeviceArray:
+    """A 1-D uint8 "device array": remembers the device current when it was made."""
+
+    def __init__(self, n: int, device: int, ptr: int):
+        self.size, self.shape = n, (n,)
+        self.device = types.SimpleNamespace(id=device)
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+    def __getitem__(self, s: slice) -> FakeDeviceArray:
+        start, stop, _ = s.indices(self.size)
+        return FakeDeviceArray(stop - start, self.device.id, self.data.ptr + start)
+
+
+def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: int = 1 << 40):
+    """A ``cupy`` stand-in for :class:`CupyBuffers`: ``empty`` allocates on the current device
+    (256-byte aligned addresses), ``runtime.memGetInfo`` answers ``(free, total)``."""
+    cuda = cuda or RecordingCuda()
+    pool_log: list[str] = []
+    state = {"ptr": 1 << 20}
+
+    def empty(n, dtype=None):
+        n = int(n)
+        if n > cuda.runtime.memGetInfo()[0]:
+            raise OutOfMemoryError(f"out of memory allocating {n} bytes")
+        ptr = state["ptr"]
+        state["ptr"] += -(-max(n, 1) // 512) * 512
+        cuda.log.append(("empty", n, cuda.device))
+        return FakeDeviceArray(n, cuda.device, ptr)
+
+    cuda.runtime.memGetInfo = lambda: (free, total)
+    cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
+    pool = types.SimpleNamespace(
+        free_bytes=lambda: 0, free_all_blocks=lambda: pool_log.append("free_all_blocks"), log=pool_log
+    )
+    return types.SimpleNamespace(cuda=cuda, uint8="uint8", empty=empty, get_default_memory_pool=lambda: pool)

@@ -64,18 +64,29 @@ class _Capsule:
 class _Typed:
     """A CuPy array re-typed for JAX: exports with the consumer's stream, after ``stream``'s work."""
 
-    __slots__ = ("_array", "_bits", "_code", "_ordinal", "_stream")
+    __slots__ = ("_array", "_bits", "_code", "_cuda", "_ordinal", "_stream")
 
-    def __init__(self, array: Any, code: int, bits: int, stream: Any, ordinal: int):
+    def __init__(self, array: Any, code: int, bits: int, stream: Any, ordinal: int, cuda: Any):
         self._array, self._code, self._bits, self._stream, self._ordinal = array, code, bits, stream, ordinal
+        self._cuda = cuda
 
     def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
-        with self._stream:  # the consumer's stream waits on this one
+        # CuPy refuses to enter a stream of another device than the current one.
+        with self._cuda.Device(self._ordinal), self._stream:  # the consumer's stream waits on this one
             capsule = self._array.__dlpack__(stream=stream)
         return retype_capsule(capsule, self._code, self._bits)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (_KDLCUDA, self._ordinal)
+
+
+def _no_room(what: str, nbytes: int, ordinal: int, free: int, total: int) -> str:
+    return (
+        f"CupyBuffers: {what} of {nbytes} bytes on GPU {ordinal} do not fit: {free} of {total} bytes are free. "
+        "XLA preallocates 75% of GPU memory when jax starts; the fix is XLA_PYTHON_CLIENT_PREALLOCATE=false "
+        "or a lower XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.6) set before jax starts, or a smaller "
+        "Options.staging_bytes"
+    )
 
 
 def _ordinal(device: Any) -> int:
@@ -158,13 +169,11 @@ class CupyBuffers(BufferBackend):
     def allocate(self, sizes: Sequence[int], device: Any) -> list[Any]:
         """Uninitialised uint8 buffers on ``device``, each starting at a 256-byte boundary of one
         CuPy allocation (CuPy's pool hands out 512-byte-aligned blocks). Not run on GPU."""
-        cp = self._cp
         starts, pos = [], 0
         for n in sizes:
             starts.append(pos)
             pos += -(-int(n) // GPU_ALIGN) * GPU_ALIGN
-        with cp.cuda.Device(_ordinal(device)):
-            block = cp.empty(max(pos, 1), cp.uint8)
+        block = self._empty(max(pos, 1), _ordinal(device), "destination buffers")
         if block.data.ptr % GPU_ALIGN:
             raise TransferError(f"CupyBuffers: CuPy returned {block.data.ptr:#x}, not {GPU_ALIGN}-byte aligned")
         return [block[s : s + int(n)] for s, n in zip(starts, sizes, strict=True)]
@@ -184,25 +193,52 @@ class CupyBuffers(BufferBackend):
         code, bits = dlpack_type(dtype)
         o = _ordinal(device)
         typed = buffer.view(self._cp.dtype(f"uint{bits}")).reshape(shape)
-        out = jax.dlpack.from_dlpack(_Typed(typed, code, bits, self.stream(o), o))
+        out = jax.dlpack.from_dlpack(_Typed(typed, code, bits, self.stream(o), o, self._cp.cuda))
         if out.dtype != dtype:
             raise TransferError(f"CupyBuffers.import_shard: asked jax for {dtype} and got {out.dtype}")
         return out
 
     def release(self) -> int:
         """Drop every exported DLPack view (so the jax buffers behind them can be donated
-        again); returns how many. The engine must hold no views of its own by then."""
+        again) and hand CuPy's cached free blocks (the staging of the refit) back to the
+        driver, so XLA can use them; returns how many views. The engine must hold no
+        views or staging of its own by then. Not run on GPU."""
         n = len(self._views)
         self._views.clear()
+        self._cp.get_default_memory_pool().free_all_blocks()
         return n
+
+    def _empty(self, nbytes: int, ordinal: int, what: str) -> Any:
+        """``nbytes`` uninitialised bytes on GPU ``ordinal``, or an error that says how to make room.
+
+        CuPy allocates outside XLA's allocator, and XLA preallocates 75% of each GPU's
+        memory by default; the check counts what the device has free plus what CuPy's
+        pool holds unused. Not run on GPU.
+
+        Raises:
+          TransferError: too little GPU memory (nothing was written).
+        """
+        cp = self._cp
+        with cp.cuda.Device(ordinal):
+            free, total = cp.cuda.runtime.memGetInfo()
+            free += cp.get_default_memory_pool().free_bytes()
+            if nbytes > free:
+                raise TransferError(_no_room(what, nbytes, ordinal, free, total), destination_intact=True)
+            try:
+                return cp.empty(nbytes, cp.uint8)
+            except cp.cuda.memory.OutOfMemoryError as err:
+                raise TransferError(_no_room(what, nbytes, ordinal, free, total), destination_intact=True) from err
 
     # ----- kernels -----------------------------------------------------------
     def staging(self, nbytes: int, device: Any = None) -> Any:
-        """A uint8 staging buffer on ``device`` (default: the current CuPy device). Not run on GPU."""
-        if device is None:
-            return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
-        with self._cp.cuda.Device(_ordinal(device)):
-            return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
+        """A uint8 staging buffer on ``device`` (default: the current CuPy device), at most
+        ``Options.staging_bytes`` (the schedule's bound); freed by :meth:`release`. Not run on GPU.
+
+        Raises:
+          TransferError: too little GPU memory, naming the XLA settings that leave room.
+        """
+        o = self._cp.cuda.Device().id if device is None else _ordinal(device)
+        return self._empty(max(int(nbytes), 0), o, "staging")
 
     @staticmethod
     def _pointers(buffers: Sequence[Any]) -> list[int]:
