@@ -260,15 +260,25 @@ def pack_launch(table: np.ndarray, pointers: Sequence[int], staging: int) -> np.
       (4176, 8192, 16, 4, 2)
     """
     shape = table[:, K.SHAPE0 : K.SHAPE0 + K.MAX_DIMS]
-    return _build(_addresses(table, pointers), _strides(table), staging + table[:, K.STAGE],
-                  _c_strides(shape, table[:, K.NDIM]), table)
+    return _build(
+        _addresses(table, pointers),
+        _strides(table),
+        staging + table[:, K.STAGE],
+        _c_strides(shape, table[:, K.NDIM]),
+        table,
+    )
 
 
 def unpack_launch(table: np.ndarray, staging: int, pointers: Sequence[int]) -> np.ndarray:
     """The launch table that unpacks staging at ``staging`` into ``table``'s pieces in buffers at ``pointers``."""
     shape = table[:, K.SHAPE0 : K.SHAPE0 + K.MAX_DIMS]
-    return _build(staging + table[:, K.STAGE], _c_strides(shape, table[:, K.NDIM]),
-                  _addresses(table, pointers), _strides(table), table)
+    return _build(
+        staging + table[:, K.STAGE],
+        _c_strides(shape, table[:, K.NDIM]),
+        _addresses(table, pointers),
+        _strides(table),
+        table,
+    )
 
 
 def copy_launch(
@@ -278,8 +288,13 @@ def copy_launch(
     (tables from ``kernels.build_copy_tables``: equal extents, no staging)."""
     if len(src_table) != len(dst_table):
         raise ValueError(f"copy_launch: {len(src_table)} source rows and {len(dst_table)} destination rows")
-    return _build(_addresses(src_table, src_pointers), _strides(src_table),
-                  _addresses(dst_table, dst_pointers), _strides(dst_table), src_table)
+    return _build(
+        _addresses(src_table, src_pointers),
+        _strides(src_table),
+        _addresses(dst_table, dst_pointers),
+        _strides(dst_table),
+        src_table,
+    )
 
 
 def grid_size(launch_table: np.ndarray) -> int:
