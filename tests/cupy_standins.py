@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import types
 
+import numpy as np
+
 CUDA_ERROR_NOT_READY = 600
 UID14 = bytes(range(128))  # what CuPy 14's get_unique_id returns: 128 bytes
 UID13 = tuple(range(-64, 64))  # CuPy 13: 128 C char values
@@ -297,9 +299,25 @@ def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: 
         cuda.log.append(("empty", n, cuda.device))
         return FakeDeviceArray(n, cuda.device, ptr)
 
+    def filled(what):
+        def make(data, *args, **kwargs):
+            n = int(np.asarray(data).size) if what == "asarray" else int(data)
+            stream = cuda.current.get(cuda.device)
+            cuda.log.append((what, n, cuda.device, None if stream is None else stream.ptr))
+            return FakeDeviceArray(n, cuda.device, 0)
+
+        return make
+
     cuda.runtime.memGetInfo = lambda: (free, total)
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     pool = types.SimpleNamespace(
         free_bytes=lambda: 0, free_all_blocks=lambda: pool_log.append("free_all_blocks"), log=pool_log
     )
-    return types.SimpleNamespace(cuda=cuda, uint8="uint8", empty=empty, get_default_memory_pool=lambda: pool)
+    return types.SimpleNamespace(
+        cuda=cuda,
+        uint8="uint8",
+        empty=empty,
+        asarray=filled("asarray"),
+        zeros=filled("zeros"),
+        get_default_memory_pool=lambda: pool,
+    )

@@ -109,3 +109,26 @@ def test_run_plan_stages_each_rank_on_its_own_device():
     np.testing.assert_array_equal(np.asarray(out[(0, devs[2].id)]), host[:, 32:])
     assert any(n > 0 for n, _ in backend.asked)  # the plan packs through staging
     assert [d for _, d in backend.asked] == devs  # rank by rank, each arena on the rank's own device
+
+
+def test_gpu_tests_fill_buffers_on_the_stream_their_kernels_use():
+    """The GPU tests upload and zero on CupyBuffers' stream, not the legacy default stream
+    (which a non-blocking stream does not wait for)."""
+    from test_gpu import upload, zeros_on
+
+    cp = fake_cupy()
+    bufs = CupyBuffers(cupy=cp)
+    upload(cp, bufs, 2, np.zeros(16, np.uint8))
+    zeros_on(cp, bufs, 2, 8)
+    fills = [e for e in cp.cuda.log if e[0] in ("asarray", "zeros")]
+    assert fills == [("asarray", 16, 2, bufs.stream(2).ptr), ("zeros", 8, 2, bufs.stream(2).ptr)]
+
+
+def test_gpu_nccl_test_skips_when_cupy_has_no_libnccl(monkeypatch):
+    import sys
+
+    from test_gpu import nccl_or_skip
+
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", types.SimpleNamespace(available=False))
+    with pytest.raises(pytest.skip.Exception, match=r"available is False.*jreshard\[cuda1"):
+        nccl_or_skip()
