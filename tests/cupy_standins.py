@@ -102,8 +102,8 @@ class RecordingCuda:
             def __exit__(self, *exc):
                 cuda.device = cuda.stack.pop()
 
-        def event_query(ptr):
-            cuda.log.append(("eventQuery", ptr))
+        def event_query(event):
+            cuda.log.append(("eventQuery", event))
             return cuda.event_status
 
         self.Stream, self.Device, self.Event = Stream, Device, Event
@@ -204,7 +204,7 @@ class GpuFabricInfo(ctypes.Structure):
         ("clusterUuid", ctypes.c_uint8 * 16),
         ("status", ctypes.c_uint),
         ("cliqueId", ctypes.c_uint32),
-        ("state", ctypes.c_uint8),
+        ("state", ctypes.c_uint),
     ]
 
 
@@ -216,7 +216,7 @@ class GpuFabricInfoV(ctypes.Structure):
         ("clusterUuid", ctypes.c_uint8 * 16),
         ("status", ctypes.c_uint),
         ("cliqueId", ctypes.c_uint32),
-        ("state", ctypes.c_uint8),
+        ("state", ctypes.c_uint),
         ("healthMask", ctypes.c_uint32),
     ]
 

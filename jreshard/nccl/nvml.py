@@ -97,12 +97,18 @@ def local_domain_keys(
       hostname: this host's name (``socket.gethostname()`` by default).
 
     Raises:
-      BackendUnavailableError: pynvml does not import.
+      BackendUnavailableError: pynvml does not import, or NVML does not start (no driver).
     """
     nvml = nvml if nvml is not None else _pynvml()
     pci_bus_id = pci_bus_id or _cuda_pci_bus_id
     hostname = hostname or socket.gethostname()
-    nvml.nvmlInit()
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as err:  # no driver, or no libnvidia-ml
+        raise BackendUnavailableError(
+            f"NVML topology discovery: nvmlInit failed ({type(err).__name__}: {err}); NVML needs the NVIDIA "
+            "driver. The fix is to run on a GPU host, or pass the domains explicitly with Topology.from_domains"
+        ) from err
     try:
         return {
             int(o): domain_key(nvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id(int(o))), nvml=nvml, hostname=hostname)
