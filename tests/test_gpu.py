@@ -170,10 +170,12 @@ class _Store:
         return self.values[key]
 
 
-def test_one_gpu_nccl_sends_to_itself_through_the_engine(env):
+@pytest.mark.parametrize("stream_ordered", [False, True])
+def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     """Ranks 0 (source) and 1, 2 (destination, split by columns) are different devices to
     the planner, so it plans FAST messages; NcclComm maps all three to the one GPU's NCCL
-    rank 0, which sends to and receives from itself inside one group."""
+    rank 0, which sends to and receives from itself inside one group; with the host waiting
+    after every exchange, and stream-ordered (``NcclComm.buffers()``)."""
     cupy, jax, gpu = env
     nccl_or_skip()
     from jreshard.nccl.cupy_nccl import NcclComm
@@ -197,9 +199,10 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env):
         devices={0: 0, 1: 0, 2: 0},
         local_devices={0: o, 1: o, 2: o},
         rendezvous=KeyValueRendezvous(_Store()),
-        namespace="gpu-test-self",
+        namespace=f"gpu-test-self-{stream_ordered}",
     )
-    bufs = CupyBuffers(streams={o: comm.stream(0)})
+    # Stream-ordered: no host wait per exchange, one bounded wait at the end of execute.
+    bufs = comm.buffers(timeout_s=60.0) if stream_ordered else CupyBuffers(streams={o: comm.stream(0)})
     host = np.arange(256 * 1024, dtype=np.float32).reshape(shape)
     x = jax.device_put(host, gpu)
     d1, d2 = bufs.allocate([256 * 512 * 4, 256 * 512 * 4], gpu)

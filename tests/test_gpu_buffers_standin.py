@@ -132,3 +132,36 @@ def test_gpu_nccl_test_skips_when_cupy_has_no_libnccl(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", types.SimpleNamespace(available=False))
     with pytest.raises(pytest.skip.Exception, match=r"available is False.*jreshard\[cuda1"):
         nccl_or_skip()
+
+
+class CountingBuffers(CpuBuffers):
+    """CpuBuffers that count host waits and fences."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+    def fence(self):
+        self.calls.append("fence")
+
+
+def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
+    from jreshard.nccl.engine import Shards, execute
+
+    shape = (32, 64)
+    src = Layout.from_boxes(shape, "float32", {0: Box((0, 0), shape)})
+    dst = Layout.from_boxes(shape, "float32", {1: Box((0, 0), (32, 32)), 2: Box((0, 32), shape)})
+    plan = plan_layouts([(src, dst)], Topology.from_domains({0: 0, 1: 1, 2: 1}),
+                        Options(chunk_bytes=1 << 10, staging_bytes=1 << 11))  # fmt: skip
+    host = np.arange(32 * 64, dtype=np.float32).reshape(shape)
+    d1, d2 = np.zeros(32 * 32 * 4, np.uint8), np.zeros(32 * 32 * 4, np.uint8)
+    backend = CountingBuffers()
+    stats = execute(plan, LocalComm([0, 1, 2]), Shards(src={(0, 0): host.reshape(-1).view(np.uint8)},
+                    dst={(0, 1): d1, (0, 2): d2}), backend=backend)  # fmt: skip
+    assert stats.rounds > 1
+    assert backend.calls.count("synchronize") == 1 and backend.calls[-1] == "synchronize"
+    assert backend.calls.count("fence") == stats.rounds + 1  # after the local copies, before each exchange
+    np.testing.assert_array_equal(d2.view(np.float32).reshape(32, 32), host[:, 32:])

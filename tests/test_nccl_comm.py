@@ -300,3 +300,59 @@ def test_key_value_rendezvous_from_jax_needs_a_cluster():
 
     with pytest.raises(BackendUnavailableError, match=r"jax\.distributed\.initialize"):
         KeyValueRendezvous.from_jax()
+
+
+# ---- the stream path: no host wait per exchange, one bounded wait at the end ----------
+
+
+def deferred(local=None, timeout_s=5.0):
+    from cupy_standins import fake_cupy
+
+    comm, nccl, cuda = make(local or {0: 0, 1: 1})
+    bufs = comm.buffers(timeout_s=timeout_s, cupy=fake_cupy(cuda))
+    return comm, nccl, cuda, bufs
+
+
+def test_after_buffers_an_exchange_does_not_wait_and_synchronize_does_once():
+    comm, nccl, _, bufs = deferred()
+    assert bufs.stream(0) is comm.stream(0) and bufs.stream(1) is comm.stream(1)  # kernels and NCCL share
+    nccl.log.clear()
+    for tag in range(3):
+        comm.exchange([SendOp(0, 2, tag, Buf(0x100, 8))], [RecvOp(3, 1, tag, Buf(0x200, 8))], timeout_s=5.0)
+    assert not calls(nccl.log, "eventQuery", "synchronize", "check")  # no host wait per exchange
+    assert [e[0] for e in calls(nccl.log, "groupStart", "groupEnd")] == ["groupStart", "groupEnd"] * 3
+    bufs.synchronize()
+    assert len(calls(nccl.log, "eventQuery")) == 2 and not calls(nccl.log, "abort")  # one event per GPU, done
+
+
+def test_fence_orders_through_events_without_a_host_wait():
+    _, nccl, cuda, bufs = deferred()
+    nccl.log.clear()
+    bufs.fence()
+    s0, s1 = bufs.stream(0).ptr, bufs.stream(1).ptr
+    waits = calls(nccl.log, "wait_event")
+    assert [w[2] for w in waits] == [s0, s1]  # each GPU's current stream waits on the backend's stream
+    assert [w[1] for w in waits] == [cuda.current[0].ptr, cuda.current[1].ptr]
+    assert not calls(nccl.log, "synchronize", "eventQuery")
+
+
+def test_final_wait_is_bounded_and_aborts():
+    _, nccl, cuda, bufs = deferred(timeout_s=0.05)
+    cuda.event_status = CUDA_ERROR_NOT_READY
+    with pytest.raises(TransferTimeoutError, match=r"GPUs \[0, 1\] did not finish within timeout_s=0.05"):
+        bufs.synchronize()
+    assert sorted(calls(nccl.log, "abort")) == [("abort", 0), ("abort", 1)]
+    assert calls(nccl.log, "check")  # NCCL's errors polled while waiting
+
+
+def test_final_wait_reports_nccl_and_cuda_errors_as_themselves():
+    _, nccl, cuda, bufs = deferred()
+    cuda.event_status = CUDA_ERROR_NOT_READY
+    nccl.async_error = NcclError(6)
+    with pytest.raises(PeerError, match="NCCL error 6"):
+        bufs.synchronize()
+    _, nccl, cuda, bufs = deferred()
+    cuda.event_status = 700
+    with pytest.raises(TransferError, match="cudaError 700 on GPU 0") as info:
+        bufs.synchronize()
+    assert type(info.value) is TransferError and calls(nccl.log, "abort")

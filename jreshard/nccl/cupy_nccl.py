@@ -49,36 +49,20 @@ from typing import Any
 from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl.backend import cuda_extra
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.nccl_support import Watchdog, event_done, run_bounded, uid_argument, uid_from_bytes, uid_to_bytes
+from jreshard.nccl.nccl_support import (
+    Watchdog,
+    device_pointer,
+    event_done,
+    run_bounded,
+    uid_argument,
+    uid_from_bytes,
+    uid_to_bytes,
+)
 from jreshard.nccl.rendezvous import Rendezvous
 
 __all__ = ["NcclComm", "destroy_cached_communicators", "device_pointer", "uid_from_bytes", "uid_to_bytes"]
 
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 5e-3
-
-
-def device_pointer(buffer: Any) -> tuple[int, int]:
-    """``(device pointer, nbytes)`` of a contiguous 1-D uint8 CUDA buffer.
-
-    Reads ``__cuda_array_interface__`` (CuPy arrays, and anything else that speaks it).
-
-    Raises:
-      ValueError: the buffer is not a contiguous 1-D uint8 CUDA array.
-    """
-    try:
-        cai = buffer.__cuda_array_interface__
-    except AttributeError:
-        raise ValueError(
-            f"NcclComm: buffer of type {type(buffer).__name__} is not a CUDA array "
-            "(no __cuda_array_interface__); pass CuPy uint8 arrays"
-        ) from None
-    shape, typestr, strides = tuple(cai["shape"]), cai["typestr"], cai.get("strides")
-    if len(shape) != 1 or typestr not in ("|u1", "<u1", ">u1") or strides not in (None, (1,)):
-        raise ValueError(
-            f"NcclComm: buffer has shape={shape}, typestr={typestr!r}, strides={strides}; "
-            "expected a contiguous 1-D uint8 array"
-        )
-    return int(cai["data"][0]), int(shape[0])
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,7 +147,7 @@ class NcclComm(Communicator):
         device key name different CUDA ordinals.
     """
 
-    __slots__ = ("_cuda", "_device_key", "_group", "_local", "_local_ranks", "_nccl", "_nccl_rank")
+    __slots__ = ("_cuda", "_deferred", "_device_key", "_group", "_local", "_local_ranks", "_nccl", "_nccl_rank")
 
     def __init__(
         self,
@@ -198,6 +182,7 @@ class NcclComm(Communicator):
         with _LOCK:
             cached = _CACHE.get(self._group)
         self._local = cached if cached is not None else self._create(rendezvous, timeout_s)
+        self._deferred = False
 
     def _create(self, rendezvous: Rendezvous, timeout_s: float) -> dict[int, _Local]:
         nccl, cuda, g = self._nccl, self._cuda, self._group
@@ -235,6 +220,38 @@ class NcclComm(Communicator):
     def local_ranks(self) -> tuple[int, ...]:
         return self._local_ranks
 
+    def buffers(self, *, timeout_s: float = 300.0, cupy: Any = None) -> Any:
+        """A :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` on this communicator's streams,
+        and from now on exchanges that do not wait on the host. Not run on GPU.
+
+        Pack, send/receive and unpack then run in one stream's order per GPU; the one host
+        wait is the buffers' ``synchronize()`` at the end of a refit, which polls NCCL's
+        errors while it waits and aborts every communicator past ``timeout_s``.
+        """
+        from jreshard.nccl.gpu_buffers import CupyBuffers
+
+        self._deferred = True
+        streams = {loc.ordinal: loc.stream for loc in self._local.values()}
+        return CupyBuffers(streams=streams, cupy=cupy, timeout_s=timeout_s, watcher=self)
+
+    def check_errors(self) -> None:
+        """Raise :class:`PeerError` (after aborting every communicator) if NCCL reports an
+        asynchronous error on any of them. Not run on GPU."""
+        for k, loc in sorted(self._local.items()):
+            try:
+                loc.comm.check_async_error()
+            except Exception as err:
+                self._abort()
+                raise PeerError(
+                    f"NcclComm: NCCL reported an error on device key {k} (GPU {loc.ordinal}) of ranks "
+                    f"{self._local_ranks} ({type(err).__name__}: {err}); communicators aborted",
+                    destination_intact=False,
+                ) from err
+
+    def abort(self) -> None:
+        """``ncclCommAbort`` every communicator of this process (they leave the cache). Not run on GPU."""
+        self._abort()
+
     def stream(self, rank: int) -> Any:
         """The CuPy stream NCCL uses for local ``rank``'s device: pack and unpack on it
         to order them with the messages without extra events."""
@@ -248,8 +265,11 @@ class NcclComm(Communicator):
         """Post every send and receive in one NCCL group and wait for all. Not run on GPU.
 
         Each device's NCCL stream first waits on that device's current CuPy stream,
-        so buffers packed there are complete before NCCL reads them. On return every
-        receive has landed (the host waited on an event after the group).
+        so buffers packed there (or fenced into it) are complete before NCCL reads them.
+        On return every receive has landed (the host waited on an event after the
+        group), except after :meth:`buffers`: then the receives are ordered on the
+        NCCL streams, which the buffers' kernels share, and the buffers'
+        ``synchronize()`` waits for them.
 
         Raises:
           ValueError: an op's local rank is not driven here, a peer is unknown, or a
@@ -296,7 +316,8 @@ class NcclComm(Communicator):
                     f"({type(err).__name__}: {err}); communicators aborted",
                     destination_intact=False,
                 ) from err
-        self._wait(issued, used, deadline, timeout_s)
+        if not self._deferred:  # else the buffers' synchronize() waits, once, at the end
+            self._wait(issued, used, deadline, timeout_s)
 
     def _validate(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple]:
         """``(device key, is_send, peer device key, pointer, nbytes, op)`` in issue order."""

@@ -28,16 +28,18 @@ The exported views keep the JAX source buffers alive (and not donatable):
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from jreshard.errors import BackendUnavailableError, TransferError
+from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl import kernels as K
 from jreshard.nccl.backend import cuda_extra
 from jreshard.nccl.buffers import BufferBackend, dlpack_type, retype_capsule
+from jreshard.nccl.nccl_support import event_done
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
 
@@ -97,18 +99,38 @@ def _ordinal(device: Any) -> int:
 class CupyBuffers(BufferBackend):
     """CuPy buffers on jax CUDA devices (final). Not run on GPU.
 
+    Stream order, no host waits until the end: :meth:`fence` (before each exchange)
+    makes each GPU's current stream, which ``NcclComm`` waits on, wait for this
+    backend's stream with an event; only :meth:`synchronize` (the end of a refit)
+    blocks the host, polling events for at most ``timeout_s``, raising a CUDA
+    error as one, and asking ``watcher`` (``NcclComm.buffers()`` passes the
+    communicator) for NCCL errors while it waits and to abort at the deadline.
+    Staging and destination blocks are allocated on this backend's stream, so
+    CuPy's pool only hands them out again in that stream's order.
+
     Args:
       streams: ``{CUDA ordinal: CuPy stream}`` to run on (pass ``NcclComm.stream(rank)``
-        so kernels and NCCL share one stream per GPU); others are made as needed.
+        so kernels and NCCL share one stream per GPU, or use ``NcclComm.buffers()``);
+        others are made as needed.
       cupy: the ``cupy`` module (imported when not given).
+      timeout_s: how long :meth:`synchronize` may wait.
+      watcher: polled while :meth:`synchronize` waits (``check_errors()``) and aborted
+        (``abort()``) when it times out.
 
     Raises:
       BackendUnavailableError: CuPy does not import.
     """
 
-    __slots__ = ("_cp", "_peers", "_streams", "_views")
+    __slots__ = ("_cp", "_peers", "_streams", "_timeout_s", "_views", "_watcher")
 
-    def __init__(self, *, streams: Mapping[int, Any] | None = None, cupy: Any = None):
+    def __init__(
+        self,
+        *,
+        streams: Mapping[int, Any] | None = None,
+        cupy: Any = None,
+        timeout_s: float = 300.0,
+        watcher: Any = None,
+    ):
         if cupy is None:
             try:
                 cupy = importlib.import_module("cupy")
@@ -120,6 +142,8 @@ class CupyBuffers(BufferBackend):
         self._streams: dict[int, Any] = dict(streams or {})
         self._views: list[Any] = []
         self._peers: set[tuple[int, int]] = set()
+        self._timeout_s = float(timeout_s)
+        self._watcher = watcher
 
     def stream(self, ordinal: int) -> Any:
         """This backend's stream on GPU ``ordinal``."""
@@ -219,7 +243,7 @@ class CupyBuffers(BufferBackend):
           TransferError: too little GPU memory (nothing was written).
         """
         cp = self._cp
-        with cp.cuda.Device(ordinal):
+        with cp.cuda.Device(ordinal), self.stream(ordinal):  # the pool reuses the block in this stream's order
             free, total = cp.cuda.runtime.memGetInfo()
             free += cp.get_default_memory_pool().free_bytes()
             if nbytes > free:
@@ -316,7 +340,53 @@ class CupyBuffers(BufferBackend):
             self.unpack(dt, there, dst)
         self.stream(d).synchronize()  # ``here`` may be freed once the peer copy has run
 
+    def fence(self) -> None:
+        """Order everything issued on this backend's streams before what is issued next on each
+        GPU's current stream (where ``NcclComm`` takes its start), without a host wait. Not run on GPU."""
+        cp = self._cp
+        for o, s in sorted(self._streams.items()):
+            with cp.cuda.Device(o):
+                cp.cuda.get_current_stream().wait_event(s.record())
+
     def synchronize(self) -> None:
-        """Wait for every kernel issued on this backend's streams. Not run on GPU."""
-        for s in self._streams.values():
-            s.synchronize()
+        """Wait on the host, at most ``timeout_s``, for every kernel issued on this backend's
+        streams (with ``NcclComm.buffers()``: every send and receive too). Not run on GPU.
+
+        Raises:
+          TransferError: CUDA reported an error on a stream (e.g. an illegal address).
+          TransferTimeoutError: not done within ``timeout_s``; the watcher was aborted.
+          PeerError: the watcher reported an NCCL error.
+        """
+        cp = self._cp
+        events = {}
+        for o, s in sorted(self._streams.items()):
+            with cp.cuda.Device(o):
+                events[o] = s.record()
+        deadline = time.monotonic() + self._timeout_s
+        pause = 50e-6
+        while events:
+            for o in sorted(events):
+                try:
+                    done = event_done(events[o], cp.cuda.runtime)
+                except cp.cuda.runtime.CUDARuntimeError as err:
+                    if self._watcher is not None:
+                        self._watcher.abort()
+                    raise TransferError(
+                        f"CupyBuffers: CUDA reported {err} on GPU {o}", destination_intact=False
+                    ) from err
+                if done:
+                    del events[o]
+            if not events:
+                return
+            if self._watcher is not None:
+                self._watcher.check_errors()
+            if time.monotonic() > deadline:
+                if self._watcher is not None:
+                    self._watcher.abort()
+                raise TransferTimeoutError(
+                    f"CupyBuffers: the work on GPUs {sorted(events)} did not finish within timeout_s={self._timeout_s}"
+                    + ("; communicators aborted" if self._watcher is not None else ""),
+                    destination_intact=False,
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 5e-3)

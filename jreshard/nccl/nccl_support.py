@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from jreshard.errors import TransferTimeoutError
 
-__all__ = ["Watchdog", "event_done", "run_bounded", "uid_argument", "uid_from_bytes", "uid_to_bytes"]
+__all__ = ["Watchdog", "device_pointer", "event_done", "run_bounded", "uid_argument", "uid_from_bytes", "uid_to_bytes"]
 
 T = TypeVar("T")
 
@@ -100,6 +100,30 @@ def uid_argument(nccl: Any, raw: bytes, made: Any = None) -> bytes | tuple[int, 
         return uid_from_bytes(raw)
     # Neither declared nor made here: CuPy >= 14 is the one both extras resolve to.
     return bytes(raw)
+
+
+def device_pointer(buffer: Any) -> tuple[int, int]:
+    """``(device pointer, nbytes)`` of a contiguous 1-D uint8 CUDA buffer.
+
+    Reads ``__cuda_array_interface__`` (CuPy arrays, and anything else that speaks it).
+
+    Raises:
+      ValueError: the buffer is not a contiguous 1-D uint8 CUDA array.
+    """
+    try:
+        cai = buffer.__cuda_array_interface__
+    except AttributeError:
+        raise ValueError(
+            f"NcclComm: buffer of type {type(buffer).__name__} is not a CUDA array "
+            "(no __cuda_array_interface__); pass CuPy uint8 arrays"
+        ) from None
+    shape, typestr, strides = tuple(cai["shape"]), cai["typestr"], cai.get("strides")
+    if len(shape) != 1 or typestr not in ("|u1", "<u1", ">u1") or strides not in (None, (1,)):
+        raise ValueError(
+            f"NcclComm: buffer has shape={shape}, typestr={typestr!r}, strides={strides}; "
+            "expected a contiguous 1-D uint8 array"
+        )
+    return int(cai["data"][0]), int(shape[0])
 
 
 def event_done(event: Any, runtime: Any) -> bool:
