@@ -151,9 +151,10 @@ def test_vector_width_and_tiles():
     assert CK.grid_size(CK.pack_launch(K.build_table([]), [], 0)) == 0
 
 
-def test_too_many_units_asks_for_smaller_chunks():
+def test_a_launch_over_the_cuda_grid_asks_for_smaller_chunks():
     t = np.zeros((1, K.COLUMNS), np.int64)
-    t[0, K.NBYTES], t[0, K.NDIM], t[0, K.SHAPE0] = (1 << 32) + 1, 1, (1 << 32) + 1
+    n = CK.MAX_BLOCKS * CK.TILE_UNITS + 1  # one unit more than the grid can hold, at 1 byte per unit
+    t[0, K.NBYTES], t[0, K.NDIM], t[0, K.SHAPE0] = n, 1, n
     with pytest.raises(ValueError, match="chunk_bytes"):
         CK.pack_launch(t, [1], 0)
 
@@ -170,11 +171,16 @@ struct uint2 { unsigned int x, y; };
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
+#define __shared__ static
+#define __syncthreads() ((void)0)
 """
 DRIVER = r"""
 extern "C" void run(const long long* table, int nrows, unsigned int blocks) {
   for (unsigned int b = 0; b < blocks; ++b)
     for (unsigned int t = 0; t < JR_THREADS; ++t) { blockIdx.x = b; threadIdx.x = t; jreshard_copy(table, nrows); }
+}
+extern "C" void run_block(const long long* table, int nrows, unsigned int b) {
+  for (unsigned int t = 0; t < JR_THREADS; ++t) { blockIdx.x = b; threadIdx.x = t; jreshard_copy(table, nrows); }
 }
 """
 
@@ -189,6 +195,7 @@ def host_kernel(tmp_path_factory):
     subprocess.run([cxx, "-O1", "-w", "-shared", "-fPIC", "-o", str(d / "k.so"), str(d / "k.cpp")], check=True)
     lib = ctypes.CDLL(str(d / "k.so"))
     lib.run.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+    lib.run_block.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
     return lib
 
 
@@ -226,3 +233,33 @@ def test_many_tiles_and_widths_through_both_replays(host_kernel):
     staging[:] = 0
     run_host(host_kernel, launch)
     np.testing.assert_array_equal(staging, expected)
+
+
+@pytest.mark.parametrize("ndim", [1, 2])
+def test_units_past_two_to_the_32_in_one_piece(host_kernel, ndim):
+    """A piece of more than 2**32 one-byte units: the last tile's units lie past 2**32, where
+    32-bit counters would wrap. Only that tile runs, with the piece's base addresses placed
+    so its 1024 units land in two small real buffers."""
+    rng = np.random.default_rng(11)
+    arena = Arena(rng)
+    pa, a = arena.take(CK.TILE_UNITS + 64, misalign=1)  # odd addresses: 1-byte units
+    pb, b = arena.take(CK.TILE_UNITS + 64)
+    a[:] = rng.integers(0, 256, size=a.size, dtype=np.uint8)
+    if ndim == 1:
+        n = (1 << 32) + 1000
+        t = K.build_table([(0, (n,), Box((0,), (n,)))])
+        last = n - ((n - 1) // CK.TILE_UNITS) * CK.TILE_UNITS  # units in the last tile
+        src = pa - (n - last)  # unit u reads src + u: the last tile reads a[0:last]
+    else:
+        rows, run, pitch = (1 << 12) + 1, 1 << 20, (1 << 20) + 17
+        t = K.build_table([(0, (rows, pitch), Box((0, 1), (rows, run + 1)))])
+        last = CK.TILE_UNITS  # rows * run is a whole number of tiles
+        # unit u = r * run + p reads src + 1 + r * pitch + p; the last tile is r = rows - 1, p >= run - last
+        src = pa - 1 - (rows - 1) * pitch - (run - last)
+        n = rows * run
+    assert n > 1 << 32
+    launch = CK.pack_launch(t, [src], pb - (n - last))  # staging: unit u writes staging + u
+    assert launch[0, CK.UNITS] == n and launch[0, CK.WIDTH] == 1 and launch[0, CK.NDIM] == ndim
+    host_kernel.run_block(np.ascontiguousarray(launch).ctypes.data, 1, CK.grid_size(launch) - 1)
+    np.testing.assert_array_equal(b[:last], a[:last])
+    assert not b[last:].any()  # nothing past the piece's end

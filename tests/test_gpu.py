@@ -1,10 +1,13 @@
 """GPU tests (marker ``gpu``): DLPack round trips, bf16/fp8, stream ordering, the
 pack/unpack kernel, and NCCL through the engine on one GPU.
 
-They skip cleanly without CuPy, without a CUDA device, or when jax has no GPU
+They skip cleanly without CuPy, without a CUDA device, when jax has no GPU
 backend (the suite defaults ``JAX_PLATFORMS`` to ``cpu``; ``benchmarks/gpu_check.py``
-runs them with ``JAX_PLATFORMS=cuda,cpu``). Not run on GPU yet: written against
-the CuPy and jax documentation.
+runs them with ``JAX_PLATFORMS=cuda,cpu``), and (the NCCL test) when CuPy's NCCL
+did not load libnccl. Buffers are filled on the backend's stream, the one its
+kernels run on, so no fill races a kernel. Not run on GPU yet: written against
+the CuPy and jax documentation, and the calls checked against the installed
+modules by the contract tests.
 """
 
 from __future__ import annotations
@@ -36,6 +39,29 @@ def env():
     except RuntimeError as err:
         pytest.skip(f"jax has no GPU backend here ({err}); run with JAX_PLATFORMS=cuda,cpu")
     return cupy, jax, gpus[0]
+
+
+def upload(cupy, bufs, ordinal: int, host: np.ndarray):
+    """``host`` copied to GPU ``ordinal`` on the backend's stream there (ordered before its kernels)."""
+    with cupy.cuda.Device(ordinal), bufs.stream(ordinal):
+        return cupy.asarray(host)
+
+
+def zeros_on(cupy, bufs, ordinal: int, n: int):
+    """``n`` zero bytes on GPU ``ordinal``, written on the backend's stream there."""
+    with cupy.cuda.Device(ordinal), bufs.stream(ordinal):
+        return cupy.zeros(n, cupy.uint8)
+
+
+def nccl_or_skip():
+    """``cupy.cuda.nccl``, or a skip when CuPy imports without libnccl (it says so in ``available``)."""
+    from jreshard.errors import BackendUnavailableError
+    from jreshard.nccl.cupy_nccl import _import
+
+    try:
+        return _import("cupy.cuda.nccl")
+    except BackendUnavailableError as err:
+        pytest.skip(str(err))
 
 
 @pytest.fixture
@@ -113,9 +139,9 @@ def test_pack_unpack_kernels_match_numpy(env, bufs, seed):
             taken.append(box)
             pieces.append((0, outer, K.byte_box(box, itemsize)))
     table = K.build_table(pieces)
-    with cupy.cuda.Device(gpu.local_hardware_id):
-        dev = cupy.asarray(host)
-        stage = cupy.zeros(K.table_bytes(table), cupy.uint8)
+    o = gpu.local_hardware_id
+    dev = upload(cupy, bufs, o, host)
+    stage = zeros_on(cupy, bufs, o, K.table_bytes(table))
     want = np.zeros(K.table_bytes(table), np.uint8)
     K.pack_cpu(table, [host], want)
     bufs.pack(table, [dev], stage)
@@ -124,8 +150,8 @@ def test_pack_unpack_kernels_match_numpy(env, bufs, seed):
     fresh = rng.integers(0, 256, size=want.size, dtype=np.uint8)
     expected = host.copy()
     K.unpack_cpu(table, fresh, [expected])
-    with cupy.cuda.Device(gpu.local_hardware_id):
-        stage.set(fresh)
+    with cupy.cuda.Device(o):
+        stage.set(fresh, stream=bufs.stream(o))
     bufs.unpack(table, stage, [dev])
     bufs.synchronize()
     np.testing.assert_array_equal(cupy.asnumpy(dev), expected)
@@ -144,15 +170,15 @@ class _Store:
         return self.values[key]
 
 
-def test_one_gpu_nccl_sends_to_itself_through_the_engine(env):
+@pytest.mark.parametrize("stream_ordered", [False, True])
+def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     """Ranks 0 (source) and 1, 2 (destination, split by columns) are different devices to
     the planner, so it plans FAST messages; NcclComm maps all three to the one GPU's NCCL
-    rank 0, which sends to and receives from itself inside one group."""
+    rank 0, which sends to and receives from itself inside one group; with the host waiting
+    after every exchange, and stream-ordered (``NcclComm.buffers()``)."""
     cupy, jax, gpu = env
-    try:
-        from jreshard.nccl.cupy_nccl import NcclComm
-    except Exception as err:
-        pytest.skip(f"cupy.cuda.nccl does not import ({err})")
+    nccl_or_skip()
+    from jreshard.nccl.cupy_nccl import NcclComm
     from jreshard.nccl.engine import Shards, execute
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.rendezvous import KeyValueRendezvous
@@ -173,9 +199,10 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env):
         devices={0: 0, 1: 0, 2: 0},
         local_devices={0: o, 1: o, 2: o},
         rendezvous=KeyValueRendezvous(_Store()),
-        namespace="gpu-test-self",
+        namespace=f"gpu-test-self-{stream_ordered}",
     )
-    bufs = CupyBuffers(streams={o: comm.stream(0)})
+    # Stream-ordered: no host wait per exchange, one bounded wait at the end of execute.
+    bufs = comm.buffers(timeout_s=60.0) if stream_ordered else CupyBuffers(streams={o: comm.stream(0)})
     host = np.arange(256 * 1024, dtype=np.float32).reshape(shape)
     x = jax.device_put(host, gpu)
     d1, d2 = bufs.allocate([256 * 512 * 4, 256 * 512 * 4], gpu)

@@ -1,45 +1,23 @@
 """NVML domain discovery against a stand-in NVML module (CPU).
 
 The stand-in answers the few NVML calls jreshard makes with made-up fabric
-info; it checks our reading of NVML's answers, not NVML.
+info; it checks our reading of NVML's answers, not NVML. Its argument lists and
+structs are compared with the installed pynvml in ``test_contract_nvml.py``.
 """
 
 from __future__ import annotations
 
-import types
-
 import pytest
+from cupy_standins import fake_nvml
 
 from jreshard.errors import TopologyError
 from jreshard.nccl.nvml import domain_key, local_domain_keys, topology_from_domain_keys
 
 
-class NVMLError(Exception):
-    pass
-
-
-def fake_nvml(fabric: dict[str, object]):
-    """``fabric[bus_id]`` is (cluster uuid bytes, clique id, state), or None for NotSupported."""
-    log: list[str] = []
-
-    def get_fabric(handle):
-        f = fabric[handle]
-        if f is None:
-            raise NVMLError("Not Supported")
-        uuid, clique, state = f
-        return types.SimpleNamespace(clusterUuid=uuid, cliqueId=clique, state=state, status=0)
-
-    return types.SimpleNamespace(
-        NVMLError=NVMLError,
-        nvmlInit=lambda: log.append("init"),
-        nvmlShutdown=lambda: log.append("shutdown"),
-        nvmlDeviceGetHandleByPciBusId=lambda bus: bus,
-        nvmlDeviceGetGpuFabricInfo=get_fabric,
-        log=log,
-    )
-
-
-def test_nvlink_clique_else_host():
+@pytest.mark.parametrize("versioned", [True, False])
+def test_nvlink_clique_else_host(versioned):
+    """Fabric info comes back through the struct passed by reference, from the versioned
+    call where pynvml has it and the older one otherwise."""
     nvml = fake_nvml(
         {
             "0000:01:00.0": (b"\x11" * 16, 7, 3),
@@ -48,7 +26,8 @@ def test_nvlink_clique_else_host():
             "0000:04:00.0": (b"\x11" * 16, 7, 1),  # fabric registration not complete
             "0000:05:00.0": (b"", 0, 3),  # no cluster
             "0000:06:00.0": None,  # H100/H200 HGX: NotSupported
-        }
+        },
+        versioned=versioned,
     )
     bus = {i: f"0000:0{i + 1}:00.0" for i in range(6)}
     keys = local_domain_keys(range(6), nvml=nvml, pci_bus_id=bus.__getitem__, hostname="node3")
@@ -72,12 +51,11 @@ def test_topology_from_keys_with_sparse_ranks_and_overrides():
         topology_from_domain_keys(keys, overrides={99: "host:a"})
 
 
-def test_missing_pynvml_names_the_package():
-    import importlib.util
+def test_missing_pynvml_names_the_package(monkeypatch):
+    import sys
 
     from jreshard.errors import BackendUnavailableError
 
-    if importlib.util.find_spec("pynvml") is not None:
-        pytest.skip("pynvml is installed here")
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     with pytest.raises(BackendUnavailableError, match="nvidia-ml-py"):
         local_domain_keys([0])

@@ -10,121 +10,16 @@ error), not NCCL. The GPU tests run the real thing.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
+from cupy_standins import CUDA_ERROR_NOT_READY, UID13, NcclError, RecordingCuda, RecordingNccl
 
-from jreshard.errors import PeerError, TransferTimeoutError
+from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl import cupy_nccl
 from jreshard.nccl.comm import RecvOp, SendOp
 from jreshard.nccl.cupy_nccl import NcclComm, device_pointer, uid_from_bytes, uid_to_bytes
 from jreshard.nccl.rendezvous import KeyValueRendezvous, MpiRendezvous
-
-UID = tuple(range(-64, 64))
-
-
-class NcclError(RuntimeError):
-    pass
-
-
-class RecordingNccl:
-    """Stand-in for ``cupy.cuda.nccl``: logs calls, moves nothing."""
-
-    NCCL_UINT8 = 7
-    NcclError = NcclError
-
-    def __init__(self, cuda: RecordingCuda):
-        self.log: list[tuple] = cuda.log
-        self.cuda = cuda
-        self.async_error: Exception | None = None
-        self.fail_send = False
-        nccl = self
-
-        class NcclCommunicator:
-            def __init__(self, ndev, uid, rank):
-                self.rank = rank
-                nccl.log.append(("init", ndev, rank, nccl.cuda.device, uid == UID))
-
-            def send(self, ptr, count, dtype, peer, stream):
-                nccl.log.append(("send", self.rank, peer, ptr, count, dtype, stream, nccl.cuda.device))
-                if nccl.fail_send:
-                    raise NcclError("NCCL_ERROR_SYSTEM_ERROR")
-
-            def recv(self, ptr, count, dtype, peer, stream):
-                nccl.log.append(("recv", self.rank, peer, ptr, count, dtype, stream, nccl.cuda.device))
-
-            def check_async_error(self):
-                nccl.log.append(("check", self.rank))
-                if nccl.async_error is not None:
-                    raise nccl.async_error
-
-            def abort(self):
-                nccl.log.append(("abort", self.rank))
-
-            def destroy(self):
-                nccl.log.append(("destroy", self.rank))
-
-        self.NcclCommunicator = NcclCommunicator
-
-    def get_unique_id(self):
-        self.log.append(("get_unique_id",))
-        return UID
-
-    def groupStart(self):
-        self.log.append(("groupStart",))
-
-    def groupEnd(self):
-        self.log.append(("groupEnd",))
-
-
-class RecordingCuda:
-    """Stand-in for ``cupy.cuda``: devices, streams and events that log."""
-
-    def __init__(self):
-        self.log: list[tuple] = []
-        self.device = None
-        self.events_done = True
-        self._ptr = 1000
-        cuda = self
-
-        class Event:
-            def __init__(self, stream):
-                self.stream = stream
-
-            @property
-            def done(self):
-                return cuda.events_done
-
-        class Stream:
-            def __init__(self, non_blocking=False):
-                cuda._ptr += 1
-                self.ptr = cuda._ptr
-                self.device = cuda.device
-                cuda.log.append(("stream", self.ptr, cuda.device, non_blocking))
-
-            def record(self):
-                cuda.log.append(("record", self.ptr))
-                return Event(self)
-
-            def wait_event(self, event):
-                cuda.log.append(("wait_event", self.ptr, event.stream.ptr))
-
-        class Device:
-            def __init__(self, ordinal):
-                self.ordinal = ordinal
-
-            def __enter__(self):
-                self.prev, cuda.device = cuda.device, self.ordinal
-
-            def __exit__(self, *exc):
-                cuda.device = self.prev
-
-        self.Stream, self.Device = Stream, Device
-        self.current = {}
-
-    def get_current_stream(self):
-        if self.device not in self.current:
-            self.current[self.device] = self.Stream()
-        return self.current[self.device]
 
 
 class Store:
@@ -162,9 +57,9 @@ def empty_cache():
     cupy_nccl._GENERATION.clear()
 
 
-def make(local, devices=None, store=None, namespace="t"):
+def make(local, devices=None, store=None, namespace="t", major=14):
     cuda = RecordingCuda()
-    nccl = RecordingNccl(cuda)
+    nccl = RecordingNccl(cuda, major)
     devices = devices or {0: 10, 1: 11, 2: 12, 3: 13}
     comm = NcclComm(
         devices=devices,
@@ -243,7 +138,7 @@ def test_exchange_order_group_and_stream_sync():
     start = log.index(("groupStart",))
     end = log.index(("groupEnd",))
     # Before the group: each NCCL stream waits on its device's current stream.
-    assert [e[0] for e in log[:start]] == ["record", "wait_event", "record", "wait_event"]
+    assert [e[0] for e in log[:start] if e[0] != "eventQuery"] == ["record", "wait_event", "record", "wait_event"]
     inside = log[start + 1 : end]
     # Sends then receives, each in (src, dst, tag) order; peers as NCCL ranks; bytes as uint8.
     assert [(e[0], e[1], e[2], e[3], e[4]) for e in inside] == [
@@ -256,7 +151,7 @@ def test_exchange_order_group_and_stream_sync():
     assert all(e[5] == RecordingNccl.NCCL_UINT8 for e in inside)
     assert inside[0][6] == s0 and inside[0][7] == 0 and inside[2][7] == 1  # on the device's NCCL stream
     # After the group: an event per device, then done (no abort, no async-error check needed).
-    assert [e[0] for e in log[end + 1 :]] == ["record", "record"]
+    assert [e[0] for e in log[end + 1 :]] == ["record", "record", "eventQuery", "eventQuery"]
     assert not calls(nccl.log, "abort")
 
 
@@ -269,7 +164,7 @@ def test_exchange_of_nothing_calls_nothing():
 
 def test_timeout_aborts_every_communicator_and_names_the_peers():
     comm, nccl, cuda = make({0: 0, 1: 1})
-    cuda.events_done = False
+    cuda.event_status = CUDA_ERROR_NOT_READY
     with pytest.raises(TransferTimeoutError, match=r"sends to ranks \[3\] and receives from ranks \[2\]") as info:
         comm.exchange([SendOp(0, 3, 0, Buf(1, 8))], [RecvOp(2, 1, 0, Buf(2, 8))], timeout_s=0.02)
     assert info.value.destination_intact is False
@@ -280,9 +175,9 @@ def test_timeout_aborts_every_communicator_and_names_the_peers():
 
 def test_async_error_aborts_and_raises_peer_error():
     comm, nccl, cuda = make({0: 0})
-    cuda.events_done = False
-    nccl.async_error = NcclError("NCCL_ERROR_REMOTE_ERROR")
-    with pytest.raises(PeerError, match="REMOTE_ERROR"):
+    cuda.event_status = CUDA_ERROR_NOT_READY
+    nccl.async_error = NcclError(6)  # ncclRemoteError
+    with pytest.raises(PeerError, match="NCCL error 6"):
         comm.exchange([SendOp(0, 1, 0, Buf(1, 8))], [], timeout_s=5.0)
     assert calls(nccl.log, "abort") == [("abort", 0)]
 
@@ -291,7 +186,7 @@ def test_error_while_posting_still_closes_the_group_then_aborts():
     comm, nccl, _ = make({0: 0})
     nccl.fail_send = True
     nccl.log.clear()
-    with pytest.raises(PeerError, match="SYSTEM_ERROR"):
+    with pytest.raises(PeerError, match="NCCL error 2"):
         comm.exchange([SendOp(0, 1, 0, Buf(1, 8))], [], timeout_s=5.0)
     names = [e[0] for e in nccl.log if e[0] in ("groupStart", "send", "groupEnd", "abort")]
     assert names == ["groupStart", "send", "groupEnd", "abort"]
@@ -324,10 +219,65 @@ def test_device_pointer_checks_layout():
 
 
 def test_unique_id_round_trip_both_char_signednesses():
-    raw = uid_to_bytes(UID)
+    raw = uid_to_bytes(UID13)
     assert len(raw) == 128
-    assert uid_from_bytes(raw, signed=True) == UID
-    assert uid_from_bytes(raw, signed=False) == tuple(v & 0xFF for v in UID)
+    assert uid_from_bytes(raw, signed=True) == UID13
+    assert uid_from_bytes(raw, signed=False) == tuple(v & 0xFF for v in UID13)
+
+
+@pytest.mark.parametrize("major", [13, 14])
+def test_communicator_gets_the_id_type_its_cupy_declares(major):
+    """CuPy 14 takes bytes and refuses a tuple (TypeError); CuPy 13 takes a tuple. Both the
+    process that made the id and one that only received it pass the right type."""
+    store = Store()
+    _, nccl, _ = make({0: 0}, store=store, major=major)
+    assert calls(nccl.log, "init") == [("init", 4, 0, 0, True)]
+    cupy_nccl._GENERATION.clear()
+    _, nccl2, _ = make({1: 0}, store=store, major=major)  # reads the id, never calls get_unique_id
+    assert calls(nccl2.log, "get_unique_id", "init") == [("init", 4, 1, 0, True)]
+
+
+def test_a_cuda_error_is_raised_as_itself_not_waited_on():
+    comm, nccl, cuda = make({0: 0})
+    cuda.event_status = 700  # cudaErrorIllegalAddress: sticky, the event will never complete
+    with pytest.raises(TransferError, match="cudaError 700") as info:
+        comm.exchange([SendOp(0, 1, 0, Buf(1, 8))], [], timeout_s=60.0)
+    assert type(info.value) is TransferError and info.value.destination_intact is False
+    assert calls(nccl.log, "abort") == [("abort", 0)] and not calls(nccl.log, "check")
+
+
+def test_a_group_end_that_never_returns_is_aborted_at_the_deadline():
+    comm, nccl, _ = make({0: 0})
+    nccl.block_group_end = threading.Event()  # a peer that never connects
+    with pytest.raises(TransferTimeoutError, match=r"did not finish within timeout_s=0.05"):
+        comm.exchange([SendOp(0, 1, 0, Buf(1, 8))], [], timeout_s=0.05)
+    assert calls(nccl.log, "abort") == [("abort", 0)]  # once, though watchdog and error path both abort
+
+
+def test_communicator_creation_is_bounded_by_timeout_s(monkeypatch):
+    release = threading.Event()
+    cuda = RecordingCuda()
+    nccl = RecordingNccl(cuda)
+    real = nccl.NcclCommunicator
+
+    def hangs(*args, **kwargs):
+        release.wait(30)  # ncclCommInitRank waiting for a rank that never comes
+        return real(*args, **kwargs)
+
+    nccl.NcclCommunicator = hangs
+    try:
+        with pytest.raises(TransferTimeoutError, match="ncclCommInitRank for NCCL ranks \\[0\\]"):
+            NcclComm(
+                devices={0: 10, 1: 11},
+                local_devices={0: 0},
+                rendezvous=KeyValueRendezvous(Store()),
+                nccl=nccl,
+                cuda=cuda,
+                timeout_s=0.05,
+            )
+    finally:
+        release.set()
+    assert not cupy_nccl._CACHE
 
 
 def test_mpi_rendezvous_over_a_stand_in_communicator():
@@ -350,3 +300,59 @@ def test_key_value_rendezvous_from_jax_needs_a_cluster():
 
     with pytest.raises(BackendUnavailableError, match=r"jax\.distributed\.initialize"):
         KeyValueRendezvous.from_jax()
+
+
+# ---- the stream path: no host wait per exchange, one bounded wait at the end ----------
+
+
+def deferred(local=None, timeout_s=5.0):
+    from cupy_standins import fake_cupy
+
+    comm, nccl, cuda = make(local or {0: 0, 1: 1})
+    bufs = comm.buffers(timeout_s=timeout_s, cupy=fake_cupy(cuda))
+    return comm, nccl, cuda, bufs
+
+
+def test_after_buffers_an_exchange_does_not_wait_and_synchronize_does_once():
+    comm, nccl, _, bufs = deferred()
+    assert bufs.stream(0) is comm.stream(0) and bufs.stream(1) is comm.stream(1)  # kernels and NCCL share
+    nccl.log.clear()
+    for tag in range(3):
+        comm.exchange([SendOp(0, 2, tag, Buf(0x100, 8))], [RecvOp(3, 1, tag, Buf(0x200, 8))], timeout_s=5.0)
+    assert not calls(nccl.log, "eventQuery", "synchronize", "check")  # no host wait per exchange
+    assert [e[0] for e in calls(nccl.log, "groupStart", "groupEnd")] == ["groupStart", "groupEnd"] * 3
+    bufs.synchronize()
+    assert len(calls(nccl.log, "eventQuery")) == 2 and not calls(nccl.log, "abort")  # one event per GPU, done
+
+
+def test_fence_orders_through_events_without_a_host_wait():
+    _, nccl, cuda, bufs = deferred()
+    nccl.log.clear()
+    bufs.fence()
+    s0, s1 = bufs.stream(0).ptr, bufs.stream(1).ptr
+    waits = calls(nccl.log, "wait_event")
+    assert [w[2] for w in waits] == [s0, s1]  # each GPU's current stream waits on the backend's stream
+    assert [w[1] for w in waits] == [cuda.current[0].ptr, cuda.current[1].ptr]
+    assert not calls(nccl.log, "synchronize", "eventQuery")
+
+
+def test_final_wait_is_bounded_and_aborts():
+    _, nccl, cuda, bufs = deferred(timeout_s=0.05)
+    cuda.event_status = CUDA_ERROR_NOT_READY
+    with pytest.raises(TransferTimeoutError, match=r"GPUs \[0, 1\] did not finish within timeout_s=0.05"):
+        bufs.synchronize()
+    assert sorted(calls(nccl.log, "abort")) == [("abort", 0), ("abort", 1)]
+    assert calls(nccl.log, "check")  # NCCL's errors polled while waiting
+
+
+def test_final_wait_reports_nccl_and_cuda_errors_as_themselves():
+    _, nccl, cuda, bufs = deferred()
+    cuda.event_status = CUDA_ERROR_NOT_READY
+    nccl.async_error = NcclError(6)
+    with pytest.raises(PeerError, match="NCCL error 6"):
+        bufs.synchronize()
+    _, nccl, cuda, bufs = deferred()
+    cuda.event_status = 700
+    with pytest.raises(TransferError, match="cudaError 700 on GPU 0") as info:
+        bufs.synchronize()
+    assert type(info.value) is TransferError and calls(nccl.log, "abort")

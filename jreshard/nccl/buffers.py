@@ -241,6 +241,11 @@ class BufferBackend(abc.ABC):
         """Wait for every copy issued so far (default: copies are synchronous)."""
         return None
 
+    def fence(self) -> None:
+        """Order the copies issued so far before the next exchange, without waiting if the
+        backend can (default: :meth:`synchronize`)."""
+        self.synchronize()
+
 
 class CpuBuffers(BufferBackend):
     """numpy buffers on jax CPU devices (final).

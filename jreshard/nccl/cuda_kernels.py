@@ -32,6 +32,14 @@ Unit ``u`` of a row is run ``r = u // LUNITS`` at position ``p = u % LUNITS``;
 ``r`` unravels over the outer extents, and the unit's address on each side is the
 base plus ``p * WIDTH`` plus the outer indices times that side's strides.
 
+How the kernel does it: thread 0 finds the block's row (a binary search over
+``TILE``) once per block and shares it; each thread divides only to place its
+first unit, then steps ``THREADS`` units at a time by adding the mixed-radix
+digits of the step with carries (no division per unit); it computes all its
+``UNROLL`` addresses, issues all ``UNROLL`` loads, then all stores, so several
+16-byte loads are in flight per thread. Counters are 64-bit, so a piece may hold
+any number of units; a launch is bounded by CUDA's grid (``MAX_BLOCKS`` tiles).
+
 Everything that calls CUDA here is not run on GPU yet.
 """
 
@@ -59,6 +67,7 @@ __all__ = [
 
 THREADS, UNROLL = 256, 4
 TILE_UNITS = THREADS * UNROLL
+MAX_BLOCKS = (1 << 31) - 1  # gridDim.x
 SRC, DST, UNITS, WIDTH, NDIM, TILE, LUNITS = range(7)
 SHAPE0, SSTRIDE0, DSTRIDE0 = 8, 8 + K.MAX_DIMS, 8 + 2 * K.MAX_DIMS
 LAUNCH_COLUMNS = 8 + 3 * K.MAX_DIMS
@@ -76,58 +85,111 @@ CUDA_SOURCE = r"""
 #define JR_SHAPE 8
 #define JR_SSTR 16
 #define JR_DSTR 24
+#define JR_MAXD 8
 #define JR_THREADS 256
 #define JR_UNROLL 4
 
-template <typename T>
-__device__ __forceinline__ void jr_move(long long dst, long long src) {
-  *reinterpret_cast<T*>(dst) = *reinterpret_cast<const T*>(src);
-}
-
-extern "C" __global__ void jreshard_copy(const long long* __restrict__ table, const int nrows) {
-  const long long b = blockIdx.x;
-  int lo = 0, hi = nrows - 1;  /* the row whose first tile is the last one <= b */
+/* The row whose first tile is the last one <= b: a binary search, once per block. */
+__device__ __forceinline__ int jr_find_row(const long long* __restrict__ table, const int nrows, const long long b) {
+  int lo = 0, hi = nrows - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (table[(long long)mid * JR_COLS + JR_TILE] <= b) lo = mid; else hi = mid - 1;
   }
-  const long long* row = table + (long long)lo * JR_COLS;
-  const unsigned int units = (unsigned int)row[JR_UNITS];
-  const unsigned int lu = (unsigned int)row[JR_LUNITS];
-  const int w = (int)row[JR_WIDTH];
+  return lo;
+}
+
+/* One thread's JR_UNROLL units of one tile, T-wide: every address first, then every load
+   (JR_UNROLL loads in flight), then every store. Counters are 64-bit. A thread divides
+   once to place its first unit; later units advance by JR_THREADS units with carries
+   through the outer extents, without dividing. */
+template <typename T>
+__device__ __forceinline__ void jr_tile(const long long* __restrict__ row, const long long first) {
+  const long long units = row[JR_UNITS];
   const int nd = (int)row[JR_NDIM];
-  const unsigned int first = (unsigned int)(b - row[JR_TILE]) * (JR_THREADS * JR_UNROLL);
+  const long long u0 = first + (long long)threadIdx.x;
+  long long s[JR_UNROLL], d[JR_UNROLL];
+  bool ok[JR_UNROLL];
+  if (nd == 1) {
 #pragma unroll
-  for (int k = 0; k < JR_UNROLL; ++k) {
-    const unsigned int u = first + k * JR_THREADS + threadIdx.x;
-    if (u >= units) break;
-    long long s = row[JR_SRC], d = row[JR_DST];
-    if (nd == 1) {
-      s += (long long)u * w;
-      d += (long long)u * w;
-    } else {
-      unsigned int r = u / lu;
-      const long long p = (long long)(u - r * lu) * w;
-      s += p;
-      d += p;
-      for (int dim = nd - 2; dim > 0; --dim) {
-        const unsigned int n = (unsigned int)row[JR_SHAPE + dim];
-        const unsigned int q = r / n;
-        const unsigned int idx = r - q * n;
-        s += (long long)idx * row[JR_SSTR + dim];
-        d += (long long)idx * row[JR_DSTR + dim];
+    for (int k = 0; k < JR_UNROLL; ++k) {
+      const long long u = u0 + (long long)k * JR_THREADS;
+      ok[k] = u < units;
+      s[k] = row[JR_SRC] + u * (long long)sizeof(T);
+      d[k] = row[JR_DST] + u * (long long)sizeof(T);
+    }
+  } else {
+    const long long lu = row[JR_LUNITS];
+    long long r = u0 / lu;
+    long long p = u0 - r * lu;
+    const long long dr = JR_THREADS / lu;
+    const long long dp = JR_THREADS - dr * lu;
+    long long idx[JR_MAXD], step[JR_MAXD];
+    long long t = dr;
+#pragma unroll
+    for (int dim = JR_MAXD - 2; dim >= 1; --dim) {
+      idx[dim] = 0;
+      step[dim] = 0;
+      if (dim <= nd - 2) {
+        const long long n = row[JR_SHAPE + dim];
+        const long long q = r / n, qt = t / n;
+        idx[dim] = r - q * n;
+        step[dim] = t - qt * n;
         r = q;
+        t = qt;
       }
-      s += (long long)r * row[JR_SSTR];
-      d += (long long)r * row[JR_DSTR];
     }
-    switch (w) {
-      case 16: jr_move<uint4>(d, s); break;
-      case 8: jr_move<uint2>(d, s); break;
-      case 4: jr_move<unsigned int>(d, s); break;
-      case 2: jr_move<unsigned short>(d, s); break;
-      default: jr_move<unsigned char>(d, s);
+    idx[0] = r;
+    step[0] = t;
+#pragma unroll
+    for (int k = 0; k < JR_UNROLL; ++k) {
+      ok[k] = u0 + (long long)k * JR_THREADS < units;
+      long long a = row[JR_SRC] + p * (long long)sizeof(T), b = row[JR_DST] + p * (long long)sizeof(T);
+#pragma unroll
+      for (int dim = 0; dim < JR_MAXD - 1; ++dim) {
+        if (dim <= nd - 2) {
+          a += idx[dim] * row[JR_SSTR + dim];
+          b += idx[dim] * row[JR_DSTR + dim];
+        }
+      }
+      s[k] = a;
+      d[k] = b;
+      p += dp;  /* the next unit of this thread: JR_THREADS units on */
+      long long carry = p >= lu;
+      if (carry) p -= lu;
+#pragma unroll
+      for (int dim = JR_MAXD - 2; dim >= 1; --dim) {
+        if (dim <= nd - 2) {
+          idx[dim] += step[dim] + carry;
+          carry = idx[dim] >= row[JR_SHAPE + dim];
+          if (carry) idx[dim] -= row[JR_SHAPE + dim];
+        }
+      }
+      idx[0] += step[0] + carry;
     }
+  }
+  T v[JR_UNROLL];
+#pragma unroll
+  for (int k = 0; k < JR_UNROLL; ++k)
+    if (ok[k]) v[k] = *reinterpret_cast<const T*>(s[k]);
+#pragma unroll
+  for (int k = 0; k < JR_UNROLL; ++k)
+    if (ok[k]) *reinterpret_cast<T*>(d[k]) = v[k];
+}
+
+extern "C" __global__ void jreshard_copy(const long long* __restrict__ table, const int nrows) {
+  __shared__ int jr_row;
+  const long long b = blockIdx.x;
+  if (threadIdx.x == 0) jr_row = jr_find_row(table, nrows, b);
+  __syncthreads();
+  const long long* row = table + (long long)jr_row * JR_COLS;
+  const long long first = (b - row[JR_TILE]) * (long long)(JR_THREADS * JR_UNROLL);
+  switch ((int)row[JR_WIDTH]) {
+    case 16: jr_tile<uint4>(row, first); break;
+    case 8: jr_tile<uint2>(row, first); break;
+    case 4: jr_tile<unsigned int>(row, first); break;
+    case 2: jr_tile<unsigned short>(row, first); break;
+    default: jr_tile<unsigned char>(row, first);
   }
 }
 """
@@ -161,12 +223,13 @@ def _build(src: np.ndarray, sstr: np.ndarray, dst: np.ndarray, dstr: np.ndarray,
         ok &= np.all(~outer | ((sstr % w == 0) & (dstr % w == 0)), axis=1)
         width[ok] = w
     units = table[:, K.NBYTES] // width
-    if units.max() >= 1 << 32:
-        raise ValueError(
-            f"cuda_kernels: a piece of {int(table[:, K.NBYTES].max())} bytes has {int(units.max())} units; "
-            "a launch handles fewer than 2**32 per piece: the fix is a smaller Options.chunk_bytes"
-        )
     tiles = -(-units // TILE_UNITS)
+    if int(tiles.sum()) > MAX_BLOCKS:
+        raise ValueError(
+            f"cuda_kernels: a launch of {len(table)} pieces ({int(table[:, K.NBYTES].sum())} bytes) needs "
+            f"{int(tiles.sum())} blocks, over CUDA's grid limit of {MAX_BLOCKS}: the fix is a smaller "
+            "Options.chunk_bytes"
+        )
     out[:, SRC], out[:, DST], out[:, UNITS], out[:, WIDTH], out[:, NDIM] = src, dst, units, width, ndim
     out[:, TILE] = np.concatenate([[0], np.cumsum(tiles)[:-1]])
     out[:, LUNITS] = inner // width

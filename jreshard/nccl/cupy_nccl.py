@@ -14,12 +14,16 @@ n-th send from one GPU to another meets the n-th receive there even when several
 jreshard ranks share those GPUs.
 
 Completion and failure. After ``groupEnd`` the host polls a CUDA event recorded
-on each device's stream and NCCL's asynchronous error state; past ``timeout_s``
-every communicator of this process is aborted (``ncclCommAbort``), so no rank
-waits forever on a dead peer, and :class:`TransferTimeoutError` names the
-peers still outstanding. A reported error aborts the same way and raises
-:class:`PeerError`. Aborted communicators leave the cache; the next
-:class:`NcclComm` over the same group makes new ones.
+on each device's stream (its status read with ``cudaEventQuery``, so a CUDA
+error is raised as one, not waited on) and NCCL's asynchronous error state;
+past ``timeout_s`` every communicator of this process is aborted
+(``ncclCommAbort``), so no rank waits forever on a dead peer, and
+:class:`TransferTimeoutError` names the peers still outstanding. ``groupEnd``
+itself is bounded by a watchdog that aborts the communicators at the deadline,
+and ``ncclCommInitRank`` by waiting for it in a thread (CuPy exposes no
+non-blocking NCCL config). A reported NCCL error aborts the same way and raises
+:class:`PeerError`, a CUDA error :class:`TransferError`. Aborted communicators
+leave the cache; the next :class:`NcclComm` over the same group makes new ones.
 
 Communicators are cached per process by (namespace, group, local devices) and
 reused across refits: building one is a collective over every process of the
@@ -35,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
-import platform
 import threading
 import time
 import warnings
@@ -43,56 +46,23 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
+from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl.backend import cuda_extra
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
+from jreshard.nccl.nccl_support import (
+    Watchdog,
+    device_pointer,
+    event_done,
+    run_bounded,
+    uid_argument,
+    uid_from_bytes,
+    uid_to_bytes,
+)
 from jreshard.nccl.rendezvous import Rendezvous
 
 __all__ = ["NcclComm", "destroy_cached_communicators", "device_pointer", "uid_from_bytes", "uid_to_bytes"]
 
-# C ``char`` is signed on x86 and unsigned on ARM and POWER Linux; cupy's
-# get_unique_id returns, and NcclCommunicator expects, 128 values of that type.
-_SIGNED_CHAR = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
 _POLL_MIN_S, _POLL_MAX_S = 50e-6, 5e-3
-
-
-def uid_to_bytes(uid: Sequence[int]) -> bytes:
-    """The 128 ``char`` values of an NCCL unique id as bytes.
-
-    Example:
-      >>> uid_from_bytes(uid_to_bytes((-1, 0, 127)), signed=True)
-      (-1, 0, 127)
-    """
-    return bytes(int(v) & 0xFF for v in uid)
-
-
-def uid_from_bytes(raw: bytes, *, signed: bool = _SIGNED_CHAR) -> tuple[int, ...]:
-    """Bytes back to ``char`` values of this platform's signedness."""
-    return tuple(b - 256 if signed and b > 127 else b for b in raw)
-
-
-def device_pointer(buffer: Any) -> tuple[int, int]:
-    """``(device pointer, nbytes)`` of a contiguous 1-D uint8 CUDA buffer.
-
-    Reads ``__cuda_array_interface__`` (CuPy arrays, and anything else that speaks it).
-
-    Raises:
-      ValueError: the buffer is not a contiguous 1-D uint8 CUDA array.
-    """
-    try:
-        cai = buffer.__cuda_array_interface__
-    except AttributeError:
-        raise ValueError(
-            f"NcclComm: buffer of type {type(buffer).__name__} is not a CUDA array "
-            "(no __cuda_array_interface__); pass CuPy uint8 arrays"
-        ) from None
-    shape, typestr, strides = tuple(cai["shape"]), cai["typestr"], cai.get("strides")
-    if len(shape) != 1 or typestr not in ("|u1", "<u1", ">u1") or strides not in (None, (1,)):
-        raise ValueError(
-            f"NcclComm: buffer has shape={shape}, typestr={typestr!r}, strides={strides}; "
-            "expected a contiguous 1-D uint8 array"
-        )
-    return int(cai["data"][0]), int(shape[0])
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +73,7 @@ class _Local:
     nccl_rank: int
     comm: Any
     stream: Any
+    aborted: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,7 +147,7 @@ class NcclComm(Communicator):
         device key name different CUDA ordinals.
     """
 
-    __slots__ = ("_cuda", "_device_key", "_group", "_local", "_local_ranks", "_nccl", "_nccl_rank")
+    __slots__ = ("_cuda", "_deferred", "_device_key", "_group", "_local", "_local_ranks", "_nccl", "_nccl_rank")
 
     def __init__(
         self,
@@ -211,26 +182,36 @@ class NcclComm(Communicator):
         with _LOCK:
             cached = _CACHE.get(self._group)
         self._local = cached if cached is not None else self._create(rendezvous, timeout_s)
+        self._deferred = False
 
     def _create(self, rendezvous: Rendezvous, timeout_s: float) -> dict[int, _Local]:
         nccl, cuda, g = self._nccl, self._cuda, self._group
         gen = next(_GENERATION.setdefault((g.namespace, g.world), itertools.count()))
         key = f"nccl-uid/{g.namespace}/{hash(g.world) & 0xFFFFFFFF:08x}/{len(g.world)}/{gen}"
         makes_id = any(self._nccl_rank[k] == 0 for k, _ in g.local)
-        raw = rendezvous.share(key, uid_to_bytes(nccl.get_unique_id()) if makes_id else None, timeout_s=timeout_s)
-        uid = uid_from_bytes(raw)
-        out: dict[int, _Local] = {}
-        several = len(g.local) > 1
-        if several:  # ncclCommInitRank for several devices of one thread must be grouped
-            nccl.groupStart()
-        try:
-            for k, ordinal in g.local:
-                with cuda.Device(ordinal):
-                    comm = nccl.NcclCommunicator(len(g.world), uid, self._nccl_rank[k])
-                    out[k] = _Local(ordinal, self._nccl_rank[k], comm, cuda.Stream(non_blocking=True))
-        finally:
-            if several:
-                nccl.groupEnd()
+        made = nccl.get_unique_id() if makes_id else None
+        raw = rendezvous.share(key, uid_to_bytes(made) if made is not None else None, timeout_s=timeout_s)
+        uid = uid_argument(nccl, raw, made)
+
+        def init() -> dict[int, _Local]:
+            out: dict[int, _Local] = {}
+            several = len(g.local) > 1
+            if several:  # ncclCommInitRank for several devices of one thread must be grouped
+                nccl.groupStart()
+            try:
+                for k, ordinal in g.local:
+                    with cuda.Device(ordinal):
+                        comm = nccl.NcclCommunicator(len(g.world), uid, self._nccl_rank[k])
+                        out[k] = _Local(ordinal, self._nccl_rank[k], comm, cuda.Stream(non_blocking=True))
+            finally:
+                if several:
+                    nccl.groupEnd()
+            return out
+
+        # Blocks until every NCCL rank has joined: bounded, since CuPy offers no non-blocking init.
+        out = run_bounded(
+            init, timeout_s, f"ncclCommInitRank for NCCL ranks {[self._nccl_rank[k] for k, _ in g.local]}"
+        )
         with _LOCK:
             _CACHE[g] = out
         return out
@@ -238,6 +219,38 @@ class NcclComm(Communicator):
     @property
     def local_ranks(self) -> tuple[int, ...]:
         return self._local_ranks
+
+    def buffers(self, *, timeout_s: float = 300.0, cupy: Any = None) -> Any:
+        """A :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` on this communicator's streams,
+        and from now on exchanges that do not wait on the host. Not run on GPU.
+
+        Pack, send/receive and unpack then run in one stream's order per GPU; the one host
+        wait is the buffers' ``synchronize()`` at the end of a refit, which polls NCCL's
+        errors while it waits and aborts every communicator past ``timeout_s``.
+        """
+        from jreshard.nccl.gpu_buffers import CupyBuffers
+
+        self._deferred = True
+        streams = {loc.ordinal: loc.stream for loc in self._local.values()}
+        return CupyBuffers(streams=streams, cupy=cupy, timeout_s=timeout_s, watcher=self)
+
+    def check_errors(self) -> None:
+        """Raise :class:`PeerError` (after aborting every communicator) if NCCL reports an
+        asynchronous error on any of them. Not run on GPU."""
+        for k, loc in sorted(self._local.items()):
+            try:
+                loc.comm.check_async_error()
+            except Exception as err:
+                self._abort()
+                raise PeerError(
+                    f"NcclComm: NCCL reported an error on device key {k} (GPU {loc.ordinal}) of ranks "
+                    f"{self._local_ranks} ({type(err).__name__}: {err}); communicators aborted",
+                    destination_intact=False,
+                ) from err
+
+    def abort(self) -> None:
+        """``ncclCommAbort`` every communicator of this process (they leave the cache). Not run on GPU."""
+        self._abort()
 
     def stream(self, rank: int) -> Any:
         """The CuPy stream NCCL uses for local ``rank``'s device: pack and unpack on it
@@ -252,8 +265,11 @@ class NcclComm(Communicator):
         """Post every send and receive in one NCCL group and wait for all. Not run on GPU.
 
         Each device's NCCL stream first waits on that device's current CuPy stream,
-        so buffers packed there are complete before NCCL reads them. On return every
-        receive has landed (the host waited on an event after the group).
+        so buffers packed there (or fenced into it) are complete before NCCL reads them.
+        On return every receive has landed (the host waited on an event after the
+        group), except after :meth:`buffers`: then the receives are ordered on the
+        NCCL streams, which the buffers' kernels share, and the buffers'
+        ``synchronize()`` waits for them.
 
         Raises:
           ValueError: an op's local rank is not driven here, a peer is unknown, or a
@@ -266,31 +282,42 @@ class NcclComm(Communicator):
         if not issued:
             return
         nccl, cuda = self._nccl, self._cuda
+        deadline = time.monotonic() + timeout_s
         used = sorted({k for k, *_ in issued})
         for k in used:
             loc = self._local[k]
             with cuda.Device(loc.ordinal):
                 loc.stream.wait_event(cuda.get_current_stream().record())
-        try:
-            nccl.groupStart()
+        # groupEnd blocks while NCCL connects to the peers: a watchdog aborts the
+        # communicators at the deadline, which makes it return with an error.
+        with Watchdog(timeout_s, self._abort) as dog:
             try:
-                for k, is_send, peer, ptr, n, _ in issued:
-                    loc = self._local[k]
-                    with cuda.Device(loc.ordinal):
-                        if is_send:
-                            loc.comm.send(ptr, n, nccl.NCCL_UINT8, self._nccl_rank[peer], loc.stream.ptr)
-                        else:
-                            loc.comm.recv(ptr, n, nccl.NCCL_UINT8, self._nccl_rank[peer], loc.stream.ptr)
-            finally:
-                nccl.groupEnd()
-        except Exception as err:
-            self._abort()
-            raise PeerError(
-                f"NcclComm: NCCL failed while posting {len(issued)} sends/receives of ranks {self._local_ranks} "
-                f"({type(err).__name__}: {err}); communicators aborted",
-                destination_intact=False,
-            ) from err
-        self._wait(issued, used, timeout_s)
+                nccl.groupStart()
+                try:
+                    for k, is_send, peer, ptr, n, _ in issued:
+                        loc = self._local[k]
+                        with cuda.Device(loc.ordinal):
+                            if is_send:
+                                loc.comm.send(ptr, n, nccl.NCCL_UINT8, self._nccl_rank[peer], loc.stream.ptr)
+                            else:
+                                loc.comm.recv(ptr, n, nccl.NCCL_UINT8, self._nccl_rank[peer], loc.stream.ptr)
+                finally:
+                    nccl.groupEnd()
+            except Exception as err:
+                self._abort()
+                if dog.fired:
+                    raise TransferTimeoutError(
+                        f"NcclComm: posting the group of ranks {self._local_ranks} did not finish within "
+                        f"timeout_s={timeout_s} ({self._peers(issued, set(used))}); communicators aborted",
+                        destination_intact=False,
+                    ) from err
+                raise PeerError(
+                    f"NcclComm: NCCL failed while posting {len(issued)} sends/receives of ranks {self._local_ranks} "
+                    f"({type(err).__name__}: {err}); communicators aborted",
+                    destination_intact=False,
+                ) from err
+        if not self._deferred:  # else the buffers' synchronize() waits, once, at the end
+            self._wait(issued, used, deadline, timeout_s)
 
     def _validate(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple]:
         """``(device key, is_send, peer device key, pointer, nbytes, op)`` in issue order."""
@@ -313,19 +340,27 @@ class NcclComm(Communicator):
         rows.sort(key=lambda row: row[0])
         return [r for _, r in rows]
 
-    def _wait(self, issued: list[tuple], used: list[int], timeout_s: float) -> None:
+    def _wait(self, issued: list[tuple], used: list[int], deadline: float, timeout_s: float) -> None:
         cuda = self._cuda
         events = {}
         for k in used:
             loc = self._local[k]
             with cuda.Device(loc.ordinal):
                 events[k] = loc.stream.record()
-        deadline = time.monotonic() + timeout_s
         pause = _POLL_MIN_S
         pending = set(used)
         while pending:
             for k in sorted(pending):
-                if events[k].done:
+                try:
+                    done = event_done(events[k], cuda.runtime)
+                except cuda.runtime.CUDARuntimeError as err:
+                    self._abort()
+                    raise TransferError(
+                        f"NcclComm: CUDA reported {err} on GPU {self._local[k].ordinal} (device key {k}) while "
+                        f"waiting for {self._peers(issued, {k})}; communicators aborted",
+                        destination_intact=False,
+                    ) from err
+                if done:
                     pending.discard(k)
                     continue
                 try:
@@ -359,7 +394,10 @@ class NcclComm(Communicator):
         """ncclCommAbort every communicator of this process and forget them."""
         with _LOCK:
             _CACHE.pop(self._group, None)
-        for loc in self._local.values():
+            todo = [loc for loc in self._local.values() if not loc.aborted]
+            for loc in todo:
+                loc.aborted = True  # the watchdog and the failing call may both get here
+        for loc in todo:
             try:
                 loc.comm.abort()
             except Exception:  # already failing: abort what can be aborted

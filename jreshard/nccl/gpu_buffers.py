@@ -28,16 +28,18 @@ The exported views keep the JAX source buffers alive (and not donatable):
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from jreshard.errors import BackendUnavailableError, TransferError
+from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl import kernels as K
 from jreshard.nccl.backend import cuda_extra
 from jreshard.nccl.buffers import BufferBackend, dlpack_type, retype_capsule
+from jreshard.nccl.nccl_support import event_done
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
 
@@ -64,18 +66,29 @@ class _Capsule:
 class _Typed:
     """A CuPy array re-typed for JAX: exports with the consumer's stream, after ``stream``'s work."""
 
-    __slots__ = ("_array", "_bits", "_code", "_ordinal", "_stream")
+    __slots__ = ("_array", "_bits", "_code", "_cuda", "_ordinal", "_stream")
 
-    def __init__(self, array: Any, code: int, bits: int, stream: Any, ordinal: int):
+    def __init__(self, array: Any, code: int, bits: int, stream: Any, ordinal: int, cuda: Any):
         self._array, self._code, self._bits, self._stream, self._ordinal = array, code, bits, stream, ordinal
+        self._cuda = cuda
 
     def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
-        with self._stream:  # the consumer's stream waits on this one
+        # CuPy refuses to enter a stream of another device than the current one.
+        with self._cuda.Device(self._ordinal), self._stream:  # the consumer's stream waits on this one
             capsule = self._array.__dlpack__(stream=stream)
         return retype_capsule(capsule, self._code, self._bits)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (_KDLCUDA, self._ordinal)
+
+
+def _no_room(what: str, nbytes: int, ordinal: int, free: int, total: int) -> str:
+    return (
+        f"CupyBuffers: {what} of {nbytes} bytes on GPU {ordinal} do not fit: {free} of {total} bytes are free. "
+        "XLA preallocates 75% of GPU memory when jax starts; the fix is XLA_PYTHON_CLIENT_PREALLOCATE=false "
+        "or a lower XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.6) set before jax starts, or a smaller "
+        "Options.staging_bytes"
+    )
 
 
 def _ordinal(device: Any) -> int:
@@ -86,18 +99,38 @@ def _ordinal(device: Any) -> int:
 class CupyBuffers(BufferBackend):
     """CuPy buffers on jax CUDA devices (final). Not run on GPU.
 
+    Stream order, no host waits until the end: :meth:`fence` (before each exchange)
+    makes each GPU's current stream, which ``NcclComm`` waits on, wait for this
+    backend's stream with an event; only :meth:`synchronize` (the end of a refit)
+    blocks the host, polling events for at most ``timeout_s``, raising a CUDA
+    error as one, and asking ``watcher`` (``NcclComm.buffers()`` passes the
+    communicator) for NCCL errors while it waits and to abort at the deadline.
+    Staging and destination blocks are allocated on this backend's stream, so
+    CuPy's pool only hands them out again in that stream's order.
+
     Args:
       streams: ``{CUDA ordinal: CuPy stream}`` to run on (pass ``NcclComm.stream(rank)``
-        so kernels and NCCL share one stream per GPU); others are made as needed.
+        so kernels and NCCL share one stream per GPU, or use ``NcclComm.buffers()``);
+        others are made as needed.
       cupy: the ``cupy`` module (imported when not given).
+      timeout_s: how long :meth:`synchronize` may wait.
+      watcher: polled while :meth:`synchronize` waits (``check_errors()``) and aborted
+        (``abort()``) when it times out.
 
     Raises:
       BackendUnavailableError: CuPy does not import.
     """
 
-    __slots__ = ("_cp", "_peers", "_streams", "_views")
+    __slots__ = ("_cp", "_peers", "_streams", "_timeout_s", "_views", "_watcher")
 
-    def __init__(self, *, streams: Mapping[int, Any] | None = None, cupy: Any = None):
+    def __init__(
+        self,
+        *,
+        streams: Mapping[int, Any] | None = None,
+        cupy: Any = None,
+        timeout_s: float = 300.0,
+        watcher: Any = None,
+    ):
         if cupy is None:
             try:
                 cupy = importlib.import_module("cupy")
@@ -109,6 +142,8 @@ class CupyBuffers(BufferBackend):
         self._streams: dict[int, Any] = dict(streams or {})
         self._views: list[Any] = []
         self._peers: set[tuple[int, int]] = set()
+        self._timeout_s = float(timeout_s)
+        self._watcher = watcher
 
     def stream(self, ordinal: int) -> Any:
         """This backend's stream on GPU ``ordinal``."""
@@ -158,13 +193,11 @@ class CupyBuffers(BufferBackend):
     def allocate(self, sizes: Sequence[int], device: Any) -> list[Any]:
         """Uninitialised uint8 buffers on ``device``, each starting at a 256-byte boundary of one
         CuPy allocation (CuPy's pool hands out 512-byte-aligned blocks). Not run on GPU."""
-        cp = self._cp
         starts, pos = [], 0
         for n in sizes:
             starts.append(pos)
             pos += -(-int(n) // GPU_ALIGN) * GPU_ALIGN
-        with cp.cuda.Device(_ordinal(device)):
-            block = cp.empty(max(pos, 1), cp.uint8)
+        block = self._empty(max(pos, 1), _ordinal(device), "destination buffers")
         if block.data.ptr % GPU_ALIGN:
             raise TransferError(f"CupyBuffers: CuPy returned {block.data.ptr:#x}, not {GPU_ALIGN}-byte aligned")
         return [block[s : s + int(n)] for s, n in zip(starts, sizes, strict=True)]
@@ -184,25 +217,52 @@ class CupyBuffers(BufferBackend):
         code, bits = dlpack_type(dtype)
         o = _ordinal(device)
         typed = buffer.view(self._cp.dtype(f"uint{bits}")).reshape(shape)
-        out = jax.dlpack.from_dlpack(_Typed(typed, code, bits, self.stream(o), o))
+        out = jax.dlpack.from_dlpack(_Typed(typed, code, bits, self.stream(o), o, self._cp.cuda))
         if out.dtype != dtype:
             raise TransferError(f"CupyBuffers.import_shard: asked jax for {dtype} and got {out.dtype}")
         return out
 
     def release(self) -> int:
         """Drop every exported DLPack view (so the jax buffers behind them can be donated
-        again); returns how many. The engine must hold no views of its own by then."""
+        again) and hand CuPy's cached free blocks (the staging of the refit) back to the
+        driver, so XLA can use them; returns how many views. The engine must hold no
+        views or staging of its own by then. Not run on GPU."""
         n = len(self._views)
         self._views.clear()
+        self._cp.get_default_memory_pool().free_all_blocks()
         return n
+
+    def _empty(self, nbytes: int, ordinal: int, what: str) -> Any:
+        """``nbytes`` uninitialised bytes on GPU ``ordinal``, or an error that says how to make room.
+
+        CuPy allocates outside XLA's allocator, and XLA preallocates 75% of each GPU's
+        memory by default; the check counts what the device has free plus what CuPy's
+        pool holds unused. Not run on GPU.
+
+        Raises:
+          TransferError: too little GPU memory (nothing was written).
+        """
+        cp = self._cp
+        with cp.cuda.Device(ordinal), self.stream(ordinal):  # the pool reuses the block in this stream's order
+            free, total = cp.cuda.runtime.memGetInfo()
+            free += cp.get_default_memory_pool().free_bytes()
+            if nbytes > free:
+                raise TransferError(_no_room(what, nbytes, ordinal, free, total), destination_intact=True)
+            try:
+                return cp.empty(nbytes, cp.uint8)
+            except cp.cuda.memory.OutOfMemoryError as err:
+                raise TransferError(_no_room(what, nbytes, ordinal, free, total), destination_intact=True) from err
 
     # ----- kernels -----------------------------------------------------------
     def staging(self, nbytes: int, device: Any = None) -> Any:
-        """A uint8 staging buffer on ``device`` (default: the current CuPy device). Not run on GPU."""
-        if device is None:
-            return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
-        with self._cp.cuda.Device(_ordinal(device)):
-            return self._cp.empty(max(int(nbytes), 0), self._cp.uint8)
+        """A uint8 staging buffer on ``device`` (default: the current CuPy device), at most
+        ``Options.staging_bytes`` (the schedule's bound); freed by :meth:`release`. Not run on GPU.
+
+        Raises:
+          TransferError: too little GPU memory, naming the XLA settings that leave room.
+        """
+        o = self._cp.cuda.Device().id if device is None else _ordinal(device)
+        return self._empty(max(int(nbytes), 0), o, "staging")
 
     @staticmethod
     def _pointers(buffers: Sequence[Any]) -> list[int]:
@@ -280,7 +340,53 @@ class CupyBuffers(BufferBackend):
             self.unpack(dt, there, dst)
         self.stream(d).synchronize()  # ``here`` may be freed once the peer copy has run
 
+    def fence(self) -> None:
+        """Order everything issued on this backend's streams before what is issued next on each
+        GPU's current stream (where ``NcclComm`` takes its start), without a host wait. Not run on GPU."""
+        cp = self._cp
+        for o, s in sorted(self._streams.items()):
+            with cp.cuda.Device(o):
+                cp.cuda.get_current_stream().wait_event(s.record())
+
     def synchronize(self) -> None:
-        """Wait for every kernel issued on this backend's streams. Not run on GPU."""
-        for s in self._streams.values():
-            s.synchronize()
+        """Wait on the host, at most ``timeout_s``, for every kernel issued on this backend's
+        streams (with ``NcclComm.buffers()``: every send and receive too). Not run on GPU.
+
+        Raises:
+          TransferError: CUDA reported an error on a stream (e.g. an illegal address).
+          TransferTimeoutError: not done within ``timeout_s``; the watcher was aborted.
+          PeerError: the watcher reported an NCCL error.
+        """
+        cp = self._cp
+        events = {}
+        for o, s in sorted(self._streams.items()):
+            with cp.cuda.Device(o):
+                events[o] = s.record()
+        deadline = time.monotonic() + self._timeout_s
+        pause = 50e-6
+        while events:
+            for o in sorted(events):
+                try:
+                    done = event_done(events[o], cp.cuda.runtime)
+                except cp.cuda.runtime.CUDARuntimeError as err:
+                    if self._watcher is not None:
+                        self._watcher.abort()
+                    raise TransferError(
+                        f"CupyBuffers: CUDA reported {err} on GPU {o}", destination_intact=False
+                    ) from err
+                if done:
+                    del events[o]
+            if not events:
+                return
+            if self._watcher is not None:
+                self._watcher.check_errors()
+            if time.monotonic() > deadline:
+                if self._watcher is not None:
+                    self._watcher.abort()
+                raise TransferTimeoutError(
+                    f"CupyBuffers: the work on GPUs {sorted(events)} did not finish within timeout_s={self._timeout_s}"
+                    + ("; communicators aborted" if self._watcher is not None else ""),
+                    destination_intact=False,
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 5e-3)

@@ -18,6 +18,7 @@ arguments.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import socket
 from collections.abc import Callable, Iterable, Mapping
@@ -46,15 +47,32 @@ def _cuda_pci_bus_id(ordinal: int) -> str:
     return str(cupy.cuda.runtime.deviceGetPCIBusId(ordinal))
 
 
+def _fabric_info(handle: Any, nvml: Any) -> Any:
+    """NVML's fabric info of one GPU, filled into the struct NVML writes through a pointer.
+
+    ``nvmlDeviceGetGpuFabricInfoV`` (versioned struct) where this pynvml has it, else
+    the older ``nvmlDeviceGetGpuFabricInfo``; both take ``(handle, byref(struct))``.
+    """
+    if hasattr(nvml, "nvmlDeviceGetGpuFabricInfoV"):
+        info = nvml.c_nvmlGpuFabricInfoV_t()  # sets its own version field
+        nvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+    else:
+        info = nvml.c_nvmlGpuFabricInfo_t()
+        nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+    return info
+
+
 def domain_key(handle: Any, *, nvml: Any, hostname: str) -> str:
-    """The fast-link domain key of one GPU (an NVML device handle).
+    """The fast-link domain key of one GPU (an NVML device handle). Not run on GPU.
 
     Returns ``"nvlink:<cluster uuid hex>:<clique id>"`` when the GPU reports a
-    completed NVLink fabric registration, else ``"host:<hostname>"``.
+    completed NVLink fabric registration, else ``"host:<hostname>"`` (also when
+    NVML answers NotSupported or lacks the call, as on GPUs without a multi-node
+    NVLink fabric).
     """
     try:
-        info = nvml.nvmlDeviceGetGpuFabricInfo(handle)
-    except nvml.NVMLError:  # NotSupported on GPUs without a multi-node NVLink fabric
+        info = _fabric_info(handle, nvml)
+    except nvml.NVMLError:  # NotSupported, FunctionNotFound
         return f"host:{hostname}"
     uuid = bytes(info.clusterUuid)
     if int(info.state) != FABRIC_STATE_COMPLETED or not any(uuid):
@@ -79,12 +97,18 @@ def local_domain_keys(
       hostname: this host's name (``socket.gethostname()`` by default).
 
     Raises:
-      BackendUnavailableError: pynvml does not import.
+      BackendUnavailableError: pynvml does not import, or NVML does not start (no driver).
     """
     nvml = nvml if nvml is not None else _pynvml()
     pci_bus_id = pci_bus_id or _cuda_pci_bus_id
     hostname = hostname or socket.gethostname()
-    nvml.nvmlInit()
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as err:  # no driver, or no libnvidia-ml
+        raise BackendUnavailableError(
+            f"NVML topology discovery: nvmlInit failed ({type(err).__name__}: {err}); NVML needs the NVIDIA "
+            "driver. The fix is to run on a GPU host, or pass the domains explicitly with Topology.from_domains"
+        ) from err
     try:
         return {
             int(o): domain_key(nvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id(int(o))), nvml=nvml, hostname=hostname)

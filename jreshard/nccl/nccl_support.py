@@ -1,0 +1,211 @@
+"""What NcclComm needs from CuPy beyond the calls themselves: the unique id's type,
+CUDA event status, and waits bounded by ``timeout_s``.
+
+**The unique id.** CuPy 13's ``nccl.get_unique_id()`` returns 128 C ``char`` values
+as a tuple and ``NcclCommunicator(ndev, commId: tuple, rank)`` takes one; CuPy 14
+returns ``bytes`` and ``NcclCommunicator(ndev, commId: bytes, rank, config=None)``
+refuses a tuple. The id always travels between processes as 128 bytes; each process
+hands NCCL the type its own CuPy declares (:func:`uid_argument`).
+
+**Event status.** CuPy's ``Event.done`` is ``cudaEventQuery(...) == cudaSuccess``, so a
+sticky CUDA error (an illegal address in a kernel) looks like "still running" until a
+timeout. :func:`event_done` reads the status itself: success is done, ``NotReady`` is
+pending, anything else is raised as ``CUDARuntimeError``.
+
+**Bounded waits.** CuPy's ``NcclConfig`` exposes only ``split_share``, not NCCL's
+non-blocking mode, so ``ncclCommInitRank`` and ``ncclGroupEnd`` are blocking calls.
+:func:`run_bounded` runs one in a daemon thread and stops waiting for it after
+``timeout_s``; :class:`Watchdog` aborts communicators from another thread when a
+deadline passes, which is how a blocked ``groupEnd`` or stream wait returns (with an
+error). What is bounded, and what is not, is listed in ``docs/gpu.md``. Not run on GPU.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from jreshard.errors import TransferTimeoutError
+
+__all__ = ["Watchdog", "device_pointer", "event_done", "run_bounded", "uid_argument", "uid_from_bytes", "uid_to_bytes"]
+
+T = TypeVar("T")
+
+CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600  # cudaSuccess, cudaErrorNotReady
+
+# C ``char`` is signed on x86 and unsigned on ARM and POWER Linux; CuPy 13's
+# get_unique_id returns, and its NcclCommunicator expects, 128 values of that type.
+_SIGNED_CHAR = platform.machine().lower() in {"x86_64", "amd64", "i386", "i686"}
+
+
+def uid_to_bytes(uid: bytes | Sequence[int]) -> bytes:
+    """The 128 ``char`` values of an NCCL unique id as bytes (CuPy 14 ids already are).
+
+    Example:
+      >>> uid_from_bytes(uid_to_bytes((-1, 0, 127)), signed=True)
+      (-1, 0, 127)
+      >>> uid_to_bytes(b"\\x01\\xff")
+      b'\\x01\\xff'
+    """
+    if isinstance(uid, bytes | bytearray):
+        return bytes(uid)
+    return bytes(int(v) & 0xFF for v in uid)
+
+
+def uid_from_bytes(raw: bytes, *, signed: bool = _SIGNED_CHAR) -> tuple[int, ...]:
+    """Bytes back to ``char`` values of this platform's signedness (CuPy 13's id)."""
+    return tuple(b - 256 if signed and b > 127 else b for b in raw)
+
+
+def _declared_id_type(nccl: Any) -> type | None:
+    """``bytes`` or ``tuple``: what ``NcclCommunicator``'s signature line says ``commId`` is."""
+    doc = (getattr(nccl.NcclCommunicator, "__doc__", None) or "").lstrip().split("\n", 1)[0]
+    if "bytes commId" in doc:
+        return bytes
+    if "tuple commId" in doc:
+        return tuple
+    return None
+
+
+def uid_argument(nccl: Any, raw: bytes, made: Any = None) -> bytes | tuple[int, ...]:
+    """The unique id in the form this CuPy's ``NcclCommunicator`` takes.
+
+    Args:
+      nccl: the ``cupy.cuda.nccl`` module (or a stand-in).
+      raw: the 128 id bytes every process received.
+      made: what ``nccl.get_unique_id()`` returned, in the process that called it
+        (its type is then authoritative).
+
+    Returns:
+      ``bytes`` for CuPy 14, a tuple of C ``char`` values for CuPy 13.
+
+    Example:
+      >>> class Nccl14:
+      ...     class NcclCommunicator:
+      ...         "NcclCommunicator(int ndev, bytes commId, int rank, NcclConfig config=None)"
+      >>> uid_argument(Nccl14, b"\\x05\\xfb")
+      b'\\x05\\xfb'
+      >>> class Nccl13:
+      ...     class NcclCommunicator:
+      ...         "NcclCommunicator(int ndev, tuple commId, int rank)"
+      >>> uid_argument(Nccl13, b"\\x05\\x06")
+      (5, 6)
+    """
+    kind = type(made) if made is not None else _declared_id_type(nccl)
+    if kind is bytes:
+        return bytes(raw)
+    if kind is tuple or kind is list:
+        return uid_from_bytes(raw)
+    # Neither declared nor made here: CuPy >= 14 is the one both extras resolve to.
+    return bytes(raw)
+
+
+def device_pointer(buffer: Any) -> tuple[int, int]:
+    """``(device pointer, nbytes)`` of a contiguous 1-D uint8 CUDA buffer.
+
+    Reads ``__cuda_array_interface__`` (CuPy arrays, and anything else that speaks it).
+
+    Raises:
+      ValueError: the buffer is not a contiguous 1-D uint8 CUDA array.
+    """
+    try:
+        cai = buffer.__cuda_array_interface__
+    except AttributeError:
+        raise ValueError(
+            f"NcclComm: buffer of type {type(buffer).__name__} is not a CUDA array "
+            "(no __cuda_array_interface__); pass CuPy uint8 arrays"
+        ) from None
+    shape, typestr, strides = tuple(cai["shape"]), cai["typestr"], cai.get("strides")
+    if len(shape) != 1 or typestr not in ("|u1", "<u1", ">u1") or strides not in (None, (1,)):
+        raise ValueError(
+            f"NcclComm: buffer has shape={shape}, typestr={typestr!r}, strides={strides}; "
+            "expected a contiguous 1-D uint8 array"
+        )
+    return int(cai["data"][0]), int(shape[0])
+
+
+def event_done(event: Any, runtime: Any) -> bool:
+    """Whether a CUDA event has completed, raising a CUDA error instead of calling it pending.
+
+    Args:
+      event: a ``cupy.cuda.Event`` (anything with ``ptr``).
+      runtime: ``cupy.cuda.runtime`` (``eventQuery`` returns the status, it does not raise).
+
+    Raises:
+      runtime.CUDARuntimeError: the event's device reported an error (sticky errors included).
+    """
+    status = int(runtime.eventQuery(event.ptr))
+    if status == CUDA_SUCCESS:
+        return True
+    if status == CUDA_ERROR_NOT_READY:
+        return False
+    raise runtime.CUDARuntimeError(status)
+
+
+def run_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
+    """``fn()`` in a daemon thread, waited for at most ``timeout_s``.
+
+    On timeout the thread is left blocked (CuPy gives no handle to abort an
+    ``ncclCommInitRank`` that has not returned) and :class:`TransferTimeoutError`
+    says so. An exception in ``fn`` is raised here.
+
+    Example:
+      >>> run_bounded(lambda: 6 * 7, 1.0, "the answer")
+      42
+    """
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:
+            box["error"] = err
+
+    worker = threading.Thread(target=body, name=f"jreshard: {what}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise TransferTimeoutError(
+            f"NcclComm: {what} did not return within timeout_s={timeout_s}; a peer process has not joined "
+            "(its thread is left blocked in NCCL)",
+            destination_intact=True,
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class Watchdog:
+    """Calls ``on_expiry`` from a timer thread unless cancelled before ``timeout_s``.
+
+    Used as a context manager around a blocking NCCL call: ``fired`` says whether
+    it expired (the call then returned because the communicators were aborted).
+
+    Example:
+      >>> hits = []
+      >>> with Watchdog(10.0, lambda: hits.append(1)) as dog:
+      ...     pass
+      >>> dog.fired, hits
+      (False, [])
+    """
+
+    __slots__ = ("_fn", "_timer", "fired")
+
+    def __init__(self, timeout_s: float, on_expiry: Callable[[], None]):
+        self._fn = on_expiry
+        self.fired = False
+        self._timer = threading.Timer(max(float(timeout_s), 0.0), self._expire)
+        self._timer.daemon = True
+
+    def _expire(self) -> None:
+        self.fired = True
+        self._fn()
+
+    def __enter__(self) -> Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()

@@ -1,0 +1,261 @@
+"""Contract tests against the installed CuPy, NCCL and NVRTC (marker ``cupy_contract``; no GPU needed).
+
+Every CuPy call jreshard's GPU path makes is driven here with the argument types and
+order jreshard uses, as far as a machine without a GPU allows: the call must reach
+the library and fail there (an ``NcclError`` or ``CUDARuntimeError``), never with a
+``TypeError`` from the binding. The stand-ins of ``tests/cupy_standins.py`` are
+compared with the real modules' signatures and constants in the same run, and the
+CUDA source of the pack/unpack kernel is compiled to PTX by NVRTC for sm_90.
+
+Everything skips, with the reason, where CuPy (or its NCCL, or NVRTC) is not installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+import warnings
+
+import numpy as np
+import pytest
+from cupy_standins import CUDARuntimeError, NcclError, RecordingCuda, RecordingNccl
+
+from jreshard.nccl import cuda_kernels as CK
+from jreshard.nccl.cupy_nccl import NcclComm, device_pointer
+from jreshard.nccl.nccl_support import event_done, uid_argument, uid_to_bytes
+from jreshard.nccl.rendezvous import KeyValueRendezvous
+
+pytestmark = pytest.mark.cupy_contract
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    return pytest.importorskip("cupy", reason="CuPy is not installed (make test installs jreshard[cuda12])")
+
+
+@pytest.fixture(scope="module")
+def nccl(cupy):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CuPy warns on import when libnccl is missing
+        mod = pytest.importorskip("cupy.cuda.nccl", reason="cupy.cuda.nccl does not import")
+    if mod.available is not True:
+        pytest.skip("cupy.cuda.nccl imports but did not load libnccl (install nvidia-nccl-cu12)")
+    return mod
+
+
+@pytest.fixture(scope="module")
+def runtime(cupy):
+    return cupy.cuda.runtime
+
+
+def declared(fn) -> list[str]:
+    """Parameter names of a Cython function from the signature line of its docstring."""
+    head = (fn.__doc__ or "").lstrip().split("\n", 1)[0]
+    args = head[head.index("(") + 1 : head.rindex(")")]
+    names = [a.split("=")[0].strip().split(" ")[-1] for a in args.split(",") if a.strip()]
+    return [n for n in names if n != "self"]
+
+
+def params(fn) -> list[str]:
+    return [p for p in inspect.signature(fn).parameters if p != "self"]
+
+
+def raises_library_error(call, *errors):
+    """``call()`` fails inside the library (one of ``errors``), not in argument conversion."""
+    with pytest.raises(errors) as info:
+        call()
+    assert not isinstance(info.value, TypeError)
+    return info.value
+
+
+# ---- NCCL ----------------------------------------------------------------------
+
+
+def test_unique_id_type_and_communicator_take_what_jreshard_passes(nccl):
+    made = nccl.get_unique_id()
+    raw = uid_to_bytes(made)
+    assert len(raw) == 128
+    assert isinstance(made, bytes | tuple)
+    for uid in (uid_argument(nccl, raw, made), uid_argument(nccl, raw)):  # maker and receiver
+        assert type(uid) is type(made)
+        # Reaches ncclCommInitRank, which fails without a GPU: an NCCL error, not a TypeError.
+        raises_library_error(lambda uid=uid: nccl.NcclCommunicator(1, uid, 0), nccl.NcclError)
+
+
+def test_the_wrong_id_type_is_what_fails_with_a_type_error(nccl):
+    made = nccl.get_unique_id()
+    wrong = tuple(made) if isinstance(made, bytes) else uid_to_bytes(made)
+    with pytest.raises(TypeError, match="commId"):
+        nccl.NcclCommunicator(1, wrong, 0)
+
+
+def test_send_recv_and_error_calls_reach_nccl(nccl):
+    """On a communicator with no NCCL handle (made without ncclCommInitRank), each call
+    jreshard makes converts its arguments and returns NCCL's invalid-argument error."""
+    comm = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+    ptr, n = device_pointer(types.SimpleNamespace(__cuda_array_interface__={
+        "data": (4096, False), "shape": (64,), "typestr": "|u1", "strides": None, "version": 3,
+    }))  # fmt: skip
+    stream_ptr = 0
+    for call in (
+        lambda: comm.send(ptr, n, nccl.NCCL_UINT8, 0, stream_ptr),
+        lambda: comm.recv(ptr, n, nccl.NCCL_UINT8, 0, stream_ptr),
+        comm.check_async_error,
+    ):
+        err = raises_library_error(call, nccl.NcclError)
+        assert "INVALID_ARGUMENT" in str(err)
+    nccl.groupStart()
+    nccl.groupEnd()
+    comm.abort()  # no handle: nothing to abort, no error
+
+
+def test_nccl_stand_in_matches_the_real_module(nccl):
+    made = nccl.get_unique_id()
+    fake = RecordingNccl(RecordingCuda(), 14 if isinstance(made, bytes) else 13)
+    assert fake.NCCL_UINT8 == nccl.NCCL_UINT8
+    assert type(fake.get_unique_id()) is type(made) and len(fake.get_unique_id()) == len(made)
+    real_init = declared(nccl.NcclCommunicator)
+    assert params(fake.NcclCommunicator.__init__)[: len(real_init)] == real_init
+    assert (
+        fake.NcclCommunicator.__doc__.split("(", 1)[1]
+        == nccl.NcclCommunicator.__doc__.lstrip().split("\n")[0].split("(", 1)[1]
+    )
+    for name in ("send", "recv", "check_async_error", "abort", "destroy"):
+        assert params(getattr(fake.NcclCommunicator, name)) == declared(getattr(nccl.NcclCommunicator, name)), name
+    for name in ("groupStart", "groupEnd", "get_unique_id"):
+        assert params(getattr(fake, name)) == declared(getattr(nccl, name)), name
+    # NcclError is made from an ncclResult_t, in both.
+    assert isinstance(nccl.NcclError(2), RuntimeError) and isinstance(NcclError(2), RuntimeError)
+    for cls in (nccl.NcclError, NcclError):
+        with pytest.raises(TypeError):
+            cls("NCCL_ERROR_SYSTEM_ERROR")
+
+
+def test_nccl_comm_creation_with_the_real_modules_fails_in_cuda(cupy, nccl):
+    """NcclComm end to end with the real modules: the first CUDA call fails (no driver or
+    device), as a CUDA error from inside the communicator's creation."""
+
+    class Store:
+        def __init__(self):
+            self.values = {}
+
+        def key_value_set(self, key, value):
+            self.values[key] = value
+
+        def blocking_key_value_get(self, key, timeout_in_ms):
+            return self.values[key]
+
+    with pytest.raises((cupy.cuda.runtime.CUDARuntimeError, nccl.NcclError)):
+        NcclComm(
+            devices={0: 0},
+            local_devices={0: 0},
+            rendezvous=KeyValueRendezvous(Store()),
+            namespace="contract",
+            timeout_s=30.0,
+        )
+
+
+# ---- CUDA runtime and streams ------------------------------------------------
+
+
+def test_event_status_is_read_and_errors_raised_as_cuda_errors(runtime):
+    status = runtime.eventQuery(0)  # returns the status, does not raise
+    assert isinstance(status, int)
+    if status in (0, 600):
+        pytest.skip(f"cudaEventQuery returned {status} here: a working CUDA driver")
+    with pytest.raises(runtime.CUDARuntimeError) as info:
+        event_done(types.SimpleNamespace(ptr=0), runtime)
+    assert info.value.status == status
+
+
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning"
+)  # CuPy's Stream.__del__ after a failed init
+def test_every_runtime_call_reaches_cuda(cupy, runtime):
+    calls = {
+        "Stream(non_blocking=True)": lambda: cupy.cuda.Stream(non_blocking=True),
+        "Device(0).__enter__": lambda: cupy.cuda.Device(0).__enter__(),
+        "Device().id": lambda: cupy.cuda.Device().id,
+        "get_current_stream": cupy.cuda.get_current_stream,
+        "memGetInfo": runtime.memGetInfo,
+        "memcpyPeerAsync": lambda: runtime.memcpyPeerAsync(4096, 1, 8192, 0, 64, 0),
+        "memcpy2DAsync": lambda: runtime.memcpy2DAsync(4096, 64, 8192, 128, 64, 4, runtime.memcpyDeviceToDevice, 0),
+        "deviceCanAccessPeer": lambda: runtime.deviceCanAccessPeer(0, 1),
+        "deviceEnablePeerAccess": lambda: runtime.deviceEnablePeerAccess(1),
+        "deviceGetPCIBusId": lambda: runtime.deviceGetPCIBusId(0),
+        "getDeviceCount": runtime.getDeviceCount,
+        "empty": lambda: cupy.empty(64, cupy.uint8),
+        "pool.free_bytes": lambda: cupy.get_default_memory_pool().free_bytes(),
+        "pool.free_all_blocks": lambda: cupy.get_default_memory_pool().free_all_blocks(),
+    }
+    reached = {}
+    for name, call in calls.items():
+        try:
+            call()
+            reached[name] = "ok"
+        except runtime.CUDARuntimeError as err:
+            reached[name] = err.status
+    if all(v == "ok" for v in reached.values()):
+        pytest.skip("every CUDA call succeeded: this machine has a GPU (the gpu tests cover it)")
+    assert all(v == "ok" or isinstance(v, int) for v in reached.values()), reached
+    assert isinstance(cupy.cuda.memory.OutOfMemoryError, type)
+
+
+def test_cuda_stand_in_matches_the_real_module(cupy, runtime):
+    fake = RecordingCuda()
+    assert params(fake.Stream.__init__) == declared(cupy.cuda.Stream.__init__)
+    assert params(fake.Stream.record) == declared(cupy.cuda.Stream.record)
+    assert params(fake.Stream.wait_event) == declared(cupy.cuda.Stream.wait_event)
+    assert params(fake.get_current_stream) == declared(cupy.cuda.get_current_stream)
+    assert params(fake.runtime.eventQuery) == declared(runtime.eventQuery) == ["event"]
+    assert isinstance(runtime.CUDARuntimeError(700), RuntimeError) and CUDARuntimeError(700).status == 700
+    assert runtime.CUDARuntimeError(600).status == 600  # cudaErrorNotReady: what event_done treats as pending
+    assert "does not match the current device" in _stream_device_message(fake)
+
+
+def _stream_device_message(cuda: RecordingCuda) -> str:
+    with cuda.Device(1):
+        s = cuda.Stream()
+    with pytest.raises(RuntimeError) as info:
+        with s:
+            pass
+    return str(info.value)
+
+
+# ---- the kernel through NVRTC -------------------------------------------------
+
+
+def test_kernel_source_compiles_with_nvrtc_and_keeps_loads_in_flight(cupy):
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as err:
+        pytest.skip(f"NVRTC does not load ({type(err).__name__}: {err}); install nvidia-cuda-nvrtc-cu12")
+    prog = nvrtc.createProgram(CK.CUDA_SOURCE, "jreshard_copy.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, ("--std=c++14", "-arch=compute_90"))
+        except nvrtc.NVRTCError as err:
+            pytest.fail(f"NVRTC rejected the kernel: {err}\n{nvrtc.getProgramLog(prog)}")
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert ".entry jreshard_copy" in ptx
+    lines = [line.strip() for line in ptx.splitlines()]
+    # The 16-byte path: UNROLL vector loads issued before the first vector store.
+    v4 = [i for i, line in enumerate(lines) if re.match(r"(ld|st)\.global(\.nc)?\.v4\.", line)]
+    first_store = next(i for i in v4 if lines[i].startswith("st."))
+    assert sum(1 for i in v4 if i < first_store) >= CK.UNROLL
+    assert "ld.shared" in ptx  # the row is looked up once per block and shared
+
+
+def test_launch_tables_are_what_the_kernel_reads(cupy):
+    """The launch table is C-contiguous int64 with the column count the CUDA source defines."""
+    cols = int(re.search(r"#define JR_COLS (\d+)", CK.CUDA_SOURCE).group(1))
+    assert cols == CK.LAUNCH_COLUMNS
+    assert int(re.search(r"#define JR_THREADS (\d+)", CK.CUDA_SOURCE).group(1)) == CK.THREADS
+    assert int(re.search(r"#define JR_UNROLL (\d+)", CK.CUDA_SOURCE).group(1)) == CK.UNROLL
+    assert np.dtype(np.int64).itemsize == 8
