@@ -5,7 +5,7 @@
   turn), then one source rank (tensor ``t`` uses source rank ``t mod n``)
   broadcasts the full tensor to every destination rank, and each destination
   keeps its slice. By default (``ring=False``) the root sends the full tensor to
-  each destination rank, as DESIGN.md defines the baseline; with ``ring=True``
+  each destination rank, the seed definition of the baseline; with ``ring=True``
   the broadcast runs along a chain through the destination ranks ordered by
   (domain, rank), as NCCL's ring broadcast does, so the full tensor crosses into
   each domain once. Its rows carry the full tensor box: a receiver keeps
