@@ -5,12 +5,15 @@
 - Every ``notebooks/*.ipynb`` is added to the site, where mkdocs-jupyter renders its stored outputs
   (no notebook runs during the build), and listed under "Notebooks" in the navigation, titled by its
   first heading.
+- The API reference (docs/api.md) gets an entry for every name of ``jreshard.__all__`` it does not list
+  yet, under "More", so a name added to the package is documented without editing the page.
 - User-guide pages other engineers are still writing are left out of the navigation until their
   file exists; any other page the navigation names must exist (strict mode fails otherwise).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import pathlib
 import re
@@ -49,6 +52,31 @@ def notebook_title(path: pathlib.Path) -> str:
                 if line.startswith("#"):
                     return re.sub(r"^#+\s*(\d+\.\s*)?", "", line).strip()
     return path.stem
+
+
+def public_names() -> list[str]:
+    """``jreshard.__all__``, read from the source without importing the package."""
+    for node in ast.parse((ROOT / "jreshard" / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise RuntimeError("jreshard/__init__.py defines no __all__")
+
+
+def with_every_public_name(markdown: str) -> str:
+    r"""The API page, with a ``::: jreshard.NAME`` entry appended for each public name it does not list.
+
+    >>> with_every_public_name("::: jreshard.plan\n").count(":::") == len(public_names())
+    True
+    """
+    listed = set(re.findall(r"^::: jreshard\.(\w+)\s*$", markdown, flags=re.M))
+    extra = [n for n in public_names() if n not in listed]
+    if not extra:
+        return markdown
+    return markdown.rstrip("\n") + "\n\n## More\n\n" + "\n\n".join(f"::: jreshard.{n}" for n in extra) + "\n"
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return with_every_public_name(markdown) if page.file.src_uri == "api.md" else markdown
 
 
 def notebooks() -> list[pathlib.Path]:
