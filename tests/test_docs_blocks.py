@@ -9,8 +9,8 @@ that needs 8 CPU devices sets them itself, before it imports jax.
 - Every other fenced block carries a marker on the line before it:
   - ``<!-- run -->``: each command runs (``$ `` lines of a ``console`` block, or every line of a ``bash``
     block) and must succeed; a ``console`` block's printed output must match the block exactly.
-  - ``<!-- run, numbers vary: REASON -->``: the same, but the output is compared with every number masked
-    (for output that includes measured times).
+  - ``<!-- run, numbers vary: REASON -->``: the same, but the output is compared with every number (and its
+    unit) masked and runs of spaces collapsed (for output that includes measured times).
   - ``<!-- not run: REASON -->``: not run, for the reason given (checked to be a real sentence).
 
 ``python tests/test_docs_blocks.py --update`` reruns the ``<!-- run -->`` console blocks and writes their
@@ -34,7 +34,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 VENV_BIN = pathlib.Path(sys.executable).parent
 _FENCE = re.compile(r"^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$", re.M | re.S)
 _MARK = re.compile(r"<!--\s*(?P<kind>not run|run, numbers vary|run)\s*(?::\s*(?P<reason>.*?))?\s*-->\s*$")
-_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?(?:\s?(?:[kMGT]?B|ms|us|s)\b)?")
 SHELLS = ("bash", "sh", "console")
 
 
@@ -123,7 +123,9 @@ def commands(block: Block) -> list[tuple[str, str]]:
 
 def normalise(text: str, numbers_vary: bool) -> str:
     text = "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
-    return _NUMBER.sub("#", text) if numbers_vary else text
+    if numbers_vary:  # a number with its unit is one token, and column padding follows its width
+        text = re.sub(r" +", " ", _NUMBER.sub("#", text))
+    return text
 
 
 @functools.cache
