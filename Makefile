@@ -1,11 +1,11 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv
-# from scratch when it is missing.
+# from scratch when it is missing. `make docs` builds the documentation site into site/.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo docs lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,18 +14,23 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check jreshard tests benchmarks examples
+	$(BIN)/ruff check jreshard tests benchmarks examples tools
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -q
 	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+	@echo "site/index.html"
 
 demo: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python -m jreshard demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check jreshard tests benchmarks examples
-	$(BIN)/ruff format --check jreshard tests benchmarks examples
+	$(BIN)/ruff check jreshard tests benchmarks examples tools
+	$(BIN)/ruff format --check jreshard tests benchmarks examples tools
 
 bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/plan_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -1,9 +1,9 @@
 """Draw the README's pictures into docs/images/: ``python docs/make_images.py`` (numpy and matplotlib only).
 
 - ``seed_plan.png``, ``seed_gather_broadcast.png``: the seed example, an [8, 16] tensor from TP4 on one node to
-  TP2 x DP2 on another, as jreshard plans it and as gather-and-broadcast does.
+  TP2 x DP2 on another, as jreshard plans it and as gather-broadcast does.
 - ``llama3_loads.png``: per-rank loads of a whole Llama-3-70B refit (16 trainer GPUs to 16 inference GPUs,
-  8-GPU nodes), jreshard beside gather-and-broadcast.
+  8-GPU nodes), jreshard beside gather-broadcast.
 - ``at_scale.png``: predicted refit times from ``notebooks/at_scale.json`` (if present).
 """
 
@@ -62,7 +62,7 @@ def at_scale() -> None:
     if not path.exists():
         return
     rows = json.loads(path.read_text())["rows"]
-    kinds = ("jreshard", "gather-and-broadcast", "flat direct sends")
+    kinds = ("jreshard", "gather-broadcast (ring)", "flat-direct")
     colours = ("tab:blue", "tab:red", "tab:orange")
     fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
     labels = [f"{r['model']}\n{r['n_gpus']} GPUs" for r in rows]
@@ -76,7 +76,8 @@ def at_scale() -> None:
     ax.set_xticks(x, labels)
     ax.set_ylabel("predicted refit time (s, log scale)")
     ax.set_title(
-        "Predicted whole-model refit time (cost model; 72-GPU NVLink domains, 50 GB/s NIC per GPU)", fontsize=11
+        "Predicted whole-model refit time (cost model; NVL72: 72 GPUs per domain, 50 GB/s NIC, 900 GB/s NVLink)",
+        fontsize=11,
     )
     ax.legend(fontsize=8, loc="upper left", ncol=3)
     ax.grid(axis="y", alpha=0.3)

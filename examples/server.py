@@ -1,5 +1,7 @@
 """The server side of a refit: TP x DP parameters pulled from the trainer every step (see trainer.py)."""
 
+import time
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -19,8 +21,15 @@ spec = {"embed": P(None, "tp"), "wq": P(None, "tp"), "wo": P("tp", None), "w1": 
 like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, spec[k])) for k, s in SHAPES.items()}
 group = jreshard.RefitGroup("destination", like)
 for _ in range(5):
+    t0 = time.perf_counter()
     params, version = group.pull(like=like)
+    seconds = time.perf_counter() - t0
+    landed = sum(s.data.nbytes for p in params.values() for s in p.addressable_shards)  # this process's shards
     local = float(np.asarray(params["wq"].addressable_shards[0].data).mean())
     if side.Get_rank() == 0:
-        print(f"server: version {version}, wq shard mean {local}", flush=True)
+        print(
+            f"server: pulled version {version}: {landed / 2**20:.2f} MiB landed here in {seconds * 1e3:.1f} ms "
+            f"({landed / seconds / 1e9:.3f} GB/s), wq shard mean {local}",
+            flush=True,
+        )
 group.close()

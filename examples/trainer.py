@@ -6,6 +6,8 @@ Run both programs with one line (from the repository root):
       -n 2 .venv/bin/python examples/server.py
 """
 
+import time
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -27,7 +29,10 @@ params = {
 group = jreshard.RefitGroup("source", params)
 for step in range(1, 6):
     params = jax.tree.map(lambda p: p + 1.0, params)  # the "optimizer step"
+    t0 = time.perf_counter()
     group.push(params, version=step)
+    seconds = time.perf_counter() - t0
+    held = sum(s.data.nbytes for p in params.values() for s in p.addressable_shards)  # this process's shards
     if side.Get_rank() == 0:
-        print(f"trainer: pushed version {step}", flush=True)
+        print(f"trainer: pushed version {step}: {held / 2**20:.2f} MiB held here, {seconds * 1e3:.1f} ms", flush=True)
 group.close()

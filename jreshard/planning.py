@@ -113,13 +113,13 @@ def plan(src: Any, dst: Any, topology: Topology | None = None, options: Options 
 def gather_broadcast(
     src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None, *, ring: bool = False
 ) -> Plan:
-    """The gather-and-broadcast baseline as a Plan (see ``jreshard.sharding.baselines``);
-    ``ring=True`` broadcasts along a chain of destinations, as NCCL does."""
+    """The gather-broadcast baseline as a Plan (see ``jreshard.sharding.baselines``);
+    ``ring=True`` ("gather-broadcast (ring)") broadcasts along a chain of destinations, as NCCL does."""
     pairs, names, devices = layout_pairs(src, dst)
     return gather_broadcast_layouts(pairs, _topology(topology, devices), options, names, ring=ring)
 
 
 def flat_direct(src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None) -> Plan:
-    """The flat-direct-sends baseline as a Plan (see ``jreshard.sharding.baselines``)."""
+    """The flat-direct baseline as a Plan (see ``jreshard.sharding.baselines``)."""
     pairs, names, devices = layout_pairs(src, dst)
     return flat_direct_layouts(pairs, _topology(topology, devices), options, names)

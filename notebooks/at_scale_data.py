@@ -23,20 +23,23 @@ from jreshard.models import refit, refit_topology
 
 OUT = pathlib.Path(__file__).with_name("at_scale.json")
 CONFIGS = [(m, n) for n in (256, 1024) for m in ("deepseek-v3", "kimi-k2")]
-DOMAIN = 72  # GB200 NVL72 racks, as in the published NCCL M2N numbers
-# gather-and-broadcast with ring=True: each full tensor goes down a chain of destinations, as NCCL broadcasts,
-# rather than from one sender to each destination.
+# The CLI's `--cluster nvl72` preset: GB200 NVL72 racks of 72 GPUs, 50 GB/s NIC and 900 GB/s NVLink per GPU
+# each way, as in the published NCCL M2N numbers.
+DOMAIN = 72
+LINKS = {"network_bw": 50e9, "fast_bw": 900e9}
+# The baselines under the CLI's names. "gather-broadcast (ring)" is gather_broadcast(ring=True): each full tensor
+# goes down a chain of destinations, as NCCL broadcasts, rather than from one sender to each destination.
 KINDS = {
     "jreshard": jreshard.plan,
-    "gather-and-broadcast": lambda s, d, t: jreshard.baselines.gather_broadcast(s, d, t, ring=True),
-    "flat direct sends": jreshard.baselines.flat_direct,
+    "gather-broadcast (ring)": lambda s, d, t: jreshard.baselines.gather_broadcast(s, d, t, ring=True),
+    "flat-direct": jreshard.baselines.flat_direct,
 }
 
 
 def one(model: str, n_gpus: int) -> dict:
     half = n_gpus // 2
     r = refit(model, half, half)
-    topo = refit_topology(half, half, domain_size=DOMAIN)
+    topo = refit_topology(half, half, domain_size=DOMAIN, **LINKS)
     src, dst = [s for s, _ in r.pairs], [d for _, d in r.pairs]
     row = {
         "model": model,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -13,12 +14,10 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((pathlib.Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
-def test_the_three_notebooks_are_there():
-    assert [p.name for p in NOTEBOOKS] == [
-        "01_layouts_and_plans.ipynb",
-        "02_rl_refit_loop.ipynb",
-        "03_at_scale.ipynb",
-    ]
+def test_the_notebooks_are_there():
+    names = [p.name for p in NOTEBOOKS]
+    assert names[:3] == ["01_layouts_and_plans.ipynb", "02_rl_refit_loop.ipynb", "03_at_scale.ipynb"]
+    assert all(re.match(r"\d\d_\w+\.ipynb$", n) for n in names), f"notebooks are named NN_name.ipynb: {names}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

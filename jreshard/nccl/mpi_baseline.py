@@ -4,7 +4,7 @@ Per tensor: every source process sends its shards to one root source process
 (``Gatherv``), which assembles the full tensor; the root broadcasts the full
 tensor to every destination process (``Bcast`` over a communicator of the root
 and the destination processes); each destination keeps its slices. This is the
-baseline DESIGN.md defines, executed with MPI's collectives rather than through
+seed baseline (gather-broadcast), executed with MPI's collectives rather than through
 jreshard's engine.
 """
 

@@ -1,16 +1,16 @@
 """The seed baselines, as plans in the same representation as jreshard's own.
 
-- *gather-and-broadcast*: the source ranks all-gather every full tensor (each
+- *gather-broadcast*: the source ranks all-gather every full tensor (each
   rank receives every disjoint source box it lacks, from the box's replicas in
   turn), then one source rank (tensor ``t`` uses source rank ``t mod n``)
   broadcasts the full tensor to every destination rank, and each destination
   keeps its slice. By default (``ring=False``) the root sends the full tensor to
-  each destination rank, as DESIGN.md defines the baseline; with ``ring=True``
+  each destination rank, the seed definition of the baseline; with ``ring=True``
   the broadcast runs along a chain through the destination ranks ordered by
   (domain, rank), as NCCL's ring broadcast does, so the full tensor crosses into
   each domain once. Its rows carry the full tensor box: a receiver keeps
   ``box ∩ its own box``.
-- *flat direct sends*: every destination rank receives each piece of its box
+- *flat-direct*: every destination rank receives each piece of its box
   straight from a source replica (replicas in turn), with no domain grouping.
 """
 
@@ -82,7 +82,7 @@ def gather_broadcast_layouts(
     *,
     ring: bool = False,
 ) -> Plan:
-    """The gather-and-broadcast baseline (module docstring) for layout pairs."""
+    """The gather-broadcast baseline (module docstring) for layout pairs."""
 
     def rows(t: int, s: Layout, d: Layout, topo: Topology) -> list[tuple]:
         return _gather_broadcast_rows(t, s, d, topo, ring)
