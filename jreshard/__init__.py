@@ -68,6 +68,7 @@ __all__ = [
     "Options",
     "Backend",
     "RefitGroup",
+    "clear_caches",
     # layouts, topologies, plans
     "Layout",
     "Box",
