@@ -181,6 +181,9 @@ def main() -> None:
     ap.add_argument("--tensor-mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats, 4 layers")
+    ap.add_argument(
+        "--cases", default="leaves,tensor,refit", help="comma-separated subset of: leaves, tensor, refit (default all)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.layers = 3, 4
@@ -189,7 +192,9 @@ def main() -> None:
     bw = warm_bandwidth()
     print(f"warm np.copyto bandwidth (8 MiB calls): {bw / 1e9:.2f} GB/s")
     rows = []
-    for n, side in ((1000, 128), (200, 128), (1000, 8)):
+    cases = set(args.cases.split(","))
+    first_row = None
+    for n, side in ((1000, 128), (200, 128), (1000, 8)) if "leaves" in cases else ():
         x, t = leaves_case(n, side)
         rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, bw, leaves=n))
         if (n, side) == (1000, 128):
@@ -204,13 +209,16 @@ def main() -> None:
                 cached.append(time.perf_counter() - t0)
             first_row = (firsts, cached)
         del x
-    x, t = tensor_case(args.tensor_mib)
-    rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats, bw))
-    del x
-    x, t = refit_case(args.layers, args.d_model)
-    src_bytes = sum(a.nbytes for a in jax.tree.leaves(x))
-    rows.append(compare(f"refit {len(jax.tree.leaves(x))} leaves {src_bytes / MiB:.0f} MiB", x, t, args.repeats, bw))
-    del x
+    if "tensor" in cases:
+        x, t = tensor_case(args.tensor_mib)
+        rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats, bw))
+        del x
+    if "refit" in cases:
+        x, t = refit_case(args.layers, args.d_model)
+        src_bytes = sum(a.nbytes for a in jax.tree.leaves(x))
+        name = f"refit {len(jax.tree.leaves(x))} leaves {src_bytes / MiB:.0f} MiB"
+        rows.append(compare(name, x, t, args.repeats, bw))
+        del x
     default_pool().clear()
     print()
     print("times in ms: median [min-max]; floor = destination bytes at the warm copy bandwidth")
@@ -244,11 +252,12 @@ def main() -> None:
             f"{per_leaf['transfer']:.0f}, {per_leaf['into']:.0f}" if per_leaf else "",
         ]
         print("| " + " | ".join(cells) + " |")
-    firsts, cached = first_row
-    print(
-        f"\nfirst call on 1000 leaves (clear_caches, planning included): {stats(firsts)} ms; "
-        f"cached: {stats(cached)} ms; ratio {np.median(firsts) / np.median(cached):.2f}x"
-    )
+    if first_row is not None:
+        firsts, cached = first_row
+        print(
+            f"\nfirst call on 1000 leaves (clear_caches, planning included): {stats(firsts)} ms; "
+            f"cached: {stats(cached)} ms; ratio {np.median(firsts) / np.median(cached):.2f}x"
+        )
     print("\nwhere the time goes (last transfer of each case, TransferReport phases):")
     for r in rows:
         print(f"  {r['case']}: {r['report'].summary()}")
