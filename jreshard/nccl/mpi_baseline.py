@@ -51,7 +51,8 @@ class GatherBroadcast:
         me = self.comm.Get_rank()
         out: dict[tuple[int, int], np.ndarray] = {}
         for t, (src, dst) in enumerate(layouts):
-            full = np.empty(src.shape, src.np_dtype) if me in (self.root, *self.destinations) else None
+            # Only the root and the destinations hold the full tensor (the others keep an empty stand-in).
+            full = np.empty(src.shape if me in (self.root, *self.destinations) else (0,), src.np_dtype)
             if me in self.sources:
                 # One replica per source box: the lowest rank holding it.
                 owners = {b: min(rs) for b, rs in src.replica_groups()}
@@ -62,9 +63,7 @@ class GatherBroadcast:
                     else np.zeros(0, src.np_dtype)
                 )
                 counts = self.gather_comm.gather(send.size, root=0)
-                recv = None
-                if me == self.root:
-                    recv = np.empty(sum(counts), src.np_dtype)
+                recv = np.empty(sum(counts) if me == self.root else 0, src.np_dtype)
                 self.gather_comm.Gatherv(send, [recv, counts] if me == self.root else None, root=0)
                 if me != self.root:
                     self.wire_bytes += send.nbytes

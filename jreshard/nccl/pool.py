@@ -115,7 +115,7 @@ class BufferPool:
             self._leased += key
         if raw is None:
             raw = _aligned_block(key)
-        lease = np.frombuffer(memoryview(raw), dtype=np.uint8)
+        lease = np.frombuffer(memoryview(raw), dtype=np.uint8)  # type: ignore[arg-type]  # numpy arrays are buffers
         fin = weakref.finalize(lease, self._returned.append, (key, raw))
         fin.atexit = False
         return lease[:n]
