@@ -110,7 +110,6 @@ def execute(
     *,
     options: Options | None = None,
     backend: BufferBackend | None = None,
-    schedule: Schedule | None = None,
     devices: Mapping[int, Any] | None = None,
     report: ReportBuilder | None = None,
 ) -> ExecStats:
@@ -122,7 +121,6 @@ def execute(
       shards: the local ranks' source and destination shard buffers.
       options: chunking, staging and timeout (default: the plan's).
       backend: buffer operations (default :class:`CpuBuffers`).
-      schedule: a precomputed :func:`build_schedule` (default: built and cached).
       devices: ``{rank: jax device}`` of the local ranks, so each staging arena is
         allocated on its rank's device (default: the backend's current device).
       report: where to add phase times, bytes per link, messages and staging.
@@ -136,7 +134,7 @@ def execute(
     """
     options = options or plan.options
     backend = backend or CpuBuffers()
-    sched = schedule or build_schedule(plan, options)
+    sched = build_schedule(plan, options)
     ranks = tuple(comm.local_ranks)
     bufs = {r: shards.of_rank(r, sched.ntensors) for r in ranks}
     _check_buffers(sched, ranks, bufs, shards)
