@@ -170,6 +170,18 @@ def _check_leaf(leaf: Any, where: str) -> None:
         raise LayoutError(f"{where} has been deleted or donated; the fix is to pass a live array")
 
 
+_ROW_MAJOR = tuple(tuple(range(n)) for n in range(64))
+
+
+def _array_type() -> type:
+    from jax._src.array import ArrayImpl  # the concrete class of every jax.Array: a type check, not isinstance
+
+    return ArrayImpl
+
+
+_ARRAY = _array_type()
+
+
 def _major_to_minor(arr: Any) -> tuple[int, ...] | None:
     """The memory layout of an array's shards, major dimension first (``None``: unknown)."""
     try:  # the fast path: the runtime's own layout object (``arr.format`` builds Python objects around it)
@@ -229,33 +241,37 @@ def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, op
     try:
         specs = []
         for i, (leaf, t) in enumerate(zip(leaves, targets, strict=True)):
-            _check_leaf(leaf, f"{_name(names, i)} of x")
-            if leaf.ndim > 1:
-                _check_default_layout(leaf, f"{_name(names, i)} of x")
+            # The common case costs a few attribute reads; messages are built only on the error path.
+            if type(leaf) is not _ARRAY or leaf.is_deleted():
+                _check_leaf(leaf, f"leaf #{i} of x")
+            shape, dtype = leaf.shape, leaf.dtype
+            if len(shape) > 1 and _major_to_minor(leaf) not in (None, _ROW_MAJOR[len(shape)]):
+                _check_default_layout(leaf, f"leaf #{i} of x")
             if mode is Mode.INTO and t is not None:
-                if not isinstance(t, jax.Array) or isinstance(t, jax.core.Tracer):
-                    _check_leaf(t, f"{_name(names, i)} of into")
-                if t.ndim > 1 and not t.is_deleted():
-                    _check_default_layout(t, f"{_name(names, i)} of into")
-                if t.shape != leaf.shape or t.dtype != leaf.dtype:
+                if type(t) is not _ARRAY:
+                    _check_leaf(t, f"leaf #{i} of into")
+                if t.shape != shape or t.dtype != dtype:
                     raise LayoutMismatchError(
-                        f"{_name(names, i)} is {leaf.dtype}{list(leaf.shape)} but into holds {t.dtype}{list(t.shape)}",
-                        src=(leaf.shape, leaf.dtype),
+                        f"leaf #{i} is {dtype}{list(shape)} but into holds {t.dtype}{list(t.shape)}",
+                        src=(shape, dtype),
                         dst=(t.shape, t.dtype),
-                        what="shape" if t.shape != leaf.shape else "dtype",
+                        what="shape" if t.shape != shape else "dtype",
                     )
+                if len(shape) > 1 and not t.is_deleted() and _major_to_minor(t) not in (None, _ROW_MAJOR[len(shape)]):
+                    _check_default_layout(t, f"leaf #{i} of into")
                 sh = t.sharding
+            elif t is None or type(t) is jax.sharding.NamedSharding:
+                sh = t
             else:
-                sh = target_sharding(t, f"the target of {_name(names, i)}")
-                if isinstance(t, jax.ShapeDtypeStruct) and (t.shape != leaf.shape or t.dtype != leaf.dtype):
+                sh = target_sharding(t, f"the target of leaf #{i}")
+                if isinstance(t, jax.ShapeDtypeStruct) and (t.shape != shape or t.dtype != dtype):
                     raise LayoutMismatchError(
-                        f"{_name(names, i)} is {leaf.dtype}{list(leaf.shape)} but its target is {t}; "
-                        "casting needs jreshard.views.astype",
-                        src=(leaf.shape, leaf.dtype),
+                        f"leaf #{i} is {dtype}{list(shape)} but its target is {t}; casting needs jreshard.views.astype",
+                        src=(shape, dtype),
                         dst=(t.shape, t.dtype),
-                        what="shape" if t.shape != leaf.shape else "dtype",
+                        what="shape" if t.shape != shape else "dtype",
                     )
-            specs.append((leaf.shape, leaf.dtype, leaf.sharding, sh))
+            specs.append((shape, dtype, leaf.sharding, sh))
         key = (treedef, tuple(specs), mode, topology, options)
         shape = _shape(key)
     except (LayoutError, TopologyError, LayoutMismatchError) as err:
