@@ -20,6 +20,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MiB, GiB = 1 << 20, 1 << 30
+# Keeps a stream busy for about n GPU clocks, so a missing stream wait shows as a wrong sum.
+SPIN_SOURCE = r'extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }'
 
 
 class Results:
@@ -156,10 +158,7 @@ def dlpack(emit, quick):
     (dst,) = bufs.allocate([n * 4], g)
     y = bufs.import_shard(dst, (n,), np.dtype(np.float32), g)
     emit("import zero-copy", "ok" if y.unsafe_buffer_pointer() == dst.data.ptr else "FAILED")
-    spin = cp.RawKernel(
-        r'extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }',
-        "spin",
-    )
+    spin = cp.RawKernel(SPIN_SOURCE, "spin")
     wrong = []
     for i in range(20):
         (dst,) = bufs.allocate([n * 4], g)
