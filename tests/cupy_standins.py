@@ -308,6 +308,14 @@ def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: 
 
         return make
 
+    class RawKernel:
+        def __init__(self, code, name, options=(), backend="nvrtc", translate_cucomplex=False, **kwargs):
+            self.name = name
+
+        def __call__(self, grid, block, args, **kwargs):
+            stream = cuda.current.get(cuda.device)
+            cuda.log.append(("launch", self.name, cuda.device, None if stream is None else stream.ptr, grid, block))
+
     cuda.runtime.memGetInfo = lambda: (free, total)
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     pool = types.SimpleNamespace(
@@ -318,6 +326,7 @@ def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: 
         uint8="uint8",
         empty=empty,
         asarray=filled("asarray"),
+        RawKernel=RawKernel,
         zeros=filled("zeros"),
         get_default_memory_pool=lambda: pool,
     )
