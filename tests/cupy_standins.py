@@ -282,6 +282,13 @@ class FakeDeviceArray:
         start, stop, _ = s.indices(self.size)
         return FakeDeviceArray(stop - start, self.device.id, self.data.ptr + start)
 
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"data": (self.data.ptr, False), "shape": (self.size,), "typestr": "|u1", "strides": None, "version": 3}
+
 
 def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: int = 1 << 40):
     """A ``cupy`` stand-in for :class:`CupyBuffers`: ``empty`` allocates on the current device
