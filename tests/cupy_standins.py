@@ -282,6 +282,13 @@ class FakeDeviceArray:
         start, stop, _ = s.indices(self.size)
         return FakeDeviceArray(stop - start, self.device.id, self.data.ptr + start)
 
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"data": (self.data.ptr, False), "shape": (self.size,), "typestr": "|u1", "strides": None, "version": 3}
+
 
 def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: int = 1 << 40):
     """A ``cupy`` stand-in for :class:`CupyBuffers`: ``empty`` allocates on the current device
@@ -308,6 +315,14 @@ def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: 
 
         return make
 
+    class RawKernel:
+        def __init__(self, code, name, options=(), backend="nvrtc", translate_cucomplex=False, **kwargs):
+            self.name = name
+
+        def __call__(self, grid, block, args, **kwargs):
+            stream = cuda.current.get(cuda.device)
+            cuda.log.append(("launch", self.name, cuda.device, None if stream is None else stream.ptr, grid, block))
+
     cuda.runtime.memGetInfo = lambda: (free, total)
     cuda.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     pool = types.SimpleNamespace(
@@ -318,6 +333,7 @@ def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: 
         uint8="uint8",
         empty=empty,
         asarray=filled("asarray"),
+        RawKernel=RawKernel,
         zeros=filled("zeros"),
         get_default_memory_pool=lambda: pool,
     )

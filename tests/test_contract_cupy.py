@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,23 +228,35 @@ def _stream_device_message(cuda: RecordingCuda) -> str:
 # ---- the kernel through NVRTC -------------------------------------------------
 
 
-def test_kernel_source_compiles_with_nvrtc_and_keeps_loads_in_flight(cupy):
+def ptx_of(source: str, name: str) -> str:
+    """PTX for sm_90 from NVRTC (no GPU needed), or a skip when NVRTC does not load."""
     try:
         from cupy.cuda import nvrtc
 
         nvrtc.getVersion()
     except Exception as err:
         pytest.skip(f"NVRTC does not load ({type(err).__name__}: {err}); install nvidia-cuda-nvrtc-cu12")
-    prog = nvrtc.createProgram(CK.CUDA_SOURCE, "jreshard_copy.cu", (), ())
+    prog = nvrtc.createProgram(source, name, (), ())
     try:
         try:
             nvrtc.compileProgram(prog, ("--std=c++14", "-arch=compute_90"))
         except nvrtc.NVRTCError as err:
-            pytest.fail(f"NVRTC rejected the kernel: {err}\n{nvrtc.getProgramLog(prog)}")
+            pytest.fail(f"NVRTC rejected {name}: {err}\n{nvrtc.getProgramLog(prog)}")
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def test_gpu_check_spin_kernel_compiles(cupy):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_stages import SPIN_SOURCE
+
+    assert ".entry spin" in ptx_of(SPIN_SOURCE, "spin.cu")
+
+
+def test_kernel_source_compiles_with_nvrtc_and_keeps_loads_in_flight(cupy):
+    ptx = ptx_of(CK.CUDA_SOURCE, "jreshard_copy.cu")
     assert ".entry jreshard_copy" in ptx
     lines = [line.strip() for line in ptx.splitlines()]
     # The 16-byte path: UNROLL vector loads issued before the first vector store.
@@ -259,3 +273,45 @@ def test_launch_tables_are_what_the_kernel_reads(cupy):
     assert int(re.search(r"#define JR_THREADS (\d+)", CK.CUDA_SOURCE).group(1)) == CK.THREADS
     assert int(re.search(r"#define JR_UNROLL (\d+)", CK.CUDA_SOURCE).group(1)) == CK.UNROLL
     assert np.dtype(np.int64).itemsize == 8
+
+
+def test_the_cupy_signatures_jreshard_and_gpu_check_call_with(cupy, nccl):
+    """The argument names (and so the order and keywords) of every other CuPy call in
+    gpu_buffers.py, cuda_kernels.py and benchmarks/gpu_stages.py, as the installed CuPy declares them."""
+    want = {
+        cupy.cuda.Event.record: ["stream"],
+        cupy.cuda.get_elapsed_time: ["start_event", "end_event"],
+        cupy.cuda.MemoryPointer.copy_from_device_async: ["src", "size", "stream"],
+        cupy.ndarray.set: ["arr", "stream"],
+        cupy.cuda.UnownedMemory: ["ptr", "size", "owner", "device_id"],
+        cupy.cuda.MemoryPointer: ["mem", "offset"],
+        cupy.from_dlpack: ["array", "*", "device", "copy"],
+        cupy.cuda.runtime.getDeviceProperties: ["device"],
+        cupy.cuda.runtime.memcpyPeerAsync: ["dst", "dstDevice", "src", "srcDevice", "size", "stream"],
+        cupy.cuda.runtime.deviceCanAccessPeer: ["device", "peerDevice"],
+        cupy.cuda.runtime.deviceEnablePeerAccess: ["peerDevice"],
+    }
+    for fn, names in want.items():
+        assert declared(fn) == names, (fn.__doc__ or "").strip().split("\n")[0]
+    assert declared(cupy.ndarray.__dlpack__)[:2] == ["*", "stream"]  # stream is keyword-only
+    assert declared(cupy.RawKernel)[:3] == ["code", "name", "options"]
+    for name in ("runtimeGetVersion", "driverGetVersion", "memcpyDeviceToDevice"):
+        assert hasattr(cupy.cuda.runtime, name), name
+
+
+def test_export_hands_cupy_a_legacy_capsule_it_reads(cupy, runtime):
+    """export_source's hand-over: cupy.from_dlpack on a re-typed legacy capsule that reports
+    a CUDA device ends in a CUDA error (no GPU here), not a TypeError from the binding. Whether
+    CuPy reads the capsule before it calls CUDA is not visible from here."""
+    from jreshard.nccl.buffers import _DLTensor, _get_pointer, retype_capsule
+    from jreshard.nccl.gpu_buffers import _Capsule
+
+    x = np.arange(16, dtype=np.float32)
+    capsule = x.__dlpack__()
+    _DLTensor.from_address(_get_pointer(capsule, b"dltensor")).device.device_type = 2  # kDLCUDA
+    capsule = retype_capsule(capsule, 1, 32)
+    try:
+        cupy.from_dlpack(_Capsule(capsule, 0))
+    except runtime.CUDARuntimeError:
+        return
+    pytest.skip("CUDA works here: the gpu tests cover the real hand-over")

@@ -165,3 +165,25 @@ def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
     assert backend.calls.count("synchronize") == 1 and backend.calls[-1] == "synchronize"
     assert backend.calls.count("fence") == stats.rounds + 1  # after the local copies, before each exchange
     np.testing.assert_array_equal(d2.view(np.float32).reshape(32, 32), host[:, 32:])
+
+
+def test_pack_runs_on_the_staging_gpu_stream_and_unpack_waits_for_the_current_stream(monkeypatch):
+    from jreshard.nccl import cuda_kernels as CK
+    from jreshard.nccl import kernels as K
+
+    monkeypatch.setattr(CK, "_KERNELS", {})  # the stand-in's kernels, cached per device
+    cp = fake_cupy()
+    bufs = CupyBuffers(cupy=cp)
+    staging = bufs.staging(4096, gpu(1))
+    with cp.cuda.Device(1):
+        src = cp.empty(256)
+    table = K.build_table([(0, (4, 64), Box((1, 16), (3, 48)))])
+    s1 = bufs.stream(1).ptr
+    cp.cuda.log.clear()
+    bufs.pack(table, [src], staging)
+    bufs.unpack(table, staging, [src])
+    launches = [e for e in cp.cuda.log if e[0] == "launch"]
+    assert [(e[2], e[3]) for e in launches] == [(1, s1), (1, s1)]  # GPU 1, its backend stream
+    log = [e for e in cp.cuda.log if e[0] in ("record", "wait_event", "launch")]
+    current = cp.cuda.current[1].ptr
+    assert log[1:] == [("record", current), ("wait_event", s1, current), launches[1]]

@@ -356,3 +356,51 @@ def test_final_wait_reports_nccl_and_cuda_errors_as_themselves():
     with pytest.raises(TransferError, match="cudaError 700 on GPU 0") as info:
         bufs.synchronize()
     assert type(info.value) is TransferError and calls(nccl.log, "abort")
+
+
+def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
+    """execute() with NcclComm.buffers(): every kernel and every send/receive on the GPU's one
+    stream, packs before their group and unpacks after it, no host wait until the end."""
+    from cupy_standins import FakeDeviceArray, fake_cupy
+
+    from jreshard.nccl import cuda_kernels as CK
+    from jreshard.nccl.engine import Shards, execute
+    from jreshard.options import Options
+    from jreshard.sharding.box import Box
+    from jreshard.sharding.layout import Layout
+    from jreshard.sharding.program import plan_layouts
+    from jreshard.sharding.topology import Topology
+
+    monkeypatch.setattr(CK, "_KERNELS", {})
+    cuda = RecordingCuda()
+    comm = NcclComm(
+        devices={0: 0, 1: 0, 2: 0},
+        local_devices={0: 0, 1: 0, 2: 0},
+        rendezvous=KeyValueRendezvous(Store()),
+        nccl=RecordingNccl(cuda),
+        cuda=cuda,
+    )
+    bufs = comm.buffers(timeout_s=5.0, cupy=fake_cupy(cuda))
+    shape = (256, 1024)
+    src = Layout.from_boxes(shape, "float32", {0: Box((0, 0), shape)})
+    dst = Layout.from_boxes(shape, "float32", {1: Box((0, 0), (256, 512)), 2: Box((0, 512), shape)})
+    topo = Topology.from_domains({0: 0, 1: 0, 2: 0}, devices={0: 0, 1: 1, 2: 2})
+    opts = Options(backend="nccl", chunk_bytes=128 << 10, staging_bytes=1 << 20, timeout_s=5.0)
+    plan = plan_layouts([(src, dst)], topo, opts)
+    half = 256 * 512 * 4
+    shards = Shards(
+        src={(0, 0): FakeDeviceArray(2 * half, 0, 1 << 30)},
+        dst={(0, 1): FakeDeviceArray(half, 0, 2 << 30), (0, 2): FakeDeviceArray(half, 0, 3 << 30)},
+    )
+    cuda.log.clear()
+    stats = execute(plan, comm, shards, options=opts, backend=bufs)
+    assert stats.rounds > 1
+    s = comm.stream(0).ptr
+    log = [e for e in cuda.log if e[0] in ("launch", "send", "recv", "groupStart", "groupEnd", "eventQuery")]
+    assert {(e[2], e[3]) for e in log if e[0] == "launch"} == {(0, s)}  # kernels: GPU 0, the NCCL stream
+    assert {e[6] for e in log if e[0] in ("send", "recv")} == {s}  # NCCL: the same stream
+    names = [e[0] for e in log]
+    assert names.count("groupStart") == stats.rounds and names[-1] == "eventQuery"
+    assert "eventQuery" not in names[: len(names) - names[::-1].index("groupEnd")]  # no host wait per exchange
+    assert names[0] == "launch" and names.index("launch") < names.index("groupStart")  # packed before sent
+    assert not calls(cuda.log, "synchronize", "abort")

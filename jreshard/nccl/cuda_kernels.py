@@ -45,6 +45,7 @@ Everything that calls CUDA here is not run on GPU yet.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -375,7 +376,7 @@ def launch(launch_table: np.ndarray, stream: Any, cupy: Any = None) -> None:
     if len(launch_table) == 0:
         return
     if cupy is None:
-        import cupy
+        cupy = importlib.import_module("cupy")
     with stream:
         table = cupy.asarray(np.ascontiguousarray(launch_table))
         _kernel(cupy)((grid_size(launch_table),), (THREADS,), (table, np.int32(len(launch_table))))

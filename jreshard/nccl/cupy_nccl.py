@@ -322,10 +322,11 @@ class NcclComm(Communicator):
     def _validate(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple]:
         """``(device key, is_send, peer device key, pointer, nbytes, op)`` in issue order."""
         local = set(self._local_ranks)
-        rows: list[tuple[tuple[int, int, int], tuple]] = []
-        for op, mine, peer, is_send in itertools.chain(
+        rows: list[tuple[tuple[int, int, int, int], tuple]] = []
+        ops: itertools.chain[tuple[SendOp | RecvOp, int, int, bool]] = itertools.chain(
             ((s, s.src, s.dst, True) for s in sends), ((r, r.dst, r.src, False) for r in recvs)
-        ):
+        )
+        for op, mine, peer, is_send in ops:
             if mine not in local:
                 what = "sends from" if is_send else "receives at"
                 raise ValueError(

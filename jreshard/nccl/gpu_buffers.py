@@ -277,11 +277,16 @@ class CupyBuffers(BufferBackend):
             CK.launch(CK.pack_launch(table, self._pointers(buffers), staging.data.ptr), self.stream(o), self._cp)
 
     def unpack(self, table: np.ndarray, staging: Any, buffers: Sequence[Any]) -> None:
-        """One kernel launch scattering ``staging`` into ``table``'s pieces. Not run on GPU."""
+        """One kernel launch scattering ``staging`` into ``table``'s pieces, after the work on the
+        device's current stream (where a communicator that copies there, like ``LocalComm``,
+        put the bytes; an event, no host wait). Not run on GPU."""
         if len(table) == 0:
             return
         o = staging.device.id
         with self._cp.cuda.Device(o):
+            current = self._cp.cuda.get_current_stream()
+            if current is not self.stream(o):
+                self.stream(o).wait_event(current.record())
             CK.launch(CK.unpack_launch(table, staging.data.ptr, self._pointers(buffers)), self.stream(o), self._cp)
 
     def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:

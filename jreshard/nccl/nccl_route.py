@@ -11,7 +11,6 @@ import jax
 
 from jreshard.errors import BackendUnavailableError
 from jreshard.nccl.cupy_nccl import NcclComm
-from jreshard.nccl.gpu_buffers import CupyBuffers
 from jreshard.nccl.rendezvous import KeyValueRendezvous
 from jreshard.options import Options
 from jreshard.report import ReportBuilder
@@ -55,7 +54,7 @@ def nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Opt
         namespace="jreshard.transfer",
         timeout_s=options.timeout_s,
     )
-    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in devs.items()})
+    buffers = comm.buffers(timeout_s=options.timeout_s)  # stream-ordered: one host wait, at the end
     try:
         out = transfer_multiprocess(
             x, target, topology=topology, options=options, transport=comm, buffers=buffers, report=builder
@@ -91,7 +90,7 @@ def nccl_multiprocess(
         namespace="jreshard.transfer",
         timeout_s=options.timeout_s,
     )
-    buffers = CupyBuffers(streams={int(d.local_hardware_id): comm.stream(r) for r, d in mine.items()})
+    buffers = comm.buffers(timeout_s=options.timeout_s)  # stream-ordered: one host wait, at the end
     try:
         return transfer_multiprocess(
             x, target, topology=topology, options=options, transport=comm, buffers=buffers, report=builder

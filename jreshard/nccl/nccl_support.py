@@ -1,5 +1,5 @@
 """What NcclComm needs from CuPy beyond the calls themselves: the unique id's type,
-CUDA event status, and waits bounded by ``timeout_s``.
+CUDA event status, waits bounded by ``timeout_s``, and buffer pointers.
 
 **The unique id.** CuPy 13's ``nccl.get_unique_id()`` returns 128 C ``char`` values
 as a tuple and ``NcclCommunicator(ndev, commId: tuple, rank)`` takes one; CuPy 14
