@@ -1,4 +1,4 @@
-"""jreshard vs gather-and-broadcast (MPI collectives) across 8 processes: 4 source, 4 destination.
+"""jreshard vs gather-broadcast (MPI collectives) across 8 processes: 4 source, 4 destination.
 
 Run: ``.venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/mpi_bench.py`` (JAX_PLATFORMS=cpu,
 JAX_NUM_CPU_DEVICES=1 are set here). Declared topology: the 4 source processes are one domain, the

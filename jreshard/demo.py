@@ -182,8 +182,8 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
 
     plans = {
         "jreshard": jreshard.plan(params, targets, topo),
-        "gather-and-broadcast": jreshard.baselines.gather_broadcast(params, targets, topo),
-        "flat direct sends": jreshard.baselines.flat_direct(params, targets, topo),
+        "gather-broadcast": jreshard.baselines.gather_broadcast(params, targets, topo),
+        "flat-direct": jreshard.baselines.flat_direct(params, targets, topo),
     }
     say("\nplans, MODELLED: the bytes a two-node deployment would move, counted from the plans (MiB):")
     say(f"  {'plan':<22}{'network':>9}{'bound':>8}{'fast':>8}{'local':>8}{'busiest NIC send':>18}{'messages':>10}")
@@ -199,12 +199,12 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
         return jax.tree.map(lambda w: w * 0.999 + 1e-3 * jax.numpy.sin(step + w), p)
 
     js = plans["jreshard"].stats()
-    gb = plans["gather-and-broadcast"].stats()
+    gb = plans["gather-broadcast"].stats()
     say("\nrefits, MEASURED on this host (times) beside the MODELLED plan bytes (MiB); each result checked")
     say("  bit-for-bit against jax.device_put's. transfer: into new arrays; transfer_into: into the engine's")
     say("  current weights (consumed like donated arguments)")
     say(
-        f"  {'refit':>5}{'model net MiB':>14}{'= bound':>9}{'gather-bcast':>14}{'model fast':>11}"
+        f"  {'refit':>5}{'model net MiB':>14}{'= bound':>9}{'gather-broadcast':>17}{'model fast':>11}"
         f"{'transfer ms':>13}{'transfer_into ms':>18}{'device_put ms':>15}{'exact':>7}"
     )
     rows = []
@@ -236,7 +236,7 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
         rows.append(row)
         say(
             f"  {i:>5}{_mib(js.network_bytes):>14}{'yes' if at_bound else 'NO':>9}"
-            f"{_mib(gb.network_bytes):>14}{_mib(js.fast_bytes):>11}{row['transfer_s'] * 1e3:>13.1f}"
+            f"{_mib(gb.network_bytes):>17}{_mib(js.fast_bytes):>11}{row['transfer_s'] * 1e3:>13.1f}"
             f"{row['transfer_into_s'] * 1e3:>18.1f}{row['device_put_s'] * 1e3:>15.1f}{'yes' if exact else 'NO':>7}"
         )
         del fresh, reference
@@ -246,7 +246,7 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
         return float(np.median([r[key] for r in later])) * 1e3
 
     say(
-        f"\nMODELLED network bytes: jreshard {_mib(js.network_bytes)} MiB = the lower bound; gather-and-broadcast "
+        f"\nMODELLED network bytes: jreshard {_mib(js.network_bytes)} MiB = the lower bound; gather-broadcast "
         f"{_mib(gb.network_bytes)} MiB ({gb.network_bytes / max(js.network_bytes, 1):.1f}x)."
     )
     tr, into, dp = median("transfer_s"), median("transfer_into_s"), median("device_put_s")

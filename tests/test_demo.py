@@ -14,7 +14,7 @@ def test_demo_prints_the_table_and_refits_exactly():
     out = io.StringIO()
     rows = run(DemoConfig(vocab=256, d_model=64, layers=1, refits=3), out=out)
     text = out.getvalue()
-    for needed in ("jreshard", "gather-and-broadcast", "flat direct sends", "transfer_into ms", "device_put ms"):
+    for needed in ("jreshard", "gather-broadcast", "flat-direct", "transfer_into ms", "device_put ms"):
         assert needed in text
     assert [r["refit"] for r in rows] == [1, 2, 3]
     assert all(r["exact"] for r in rows)
