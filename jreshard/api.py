@@ -40,7 +40,8 @@ from jreshard.nccl.direct import DirectTransfer, assemble, flatten, local_device
 from jreshard.nccl.engine import ExecStats, Shards, execute
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
-from jreshard.sharding.program import Plan, plan_layouts
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
 __all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]

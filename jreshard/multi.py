@@ -32,7 +32,8 @@ from jreshard.nccl.engine import ExecStats, Shards, execute
 from jreshard.nccl.mpi import MpiComm, import_mpi
 from jreshard.options import Options
 from jreshard.planning import layout_pairs
-from jreshard.sharding.program import Plan, plan_layouts
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
 __all__ = ["initialize", "run_plan", "transfer_multiprocess"]

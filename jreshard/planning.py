@@ -15,7 +15,8 @@ from jreshard.errors import LayoutError, LayoutMismatchError
 from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import Plan, plan_layouts
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
 __all__ = ["flat_direct", "gather_broadcast", "layout_pairs", "plan"]

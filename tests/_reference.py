@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.plan import Phase
-from jreshard.sharding.program import Plan
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.rows import Phase
 from jreshard.sharding.topology import Link, Topology
 
 

@@ -9,7 +9,7 @@ from strategies import plan_case
 
 from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
-from jreshard.sharding.program import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_program
 from jreshard.sharding.topology import Link
 
 
@@ -58,7 +58,7 @@ def test_baselines_deliver(case):
 @given(plan_case())
 def test_plan_is_deterministic(case):
     src, dst, topo, opts = case
-    from jreshard.sharding import plan as plan_mod
+    from jreshard.sharding import units as plan_mod
 
     a = plan_mod._tensor_plan.__wrapped__(src, dst, topo, Options(**opts), 0)
     b = plan_mod._tensor_plan.__wrapped__(src, dst, topo, Options(**opts), 0)

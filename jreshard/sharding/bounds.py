@@ -21,6 +21,7 @@ import functools
 
 import numpy as np
 
+from jreshard._cache import cache
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
@@ -51,7 +52,7 @@ def uncovered_volume(beta: Box, cover: list[Box]) -> int:
     return int(beta.volume - np.sum(np.where(covered, vol, 0)))
 
 
-@functools.lru_cache(maxsize=4096)
+@cache(max_size=4096)
 def network_lower_bound(src: Layout, dst: Layout, topo: Topology) -> int:
     """``Σ_G Σ_beta |beta \\ U(G)|`` in bytes (module docstring)."""
     src_in: dict[int, list[Box]] = {}

@@ -14,11 +14,11 @@ all source boxes at once with numpy, never by a search over rank pairs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
 
+from jreshard._cache import cache
 from jreshard.errors import LayoutError
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
@@ -91,7 +91,7 @@ def _disjoint(boxes: tuple[Box, ...], ndim: int) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=1024)
+@cache(max_size=1024)
 def source_index(layout: Layout) -> SourceIndex:
     """The disjoint form of a source layout (see the module docstring)."""
     groups = layout.replica_groups()
@@ -134,7 +134,7 @@ def pieces_of(beta: Box, index: SourceIndex, *, what: str = "destination") -> li
     return list(_pieces_of(beta, index, what))
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@cache(max_size=1 << 16)
 def _pieces_of(beta: Box, index: SourceIndex, what: str) -> tuple[tuple[Box, int], ...]:
     out: list[tuple[Box, int]] = []
     covered = 0
