@@ -107,6 +107,8 @@ def plan(src: Any, dst: Any, topology: Topology | None = None, options: Options 
       >>> s.network_bytes == s.network_bytes_lower_bound == 512
       True
     """
+    Topology.check_arg(topology)
+    Options.of(options)
     pairs, names, devices = layout_pairs(src, dst)
     return plan_layouts(pairs, _topology(topology, devices), options, names)
 
@@ -116,11 +118,15 @@ def gather_broadcast(
 ) -> Plan:
     """The gather-and-broadcast baseline as a Plan (see ``jreshard.sharding.baselines``);
     ``ring=True`` broadcasts along a chain of destinations, as NCCL does."""
+    Topology.check_arg(topology)
+    Options.of(options)
     pairs, names, devices = layout_pairs(src, dst)
     return gather_broadcast_layouts(pairs, _topology(topology, devices), options, names, ring=ring)
 
 
 def flat_direct(src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None) -> Plan:
     """The flat-direct-sends baseline as a Plan (see ``jreshard.sharding.baselines``)."""
+    Topology.check_arg(topology)
+    Options.of(options)
     pairs, names, devices = layout_pairs(src, dst)
     return flat_direct_layouts(pairs, _topology(topology, devices), options, names)

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["Box", "intersect"]
+__all__ = ["Box", "difference", "intersect"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -130,3 +130,28 @@ def intersect(a: Box, b: Box) -> Box | None:
     if any(h <= l for l, h in zip(lo, hi, strict=True)):
         return None
     return Box(lo, hi)
+
+
+def difference(a: Box, b: Box) -> list[Box]:
+    """``a`` minus ``b`` as disjoint boxes (at most two per dimension), in a fixed order.
+
+    Peel off, dimension by dimension, the slab of ``a`` below ``b`` and the slab
+    above it; what is left of ``a`` is ``a ∩ b``, which is dropped.
+
+    Example:
+      >>> difference(Box((0,), (8,)), Box((2,), (5,)))
+      [Box(lo=(0,), hi=(2,)), Box(lo=(5,), hi=(8,))]
+    """
+    x = intersect(a, b)
+    if x is None:
+        return [a]
+    out: list[Box] = []
+    rest = a
+    for d in range(a.ndim):
+        if rest.lo[d] < x.lo[d]:
+            below, rest = rest.split(d, x.lo[d])
+            out.append(below)
+        if x.hi[d] < rest.hi[d]:
+            rest, above = rest.split(d, x.hi[d])
+            out.append(above)
+    return out

@@ -270,7 +270,8 @@ class Layout:
         except LayoutError as err:
             raise LayoutJSONError(f"Layout.from_json: {err}") from err
         except (ValueError, KeyError, TypeError) as err:
-            shown = text if len(text) < 200 else text[:200] + "..."
+            raw = text.decode("utf-8", "replace") if isinstance(text, (bytes, bytearray)) else str(text)
+            shown = raw if len(raw) < 200 else raw[:200] + "..."
             raise LayoutJSONError(f"Layout.from_json: cannot parse {shown!r}: {err}") from err
 
 

@@ -56,8 +56,9 @@ class RankProgram:
     """What one rank does: local copies into its destination shards, then, stage
     by stage, the messages it sends and receives.
 
-    ``local`` are transfers whose sender shares the rank's device (the sender's
-    buffer is in this process). ``sends`` and ``recvs`` are sorted by
+    ``local`` are landings from a source shard on the rank's device (the sender's
+    buffer is in this process). A fan-out between two destination ranks that share
+    a device is labelled ``Link.LOCAL`` but travels as a message, at its stage. ``sends`` and ``recvs`` are sorted by
     ``(stage, peer)``.
     """
 
@@ -190,9 +191,10 @@ class Plan:
         return out
 
     def message_keys(self) -> np.ndarray:
-        """Distinct ``(stage, src, dst, link)`` rows of the non-local transfers."""
+        """Distinct ``(stage, src, dst, link)`` rows of the transfers that travel as messages
+        (all but the local landings from a source shard)."""
         c = self._columns
-        m = c["link"] != Link.LOCAL
+        m = (c["link"] != Link.LOCAL) | (c["phase"] != Phase.LAND)
         keys = np.stack([c["stage"][m], c["src"][m], c["dst"][m], c["link"][m]], axis=1).astype(np.int64)
         if not len(keys):
             return keys.reshape(0, 4)
@@ -264,7 +266,7 @@ def program_of(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
         )
         for src, dst, lk, ph, stage, lo, hi, nb in cols:
             link, box = Link(lk), Box(tuple(lo), tuple(hi))
-            if link == Link.LOCAL:
+            if link == Link.LOCAL and ph == Phase.LAND:  # from a source shard on the rank's device
                 if dst == rank:
                     local.append(Move(t, src, dst, box, link, Phase(ph), stage, nb))
                 continue

@@ -64,10 +64,8 @@ def _canonical(pairs: Sequence[LayoutPair]) -> tuple[LayoutPair, ...]:
 
 
 def _check_inputs(topology: object, options: object) -> None:
-    if topology is not None and not isinstance(topology, Topology):
-        raise TypeError(f"topology={topology!r} is a {type(topology).__name__}; expected a jreshard.Topology or None")
-    if options is not None and not isinstance(options, Options):
-        raise TypeError(f"options={options!r} is a {type(options).__name__}; expected a jreshard.Options or None")
+    Topology.check_arg(topology)
+    Options.of(options)
 
 
 @cache(max_size=128)

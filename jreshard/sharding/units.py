@@ -42,6 +42,7 @@ from jreshard.errors import LayoutMismatchError
 from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
+from jreshard.sharding.overlap import Overlaps, overlaps_of, take_from_earlier
 from jreshard.sharding.pieces import SourceIndex, overlapping, pieces_of, source_index
 from jreshard.sharding.rows import Phase, Row, TensorPlan
 from jreshard.sharding.topology import Link, Topology
@@ -123,6 +124,8 @@ class _Context:
     on_device: tuple[dict[int, int], ...]  # per source box: device -> its smallest replica there
     dlo: np.ndarray
     dhi: np.ndarray
+    overlaps: Overlaps | None  # destination groups that overlap inside one domain (overlap.py)
+    shared_devices: bool  # whether two destination ranks share a device (their fan-out is then a local copy)
 
 
 @cache(max_size=512)
@@ -146,7 +149,29 @@ def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
         on_device.append(dev)
     dlo = np.array([b.lo for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
     dhi = np.array([b.hi for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
-    return _Context(src, dst, topo, sidx, groups, tuple(by_domain), tuple(holders_in), tuple(on_device), dlo, dhi)
+    by_domain_t = tuple(by_domain)
+    devs = [topo.device_of(r) for r in dst.ranks]
+    return _Context(
+        src,
+        dst,
+        topo,
+        sidx,
+        groups,
+        by_domain_t,
+        tuple(holders_in),
+        tuple(on_device),
+        dlo,
+        dhi,
+        overlaps_of(groups, by_domain_t, dlo, dhi),
+        len(set(devs)) < len(devs),
+    )
+
+
+def _fast(ctx: _Context, a: int, b: int) -> Link:
+    """The link of a fan-out inside one domain: a local copy when the two ranks share a device."""
+    if ctx.shared_devices and ctx.topo.device_of(a) == ctx.topo.device_of(b):
+        return Link.LOCAL
+    return Link.FAST
 
 
 def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], only: int | None = None) -> None:
@@ -162,12 +187,22 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
     need: list[list[int]] = [[] for _ in pcs]  # piece -> domains that need it over the network
     ranks_of: dict[int, tuple[int, ...]] = {}
     nets: dict[int, tuple[tuple[int, Box], ...]] = {}
+    partial: set[tuple[int, int]] = set()  # (piece, domain): the domain takes part of the piece from earlier groups
+    ov = ctx.overlaps
     for g, holders in ctx.by_domain[u]:
         ranks_of[g] = holders
         net: list[tuple[int, Box]] = []
         for k, (pbox, j) in enumerate(pcs):
             inside = ctx.holders_in[j].get(g)
             if not inside:
+                if ov is not None and g in ov.earlier[u]:
+                    rest = take_from_earlier(ov, ctx.groups, topo, u, g, holders, k, pbox, rot, out, only)
+                    if rest != [pbox]:
+                        partial.add((k, g))
+                    net.extend((k, b) for b in rest)
+                    if rest:
+                        need[k].append(g)
+                    continue
                 net.append((k, pbox))
                 need[k].append(g)
                 continue
@@ -205,11 +240,16 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
         if not doms:
             continue
         replicas = ctx.sidx.holders[pcs[k][1]]
-        s, m = len(replicas), len(doms)
+        # A domain that takes part of the piece from an earlier group holds no whole piece to relay:
+        # it gets the rest straight from the replicas.
+        whole = [g for g in doms if (k, g) not in partial] if partial else doms
+        s, m = len(replicas), len(whole)
         if opts.relays and m > s:
-            chains = [doms[c * m // s : (c + 1) * m // s] for c in range(s)]
+            chains = [whole[c * m // s : (c + 1) * m // s] for c in range(s)]
         else:
-            chains = [[g] for g in doms]
+            chains = [[g] for g in whole]
+        if partial:
+            chains += [[g] for g in doms if (k, g) in partial]
         turn = rot + k
         for chain in chains:
             prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
@@ -253,9 +293,9 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
                     if only is None or holders[q] == only:
                         for qq, r in enumerate(holders):
                             if qq != q:
-                                out.append(Row(holders[q], r, Link.FAST, Phase.FANOUT, hop + 1, u, b))
+                                out.append(Row(holders[q], r, _fast(ctx, holders[q], r), Phase.FANOUT, hop + 1, u, b))
                     elif only in holders and holders.index(only) != q:
-                        out.append(Row(holders[q], only, Link.FAST, Phase.FANOUT, hop + 1, u, b))
+                        out.append(Row(holders[q], only, _fast(ctx, holders[q], only), Phase.FANOUT, hop + 1, u, b))
                 prev = (holders, mine)
 
 
@@ -301,6 +341,8 @@ def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[i
     didx = dst._index()
     if rank in didx:
         units.add(next(u for u, (b, rs) in enumerate(ctx.groups) if b == didx[rank]))
+        if ctx.overlaps is not None:  # later groups that take what they share with rank's box from it
+            units.update(overlapping(ctx.dlo, ctx.dhi, didx[rank]).tolist())
     return sorted(units)
 
 
