@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["cache", "clear_caches"]
+__all__ = ["cache", "clear_caches", "register_clear"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,7 +50,12 @@ def cache(max_size: int) -> Callable[[F], F]:
     return wrap
 
 
+def register_clear(clear: Callable[[], None]) -> None:
+    """Have :func:`clear_caches` also call ``clear`` (for a memo that is not a function's cache)."""
+    _REGISTRY.append(clear)
+
+
 def clear_caches() -> None:
     """Empty every cache made by :func:`cache` (plans, layouts, schedules)."""
     for fn in _REGISTRY:
-        fn.cache_clear()
+        getattr(fn, "cache_clear", fn)()

@@ -23,7 +23,7 @@ import numpy as np
 
 from jreshard.sharding.box import Box, difference, intersect
 from jreshard.sharding.pieces import overlapping
-from jreshard.sharding.rows import Phase, Row
+from jreshard.sharding.rows import Emitter, Phase, Row
 from jreshard.sharding.topology import Link, Topology
 
 __all__ = ["Overlaps", "overlaps_of", "take_from_earlier"]
@@ -76,9 +76,7 @@ def take_from_earlier(
     holders: Holders,
     k: int,
     pbox: Box,
-    rot: int,
-    out: list[Row],
-    only: int | None,
+    out: Emitter,
 ) -> list[Box]:
     """Append the rows that fill ``pbox`` (piece ``k`` of group ``u``) in domain ``g`` from earlier
     groups held there; return what is left of ``pbox`` (disjoint boxes), which must cross the network."""
@@ -95,11 +93,10 @@ def take_from_earlier(
             for q, r in enumerate(holders):
                 dev = topo.device_of(r)
                 h = next((h for h in hs if topo.device_of(h) == dev), None)
-                link = Link.LOCAL
-                if h is None:
-                    h, link = hs[(q + rot + k) % len(hs)], Link.FAST
-                if only is None or h == only or r == only:
-                    out.append(Row(h, r, link, Phase.FANOUT, ov.ready[e] + 1, u, x))
+                if h is not None:
+                    out.add(Row(h, r, Link.LOCAL, Phase.FANOUT, ov.ready[e] + 1, u, x))
+                else:
+                    out.pick(hs, q + k, r, Link.FAST, Phase.FANOUT, ov.ready[e] + 1, u, x)
         rest = left
         if not rest:
             break

@@ -23,7 +23,7 @@ from jreshard.errors import LayoutError
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 
-__all__ = ["SourceIndex", "pieces_of", "source_index", "overlapping"]
+__all__ = ["SourceIndex", "disjoint", "overlapping", "pieces_of", "source_index"]
 
 _MAX_CELLS = 1 << 20
 
@@ -68,7 +68,7 @@ def overlapping(lo: np.ndarray, hi: np.ndarray, box: Box) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
-def _disjoint(boxes: tuple[Box, ...], ndim: int) -> bool:
+def disjoint(boxes: tuple[Box, ...], ndim: int) -> bool:
     """Whether distinct boxes are pairwise disjoint.
 
     Fast case: if, in every dimension, the distinct intervals used by the boxes
@@ -96,7 +96,7 @@ def source_index(layout: Layout) -> SourceIndex:
     """The disjoint form of a source layout (see the module docstring)."""
     groups = layout.replica_groups()
     boxes = tuple(b for b, _ in groups)
-    if _disjoint(boxes, layout.ndim):
+    if disjoint(boxes, layout.ndim):
         holders = tuple(rs for _, rs in groups)
         lo, hi = _bounds(boxes, layout.ndim)
         return SourceIndex(boxes, holders, lo, hi)
@@ -141,10 +141,7 @@ def _pieces_of(beta: Box, index: SourceIndex, what: str) -> tuple[tuple[Box, int
     blo, bhi = beta.lo, beta.hi
     for j in overlapping(index.lo, index.hi, beta).tolist():
         sb = index.boxes[j]
-        box = Box(
-            tuple(max(a, c) for a, c in zip(blo, sb.lo, strict=True)),
-            tuple(min(b, e) for b, e in zip(bhi, sb.hi, strict=True)),
-        )
+        box = Box.trusted(tuple(map(max, blo, sb.lo)), tuple(map(min, bhi, sb.hi)))  # overlapping: a valid box
         out.append((box, j))
         covered += box.volume
     if beta.ndim == 0 and index.boxes:

@@ -243,15 +243,30 @@ class Plan:
         return program_of(rank, parts)
 
 
-def program_of(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
-    """The :class:`RankProgram` of ``rank`` from the rows of each tensor that involve it."""
+_LINKS = tuple(Link)
+_PHASES = tuple(Phase)
+
+
+def program_of(
+    rank: int, parts: Sequence[TensorPlan], boxes: Sequence[Sequence[Box] | None] | None = None
+) -> RankProgram:
+    """The :class:`RankProgram` of ``rank`` from the rows of each tensor that involve it.
+
+    ``boxes[t]``, where given, are the rows' boxes of tensor ``t`` as :class:`Box` values already
+    built (tensors with equal layouts share them), so that they are not built again.
+    """
     local: list[Move] = []
     sends: dict[tuple[int, int], list[Piece]] = {}
     recvs: dict[tuple[int, int], list[Piece]] = {}
     links: dict[tuple[int, int, int], Link] = {}
+    trusted = Box.trusted
     for t, tp in enumerate(parts):
         if not len(tp):
             continue
+        given = boxes[t] if boxes is not None else None
+        box_list = (
+            given if given is not None else list(map(trusted, map(tuple, tp.lo.tolist()), map(tuple, tp.hi.tolist())))
+        )
         # Whole columns to Python ints at once: far faster than indexing numpy scalars row by row.
         cols = zip(
             tp.src.tolist(),
@@ -259,16 +274,15 @@ def program_of(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
             tp.link.tolist(),
             tp.phase.tolist(),
             tp.stage.tolist(),
-            tp.lo.tolist(),
-            tp.hi.tolist(),
+            box_list,
             tp.nbytes.tolist(),
             strict=True,
         )
-        for src, dst, lk, ph, stage, lo, hi, nb in cols:
-            link, box = Link(lk), Box(tuple(lo), tuple(hi))
-            if link == Link.LOCAL and ph == Phase.LAND:  # from a source shard on the rank's device
+        for src, dst, lk, ph, stage, box, nb in cols:
+            link = _LINKS[lk]
+            if lk == Link.LOCAL and ph == Phase.LAND:  # from a source shard on the rank's device
                 if dst == rank:
-                    local.append(Move(t, src, dst, box, link, Phase(ph), stage, nb))
+                    local.append(Move(t, src, dst, box, link, _PHASES[ph], stage, nb))
                 continue
             if src == rank:
                 sends.setdefault((stage, dst), []).append(Piece(t, box, nb))

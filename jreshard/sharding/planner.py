@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jreshard._cache import cache
+from jreshard._cache import cache, register_clear
 from jreshard.options import Options
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Plan, RankProgram, program_of
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
-from jreshard.sharding.units import check_pair, plan_tensor, plan_tensor_for_rank
+from jreshard.sharding.units import check_pair, plan_tensor, rank_rows
 
 __all__ = ["LayoutPair", "check_pairs", "default_topology", "plan_layouts", "rank_program", "tensor_names"]
 
@@ -48,17 +48,36 @@ def tensor_names(pairs: Sequence[LayoutPair], names: Sequence[str] | None) -> tu
     return names
 
 
-@cache(max_size=4096)
+_CANONICAL: dict[Layout, Layout] = {}  # each layout value -> the first object seen with it
+_SEEN: dict[int, tuple[Layout, Layout]] = {}  # id(layout) -> (layout, its canonical); holding it keeps the id valid
+_MAX_SEEN = 8192
+
+
+def _clear_canonical() -> None:
+    _CANONICAL.clear()
+    _SEEN.clear()
+
+
+register_clear(_clear_canonical)
+
+
 def _canonical_layout(lay: Layout) -> Layout:
-    return lay
+    hit = _SEEN.get(id(lay))
+    if hit is not None and hit[0] is lay:
+        return hit[1]
+    if len(_SEEN) >= _MAX_SEEN or len(_CANONICAL) >= _MAX_SEEN:
+        _clear_canonical()
+    got = _CANONICAL.setdefault(lay, lay)
+    _SEEN[id(lay)] = (lay, got)
+    return got
 
 
 def _canonical(pairs: Sequence[LayoutPair]) -> tuple[LayoutPair, ...]:
     """The pairs with every layout replaced by the first equal layout seen (an equal value).
 
     Cache lookups then compare layouts by identity: equal layouts built anew (one
-    ``Layout`` object per tensor, say) are compared deeply once per lookup here,
-    not once per tensor in every later cache.
+    ``Layout`` object per tensor, say) are compared deeply once per object, not once
+    per tensor on every lookup. Bounded, and emptied by ``clear_caches()``.
     """
     return tuple((_canonical_layout(s), _canonical_layout(d)) for s, d in pairs)
 
@@ -116,5 +135,5 @@ def rank_program(
     topology = topology or default_topology(pairs)
     options = options or Options()
     check_pairs(pairs, topology, tensor_names(pairs, names))
-    parts = [plan_tensor_for_rank(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
-    return program_of(rank, parts)
+    rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
+    return program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])

@@ -43,11 +43,11 @@ from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.overlap import Overlaps, overlaps_of, take_from_earlier
-from jreshard.sharding.pieces import SourceIndex, overlapping, pieces_of, source_index
-from jreshard.sharding.rows import Phase, Row, TensorPlan
+from jreshard.sharding.pieces import SourceIndex, disjoint, overlapping, pieces_of, source_index
+from jreshard.sharding.rows import Emitter, Phase, Row, TensorPlan, TensorTemplate
 from jreshard.sharding.topology import Link, Topology
 
-__all__ = ["check_pair", "plan_tensor", "plan_tensor_for_rank", "stripe", "units_of_rank"]
+__all__ = ["check_pair", "plan_rows", "plan_tensor", "plan_tensor_for_rank", "rank_rows", "stripe", "units_of_rank"]
 
 
 def check_pair(src: Layout, dst: Layout, name: str) -> None:
@@ -86,20 +86,21 @@ def stripe(pieces: Sequence[tuple[int, Box]], k: int, itemsize: int, min_bytes: 
         while True:
             while pos < k - 1 and (pos + 1) * total <= cursor * k:
                 pos += 1
-            nbytes = rest.volume * itemsize
+            shape = rest.shape
+            nbytes = math.prod(shape) * itemsize
             space = ((pos + 1) * total) / k - cursor
-            d = next((e for e, n in enumerate(rest.shape) if n > 1), None)
+            d = next((e for e, n in enumerate(shape) if n > 1), None)
             if pos == k - 1 or d is None or nbytes <= space or nbytes < 2 * max(min_bytes, 1):
                 out.append((i, rest, pos))
                 cursor += nbytes
                 break
-            row = nbytes // rest.shape[d]
+            row = nbytes // shape[d]
             rows = round(space / row)
             if rows == 0:
                 pos += 1
                 continue
             rows = max(rows, -(-min_bytes // row))
-            if rows >= rest.shape[d] or (rest.shape[d] - rows) * row < min_bytes:
+            if rows >= shape[d] or (shape[d] - rows) * row < min_bytes:
                 out.append((i, rest, pos))
                 cursor += nbytes
                 break
@@ -162,7 +163,7 @@ def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
         tuple(on_device),
         dlo,
         dhi,
-        overlaps_of(groups, by_domain_t, dlo, dhi),
+        None if disjoint(tuple(b for b, _ in groups), dst.ndim) else overlaps_of(groups, by_domain_t, dlo, dhi),
         len(set(devs)) < len(devs),
     )
 
@@ -174,13 +175,14 @@ def _fast(ctx: _Context, a: int, b: int) -> Link:
     return Link.FAST
 
 
-def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], only: int | None = None) -> None:
-    """Append the rows of destination replica group ``u`` to ``out`` (module docstring).
+def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
+    """Emit the rows of destination replica group ``u`` into ``out`` (module docstring).
 
-    With ``only`` set, append just the rows that send from or arrive at rank
+    With ``out.only`` set, emit just the rows that send from or arrive at rank
     ``only``, in the same order: hops of a chain that ``only`` takes no part in
-    are skipped, except for what the replica rotation ``turn`` needs.
+    are skipped, except for the landings it may send as a replica.
     """
+    only = out.only
     beta, _ = ctx.groups[u]
     topo, itemsize = ctx.topo, ctx.src.itemsize
     pcs = pieces_of(beta, ctx.sidx)
@@ -189,6 +191,8 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
     nets: dict[int, tuple[tuple[int, Box], ...]] = {}
     partial: set[tuple[int, int]] = set()  # (piece, domain): the domain takes part of the piece from earlier groups
     ov = ctx.overlaps
+    shared = ctx.shared_devices
+    fan = Phase.FANOUT
     for g, holders in ctx.by_domain[u]:
         ranks_of[g] = holders
         net: list[tuple[int, Box]] = []
@@ -196,7 +200,7 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
             inside = ctx.holders_in[j].get(g)
             if not inside:
                 if ov is not None and g in ov.earlier[u]:
-                    rest = take_from_earlier(ov, ctx.groups, topo, u, g, holders, k, pbox, rot, out, only)
+                    rest = take_from_earlier(ov, ctx.groups, topo, u, g, holders, k, pbox, out)
                     if rest != [pbox]:
                         partial.add((k, g))
                     net.extend((k, b) for b in rest)
@@ -209,12 +213,9 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
             for q, r in enumerate(holders):
                 h = ctx.on_device[j].get(topo.device_of(r))
                 if h is not None:
-                    row = Row(h, r, Link.LOCAL, Phase.LAND, 0, u, pbox)
+                    out.add(Row(h, r, Link.LOCAL, Phase.LAND, 0, u, pbox))
                 else:
-                    h = inside[(q + rot + k) % len(inside)]
-                    row = Row(h, r, Link.FAST, Phase.LAND, 0, u, pbox)
-                if only is None or h == only or r == only:
-                    out.append(row)
+                    out.pick(inside, q + k, r, Link.FAST, Phase.LAND, 0, u, pbox)
         if net:
             nets[g] = tuple(net)
     # stripe() is a pure function of (pieces, landers): domains with equal inputs share one result,
@@ -250,7 +251,7 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
             chains = [[g] for g in whole]
         if partial:
             chains += [[g] for g in doms if (k, g) in partial]
-        turn = rot + k
+        turn = k  # the emitter adds the rotation
         for chain in chains:
             prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
             for hop, g in enumerate(chain):
@@ -261,25 +262,21 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
                     mine = stripes_of(g).get(k, []) if prev is None or chain[hop + 1 :] else []
                     if prev is None:
                         for b, q in mine:
-                            if replicas[turn % s] == only:
-                                out.append(Row(only, holders[q], Link.NETWORK, Phase.LAND, 0, u, b))
+                            out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
                             turn += 1
                     prev = (holders, mine)
                     continue
                 mine = stripes_of(g).get(k, [])
                 if prev is None:
                     for b, q in mine:
-                        sender = replicas[turn % s]
-                        if only is None or sender == only or holders[q] == only:
-                            out.append(Row(sender, holders[q], Link.NETWORK, Phase.LAND, 0, u, b))
+                        out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
                         turn += 1
                 elif prev[1] is mine:
                     # Both hops cut piece k alike (one shared stripe() result), and the stripes of a
                     # piece are disjoint: stripe b meets only itself, so the relay is lander q -> lander q.
                     prev_holders = prev[0]
                     for b, q in mine:
-                        if only is None or prev_holders[q] == only or holders[q] == only:
-                            out.append(Row(prev_holders[q], holders[q], Link.NETWORK, Phase.RELAY, hop, u, b))
+                        out.add(Row(prev_holders[q], holders[q], Link.NETWORK, Phase.RELAY, hop, u, b))
                 else:
                     prev_holders, prev_mine = prev
                     for b, q in mine:
@@ -288,14 +285,20 @@ def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[Row], o
                                 continue
                             x = intersect(b, pb)
                             if x is not None:
-                                out.append(Row(prev_holders[pq], holders[q], Link.NETWORK, Phase.RELAY, hop, u, x))
+                                out.add(Row(prev_holders[pq], holders[q], Link.NETWORK, Phase.RELAY, hop, u, x))
+                rows = out.rows
                 for b, q in mine:
-                    if only is None or holders[q] == only:
+                    lander = holders[q]
+                    if only is None or lander == only:
+                        if not shared:  # one block row: the same box to every other holder
+                            if len(holders) > 1:
+                                rows.append(Row(lander, holders[:q] + holders[q + 1 :], Link.FAST, fan, hop + 1, u, b))
+                            continue
                         for qq, r in enumerate(holders):
                             if qq != q:
-                                out.append(Row(holders[q], r, _fast(ctx, holders[q], r), Phase.FANOUT, hop + 1, u, b))
+                                rows.append(Row(lander, r, _fast(ctx, lander, r), fan, hop + 1, u, b))
                     elif only in holders and holders.index(only) != q:
-                        out.append(Row(holders[q], only, _fast(ctx, holders[q], only), Phase.FANOUT, hop + 1, u, b))
+                        rows.append(Row(lander, only, _fast(ctx, lander, only), fan, hop + 1, u, b))
                 prev = (holders, mine)
 
 
@@ -310,22 +313,39 @@ def _rotation_period(ctx: _Context) -> int | None:
     return p if p <= 64 else None
 
 
+def _rotation(ctx: _Context, tensor_index: int) -> int:
+    period = _rotation_period(ctx)
+    return tensor_index % period if period else tensor_index
+
+
+@cache(max_size=1024)
+def _template(src: Layout, dst: Layout, topo: Topology, opts: Options) -> TensorTemplate:
+    """Every row of the tensor, replica choices open: planned once per layout pair, stamped per tensor."""
+    ctx = _context(src, dst, topo)
+    out = Emitter(None)
+    for u in range(len(ctx.groups)):
+        _plan_unit(ctx, u, opts, out)
+    return out.template(src.ndim, src.itemsize)
+
+
 @cache(max_size=4096)
 def _tensor_plan(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
+    return _template(src, dst, topo, opts).stamp(rot)
+
+
+def plan_rows(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
+    """The rows for rotation ``rot``, planned directly (no template): the reference the templates must equal."""
     ctx = _context(src, dst, topo)
-    rows: list[Row] = []
+    out = Emitter(rot)
     for u in range(len(ctx.groups)):
-        _plan_unit(ctx, u, rot, opts, rows)
-    return TensorPlan.from_rows(rows, src.ndim, src.itemsize)
+        _plan_unit(ctx, u, opts, out)
+    return TensorPlan.from_rows(out.rows, src.ndim, src.itemsize)
 
 
 def plan_tensor(src: Layout, dst: Layout, topo: Topology, opts: Options, tensor_index: int = 0) -> TensorPlan:
     """The plan of one tensor; ``tensor_index`` rotates replica choices so that
     many tensors with the same layouts spread over the replicas."""
-    ctx = _context(src, dst, topo)
-    period = _rotation_period(ctx)
-    rot = tensor_index % period if period else tensor_index
-    return _tensor_plan(src, dst, topo, opts, rot)
+    return _tensor_plan(src, dst, topo, opts, _rotation(_context(src, dst, topo), tensor_index))
 
 
 def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[int]:
@@ -346,15 +366,35 @@ def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[i
     return sorted(units)
 
 
+@cache(max_size=8192)
+def _rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int) -> TensorTemplate:
+    """The rows that may involve ``rank`` for some rotation, from only the units it takes part in."""
+    ctx = _context(src, dst, topo)
+    out = Emitter(None, only=rank)
+    for u in units_of_rank(src, dst, topo, rank):
+        _plan_unit(ctx, u, opts, out)
+    return out.template(src.ndim, src.itemsize)
+
+
+def rank_rows(
+    src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int, tensor_index: int = 0
+) -> tuple[TensorPlan, list[Box]]:
+    """The rows of one tensor's plan that send from or arrive at ``rank``, and their boxes,
+    built from only the units that rank takes part in (one template per layout pair and rank)."""
+    tmpl = _rank_template(src, dst, topo, opts, rank)
+    tp = tmpl.stamp(_rotation(_context(src, dst, topo), tensor_index))
+    if not len(tp):
+        return tp, []
+    keep = (tp.src == rank) | (tp.dst == rank)
+    if keep.all():
+        return tp, tmpl.boxes
+    idx = np.flatnonzero(keep)
+    boxes = tmpl.boxes
+    return tp.select(idx), [boxes[i] for i in idx.tolist()]
+
+
 def plan_tensor_for_rank(
     src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int, tensor_index: int = 0
 ) -> TensorPlan:
-    """The rows of one tensor's plan that send from or arrive at ``rank``,
-    built from only the units that rank takes part in."""
-    ctx = _context(src, dst, topo)
-    period = _rotation_period(ctx)
-    rot = tensor_index % period if period else tensor_index
-    rows: list[Row] = []
-    for u in units_of_rank(src, dst, topo, rank):
-        _plan_unit(ctx, u, rot, opts, rows, only=rank)
-    return TensorPlan.from_rows(rows, src.ndim, src.itemsize)
+    """The rows of one tensor's plan that send from or arrive at ``rank`` (see :func:`rank_rows`)."""
+    return rank_rows(src, dst, topo, opts, rank, tensor_index)[0]
