@@ -34,7 +34,7 @@ from jreshard.models import refit, refit_topology
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_program
 from jreshard.sharding.topology import Topology
 
 NIC, NVLINK = 50e9, 900e9  # GB200 NVL72: 400 Gb/s NIC per GPU; NVLink 5 at 900 GB/s each way per GPU

@@ -27,12 +27,12 @@ from jreshard.planning import plan as plan
 from jreshard.report import TransferReport as TransferReport
 from jreshard.sharding.box import Box as Box
 from jreshard.sharding.layout import Layout as Layout
-from jreshard.sharding.plan import Phase as Phase
-from jreshard.sharding.program import Message as Message
-from jreshard.sharding.program import Plan as Plan
-from jreshard.sharding.program import PlanStats as PlanStats
-from jreshard.sharding.program import RankProgram as RankProgram
-from jreshard.sharding.program import Transfer as Transfer
+from jreshard.sharding.plan import Message as Message
+from jreshard.sharding.plan import Plan as Plan
+from jreshard.sharding.plan import PlanStats as PlanStats
+from jreshard.sharding.plan import RankProgram as RankProgram
+from jreshard.sharding.rows import Move as Move
+from jreshard.sharding.rows import Phase as Phase
 from jreshard.sharding.topology import Link as Link
 from jreshard.sharding.topology import Links as Links
 from jreshard.sharding.topology import Topology as Topology
@@ -56,6 +56,8 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     return sorted([*__all__, "__version__"])
 
+
+Transfer = Move  # the old name of Move, kept so that code using it keeps working
 
 __version__ = "0.1.0"
 

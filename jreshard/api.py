@@ -5,14 +5,13 @@ transport (:func:`jreshard.nccl.backend.select_backend`), and the choice is fina
 an explicit backend that cannot start raises :class:`BackendUnavailableError`
 saying why, never falling back to another.
 
-- ``local``: every device taking part is addressable here (a single-controller
-  program on CPU devices, or one host's GPUs). Each piece of each destination shard
-  is copied straight from a source shard that holds it: no staging, no messages,
-  and the global array is never materialised on the host. Source shards are
-  exported zero-copy with DLPack; destination shards are taken from a pool of
-  buffers that jax has released (warm memory, :mod:`jreshard.nccl.pool`), imported
-  zero-copy on their device, and assembled with
-  ``jax.make_array_from_single_device_arrays``.
+- ``local``: every device taking part is addressable in this process (a
+  single-controller program on CPU devices). The plan of each layout group is
+  lowered to local copies (:mod:`jreshard.nccl.lowering`) and run for every leaf of
+  the group at once (:mod:`jreshard.nccl.inprocess`): source shards are read through
+  their buffers, destination shards come from a pool of memory jax has released
+  (:mod:`jreshard.nccl.pool`), and the global array is never materialised on the
+  host. On GPUs in one process the engine below runs over local copies.
 - ``mpi``: :func:`jreshard.multi.transfer_multiprocess`, the message-passing
   engine over MPI; every process of the cluster calls ``transfer``.
 - ``nccl``: the same engine over ``NcclComm``, in one process with GPUs or across
@@ -20,8 +19,8 @@ saying why, never falling back to another.
   :func:`jreshard.multi.transfer_multiprocess`). Not run on GPU.
 
 All the work that depends only on shapes, dtypes and shardings is cached
-(:func:`jreshard.nccl.direct.direct_transfer`): the second transfer of the same
-pytree spends no time planning. Every check runs before any byte is written.
+(:mod:`jreshard.frontdoor`): the second transfer of the same pytree spends no time
+planning. Every check runs before any byte is written.
 ``report=True`` returns a :class:`~jreshard.report.TransferReport` with the result.
 """
 

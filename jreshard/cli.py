@@ -164,7 +164,7 @@ def _case(args: argparse.Namespace) -> _Case:
 def _plans(case: _Case) -> list[tuple[str, Any, float]]:
     """jreshard's plan and the three baselines, each with the seconds it took to build."""
     from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
-    from jreshard.sharding.program import plan_layouts
+    from jreshard.sharding.planner import plan_layouts
 
     out = []
     for label, build in (

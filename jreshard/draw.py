@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import Plan
 from jreshard.sharding.topology import Link
+
+if TYPE_CHECKING:  # Plan.draw calls draw_plan: importing Plan here at run time would close a circle
+    from jreshard.sharding.plan import Plan
 
 __all__ = ["LINK_STYLE", "draw_loads", "draw_plan"]
 

@@ -33,7 +33,8 @@ from jreshard.nccl.mpi import MpiComm, import_mpi
 from jreshard.options import Options
 from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
-from jreshard.sharding.program import Plan, plan_layouts
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
 __all__ = ["initialize", "run_plan", "transfer_multiprocess"]

@@ -59,7 +59,7 @@ class Options:
             object.__setattr__(self, "backend", b)
         for f in ("staging_bytes", "chunk_bytes"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"Options: {f}={v!r} must be a positive int")
         if self.chunk_bytes > self.staging_bytes:
             raise ValueError(
@@ -70,8 +70,31 @@ class Options:
             raise ValueError(f"Options: timeout_s={self.timeout_s!r} must be a positive number of seconds")
         if self.copy_threads is not None and (not isinstance(self.copy_threads, int) or self.copy_threads < 1):
             raise ValueError(f"Options: copy_threads={self.copy_threads!r} must be None or an int >= 1")
-        if not isinstance(self.min_stripe_bytes, int) or self.min_stripe_bytes < 0:
+        if not isinstance(self.relays, bool):
+            raise TypeError(f"Options: relays={self.relays!r} must be True or False")
+        if (
+            not isinstance(self.min_stripe_bytes, int)
+            or isinstance(self.min_stripe_bytes, bool)
+            or self.min_stripe_bytes < 0
+        ):
             raise ValueError(f"Options: min_stripe_bytes={self.min_stripe_bytes!r} must be an int >= 0")
+
+    @staticmethod
+    def of(options: object, name: str = "options") -> Options:
+        """``options`` itself, or the defaults for ``None``.
+
+        Raises:
+          TypeError: ``options`` is neither an :class:`Options` nor None (a dict, a string...).
+
+        Example:
+          >>> Options.of(None) == Options()
+          True
+        """
+        if options is None:
+            return Options()
+        if not isinstance(options, Options):
+            raise TypeError(f"{name}={options!r} is a {type(options).__name__}; expected jreshard.Options(...) or None")
+        return options
 
     def plan_key(self) -> tuple:
         """The fields that change a plan (the rest change only how it runs)."""

@@ -15,7 +15,8 @@ from jreshard.errors import LayoutError, LayoutMismatchError
 from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import Plan, plan_layouts
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
 __all__ = ["flat_direct", "gather_broadcast", "layout_pairs", "plan"]
@@ -106,6 +107,8 @@ def plan(src: Any, dst: Any, topology: Topology | None = None, options: Options 
       >>> s.network_bytes == s.network_bytes_lower_bound == 512
       True
     """
+    Topology.check_arg(topology)
+    Options.of(options)
     pairs, names, devices = layout_pairs(src, dst)
     return plan_layouts(pairs, _topology(topology, devices), options, names)
 
@@ -115,11 +118,15 @@ def gather_broadcast(
 ) -> Plan:
     """The gather-broadcast baseline as a Plan (see ``jreshard.sharding.baselines``);
     ``ring=True`` ("gather-broadcast (ring)") broadcasts along a chain of destinations, as NCCL does."""
+    Topology.check_arg(topology)
+    Options.of(options)
     pairs, names, devices = layout_pairs(src, dst)
     return gather_broadcast_layouts(pairs, _topology(topology, devices), options, names, ring=ring)
 
 
 def flat_direct(src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None) -> Plan:
     """The flat-direct baseline as a Plan (see ``jreshard.sharding.baselines``)."""
+    Topology.check_arg(topology)
+    Options.of(options)
     pairs, names, devices = layout_pairs(src, dst)
     return flat_direct_layouts(pairs, _topology(topology, devices), options, names)

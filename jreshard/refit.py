@@ -112,7 +112,7 @@ class RefitGroup:
         self._base = bases[self._control.rank]
         self._index = {n: t for t, n in enumerate(self.names)}
         self.topology = Topology.from_domains(domains, devices={r: r for r in domains}, **(links or {}))
-        from jreshard.sharding.program import plan_layouts
+        from jreshard.sharding.planner import plan_layouts
 
         self.plan = plan_layouts(pairs, self.topology, self.options, self.names)
         self._me = self._control.rank

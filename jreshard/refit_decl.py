@@ -99,7 +99,7 @@ def validate(decls: Mapping[int, dict]) -> list[str]:
         return errors
     try:
         names, pairs, domains, _, _ = group_layouts(decls)
-        from jreshard.sharding.program import plan_layouts
+        from jreshard.sharding.planner import plan_layouts
         from jreshard.sharding.topology import Topology
 
         plan_layouts(pairs, Topology.from_domains(domains, devices={r: r for r in domains}), None, names)

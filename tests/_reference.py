@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.plan import Phase
-from jreshard.sharding.program import Plan
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.rows import Phase
 from jreshard.sharding.topology import Link, Topology
 
 
@@ -90,27 +90,29 @@ def check_destinations(plan: Plan, values: list[np.ndarray], results: dict, *, e
 
 
 def brute_force_lower_bound(src: Layout, dst: Layout, topo: Topology) -> int:
-    """``Σ_G Σ_beta |beta \\ U(G)|`` with element masks (small shapes only)."""
+    """``Σ_G |(∪_beta beta) \\ U(G)|`` with element masks (small shapes only): each element a
+    domain needs and does not hold enters it once, however many of its boxes share it."""
     total = 0
     for g in sorted(set(topo.domain_of(r) for r in dst.ranks)):
         u = np.zeros(src.shape, bool)
         for r, b in zip(src.ranks, src.boxes, strict=True):
             if topo.domain_of(r) == g:
                 u[b.slices()] = True
-        for beta in {b for r, b in zip(dst.ranks, dst.boxes, strict=True) if topo.domain_of(r) == g}:
-            total += int((~u[beta.slices()]).sum())
+        need = np.zeros(src.shape, bool)
+        for r, b in zip(dst.ranks, dst.boxes, strict=True):
+            if topo.domain_of(r) == g:
+                need[b.slices()] = True
+        total += int((need & ~u).sum())
     return total * src.itemsize
 
 
 def network_entries(plan: Plan) -> dict:
-    """Per (tensor, domain, destination box): how many times each element crossed the network into it."""
+    """Per (tensor, domain): how many times each element crossed the network into the domain."""
     topo = plan.topology
     out: dict = {}
     for t, (spec, tp) in enumerate(zip(plan.tensors, plan.tensor_plans, strict=True)):
-        dst_box = dict(zip(spec.dst.ranks, spec.dst.boxes, strict=True))
         for i in np.flatnonzero(tp.link == Link.NETWORK):
-            d = int(tp.dst[i])
-            key = (t, topo.domain_of(d), dst_box[d])
+            key = (t, topo.domain_of(int(tp.dst[i])))
             arr = out.setdefault(key, np.zeros(spec.src.shape, np.int64))
             arr[tp.box(i).slices()] += 1
     return out

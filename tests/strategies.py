@@ -7,6 +7,7 @@ import math
 import numpy as np
 from hypothesis import strategies as st
 
+from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 
@@ -99,4 +100,49 @@ def plan_case(draw, max_ranks: int = 16):
                 devices[r] = devices[draw(st.sampled_from(peers))]
     topo = Topology.from_domains(domains, devices=devices)
     opts = {"relays": draw(st.booleans()), "min_stripe_bytes": draw(st.sampled_from([0, 1, 16, 1 << 16]))}
+    return src, dst, topo, opts
+
+
+@st.composite
+def overlap_case(draw, max_ranks: int = 12):
+    """(src, dst, topology, options-kwargs) whose destination boxes overlap inside domains.
+
+    The source is a mesh layout (any spec, so it may be replicated or split); every
+    destination rank holds a random box, and boxes of one domain often overlap. Some
+    destination ranks share a device with one another, some with a source rank.
+    """
+    ndim = draw(st.integers(1, 2))
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(ndim))
+    dtype = draw(st.sampled_from(["float32", "int8", "float64"]))
+    n_src = draw(st.integers(1, 4))
+    src_ranks = list(range(n_src))
+    mesh, names, spec = draw(mesh_layout(src_ranks, ndim, [1] * ndim, dtype))
+    sizes = dict(zip(names, mesh.shape, strict=True))
+    # Keep only the splits that divide the drawn shape (else replicate that dimension).
+    fixed = []
+    for d, e in enumerate(spec):
+        axes = () if e is None else (e,) if isinstance(e, str) else e
+        fixed.append(e if shape[d] % math.prod(sizes[a] for a in axes) == 0 else None)
+    src = Layout.from_mesh(mesh, names, tuple(fixed), shape, dtype)
+    n_dst = draw(st.integers(1, max_ranks - n_src))
+    dst_ranks = list(range(n_src, n_src + n_dst))
+    boxes = {}
+    for r in dst_ranks:
+        lo, hi = [], []
+        for n in shape:
+            a = draw(st.integers(0, n - 1))
+            b = draw(st.integers(a + 1, n))
+            lo.append(a)
+            hi.append(b)
+        boxes[r] = Box(tuple(lo), tuple(hi))
+    dst = Layout.from_boxes(shape, dtype, boxes)
+    n_domains = draw(st.integers(1, 3))
+    domains = {r: draw(st.integers(0, n_domains - 1)) for r in src_ranks + dst_ranks}
+    devices = {r: r for r in domains}
+    for r in dst_ranks:  # share a device with a rank of the same domain, sometimes
+        peers = [q for q in domains if q < r and domains[q] == domains[r]]
+        if peers and draw(st.integers(0, 3)) == 0:
+            devices[r] = devices[draw(st.sampled_from(peers))]
+    topo = Topology.from_domains(domains, devices=devices)
+    opts = {"relays": draw(st.booleans()), "min_stripe_bytes": draw(st.sampled_from([0, 1, 16]))}
     return src, dst, topo, opts

@@ -16,8 +16,9 @@ from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.plan import Phase, TensorPlan, TensorSpec
-from jreshard.sharding.program import Plan, plan_layouts
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.planner import plan_layouts
+from jreshard.sharding.rows import Phase, TensorPlan, TensorSpec
 from jreshard.sharding.topology import Link, Links, Topology
 
 

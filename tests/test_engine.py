@@ -19,7 +19,7 @@ from jreshard.report import ReportBuilder
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import plan_layouts
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Link, Topology
 
 SENTINEL = 0xA5

@@ -184,7 +184,7 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     from jreshard.nccl.rendezvous import KeyValueRendezvous
     from jreshard.options import Options
     from jreshard.sharding.layout import Layout
-    from jreshard.sharding.program import plan_layouts
+    from jreshard.sharding.planner import plan_layouts
     from jreshard.sharding.topology import Topology
 
     shape = (256, 1024)

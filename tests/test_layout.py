@@ -20,7 +20,7 @@ import jreshard
 from jreshard.errors import IndivisibleError, LayoutError, LayoutJSONError, LayoutMismatchError, TopologyError
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import plan_layouts
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Link, Topology
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -172,9 +172,9 @@ def test_sharding_imports_no_transport(path):
 def test_sharding_runs_without_jax_loaded():
     code = (
         "import sys, numpy as np\n"
-        "import jreshard.sharding.program, jreshard.sharding.baselines\n"
+        "import jreshard.sharding.plan, jreshard.sharding.baselines\n"
         "from jreshard.sharding.layout import Layout\n"
-        "from jreshard.sharding.program import plan_layouts\n"
+        "from jreshard.sharding.planner import plan_layouts\n"
         "a = Layout.from_mesh(np.arange(4), ('x',), ('x',), (8,), 'bfloat16')\n"
         "b = Layout.from_mesh(np.arange(4, 6), ('x',), ('x',), (8,), 'bfloat16')\n"
         "plan_layouts([(a, b)]).stats()\n"

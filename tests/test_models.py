@@ -11,7 +11,7 @@ from jreshard.models import MODELS, Parallelism, Param, Role, deepseek_v3, kimi_
 from jreshard.models.llama3 import llama3_70b
 from jreshard.models.qwen3 import qwen3_235b
 from jreshard.sharding.box import Box
-from jreshard.sharding.program import plan_layouts
+from jreshard.sharding.planner import plan_layouts
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,10 @@ import jreshard
 from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.plan import Phase, stripe
-from jreshard.sharding.program import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.rows import Phase
 from jreshard.sharding.topology import Link, Topology
+from jreshard.sharding.units import stripe
 
 MiB = 1 << 20
 

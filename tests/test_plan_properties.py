@@ -9,7 +9,7 @@ from strategies import plan_case
 
 from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
-from jreshard.sharding.program import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_program
 from jreshard.sharding.topology import Link
 
 
@@ -56,14 +56,17 @@ def test_baselines_deliver(case):
 
 
 @given(plan_case())
-def test_plan_is_deterministic(case):
+def test_plan_is_deterministic_and_stamps_equal_direct_plans(case):
     src, dst, topo, opts = case
-    from jreshard.sharding import plan as plan_mod
+    from jreshard.sharding import units
 
-    a = plan_mod._tensor_plan.__wrapped__(src, dst, topo, Options(**opts), 0)
-    b = plan_mod._tensor_plan.__wrapped__(src, dst, topo, Options(**opts), 0)
-    for f in ("src", "dst", "link", "phase", "stage", "lo", "hi"):
-        np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+    o = Options(**opts)
+    for rot in (0, 1, 2, 5):
+        # A template planned once and stamped for a rotation equals planning that rotation from scratch.
+        a = units._template.__wrapped__(src, dst, topo, o).stamp(rot)
+        b = units.plan_rows(src, dst, topo, o, rot)
+        for f in ("src", "dst", "link", "phase", "stage", "unit", "lo", "hi", "nbytes"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
 
 
 @given(plan_case())

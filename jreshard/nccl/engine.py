@@ -1,4 +1,4 @@
-"""The engine: run the ranks' parts of a :class:`~jreshard.sharding.program.Plan` over a Communicator.
+"""The engine: run the ranks' parts of a :class:`~jreshard.sharding.plan.Plan` over a Communicator.
 
 Every transport (in-process, MPI, NCCL) drives this same code; only the
 :class:`~jreshard.nccl.comm.Communicator` and the
@@ -46,7 +46,7 @@ from jreshard.nccl.schedule import (
 )
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
-from jreshard.sharding.program import Plan
+from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link
 
 __all__ = [

@@ -39,7 +39,7 @@ from jreshard.nccl.lowering import LocalProgram, addresses, lower_local
 from jreshard.nccl.pool import ALIGN, BufferPool, default_pool
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
-from jreshard.sharding.program import plan_layouts
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
 __all__ = ["program_of", "run_local"]

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jreshard.nccl.strided import CopyClass
-from jreshard.sharding.program import Plan
+from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link
 
 __all__ = ["FROM_DST", "FROM_SRC", "ClassRows", "LocalProgram", "addresses", "geometry", "lower_local"]

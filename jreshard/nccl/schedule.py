@@ -37,16 +37,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from jreshard._cache import cache
 from jreshard.errors import TransferError
 from jreshard.nccl import kernels
 from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
-from jreshard.sharding.program import Message, Plan
+from jreshard.sharding.plan import Message, Plan
 from jreshard.sharding.topology import Link
 
 __all__ = [
@@ -219,7 +219,7 @@ def _first_fit(use: dict[int, list[int]], a: int, na: int, b: int, nb: int, lb: 
         r += 1
 
 
-@functools.lru_cache(maxsize=32)
+@cache(max_size=32)
 def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: int) -> Schedule:
     shapes = _Shapes(plan)
     ranks = sorted({r for t in plan.tensors for r in (*t.src.ranks, *t.dst.ranks)})

@@ -22,8 +22,9 @@ from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.pieces import pieces_of, source_index
-from jreshard.sharding.plan import Phase, TensorPlan, TensorSpec
-from jreshard.sharding.program import Plan, _check, _names, default_topology
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.planner import check_pairs, default_topology, tensor_names
+from jreshard.sharding.rows import Phase, TensorPlan, TensorSpec
 from jreshard.sharding.topology import Topology
 
 __all__ = ["flat_direct_layouts", "gather_broadcast_layouts"]
@@ -67,8 +68,8 @@ def _flat_direct_rows(t: int, src: Layout, dst: Layout, topo: Topology) -> list[
 def _baseline(kind, rows_fn, pairs, topology, options, names) -> Plan:
     pairs = tuple((s, d) for s, d in pairs)
     topology = topology or default_topology(pairs)
-    names = _names(pairs, names)
-    _check(pairs, topology, names)
+    names = tensor_names(pairs, names)
+    check_pairs(pairs, topology, names)
     tps = [TensorPlan.from_rows(rows_fn(t, s, d, topology), s.ndim, s.itemsize) for t, (s, d) in enumerate(pairs)]
     specs = [TensorSpec(n, s, d) for n, (s, d) in zip(names, pairs, strict=True)]
     return Plan(specs, topology, options or Options(), tps, kind=kind)

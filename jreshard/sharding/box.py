@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 
-__all__ = ["Box", "intersect"]
+__all__ = ["Box", "difference", "intersect"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, order=True)
@@ -40,6 +41,17 @@ class Box:
         object.__setattr__(self, "hi", hi)
 
     @classmethod
+    def trusted(cls, lo: tuple[int, ...], hi: tuple[int, ...]) -> Box:
+        """A box from bounds already known valid (Python int tuples, ``0 <= lo <= hi``): no checks.
+
+        For the planner's hot loops, which build boxes from boxes it has checked.
+        """
+        box = object.__new__(cls)
+        object.__setattr__(box, "lo", lo)
+        object.__setattr__(box, "hi", hi)
+        return box
+
+    @classmethod
     def full(cls, shape: Sequence[int]) -> Box:
         """The box covering a whole tensor of ``shape``."""
         return cls((0,) * len(shape), tuple(shape))
@@ -62,7 +74,7 @@ class Box:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.lo, self.hi, strict=True))
+        return tuple(map(operator.sub, self.hi, self.lo))
 
     @property
     def volume(self) -> int:
@@ -90,11 +102,14 @@ class Box:
 
     def split(self, dim: int, at: int) -> tuple[Box, Box]:
         """Cut along ``dim`` at global index ``at``: ``[lo, at)`` and ``[at, hi)``."""
+        if not self.lo[dim] <= at <= self.hi[dim]:
+            raise ValueError(f"Box.split: at={at} is outside [{self.lo[dim]}, {self.hi[dim]}) of dimension {dim}")
+        at = int(at)
         hi1 = list(self.hi)
         hi1[dim] = at
         lo2 = list(self.lo)
         lo2[dim] = at
-        return Box(self.lo, tuple(hi1)), Box(tuple(lo2), self.hi)
+        return Box.trusted(self.lo, tuple(hi1)), Box.trusted(tuple(lo2), self.hi)
 
     def is_contiguous_in(self, outer_shape: Sequence[int]) -> bool:
         """Whether this box, in the local coordinates of a C-ordered buffer of
@@ -130,3 +145,28 @@ def intersect(a: Box, b: Box) -> Box | None:
     if any(h <= l for l, h in zip(lo, hi, strict=True)):
         return None
     return Box(lo, hi)
+
+
+def difference(a: Box, b: Box) -> list[Box]:
+    """``a`` minus ``b`` as disjoint boxes (at most two per dimension), in a fixed order.
+
+    Peel off, dimension by dimension, the slab of ``a`` below ``b`` and the slab
+    above it; what is left of ``a`` is ``a ∩ b``, which is dropped.
+
+    Example:
+      >>> difference(Box((0,), (8,)), Box((2,), (5,)))
+      [Box(lo=(0,), hi=(2,)), Box(lo=(5,), hi=(8,))]
+    """
+    x = intersect(a, b)
+    if x is None:
+        return [a]
+    out: list[Box] = []
+    rest = a
+    for d in range(a.ndim):
+        if rest.lo[d] < x.lo[d]:
+            below, rest = rest.split(d, x.lo[d])
+            out.append(below)
+        if x.hi[d] < rest.hi[d]:
+            rest, above = rest.split(d, x.hi[d])
+            out.append(above)
+    return out

@@ -64,7 +64,7 @@ import enum
 import numpy as np
 
 from jreshard.errors import TopologyError
-from jreshard.sharding.program import Plan
+from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link, Topology
 
 __all__ = ["Port", "Prediction", "predict"]

@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+
+from jreshard._cache import cache
 
 __all__ = ["dtype_name", "numpy_dtype"]
 
 
-@functools.cache
+@cache(max_size=1024)
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype for ``name`` ("float32", "bfloat16", "float8_e4m3fn", ...)."""
     try:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jreshard._cache import cache
 from jreshard.errors import IndivisibleError, LayoutError, LayoutJSONError
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype
@@ -200,9 +201,10 @@ class Layout:
           >>> lay.box_of(5)
           Box(lo=(0, 2), hi=(4, 4))
         """
-        from jreshard.sharding.jax import layout_from_sharding  # the one module that imports jax
-
-        return layout_from_sharding(sharding, shape, dtype, rank_of)  # type: ignore[arg-type]
+        shape = tuple(int(n) for n in shape)
+        if rank_of is None:
+            return _from_sharding(sharding, shape, dtype_name(dtype))
+        return _build_from_sharding(sharding, shape, dtype_name(dtype), rank_of)
 
     @classmethod
     def replicated(cls, ranks: Sequence[int], shape: Sequence[int], dtype: object) -> Layout:
@@ -268,31 +270,33 @@ class Layout:
         except LayoutError as err:
             raise LayoutJSONError(f"Layout.from_json: {err}") from err
         except (ValueError, KeyError, TypeError) as err:
-            shown = text if len(text) < 200 else text[:200] + "..."
+            raw = text.decode("utf-8", "replace") if isinstance(text, (bytes, bytearray)) else str(text)
+            shown = raw if len(raw) < 200 else raw[:200] + "..."
             raise LayoutJSONError(f"Layout.from_json: cannot parse {shown!r}: {err}") from err
 
 
-_RANK_INDEX: dict[Layout, dict[int, Box]] = {}
-_GROUPS: dict[Layout, tuple] = {}
-
-
+@cache(max_size=4096)
 def _rank_index(lay: Layout) -> dict[int, Box]:
-    idx = _RANK_INDEX.get(lay)
-    if idx is None:
-        if len(_RANK_INDEX) > 4096:
-            _RANK_INDEX.clear()
-        idx = _RANK_INDEX[lay] = dict(zip(lay.ranks, lay.boxes, strict=True))
-    return idx
+    return dict(zip(lay.ranks, lay.boxes, strict=True))
 
 
+@cache(max_size=4096)
 def _replica_groups(lay: Layout) -> tuple[tuple[Box, tuple[int, ...]], ...]:
-    groups = _GROUPS.get(lay)
-    if groups is None:
-        by_box: dict[Box, list[int]] = {}
-        for r, b in zip(lay.ranks, lay.boxes, strict=True):
-            by_box.setdefault(b, []).append(r)
-        groups = tuple((b, tuple(sorted(rs))) for b, rs in sorted(by_box.items()))
-        if len(_GROUPS) > 4096:
-            _GROUPS.clear()
-        _GROUPS[lay] = groups
-    return groups
+    by_box: dict[Box, list[int]] = {}
+    for r, b in zip(lay.ranks, lay.boxes, strict=True):
+        by_box.setdefault(b, []).append(r)
+    return tuple((b, tuple(sorted(rs))) for b, rs in sorted(by_box.items()))
+
+
+@cache(max_size=8192)
+def _from_sharding(sharding: object, shape: tuple[int, ...], dtype: str) -> Layout:
+    return _build_from_sharding(sharding, shape, dtype, None)
+
+
+def _build_from_sharding(sharding: object, shape: tuple[int, ...], dtype: str, rank_of: object) -> Layout:
+    from jreshard.sharding.jax import MeshForm, describe_sharding  # the one module that imports jax
+
+    form = describe_sharding(sharding, shape, rank_of)  # type: ignore[arg-type]
+    if isinstance(form, MeshForm):
+        return Layout.from_mesh(form.ranks, form.axis_names, form.spec, shape, dtype)
+    return Layout.from_boxes(shape, dtype, form)

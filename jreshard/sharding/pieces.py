@@ -14,16 +14,16 @@ all source boxes at once with numpy, never by a search over rank pairs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import numpy as np
 
+from jreshard._cache import cache
 from jreshard.errors import LayoutError
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 
-__all__ = ["SourceIndex", "pieces_of", "source_index", "overlapping"]
+__all__ = ["SourceIndex", "disjoint", "overlapping", "pieces_of", "source_index"]
 
 _MAX_CELLS = 1 << 20
 
@@ -68,7 +68,7 @@ def overlapping(lo: np.ndarray, hi: np.ndarray, box: Box) -> np.ndarray:
     return np.flatnonzero(mask)
 
 
-def _disjoint(boxes: tuple[Box, ...], ndim: int) -> bool:
+def disjoint(boxes: tuple[Box, ...], ndim: int) -> bool:
     """Whether distinct boxes are pairwise disjoint.
 
     Fast case: if, in every dimension, the distinct intervals used by the boxes
@@ -91,12 +91,12 @@ def _disjoint(boxes: tuple[Box, ...], ndim: int) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=1024)
+@cache(max_size=1024)
 def source_index(layout: Layout) -> SourceIndex:
     """The disjoint form of a source layout (see the module docstring)."""
     groups = layout.replica_groups()
     boxes = tuple(b for b, _ in groups)
-    if _disjoint(boxes, layout.ndim):
+    if disjoint(boxes, layout.ndim):
         holders = tuple(rs for _, rs in groups)
         lo, hi = _bounds(boxes, layout.ndim)
         return SourceIndex(boxes, holders, lo, hi)
@@ -134,17 +134,14 @@ def pieces_of(beta: Box, index: SourceIndex, *, what: str = "destination") -> li
     return list(_pieces_of(beta, index, what))
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@cache(max_size=1 << 16)
 def _pieces_of(beta: Box, index: SourceIndex, what: str) -> tuple[tuple[Box, int], ...]:
     out: list[tuple[Box, int]] = []
     covered = 0
     blo, bhi = beta.lo, beta.hi
     for j in overlapping(index.lo, index.hi, beta).tolist():
         sb = index.boxes[j]
-        box = Box(
-            tuple(max(a, c) for a, c in zip(blo, sb.lo, strict=True)),
-            tuple(min(b, e) for b, e in zip(bhi, sb.hi, strict=True)),
-        )
+        box = Box.trusted(tuple(map(max, blo, sb.lo)), tuple(map(min, bhi, sb.hi)))  # overlapping: a valid box
         out.append((box, j))
         covered += box.volume
     if beta.ndim == 0 and index.boxes:

@@ -1,392 +1,298 @@
-"""plan(): the minimal, topology-aware transfer plan for one or many tensors.
+"""Plan: every byte movement of a transfer, its statistics, and each rank's program.
 
-The unit of planning is one distinct destination box ``beta`` of one tensor,
-across every domain ``G`` that holds it (``R(beta, G)`` are its holders there).
-For each piece ``p = beta ∩ sigma_j`` (``sigma_j`` a disjoint source box with
-replicas ``H_j``):
+The planner that builds one is :mod:`jreshard.sharding.planner`.
 
-1. Local first: a holder of ``beta`` on the same device as a replica copies ``p``
-   locally.
-2. If ``G`` has a replica of ``p`` (``p ⊆ U(G)``), every other holder gets it over
-   fast links from a replica in ``G``, the replicas taken in turn.
-3. Otherwise ``p`` must cross the network into ``G``, once. The network pieces of
-   ``beta`` in ``G`` are laid end to end and cut into ``|R(beta, G)|`` near-equal
-   byte ranges (pieces striped along their outermost dimension of extent > 1), so
-   every receiving NIC lands a near-equal share; each lander then fans its stripes
-   out to the other holders over fast links.
-4. The domains that need ``p`` over the network get it from the replicas ``H_j``
-   taken in turn (source NIC balance). When they outnumber the replicas and
-   relays are on, they form ``|H_j|`` chains: each replica sends ``p`` once, to
-   the first domain of its chain, whose landers forward it to the next.
-
-So each byte of ``beta \\ U(G)`` enters ``G`` exactly once: network bytes equal the
-lower bound ``Σ_G Σ_beta |beta \\ U(G)|`` (see ``bounds.py``). A unit depends only
-on its tensor's layouts, the topology and a rotation, so every rank computes the
-same plan with no communication, and one rank's program needs only the units it
-takes part in.
-
-Stages order the dependencies: a transfer at stage ``s`` only sends bytes its
-sender held before (stage 0) or received at a stage ``< s``.
+A :class:`Plan` holds one :class:`TensorPlan` per tensor. All pieces that one
+sender sends one receiver at one stage, across all tensors, travel as one
+:class:`Message`; inside it the pieces are in (tensor, unit, emission) order,
+which both sides derive from the plan alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from jreshard.errors import LayoutMismatchError
 from jreshard.options import Options
-from jreshard.sharding.box import Box, intersect
-from jreshard.sharding.layout import Layout
-from jreshard.sharding.pieces import SourceIndex, overlapping, pieces_of, source_index
+from jreshard.sharding.bounds import network_lower_bound
+from jreshard.sharding.box import Box
+from jreshard.sharding.rows import Move, Phase, TensorPlan, TensorSpec
 from jreshard.sharding.topology import Link, Topology
 
-__all__ = ["Phase", "TensorPlan", "TensorSpec", "check_pair", "plan_tensor", "stripe", "units_of_rank"]
-
-
-class Phase(enum.IntEnum):
-    """Why a transfer happens."""
-
-    LAND = 0  # from a source replica: local copy, fast link inside G, or the network into G
-    RELAY = 1  # a destination that received a piece forwards it to another domain
-    FANOUT = 2  # a lander shares its stripe with the other holders in its domain
+__all__ = ["Message", "Piece", "Plan", "PlanStats", "RankProgram", "program_of"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """One tensor of a plan: a name, its source layout and its destination layout."""
+class Piece:
+    """One part of a message: a box of a tensor, in global coordinates."""
 
-    name: str
-    src: Layout
-    dst: Layout
+    tensor: int
+    box: Box
+    nbytes: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class TensorPlan:
-    """The transfers of one tensor, column by column (read-only numpy arrays).
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """All pieces ``src`` sends ``dst`` at ``stage``, in a fixed order."""
 
-    Row ``i`` moves ``box [lo[i], hi[i])`` from ``src[i]`` to ``dst[i]`` over
-    ``link[i]`` in ``phase[i]`` at ``stage[i]``; ``unit[i]`` is the index of the
-    destination replica group it serves and rows are in emission order.
+    stage: int
+    src: int
+    dst: int
+    link: Link
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankProgram:
+    """What one rank does: local copies into its destination shards, then, stage
+    by stage, the messages it sends and receives.
+
+    ``local`` are landings from a source shard on the rank's device (the sender's
+    buffer is in this process). A fan-out between two destination ranks that share
+    a device is labelled ``Link.LOCAL`` but travels as a message, at its stage. ``sends`` and ``recvs`` are sorted by
+    ``(stage, peer)``.
     """
 
-    src: np.ndarray
-    dst: np.ndarray
-    link: np.ndarray
-    phase: np.ndarray
-    stage: np.ndarray
-    unit: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    nbytes: np.ndarray
+    rank: int
+    local: tuple[Move, ...]
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
 
-    def __len__(self) -> int:
-        return int(self.src.shape[0])
-
-    @classmethod
-    def from_rows(cls, rows: list[tuple], ndim: int, itemsize: int) -> TensorPlan:
-        n = len(rows)
-        cols = list(zip(*rows, strict=True)) if rows else [()] * 7
-        src, dst, link, phase, stage, unit, boxes = cols
-        # fromiter over the flattened bounds: several times faster than np.array on a list of tuples.
-        lo = np.fromiter(itertools.chain.from_iterable(b.lo for b in boxes), np.int64, n * ndim).reshape(n, ndim)
-        hi = np.fromiter(itertools.chain.from_iterable(b.hi for b in boxes), np.int64, n * ndim).reshape(n, ndim)
-        nbytes = np.prod(hi - lo, axis=1, dtype=np.int64) * itemsize
-        arrays = [
-            np.array(src, dtype=np.int64),
-            np.array(dst, dtype=np.int64),
-            np.array(link, dtype=np.int8),
-            np.array(phase, dtype=np.int8),
-            np.array(stage, dtype=np.int32),
-            np.array(unit, dtype=np.int32),
-            lo,
-            hi,
-            nbytes,
-        ]
-        for a in arrays:
-            a.setflags(write=False)
-        return cls(*arrays)
-
-    def select(self, mask: np.ndarray) -> TensorPlan:
-        arrays = [getattr(self, f.name)[mask] for f in dataclasses.fields(self)]
-        for a in arrays:
-            a.setflags(write=False)
-        return TensorPlan(*arrays)
-
-    def box(self, i: int) -> Box:
-        return Box(tuple(self.lo[i].tolist()), tuple(self.hi[i].tolist()))
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({m.stage for m in self.sends} | {m.stage for m in self.recvs}))
 
 
-def check_pair(src: Layout, dst: Layout, name: str) -> None:
-    """Raise LayoutMismatchError when ``src`` and ``dst`` disagree on shape or dtype."""
-    if src.shape != dst.shape:
-        raise LayoutMismatchError(
-            f"tensor {name}: source shape {src.shape} != destination shape {dst.shape}",
-            src=src.shape,
-            dst=dst.shape,
-            what="shape",
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanStats:
+    """Whole-plan statistics (bytes, counts). See ``docs/metrics.md``.
+
+    Attributes:
+      network_bytes, fast_bytes, local_bytes: bytes moved over each link kind.
+      network_bytes_lower_bound: ``Σ_G Σ_beta |beta \\ U(G)|`` bytes, computed apart from the planner.
+      relay_bytes: network bytes sent by destinations forwarding to other domains.
+      max_rank_network_send_bytes, max_rank_network_recv_bytes: the busiest NIC, each way.
+      max_rank_fast_send_bytes, max_rank_fast_recv_bytes: the busiest fast link, each way.
+      messages: point-to-point messages (all pieces between one pair at one stage are one).
+      network_messages: those that cross the network.
+      stages: dependency stages.
+      destination_bytes: the bytes the destination shards hold in all.
+    """
+
+    network_bytes: int
+    fast_bytes: int
+    local_bytes: int
+    network_bytes_lower_bound: int
+    relay_bytes: int
+    max_rank_network_send_bytes: int
+    max_rank_network_recv_bytes: int
+    max_rank_fast_send_bytes: int
+    max_rank_fast_recv_bytes: int
+    messages: int
+    network_messages: int
+    stages: int
+    destination_bytes: int
+
+
+def _concat(parts: Sequence[TensorPlan], field: str) -> np.ndarray:
+    arrays = [getattr(tp, field) for tp in parts]
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+
+class Plan:
+    """A transfer plan for a list of tensors over a topology (final).
+
+    Build one with :func:`jreshard.plan`; do not construct directly.
+    """
+
+    __slots__ = ("__dict__", "kind", "options", "tensor_plans", "tensors", "topology")
+
+    def __init__(
+        self,
+        tensors: Sequence[TensorSpec],
+        topology: Topology,
+        options: Options,
+        tensor_plans: Sequence[TensorPlan],
+        kind: str = "jreshard",
+    ):
+        self.tensors = tuple(tensors)
+        self.topology = topology
+        self.options = options
+        self.tensor_plans = tuple(tensor_plans)
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"Plan({self.kind}, {len(self.tensors)} tensors, network={s.network_bytes} B "
+            f"(bound {s.network_bytes_lower_bound}), fast={s.fast_bytes} B, local={s.local_bytes} B, "
+            f"{s.messages} messages)"
         )
-    if src.dtype != dst.dtype:
-        raise LayoutMismatchError(
-            f"tensor {name}: source dtype {src.dtype} != destination dtype {dst.dtype}",
-            src=src.dtype,
-            dst=dst.dtype,
-            what="dtype",
+
+    def draw(self, tensor: int | str = 0, ax: Any = None, **kwargs: Any) -> Any:
+        """Draw one tensor's source and destination shards and what moves where (matplotlib).
+
+        See :func:`jreshard.draw.draw_plan` for ``dims`` and ``max_copies``. Returns the Axes.
+        """
+        from jreshard.draw import draw_plan  # a thin method: the drawing (and matplotlib) lives in draw.py
+
+        return draw_plan(self, tensor, ax, **kwargs)
+
+    def transfers(self) -> Iterator[Move]:
+        """Every byte movement, tensor by tensor, in emission order."""
+        for t, tp in enumerate(self.tensor_plans):
+            for i in range(len(tp)):
+                yield Move(
+                    t,
+                    int(tp.src[i]),
+                    int(tp.dst[i]),
+                    tp.box(i),
+                    Link(int(tp.link[i])),
+                    Phase(int(tp.phase[i])),
+                    int(tp.stage[i]),
+                    int(tp.nbytes[i]),
+                )
+
+    @functools.cached_property
+    def _columns(self) -> dict[str, np.ndarray]:
+        cols = {f: _concat(self.tensor_plans, f) for f in ("src", "dst", "link", "phase", "stage", "nbytes")}
+        cols["tensor"] = np.concatenate(
+            [np.full(len(tp), t, dtype=np.int64) for t, tp in enumerate(self.tensor_plans)] or [np.zeros(0, np.int64)]
+        )
+        return cols
+
+    def network_lower_bound(self) -> int:
+        return sum(network_lower_bound(t.src, t.dst, self.topology) for t in self.tensors)
+
+    def rank_loads(self) -> dict[str, dict[int, int]]:
+        """Per-rank bytes: ``{"network_send": {rank: bytes}, "network_recv", "fast_send", "fast_recv", "local"}``."""
+        c = self._columns
+        out: dict[str, dict[int, int]] = {}
+        for name, link, who in (
+            ("network_send", Link.NETWORK, "src"),
+            ("network_recv", Link.NETWORK, "dst"),
+            ("fast_send", Link.FAST, "src"),
+            ("fast_recv", Link.FAST, "dst"),
+            ("local", Link.LOCAL, "dst"),
+        ):
+            m = c["link"] == link
+            ranks, inv = np.unique(c[who][m], return_inverse=True)
+            sums = np.bincount(inv, weights=c["nbytes"][m], minlength=len(ranks))
+            out[name] = {int(r): int(v) for r, v in zip(ranks, sums, strict=True)}
+        return out
+
+    def message_keys(self) -> np.ndarray:
+        """Distinct ``(stage, src, dst, link)`` rows of the transfers that travel as messages
+        (all but the local landings from a source shard)."""
+        c = self._columns
+        m = (c["link"] != Link.LOCAL) | (c["phase"] != Phase.LAND)
+        keys = np.stack([c["stage"][m], c["src"][m], c["dst"][m], c["link"][m]], axis=1).astype(np.int64)
+        if not len(keys):
+            return keys.reshape(0, 4)
+        # Rows of non-negative ints sort like their mixed-radix codes: a 1-d unique is far
+        # faster than np.unique(axis=0), and gives the same rows in the same order.
+        radix = [int(v) + 1 for v in keys.max(axis=0)]
+        if math.prod(radix) >= 1 << 62:
+            return np.unique(keys, axis=0)
+        code = ((keys[:, 0] * radix[1] + keys[:, 1]) * radix[2] + keys[:, 2]) * radix[3] + keys[:, 3]
+        code = np.unique(code)
+        out = np.empty((len(code), 4), dtype=np.int64)
+        for col in (3, 2, 1):
+            code, out[:, col] = np.divmod(code, radix[col])
+        out[:, 0] = code
+        return out
+
+    def stats(self) -> PlanStats:
+        """Bytes by link kind, the lower bound, per-rank maxima and message counts (computed once)."""
+        return self._stats
+
+    @functools.cached_property
+    def _stats(self) -> PlanStats:
+        c = self._columns
+        loads = self.rank_loads()
+        keys = self.message_keys()
+        by_link = {lk: int(c["nbytes"][c["link"] == lk].sum()) for lk in Link}
+        return PlanStats(
+            network_bytes=by_link[Link.NETWORK],
+            fast_bytes=by_link[Link.FAST],
+            local_bytes=by_link[Link.LOCAL],
+            network_bytes_lower_bound=self.network_lower_bound(),
+            relay_bytes=int(c["nbytes"][c["phase"] == Phase.RELAY].sum()),
+            max_rank_network_send_bytes=max(loads["network_send"].values(), default=0),
+            max_rank_network_recv_bytes=max(loads["network_recv"].values(), default=0),
+            max_rank_fast_send_bytes=max(loads["fast_send"].values(), default=0),
+            max_rank_fast_recv_bytes=max(loads["fast_recv"].values(), default=0),
+            messages=len(keys),
+            network_messages=int(np.sum(keys[:, 3] == Link.NETWORK)) if len(keys) else 0,
+            stages=int(c["stage"].max()) + 1 if len(c["stage"]) else 0,
+            destination_bytes=sum(sum(b.volume for b in t.dst.boxes) * t.dst.itemsize for t in self.tensors),
         )
 
+    def program(self, rank: int) -> RankProgram:
+        """The part of this plan that ``rank`` runs."""
+        parts = [tp.select((tp.src == rank) | (tp.dst == rank)) for tp in self.tensor_plans]
+        return program_of(rank, parts)
 
-def stripe(pieces: Sequence[tuple[int, Box]], k: int, itemsize: int, min_bytes: int) -> list[tuple[int, Box, int]]:
-    """Cut ``pieces`` (laid end to end) into ``k`` near-equal byte ranges.
 
-    Returns ``(piece_index, sub_box, lander)`` triples covering every piece
-    exactly once. A piece is cut only along its first dimension of extent > 1,
-    at row boundaries, and never into parts smaller than ``min_bytes``; lander
-    ``q`` takes the bytes nearest to ``[q*T/k, (q+1)*T/k)`` of the total ``T``.
+_LINKS = tuple(Link)
+_PHASES = tuple(Phase)
+
+
+def program_of(
+    rank: int, parts: Sequence[TensorPlan], boxes: Sequence[Sequence[Box] | None] | None = None
+) -> RankProgram:
+    """The :class:`RankProgram` of ``rank`` from the rows of each tensor that involve it.
+
+    ``boxes[t]``, where given, are the rows' boxes of tensor ``t`` as :class:`Box` values already
+    built (tensors with equal layouts share them), so that they are not built again.
     """
-    out: list[tuple[int, Box, int]] = []
-    total = sum(b.volume for _, b in pieces) * itemsize
-    if k <= 1 or total == 0:
-        return [(i, b, 0) for i, b in pieces]
-    pos, cursor = 0, 0
-    for i, box in pieces:
-        rest = box
-        while True:
-            while pos < k - 1 and (pos + 1) * total <= cursor * k:
-                pos += 1
-            nbytes = rest.volume * itemsize
-            space = ((pos + 1) * total) / k - cursor
-            d = next((e for e, n in enumerate(rest.shape) if n > 1), None)
-            if pos == k - 1 or d is None or nbytes <= space or nbytes < 2 * max(min_bytes, 1):
-                out.append((i, rest, pos))
-                cursor += nbytes
-                break
-            row = nbytes // rest.shape[d]
-            rows = round(space / row)
-            if rows == 0:
-                pos += 1
-                continue
-            rows = max(rows, -(-min_bytes // row))
-            if rows >= rest.shape[d] or (rest.shape[d] - rows) * row < min_bytes:
-                out.append((i, rest, pos))
-                cursor += nbytes
-                break
-            head, rest = rest.split(d, rest.lo[d] + rows)
-            out.append((i, head, pos))
-            cursor += rows * row
-            pos += 1
-    return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Context:
-    """Everything about one (src, dst, topology) that every unit reads."""
-
-    src: Layout
-    dst: Layout
-    topo: Topology
-    sidx: SourceIndex
-    groups: tuple[tuple[Box, tuple[int, ...]], ...]  # destination replica groups
-    by_domain: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # per group: (domain, holders) sorted
-    holders_in: tuple[dict[int, tuple[int, ...]], ...]  # per source box: domain -> replicas there
-    on_device: tuple[dict[int, int], ...]  # per source box: device -> its smallest replica there
-    dlo: np.ndarray
-    dhi: np.ndarray
-
-
-@functools.lru_cache(maxsize=512)
-def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
-    sidx = source_index(src)
-    groups = dst.replica_groups()
-    by_domain = []
-    for _, ranks in groups:
-        doms: dict[int, list[int]] = {}
-        for r in ranks:
-            doms.setdefault(topo.domain_of(r), []).append(r)
-        by_domain.append(tuple((g, tuple(rs)) for g, rs in sorted(doms.items())))
-    holders_in, on_device = [], []
-    for hs in sidx.holders:
-        inn: dict[int, list[int]] = {}
-        dev: dict[int, int] = {}
-        for h in hs:
-            inn.setdefault(topo.domain_of(h), []).append(h)
-            dev.setdefault(topo.device_of(h), h)
-        holders_in.append({g: tuple(v) for g, v in inn.items()})
-        on_device.append(dev)
-    dlo = np.array([b.lo for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
-    dhi = np.array([b.hi for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
-    return _Context(src, dst, topo, sidx, groups, tuple(by_domain), tuple(holders_in), tuple(on_device), dlo, dhi)
-
-
-def _plan_unit(ctx: _Context, u: int, rot: int, opts: Options, out: list[tuple], only: int | None = None) -> None:
-    """Append the rows of destination replica group ``u`` to ``out`` (module docstring).
-
-    With ``only`` set, append just the rows that send from or arrive at rank
-    ``only``, in the same order: hops of a chain that ``only`` takes no part in
-    are skipped, except for what the replica rotation ``turn`` needs.
-    """
-    beta, _ = ctx.groups[u]
-    topo, itemsize = ctx.topo, ctx.src.itemsize
-    pcs = pieces_of(beta, ctx.sidx)
-    need: list[list[int]] = [[] for _ in pcs]  # piece -> domains that need it over the network
-    ranks_of: dict[int, tuple[int, ...]] = {}
-    nets: dict[int, tuple[tuple[int, Box], ...]] = {}
-    for g, holders in ctx.by_domain[u]:
-        ranks_of[g] = holders
-        net: list[tuple[int, Box]] = []
-        for k, (pbox, j) in enumerate(pcs):
-            inside = ctx.holders_in[j].get(g)
-            if not inside:
-                net.append((k, pbox))
-                need[k].append(g)
-                continue
-            for q, r in enumerate(holders):
-                h = ctx.on_device[j].get(topo.device_of(r))
-                if h is not None:
-                    row = (h, r, Link.LOCAL, Phase.LAND, 0, u, pbox)
-                else:
-                    h = inside[(q + rot + k) % len(inside)]
-                    row = (h, r, Link.FAST, Phase.LAND, 0, u, pbox)
-                if only is None or h == only or r == only:
-                    out.append(row)
-        if net:
-            nets[g] = tuple(net)
-    # stripe() is a pure function of (pieces, landers): domains with equal inputs share one result,
-    # and a domain's stripes are cut only when a row needs them. by_piece[g][k]: the (sub_box, lander)
-    # stripes of piece k in domain g, in stripe order.
-    striped: dict[tuple, dict[int, list[tuple[Box, int]]]] = {}
-    by_piece: dict[int, dict[int, list[tuple[Box, int]]]] = {}
-
-    def stripes_of(g: int) -> dict[int, list[tuple[Box, int]]]:
-        got = by_piece.get(g)
-        if got is None:
-            key = (nets[g], len(ranks_of[g]))
-            got = striped.get(key)
-            if got is None:
-                got = {}
-                for kk, b, q in stripe(nets[g], len(ranks_of[g]), itemsize, opts.min_stripe_bytes):
-                    got.setdefault(kk, []).append((b, q))
-                striped[key] = got
-            by_piece[g] = got
-        return got
-
-    for k, doms in enumerate(need):
-        if not doms:
+    local: list[Move] = []
+    sends: dict[tuple[int, int], list[Piece]] = {}
+    recvs: dict[tuple[int, int], list[Piece]] = {}
+    links: dict[tuple[int, int, int], Link] = {}
+    trusted = Box.trusted
+    for t, tp in enumerate(parts):
+        if not len(tp):
             continue
-        replicas = ctx.sidx.holders[pcs[k][1]]
-        s, m = len(replicas), len(doms)
-        if opts.relays and m > s:
-            chains = [doms[c * m // s : (c + 1) * m // s] for c in range(s)]
-        else:
-            chains = [[g] for g in doms]
-        turn = rot + k
-        for chain in chains:
-            prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
-            for hop, g in enumerate(chain):
-                holders = ranks_of[g]
-                if only is not None and only not in holders and (prev is None or only not in prev[0]):
-                    # No row of this hop involves ``only`` except a landing it sends as a replica;
-                    # the landings still advance ``turn``.
-                    mine = stripes_of(g).get(k, []) if prev is None or chain[hop + 1 :] else []
-                    if prev is None:
-                        for b, q in mine:
-                            if replicas[turn % s] == only:
-                                out.append((only, holders[q], Link.NETWORK, Phase.LAND, 0, u, b))
-                            turn += 1
-                    prev = (holders, mine)
-                    continue
-                mine = stripes_of(g).get(k, [])
-                if prev is None:
-                    for b, q in mine:
-                        sender = replicas[turn % s]
-                        if only is None or sender == only or holders[q] == only:
-                            out.append((sender, holders[q], Link.NETWORK, Phase.LAND, 0, u, b))
-                        turn += 1
-                elif prev[1] is mine:
-                    # Both hops cut piece k alike (one shared stripe() result), and the stripes of a
-                    # piece are disjoint: stripe b meets only itself, so the relay is lander q -> lander q.
-                    prev_holders = prev[0]
-                    for b, q in mine:
-                        if only is None or prev_holders[q] == only or holders[q] == only:
-                            out.append((prev_holders[q], holders[q], Link.NETWORK, Phase.RELAY, hop, u, b))
-                else:
-                    prev_holders, prev_mine = prev
-                    for b, q in mine:
-                        for pb, pq in prev_mine:
-                            if only is not None and prev_holders[pq] != only and holders[q] != only:
-                                continue
-                            x = intersect(b, pb)
-                            if x is not None:
-                                out.append((prev_holders[pq], holders[q], Link.NETWORK, Phase.RELAY, hop, u, x))
-                for b, q in mine:
-                    if only is None or holders[q] == only:
-                        for qq, r in enumerate(holders):
-                            if qq != q:
-                                out.append((holders[q], r, Link.FAST, Phase.FANOUT, hop + 1, u, b))
-                    elif only in holders and holders.index(only) != q:
-                        out.append((holders[q], only, Link.FAST, Phase.FANOUT, hop + 1, u, b))
-                prev = (holders, mine)
-
-
-def _rotation_period(ctx: _Context) -> int | None:
-    """Rotations act modulo the replica counts; beyond 64 distinct values, don't share."""
-    p = 1
-    for hs in ctx.sidx.holders:
-        p = math.lcm(p, len(hs))
-    for inside in ctx.holders_in:
-        for v in inside.values():
-            p = math.lcm(p, len(v))
-    return p if p <= 64 else None
-
-
-@functools.lru_cache(maxsize=4096)
-def _tensor_plan(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
-    ctx = _context(src, dst, topo)
-    rows: list[tuple] = []
-    for u in range(len(ctx.groups)):
-        _plan_unit(ctx, u, rot, opts, rows)
-    return TensorPlan.from_rows(rows, src.ndim, src.itemsize)
-
-
-def plan_tensor(src: Layout, dst: Layout, topo: Topology, opts: Options, tensor_index: int = 0) -> TensorPlan:
-    """The plan of one tensor; ``tensor_index`` rotates replica choices so that
-    many tensors with the same layouts spread over the replicas."""
-    ctx = _context(src, dst, topo)
-    period = _rotation_period(ctx)
-    rot = tensor_index % period if period else tensor_index
-    return _tensor_plan(src, dst, topo, opts, rot)
-
-
-def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[int]:
-    """The destination replica groups whose unit involves ``rank``: the group it
-    holds, and every group whose box meets a box ``rank`` holds as a source."""
-    ctx = _context(src, dst, topo)
-    units: set[int] = set()
-    idx = src._index()
-    if rank in idx:
-        units.update(overlapping(ctx.dlo, ctx.dhi, idx[rank]).tolist())
-        if src.ndim == 0:
-            units.update(range(len(ctx.groups)))
-    didx = dst._index()
-    if rank in didx:
-        units.add(next(u for u, (b, rs) in enumerate(ctx.groups) if b == didx[rank]))
-    return sorted(units)
-
-
-def plan_tensor_for_rank(
-    src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int, tensor_index: int = 0
-) -> TensorPlan:
-    """The rows of one tensor's plan that send from or arrive at ``rank``,
-    built from only the units that rank takes part in."""
-    ctx = _context(src, dst, topo)
-    period = _rotation_period(ctx)
-    rot = tensor_index % period if period else tensor_index
-    rows: list[tuple] = []
-    for u in units_of_rank(src, dst, topo, rank):
-        _plan_unit(ctx, u, rot, opts, rows, only=rank)
-    return TensorPlan.from_rows(rows, src.ndim, src.itemsize)
+        given = boxes[t] if boxes is not None else None
+        box_list = (
+            given if given is not None else list(map(trusted, map(tuple, tp.lo.tolist()), map(tuple, tp.hi.tolist())))
+        )
+        # Whole columns to Python ints at once: far faster than indexing numpy scalars row by row.
+        cols = zip(
+            tp.src.tolist(),
+            tp.dst.tolist(),
+            tp.link.tolist(),
+            tp.phase.tolist(),
+            tp.stage.tolist(),
+            box_list,
+            tp.nbytes.tolist(),
+            strict=True,
+        )
+        for src, dst, lk, ph, stage, box, nb in cols:
+            link = _LINKS[lk]
+            if lk == Link.LOCAL and ph == Phase.LAND:  # from a source shard on the rank's device
+                if dst == rank:
+                    local.append(Move(t, src, dst, box, link, _PHASES[ph], stage, nb))
+                continue
+            if src == rank:
+                sends.setdefault((stage, dst), []).append(Piece(t, box, nb))
+                links[(stage, src, dst)] = link
+            if dst == rank:
+                recvs.setdefault((stage, src), []).append(Piece(t, box, nb))
+                links[(stage, src, dst)] = link
+    return RankProgram(
+        rank,
+        tuple(local),
+        tuple(Message(s, rank, p, links[(s, rank, p)], tuple(v)) for (s, p), v in sorted(sends.items())),
+        tuple(Message(s, p, rank, links[(s, p, rank)], tuple(v)) for (s, p), v in sorted(recvs.items())),
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 
 from jreshard.errors import LayoutJSONError, TopologyError
@@ -75,6 +76,8 @@ class Topology:
     _device: dict = dataclasses.field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        for name in ("ranks", "domains", "devices"):
+            _check_ints(getattr(self, name), f"Topology: {name}")
         order = sorted(range(len(self.ranks)), key=lambda i: int(self.ranks[i]))
         ranks = tuple(int(self.ranks[i]) for i in order)
         domains = tuple(int(self.domains[i]) for i in order)
@@ -133,6 +136,20 @@ class Topology:
             device. By default every rank is its own device.
           **links: overrides of :class:`Links` fields (``network_bw=...``).
         """
+        if not isinstance(domains, Mapping):
+            raise TypeError(
+                f"Topology.from_domains: domains={domains!r} is a {type(domains).__name__}; "
+                "expected {rank: domain_id}"
+            )
+        if devices is not None and not isinstance(devices, Mapping):
+            raise TypeError(
+                f"Topology.from_domains: devices={devices!r} is a {type(devices).__name__}; "
+                "expected {rank: device_key}"
+            )
+        _check_ints(domains.keys(), "Topology.from_domains: the ranks (keys) of domains")
+        _check_ints(domains.values(), "Topology.from_domains: the domain ids (values) of domains")
+        if devices:
+            _check_ints(devices.values(), "Topology.from_domains: the device keys (values) of devices")
         ranks = tuple(domains)
         dev = devices or {}
         missing = [r for r in dev if r not in domains]
@@ -153,9 +170,15 @@ class Topology:
 
         Ranks are taken in the order given: ``ranks[i]`` is in domain ``i // domain_size``.
         """
-        ranks = tuple(int(r) for r in ranks)
+        ranks = tuple(ranks)
+        _check_ints(ranks, "Topology.uniform: ranks")
+        if not _is_int(domain_size):
+            raise TypeError(f"Topology.uniform: domain_size={domain_size!r} must be an int")
         if domain_size < 1:
             raise TopologyError(f"Topology.uniform: domain_size={domain_size} must be >= 1")
+        if len(set(ranks)) != len(ranks):
+            dup = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise TopologyError(f"Topology.uniform: ranks={_short(ranks)} lists ranks {dup} more than once")
         return cls.from_domains({r: i // domain_size for i, r in enumerate(ranks)}, **links)
 
     @classmethod
@@ -182,6 +205,19 @@ class Topology:
             doms[r] = domain_of[d] if domain_of is not None else int(d.process_index)  # type: ignore[attr-defined]
             devs[r] = int(d.id)  # type: ignore[attr-defined]
         return cls.from_domains(doms, devices=devs, **links)
+
+    @staticmethod
+    def check_arg(topology: object, name: str = "topology") -> None:
+        """Raise TypeError unless ``topology`` is a :class:`Topology` or None (a string, a dict...).
+
+        Example:
+          >>> Topology.check_arg("abc")
+          Traceback (most recent call last):
+          ...
+          TypeError: topology='abc' is a str; expected a jreshard.Topology or None
+        """
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"{name}={topology!r} is a {type(topology).__name__}; expected a jreshard.Topology or None")
 
     # ----- queries ------------------------------------------------------
     def __contains__(self, rank: object) -> bool:
@@ -240,6 +276,17 @@ class Topology:
             raise
         except (ValueError, KeyError, TypeError) as err:
             raise LayoutJSONError(f"Topology.from_json: cannot parse {str(text)[:200]!r}: {err}") from err
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_ints(values: Iterable[object], what: str) -> None:
+    """Raise TypeError naming ``what`` and the first value that is not an int (bools and floats are not)."""
+    for v in values:
+        if not _is_int(v):
+            raise TypeError(f"{what}: {v!r} is a {type(v).__name__}; expected an int")
 
 
 def _short(ranks: tuple[int, ...]) -> str:

@@ -1,0 +1,400 @@
+"""The planner's core: the rows of one tensor's plan, one destination replica group at a time.
+
+The unit of planning is one distinct destination box ``beta`` of one tensor,
+across every domain ``G`` that holds it (``R(beta, G)`` are its holders there).
+For each piece ``p = beta ∩ sigma_j`` (``sigma_j`` a disjoint source box with
+replicas ``H_j``):
+
+1. Local first: a holder of ``beta`` on the same device as a replica copies ``p``
+   locally.
+2. If ``G`` has a replica of ``p`` (``p ⊆ U(G)``), every other holder gets it over
+   fast links from a replica in ``G``, the replicas taken in turn.
+3. Otherwise ``p`` must cross the network into ``G``, once. The network pieces of
+   ``beta`` in ``G`` are laid end to end and cut into ``|R(beta, G)|`` near-equal
+   byte ranges (pieces striped along their outermost dimension of extent > 1), so
+   every receiving NIC lands a near-equal share; each lander then fans its stripes
+   out to the other holders over fast links.
+4. The domains that need ``p`` over the network get it from the replicas ``H_j``
+   taken in turn (source NIC balance). When they outnumber the replicas and
+   relays are on, they form ``|H_j|`` chains: each replica sends ``p`` once, to
+   the first domain of its chain, whose landers forward it to the next.
+
+So each byte of ``beta \\ U(G)`` enters ``G`` exactly once: network bytes equal the
+lower bound ``Σ_G Σ_beta |beta \\ U(G)|`` (see ``bounds.py``). A unit depends only
+on its tensor's layouts, the topology and a rotation, so every rank computes the
+same plan with no communication, and one rank's program needs only the units it
+takes part in.
+
+Stages order the dependencies: a transfer at stage ``s`` only sends bytes its
+sender held before (stage 0) or received at a stage ``< s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from jreshard._cache import cache
+from jreshard.errors import LayoutMismatchError
+from jreshard.options import Options
+from jreshard.sharding.box import Box, intersect
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.overlap import Overlaps, overlaps_of, take_from_earlier
+from jreshard.sharding.pieces import SourceIndex, disjoint, overlapping, pieces_of, source_index
+from jreshard.sharding.rows import Emitter, Phase, Row, TensorPlan, TensorTemplate
+from jreshard.sharding.topology import Link, Topology
+
+__all__ = ["check_pair", "plan_rows", "plan_tensor", "plan_tensor_for_rank", "rank_rows", "stripe", "units_of_rank"]
+
+
+def check_pair(src: Layout, dst: Layout, name: str) -> None:
+    """Raise LayoutMismatchError when ``src`` and ``dst`` disagree on shape or dtype."""
+    if src.shape != dst.shape:
+        raise LayoutMismatchError(
+            f"tensor {name}: source shape {src.shape} != destination shape {dst.shape}",
+            src=src.shape,
+            dst=dst.shape,
+            what="shape",
+        )
+    if src.dtype != dst.dtype:
+        raise LayoutMismatchError(
+            f"tensor {name}: source dtype {src.dtype} != destination dtype {dst.dtype}",
+            src=src.dtype,
+            dst=dst.dtype,
+            what="dtype",
+        )
+
+
+def stripe(pieces: Sequence[tuple[int, Box]], k: int, itemsize: int, min_bytes: int) -> list[tuple[int, Box, int]]:
+    """Cut ``pieces`` (laid end to end) into ``k`` near-equal byte ranges.
+
+    Returns ``(piece_index, sub_box, lander)`` triples covering every piece
+    exactly once. A piece is cut only along its first dimension of extent > 1,
+    at row boundaries, and never into parts smaller than ``min_bytes``; lander
+    ``q`` takes the bytes nearest to ``[q*T/k, (q+1)*T/k)`` of the total ``T``.
+    """
+    out: list[tuple[int, Box, int]] = []
+    total = sum(b.volume for _, b in pieces) * itemsize
+    if k <= 1 or total == 0:
+        return [(i, b, 0) for i, b in pieces]
+    pos, cursor = 0, 0
+    for i, box in pieces:
+        rest = box
+        while True:
+            while pos < k - 1 and (pos + 1) * total <= cursor * k:
+                pos += 1
+            shape = rest.shape
+            nbytes = math.prod(shape) * itemsize
+            space = ((pos + 1) * total) / k - cursor
+            d = next((e for e, n in enumerate(shape) if n > 1), None)
+            if pos == k - 1 or d is None or nbytes <= space or nbytes < 2 * max(min_bytes, 1):
+                out.append((i, rest, pos))
+                cursor += nbytes
+                break
+            row = nbytes // shape[d]
+            rows = round(space / row)
+            if rows == 0:
+                pos += 1
+                continue
+            rows = max(rows, -(-min_bytes // row))
+            if rows >= shape[d] or (shape[d] - rows) * row < min_bytes:
+                out.append((i, rest, pos))
+                cursor += nbytes
+                break
+            head, rest = rest.split(d, rest.lo[d] + rows)
+            out.append((i, head, pos))
+            cursor += rows * row
+            pos += 1
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Context:
+    """Everything about one (src, dst, topology) that every unit reads."""
+
+    src: Layout
+    dst: Layout
+    topo: Topology
+    sidx: SourceIndex
+    groups: tuple[tuple[Box, tuple[int, ...]], ...]  # destination replica groups
+    by_domain: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # per group: (domain, holders) sorted
+    holders_in: tuple[dict[int, tuple[int, ...]], ...]  # per source box: domain -> replicas there
+    on_device: tuple[dict[int, int], ...]  # per source box: device -> its smallest replica there
+    dlo: np.ndarray
+    dhi: np.ndarray
+    overlaps: Overlaps | None  # destination groups that overlap inside one domain (overlap.py)
+    shared_devices: bool  # whether two destination ranks share a device (their fan-out is then a local copy)
+
+
+@cache(max_size=512)
+def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
+    sidx = source_index(src)
+    groups = dst.replica_groups()
+    by_domain = []
+    for _, ranks in groups:
+        doms: dict[int, list[int]] = {}
+        for r in ranks:
+            doms.setdefault(topo.domain_of(r), []).append(r)
+        by_domain.append(tuple((g, tuple(rs)) for g, rs in sorted(doms.items())))
+    holders_in, on_device = [], []
+    for hs in sidx.holders:
+        inn: dict[int, list[int]] = {}
+        dev: dict[int, int] = {}
+        for h in hs:
+            inn.setdefault(topo.domain_of(h), []).append(h)
+            dev.setdefault(topo.device_of(h), h)
+        holders_in.append({g: tuple(v) for g, v in inn.items()})
+        on_device.append(dev)
+    dlo = np.array([b.lo for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
+    dhi = np.array([b.hi for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
+    by_domain_t = tuple(by_domain)
+    devs = [topo.device_of(r) for r in dst.ranks]
+    return _Context(
+        src,
+        dst,
+        topo,
+        sidx,
+        groups,
+        by_domain_t,
+        tuple(holders_in),
+        tuple(on_device),
+        dlo,
+        dhi,
+        None if disjoint(tuple(b for b, _ in groups), dst.ndim) else overlaps_of(groups, by_domain_t, dlo, dhi),
+        len(set(devs)) < len(devs),
+    )
+
+
+def _fast(ctx: _Context, a: int, b: int) -> Link:
+    """The link of a fan-out inside one domain: a local copy when the two ranks share a device."""
+    if ctx.shared_devices and ctx.topo.device_of(a) == ctx.topo.device_of(b):
+        return Link.LOCAL
+    return Link.FAST
+
+
+def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
+    """Emit the rows of destination replica group ``u`` into ``out`` (module docstring).
+
+    With ``out.only`` set, emit just the rows that send from or arrive at rank
+    ``only``, in the same order: hops of a chain that ``only`` takes no part in
+    are skipped, except for the landings it may send as a replica.
+    """
+    only = out.only
+    beta, _ = ctx.groups[u]
+    topo, itemsize = ctx.topo, ctx.src.itemsize
+    pcs = pieces_of(beta, ctx.sidx)
+    need: list[list[int]] = [[] for _ in pcs]  # piece -> domains that need it over the network
+    ranks_of: dict[int, tuple[int, ...]] = {}
+    nets: dict[int, tuple[tuple[int, Box], ...]] = {}
+    partial: set[tuple[int, int]] = set()  # (piece, domain): the domain takes part of the piece from earlier groups
+    ov = ctx.overlaps
+    shared = ctx.shared_devices
+    fan = Phase.FANOUT
+    for g, holders in ctx.by_domain[u]:
+        ranks_of[g] = holders
+        net: list[tuple[int, Box]] = []
+        for k, (pbox, j) in enumerate(pcs):
+            inside = ctx.holders_in[j].get(g)
+            if not inside:
+                if ov is not None and g in ov.earlier[u]:
+                    rest = take_from_earlier(ov, ctx.groups, topo, u, g, holders, k, pbox, out)
+                    if rest != [pbox]:
+                        partial.add((k, g))
+                    net.extend((k, b) for b in rest)
+                    if rest:
+                        need[k].append(g)
+                    continue
+                net.append((k, pbox))
+                need[k].append(g)
+                continue
+            for q, r in enumerate(holders):
+                h = ctx.on_device[j].get(topo.device_of(r))
+                if h is not None:
+                    out.add(Row(h, r, Link.LOCAL, Phase.LAND, 0, u, pbox))
+                else:
+                    out.pick(inside, q + k, r, Link.FAST, Phase.LAND, 0, u, pbox)
+        if net:
+            nets[g] = tuple(net)
+    # stripe() is a pure function of (pieces, landers): domains with equal inputs share one result,
+    # and a domain's stripes are cut only when a row needs them. by_piece[g][k]: the (sub_box, lander)
+    # stripes of piece k in domain g, in stripe order.
+    striped: dict[tuple, dict[int, list[tuple[Box, int]]]] = {}
+    by_piece: dict[int, dict[int, list[tuple[Box, int]]]] = {}
+
+    def stripes_of(g: int) -> dict[int, list[tuple[Box, int]]]:
+        got = by_piece.get(g)
+        if got is None:
+            key = (nets[g], len(ranks_of[g]))
+            got = striped.get(key)
+            if got is None:
+                got = {}
+                for kk, b, q in stripe(nets[g], len(ranks_of[g]), itemsize, opts.min_stripe_bytes):
+                    got.setdefault(kk, []).append((b, q))
+                striped[key] = got
+            by_piece[g] = got
+        return got
+
+    for k, doms in enumerate(need):
+        if not doms:
+            continue
+        replicas = ctx.sidx.holders[pcs[k][1]]
+        # A domain that takes part of the piece from an earlier group holds no whole piece to relay:
+        # it gets the rest straight from the replicas.
+        whole = [g for g in doms if (k, g) not in partial] if partial else doms
+        s, m = len(replicas), len(whole)
+        if opts.relays and m > s:
+            chains = [whole[c * m // s : (c + 1) * m // s] for c in range(s)]
+        else:
+            chains = [[g] for g in whole]
+        if partial:
+            chains += [[g] for g in doms if (k, g) in partial]
+        turn = k  # the emitter adds the rotation
+        for chain in chains:
+            prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
+            for hop, g in enumerate(chain):
+                holders = ranks_of[g]
+                if only is not None and only not in holders and (prev is None or only not in prev[0]):
+                    # No row of this hop involves ``only`` except a landing it sends as a replica;
+                    # the landings still advance ``turn``.
+                    mine = stripes_of(g).get(k, []) if prev is None or chain[hop + 1 :] else []
+                    if prev is None:
+                        for b, q in mine:
+                            out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
+                            turn += 1
+                    prev = (holders, mine)
+                    continue
+                mine = stripes_of(g).get(k, [])
+                if prev is None:
+                    for b, q in mine:
+                        out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
+                        turn += 1
+                elif prev[1] is mine:
+                    # Both hops cut piece k alike (one shared stripe() result), and the stripes of a
+                    # piece are disjoint: stripe b meets only itself, so the relay is lander q -> lander q.
+                    prev_holders = prev[0]
+                    for b, q in mine:
+                        out.add(Row(prev_holders[q], holders[q], Link.NETWORK, Phase.RELAY, hop, u, b))
+                else:
+                    prev_holders, prev_mine = prev
+                    for b, q in mine:
+                        for pb, pq in prev_mine:
+                            if only is not None and prev_holders[pq] != only and holders[q] != only:
+                                continue
+                            x = intersect(b, pb)
+                            if x is not None:
+                                out.add(Row(prev_holders[pq], holders[q], Link.NETWORK, Phase.RELAY, hop, u, x))
+                rows = out.rows
+                for b, q in mine:
+                    lander = holders[q]
+                    if only is None or lander == only:
+                        if not shared:  # one block row: the same box to every other holder
+                            if len(holders) > 1:
+                                rows.append(Row(lander, holders[:q] + holders[q + 1 :], Link.FAST, fan, hop + 1, u, b))
+                            continue
+                        for qq, r in enumerate(holders):
+                            if qq != q:
+                                rows.append(Row(lander, r, _fast(ctx, lander, r), fan, hop + 1, u, b))
+                    elif only in holders and holders.index(only) != q:
+                        rows.append(Row(lander, only, _fast(ctx, lander, only), fan, hop + 1, u, b))
+                prev = (holders, mine)
+
+
+def _rotation_period(ctx: _Context) -> int | None:
+    """Rotations act modulo the replica counts; beyond 64 distinct values, don't share."""
+    p = 1
+    for hs in ctx.sidx.holders:
+        p = math.lcm(p, len(hs))
+    for inside in ctx.holders_in:
+        for v in inside.values():
+            p = math.lcm(p, len(v))
+    return p if p <= 64 else None
+
+
+def _rotation(ctx: _Context, tensor_index: int) -> int:
+    period = _rotation_period(ctx)
+    return tensor_index % period if period else tensor_index
+
+
+@cache(max_size=1024)
+def _template(src: Layout, dst: Layout, topo: Topology, opts: Options) -> TensorTemplate:
+    """Every row of the tensor, replica choices open: planned once per layout pair, stamped per tensor."""
+    ctx = _context(src, dst, topo)
+    out = Emitter(None)
+    for u in range(len(ctx.groups)):
+        _plan_unit(ctx, u, opts, out)
+    return out.template(src.ndim, src.itemsize)
+
+
+@cache(max_size=4096)
+def _tensor_plan(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
+    return _template(src, dst, topo, opts).stamp(rot)
+
+
+def plan_rows(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
+    """The rows for rotation ``rot``, planned directly (no template): the reference the templates must equal."""
+    ctx = _context(src, dst, topo)
+    out = Emitter(rot)
+    for u in range(len(ctx.groups)):
+        _plan_unit(ctx, u, opts, out)
+    return TensorPlan.from_rows(out.rows, src.ndim, src.itemsize)
+
+
+def plan_tensor(src: Layout, dst: Layout, topo: Topology, opts: Options, tensor_index: int = 0) -> TensorPlan:
+    """The plan of one tensor; ``tensor_index`` rotates replica choices so that
+    many tensors with the same layouts spread over the replicas."""
+    return _tensor_plan(src, dst, topo, opts, _rotation(_context(src, dst, topo), tensor_index))
+
+
+def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[int]:
+    """The destination replica groups whose unit involves ``rank``: the group it
+    holds, and every group whose box meets a box ``rank`` holds as a source."""
+    ctx = _context(src, dst, topo)
+    units: set[int] = set()
+    idx = src._index()
+    if rank in idx:
+        units.update(overlapping(ctx.dlo, ctx.dhi, idx[rank]).tolist())
+        if src.ndim == 0:
+            units.update(range(len(ctx.groups)))
+    didx = dst._index()
+    if rank in didx:
+        units.add(next(u for u, (b, rs) in enumerate(ctx.groups) if b == didx[rank]))
+        if ctx.overlaps is not None:  # later groups that take what they share with rank's box from it
+            units.update(overlapping(ctx.dlo, ctx.dhi, didx[rank]).tolist())
+    return sorted(units)
+
+
+@cache(max_size=8192)
+def _rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int) -> TensorTemplate:
+    """The rows that may involve ``rank`` for some rotation, from only the units it takes part in."""
+    ctx = _context(src, dst, topo)
+    out = Emitter(None, only=rank)
+    for u in units_of_rank(src, dst, topo, rank):
+        _plan_unit(ctx, u, opts, out)
+    return out.template(src.ndim, src.itemsize)
+
+
+def rank_rows(
+    src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int, tensor_index: int = 0
+) -> tuple[TensorPlan, list[Box]]:
+    """The rows of one tensor's plan that send from or arrive at ``rank``, and their boxes,
+    built from only the units that rank takes part in (one template per layout pair and rank)."""
+    tmpl = _rank_template(src, dst, topo, opts, rank)
+    tp = tmpl.stamp(_rotation(_context(src, dst, topo), tensor_index))
+    if not len(tp):
+        return tp, []
+    keep = (tp.src == rank) | (tp.dst == rank)
+    if keep.all():
+        return tp, tmpl.boxes
+    idx = np.flatnonzero(keep)
+    boxes = tmpl.boxes
+    return tp.select(idx), [boxes[i] for i in idx.tolist()]
+
+
+def plan_tensor_for_rank(
+    src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int, tensor_index: int = 0
+) -> TensorPlan:
+    """The rows of one tensor's plan that send from or arrive at ``rank`` (see :func:`rank_rows`)."""
+    return rank_rows(src, dst, topo, opts, rank, tensor_index)[0]
