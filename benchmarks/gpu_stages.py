@@ -314,7 +314,7 @@ def engine_split(emit, x, g, o, nbytes, shape):
     from jreshard.options import Options
     from jreshard.sharding.box import Box
     from jreshard.sharding.layout import Layout
-    from jreshard.sharding.program import plan_layouts
+    from jreshard.sharding.planner import plan_layouts
     from jreshard.sharding.topology import Topology
 
     half = shape[1] // 2
