@@ -83,6 +83,7 @@ __all__ = [
     "Phase",
     "RankProgram",
     "Message",
+    "Move",
     "Transfer",
     "baselines",
     "cost",
