@@ -127,3 +127,13 @@ def test_engine_over_mpi_at_16_processes(tmp_path):
         assert _by_pair(whole[rank]["sends"]) == _by_pair(split[rank]["sends"])
         assert split[rank]["max_ops"] <= 2
     assert sum(r["exchanges"] for r in split.values()) > sum(r["exchanges"] for r in whole.values())
+
+
+def test_op_counts_from_the_plan_equal_the_schedule():
+    from jreshard.nccl.groups import plan_op_counts
+
+    for n in (8, 16):
+        plan, _, _ = engine_groups.case(n)
+        for chunk in (64, 1000):
+            sched = build_schedule(plan, Options(chunk_bytes=chunk, staging_bytes=4096))
+            assert plan_op_counts(plan, chunk) == rank_op_counts(sched)

@@ -28,11 +28,15 @@ import collections
 import dataclasses
 import functools
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 from jreshard.nccl.schedule import Schedule
+from jreshard.sharding.topology import Link
 
-__all__ = ["RoundGroups", "exchange_groups", "group_rounds", "rank_op_counts", "split_ops"]
+__all__ = ["RoundGroups", "exchange_groups", "group_rounds", "plan_op_counts", "rank_op_counts", "split_ops"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,3 +155,28 @@ def rank_op_counts(schedule: Schedule) -> dict[int, tuple[int, int]]:
     for rank, by_round in schedule.steps.items():
         out[rank] = (sum(len(s.sends) for s in by_round.values()), sum(len(s.recvs) for s in by_round.values()))
     return out
+
+
+def plan_op_counts(plan: Any, chunk_bytes: int) -> dict[int, tuple[int, int]]:
+    """``{rank: (send operations, receive operations)}`` of ``plan`` cut into ``chunk_bytes`` chunks,
+    counted from the plan's rows without building the schedule (the same numbers as
+    :func:`rank_op_counts`: a message of ``n`` bytes is ``ceil(n / chunk_bytes)`` chunks)."""
+    cols = [
+        np.concatenate([getattr(tp, f) for tp in plan.tensor_plans] or [np.zeros(0, np.int64)]).astype(np.int64)
+        for f in ("stage", "src", "dst", "link", "nbytes")
+    ]
+    stage, src, dst, link, nbytes = cols
+    keep = link != int(Link.LOCAL)
+    stage, src, dst, nbytes = stage[keep], src[keep], dst[keep], nbytes[keep]
+    if not len(src):
+        return {}
+    n = int(max(src.max(), dst.max())) + 1
+    code = (stage * n + src) * n + dst
+    keys, inv = np.unique(code, return_inverse=True)
+    total = np.bincount(inv, weights=nbytes, minlength=len(keys)).astype(np.int64)
+    chunks = -(-total // chunk_bytes)
+    k_src, k_dst = (keys // n) % n, keys % n
+    sends = np.bincount(k_src, weights=chunks, minlength=n).astype(np.int64)
+    recvs = np.bincount(k_dst, weights=chunks, minlength=n).astype(np.int64)
+    ranks = sorted(set(k_src.tolist()) | set(k_dst.tolist()))
+    return {r: (int(sends[r]), int(recvs[r])) for r in ranks}
