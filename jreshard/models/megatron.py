@@ -170,8 +170,8 @@ def megatron_placement(param: Param, side: MegatronParallel, layers: int, first_
         stage = param.layer * side.pp // layers
     start = first_rank + stage * s
     role, nd = param.role, len(param.shape)
-    expert = role in (Role.EXPERT_COLUMN, Role.EXPERT_ROW)
-    if expert:
+    wanted: tuple[tuple[str, ...], ...]
+    if role in (Role.EXPERT_COLUMN, Role.EXPERT_ROW):
         axes = (
             ("edp", s // (side.ep * side.etp * side.fsdp)),
             ("efsdp", side.fsdp),
