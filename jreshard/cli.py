@@ -1,9 +1,12 @@
 """python -m jreshard {plan, simulate, demo}: the command line. Environment variables are read here only.
 
 ``plan`` prints a plan's bytes by link kind, the lower bound, per-rank loads and
-message counts beside the baselines; ``simulate`` prints the cost model's
-predicted times (predictions, not measurements). Both take a model
-(``--model deepseek-v3``) or one tensor (``--shape``, ``--src``, ``--dst``).
+message counts beside the baselines, and every rank's send/recv operations and
+exchange groups; ``simulate`` prints the cost model's predicted times
+(predictions, not measurements). Both take a model (``--model deepseek-v3``, or
+``--hf-config config.json``), the two sides' parallelism from an M2N system
+config (``--system-config``), or one tensor (``--shape``, ``--src``, ``--dst``).
+Every bad argument is an argparse error (exit status 2) before any work.
 """
 
 from __future__ import annotations
@@ -15,27 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main"]
+from jreshard.cli_args import LAYOUT_SYNTAX, add_case_args, parse_layout, png_path
 
-
-LAYOUT_SYNTAX = """\
-layouts (--src, --dst):  MESH[:SPEC][@FIRST_RANK]
-  MESH        mesh axes major to minor, AXIS=SIZE joined by commas: "ep=16", "dp=4,tp=8"
-  SPEC        one entry per tensor dimension, joined by commas (missing trailing entries
-              replicate): "-" replicates the dimension, "tp" splits it over axis tp,
-              "dp+tp" splits it over dp then tp (major to minor), as in a PartitionSpec
-  FIRST_RANK  the mesh holds ranks FIRST_RANK, FIRST_RANK+1, ... in row-major order;
-              default: 0 for --src, and for --dst the first rank of the next fast-link
-              domain after the source's ranks
-  example: --shape 256,2048,7168 --src "ep=16:ep" --dst "dp=4,tp=8:-,-,tp"
-           is P("ep") on 16 GPUs -> P(None, None, "tp") on a (dp=4, tp=8) mesh
-topology: ranks in consecutive blocks of --domain-size form one fast-link domain
-  (trainer ranks first, inference ranks from the next domain on). --cluster sets
-  defaults: nvl72 = 72 GPUs per domain, 50 GB/s NIC, 900 GB/s NVLink (GB200);
-  h100 = 8 GPUs per domain, 50 GB/s NIC, 450 GB/s NVLink (DGX H100).
-every time `simulate` prints is predicted by the cost model (jreshard.cost), not measured."""
-
-_CLUSTERS = {"nvl72": (72, 50.0, 900.0), "h100": (8, 50.0, 450.0)}  # domain size, NIC GB/s, fast GB/s
+__all__ = ["main", "parse_layout"]
 
 
 def _si(n: float, unit: str = "B") -> str:
@@ -51,131 +36,114 @@ def _seconds(t: float) -> str:
     return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
 
 
-def parse_layout(text: str, shape: Sequence[int], dtype: str, first_rank: int) -> Any:
-    """A Layout from the command-line syntax (``LAYOUT_SYNTAX``); ``first_rank`` unless ``@N`` is given.
-
-    Raises:
-      argparse.ArgumentTypeError: the text does not follow the syntax.
-
-    Example:
-      >>> lay = parse_layout("dp=2,tp=4:-,tp@8", (6, 16), "float32", 0)
-      >>> lay.ranks[:3], lay.box_of(9)
-      ((8, 9, 10), Box(lo=(0, 4), hi=(6, 8)))
-    """
-    import numpy as np
-
-    from jreshard.errors import LayoutError
-    from jreshard.sharding.layout import Layout
-
-    body, _, at = text.partition("@")
-    mesh_text, _, spec_text = body.partition(":")
-    try:
-        axes = [(a.strip(), int(n)) for a, n in (item.split("=") for item in mesh_text.split(","))]
-        first = int(at) if at else first_rank
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"layout {text!r}: the mesh must read AXIS=SIZE,AXIS=SIZE and the first rank an integer, "
-            f"e.g. 'dp=4,tp=8:-,tp@72'"
-        ) from None
-    if any(n < 1 for _, n in axes):
-        raise argparse.ArgumentTypeError(f"layout {text!r}: mesh axis sizes must be >= 1")
-    spec: list[Any] = []
-    for entry in spec_text.split(",") if spec_text else []:
-        entry = entry.strip()
-        spec.append(None if entry in ("-", "", "None") else tuple(entry.split("+")))
-    names = [a for a, _ in axes]
-    ranks = np.arange(first, first + int(np.prod([n for _, n in axes]))).reshape([n for _, n in axes])
-    try:
-        return Layout.from_mesh(ranks, names, spec, shape, dtype)
-    except LayoutError as err:
-        raise argparse.ArgumentTypeError(f"layout {text!r}: {err}") from None
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class _Case:
-    """What `plan` and `simulate` work on: layout pairs, names, a topology and a description."""
+    """What `plan` and `simulate` work on: layout pairs, a topology and a description."""
 
     title: str
     sides: tuple[str, str]
     pairs: tuple
-    names: tuple[str, ...]
     topology: Any
     options: Any
 
 
-def _case(args: argparse.Namespace) -> _Case:
-    from jreshard.models import refit, refit_topology
-    from jreshard.options import Options
-
-    domain, nic, fast = _CLUSTERS[args.cluster]
-    domain = args.domain_size or domain
-    links = {
-        "network_bw": (args.nic_gbs or nic) * 1e9,
-        "fast_bw": (args.fast_gbs or fast) * 1e9,
-        "latency_s": args.latency_us * 1e-6,
+def _links(args: argparse.Namespace, cluster: Any) -> dict[str, float]:
+    pick = lambda given, default: default if given is None else given  # noqa: E731 - 0 is never a default
+    return {
+        "network_bw": pick(args.nic_gbs, cluster.nic_gbs) * 1e9,
+        "fast_bw": pick(args.fast_gbs, cluster.fast_gbs) * 1e9,
+        "latency_s": pick(args.latency_us, cluster.latency_us) * 1e-6,
     }
+
+
+def _case(args: argparse.Namespace, parser: argparse.ArgumentParser) -> _Case:
+    from jreshard import Options, Topology
+    from jreshard.models import CLUSTERS, MODELS, read_hf_config, refit, refit_topology, system_refit
+
+    sysc = args.system_config
+    cluster = CLUSTERS[args.cluster or (sysc.cluster if sysc and sysc.cluster else "nvl72")]
+    domain = args.domain_size if args.domain_size is not None else (sysc and sysc.domain_size) or cluster.domain_size
+    links = _links(args, cluster)
+    chunk = args.chunk_mib << 20
     options = Options(
-        relays=not args.no_relays, chunk_bytes=args.chunk_mib << 20, staging_bytes=max(256, args.chunk_mib) << 20
+        relays=not args.no_relays,
+        chunk_bytes=chunk,
+        staging_bytes=max(256 << 20, chunk),
+        max_group_ops=args.max_group_ops if args.max_group_ops is not None else Options().max_group_ops,
     )
-    if args.model:
+    given = [f for f, v in (("--model", args.model), ("--hf-config", args.hf_config), ("--shape", args.shape)) if v]
+    if len(given) > 1:
+        parser.error(f"give one of --model, --hf-config and --shape, not {' and '.join(given)}")
+    if sysc is not None or args.hf_config:
+        if sysc is None:
+            parser.error(f"--hf-config {args.hf_config!r} needs --system-config for the two sides' parallelism")
+        if args.shape:
+            parser.error("--system-config describes a model refit; it does not take --shape")
+        name = args.model or sysc.model
         try:
-            r = refit(args.model, args.train_gpus, args.infer_gpus)
+            model = read_hf_config(args.hf_config) if args.hf_config else MODELS[name].model() if name else None
         except ValueError as err:
-            raise SystemExit(f"error: {err}") from None
-        topo = refit_topology(args.train_gpus, args.infer_gpus, domain, **links)
-        gib = r.model.nbytes
+            parser.error(str(err))
+        if model is None:
+            parser.error(f"--system-config {sysc.title!r} names no model: give --model or --hf-config")
+        r = system_refit(model, sysc)
+        n_train, n_gen = sysc.train.num_gpus, sysc.generation.num_gpus
+        trainer, inference, pairs = sysc.train.name, sysc.generation.name, r.pairs
+    elif args.model:
+        try:
+            rf = refit(args.model, args.train_gpus, args.infer_gpus)
+        except ValueError as err:
+            parser.error(str(err))
+        model, pairs, n_train, n_gen = rf.model, rf.pairs, args.train_gpus, args.infer_gpus
+        trainer, inference = rf.trainer.name, rf.inference.name
+    else:
+        if not (args.shape and args.src and args.dst):
+            parser.error("give --model NAME, --system-config FILE, or --shape, --src and --dst (layout syntax below)")
+        try:
+            src = parse_layout(args.src, args.shape, args.dtype, 0)
+            dst = parse_layout(args.dst, args.shape, args.dtype, -(-(max(src.ranks) + 1) // domain) * domain)
+        except argparse.ArgumentTypeError as err:
+            parser.error(str(err))
+        n = max(max(src.ranks), max(dst.ranks)) + 1
         return _Case(
-            title=f"{r.model.name}: {len(r.pairs)} tensors, {_si(gib)}, {r.model.n_params / 1e9:.0f}B parameters",
+            title=f"tensor {args.shape} {src.dtype}: {_si(src.nbytes)}",
             sides=(
-                f"trainer   ranks 0-{args.train_gpus - 1}: {r.trainer.name}",
-                f"inference ranks {args.train_gpus}-{args.train_gpus + args.infer_gpus - 1}: {r.inference.name}",
+                f"source      ranks {min(src.ranks)}-{max(src.ranks)}: {args.src}",
+                f"destination ranks {min(dst.ranks)}-{max(dst.ranks)}: {args.dst}",
             ),
-            pairs=r.pairs,
-            names=r.names,
-            topology=topo,
+            pairs=((src, dst),),
+            topology=Topology.uniform(range(n), domain, **links),
             options=options,
         )
-    if not (args.shape and args.src and args.dst):
-        raise SystemExit("give --model NAME, or --shape, --src and --dst (see --help for the layout syntax)")
-    from jreshard.sharding.topology import Topology
-
-    shape = tuple(int(v) for v in args.shape.split(","))
-    try:
-        src = parse_layout(args.src, shape, args.dtype, 0)
-        first_dst = -(-(max(src.ranks) + 1) // domain) * domain
-        dst = parse_layout(args.dst, shape, args.dtype, first_dst)
-    except argparse.ArgumentTypeError as err:
-        raise SystemExit(f"error: {err}") from None
-    n = max(max(src.ranks), max(dst.ranks)) + 1
-    topo = Topology.uniform(range(n), domain, **links)
     return _Case(
-        title=f"tensor {shape} {src.dtype}: {_si(src.nbytes)}",
+        title=f"{model.name}: {len(pairs)} tensors, {_si(model.nbytes)}, {model.n_params / 1e9:.0f}B parameters",
         sides=(
-            f"source      ranks {min(src.ranks)}-{max(src.ranks)}: {args.src}",
-            f"destination ranks {min(dst.ranks)}-{max(dst.ranks)}: {args.dst}",
+            f"trainer   ranks 0-{n_train - 1}: {trainer}",
+            f"inference ranks {n_train}-{n_train + n_gen - 1}: {inference}",
         ),
-        pairs=((src, dst),),
-        names=("x",),
-        topology=topo,
+        pairs=tuple(pairs),
+        topology=refit_topology(n_train, n_gen, domain, **links),
         options=options,
     )
 
 
-def _plans(case: _Case) -> list[tuple[str, Any, float]]:
-    """jreshard's plan and the three baselines, each with the seconds it took to build."""
-    from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
-    from jreshard.sharding.planner import plan_layouts
+BASELINES = ("jreshard", "gather-broadcast", "gather-broadcast (ring)", "flat-direct")
 
+
+def _plans(case: _Case) -> list[tuple[str, Any, float]]:
+    """jreshard's plan and the three baselines (names: ``BASELINES``), each with the seconds it took."""
+    import jreshard
+
+    src, dst = [s for s, _ in case.pairs], [d for _, d in case.pairs]
+    topo, opts = case.topology, case.options
+    builders = (
+        lambda: jreshard.plan(src, dst, topo, opts),
+        lambda: jreshard.baselines.gather_broadcast(src, dst, topo, opts),
+        lambda: jreshard.baselines.gather_broadcast(src, dst, topo, opts, ring=True),
+        lambda: jreshard.baselines.flat_direct(src, dst, topo, opts),
+    )
     out = []
-    for label, build in (
-        ("jreshard", lambda: plan_layouts(case.pairs, case.topology, case.options, case.names)),
-        ("gather-broadcast", lambda: gather_broadcast_layouts(case.pairs, case.topology, case.options, case.names)),
-        (
-            "gather-broadcast (ring)",
-            lambda: gather_broadcast_layouts(case.pairs, case.topology, case.options, case.names, ring=True),
-        ),
-        ("flat-direct", lambda: flat_direct_layouts(case.pairs, case.topology, case.options, case.names)),
-    ):
+    for label, build in zip(BASELINES, builders, strict=True):
         t = time.perf_counter()
         p = build()
         out.append((label, p, time.perf_counter() - t))
@@ -194,8 +162,58 @@ def _header(case: _Case) -> None:
     )
 
 
+EXACT_GROUPS_MAX_CHUNKS = 4000  # above this many chunk messages, building the engine's schedule takes minutes
+
+
+def _print_ops(plan: Any, options: Any, per_rank: bool) -> None:
+    """Send and receive operations and exchange groups: per fast-link domain (min-max over its ranks),
+    or for every rank with ``per_rank``."""
+    from jreshard.nccl.groups import group_rounds, plan_op_counts
+
+    counts = plan_op_counts(plan, options.chunk_bytes)
+    total = sum(s for s, _ in counts.values())
+    exact = total <= EXACT_GROUPS_MAX_CHUNKS
+    if exact:
+        from jreshard.nccl.schedule import build_schedule
+
+        sched = build_schedule(plan, options)
+        rg = group_rounds(sched, options.max_group_ops)
+        groups = {r: rg.rank_groups(sched, r) for r in counts}
+        note = "groups: the exchange groups the engine runs (one per round, more where a round holds more ops)"
+    else:
+        groups = {r: -(-(s + v) // options.max_group_ops) for r, (s, v) in counts.items()}
+        note = (
+            f"min groups: ceil(ops / max_group_ops), a lower bound; the engine runs at least one group per round,"
+            f"\n  and the exact count needs its schedule (built for plans of up to {EXACT_GROUPS_MAX_CHUNKS} chunk"
+            f" messages; this one has {total})"
+        )
+    print(
+        f"\nsend/recv operations {'per rank' if per_rank else 'per fast-link domain (min-max over its ranks)'}"
+        f" for the whole refit (chunks of {options.chunk_bytes / (1 << 20):g} MiB,"
+        f" max_group_ops {options.max_group_ops}):"
+    )
+    print(f"  {'ranks':<12}{'sends':>14}{'recvs':>14}{'groups' if exact else 'min groups':>14}")
+    topo = plan.topology
+    blocks: dict[Any, list[int]] = {}
+    for r in sorted(counts):
+        blocks.setdefault(r if per_rank else topo.domain_of(r), []).append(r)
+
+    def span(vals: list[int]) -> str:
+        return f"{min(vals)}" if min(vals) == max(vals) else f"{min(vals)}-{max(vals)}"
+
+    for ranks in blocks.values():
+        cols = [
+            span([counts[r][0] for r in ranks]),
+            span([counts[r][1] for r in ranks]),
+            span([groups[r] for r in ranks]),
+        ]
+        print(f"  {span(ranks):<12}" + "".join(f"{c:>14}" for c in cols))
+    busiest = max(counts, key=lambda r: sum(counts[r]))
+    print(f"  busiest rank {busiest}: {sum(counts[busiest])} operations; {note}")
+
+
 def _plan_cmd(args: argparse.Namespace) -> int:
-    case = _case(args)
+    case = _case(args, args.parser)
     _header(case)
     cols = (
         "network",
@@ -210,9 +228,8 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         "planned in",
     )
     print(f"\n{'plan':<24}" + "".join(f"{c:>14}" for c in cols))
-    drawn = None
-    for label, p, secs in _plans(case):
-        drawn = p if drawn is None else drawn  # jreshard's own plan comes first
+    plans = _plans(case)
+    for label, p, secs in plans:
         s = p.stats()
         vals = (
             _si(s.network_bytes),
@@ -231,7 +248,9 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         "\nnetwork: bytes crossing between fast-link domains; lower bound: the bytes any plan must move there;"
         "\nmax NIC send/recv, max fast send: the busiest rank's load on that link, each way."
     )
-    if args.draw and drawn is not None:
+    drawn = plans[0][1]  # jreshard's own plan
+    _print_ops(drawn, case.options, args.ops_per_rank)
+    if args.draw:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -246,7 +265,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
 def _simulate_cmd(args: argparse.Namespace) -> int:
     from jreshard.cost import predict
 
-    case = _case(args)
+    case = _case(args, args.parser)
     _header(case)
     print(f"chunk {case.options.chunk_bytes / (1 << 20):g} MiB; relays {'on' if case.options.relays else 'off'}")
     rows = [(label, p, predict(p)) for label, p, _ in _plans(case)]
@@ -269,40 +288,29 @@ def _simulate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_case_args(p: argparse.ArgumentParser) -> None:
-    from jreshard.models import MODELS
-
-    p.add_argument("--model", choices=sorted(MODELS), help="a model with its trainer and inference layouts")
-    p.add_argument("--train-gpus", type=int, default=128, help="trainer GPUs, ranks 0.. (default 128)")
-    p.add_argument("--infer-gpus", type=int, default=128, help="inference GPUs, after the trainer's (default 128)")
-    p.add_argument("--shape", help="one tensor instead of a model: its shape, e.g. 256,2048,7168")
-    p.add_argument("--dtype", default="bfloat16", help="the tensor's dtype (default bfloat16)")
-    p.add_argument("--src", help="the tensor's source layout (syntax below)")
-    p.add_argument("--dst", help="the tensor's destination layout (syntax below)")
-    p.add_argument("--cluster", choices=sorted(_CLUSTERS), default="nvl72", help="link and domain defaults")
-    p.add_argument("--domain-size", type=int, help="GPUs per fast-link domain (overrides --cluster)")
-    p.add_argument("--nic-gbs", type=float, help="NIC GB/s per GPU, each way (overrides --cluster)")
-    p.add_argument("--fast-gbs", type=float, help="fast-link GB/s per GPU, each way (overrides --cluster)")
-    p.add_argument("--latency-us", type=float, default=5.0, help="per-message latency, microseconds (default 5)")
-    p.add_argument("--chunk-mib", type=int, default=8, help="pipeline chunk, MiB (default 8)")
-    p.add_argument("--no-relays", action="store_true", help="plan without relays between destination domains")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    from jreshard.models import CLUSTERS, published_configs
+
     parser = argparse.ArgumentParser(prog="python -m jreshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     fmt = argparse.RawDescriptionHelpFormatter
+    epilog = LAYOUT_SYNTAX % {
+        "published": ", ".join(sorted(published_configs())),
+        "clusters": "; ".join(f"{c.name} = {c.about}" for c in CLUSTERS.values()),
+    }
     for name, func, text in (
         ("plan", _plan_cmd, "bytes by link kind, lower bound, per-rank loads and messages, beside the baselines"),
         ("simulate", _simulate_cmd, "predicted refit times of jreshard and the baselines (cost model)"),
     ):
-        p = sub.add_parser(name, help=text, description=text, epilog=LAYOUT_SYNTAX, formatter_class=fmt)
-        _add_case_args(p)
-        p.set_defaults(func=func)
+        p = sub.add_parser(name, help=text, description=text, epilog=epilog, formatter_class=fmt)
+        add_case_args(p)
+        p.set_defaults(func=func, parser=p)
         if name == "plan":
+            p.add_argument("--ops-per-rank", action="store_true", help="print every rank's operations, not per domain")
             p.add_argument(
                 "--draw",
                 metavar="PNG",
+                type=png_path,
                 help="save a picture: the tensor's shards and moves (one tensor) or per-rank loads (a model)",
             )
     from jreshard import demo as demo_module  # stdlib-only import; jax starts inside run_from_args

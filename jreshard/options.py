@@ -33,6 +33,9 @@ class Options:
         dimension to balance the receiving NICs, never into stripes smaller than this.
       copy_threads: host threads for the in-process copies on CPU (numpy releases
         the GIL, so copies run in parallel); ``None`` uses every core.
+      max_group_ops: the most send/recv operations one rank posts in one exchange
+        group (one NCCL group); a round with more runs as several groups, cut the
+        same way on every rank.
 
     Example:
       >>> Options(backend="mpi", chunk_bytes=1 << 20).backend
@@ -46,6 +49,7 @@ class Options:
     relays: bool = True
     min_stripe_bytes: int = 64 << 10
     copy_threads: int | None = None
+    max_group_ops: int = 2048
 
     def __post_init__(self) -> None:
         b = self.backend
@@ -70,6 +74,8 @@ class Options:
             raise ValueError(f"Options: timeout_s={self.timeout_s!r} must be a positive number of seconds")
         if self.copy_threads is not None and (not isinstance(self.copy_threads, int) or self.copy_threads < 1):
             raise ValueError(f"Options: copy_threads={self.copy_threads!r} must be None or an int >= 1")
+        if not isinstance(self.max_group_ops, int) or isinstance(self.max_group_ops, bool) or self.max_group_ops < 1:
+            raise ValueError(f"Options: max_group_ops={self.max_group_ops!r} must be an int >= 1")
         if not isinstance(self.relays, bool):
             raise TypeError(f"Options: relays={self.relays!r} must be True or False")
         if (

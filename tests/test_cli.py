@@ -73,13 +73,119 @@ def test_help_documents_the_layout_syntax(capsys):
     assert "MESH[:SPEC][@FIRST_RANK]" in out and "dp+tp" in out
 
 
-def test_a_model_or_a_tensor_is_required():
-    with pytest.raises(SystemExit, match="give --model"):
-        main(["simulate", "--shape", "4,4"])
-    with pytest.raises(SystemExit, match="n_train=100 must be a positive multiple of 128"):
-        main(["plan", "--model", "deepseek-v3", "--train-gpus", "100"])
-    with pytest.raises(SystemExit, match="names mesh axis 'tp'"):
-        main(["plan", "--shape", "8,8", "--src", "ep=2:tp", "--dst", "tp=2:-,tp"])
+def _error(capsys, argv: list[str]) -> str:
+    """Run the CLI expecting an argparse error: exit status 2, one ``error:`` line, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_model_or_a_tensor_is_required(capsys):
+    assert "give --model NAME" in _error(capsys, ["simulate", "--shape", "4,4"])
+    assert "n_train=100 must be a positive multiple of 128" in _error(
+        capsys, ["plan", "--model", "deepseek-v3", "--train-gpus", "100"]
+    )
+    assert "names mesh axis 'tp'" in _error(
+        capsys, ["plan", "--shape", "8,8", "--src", "ep=2:tp", "--dst", "tp=2:-,tp"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["plan", "--shape", "4096x4096"],
+            "argument --shape: must be sizes joined by commas, e.g. 256,2048,7168; got '4096x4096'",
+        ),
+        (["plan", "--model", "llama3-70b", "--domain-size", "-3"], "argument --domain-size: must be > 0, got '-3'"),
+        (["simulate", "--model", "llama3-70b", "--domain-size", "0"], "argument --domain-size: must be > 0, got '0'"),
+        (["simulate", "--model", "llama3-70b", "--nic-gbs", "-5"], "argument --nic-gbs: must be > 0, got '-5'"),
+        (["simulate", "--model", "llama3-70b", "--nic-gbs", "0"], "argument --nic-gbs: must be > 0, got '0'"),
+        (
+            ["simulate", "--model", "llama3-70b", "--fast-gbs", "abc"],
+            "argument --fast-gbs: must be a number, got 'abc'",
+        ),
+        (["plan", "--model", "llama3-70b", "--chunk-mib", "0"], "argument --chunk-mib: must be > 0, got '0'"),
+        (["plan", "--model", "llama3-70b", "--latency-us", "-1"], "argument --latency-us: must be >= 0, got '-1'"),
+        (["plan", "--model", "llama3-70b", "--train-gpus", "0"], "argument --train-gpus: must be > 0, got '0'"),
+        (["plan", "--model", "llama3-70b", "--max-group-ops", "0"], "argument --max-group-ops: must be > 0, got '0'"),
+        (["plan", "--system-config", "missing.json"], "argument --system-config: 'missing.json': no such file"),
+        (["plan", "--hf-config", "missing.json"], "argument --hf-config: 'missing.json': no such file"),
+        (["plan", "--model", "llama3-70b", "--shape", "4,4"], "give one of --model, --hf-config and --shape"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors_naming_the_value(capsys, argv, says):
+    assert says in _error(capsys, argv)
+
+
+def test_draw_into_a_missing_folder_is_refused_before_any_work(capsys, tmp_path, monkeypatch):
+    import jreshard
+
+    def never(*a, **k):
+        raise AssertionError("planned before checking --draw")
+
+    monkeypatch.setattr(jreshard, "plan", never)
+    png = tmp_path / "nowhere" / "plan.png"
+    line = _error(capsys, ["plan", *FFN, "--draw", str(png)])
+    assert f"'{png}': the folder '{png.parent}' does not exist" in line
+
+
+def test_zero_latency_is_kept_not_replaced_by_the_default(capsys):
+    assert main(["simulate", *FFN, "--latency-us", "0"]) == 0
+    assert "latency 0 us" in capsys.readouterr().out
+
+
+def test_system_config_and_hf_config(capsys, tmp_path):
+    import json
+
+    assert main(["plan", "--system-config", "m2n-qwen235b-128gpus-gb200"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Qwen3-235B-A22B: 1131 tensors")
+    assert "TP2 CP2 EP16 ETP1 PP4 (DP4, expert DP1; Megatron)" in out and "2 fast-link domains" in out
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines() if " GB " in line}
+    assert rows["jreshard"][:4] == ["470.19", "GB", "470.19", "GB"]  # network bytes = the lower bound
+    assert "send/recv operations per fast-link domain" in out and "busiest rank" in out
+    # The same refit from files: an M2N system config and a config.json.
+    sysfile, hf = tmp_path / "system.json", tmp_path / "config.json"
+    sysfile.write_text(
+        json.dumps(
+            {
+                "train": {"num_gpus": 8, "tp_size": 2, "pp_size": 2, "dp_size": 2},
+                "generation": {"num_gpus": 4, "tp_size": 4},
+            }
+        )
+    )
+    hf.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "intermediate_size": 512,
+                "vocab_size": 1000,
+                "num_hidden_layers": 4,
+            }
+        )
+    )
+    argv = ["plan", "--system-config", str(sysfile), "--hf-config", str(hf), "--domain-size", "4", "--ops-per-rank"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "trainer   ranks 0-7: TP2 CP1 EP1 ETP1 PP2 (DP2, expert DP4; Megatron)" in out
+    assert "inference ranks 8-11" in out and "groups: the exchange groups the engine runs" in out
+    assert "model_type='gpt2'" in _error_after(capsys, tmp_path, sysfile)
+
+
+def _error_after(capsys, tmp_path, sysfile) -> str:
+    import json
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"model_type": "gpt2"}))
+    return _error(capsys, ["plan", "--system-config", str(sysfile), "--hf-config", str(bad)])
 
 
 def test_demo_still_runs(capsys):

@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 from cupy_standins import RecordingCuda, fake_cupy
-from jreshard.sharding.planner import plan_layouts
 
 from jreshard.errors import TransferError
 from jreshard.nccl.buffers import CpuBuffers
@@ -21,6 +20,7 @@ from jreshard.nccl.local import LocalComm
 from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
+from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
 

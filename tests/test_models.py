@@ -124,3 +124,90 @@ def test_a_model_refit_moves_exactly_the_lower_bound():
     assert s.network_bytes == s.network_bytes_lower_bound
     # TP8 x DP8 inference in 8-GPU domains: every domain needs the whole model once.
     assert s.network_bytes == 8 * r.model.nbytes
+
+
+DSV3_HF = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "vocab_size": 129280,
+    "num_hidden_layers": 61,
+    "first_k_dense_replace": 3,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "intermediate_size": 18432,
+    "n_routed_experts": 256,
+    "moe_intermediate_size": 2048,
+    "n_shared_experts": 1,
+    "tie_word_embeddings": False,
+}
+QWEN3_MOE_HF = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 4096,
+    "vocab_size": 151936,
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "num_experts": 128,
+    "moe_intermediate_size": 1536,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
+LLAMA_HF = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "vocab_size": 128256,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize(("cfg", "build"), [(DSV3_HF, deepseek_v3), (QWEN3_MOE_HF, qwen3_235b), (LLAMA_HF, llama3_70b)])
+def test_hf_config_gives_the_built_in_tables(tmp_path, cfg, build):
+    import json
+
+    from jreshard.models import read_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert read_hf_config(path).params == build().params
+
+
+def test_hf_config_dense_qwen3_tied_and_sparse_steps():
+    from jreshard.models import model_from_hf_config
+
+    dense = {k: v for k, v in QWEN3_MOE_HF.items() if k not in ("num_experts", "decoder_sparse_step")}
+    m = model_from_hf_config({**dense, "model_type": "qwen3", "tie_word_embeddings": True, "num_hidden_layers": 2})
+    names = [p.name for p in m.params]
+    assert "lm_head" not in names and "layers.1.self_attn.k_norm" in names and "layers.0.mlp.down_proj" in names
+    moe = model_from_hf_config(
+        {**QWEN3_MOE_HF, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    )
+    kinds = [
+        "experts" if f"layers.{i}.mlp.experts.up_proj" in {p.name for p in moe.params} else "dense" for i in range(4)
+    ]
+    assert kinds == ["dense", "experts", "dense", "dense"]  # every 2nd layer sparse, except layer 3
+
+
+def test_hf_config_errors_name_the_field(tmp_path):
+    from jreshard.models import model_from_hf_config, read_hf_config
+
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
+        model_from_hf_config({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="needs the key 'q_lora_rank'"):
+        model_from_hf_config({k: v for k, v in DSV3_HF.items() if k != "q_lora_rank"})
+    with pytest.raises(ValueError, match="hidden_size=-1"):
+        model_from_hf_config({**LLAMA_HF, "hidden_size": -1})
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        read_hf_config(bad)

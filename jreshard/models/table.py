@@ -230,4 +230,4 @@ def refit_topology(n_src: int, n_dst: int, domain_size: int, **links: float) -> 
     src_domains = -(-n_src // domain_size)
     doms = {r: r // domain_size for r in range(n_src)}
     doms.update({n_src + i: src_domains + i // domain_size for i in range(n_dst)})
-    return Topology.from_domains(doms, **links)
+    return Topology.from_domains(doms, devices=None, **links)

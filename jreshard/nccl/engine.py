@@ -32,6 +32,7 @@ from jreshard.errors import TransferError
 from jreshard.nccl import kernels
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
+from jreshard.nccl.groups import exchange_groups, group_rounds
 from jreshard.nccl.schedule import (
     DST,
     SRC,
@@ -154,6 +155,7 @@ def execute(
     held = sum(sched.staging.get(r, 0) for r in ranks)
     rep.staging(held)
     rounds_run = 0
+    cuts = group_rounds(sched, options.max_group_ops).group_of  # rounds over max_group_ops ops run as groups
     for rnd in range(sched.rounds):
         sends: list[SendOp] = []
         recvs: list[RecvOp] = []
@@ -180,7 +182,7 @@ def execute(
                 continue
             backend.fence()  # ordered before the sends; no host wait where the backend can avoid one
         with rep.timed(ReportPhase.NETWORK if network else ReportPhase.FANOUT):
-            comm.exchange(sends, recvs, timeout_s=options.timeout_s)
+            exchange_groups(comm, sends, recvs, cuts.get(rnd), timeout_s=options.timeout_s)
         rounds_run += 1
         with rep.timed(ReportPhase.UNPACK):
             for table, arena, b in todo:
