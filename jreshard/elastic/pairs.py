@@ -1,0 +1,112 @@
+"""One refit between two processes: its plan, its shards, and the one call into the engine.
+
+Every refit of elastic refit is between exactly two processes, a *source*
+(the trainer, or a replica that already holds the version) and one
+*destination* replica, so one replica's failure touches no other transfer.
+Ranks are numbered source devices first, then destination devices; each
+side is its own fast-link domain. Both processes compute the same plan from
+the two declarations (the dicts of :mod:`jreshard.refit_decl`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jreshard.elastic.sockcomm import SocketComm
+from jreshard.elastic.wire import Channel
+from jreshard.options import Options
+from jreshard.refit_decl import group_layouts, validate
+
+__all__ = ["Pair", "check_pair", "pair_plan", "run_pair"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pair:
+    """The plan of one source process to one destination process (immutable)."""
+
+    plan: Any  # jreshard.Plan
+    topology: Any  # jreshard.Topology
+    names: tuple[str, ...]
+    src_ranks: int  # the destination's first rank
+
+    def predicted_seconds(self) -> float:
+        """The cost model's *predicted* time of this refit."""
+        from jreshard import cost
+
+        return float(cost.predict(self.plan, self.topology).seconds)
+
+
+def _as(role: str, decl: Mapping[str, Any]) -> dict:
+    return {**decl, "role": role, "domain": None}
+
+
+def check_pair(src: Mapping[str, Any], dst: Mapping[str, Any]) -> list[str]:
+    """Every problem between a source declaration and a destination declaration (empty: they agree)."""
+    return validate({0: _as("source", src), 1: _as("destination", dst)})
+
+
+def pair_plan(src: Mapping[str, Any], dst: Mapping[str, Any], options: Options, links: Mapping[str, float]) -> Pair:
+    """The plan from ``src``'s declaration to ``dst``'s (cached: the same pair plans once)."""
+    key = json.dumps([_as("source", src), _as("destination", dst), sorted(links.items())], sort_keys=True)
+    return _pair_plan(key, options)
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_plan(key: str, options: Options) -> Pair:
+    from jreshard import Topology
+    from jreshard.sharding.program import plan_layouts
+
+    s, d, links = json.loads(key)
+    names, pairs, domains, _, base = group_layouts({0: s, 1: d})
+    topology = Topology.from_domains(domains, devices={r: r for r in domains}, **dict(links))
+    return Pair(plan_layouts(pairs, topology, options, names), topology, tuple(names), base[1])
+
+
+def source_shards(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: Sequence[Any]) -> dict:
+    """``{(tensor, rank): single-device array}``: this source process's shards of ``tree_leaves``."""
+    index = {n: t for t, n in enumerate(pair.names)}
+    out = {}
+    for name, a in tree_leaves:
+        t = index[name]
+        ranks = set(pair.plan.tensors[t].src.ranks)
+        for sh in a.addressable_shards:
+            if sh.device in devices and devices.index(sh.device) in ranks:
+                out[(t, devices.index(sh.device))] = sh.data
+    return out
+
+
+def target_devices(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: Sequence[Any]) -> dict:
+    """``{(tensor, rank): device}``: the destination shards this process makes."""
+    index = {n: t for t, n in enumerate(pair.names)}
+    return {
+        (index[name], pair.src_ranks + devices.index(d)): d
+        for name, a in tree_leaves
+        for d in a.sharding.addressable_devices
+    }
+
+
+def run_pair(pair: Pair, channel: Channel, *, source: bool, shards: Mapping, options: Options) -> dict:
+    """Run this process's side of ``pair`` over ``channel``: the only call into the engine.
+
+    Args:
+      pair: the plan both processes computed.
+      channel: the connection to the other process.
+      source: whether this process is the source side.
+      shards: ``source_shards(...)`` on the source side, ``target_devices(...)`` on the destination.
+      options: chunking, staging and ``timeout_s``.
+
+    Returns:
+      ``{(tensor, rank): new single-device array}`` on the destination side (fresh buffers), ``{}`` on the source.
+    """
+    from jreshard.multi import run_plan
+
+    n = len(pair.topology.ranks)
+    mine = range(pair.src_ranks) if source else range(pair.src_ranks, n)
+    theirs = range(pair.src_ranks, n) if source else range(pair.src_ranks)
+    comm = SocketComm(mine, dict.fromkeys(theirs, channel))
+    out, _ = run_plan(pair.plan, comm, shards if source else {}, {} if source else shards, options=options)
+    return out

@@ -1,0 +1,287 @@
+"""ElasticReplica: one inference replica that joins a trainer, receives versions, serves peers, and leaves.
+
+A background thread owns the replica's sockets: the connection to the
+trainer (pushes and catch-ups arrive there), and a loopback listener where
+joining replicas fetch the version this one holds. Each version lands in
+fresh buffers and is *committed* (swapped in under a lock) only when all of
+it has arrived, so :meth:`ElasticReplica.pull` never returns a half-updated
+tree. The trainer's end is noticed at once (its connection closes); a pull
+then returns the last version held, and raises once it has nothing newer.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jreshard.elastic.pairs import pair_plan, run_pair, source_shards, target_devices
+from jreshard.elastic.trainer import check_like, leaves_by_name
+from jreshard.elastic.types import Arrival
+from jreshard.elastic.wire import Channel, listen, open_channel, parse_address
+from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
+from jreshard.options import Options
+from jreshard.refit_decl import declare_local
+
+__all__ = ["ElasticReplica"]
+
+
+class ElasticReplica:
+    """A replica that joins the trainer at ``address`` (one process; its devices form its mesh).
+
+    Args:
+      like: this replica's declaration: a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with
+        shardings on this process's devices. Pulled trees have its structure and shardings.
+      address: ``"127.0.0.1:PORT"`` (``ElasticTrainer.address``), or a file that holds it.
+      name: a name unique among live replicas (default: ``replica-<id>``, given by the trainer).
+      devices: the jax devices this process drives (default ``jax.local_devices()``).
+      options: chunking, staging, and ``timeout_s`` (connecting, every wait on a peer).
+      links: link speeds for the cost model (as the trainer's).
+
+    Raises:
+      LayoutMismatchError: the trainer refused the declaration (every problem listed).
+      TransferTimeoutError: no trainer answered within ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        like: Any,
+        address: str,
+        *,
+        name: str | None = None,
+        devices: Sequence[Any] | None = None,
+        options: Options | None = None,
+        links: dict[str, float] | None = None,
+    ):
+        import jax
+
+        self.options = options or Options()
+        timeout = self.options.timeout_s
+        self._links = dict(links or {})
+        self._devices = list(jax.local_devices() if devices is None else devices)
+        self._decl = declare_local("destination", like, self._devices, None)
+        if self._decl["errors"]:
+            raise ValueError("ElasticReplica: " + "; ".join(self._decl["errors"]))
+        self._like = leaves_by_name(like)
+        self._treedef = jax.tree_util.tree_structure(like)
+        self._listener = listen(0)
+        ch = open_channel(parse_address(address, timeout_s=timeout), "the trainer", timeout_s=timeout)
+        try:
+            port = self._listener.getsockname()[1]
+            ch.send_control({"op": "hello", "name": name, "decl": self._decl, "peer_port": port}, timeout_s=timeout)
+            msg = ch.recv_control(timeout_s=timeout)
+        except JReshardError:
+            ch.close()
+            self._listener.close()
+            raise
+        if msg.get("op") != "welcome":
+            ch.close()
+            self._listener.close()
+            errors = msg.get("errors", [repr(msg)])
+            raise LayoutMismatchError(
+                f"ElasticReplica {name or ''}: the trainer refused to admit it ({_problems(len(errors))}; "
+                "nothing moved):\n  " + "\n  ".join(errors),
+                what="declaration",
+            )
+        self.id: int = msg["id"]
+        self.name: str = msg["name"]
+        self._trainer = ch
+        self._trainer_decl = msg["decl"]
+        self._cv = threading.Condition()
+        self._tree: Any = None
+        self._held: list[tuple[str, Any]] = []
+        self._version: int | None = None
+        self.arrivals: list[Arrival] = []
+        self._gone: str | None = None
+        self._stop = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name=f"jreshard-elastic-{self.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int | None:
+        """The version this replica holds (committed), ``None`` before the first."""
+        with self._cv:
+            return self._version
+
+    def pull(self, *, newer_than: int | None = None, timeout_s: float | None = None) -> tuple[Any, int]:
+        """The latest committed ``(tree, version)``; waits for one newer than ``newer_than`` (if given).
+
+        Raises:
+          PeerError: the trainer is gone (closed or died) and nothing newer is held; or this replica left.
+          TransferTimeoutError: nothing newer within ``timeout_s`` (default ``options.timeout_s``).
+        """
+        timeout = self.options.timeout_s if timeout_s is None else timeout_s
+
+        def fresh() -> bool:
+            return self._version is not None and (newer_than is None or self._version > newer_than)
+
+        with self._cv:
+            self._cv.wait_for(lambda: fresh() or self._gone is not None, timeout)
+            if fresh():
+                return self._tree, self._version  # type: ignore[return-value]
+            if self._gone is not None:
+                raise PeerError(f"replica {self.name!r}: {self._gone}; it holds version {self._version}")
+            raise TransferTimeoutError(
+                f"replica {self.name!r}: no version newer than {newer_than} within timeout_s={timeout} "
+                f"(it holds {self._version})"
+            )
+
+    def leave(self) -> None:
+        """Leave at once: the trainer drops this replica from its next push; the held tree stays usable."""
+        with self._cv:
+            self._stop = True
+        self._wake_w.send(b"x")
+        self._thread.join(self.options.timeout_s)
+
+    close = leave
+
+    def __enter__(self) -> ElasticReplica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    # ---- the service thread ---------------------------------------------------------------------
+    def _serve(self) -> None:
+        pending: list[tuple[Channel, float]] = []
+        try:
+            while True:
+                with self._cv:
+                    if self._stop:
+                        break
+                live = [] if self._gone else [self._trainer]
+                chans = live + [c for c, _ in pending]
+                ready, _, _ = select.select([self._listener, self._wake_r, *chans], [], [], 0.05)
+                if self._wake_r in ready:
+                    self._wake_r.recv(4096)
+                if self._listener in ready:
+                    try:
+                        sock, _ = self._listener.accept()
+                        pending.append((Channel(sock, "a joining peer"), time.monotonic() + self.options.timeout_s))
+                    except BlockingIOError:
+                        pass
+                for ch, deadline in list(pending):
+                    ch.pump()
+                    if ch.inbox or ch.eof or time.monotonic() > deadline:
+                        pending.remove((ch, deadline))
+                        if ch.inbox:
+                            self._serve_peer(ch, ch.inbox.popleft())
+                        ch.close()
+                if live:
+                    self._from_trainer()
+        finally:
+            if self._gone is None:
+                try:
+                    self._trainer.send_control({"op": "leave"}, timeout_s=1.0)
+                except JReshardError:
+                    pass
+                self._set_gone("it left")
+            self._trainer.close()
+            self._listener.close()
+            for ch, _ in pending:
+                ch.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _set_gone(self, why: str) -> None:
+        with self._cv:
+            self._gone = self._gone or why
+            self._cv.notify_all()
+
+    def _from_trainer(self) -> None:
+        ch = self._trainer
+        try:
+            ch.pump()
+        except JReshardError as err:
+            self._set_gone(f"the connection to the trainer broke ({err})")
+            return
+        while ch.inbox and self._gone is None:
+            msg = ch.inbox.popleft()
+            op, v = msg.get("op"), msg.get("version")
+            try:
+                if op == "bye":
+                    self._set_gone("the trainer closed")
+                elif op in ("refit", "catchup") and msg.get("from") != "peer":
+                    self._receive(ch, self._trainer_decl, int(v), "trainer")
+                    ch.send_control({"op": "at", "version": v, "source": "trainer"}, timeout_s=self.options.timeout_s)
+                elif op == "catchup":
+                    source = f"replica {msg['peer']!r}"
+                    try:
+                        self._fetch(msg, int(v), source)
+                    except JReshardError as err:
+                        ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
+                        continue
+                    ch.send_control({"op": "at", "version": v, "source": source}, timeout_s=self.options.timeout_s)
+            except JReshardError as err:
+                try:  # tell the trainer why, then close: it drops this replica at once
+                    ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
+                except JReshardError:
+                    pass
+                ch.close()
+                self._set_gone(f"version {v} failed ({err}); this replica left the trainer")
+        if ch.eof and self._gone is None:
+            self._set_gone("the trainer's connection closed (it exited or was killed)")
+
+    def _fetch(self, msg: dict, version: int, source: str) -> None:
+        """Catch up from the peer replica named in ``msg``."""
+        timeout = self.options.timeout_s
+        peer = open_channel(("127.0.0.1", int(msg["port"])), source, timeout_s=timeout)
+        try:
+            peer.send_control({"op": "fetch", "name": self.name, "decl": self._decl, "version": version}, timeout_s=timeout)
+            answer = peer.recv_control(timeout_s=timeout)
+            if answer.get("op") != "serving":
+                raise PeerError(f"{source} did not serve version {version}: {answer.get('error', answer)}")
+            self._receive(peer, msg["decl"], version, source)
+        finally:
+            peer.close()
+
+    def _receive(self, ch: Channel, src_decl: dict, version: int, source: str) -> None:
+        """Run the destination side of a refit from ``src_decl`` and commit it."""
+        import jax
+
+        t0 = time.monotonic()
+        pair = pair_plan(src_decl, self._decl, self.options, self._links)
+        targets = target_devices(pair, self._like, self._devices)
+        shards = run_pair(pair, ch, source=False, shards=targets, options=self.options)
+        index = {n: t for t, n in enumerate(pair.names)}
+        leaves, nbytes = [], 0
+        for name, a in self._like:
+            t = index[name]
+            mine = {d: shards[(t, pair.src_ranks + self._devices.index(d))] for d in a.sharding.addressable_devices}
+            arrays = [mine[d] for d in sorted(mine, key=lambda d: d.id)]
+            nbytes += sum(x.nbytes for x in arrays)
+            leaves.append(
+                (name, jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, arrays, dtype=a.dtype))
+            )
+        tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
+        with self._cv:
+            self._tree, self._held, self._version = tree, leaves, version
+            self.arrivals.append(Arrival(version, source, time.monotonic() - t0, nbytes))
+            self._cv.notify_all()
+
+    def _serve_peer(self, ch: Channel, msg: dict) -> None:
+        """Send the version this replica holds to a joining replica (its own connection; errors end it only)."""
+        timeout = self.options.timeout_s
+        try:
+            if msg.get("op") != "fetch":
+                return
+            ch.peer = f"replica {msg.get('name')!r}"
+            with self._cv:
+                version, held = self._version, self._held
+            if version != msg.get("version"):
+                ch.send_control({"op": "refuse", "error": f"it holds version {version}"}, timeout_s=timeout)
+                return
+            check_like(self._tree, self._decl, "destination", self._devices, f"replica {self.name!r}")
+            ch.send_control({"op": "serving", "version": version}, timeout_s=timeout)
+            pair = pair_plan(self._decl, msg["decl"], self.options, self._links)
+            run_pair(pair, ch, source=True, shards=source_shards(pair, held, self._devices), options=self.options)
+        except (JReshardError, ValueError):
+            pass  # the joiner reports its failure to the trainer, which serves it another way
+
+
+def _problems(n: int) -> str:
+    return f"{n} problem" if n == 1 else f"{n} problems"
