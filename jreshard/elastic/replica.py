@@ -231,7 +231,9 @@ class ElasticReplica:
         timeout = self.options.timeout_s
         peer = open_channel(("127.0.0.1", int(msg["port"])), source, timeout_s=timeout)
         try:
-            peer.send_control({"op": "fetch", "name": self.name, "decl": self._decl, "version": version}, timeout_s=timeout)
+            peer.send_control(
+                {"op": "fetch", "name": self.name, "decl": self._decl, "version": version}, timeout_s=timeout
+            )
             answer = peer.recv_control(timeout_s=timeout)
             if answer.get("op") != "serving":
                 raise PeerError(f"{source} did not serve version {version}: {answer.get('error', answer)}")

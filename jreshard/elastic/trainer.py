@@ -37,6 +37,8 @@ from jreshard.refit_decl import declare_local
 
 __all__ = ["ElasticTrainer"]
 
+_TIE = 0.01  # predicted times within 1% are a tie, and a tie goes to the peer (keeps the trainer's links free)
+
 
 @dataclasses.dataclass(slots=True)
 class _Member:  # mutable bookkeeping of the service thread; the public view is ReplicaInfo
@@ -358,13 +360,20 @@ class ElasticTrainer:
             cost = {p.name: pair_plan(p.decl, m.decl, self.options, self._links).predicted_seconds() for p in peers}
             best = min(peers, key=lambda p: cost[p.name])
             mine = pair_plan(self._decl, m.decl, self.options, self._links).predicted_seconds()
-            use_peer, peers = cost[best.name] <= mine, [best]
+            use_peer, peers = cost[best.name] <= mine * (1 + _TIE), [best]
         try:
             if use_peer:
                 p = peers[0]
                 m.via_peer = p.name
                 m.channel.send_control(
-                    {"op": "catchup", "version": v, "from": "peer", "peer": p.name, "port": p.peer_port, "decl": p.decl},
+                    {
+                        "op": "catchup",
+                        "version": v,
+                        "from": "peer",
+                        "peer": p.name,
+                        "port": p.peer_port,
+                        "decl": p.decl,
+                    },
                     timeout_s=self.options.timeout_s,
                 )
                 return

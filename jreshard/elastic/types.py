@@ -89,10 +89,12 @@ class PushReport:
         """One line: the version, who committed it, who was lost and why.
 
         Example:
-          >>> PushReport(5, ("r1",), {"r2": "connection closed"}, 0.25).summary()
-          "version 5: committed by r1 in 0.250 s; lost r2 (connection closed)"
+          >>> print(PushReport(5, ("r1",), {"r2": "connection closed"}, 0.25).summary())
+          version 5: committed by r1 in 0.250 s; lost r2 (connection closed)
         """
-        text = f"version {self.version}: committed by {', '.join(self.committed) or 'no replica'} in {self.seconds:.3f} s"
+        text = (
+            f"version {self.version}: committed by {', '.join(self.committed) or 'no replica'} in {self.seconds:.3f} s"
+        )
         if self.lost:
             text += "; lost " + ", ".join(f"{n} ({why})" for n, why in self.lost.items())
         return text
