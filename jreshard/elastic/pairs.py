@@ -19,9 +19,18 @@ from typing import Any
 from jreshard.elastic.sockcomm import SocketComm
 from jreshard.elastic.wire import Channel
 from jreshard.options import Options
-from jreshard.refit_decl import group_layouts, validate
+from jreshard.refit_decl import declare_local, group_layouts, validate
 
-__all__ = ["Pair", "check_pair", "pair_plan", "run_pair"]
+__all__ = [
+    "Pair",
+    "check_like",
+    "check_pair",
+    "leaves_by_name",
+    "pair_plan",
+    "run_pair",
+    "source_shards",
+    "target_devices",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +51,32 @@ class Pair:
 
 def _as(role: str, decl: Mapping[str, Any]) -> dict:
     return {**decl, "role": role, "domain": None}
+
+
+def leaves_by_name(tree: Any) -> list[tuple[str, Any]]:
+    """``[(key path, leaf)]`` in the tree's order (the names declarations use)."""
+    import jax
+
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(p) or "x", a) for p, a in leaves]
+
+
+def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: str) -> None:
+    """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration."""
+    now = declare_local(role, tree, devices, None)
+    if now["errors"]:
+        raise ValueError(f"{who}: " + "; ".join(now["errors"]))
+    if now["params"] == decl["params"]:
+        return
+    want = {p[0]: p for p in decl["params"]}
+    got = {p[0]: p for p in now["params"]}
+    diff = [f"{n} is not declared" for n in got if n not in want]
+    diff += [f"{n} is missing" for n in want if n not in got]
+    for n in (n for n in got if n in want):
+        for i, field in ((1, "shape"), (2, "dtype"), (3, "sharding (boxes per device)")):
+            if got[n][i] != want[n][i]:
+                diff.append(f"{n}: {field} {got[n][i]} where {want[n][i]} was declared")
+    raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
 
 
 def check_pair(src: Mapping[str, Any], dst: Mapping[str, Any]) -> list[str]:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jreshard.elastic.pairs import check_pair, pair_plan, run_pair, source_shards
+from jreshard.elastic.pairs import check_like, check_pair, leaves_by_name, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
 from jreshard.elastic.wire import Channel, listen
 from jreshard.errors import JReshardError, TransferError, TransferTimeoutError
@@ -55,32 +55,6 @@ class _Member:  # mutable bookkeeping of the service thread; the public view is 
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.name, self.id, self.state, self.version, self.caught_up_from, self.error)
-
-
-def leaves_by_name(tree: Any) -> list[tuple[str, Any]]:
-    """``[(key path, leaf)]`` in the tree's order (the names declarations use)."""
-    import jax
-
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [(jax.tree_util.keystr(p) or "x", a) for p, a in leaves]
-
-
-def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: str) -> None:
-    """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration."""
-    now = declare_local(role, tree, devices, None)
-    if now["errors"]:
-        raise ValueError(f"{who}: " + "; ".join(now["errors"]))
-    if now["params"] == decl["params"]:
-        return
-    want = {p[0]: p for p in decl["params"]}
-    got = {p[0]: p for p in now["params"]}
-    diff = [f"{n} is not declared" for n in got if n not in want]
-    diff += [f"{n} is missing" for n in want if n not in got]
-    for n in (n for n in got if n in want):
-        for i, field in ((1, "shape"), (2, "dtype"), (3, "sharding (boxes per device)")):
-            if got[n][i] != want[n][i]:
-                diff.append(f"{n}: {field} {got[n][i]} where {want[n][i]} was declared")
-    raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
 
 
 class ElasticTrainer:
@@ -235,6 +209,8 @@ class ElasticTrainer:
     def close(self) -> None:
         """Tell every replica the trainer is done (their pulls return what they hold, then raise) and stop."""
         with self._cv:
+            if self._stop:
+                return
             self._stop = True
         self._wake_w.send(b"x")
         self._thread.join(self.options.timeout_s)

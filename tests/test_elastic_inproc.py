@@ -1,0 +1,233 @@
+"""Elastic refit inside one process (8 CPU devices split among a trainer and replicas, every byte over
+loopback sockets): the protocol's error paths, fast. The separate-program tests are in test_elastic.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jreshard import LayoutMismatchError, Options, PeerError, TransferTimeoutError
+from jreshard.elastic import CatchUp, ElasticReplica, ElasticTrainer, ReplicaState
+from jreshard.elastic import replica as replica_module
+from jreshard.elastic import trainer as trainer_module
+from jreshard.elastic.sockcomm import SocketComm
+from jreshard.elastic.wire import Channel, parse_address
+from jreshard.nccl.comm import RecvOp, SendOp
+
+pytestmark = pytest.mark.timeout(60)
+D = jax.devices()
+SHAPES = {"a": (16, 8), "b": (8,)}
+OPTS = Options(timeout_s=5.0, chunk_bytes=64, staging_bytes=1024)
+
+
+def params(v: int) -> dict:
+    mesh = Mesh(np.array(D[:2]), ("fsdp",))
+    return {
+        k: jax.device_put(np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * v, NamedSharding(mesh, P("fsdp")))
+        for k, s in SHAPES.items()
+    }
+
+
+def like(i: int, **change) -> dict:
+    mesh = Mesh(np.array(D[2 * i : 2 * i + 2]).reshape(1, 2), ("dp", "tp"))
+    out = {}
+    for k, s in SHAPES.items():
+        shape, dtype = change.get(k, (s, np.float32))
+        out[k] = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(None, "tp") if len(s) == 2 else P()))
+    return out
+
+
+def replica(trainer: ElasticTrainer, i: int, name: str, **kw) -> ElasticReplica:
+    return ElasticReplica(like(i), trainer.address, name=name, devices=list(D[2 * i : 2 * i + 2]), options=OPTS, **kw)
+
+
+@pytest.fixture
+def trainer():
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS)
+    yield tr
+    tr.close()
+
+
+def exact(tree: dict, v: int) -> bool:
+    want = params(v)
+    return all(np.array_equal(np.asarray(tree[k]), np.asarray(want[k])) for k in SHAPES)
+
+
+# ---- the transport ------------------------------------------------------------------------------
+def test_closed_peer_is_noticed_at_once_and_a_silent_one_after_timeout():
+    a, b = socket.socketpair()
+    left, right = Channel(a, "peer 'right'"), Channel(b, "peer 'left'")
+    got = np.zeros(8, np.uint8)
+    comm = SocketComm([1], {0: right})
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="peer 'left'"):
+        comm.exchange([], [RecvOp(0, 1, 3, got)], timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    right = Channel(b.dup(), "peer 'left'")
+    b.close()
+    left.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="peer 'left' closed the connection"):
+        SocketComm([1], {0: right}).exchange([], [RecvOp(0, 1, 3, got)], timeout_s=30.0)
+    assert time.monotonic() - t0 < 1.0
+    right.close()
+
+
+def test_frames_before_their_receive_are_kept_and_sizes_checked():
+    a, b = socket.socketpair()
+    tx, rx = SocketComm([0], {1: Channel(a, "rx")}), SocketComm([1], {0: Channel(b, "tx")})
+    tx.exchange([SendOp(0, 1, 1, np.full(4, 1, np.uint8)), SendOp(0, 1, 2, np.full(4, 2, np.uint8))], [], timeout_s=1)
+    first, second = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
+    rx.exchange([], [RecvOp(0, 1, 1, first)], timeout_s=1.0)
+    rx.exchange([], [RecvOp(0, 1, 2, second)], timeout_s=1.0)  # arrived during the first exchange
+    assert first.tolist() == [1] * 4 and second.tolist() == [2] * 4
+    tx.exchange([SendOp(0, 1, 5, np.zeros(3, np.uint8))], [], timeout_s=1.0)
+    with pytest.raises(PeerError, match="3 bytes under tag 5, expected 4"):
+        rx.exchange([], [RecvOp(0, 1, 5, np.zeros(4, np.uint8))], timeout_s=1.0)
+    with pytest.raises(PeerError, match="broken"):
+        rx.exchange([], [], timeout_s=1.0)
+    a.close()
+    b.close()
+
+
+def test_addresses_are_loopback_only():
+    assert parse_address("localhost:9", timeout_s=1) == ("127.0.0.1", 9)
+    with pytest.raises(ValueError, match="loopback only"):
+        parse_address("10.0.0.2:9", timeout_s=1)
+    with pytest.raises(TransferTimeoutError, match="did not appear"):
+        parse_address("/nonexistent/address", timeout_s=0.1)
+
+
+# ---- membership ---------------------------------------------------------------------------------
+def test_a_mismatched_declaration_is_refused_naming_each_field(trainer):
+    with pytest.raises(LayoutMismatchError, match=r"\(1 problem;") as err:
+        ElasticReplica(like(1, b=((8,), np.int32)), trainer.address, devices=list(D[2:4]), options=OPTS)
+    assert "(1 problems" not in str(err.value)
+    assert "parameter ['b']: source dtype float32 != destination dtype int32" in str(err.value)
+    with pytest.raises(LayoutMismatchError, match=r"\(2 problems;") as err:
+        ElasticReplica(
+            like(1, a=((16, 4), np.float32), b=((8,), np.int32)), trainer.address, devices=list(D[2:4]), options=OPTS
+        )
+    assert "['a']: source shape (16, 8) != destination shape (16, 4)" in str(err.value)
+    assert trainer.replicas() == {}
+
+
+def test_a_taken_name_is_refused_and_released_on_leave(trainer):
+    r1 = replica(trainer, 1, "r1")
+    with pytest.raises(LayoutMismatchError, match="the name 'r1' is taken"):
+        replica(trainer, 2, "r1")
+    r1.leave()
+    deadline = time.monotonic() + 2
+    while trainer.replicas() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    info = trainer.replicas(include_gone=True)["r1"]
+    assert info.state is ReplicaState.GONE and info.error == "left"
+    again = replica(trainer, 2, "r1")
+    assert again.id != r1.id
+    again.leave()
+
+
+def test_push_checks_its_arguments_before_anything_moves(trainer):
+    r1 = replica(trainer, 1, "r1")
+    trainer.wait(count=1)
+    trainer.push(params(1), version=1)
+    with pytest.raises(ValueError, match="version=1 must be greater than 1"):
+        trainer.push(params(1), version=1)
+    with pytest.raises(TypeError, match="version='2'"):
+        trainer.push(params(2), version="2")
+    bad = params(2) | {"b": jax.device_put(np.zeros(8, np.int32), params(2)["b"].sharding)}
+    with pytest.raises(ValueError, match=r"\['b'\]: dtype int32 where float32 was declared"):
+        trainer.push(bad, version=2)
+    assert r1.version == 1 and trainer.version == 1
+    with pytest.raises(TransferTimeoutError, match=r"every replica at version 2 .* \{'r1': 1\}"):
+        trainer.wait(version=2, timeout_s=0.1)
+    r1.leave()
+
+
+def test_versions_waits_and_pulls(trainer):
+    r1, r2 = replica(trainer, 1, "r1"), replica(trainer, 2, "r2")
+    assert trainer.wait(count=2) == ("r1", "r2")
+    with pytest.raises(TransferTimeoutError, match="no version newer than None"):
+        r1.pull(timeout_s=0.05)
+    trainer.push(params(1), version=1, block=False)
+    assert trainer.wait(version=1, count=1)  # any 1 at version 1
+    assert trainer.wait(version=1) == ("r1", "r2")  # all at version 1
+    tree, v = r2.pull()
+    assert v == 1 and exact(tree, 1)
+    assert r2.arrivals[-1].source == "trainer" and r2.arrivals[-1].nbytes == 4 * (16 * 8 + 8 * 2)
+    trainer.close()
+    assert r1.pull(newer_than=0)[1] == 1  # what it holds, after the trainer left
+    with pytest.raises(PeerError, match="'r1': the trainer closed; it holds version 1"):
+        r1.pull(newer_than=1)
+    r1.leave()
+    r2.leave()
+
+
+def test_a_failed_peer_catch_up_falls_back_to_the_trainer(monkeypatch):
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.PEER)
+    r1 = replica(tr, 1, "r1")
+    tr.wait(count=1)
+    tr.push(params(1), version=1)
+    monkeypatch.setattr(replica_module.ElasticReplica, "_serve_peer", lambda self, ch, msg: None)  # r1 hangs up
+    r2 = replica(tr, 2, "r2")
+    assert tr.wait(version=1) == ("r1", "r2")
+    assert [(a.version, a.source) for a in r2.arrivals] == [(1, "trainer")]
+    assert tr.replicas()["r2"].caught_up_from == "trainer"
+    tr.close()
+    r1.leave()
+    r2.leave()
+
+
+def test_a_deleted_trainer_copy_is_served_by_a_peer():
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.TRAINER)
+    r1 = replica(tr, 1, "r1")
+    tr.wait(count=1)
+    p = params(1)
+    tr.push(p, version=1)
+    for a in p.values():
+        a.delete()  # as a donating train step would
+    r2 = replica(tr, 2, "r2")
+    tr.wait(version=1)
+    assert r2.arrivals[0].source == "replica 'r1'" and exact(r2.pull()[0], 1)
+    tr.close()
+    r1.leave()
+    r2.leave()
+
+
+def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeypatch):
+    r1 = replica(trainer, 1, "r1")
+    trainer.wait(count=1)
+    trainer.push(params(1), version=1)
+    real = trainer_module.ElasticTrainer._send
+
+    def half(self, m, leaves):  # the trainer's side stops after the first message of version 2
+        calls = {"n": 0}
+        exchange = SocketComm.exchange
+
+        def once(comm, sends, recvs, *, timeout_s):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                m.channel.close()
+                raise PeerError("stopped on purpose")
+            return exchange(comm, sends, recvs, timeout_s=timeout_s)
+
+        monkeypatch.setattr(SocketComm, "exchange", once)
+        try:
+            real(self, m, leaves)
+        finally:
+            monkeypatch.setattr(SocketComm, "exchange", exchange)
+
+    monkeypatch.setattr(trainer_module.ElasticTrainer, "_send", half)
+    report = trainer.push(params(2), version=2)
+    assert report.committed == () and "during version 2" in report.lost["r1"]
+    with pytest.raises(PeerError, match="r1"):
+        r1.pull(newer_than=1)
+    tree, v = r1.pull()
+    assert v == 1 and exact(tree, 1)
+    r1.leave()
