@@ -296,27 +296,26 @@ class ElasticTrainer:
         problems = check_pair(self._decl, hello["decl"])
         if name in taken:
             problems.append(f"the name {name!r} is taken by a live replica")
-        try:
-            if problems:
-                n = len(problems)
-                ch.send_control({"op": "reject", "errors": problems, "count": n}, timeout_s=self.options.timeout_s)
-                ch.close()
-                return
-            ch.peer = f"replica {name!r}"
-            m = _Member(ident, name, ch, hello["decl"], int(hello["peer_port"]))
-            v = self.version
-            ch.send_control(
-                {"op": "welcome", "id": ident, "name": name, "decl": self._decl, "version": v},
-                timeout_s=self.options.timeout_s,
-            )
-        except JReshardError:
+        if problems:
+            try:
+                ch.send_control({"op": "reject", "errors": problems}, timeout_s=self.options.timeout_s)
+            except JReshardError:
+                pass
             ch.close()
             return
-        with self._cv:
+        ch.peer = f"replica {name!r}"
+        m = _Member(ident, name, ch, hello["decl"], int(hello["peer_port"]))
+        with self._cv:  # a member before its welcome: a wait that returns after the replica's join counts it
+            v = None if self._committed is None else self._committed[0]
+            m.state = ReplicaState.JOINING if v is not None else ReplicaState.READY
             self._members[ident] = m
-            if v is None:
-                m.state = ReplicaState.READY
             self._cv.notify_all()
+        try:
+            welcome = {"op": "welcome", "id": ident, "name": name, "decl": self._decl, "version": v}
+            ch.send_control(welcome, timeout_s=self.options.timeout_s)
+        except JReshardError as err:
+            self._drop(m, f"joining: {err}")
+            return
         if v is not None:
             self._catch_up(m)
 
