@@ -19,7 +19,7 @@ from typing import Any
 from jreshard.elastic.sockcomm import SocketComm
 from jreshard.elastic.wire import Channel
 from jreshard.options import Options
-from jreshard.refit_decl import declare_local, group_layouts, validate
+from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, validate
 
 __all__ = [
     "Pair",
@@ -66,17 +66,9 @@ def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: st
     now = declare_local(role, tree, devices, None)
     if now["errors"]:
         raise ValueError(f"{who}: " + "; ".join(now["errors"]))
-    if now["params"] == decl["params"]:
-        return
-    want = {p[0]: p for p in decl["params"]}
-    got = {p[0]: p for p in now["params"]}
-    diff = [f"{n} is not declared" for n in got if n not in want]
-    diff += [f"{n} is missing" for n in want if n not in got]
-    for n in (n for n in got if n in want):
-        for i, field in ((1, "shape"), (2, "dtype"), (3, "sharding (boxes per device)")):
-            if got[n][i] != want[n][i]:
-                diff.append(f"{n}: {field} {got[n][i]} where {want[n][i]} was declared")
-    raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
+    diff = leaf_differences(now["params"], decl["params"])
+    if diff:
+        raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
 
 
 def check_pair(src: Mapping[str, Any], dst: Mapping[str, Any]) -> list[str]:

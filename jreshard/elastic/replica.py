@@ -23,7 +23,7 @@ from jreshard.elastic.types import Arrival
 from jreshard.elastic.wire import Channel, listen, open_channel, parse_address
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.options import Options
-from jreshard.refit_decl import declare_local
+from jreshard.refit_decl import declare_local, problems
 
 __all__ = ["ElasticReplica"]
 
@@ -81,7 +81,7 @@ class ElasticReplica:
             self._listener.close()
             errors = msg.get("errors", [repr(msg)])
             raise LayoutMismatchError(
-                f"ElasticReplica {name or ''}: the trainer refused to admit it ({_problems(len(errors))}; "
+                f"ElasticReplica {name or ''}: the trainer refused to admit it ({problems(len(errors))}; "
                 "nothing moved):\n  " + "\n  ".join(errors),
                 what="declaration",
             )
@@ -284,7 +284,3 @@ class ElasticReplica:
             run_pair(pair, ch, source=True, shards=source_shards(pair, held, self._devices), options=self.options)
         except (JReshardError, ValueError):
             pass  # the joiner reports its failure to the trainer, which serves it another way
-
-
-def _problems(n: int) -> str:
-    return f"{n} problem" if n == 1 else f"{n} problems"
