@@ -29,12 +29,12 @@ pytestmark = pytest.mark.timeout(120)
 class Program:
     """One body in its own process group; its stdout is read line by line on a thread."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, folder: Path = BODIES):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
         env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = os.pathsep.join([str(BODIES), str(ROOT)])
         self.proc = subprocess.Popen(
-            [sys.executable, str(BODIES / args[0]), *args[1:]],
+            [sys.executable, str(folder / args[0]), *args[1:]],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -94,8 +94,8 @@ class Program:
 def programs():
     started: list[Program] = []
 
-    def start(*args: str) -> Program:
-        p = Program(*args)
+    def start(*args: str, folder: Path = BODIES) -> Program:
+        p = Program(*args, folder=folder)
         started.append(p)
         return p
 
@@ -173,3 +173,15 @@ def test_clean_leave_and_rejoin_waits_all_and_any(tmp_path, programs):
     _exact(reps["r1"], [1, 2, 3, 4])
     assert [v for v, _ in reps["r2"]["arrivals"]] == [3, 4] and reps["r2"]["arrivals"][0][1] == "trainer"
     _exact(reps["r2"], [3, 4])
+
+
+def test_the_example_pair_runs(tmp_path, programs):
+    address, examples = str(tmp_path / "address"), ROOT / "examples"
+    trainer = programs("elastic_trainer.py", address, "--steps", "3", "--step-seconds", "0", folder=examples)
+    replica = programs("elastic_replica.py", address, "r1", folder=examples)
+    assert trainer.finish() == 0 and replica.finish() == 0, "\n".join(trainer.lines + replica.lines)
+    assert "trainer: version 3: committed by r1" in "\n".join(trainer.lines)
+    seen = [line for line in replica.lines if " from trainer, " in line]
+    versions = [int(line.split()[2]) for line in seen]  # "r1: version V from trainer, wq[0, 0] = V.0"
+    assert versions[-1] == 3 and versions == sorted(set(versions)), seen  # a pull may skip a version, never go back
+    assert all(line.endswith(f"= {float(v)}") for v, line in zip(versions, seen, strict=True)), seen
