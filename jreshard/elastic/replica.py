@@ -135,7 +135,7 @@ class ElasticReplica:
             if self._stop:
                 return
             self._stop = True
-        self._wake_w.send(b"x")
+            self._wake_w.send(b"x")
         self._thread.join(self.options.timeout_s)
 
     close = leave
@@ -174,7 +174,11 @@ class ElasticReplica:
                         ch.close()
                 if live:
                     self._from_trainer()
+        except Exception as err:  # a bug, not a peer: pulls raise with it
+            self._set_gone(f"its service thread failed ({type(err).__name__}: {err})")
         finally:
+            with self._cv:
+                self._stop = True
             if self._gone is None:
                 try:
                     self._trainer.send_control({"op": "leave"}, timeout_s=1.0)
@@ -282,5 +286,5 @@ class ElasticReplica:
             ch.send_control({"op": "serving", "version": version}, timeout_s=timeout)
             pair = pair_plan(self._decl, msg["decl"], self.options, self._links)
             run_pair(pair, ch, source=True, shards=source_shards(pair, held, self._devices), options=self.options)
-        except (JReshardError, ValueError):
+        except Exception:  # e.g. the held arrays were deleted: ends this connection only
             pass  # the joiner reports its failure to the trainer, which serves it another way

@@ -31,7 +31,7 @@ from typing import Any
 from jreshard.elastic.pairs import check_like, check_pair, leaves_by_name, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
 from jreshard.elastic.wire import Channel, listen
-from jreshard.errors import JReshardError, TransferError, TransferTimeoutError
+from jreshard.errors import JReshardError, PeerError, TransferError, TransferTimeoutError
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local
 
@@ -114,6 +114,7 @@ class ElasticTrainer:
         self._committed: tuple[int, list[tuple[str, Any]]] | None = None
         self._next_id = 1
         self._stop = False
+        self._fatal = "it was closed"
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name="jreshard-elastic-trainer", daemon=True)
         self._thread.start()
@@ -150,6 +151,8 @@ class ElasticTrainer:
             raise TypeError(f"ElasticTrainer.push: version={version!r} must be an int")
         check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push")
         with self._cv:
+            if self._stop:
+                raise PeerError(f"ElasticTrainer.push: the trainer stopped serving ({self._fatal})")
             last = max([self._committed[0]] if self._committed else [], default=None)
             queued = [j[1]["version"] for j in self._jobs]
             if queued:
@@ -159,7 +162,7 @@ class ElasticTrainer:
             box: dict = {"version": version, "done": False}
             leaves = leaves_by_name(params)
             self._jobs.append((lambda: self._push(version, leaves), box))
-        self._wake_w.send(b"x")
+            self._wake_w.send(b"x")
         if not block:
             return None
         with self._cv:
@@ -212,7 +215,7 @@ class ElasticTrainer:
             if self._stop:
                 return
             self._stop = True
-        self._wake_w.send(b"x")
+            self._wake_w.send(b"x")
         self._thread.join(self.options.timeout_s)
 
     def __enter__(self) -> ElasticTrainer:
@@ -230,7 +233,11 @@ class ElasticTrainer:
                         break
                     job = self._jobs.popleft() if self._jobs else None
                 if job is None:
-                    self._poll(0.05)
+                    try:
+                        self._poll(0.05)
+                    except Exception as err:  # a bug, not a replica: stop serving and say so to the caller
+                        self._fatal = f"{type(err).__name__}: {err}"
+                        break
                     continue
                 run, box = job
                 try:
@@ -241,6 +248,12 @@ class ElasticTrainer:
                     box["done"] = True
                     self._cv.notify_all()
         finally:
+            with self._cv:
+                self._stop = True
+                for _, box in self._jobs:
+                    box["error"], box["done"] = PeerError(f"the trainer stopped serving ({self._fatal})"), True
+                self._jobs.clear()
+                self._cv.notify_all()
             for m in list(self._members.values()):
                 try:
                     m.channel.send_control({"op": "bye"}, timeout_s=1.0)
