@@ -293,7 +293,11 @@ class ElasticTrainer:
                 self._drop(m, str(err))
                 continue
             while m.channel.inbox and m.state is not ReplicaState.GONE:
-                self._message(m, m.channel.inbox.popleft())
+                msg = m.channel.inbox.popleft()
+                try:
+                    self._message(m, msg)
+                except (KeyError, TypeError, ValueError) as err:
+                    self._drop(m, f"it sent a malformed message {msg!r} ({type(err).__name__}: {err})")
             if m.channel.eof and m.state is not ReplicaState.GONE:
                 self._drop(m, m.channel.closed_error().args[0])
 
@@ -306,7 +310,11 @@ class ElasticTrainer:
             self._next_id += 1
             taken = {m.name for m in self._members.values()}
         name = hello.get("name") or f"replica-{ident}"
-        problems = check_pair(self._decl, hello["decl"])
+        try:
+            problems = check_pair(self._decl, hello["decl"])
+            peer_port = int(hello["peer_port"])
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            problems, peer_port = [f"a malformed hello ({type(err).__name__}: {err}): not a jreshard replica?"], 0
         if name in taken:
             problems.append(f"the name {name!r} is taken by a live replica")
         if problems:
@@ -317,7 +325,7 @@ class ElasticTrainer:
             ch.close()
             return
         ch.peer = f"replica {name!r}"
-        m = _Member(ident, name, ch, hello["decl"], int(hello["peer_port"]))
+        m = _Member(ident, name, ch, hello["decl"], peer_port)
         with self._cv:  # a member before its welcome: a wait that returns after the replica's join counts it
             v = None if self._committed is None else self._committed[0]
             m.state = ReplicaState.JOINING if v is not None else ReplicaState.READY
@@ -388,6 +396,10 @@ class ElasticTrainer:
                 m.state = ReplicaState.READY
                 m.via_peer = ""
                 self._cv.notify_all()
+            if self._committed is not None and m.version < self._committed[0]:
+                with self._cv:  # it caught up to a version pushed meanwhile: bring it to the latest
+                    m.state = ReplicaState.JOINING
+                self._catch_up(m)
         elif op == "leave":
             self._drop(m, "left")
         elif op == "failed" and m.state is ReplicaState.JOINING and m.via_peer:
