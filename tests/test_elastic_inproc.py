@@ -244,9 +244,10 @@ def test_the_docs_example_runs(capsys):
     assert out[0].startswith("version 1: committed by r1 in ") and out[1] == "replica 'r1'"
 
 
-def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(trainer, monkeypatch):
+def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(monkeypatch):
     import threading
 
+    trainer = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.TRAINER)
     r1 = replica(trainer, 1, "r1")
     trainer.wait(count=1)
     trainer.push(params(1), version=1)
@@ -255,15 +256,21 @@ def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(trainer, mon
     def slow(self, m, leaves):  # while version 2 goes to r1, r2 connects (it is admitted mid-push)
         if m.name == "r1":
             threading.Thread(target=lambda: joined.setdefault("r2", replica(trainer, 2, "r2"))).start()
-            time.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while "r2" not in {x.name for x in self._members.values()} and time.monotonic() < deadline:
+                self._poll(0.01)  # the service thread admits r2 (and catches it up to version 1)
         real(self, m, leaves)
 
     monkeypatch.setattr(trainer_module.ElasticTrainer, "_send", slow)
     report = trainer.push(params(2), version=2)
     assert report.committed == ("r1",)  # r2 was not a member when version 2 started
     assert trainer.wait(version=2) == ("r1", "r2")
+    deadline = time.monotonic() + 5
+    while "r2" not in joined and time.monotonic() < deadline:
+        time.sleep(0.01)
     r2 = joined["r2"]
     assert [a.version for a in r2.arrivals] == [1, 2]  # caught up to 1, then brought to 2 at once
     assert exact(r2.pull()[0], 2)
+    trainer.close()
     r1.leave()
     r2.leave()

@@ -436,6 +436,11 @@ class ElasticTrainer:
             self._poll(0.0)  # register the replicas done so far ("any k at v" sees them early)
         with self._cv:
             self._committed = (version, leaves)
+        sent = {m.id for m in targets}
+        for m in [m for m in self._members.values() if m.id not in sent and m.state is ReplicaState.READY]:
+            with self._cv:  # admitted during this push, already at an older version: bring it to this one
+                m.state = ReplicaState.JOINING
+            self._catch_up(m)
         deadline = time.monotonic() + self.options.timeout_s
         while time.monotonic() < deadline:
             missing = [m for m in targets if m.state is not ReplicaState.GONE and m.version != version]
