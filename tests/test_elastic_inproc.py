@@ -274,3 +274,16 @@ def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(monkeypatch)
     trainer.close()
     r1.leave()
     r2.leave()
+
+
+def test_constructor_arguments_are_checked():
+    with pytest.raises(TypeError, match=r"options=\{\} must be a jreshard.Options"):
+        ElasticTrainer(params(0), devices=list(D[:2]), options={})
+    with pytest.raises(ValueError, match="port=-1 must be an int"):
+        ElasticTrainer(params(0), devices=list(D[:2]), port=-1)
+    with pytest.raises(ValueError, match="'sometimes' is not a valid CatchUp"):
+        ElasticTrainer(params(0), devices=list(D[:2]), catch_up="sometimes")
+    with pytest.raises(ValueError, match="name='' must be a non-empty str"):
+        ElasticReplica(like(1), "127.0.0.1:1", name="", devices=list(D[2:4]))
+    with pytest.raises(ValueError, match="has a shard on"):
+        ElasticReplica(like(1), "127.0.0.1:1", devices=list(D[4:6]))

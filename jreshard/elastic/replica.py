@@ -57,6 +57,10 @@ class ElasticReplica:
     ):
         import jax
 
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"ElasticReplica: name={name!r} must be a non-empty str or None")
         self.options = options or Options()
         timeout = self.options.timeout_s
         self._links = dict(links or {})

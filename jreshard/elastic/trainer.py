@@ -93,6 +93,10 @@ class ElasticTrainer:
                 f"ElasticTrainer: this jax cluster has {jax.process_count()} processes; elastic refit runs one "
                 "process per side (use RefitGroup for multi-process sides)"
             )
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"ElasticTrainer: options={options!r} must be a jreshard.Options")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"ElasticTrainer: port={port!r} must be an int in [0, 65535] (0: any free port)")
         self.options = options or Options()
         self.catch_up = CatchUp(catch_up)
         self._links = dict(links or {})
@@ -415,7 +419,7 @@ class ElasticTrainer:
             if self._members.pop(m.id, None) is None:
                 return
             m.state, m.error = ReplicaState.GONE, why
-            self._gone.append(m.info())
+            self._gone = [*self._gone[-1023:], m.info()]  # the last 1024 departures
             self._cv.notify_all()
         m.channel.close()
 
