@@ -7,7 +7,10 @@ until all sends are handed to the kernel and all receives are filled, or
 ``timeout_s`` passes. Messages between two local ranks are copies
 (``match_and_copy``). Within one ordered pair of ranks, frames are matched to
 receives by ``(src, dst, tag)`` in the order they were listed, as NCCL and
-:class:`MpiComm` match them; one TCP connection keeps that order.
+:class:`MpiComm` match them; one TCP connection keeps that order. A frame
+that arrives before its receive is posted (the peer is a step ahead) is kept
+until a later exchange posts it, as MPI keeps unexpected messages; sizes are
+checked when it is matched.
 
 A peer that closes or dies is noticed at once (its connection ends); one that
 stops answering, after ``timeout_s``. Either way the error names the peer and
