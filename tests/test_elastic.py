@@ -169,6 +169,7 @@ def test_clean_leave_and_rejoin_waits_all_and_any(tmp_path, programs):
     assert out["gone"] == {"r2": "left"}
     assert out["any1"] == ["r1"] and out["all3"] == ["r1"] and out["members3"] == ["r1"]
     assert out["rejoined"] == ["r1", "r2"] and out["all4"] == ["r1", "r2"]
+    assert out["any1_4"] and set(out["any1_4"]) <= {"r1", "r2"}
     reps = {r["name"]: r for r in (r1.result(), r2b.result())}
     _exact(reps["r1"], [1, 2, 3, 4])
     assert [v for v, _ in reps["r2"]["arrivals"]] == [3, 4] and reps["r2"]["arrivals"][0][1] == "trainer"
