@@ -96,6 +96,18 @@ def test_frames_before_their_receive_are_kept_and_sizes_checked():
     b.close()
 
 
+def test_a_refused_peer_connection_fails_at_once():
+    from jreshard.elastic.wire import listen, open_channel
+
+    port = listen(0)
+    address = port.getsockname()
+    port.close()  # nobody listens there any more
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="replica 'x' refused the connection"):
+        open_channel(address, "replica 'x'", timeout_s=30.0, retry=False)
+    assert time.monotonic() - t0 < 1.0
+
+
 def test_addresses_are_loopback_only():
     assert parse_address("localhost:9", timeout_s=1) == ("127.0.0.1", 9)
     with pytest.raises(ValueError, match="loopback only"):

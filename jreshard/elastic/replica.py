@@ -238,7 +238,7 @@ class ElasticReplica:
     def _fetch(self, msg: dict, version: int, source: str) -> None:
         """Catch up from the peer replica named in ``msg``."""
         timeout = self.options.timeout_s
-        peer = open_channel(("127.0.0.1", int(msg["port"])), source, timeout_s=timeout)
+        peer = open_channel(("127.0.0.1", int(msg["port"])), source, timeout_s=timeout, retry=False)
         try:
             peer.send_control(
                 {"op": "fetch", "name": self.name, "decl": self._decl, "version": version}, timeout_s=timeout

@@ -75,14 +75,17 @@ def listen(port: int = 0) -> socket.socket:
     return s
 
 
-def open_channel(address: tuple[str, int], peer: str, *, timeout_s: float) -> Channel:
-    """Connect to ``address``, retrying until ``timeout_s`` (the listener may not be up yet)."""
+def open_channel(address: tuple[str, int], peer: str, *, timeout_s: float, retry: bool = True) -> Channel:
+    """Connect to ``address``; with ``retry``, keep trying until ``timeout_s`` (the listener may not be up
+    yet), without, a refused connection (nobody listens: the peer is gone) raises at once."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             sock = socket.create_connection(address, timeout=max(0.05, deadline - time.monotonic()))
             return Channel(sock, peer)
         except OSError as err:
+            if not retry and isinstance(err, ConnectionRefusedError):
+                raise PeerError(f"{peer} refused the connection at {address[0]}:{address[1]}: it is gone") from err
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(
                     f"could not connect to {peer} at {address[0]}:{address[1]} within timeout_s={timeout_s}: {err}"
