@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from jreshard import LayoutMismatchError, Options, PeerError, TransferTimeoutError
 from jreshard.elastic import CatchUp, ElasticReplica, ElasticTrainer, ReplicaState
+from jreshard.elastic import membership as membership_module
 from jreshard.elastic import replica as replica_module
-from jreshard.elastic import trainer as trainer_module
 from jreshard.elastic.sockcomm import SocketComm
 from jreshard.elastic.wire import Channel, parse_address
 from jreshard.nccl.comm import RecvOp, SendOp
@@ -217,7 +217,7 @@ def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeyp
     r1 = replica(trainer, 1, "r1")
     trainer.wait(count=1)
     trainer.push(params(1), version=1)
-    real = trainer_module.ElasticTrainer._send
+    real = membership_module.Membership._send
 
     def half(self, m, leaves):  # the trainer's side stops after the first message of version 2
         calls = {"n": 0}
@@ -236,7 +236,7 @@ def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeyp
         finally:
             monkeypatch.setattr(SocketComm, "exchange", exchange)
 
-    monkeypatch.setattr(trainer_module.ElasticTrainer, "_send", half)
+    monkeypatch.setattr(membership_module.Membership, "_send", half)
     report = trainer.push(params(2), version=2)
     assert report.committed == () and "during version 2" in report.lost["r1"]
     with pytest.raises(PeerError, match="r1"):
@@ -263,17 +263,17 @@ def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(monkeypatch)
     r1 = replica(trainer, 1, "r1")
     trainer.wait(count=1)
     trainer.push(params(1), version=1)
-    real, joined = trainer_module.ElasticTrainer._send, {}
+    real, joined = membership_module.Membership._send, {}
 
     def slow(self, m, leaves):  # while version 2 goes to r1, r2 connects (it is admitted mid-push)
         if m.name == "r1":
             threading.Thread(target=lambda: joined.setdefault("r2", replica(trainer, 2, "r2"))).start()
             deadline = time.monotonic() + 10
-            while "r2" not in {x.name for x in self._members.values()} and time.monotonic() < deadline:
-                self._poll(0.01)  # the service thread admits r2 (and catches it up to version 1)
+            while "r2" not in {x.name for x in self.members.values()} and time.monotonic() < deadline:
+                self.poll(0.01)  # the service thread admits r2 (and catches it up to version 1)
         real(self, m, leaves)
 
-    monkeypatch.setattr(trainer_module.ElasticTrainer, "_send", slow)
+    monkeypatch.setattr(membership_module.Membership, "_send", slow)
     report = trainer.push(params(2), version=2)
     assert report.committed == ("r1",)  # r2 was not a member when version 2 started
     assert trainer.wait(version=2) == ("r1", "r2")

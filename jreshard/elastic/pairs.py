@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jreshard.elastic.sockcomm import SocketComm
+from jreshard.elastic.types import CatchUp
 from jreshard.elastic.wire import Channel
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, validate
@@ -25,6 +26,7 @@ __all__ = [
     "Pair",
     "check_like",
     "check_pair",
+    "choose_source",
     "leaves_by_name",
     "pair_plan",
     "run_pair",
@@ -91,6 +93,43 @@ def _pair_plan(key: str, options: Options) -> Pair:
     names, pairs, domains, _, base = group_layouts({0: s, 1: d})
     topology = Topology.from_domains(domains, devices={r: r for r in domains}, **dict(links))
     return Pair(plan_layouts(pairs, topology, options, names), topology, tuple(names), base[1])
+
+
+_TIE = 0.01  # predicted times within 1% are a tie, and a tie goes to the peer (keeps the trainer's links free)
+
+
+def choose_source(
+    prefer: CatchUp,
+    trainer: Mapping[str, Any] | None,
+    peers: Mapping[str, Mapping[str, Any]],
+    joiner: Mapping[str, Any],
+    options: Options,
+    links: Mapping[str, float],
+) -> str | None:
+    """Where a joiner catches up from: the name of a peer, or ``None`` for the trainer.
+
+    Args:
+      prefer: the trainer's :class:`CatchUp` setting.
+      trainer: the trainer's declaration, or ``None`` when its copy of the version is gone.
+      peers: ``{name: declaration}`` of the replicas that hold the version.
+      joiner: the joiner's declaration.
+      options, links: as for :func:`pair_plan`.
+
+    Returns:
+      ``AUTO``: the peer whose plan the cost model predicts cheapest, if it is within 1% of the
+      trainer's plan or cheaper; ``PEER``: the first peer; ``TRAINER``: ``None``. Without peers,
+      ``None``; without the trainer's copy, any peer.
+    """
+    if not peers:
+        return None
+    if trainer is None or prefer is CatchUp.PEER:
+        return next(iter(peers))
+    if prefer is CatchUp.TRAINER:
+        return None
+    cost = {n: pair_plan(d, joiner, options, links).predicted_seconds() for n, d in peers.items()}
+    best = min(cost, key=lambda n: cost[n])
+    mine = pair_plan(trainer, joiner, options, links).predicted_seconds()
+    return best if cost[best] <= mine * (1 + _TIE) else None
 
 
 def source_shards(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: Sequence[Any]) -> dict:
