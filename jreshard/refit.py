@@ -138,7 +138,7 @@ class RefitGroup:
         timeout = (kwargs.get("options") or Options()).timeout_s
         if role is Role.SOURCE:
             port = MPI.Open_port() if comm.Get_rank() == 0 else None
-            if comm.Get_rank() == 0:
+            if port is not None:
                 with open(address + ".tmp", "w") as f:
                     f.write(port)
                 os.replace(address + ".tmp", address)

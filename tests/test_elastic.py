@@ -67,13 +67,13 @@ class Program:
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.05)
-        pytest.fail(f"no {name!r} event from {self.proc.args}:\n" + "\n".join(self.lines[-60:]))
+        pytest.fail(f"no {name!r} event from {self.proc.args!r}:\n" + "\n".join(self.lines[-60:]))
 
     def finish(self, timeout_s: float = 90.0) -> int:
         try:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.proc.args} did not finish:\n" + "\n".join(self.lines[-60:]))
+            pytest.fail(f"{self.proc.args!r} did not finish:\n" + "\n".join(self.lines[-60:]))
         self._reader.join(5)
         return self.proc.returncode
 

@@ -87,8 +87,8 @@ class Membership:
 
     def poll(self, wait_s: float) -> None:
         """Admit joiners, read every replica's messages, notice closed connections."""
-        chans = [ch for ch, _ in self._pending] + [m.channel for m in self.members.values()]
-        ready, _, _ = select.select([self._listener, self._wake, *chans], [], [], wait_s)
+        waits: list[Any] = [self._listener, self._wake, *(ch for ch, _ in self._pending)]
+        ready, _, _ = select.select(waits + [m.channel for m in self.members.values()], [], [], wait_s)
         if self._wake in ready:
             self._wake.recv(4096)
         if self._listener in ready:

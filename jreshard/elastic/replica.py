@@ -159,8 +159,8 @@ class ElasticReplica:
                     if self._stop:
                         break
                 live = [] if self._gone else [self._trainer]
-                chans = live + [c for c, _ in pending]
-                ready, _, _ = select.select([self._listener, self._wake_r, *chans], [], [], 0.05)
+                waits: list[Any] = [self._listener, self._wake_r, *live, *(c for c, _ in pending)]
+                ready, _, _ = select.select(waits, [], [], 0.05)
                 if self._wake_r in ready:
                     self._wake_r.recv(4096)
                 if self._listener in ready:
@@ -211,16 +211,21 @@ class ElasticReplica:
         while ch.inbox and self._gone is None:
             msg = ch.inbox.popleft()
             op, v = msg.get("op"), msg.get("version")
+            if op in ("refit", "catchup") and not isinstance(v, int):
+                self._set_gone(f"the trainer sent a malformed message {msg!r}: not a jreshard trainer?")
+                ch.close()
+                return
+            version = int(v or 0)
             try:
                 if op == "bye":
                     self._set_gone("the trainer closed")
                 elif op in ("refit", "catchup") and msg.get("from") != "peer":
-                    self._receive(ch, self._trainer_decl, int(v), "trainer")
+                    self._receive(ch, self._trainer_decl, version, "trainer")
                     ch.send_control({"op": "at", "version": v, "source": "trainer"}, timeout_s=self.options.timeout_s)
                 elif op == "catchup":
                     source = f"replica {msg['peer']!r}"
                     try:
-                        self._fetch(msg, int(v), source)
+                        self._fetch(msg, version, source)
                     except JReshardError as err:
                         ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
                         continue
