@@ -226,7 +226,7 @@ def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeyp
         def once(comm, sends, recvs, *, timeout_s):
             calls["n"] += 1
             if calls["n"] == 2:
-                m.channel.close()
+                m.channels[0].close()
                 raise PeerError("stopped on purpose")
             return exchange(comm, sends, recvs, timeout_s=timeout_s)
 

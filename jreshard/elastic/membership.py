@@ -27,17 +27,31 @@ __all__ = ["Membership"]
 class _Member:  # mutable bookkeeping of the service thread; the public view is ReplicaInfo
     id: int
     name: str
-    channel: Channel
-    decl: dict
-    peer_port: int
+    channels: list[Channel]  # one per process of the replica, in process order
+    decls: list[dict]
+    peer_ports: list[int]
     state: ReplicaState = ReplicaState.JOINING
     version: int | None = None
     caught_up_from: str = ""
     error: str = ""
     via_peer: str = ""  # the replica it is catching up from, while it is
+    have: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that staged it
+    at: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that committed it
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.name, self.id, self.state, self.version, self.caught_up_from, self.error)
+
+    def send(self, msg: dict, timeout_s: float) -> None:
+        for ch in self.channels:
+            ch.send_control(msg, timeout_s=timeout_s)
+
+
+def _alive(ch: Channel) -> bool:
+    try:
+        ch.pump()
+    except JReshardError:
+        return False
+    return not ch.eof
 
 
 class Membership:
@@ -68,6 +82,7 @@ class Membership:
         self.gone: list[ReplicaInfo] = []
         self.committed: tuple[int, list[tuple[str, Any]]] | None = None
         self._pending: list[tuple[Channel, float]] = []
+        self._forming: dict[str, tuple[dict[int, tuple[Channel, dict]], float]] = {}  # multi-process joiners
         self._next_id = 1
 
     @property
@@ -78,17 +93,21 @@ class Membership:
         """Tell every replica the trainer is done, and close every connection."""
         for m in list(self.members.values()):
             try:
-                m.channel.send_control({"op": "bye"}, timeout_s=1.0)
+                m.send({"op": "bye"}, 1.0)
             except JReshardError:
                 pass
             self._drop(m, "the trainer closed")
         for ch, _ in self._pending:
             ch.close()
+        for group, _ in self._forming.values():
+            for ch, _ in group.values():
+                ch.close()
 
     def poll(self, wait_s: float) -> None:
         """Admit joiners, read every replica's messages, notice closed connections."""
-        waits: list[Any] = [self._listener, self._wake, *(ch for ch, _ in self._pending)]
-        ready, _, _ = select.select(waits + [m.channel for m in self.members.values()], [], [], wait_s)
+        forming = [ch for group, _ in self._forming.values() for ch, _ in group.values()]
+        waits: list[Any] = [self._listener, self._wake, *(ch for ch, _ in self._pending), *forming]
+        ready, _, _ = select.select(waits + [c for m in self.members.values() for c in m.channels], [], [], wait_s)
         if self._wake in ready:
             self._wake.recv(4096)
         if self._listener in ready:
@@ -102,57 +121,83 @@ class Membership:
             if ch.inbox or ch.eof or time.monotonic() > deadline:
                 self._pending.remove((ch, deadline))
                 if ch.inbox:
-                    self._admit(ch, ch.inbox.popleft())
+                    self._hello(ch, ch.inbox.popleft(), deadline)
                 else:
                     ch.close()
+        for name, (group, deadline) in list(self._forming.items()):
+            if time.monotonic() > deadline or not all(_alive(ch) for ch, _ in group.values()):
+                del self._forming[name]
+                n = next(iter(group.values()))[1].get("processes")
+                why = f"only processes {sorted(group)} of the {n} of replica {name!r} joined within timeout_s"
+                self._reject(list(group.values()), [why])
         for m in list(self.members.values()):
-            try:
-                m.channel.pump()
-            except JReshardError as err:
-                self._drop(m, str(err))
-                continue
-            while m.channel.inbox and m.state is not ReplicaState.GONE:
-                msg = m.channel.inbox.popleft()
+            for p, ch in enumerate(m.channels):
                 try:
-                    self._message(m, msg)
-                except (KeyError, TypeError, ValueError) as err:
-                    self._drop(m, f"it sent a malformed message {msg!r} ({type(err).__name__}: {err})")
-            if m.channel.eof and m.state is not ReplicaState.GONE:
-                self._drop(m, m.channel.closed_error().args[0])
+                    ch.pump()
+                except JReshardError as err:
+                    self._drop(m, str(err))
+                while ch.inbox and m.state is not ReplicaState.GONE:
+                    msg = ch.inbox.popleft()
+                    try:
+                        self._message(m, p, msg)
+                    except (KeyError, TypeError, ValueError) as err:
+                        self._drop(m, f"it sent a malformed message {msg!r} ({type(err).__name__}: {err})")
+                if ch.eof and m.state is not ReplicaState.GONE:
+                    self._drop(m, ch.closed_error().args[0])
 
-    def _admit(self, ch: Channel, hello: dict) -> None:
-        if hello.get("op") != "hello":
+    def _hello(self, ch: Channel, hello: dict, deadline: float) -> None:
+        """One process's hello: a replica of several processes is admitted when all of them said hello."""
+        n, name = hello.get("processes", 1), hello.get("name")
+        if hello.get("op") != "hello" or not isinstance(n, int) or n < 1:
             ch.close()
             return
-        with self.cv:
-            ident = self._next_id
-            self._next_id += 1
-            taken = {m.name for m in self.members.values()}
-        name = hello.get("name") or f"replica-{ident}"
-        try:
-            problems = check_pair(self._decl, hello["decl"])
-            peer_port = int(hello["peer_port"])
-        except (KeyError, TypeError, ValueError, IndexError) as err:
-            problems, peer_port = [f"a malformed hello ({type(err).__name__}: {err}): not a jreshard replica?"], 0
-        if name in taken:
-            problems.append(f"the name {name!r} is taken by a live replica")
-        if problems:
+        if n == 1:
+            self._admit([(ch, hello)])
+            return
+        group, _ = self._forming.setdefault(str(name), ({}, deadline))
+        group[int(hello.get("process", 0))] = (ch, hello)
+        if len(group) == n:
+            del self._forming[str(name)]
+            self._admit([group[p] for p in sorted(group)])
+
+    def _reject(self, hellos: Sequence[tuple[Channel, dict]], problems: list[str]) -> None:
+        for ch, _ in hellos:
             try:
                 ch.send_control({"op": "reject", "errors": problems}, timeout_s=self.options.timeout_s)
             except JReshardError:
                 pass
             ch.close()
+
+    def _admit(self, hellos: Sequence[tuple[Channel, dict]]) -> None:
+        with self.cv:
+            ident = self._next_id
+            self._next_id += 1
+            taken = {m.name for m in self.members.values()}
+        name = hellos[0][1].get("name") or f"replica-{ident}"
+        try:
+            decls = [h["decl"] for _, h in hellos]
+            peer_ports = [int(h["peer_port"]) for _, h in hellos]
+            problems = check_pair([self._decl], decls)
+            if [h.get("process", 0) for _, h in hellos] != list(range(len(hellos))):
+                problems.append(f"process numbers {[h.get('process') for _, h in hellos]} of replica {name!r}")
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            problems, peer_ports = [f"a malformed hello ({type(err).__name__}: {err}): not a jreshard replica?"], []
+        if name in taken:
+            problems.append(f"the name {name!r} is taken by a live replica")
+        if problems:
+            self._reject(hellos, problems)
             return
-        ch.peer = f"replica {name!r}"
-        m = _Member(ident, name, ch, hello["decl"], peer_port)
+        for p, (ch, _) in enumerate(hellos):
+            ch.peer = f"replica {name!r}" + (f" (process {p})" if len(hellos) > 1 else "")
+        m = _Member(ident, name, [ch for ch, _ in hellos], decls, peer_ports)
         with self.cv:  # a member before its welcome: a wait that returns after the replica's join counts it
             v = None if self.committed is None else self.committed[0]
             m.state = ReplicaState.JOINING if v is not None else ReplicaState.READY
             self.members[ident] = m
             self.cv.notify_all()
         try:
-            welcome = {"op": "welcome", "id": ident, "name": name, "decl": self._decl, "version": v}
-            ch.send_control(welcome, timeout_s=self.options.timeout_s)
+            welcome = {"op": "welcome", "id": ident, "name": name, "decl": self._decl, "decls": decls, "version": v}
+            m.send(welcome, self.options.timeout_s)
         except JReshardError as err:
             self._drop(m, f"joining: {err}")
             return
@@ -171,40 +216,49 @@ class Membership:
             if p is not m and p.state is ReplicaState.READY and p.version == v and not forbid_peer
         }
         trainer = self._decl if self._trainer_can_serve() else None
-        decls = {n: p.decl for n, p in peers.items()}
-        chosen = choose_source(self.catch_up, trainer, decls, m.decl, self.options, self._links)
-        use_peer, peer_list = chosen is not None, [peers[chosen]] if chosen is not None else []
+        decls = {n: p.decls for n, p in peers.items()}
+        chosen = choose_source(self.catch_up, trainer, decls, m.decls, self.options, self._links)
         try:
-            if use_peer:
-                p = peer_list[0]
+            if chosen is not None:
+                p = peers[chosen]
                 m.via_peer = p.name
-                msg = {"op": "catchup", "version": v, "from": "peer", "peer": p.name, "port": p.peer_port}
-                m.channel.send_control(msg | {"decl": p.decl}, timeout_s=self.options.timeout_s)
+                msg = {"op": "catchup", "version": v, "from": "peer", "peer": p.name, "ports": p.peer_ports}
+                m.send(msg | {"decls": p.decls}, self.options.timeout_s)
                 return
             if not self._trainer_can_serve():
                 self._drop(m, f"no live replica holds version {v} and the trainer's copy was deleted (donated)")
                 return
             m.via_peer = ""
-            m.channel.send_control({"op": "catchup", "version": v, "from": "trainer"}, timeout_s=self.options.timeout_s)
+            m.send({"op": "catchup", "version": v, "from": "trainer"}, self.options.timeout_s)
             self._send(m, leaves)
         except TransferError as err:
             self._drop(m, f"catching up to version {v}: {err}")
 
     def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> None:
-        pair = pair_plan(self._decl, m.decl, self.options, self._links)
-        run_pair(pair, m.channel, source=True, shards=source_shards(pair, leaves, self._devices), options=self.options)
+        pair = pair_plan([self._decl], m.decls, self.options, self._links)
+        shards = source_shards(pair, leaves, self._devices, 0)
+        run_pair(pair, 0, {1 + p: ch for p, ch in enumerate(m.channels)}, shards=shards, options=self.options)
 
-    def _message(self, m: _Member, msg: dict) -> None:
+    def _message(self, m: _Member, process: int, msg: dict) -> None:
         op = msg.get("op")
-        if op == "at":
+        if op in ("have", "at"):  # the replica's processes swap a version in only when all of them hold it
+            v = int(msg["version"])
+            seen = m.have if op == "have" else m.at
+            seen.setdefault(v, set()).add(process)
+            if len(seen[v]) < len(m.channels):
+                return
+            del seen[v]
+            if op == "have":
+                m.send({"op": "commit", "version": v}, self.options.timeout_s)
+                return
             with self.cv:
                 if m.version is None:
                     m.caught_up_from = msg.get("source", "")
-                m.version = int(msg["version"])
+                m.version = v
                 m.state = ReplicaState.READY
                 m.via_peer = ""
                 self.cv.notify_all()
-            if self.committed is not None and m.version < self.committed[0]:
+            if self.committed is not None and v < self.committed[0]:
                 with self.cv:  # it caught up to a version pushed meanwhile: bring it to the latest
                     m.state = ReplicaState.JOINING
                 self._catch_up(m)
@@ -225,7 +279,8 @@ class Membership:
             m.state, m.error = ReplicaState.GONE, why
             self.gone = [*self.gone[-1023:], m.info()]  # the last 1024 departures
             self.cv.notify_all()
-        m.channel.close()
+        for ch in m.channels:
+            ch.close()
 
     def push(self, version: int, leaves: list[tuple[str, Any]]) -> PushReport:
         t0 = time.monotonic()
@@ -237,7 +292,7 @@ class Membership:
         targets = list(self.members.values())
         for m in targets:
             try:
-                m.channel.send_control({"op": "refit", "version": version}, timeout_s=self.options.timeout_s)
+                m.send({"op": "refit", "version": version}, self.options.timeout_s)
                 self._send(m, leaves)
             except TransferError as err:
                 self._drop(m, f"during version {version}: {err}")

@@ -61,6 +61,11 @@ class ElasticReplica:
             raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"ElasticReplica: name={name!r} must be a non-empty str or None")
+        self._index, self._processes = jax.process_index(), jax.process_count()
+        if self._processes > 1 and name is None:
+            raise ValueError(
+                f"ElasticReplica: this replica has {self._processes} processes; pass the same name=... in each"
+            )
         self.options = options or Options()
         timeout = self.options.timeout_s
         self._links = dict(links or {})
@@ -74,7 +79,8 @@ class ElasticReplica:
         ch = open_channel(parse_address(address, timeout_s=timeout), "the trainer", timeout_s=timeout)
         try:
             port = self._listener.getsockname()[1]
-            ch.send_control({"op": "hello", "name": name, "decl": self._decl, "peer_port": port}, timeout_s=timeout)
+            hello = {"op": "hello", "name": name, "decl": self._decl, "peer_port": port}
+            ch.send_control(hello | {"process": self._index, "processes": self._processes}, timeout_s=timeout)
             msg = ch.recv_control(timeout_s=timeout)
         except JReshardError:
             ch.close()
@@ -93,6 +99,8 @@ class ElasticReplica:
         self.name: str = msg["name"]
         self._trainer = ch
         self._trainer_decl = msg["decl"]
+        self._decls: list[dict] = msg["decls"]  # every process of this replica, in process order
+        self._staged: tuple[int, Any, list[tuple[str, Any]], Arrival] | None = None
         self._cv = threading.Condition()
         self._tree: Any = None
         self._held: list[tuple[str, Any]] = []
@@ -153,6 +161,7 @@ class ElasticReplica:
     # ---- the service thread ---------------------------------------------------------------------
     def _serve(self) -> None:
         pending: list[tuple[Channel, float]] = []
+        fetches: dict[tuple[str, int], tuple[dict[int, Channel], float]] = {}
         try:
             while True:
                 with self._cv:
@@ -169,13 +178,7 @@ class ElasticReplica:
                         pending.append((Channel(sock, "a joining peer"), time.monotonic() + self.options.timeout_s))
                     except BlockingIOError:
                         pass
-                for ch, deadline in list(pending):
-                    ch.pump()
-                    if ch.inbox or ch.eof or time.monotonic() > deadline:
-                        pending.remove((ch, deadline))
-                        if ch.inbox:
-                            self._serve_peer(ch, ch.inbox.popleft())
-                        ch.close()
+                self._peers(pending, fetches)
                 if live:
                     self._from_trainer()
         except Exception as err:  # a bug, not a peer: pulls raise with it
@@ -191,7 +194,7 @@ class ElasticReplica:
                 self._set_gone("it left")
             self._trainer.close()
             self._listener.close()
-            for ch, _ in pending:
+            for ch in [c for c, _ in pending] + [c for g, _ in fetches.values() for c in g.values()]:
                 ch.close()
             self._wake_r.close()
             self._wake_w.close()
@@ -219,17 +222,15 @@ class ElasticReplica:
             try:
                 if op == "bye":
                     self._set_gone("the trainer closed")
+                elif op == "commit":
+                    self._commit(version)
                 elif op in ("refit", "catchup") and msg.get("from") != "peer":
-                    self._receive(ch, self._trainer_decl, version, "trainer")
-                    ch.send_control({"op": "at", "version": v, "source": "trainer"}, timeout_s=self.options.timeout_s)
+                    self._receive({0: ch}, [self._trainer_decl], version, "trainer")
                 elif op == "catchup":
-                    source = f"replica {msg['peer']!r}"
                     try:
-                        self._fetch(msg, version, source)
+                        self._fetch(msg, version, f"replica {msg['peer']!r}")
                     except JReshardError as err:
                         ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
-                        continue
-                    ch.send_control({"op": "at", "version": v, "source": source}, timeout_s=self.options.timeout_s)
             except JReshardError as err:
                 try:  # tell the trainer why, then close: it drops this replica at once
                     ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
@@ -241,59 +242,107 @@ class ElasticReplica:
             self._set_gone("the trainer's connection closed (it exited or was killed)")
 
     def _fetch(self, msg: dict, version: int, source: str) -> None:
-        """Catch up from the peer replica named in ``msg``."""
+        """Catch up from the peer replica named in ``msg`` (a connection to each of its processes)."""
         timeout = self.options.timeout_s
-        peer = open_channel(("127.0.0.1", int(msg["port"])), source, timeout_s=timeout, retry=False)
+        peers: dict[int, Channel] = {}
         try:
-            peer.send_control(
-                {"op": "fetch", "name": self.name, "decl": self._decl, "version": version}, timeout_s=timeout
-            )
-            answer = peer.recv_control(timeout_s=timeout)
-            if answer.get("op") != "serving":
-                raise PeerError(f"{source} did not serve version {version}: {answer.get('error', answer)}")
-            self._receive(peer, msg["decl"], version, source)
+            for i, port in enumerate(msg["ports"]):
+                peers[i] = open_channel(("127.0.0.1", int(port)), source, timeout_s=timeout, retry=False)
+            fetch = {"op": "fetch", "name": self.name, "decls": self._decls, "version": version}
+            for ch in peers.values():
+                ch.send_control(fetch | {"process": self._index}, timeout_s=timeout)
+            for ch in peers.values():
+                answer = ch.recv_control(timeout_s=timeout)
+                if answer.get("op") != "serving":
+                    raise PeerError(f"{source} did not serve version {version}: {answer.get('error', answer)}")
+            self._receive(peers, msg["decls"], version, source)
         finally:
-            peer.close()
+            for ch in peers.values():
+                ch.close()
 
-    def _receive(self, ch: Channel, src_decl: dict, version: int, source: str) -> None:
-        """Run the destination side of a refit from ``src_decl`` and commit it."""
+    def _receive(self, chs: dict[int, Channel], src_decls: list, version: int, source: str) -> None:
+        """Run this process's destination side of a refit from ``src_decls``; stage it and say so."""
         import jax
 
         t0 = time.monotonic()
-        pair = pair_plan(src_decl, self._decl, self.options, self._links)
-        targets = target_devices(pair, self._like, self._devices)
-        shards = run_pair(pair, ch, source=False, shards=targets, options=self.options)
+        pair = pair_plan(src_decls, self._decls, self.options, self._links)
+        targets = target_devices(pair, self._like, self._devices, self._index)
+        shards = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options)
         index = {n: t for t, n in enumerate(pair.names)}
+        base = pair.bases[pair.n_src + self._index]
         leaves, nbytes = [], 0
         for name, a in self._like:
             t = index[name]
-            mine = {d: shards[(t, pair.src_ranks + self._devices.index(d))] for d in a.sharding.addressable_devices}
+            mine = {d: shards[(t, base + self._devices.index(d))] for d in a.sharding.addressable_devices}
             arrays = [mine[d] for d in sorted(mine, key=lambda d: d.id)]
             nbytes += sum(x.nbytes for x in arrays)
             leaves.append(
                 (name, jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, arrays, dtype=a.dtype))
             )
         tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
+        self._staged = (version, tree, leaves, Arrival(version, source, time.monotonic() - t0, nbytes))
+        self._trainer.send_control({"op": "have", "version": version}, timeout_s=self.options.timeout_s)
+
+    def _commit(self, version: int) -> None:
+        """Swap in the staged version: every process of this replica holds it (the trainer said so)."""
+        if self._staged is None or self._staged[0] != version:
+            raise PeerError(f"the trainer committed version {version}, which replica {self.name!r} did not stage")
+        _, tree, leaves, arrival = self._staged
+        self._staged = None
         with self._cv:
             self._tree, self._held, self._version = tree, leaves, version
-            self.arrivals.append(Arrival(version, source, time.monotonic() - t0, nbytes))
+            self.arrivals.append(arrival)
             self._cv.notify_all()
+        at = {"op": "at", "version": version, "source": arrival.source}
+        self._trainer.send_control(at, timeout_s=self.options.timeout_s)
 
-    def _serve_peer(self, ch: Channel, msg: dict) -> None:
-        """Send the version this replica holds to a joining replica (its own connection; errors end it only)."""
+    def _peers(self, pending: list[tuple[Channel, float]], fetches: dict) -> None:
+        """Read joining peers' fetches; serve a joiner once each of its processes has asked."""
+        now = time.monotonic()
+        for ch, deadline in list(pending):
+            try:
+                ch.pump()
+            except JReshardError:
+                ch.eof = True
+            if not (ch.inbox or ch.eof or now > deadline):
+                continue
+            pending.remove((ch, deadline))
+            msg = ch.inbox.popleft() if ch.inbox else {}
+            if msg.get("op") != "fetch" or not isinstance(msg.get("decls"), list):
+                ch.close()
+                continue
+            key = (str(msg.get("name")), int(msg.get("version", -1)))
+            group = fetches.setdefault(key, ({}, deadline))[0]
+            group[int(msg.get("process", 0))] = ch
+            if len(group) == len(msg["decls"]):
+                del fetches[key]
+                self._serve_peer(group, msg)
+                for c in group.values():
+                    c.close()
+        for key, (group, deadline) in list(fetches.items()):
+            if now > deadline:  # not every process of the joiner asked: it reports the failure
+                del fetches[key]
+                for c in group.values():
+                    c.close()
+
+    def _serve_peer(self, group: dict[int, Channel], msg: dict) -> None:
+        """Send the version this process holds to each process of a joining replica (errors end only this)."""
         timeout = self.options.timeout_s
         try:
-            if msg.get("op") != "fetch":
-                return
-            ch.peer = f"replica {msg.get('name')!r}"
+            for ch in group.values():
+                ch.peer = f"replica {msg.get('name')!r}"
             with self._cv:
                 version, held = self._version, self._held
             if version != msg.get("version"):
-                ch.send_control({"op": "refuse", "error": f"it holds version {version}"}, timeout_s=timeout)
+                for ch in group.values():
+                    ch.send_control({"op": "refuse", "error": f"it holds version {version}"}, timeout_s=timeout)
                 return
             check_like(self._tree, self._decl, "destination", self._devices, f"replica {self.name!r}")
-            ch.send_control({"op": "serving", "version": version}, timeout_s=timeout)
-            pair = pair_plan(self._decl, msg["decl"], self.options, self._links)
-            run_pair(pair, ch, source=True, shards=source_shards(pair, held, self._devices), options=self.options)
-        except Exception:  # e.g. the held arrays were deleted: ends this connection only
+            for ch in group.values():
+                ch.send_control({"op": "serving", "version": version}, timeout_s=timeout)
+            pair = pair_plan(self._decls, msg["decls"], self.options, self._links)
+            chs = {pair.n_src + j: ch for j, ch in group.items()}
+            shards = source_shards(pair, held, self._devices, self._index)
+            run_pair(pair, self._index, chs, shards=shards, options=self.options)
+        except Exception:  # e.g. the held arrays were deleted: ends these connections only
             pass  # the joiner reports its failure to the trainer, which serves it another way
