@@ -239,7 +239,7 @@ class ElasticReplica:
                 ch.close()
                 self._set_gone(f"version {v} failed ({err}); this replica left the trainer")
         if ch.eof and self._gone is None:
-            self._set_gone("the trainer's connection closed (it exited or was killed)")
+            self._set_gone("the trainer's connection closed (it exited or was killed, or dropped this replica)")
 
     def _fetch(self, msg: dict, version: int, source: str) -> None:
         """Catch up from the peer replica named in ``msg`` (a connection to each of its processes)."""

@@ -1,8 +1,9 @@
 """A replica program of the elastic tests: ``replica.py ADDRESS_FILE NAME MODE``.
 
-Modes: ``ok``; ``kill:V`` (SIGKILLs itself in the middle of receiving version V);
-``leave:V`` (leaves cleanly once it holds version V). Checks every pulled tree element by element
-and prints its results as one JSON line.
+With ``JRESHARD_COORDINATOR``, ``JRESHARD_PROCESSES`` and ``JRESHARD_PROCESS`` set, it is one process
+of a replica of several (a jax cluster of its own). Modes: ``ok``; ``kill:V`` (SIGKILLs itself in the
+middle of receiving version V); ``leave:V`` (leaves cleanly once it holds version V). Checks every
+pulled tree element by element and prints its results as one JSON line.
 """
 
 import json
@@ -46,6 +47,12 @@ def main():
     address, name, mode = sys.argv[1], sys.argv[2], sys.argv[3]
     if mode.startswith("kill:"):
         arm_kill(int(mode[5:]))
+    if "JRESHARD_COORDINATOR" in os.environ:  # one process of a replica of several: its own jax cluster
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JRESHARD_COORDINATOR"],
+            num_processes=int(os.environ["JRESHARD_PROCESSES"]),
+            process_id=int(os.environ["JRESHARD_PROCESS"]),
+        )
     devs = np.array(jax.devices())
     mesh = jax.sharding.Mesh(devs.reshape(1, -1), ("dp", "tp"))
     spec = {k: P(None, "tp") if len(s) == 2 else P() for k, s in SHAPES.items()}
@@ -59,7 +66,9 @@ def main():
             why = str(err)
             break
         for k, s in SHAPES.items():
-            if tree[k].sharding != like[k].sharding or not np.array_equal(np.asarray(tree[k]), value(k, s, version)):
+            shards = tree[k].addressable_shards
+            exact = all(np.array_equal(np.asarray(sh.data), value(k, s, version)[sh.index]) for sh in shards)
+            if tree[k].sharding != like[k].sharding or not shards or not exact:
                 bad.append([version, k])
         checked.append(version)
         if mode == f"leave:{version}":
@@ -67,7 +76,8 @@ def main():
             why = "left"
             break
     arrivals = [[a.version, a.source] for a in rep.arrivals]
-    print(json.dumps({"name": name, "checked": checked, "bad": bad, "arrivals": arrivals, "end": why}), flush=True)
+    result = {"name": name, "process": jax.process_index(), "checked": checked, "bad": bad, "arrivals": arrivals}
+    print(json.dumps(result | {"end": why}), flush=True)
 
 
 main()

@@ -36,7 +36,7 @@ def main():
     catch_up = sys.argv[3] if len(sys.argv) > 3 else "auto"
     out = {"pushes": {}}
     tr = ElasticTrainer(params(0), address_file=address, options=options(), catch_up=catch_up)
-    tr.wait(count=2, timeout_s=STARTUP_S)
+    tr.wait(count=1 if scenario == "multi" else 2, timeout_s=STARTUP_S)
 
     def push(v, **kw):
         t0 = time.monotonic()
@@ -77,6 +77,20 @@ def main():
         push(4, block=False)
         out["any1_4"] = tr.wait(version=4, count=1)
         out["all4"] = tr.wait(version=4)
+    elif scenario == "multi":  # r2 is two processes; r3 joins and catches up from it
+        push(1)
+        push(2)
+        say(event="join-now")
+        out["at2"] = tr.wait(version=2, count=2, timeout_s=STARTUP_S)
+        out["joined"] = {n: i.caught_up_from for n, i in tr.replicas().items()}
+        push(3)
+        say(event="kill-now")  # the test SIGKILLs one process of r2: the whole replica is dropped
+        t0 = time.monotonic()
+        while "r2" in tr.replicas() and time.monotonic() - t0 < STARTUP_S:
+            time.sleep(0.005)
+        out["noticed_s"] = time.monotonic() - t0
+        out["gone"] = {n: i.error for n, i in tr.replicas(include_gone=True).items() if i.error}
+        push(4)
     tr.close()
     say(event="done", **out)
 
