@@ -1,12 +1,18 @@
 """ElasticReplica: one inference replica that joins a trainer, receives versions, serves peers, and leaves.
 
-A background thread owns the replica's sockets: the connection to the
-trainer (pushes and catch-ups arrive there), and a loopback listener where
-joining replicas fetch the version this one holds. Each version lands in
-fresh buffers and is *committed* (swapped in under a lock) only when all of
-it has arrived, so :meth:`ElasticReplica.pull` never returns a half-updated
-tree. The trainer's end is noticed at once (its connection closes); a pull
-then returns the last version held, and raises once it has nothing newer.
+A replica is the processes of one inference engine (one jax cluster, one
+mesh): each process constructs an :class:`ElasticReplica` with the same name
+and has its own connection to the trainer, which admits the replica once
+every process has said hello and drops all of it when one process goes.
+
+In each process a background thread owns the sockets: the connection to the
+trainer (pushes and catch-ups arrive there), and a loopback listener where the
+processes of a joining replica fetch the version this one holds. Each version
+lands in fresh buffers, is *staged*, and is *committed* (swapped in under a
+lock) only when the trainer says every process of the replica staged it, so
+:meth:`ElasticReplica.pull` never returns a half-updated tree, in any process.
+The trainer's end is noticed at once (its connection closes); a pull then
+returns the last version held, and raises once it has nothing newer.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ __all__ = ["ElasticReplica"]
 
 
 class ElasticReplica:
-    """A replica that joins the trainer at ``address`` (one process; its devices form its mesh).
+    """One process of a replica that joins the trainer at ``address`` (every process of the replica makes one).
 
     Args:
       like: this replica's declaration: a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with
-        shardings on this process's devices. Pulled trees have its structure and shardings.
+        shardings over the replica's mesh. Pulled trees have its structure and shardings.
       address: ``"127.0.0.1:PORT"`` (``ElasticTrainer.address``), or a file that holds it.
-      name: a name unique among live replicas (default: ``replica-<id>``, given by the trainer).
+      name: a name unique among live replicas (default: ``replica-<id>``, given by the trainer);
+        required, and the same in every process, when the replica has several processes.
       devices: the jax devices this process drives (default ``jax.local_devices()``).
       options: chunking, staging, and ``timeout_s`` (connecting, every wait on a peer).
       links: link speeds for the cost model (as the trainer's).
