@@ -299,3 +299,25 @@ def test_constructor_arguments_are_checked():
         ElasticReplica(like(1), "127.0.0.1:1", name="", devices=list(D[2:4]))
     with pytest.raises(ValueError, match="has a shard on"):
         ElasticReplica(like(1), "127.0.0.1:1", devices=list(D[4:6]))
+
+
+def test_a_replica_whose_processes_do_not_all_join_is_refused_naming_them():
+    from jreshard.elastic.wire import open_channel
+    from jreshard.refit_decl import declare_local
+
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=Options(timeout_s=0.5))
+    decl = declare_local("destination", like(1), list(D[2:4]), None)
+    ch = open_channel(parse_address(tr.address, timeout_s=1), "trainer", timeout_s=1)
+    hello = {"op": "hello", "name": "big", "decl": decl, "peer_port": 1, "process": 0, "processes": 2}
+    ch.send_control(hello, timeout_s=1.0)
+    t0 = time.monotonic()
+    answer = ch.recv_control(timeout_s=5.0)
+    assert answer["op"] == "reject" and 0.4 < time.monotonic() - t0 < 3.0
+    assert answer["errors"] == ["only processes [0] of the 2 of replica 'big' joined within timeout_s"]
+    ch.close()
+    bad = open_channel(parse_address(tr.address, timeout_s=1), "trainer", timeout_s=1)
+    bad.send_control({"op": "hello", "name": "odd", "decl": {"params": 3}, "peer_port": "x"}, timeout_s=1)
+    assert "a malformed hello" in bad.recv_control(timeout_s=5.0)["errors"][0]
+    bad.close()
+    assert tr.replicas() == {}
+    tr.close()
