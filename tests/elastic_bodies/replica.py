@@ -80,4 +80,5 @@ def main():
     print(json.dumps(result | {"end": why}), flush=True)
 
 
-main()
+if __name__ == "__main__":
+    main()

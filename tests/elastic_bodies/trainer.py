@@ -95,4 +95,5 @@ def main():
     say(event="done", **out)
 
 
-main()
+if __name__ == "__main__":
+    main()
