@@ -46,7 +46,7 @@ from jreshard.multi import assemble, run_plan
 from jreshard.nccl.mpi import MpiComm, import_mpi
 from jreshard.nccl.mpi_control import Control
 from jreshard.options import Options
-from jreshard.refit_decl import declare_local, group_layouts, validate
+from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, problems, validate
 from jreshard.sharding.topology import Topology
 
 __all__ = ["RefitGroup", "Role"]
@@ -104,7 +104,7 @@ class RefitGroup:
         if errors:
             self._control.close()
             raise LayoutMismatchError(
-                f"RefitGroup: the declarations disagree ({len(errors)} problems, reported on every process of "
+                f"RefitGroup: the declarations disagree ({problems(len(errors))}, reported on every process of "
                 "both sides; no weights moved):\n  " + "\n  ".join(errors),
                 what="declaration",
             )
@@ -138,7 +138,7 @@ class RefitGroup:
         timeout = (kwargs.get("options") or Options()).timeout_s
         if role is Role.SOURCE:
             port = MPI.Open_port() if comm.Get_rank() == 0 else None
-            if comm.Get_rank() == 0:
+            if port is not None:
                 with open(address + ".tmp", "w") as f:
                     f.write(port)
                 os.replace(address + ".tmp", address)
@@ -304,15 +304,17 @@ class RefitGroup:
             now = declare_local(self.role.value, tree, self._devices, self._decl["domain"])
         except (ValueError, TypeError) as err:
             return f"{type(err).__name__}: {err}"
-        if now["params"] != self._decl["params"] or now["errors"]:
-            diff = [p[0] for p, q in zip(now["params"], self._decl["params"], strict=False) if p != q]
-            if len(now["params"]) != len(self._decl["params"]):
-                diff.append(f"{len(now['params'])} leaves where {len(self._decl['params'])} were declared")
-            return f"the parameters do not match this side's declaration: {diff or now['errors']}"
+        if now["errors"]:
+            return f"the parameters do not match this side's declaration: {now['errors']}"
+        diff = leaf_differences(now["params"], self._decl["params"])
+        if diff:
+            return "the parameters do not match this side's declaration: " + "; ".join(diff)
         return ""
 
     def close(self) -> None:
-        """Release the communicators (kept, unfreed, when broken: a dead peer never answers)."""
+        """Tell every other process this one left (a peer waiting on it raises at once), then release the
+        communicators (kept, unfreed, when broken: a dead peer never answers)."""
+        self._control.notify_closed()
         if self._broken is None:
             self._comm.close()
             self._control.close()

@@ -20,7 +20,7 @@ from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
 from jreshard.sharding.layout import Layout
 
-__all__ = ["declare_local", "group_layouts", "validate"]
+__all__ = ["declare_local", "group_layouts", "leaf_differences", "problems", "validate"]
 
 _DEFAULT_DOMAIN = 1 << 20  # + process index: every process its own domain unless told
 
@@ -118,8 +118,40 @@ def _diff(a: Mapping[str, tuple], b: Mapping[str, tuple]) -> str:
     if missing:
         parts.append(f"no parameters {missing}")
     for n in changed:
-        parts.append(f"{n} as shape {a[n][0]} {a[n][1]} (not {b[n][0]} {b[n][1]})")
+        fields = [f"{f} {x} (not {y})" for f, x, y in zip(("shape", "dtype"), a[n], b[n], strict=True) if x != y]
+        parts.append(f"{n} with " + " and ".join(fields))
     return "; ".join(parts)
+
+
+def leaf_differences(now: Sequence[Sequence[Any]], declared: Sequence[Sequence[Any]]) -> list[str]:
+    """Each leaf of a tree (``declare_local(...)["params"]``) that differs from the declaration, and how.
+
+    Every differing field of every leaf is named, with both values: ``shape``, ``dtype``, and
+    ``sharding`` (the boxes this process's devices hold).
+
+    Example:
+      >>> now = [["w", [4], "float32", [[0, [0], [4]]]]]
+      >>> for line in leaf_differences(now, [["w", [4], "bfloat16", [[0, [0], [2]]]]]):
+      ...     print(line)
+      w: dtype float32 where bfloat16 was declared
+      w: sharding (boxes per device) [[0, [0], [4]]] where [[0, [0], [2]]] was declared
+    """
+    want = {p[0]: p for p in declared}
+    got = {p[0]: p for p in now}
+    out = [f"{n} is not declared" for n in got if n not in want]
+    out += [f"{n} is missing" for n in want if n not in got]
+    for n in (n for n in got if n in want):
+        for i, field in ((1, "shape"), (2, "dtype"), (3, "sharding (boxes per device)")):
+            x, y = got[n][i], want[n][i]
+            if x != y:
+                x, y = (tuple(x), tuple(y)) if i == 1 else (x, y)
+                out.append(f"{n}: {field} {x} where {y} was declared")
+    return out
+
+
+def problems(n: int) -> str:
+    """``"1 problem"``, ``"2 problems"``."""
+    return f"{n} problem" if n == 1 else f"{n} problems"
 
 
 def group_layouts(

@@ -9,7 +9,9 @@ time out and are not used here.
 
 Every process calls the operations of one :class:`Control` in the same order;
 the n-th operation uses MPI tag ``n``, so a message left over from a failed
-operation never matches a later one.
+operation never matches a later one. The highest tag is reserved for the
+notice :meth:`Control.notify_closed` sends: a process waiting on a peer that
+closed raises :class:`PeerError` at once instead of after ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Control:
         self.size = self._comm.Get_size()
         ub = self._comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(ub) if ub else 32767
+        self._closed_tag = self._tag_ub  # reserved: "this process closed"; operations use tags below it
+        self._closed: set[int] = set()  # peers whose notice arrived
         self._seq = 0
         self._describe = describe or (lambda p: f"process {p}")
         self._leftover: list[Any] = []
@@ -83,7 +87,7 @@ class Control:
         peers = list(range(self.size)) if peers is None else sorted(set(peers))
         if self.rank not in peers:
             raise ValueError(f"Control.allgather: process {self.rank} is not among peers={peers}")
-        tag = self._seq % (self._tag_ub + 1)
+        tag = self._seq % self._closed_tag
         self._seq += 1
         out: dict[int, Any] = {self.rank: obj}
         others = [p for p in peers if p != self.rank]
@@ -101,6 +105,7 @@ class Control:
                         waiting[p] = msg.irecv()
                         unmatched.discard(p)
                         progressed = True
+                self._check_closed(sorted(unmatched), tag)  # a peer that sent before closing is not gone
                 for p in sorted(waiting):
                     done, value = waiting[p].test()
                     if done:
@@ -127,6 +132,37 @@ class Control:
         finally:
             self._finish_sends(sends)
         return out
+
+    def _check_closed(self, peers: Sequence[int], tag: int) -> None:
+        """Raise :class:`PeerError` if one of ``peers`` closed without sending its ``tag`` message."""
+        for p in peers:
+            if p not in self._closed and self._comm.iprobe(source=p, tag=self._closed_tag):
+                self._comm.recv(source=p, tag=self._closed_tag)
+                self._closed.add(p)
+        gone = [p for p in peers if p in self._closed and not self._comm.iprobe(source=p, tag=tag)]
+        if gone:
+            raise PeerError(
+                f"{', '.join(self._describe(p) for p in gone)} closed the group while this process waited on it",
+                destination_intact=True,
+            )
+
+    def notify_closed(self) -> None:
+        """Tell every other process that this one is closing (best effort; never blocks).
+
+        Example:
+          >>> from mpi4py import MPI
+          >>> Control(MPI.COMM_SELF).notify_closed()  # no other process: nothing to tell
+        """
+        if self._comm is None:
+            return
+        sends = []
+        for p in range(self.size):
+            if p != self.rank:
+                try:
+                    sends.append(self._comm.isend(True, dest=p, tag=self._closed_tag))
+                except self._MPI.Exception:  # pragma: no cover - best effort
+                    pass
+        self._finish_sends(sends)
 
     def _finish_sends(self, sends: list[Any]) -> None:
         """Small sends complete locally (eager protocol); keep any that have not, never block."""

@@ -1,0 +1,318 @@
+"""The trainer's membership: who is connected, at which version; admitting, catching up, pushing, dropping.
+
+Used by :class:`ElasticTrainer`'s service thread only (it owns every socket);
+the caller's thread reads :attr:`Membership.members` under :attr:`Membership.cv`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import select
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
+from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
+from jreshard.elastic.wire import Channel
+from jreshard.errors import JReshardError, TransferError
+from jreshard.options import Options
+
+__all__ = ["Membership"]
+
+
+@dataclasses.dataclass(slots=True)
+class _Member:  # mutable bookkeeping of the service thread; the public view is ReplicaInfo
+    id: int
+    name: str
+    channels: list[Channel]  # one per process of the replica, in process order
+    decls: list[dict]
+    peer_ports: list[int]
+    state: ReplicaState = ReplicaState.JOINING
+    version: int | None = None
+    caught_up_from: str = ""
+    error: str = ""
+    via_peer: str = ""  # the replica it is catching up from, while it is
+    have: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that staged it
+    at: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that committed it
+
+    def info(self) -> ReplicaInfo:
+        return ReplicaInfo(self.name, self.id, self.state, self.version, self.caught_up_from, self.error)
+
+    def send(self, msg: dict, timeout_s: float) -> None:
+        for ch in self.channels:
+            ch.send_control(msg, timeout_s=timeout_s)
+
+
+def _alive(ch: Channel) -> bool:
+    try:
+        ch.pump()
+    except JReshardError:
+        return False
+    return not ch.eof
+
+
+class Membership:
+    """The replicas of one trainer and what they hold (final; one thread calls its methods).
+
+    Args:
+      decl: the trainer's declaration.
+      devices: the trainer's devices, in declaration order.
+      options, catch_up, links: as for :class:`ElasticTrainer`.
+      listener: the listening socket; wake: a socket whose bytes only wake :meth:`poll`.
+    """
+
+    def __init__(
+        self,
+        decl: dict,
+        devices: Sequence[Any],
+        options: Options,
+        catch_up: CatchUp,
+        links: Mapping[str, float],
+        listener: socket.socket,
+        wake: socket.socket,
+    ):
+        self._decl, self._devices, self.options, self.catch_up = decl, list(devices), options, catch_up
+        self._links = dict(links)
+        self._listener, self._wake = listener, wake
+        self.cv = threading.Condition()
+        self.members: dict[int, _Member] = {}
+        self.gone: list[ReplicaInfo] = []
+        self.committed: tuple[int, list[tuple[str, Any]]] | None = None
+        self._pending: list[tuple[Channel, float]] = []
+        self._forming: dict[str, tuple[dict[int, tuple[Channel, dict]], float]] = {}  # multi-process joiners
+        self._next_id = 1
+
+    @property
+    def version(self) -> int | None:
+        return None if self.committed is None else self.committed[0]
+
+    def goodbye(self) -> None:
+        """Tell every replica the trainer is done, and close every connection."""
+        for m in list(self.members.values()):
+            try:
+                m.send({"op": "bye"}, 1.0)
+            except JReshardError:
+                pass
+            self._drop(m, "the trainer closed")
+        for ch, _ in self._pending:
+            ch.close()
+        for group, _ in self._forming.values():
+            for ch, _ in group.values():
+                ch.close()
+
+    def poll(self, wait_s: float) -> None:
+        """Admit joiners, read every replica's messages, notice closed connections."""
+        forming = [ch for group, _ in self._forming.values() for ch, _ in group.values()]
+        waits: list[Any] = [self._listener, self._wake, *(ch for ch, _ in self._pending), *forming]
+        ready, _, _ = select.select(waits + [c for m in self.members.values() for c in m.channels], [], [], wait_s)
+        if self._wake in ready:
+            self._wake.recv(4096)
+        if self._listener in ready:
+            try:
+                sock, _ = self._listener.accept()
+                self._pending.append((Channel(sock, "a joining replica"), time.monotonic() + self.options.timeout_s))
+            except BlockingIOError:
+                pass
+        for ch, deadline in list(self._pending):
+            ch.pump()
+            if ch.inbox or ch.eof or time.monotonic() > deadline:
+                self._pending.remove((ch, deadline))
+                if ch.inbox:
+                    self._hello(ch, ch.inbox.popleft(), deadline)
+                else:
+                    ch.close()
+        for name, (group, deadline) in list(self._forming.items()):
+            if time.monotonic() > deadline or not all(_alive(ch) for ch, _ in group.values()):
+                del self._forming[name]
+                n = next(iter(group.values()))[1].get("processes")
+                why = f"only processes {sorted(group)} of the {n} of replica {name!r} joined within timeout_s"
+                self._reject(list(group.values()), [why])
+        for m in list(self.members.values()):
+            for p, ch in enumerate(m.channels):
+                try:
+                    ch.pump()
+                except JReshardError as err:
+                    self._drop(m, str(err))
+                while ch.inbox and m.state is not ReplicaState.GONE:
+                    msg = ch.inbox.popleft()
+                    try:
+                        self._message(m, p, msg)
+                    except (KeyError, TypeError, ValueError) as err:
+                        self._drop(m, f"it sent a malformed message {msg!r} ({type(err).__name__}: {err})")
+                if ch.eof and m.state is not ReplicaState.GONE:
+                    self._drop(m, ch.closed_error().args[0])
+
+    def _hello(self, ch: Channel, hello: dict, deadline: float) -> None:
+        """One process's hello: a replica of several processes is admitted when all of them said hello."""
+        n, name = hello.get("processes", 1), hello.get("name")
+        if hello.get("op") != "hello" or not isinstance(n, int) or n < 1:
+            ch.close()
+            return
+        if n == 1:
+            self._admit([(ch, hello)])
+            return
+        group, _ = self._forming.setdefault(str(name), ({}, deadline))
+        group[int(hello.get("process", 0))] = (ch, hello)
+        if len(group) == n:
+            del self._forming[str(name)]
+            self._admit([group[p] for p in sorted(group)])
+
+    def _reject(self, hellos: Sequence[tuple[Channel, dict]], problems: list[str]) -> None:
+        for ch, _ in hellos:
+            try:
+                ch.send_control({"op": "reject", "errors": problems}, timeout_s=self.options.timeout_s)
+            except JReshardError:
+                pass
+            ch.close()
+
+    def _admit(self, hellos: Sequence[tuple[Channel, dict]]) -> None:
+        with self.cv:
+            ident = self._next_id
+            self._next_id += 1
+            taken = {m.name for m in self.members.values()}
+        name = hellos[0][1].get("name") or f"replica-{ident}"
+        try:
+            decls = [h["decl"] for _, h in hellos]
+            peer_ports = [int(h["peer_port"]) for _, h in hellos]
+            problems = check_pair([self._decl], decls)
+            if [h.get("process", 0) for _, h in hellos] != list(range(len(hellos))):
+                problems.append(f"process numbers {[h.get('process') for _, h in hellos]} of replica {name!r}")
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            problems, peer_ports = [f"a malformed hello ({type(err).__name__}: {err}): not a jreshard replica?"], []
+        if name in taken:
+            problems.append(f"the name {name!r} is taken by a live replica")
+        if problems:
+            self._reject(hellos, problems)
+            return
+        for p, (ch, _) in enumerate(hellos):
+            ch.peer = f"replica {name!r}" + (f" (process {p})" if len(hellos) > 1 else "")
+        m = _Member(ident, name, [ch for ch, _ in hellos], decls, peer_ports)
+        with self.cv:  # a member before its welcome: a wait that returns after the replica's join counts it
+            v = None if self.committed is None else self.committed[0]
+            m.state = ReplicaState.JOINING if v is not None else ReplicaState.READY
+            self.members[ident] = m
+            self.cv.notify_all()
+        try:
+            welcome = {"op": "welcome", "id": ident, "name": name, "decl": self._decl, "decls": decls, "version": v}
+            m.send(welcome, self.options.timeout_s)
+        except JReshardError as err:
+            self._drop(m, f"joining: {err}")
+            return
+        if v is not None:
+            self._catch_up(m)
+
+    def _trainer_can_serve(self) -> bool:
+        return self.committed is not None and not any(a.is_deleted() for _, a in self.committed[1])
+
+    def _catch_up(self, m: _Member, *, forbid_peer: bool = False) -> None:
+        assert self.committed is not None
+        v, leaves = self.committed
+        peers = {
+            p.name: p
+            for p in self.members.values()
+            if p is not m and p.state is ReplicaState.READY and p.version == v and not forbid_peer
+        }
+        trainer = self._decl if self._trainer_can_serve() else None
+        decls = {n: p.decls for n, p in peers.items()}
+        chosen = choose_source(self.catch_up, trainer, decls, m.decls, self.options, self._links)
+        try:
+            if chosen is not None:
+                p = peers[chosen]
+                m.via_peer = p.name
+                msg = {"op": "catchup", "version": v, "from": "peer", "peer": p.name, "ports": p.peer_ports}
+                m.send(msg | {"decls": p.decls}, self.options.timeout_s)
+                return
+            if not self._trainer_can_serve():
+                self._drop(m, f"no live replica holds version {v} and the trainer's copy was deleted (donated)")
+                return
+            m.via_peer = ""
+            m.send({"op": "catchup", "version": v, "from": "trainer"}, self.options.timeout_s)
+            self._send(m, leaves)
+        except TransferError as err:
+            self._drop(m, f"catching up to version {v}: {err}")
+
+    def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> None:
+        pair = pair_plan([self._decl], m.decls, self.options, self._links)
+        shards = source_shards(pair, leaves, self._devices, 0)
+        run_pair(pair, 0, {1 + p: ch for p, ch in enumerate(m.channels)}, shards=shards, options=self.options)
+
+    def _message(self, m: _Member, process: int, msg: dict) -> None:
+        op = msg.get("op")
+        if op in ("have", "at"):  # the replica's processes swap a version in only when all of them hold it
+            v = int(msg["version"])
+            seen = m.have if op == "have" else m.at
+            seen.setdefault(v, set()).add(process)
+            if len(seen[v]) < len(m.channels):
+                return
+            del seen[v]
+            if op == "have":
+                m.send({"op": "commit", "version": v}, self.options.timeout_s)
+                return
+            with self.cv:
+                if m.version is None:
+                    m.caught_up_from = msg.get("source", "")
+                m.version = v
+                m.state = ReplicaState.READY
+                m.via_peer = ""
+                self.cv.notify_all()
+            if self.committed is not None and v < self.committed[0]:
+                with self.cv:  # it caught up to a version pushed meanwhile: bring it to the latest
+                    m.state = ReplicaState.JOINING
+                self._catch_up(m)
+        elif op == "leave":
+            self._drop(m, "left")
+        elif op == "failed" and m.state is ReplicaState.JOINING and m.via_peer:
+            if self._trainer_can_serve():
+                self._catch_up(m, forbid_peer=True)  # the peer failed: serve it from here
+            else:
+                self._drop(m, f"catching up from replica {m.via_peer!r} failed: {msg.get('error')}")
+        elif op == "failed":
+            self._drop(m, f"it reported: {msg.get('error')}")
+
+    def _drop(self, m: _Member, why: str) -> None:
+        with self.cv:
+            if self.members.pop(m.id, None) is None:
+                return
+            m.state, m.error = ReplicaState.GONE, why
+            self.gone = [*self.gone[-1023:], m.info()]  # the last 1024 departures
+            self.cv.notify_all()
+        for ch in m.channels:
+            ch.close()
+
+    def push(self, version: int, leaves: list[tuple[str, Any]]) -> PushReport:
+        t0 = time.monotonic()
+        deadline = t0 + self.options.timeout_s
+        while any(m.state is ReplicaState.JOINING for m in self.members.values()) and time.monotonic() < deadline:
+            self.poll(0.02)
+        for m in [m for m in self.members.values() if m.state is ReplicaState.JOINING]:
+            self._drop(m, f"did not catch up within timeout_s={self.options.timeout_s}")
+        targets = list(self.members.values())
+        for m in targets:
+            try:
+                m.send({"op": "refit", "version": version}, self.options.timeout_s)
+                self._send(m, leaves)
+            except TransferError as err:
+                self._drop(m, f"during version {version}: {err}")
+            self.poll(0.0)  # register the replicas done so far ("any k at v" sees them early)
+        with self.cv:
+            self.committed = (version, leaves)
+        sent = {m.id for m in targets}
+        for m in [m for m in self.members.values() if m.id not in sent and m.state is ReplicaState.READY]:
+            with self.cv:  # admitted during this push, already at an older version: bring it to this one
+                m.state = ReplicaState.JOINING
+            self._catch_up(m)
+        deadline = time.monotonic() + self.options.timeout_s
+        while time.monotonic() < deadline:
+            missing = [m for m in targets if m.state is not ReplicaState.GONE and m.version != version]
+            if not missing:
+                break
+            self.poll(0.02)
+        for m in targets:
+            if m.state is not ReplicaState.GONE and m.version != version:
+                self._drop(m, f"did not report version {version} within timeout_s={self.options.timeout_s}")
+        lost = {m.name: m.error for m in targets if m.state is ReplicaState.GONE}
+        done = tuple(m.name for m in targets if m.state is not ReplicaState.GONE)
+        return PushReport(version, done, lost, time.monotonic() - t0)

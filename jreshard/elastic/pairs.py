@@ -1,0 +1,197 @@
+"""One refit between two processes: its plan, its shards, and the one call into the engine.
+
+Every refit of elastic refit is between exactly two processes, a *source*
+(the trainer, or a replica that already holds the version) and one
+*destination* replica, so one replica's failure touches no other transfer.
+Ranks are numbered source devices first, then destination devices; each
+side is its own fast-link domain. Both processes compute the same plan from
+the two declarations (the dicts of :mod:`jreshard.refit_decl`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jreshard.elastic.sockcomm import SocketComm
+from jreshard.elastic.types import CatchUp
+from jreshard.elastic.wire import Channel
+from jreshard.options import Options
+from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, validate
+
+__all__ = [
+    "Pair",
+    "check_like",
+    "check_pair",
+    "choose_source",
+    "leaves_by_name",
+    "pair_plan",
+    "run_pair",
+    "source_shards",
+    "target_devices",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pair:
+    """The plan of one source (trainer, or replica) to one destination replica (immutable).
+
+    Processes are numbered sources first, then destinations; ``bases[p]`` is process ``p``'s
+    first rank, its devices taking the ranks after it in declaration order.
+    """
+
+    plan: Any  # jreshard.Plan
+    topology: Any  # jreshard.Topology
+    names: tuple[str, ...]
+    bases: tuple[int, ...]
+    n_src: int  # the number of source processes
+
+    def ranks(self, process: int) -> range:
+        """The ranks of ``process``."""
+        end = self.bases[process + 1] if process + 1 < len(self.bases) else len(self.topology.ranks)
+        return range(self.bases[process], end)
+
+    def predicted_seconds(self) -> float:
+        """The cost model's *predicted* time of this refit."""
+        from jreshard import cost
+
+        return float(cost.predict(self.plan, self.topology).seconds)
+
+
+def leaves_by_name(tree: Any) -> list[tuple[str, Any]]:
+    """``[(key path, leaf)]`` in the tree's order (the names declarations use)."""
+    import jax
+
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(jax.tree_util.keystr(p) or "x", a) for p, a in leaves]
+
+
+def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: str) -> None:
+    """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration."""
+    now = declare_local(role, tree, devices, None)
+    if now["errors"]:
+        raise ValueError(f"{who}: " + "; ".join(now["errors"]))
+    diff = leaf_differences(now["params"], decl["params"])
+    if diff:
+        raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
+
+
+def _decls(src: Sequence[Mapping[str, Any]], dst: Sequence[Mapping[str, Any]]) -> dict[int, dict]:
+    """Each process its own fast-link domain: no plan sends a byte between two destination processes."""
+    roles = [("source", d) for d in src] + [("destination", d) for d in dst]
+    return {p: {**d, "role": role, "domain": None} for p, (role, d) in enumerate(roles)}
+
+
+def check_pair(src: Sequence[Mapping[str, Any]], dst: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Every problem between the source processes' declarations and the destination's (empty: they agree)."""
+    return validate(_decls(src, dst))
+
+
+def pair_plan(
+    src: Sequence[Mapping[str, Any]], dst: Sequence[Mapping[str, Any]], options: Options, links: Mapping[str, float]
+) -> Pair:
+    """The plan from the source processes' declarations to the destination's (cached by its inputs).
+
+    Relays are off: a byte never travels between two processes of the destination replica, so
+    each process of it needs a connection to the source processes only.
+    """
+    key = json.dumps([_decls(src, dst), len(src), sorted(links.items())], sort_keys=True)
+    return _pair_plan(key, dataclasses.replace(options, relays=False))
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_plan(key: str, options: Options) -> Pair:
+    from jreshard import Topology
+    from jreshard.sharding.program import plan_layouts
+
+    decls, n_src, links = json.loads(key)
+    decls = {int(p): d for p, d in decls.items()}
+    names, pairs, domains, _, base = group_layouts(decls)
+    topology = Topology.from_domains(domains, devices={r: r for r in domains}, **dict(links))
+    plan = plan_layouts(pairs, topology, options, names)
+    return Pair(plan, topology, tuple(names), tuple(base[p] for p in sorted(decls)), n_src)
+
+
+_TIE = 0.01  # predicted times within 1% are a tie, and a tie goes to the peer (keeps the trainer's links free)
+
+
+def choose_source(
+    prefer: CatchUp,
+    trainer: Mapping[str, Any] | None,
+    peers: Mapping[str, Sequence[Mapping[str, Any]]],
+    joiner: Sequence[Mapping[str, Any]],
+    options: Options,
+    links: Mapping[str, float],
+) -> str | None:
+    """Where a joiner catches up from: the name of a peer, or ``None`` for the trainer.
+
+    Args:
+      prefer: the trainer's :class:`CatchUp` setting.
+      trainer: the trainer's declaration, or ``None`` when its copy of the version is gone.
+      peers: ``{name: [declaration per process]}`` of the replicas that hold the version.
+      joiner: the joiner's declarations, one per process.
+      options, links: as for :func:`pair_plan`.
+
+    Returns:
+      ``AUTO``: the peer whose plan the cost model predicts cheapest, if it is within 1% of the
+      trainer's plan or cheaper; ``PEER``: the first peer; ``TRAINER``: ``None``. Without peers,
+      ``None``; without the trainer's copy, any peer.
+    """
+    if not peers:
+        return None
+    if trainer is None or prefer is CatchUp.PEER:
+        return next(iter(peers))
+    if prefer is CatchUp.TRAINER:
+        return None
+    cost = {n: pair_plan(d, joiner, options, links).predicted_seconds() for n, d in peers.items()}
+    best = min(cost, key=lambda n: cost[n])
+    mine = pair_plan([trainer], joiner, options, links).predicted_seconds()
+    return best if cost[best] <= mine * (1 + _TIE) else None
+
+
+def source_shards(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: Sequence[Any], process: int) -> dict:
+    """``{(tensor, rank): single-device array}``: source ``process``'s shards of ``tree_leaves``."""
+    index = {n: t for t, n in enumerate(pair.names)}
+    base = pair.bases[process]
+    out = {}
+    for name, a in tree_leaves:
+        t = index[name]
+        ranks = set(pair.plan.tensors[t].src.ranks)
+        for sh in a.addressable_shards:
+            if sh.device in devices and base + devices.index(sh.device) in ranks:
+                out[(t, base + devices.index(sh.device))] = sh.data
+    return out
+
+
+def target_devices(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: Sequence[Any], process: int) -> dict:
+    """``{(tensor, rank): device}``: the destination shards that destination ``process`` makes."""
+    index = {n: t for t, n in enumerate(pair.names)}
+    base = pair.bases[pair.n_src + process]
+    return {
+        (index[name], base + devices.index(d)): d for name, a in tree_leaves for d in a.sharding.addressable_devices
+    }
+
+
+def run_pair(pair: Pair, process: int, channels: Mapping[int, Channel], *, shards: Mapping, options: Options) -> dict:
+    """Run ``process``'s side of ``pair`` over its connections: the only call into the engine.
+
+    Args:
+      pair: the plan every process computed.
+      process: this process's number in the pair (sources first, then destinations).
+      channels: ``{process: connection}`` to the processes on the other side that it exchanges with.
+      shards: ``source_shards(...)`` on a source process, ``target_devices(...)`` on a destination.
+      options: chunking, staging and ``timeout_s``.
+
+    Returns:
+      ``{(tensor, rank): new single-device array}`` on a destination (fresh buffers), ``{}`` on a source.
+    """
+    from jreshard.multi import run_plan
+
+    source = process < pair.n_src
+    remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}
+    comm = SocketComm(pair.ranks(process), remote)
+    out, _ = run_plan(pair.plan, comm, shards if source else {}, {} if source else shards, options=options)
+    return out

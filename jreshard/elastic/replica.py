@@ -1,0 +1,355 @@
+"""ElasticReplica: one inference replica that joins a trainer, receives versions, serves peers, and leaves.
+
+A replica is the processes of one inference engine (one jax cluster, one
+mesh): each process constructs an :class:`ElasticReplica` with the same name
+and has its own connection to the trainer, which admits the replica once
+every process has said hello and drops all of it when one process goes.
+
+In each process a background thread owns the sockets: the connection to the
+trainer (pushes and catch-ups arrive there), and a loopback listener where the
+processes of a joining replica fetch the version this one holds. Each version
+lands in fresh buffers, is *staged*, and is *committed* (swapped in under a
+lock) only when the trainer says every process of the replica staged it, so
+:meth:`ElasticReplica.pull` never returns a half-updated tree, in any process.
+The trainer's end is noticed at once (its connection closes); a pull then
+returns the last version held, and raises once it has nothing newer.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jreshard.elastic.pairs import check_like, leaves_by_name, pair_plan, run_pair, source_shards, target_devices
+from jreshard.elastic.types import Arrival
+from jreshard.elastic.wire import Channel, listen, open_channel, parse_address
+from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
+from jreshard.options import Options
+from jreshard.refit_decl import declare_local, problems
+
+__all__ = ["ElasticReplica"]
+
+
+class ElasticReplica:
+    """One process of a replica that joins the trainer at ``address`` (every process of the replica makes one).
+
+    Args:
+      like: this replica's declaration: a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with
+        shardings over the replica's mesh. Pulled trees have its structure and shardings.
+      address: ``"127.0.0.1:PORT"`` (``ElasticTrainer.address``), or a file that holds it.
+      name: a name unique among live replicas (default: ``replica-<id>``, given by the trainer);
+        required, and the same in every process, when the replica has several processes.
+      devices: the jax devices this process drives (default ``jax.local_devices()``).
+      options: chunking, staging, and ``timeout_s`` (connecting, every wait on a peer).
+      links: link speeds for the cost model (as the trainer's).
+
+    Raises:
+      LayoutMismatchError: the trainer refused the declaration (every problem listed).
+      TransferTimeoutError: no trainer answered within ``timeout_s``.
+    """
+
+    def __init__(
+        self,
+        like: Any,
+        address: str,
+        *,
+        name: str | None = None,
+        devices: Sequence[Any] | None = None,
+        options: Options | None = None,
+        links: dict[str, float] | None = None,
+    ):
+        import jax
+
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"ElasticReplica: name={name!r} must be a non-empty str or None")
+        self._index, self._processes = jax.process_index(), jax.process_count()
+        if self._processes > 1 and name is None:
+            raise ValueError(
+                f"ElasticReplica: this replica has {self._processes} processes; pass the same name=... in each"
+            )
+        self.options = options or Options()
+        timeout = self.options.timeout_s
+        self._links = dict(links or {})
+        self._devices = list(jax.local_devices() if devices is None else devices)
+        self._decl = declare_local("destination", like, self._devices, None)
+        if self._decl["errors"]:
+            raise ValueError("ElasticReplica: " + "; ".join(self._decl["errors"]))
+        self._like = leaves_by_name(like)
+        self._treedef = jax.tree_util.tree_structure(like)
+        self._listener = listen(0)
+        ch = open_channel(parse_address(address, timeout_s=timeout), "the trainer", timeout_s=timeout)
+        try:
+            port = self._listener.getsockname()[1]
+            hello = {"op": "hello", "name": name, "decl": self._decl, "peer_port": port}
+            ch.send_control(hello | {"process": self._index, "processes": self._processes}, timeout_s=timeout)
+            msg = ch.recv_control(timeout_s=timeout)
+        except JReshardError:
+            ch.close()
+            self._listener.close()
+            raise
+        if msg.get("op") != "welcome":
+            ch.close()
+            self._listener.close()
+            errors = msg.get("errors", [repr(msg)])
+            raise LayoutMismatchError(
+                f"ElasticReplica {name or ''}: the trainer refused to admit it ({problems(len(errors))}; "
+                "nothing moved):\n  " + "\n  ".join(errors),
+                what="declaration",
+            )
+        self.id: int = msg["id"]
+        self.name: str = msg["name"]
+        self._trainer = ch
+        self._trainer_decl = msg["decl"]
+        self._decls: list[dict] = msg["decls"]  # every process of this replica, in process order
+        self._staged: tuple[int, Any, list[tuple[str, Any]], Arrival] | None = None
+        self._cv = threading.Condition()
+        self._tree: Any = None
+        self._held: list[tuple[str, Any]] = []
+        self._version: int | None = None
+        self.arrivals: list[Arrival] = []
+        self._gone: str | None = None
+        self._stop = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name=f"jreshard-elastic-{self.name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int | None:
+        """The version this replica holds (committed), ``None`` before the first."""
+        with self._cv:
+            return self._version
+
+    def pull(self, *, newer_than: int | None = None, timeout_s: float | None = None) -> tuple[Any, int]:
+        """The latest committed ``(tree, version)``; waits for one newer than ``newer_than`` (if given).
+
+        Raises:
+          PeerError: the trainer is gone (closed or died) and nothing newer is held; or this replica left.
+          TransferTimeoutError: nothing newer within ``timeout_s`` (default ``options.timeout_s``).
+        """
+        timeout = self.options.timeout_s if timeout_s is None else timeout_s
+
+        def fresh() -> bool:
+            return self._version is not None and (newer_than is None or self._version > newer_than)
+
+        with self._cv:
+            self._cv.wait_for(lambda: fresh() or self._gone is not None, timeout)
+            if fresh():
+                return self._tree, self._version  # type: ignore[return-value]
+            if self._gone is not None:
+                raise PeerError(f"replica {self.name!r}: {self._gone}; it holds version {self._version}")
+            raise TransferTimeoutError(
+                f"replica {self.name!r}: no version newer than {newer_than} within timeout_s={timeout} "
+                f"(it holds {self._version})"
+            )
+
+    def leave(self) -> None:
+        """Leave at once: the trainer drops this replica from its next push; the held tree stays usable."""
+        with self._cv:
+            if self._stop:
+                return
+            self._stop = True
+            self._wake_w.send(b"x")
+        self._thread.join(self.options.timeout_s)
+
+    close = leave
+
+    def __enter__(self) -> ElasticReplica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    # ---- the service thread ---------------------------------------------------------------------
+    def _serve(self) -> None:
+        pending: list[tuple[Channel, float]] = []
+        fetches: dict[tuple[str, int], tuple[dict[int, Channel], float]] = {}
+        try:
+            while True:
+                with self._cv:
+                    if self._stop:
+                        break
+                live = [] if self._gone else [self._trainer]
+                waits: list[Any] = [self._listener, self._wake_r, *live, *(c for c, _ in pending)]
+                ready, _, _ = select.select(waits, [], [], 0.05)
+                if self._wake_r in ready:
+                    self._wake_r.recv(4096)
+                if self._listener in ready:
+                    try:
+                        sock, _ = self._listener.accept()
+                        pending.append((Channel(sock, "a joining peer"), time.monotonic() + self.options.timeout_s))
+                    except BlockingIOError:
+                        pass
+                self._peers(pending, fetches)
+                if live:
+                    self._from_trainer()
+        except Exception as err:  # a bug, not a peer: pulls raise with it
+            self._set_gone(f"its service thread failed ({type(err).__name__}: {err})")
+        finally:
+            with self._cv:
+                self._stop = True
+            if self._gone is None:
+                try:
+                    self._trainer.send_control({"op": "leave"}, timeout_s=1.0)
+                except JReshardError:
+                    pass
+                self._set_gone("it left")
+            self._trainer.close()
+            self._listener.close()
+            for ch in [c for c, _ in pending] + [c for g, _ in fetches.values() for c in g.values()]:
+                ch.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _set_gone(self, why: str) -> None:
+        with self._cv:
+            self._gone = self._gone or why
+            self._cv.notify_all()
+
+    def _from_trainer(self) -> None:
+        ch = self._trainer
+        try:
+            ch.pump()
+        except JReshardError as err:
+            self._set_gone(f"the connection to the trainer broke ({err})")
+            return
+        while ch.inbox and self._gone is None:
+            msg = ch.inbox.popleft()
+            op, v = msg.get("op"), msg.get("version")
+            if op in ("refit", "catchup") and not isinstance(v, int):
+                self._set_gone(f"the trainer sent a malformed message {msg!r}: not a jreshard trainer?")
+                ch.close()
+                return
+            version = int(v or 0)
+            try:
+                if op == "bye":
+                    self._set_gone("the trainer closed")
+                elif op == "commit":
+                    self._commit(version)
+                elif op in ("refit", "catchup") and msg.get("from") != "peer":
+                    self._receive({0: ch}, [self._trainer_decl], version, "trainer")
+                elif op == "catchup":
+                    try:
+                        self._fetch(msg, version, f"replica {msg['peer']!r}")
+                    except JReshardError as err:
+                        ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
+            except JReshardError as err:
+                try:  # tell the trainer why, then close: it drops this replica at once
+                    ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
+                except JReshardError:
+                    pass
+                ch.close()
+                self._set_gone(f"version {v} failed ({err}); this replica left the trainer")
+        if ch.eof and self._gone is None:
+            self._set_gone("the trainer's connection closed (it exited or was killed, or dropped this replica)")
+
+    def _fetch(self, msg: dict, version: int, source: str) -> None:
+        """Catch up from the peer replica named in ``msg`` (a connection to each of its processes)."""
+        timeout = self.options.timeout_s
+        peers: dict[int, Channel] = {}
+        try:
+            for i, port in enumerate(msg["ports"]):
+                peers[i] = open_channel(("127.0.0.1", int(port)), source, timeout_s=timeout, retry=False)
+            fetch = {"op": "fetch", "name": self.name, "decls": self._decls, "version": version}
+            for ch in peers.values():
+                ch.send_control(fetch | {"process": self._index}, timeout_s=timeout)
+            for ch in peers.values():
+                answer = ch.recv_control(timeout_s=timeout)
+                if answer.get("op") != "serving":
+                    raise PeerError(f"{source} did not serve version {version}: {answer.get('error', answer)}")
+            self._receive(peers, msg["decls"], version, source)
+        finally:
+            for ch in peers.values():
+                ch.close()
+
+    def _receive(self, chs: dict[int, Channel], src_decls: list, version: int, source: str) -> None:
+        """Run this process's destination side of a refit from ``src_decls``; stage it and say so."""
+        import jax
+
+        t0 = time.monotonic()
+        pair = pair_plan(src_decls, self._decls, self.options, self._links)
+        targets = target_devices(pair, self._like, self._devices, self._index)
+        shards = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options)
+        index = {n: t for t, n in enumerate(pair.names)}
+        base = pair.bases[pair.n_src + self._index]
+        leaves, nbytes = [], 0
+        for name, a in self._like:
+            t = index[name]
+            mine = {d: shards[(t, base + self._devices.index(d))] for d in a.sharding.addressable_devices}
+            arrays = [mine[d] for d in sorted(mine, key=lambda d: d.id)]
+            nbytes += sum(x.nbytes for x in arrays)
+            leaves.append(
+                (name, jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, arrays, dtype=a.dtype))
+            )
+        tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
+        self._staged = (version, tree, leaves, Arrival(version, source, time.monotonic() - t0, nbytes))
+        self._trainer.send_control({"op": "have", "version": version}, timeout_s=self.options.timeout_s)
+
+    def _commit(self, version: int) -> None:
+        """Swap in the staged version: every process of this replica holds it (the trainer said so)."""
+        if self._staged is None or self._staged[0] != version:
+            raise PeerError(f"the trainer committed version {version}, which replica {self.name!r} did not stage")
+        _, tree, leaves, arrival = self._staged
+        self._staged = None
+        with self._cv:
+            self._tree, self._held, self._version = tree, leaves, version
+            self.arrivals.append(arrival)
+            self._cv.notify_all()
+        at = {"op": "at", "version": version, "source": arrival.source}
+        self._trainer.send_control(at, timeout_s=self.options.timeout_s)
+
+    def _peers(self, pending: list[tuple[Channel, float]], fetches: dict) -> None:
+        """Read joining peers' fetches; serve a joiner once each of its processes has asked."""
+        now = time.monotonic()
+        for ch, deadline in list(pending):
+            try:
+                ch.pump()
+            except JReshardError:
+                ch.eof = True
+            if not (ch.inbox or ch.eof or now > deadline):
+                continue
+            pending.remove((ch, deadline))
+            msg = ch.inbox.popleft() if ch.inbox else {}
+            if msg.get("op") != "fetch" or not isinstance(msg.get("decls"), list):
+                ch.close()
+                continue
+            key = (str(msg.get("name")), int(msg.get("version", -1)))
+            group = fetches.setdefault(key, ({}, deadline))[0]
+            group[int(msg.get("process", 0))] = ch
+            if len(group) == len(msg["decls"]):
+                del fetches[key]
+                self._serve_peer(group, msg)
+                for c in group.values():
+                    c.close()
+        for key, (group, deadline) in list(fetches.items()):
+            if now > deadline:  # not every process of the joiner asked: it reports the failure
+                del fetches[key]
+                for c in group.values():
+                    c.close()
+
+    def _serve_peer(self, group: dict[int, Channel], msg: dict) -> None:
+        """Send the version this process holds to each process of a joining replica (errors end only this)."""
+        timeout = self.options.timeout_s
+        try:
+            for ch in group.values():
+                ch.peer = f"replica {msg.get('name')!r}"
+            with self._cv:
+                version, held = self._version, self._held
+            if version != msg.get("version"):
+                for ch in group.values():
+                    ch.send_control({"op": "refuse", "error": f"it holds version {version}"}, timeout_s=timeout)
+                return
+            check_like(self._tree, self._decl, "destination", self._devices, f"replica {self.name!r}")
+            for ch in group.values():
+                ch.send_control({"op": "serving", "version": version}, timeout_s=timeout)
+            pair = pair_plan(self._decls, msg["decls"], self.options, self._links)
+            chs = {pair.n_src + j: ch for j, ch in group.items()}
+            shards = source_shards(pair, held, self._devices, self._index)
+            run_pair(pair, self._index, chs, shards=shards, options=self.options)
+        except Exception:  # e.g. the held arrays were deleted: ends these connections only
+            pass  # the joiner reports its failure to the trainer, which serves it another way

@@ -1,0 +1,237 @@
+"""ElasticTrainer: serves versioned refits to inference replicas that join, leave and fail at any time.
+
+The trainer listens on ``127.0.0.1:port``. A replica connects, sends its
+declaration (names, shapes, dtypes, the boxes of its devices) and is checked
+against the trainer's; a mismatch is refused with every problem listed. Each
+replica has its own connection, so one replica joining, leaving or dying
+touches no other. A background thread owns every socket: it admits joiners,
+serves their catch-up, notices leaves and deaths (a closed connection is seen
+at once), and runs the pushes handed to it by :meth:`ElasticTrainer.push`.
+
+A push is one refit per replica (trainer -> that replica, its own plan): a
+replica that fails or dies is dropped, named in the :class:`PushReport`, and
+the others complete the version. A replica that joins while a version is
+committed first catches up to it, from the trainer or from a replica that
+holds it (:class:`CatchUp`); a push waits (up to ``timeout_s``) for catch-ups
+in flight, so a joiner holds the latest version before the next one arrives.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jreshard.elastic.membership import Membership
+from jreshard.elastic.pairs import check_like, leaves_by_name
+from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
+from jreshard.elastic.wire import listen
+from jreshard.errors import PeerError, TransferTimeoutError
+from jreshard.options import Options
+from jreshard.refit_decl import declare_local
+
+__all__ = ["ElasticTrainer"]
+
+
+class ElasticTrainer:
+    """The trainer side of elastic refit: one process that pushes versions to any number of replicas.
+
+    Args:
+      params: the parameter declaration: a pytree of ``jax.Array`` or
+        ``jax.ShapeDtypeStruct`` with shardings on this process's devices.
+      port: the loopback port to listen on (0: a free one; see :attr:`address`).
+      address_file: if given, ``"127.0.0.1:PORT"`` is written there (atomically) for replicas to read.
+      devices: the jax devices this process drives (default ``jax.local_devices()``).
+      options: chunking, staging, and ``timeout_s``: the longest this process waits on any replica.
+      catch_up: where joiners take the latest version from (:class:`CatchUp`).
+      links: link speeds for the cost model (``Topology.from_domains`` keywords).
+
+    Raises:
+      ValueError: the declaration is malformed, or this is one process of several
+        (elastic refit runs one process per side).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        port: int = 0,
+        address_file: str | None = None,
+        devices: Sequence[Any] | None = None,
+        options: Options | None = None,
+        catch_up: CatchUp | str = CatchUp.AUTO,
+        links: dict[str, float] | None = None,
+    ):
+        import jax
+
+        if jax.process_count() > 1:
+            raise ValueError(
+                f"ElasticTrainer: this jax cluster has {jax.process_count()} processes; elastic refit runs one "
+                "process per side (use RefitGroup for multi-process sides)"
+            )
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"ElasticTrainer: options={options!r} must be a jreshard.Options")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"ElasticTrainer: port={port!r} must be an int in [0, 65535] (0: any free port)")
+        self.options = options or Options()
+        self.catch_up = CatchUp(catch_up)
+        self._links = dict(links or {})
+        self._devices = list(jax.local_devices() if devices is None else devices)
+        self._decl = declare_local("source", params, self._devices, None)
+        if self._decl["errors"]:
+            raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
+        self._listener = listen(port)
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        if address_file is not None:
+            with open(address_file + ".tmp", "w") as f:
+                f.write(self.address)
+            os.replace(address_file + ".tmp", address_file)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._m = Membership(
+            self._decl, self._devices, self.options, self.catch_up, self._links, self._listener, self._wake_r
+        )
+        self._cv = self._m.cv
+        self._jobs: collections.deque[tuple[Callable[[], Any], dict]] = collections.deque()
+        self._stop = False
+        self._fatal = "it was closed"
+        self._thread = threading.Thread(target=self._serve, name="jreshard-elastic-trainer", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int | None:
+        """The latest version pushed (``None`` before the first push)."""
+        with self._cv:
+            return self._m.version
+
+    def replicas(self, *, include_gone: bool = False) -> dict[str, ReplicaInfo]:
+        """``{name: ReplicaInfo}`` of the live replicas (and, with ``include_gone``, the departed)."""
+        with self._cv:
+            live = {m.name: m.info() for m in self._m.members.values()}
+            gone = {i.name: i for i in self._m.gone} if include_gone else {}
+        return gone | live
+
+    def push(self, params: Any, *, version: int, block: bool = True) -> PushReport | None:
+        """Send ``params`` as ``version`` to every live replica (each on its own; failures are dropped).
+
+        Args:
+          params: a tree matching the declaration. Keep it alive (not donated) until the push is
+            done; after it, it serves catch-ups until the next push (a deleted tree is not served:
+            joiners then take the version from a replica).
+          version: an int greater than the last one pushed.
+          block: wait for the push to finish and return its report; with ``False`` return at once
+            (use :meth:`wait` for "any k replicas at v").
+
+        Raises:
+          ValueError: ``params`` does not match the declaration, or ``version`` does not increase.
+        """
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"ElasticTrainer.push: version={version!r} must be an int")
+        check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push")
+        with self._cv:
+            if self._stop:
+                raise PeerError(f"ElasticTrainer.push: the trainer stopped serving ({self._fatal})")
+            queued = [j[1]["version"] for j in self._jobs]
+            last = queued[-1] if queued else self._m.version
+            if last is not None and version <= last:
+                raise ValueError(f"ElasticTrainer.push: version={version} must be greater than {last}")
+            box: dict = {"version": version, "done": False}
+            leaves = leaves_by_name(params)
+            self._jobs.append((lambda: self._m.push(version, leaves), box))
+            self._wake_w.send(b"x")
+        if not block:
+            return None
+        with self._cv:
+            self._cv.wait_for(lambda: box["done"])
+        if "error" in box:
+            raise box["error"]
+        return box["report"]
+
+    def wait(self, *, version: int | None = None, count: int | None = None, timeout_s: float | None = None) -> tuple:
+        """Wait until replicas hold ``version`` (or a later one); returns their names.
+
+        Args:
+          version: the version to wait for; ``None``: only membership (replicas connected).
+          count: ``None``: every live replica, and at least one ("all at v"); ``k``: any ``k``.
+          timeout_s: default ``options.timeout_s``.
+
+        Raises:
+          TransferTimeoutError: not reached in time; the message names the replicas and their versions.
+        """
+        if count is not None and (not isinstance(count, int) or count < 1):
+            raise ValueError(f"ElasticTrainer.wait: count={count!r} must be None (all) or an int >= 1")
+        timeout = self.options.timeout_s if timeout_s is None else timeout_s
+
+        def at() -> list[str]:
+            return [
+                m.name
+                for m in self._m.members.values()
+                if version is None or (m.version is not None and m.version >= version)
+            ]
+
+        def ready() -> bool:
+            names = at()
+            if count is None:
+                return bool(self._m.members) and len(names) == len(self._m.members)
+            return len(names) >= count
+
+        with self._cv:
+            if not self._cv.wait_for(ready, timeout):
+                have = {m.name: m.version for m in self._m.members.values()}
+                want = "every replica" if count is None else f"{count} replicas"
+                raise TransferTimeoutError(
+                    f"ElasticTrainer.wait: {want} at version {version} not reached within timeout_s={timeout}; "
+                    f"replicas and their versions: {have or 'none connected'}"
+                )
+            return tuple(sorted(at()))
+
+    def close(self) -> None:
+        """Tell every replica the trainer is done (their pulls return what they hold, then raise) and stop."""
+        with self._cv:
+            if self._stop:
+                return
+            self._stop = True
+            self._wake_w.send(b"x")
+        self._thread.join(self.options.timeout_s)
+
+    def __enter__(self) -> ElasticTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    if self._stop and not self._jobs:
+                        break
+                    job = self._jobs.popleft() if self._jobs else None
+                if job is None:
+                    try:
+                        self._m.poll(0.05)
+                    except Exception as err:  # a bug, not a replica: stop serving and say so to the caller
+                        self._fatal = f"{type(err).__name__}: {err}"
+                        break
+                    continue
+                run, box = job
+                try:
+                    box["report"] = run()
+                except Exception as err:  # handed to the caller of push
+                    box["error"] = err
+                with self._cv:
+                    box["done"] = True
+                    self._cv.notify_all()
+        finally:
+            with self._cv:
+                self._stop = True
+                for _, box in self._jobs:
+                    box["error"], box["done"] = PeerError(f"the trainer stopped serving ({self._fatal})"), True
+                self._jobs.clear()
+                self._cv.notify_all()
+            self._m.goodbye()
+            self._listener.close()
+            self._wake_r.close()
+            self._wake_w.close()

@@ -1,0 +1,100 @@
+"""The values elastic refit reports: where a version came from, who holds what, what a push did."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["Arrival", "CatchUp", "PushReport", "ReplicaInfo", "ReplicaState"]
+
+
+class CatchUp(enum.Enum):
+    """Where a joining replica takes the latest committed version from.
+
+    ``AUTO`` compares the cost model's predicted time of the two plans (from
+    the trainer, from a replica that holds the version) and takes the cheaper;
+    on a tie it takes the replica, so the trainer's links stay free for the
+    next push. ``TRAINER`` and ``PEER`` force one (``PEER`` falls back to the
+    trainer when no replica holds the version).
+    """
+
+    AUTO = "auto"
+    TRAINER = "trainer"
+    PEER = "peer"
+
+
+class ReplicaState(enum.Enum):
+    """Where a replica stands in the trainer's membership."""
+
+    JOINING = "joining"  # connected, catching up to the latest committed version
+    READY = "ready"  # holds a committed version, receives every push
+    GONE = "gone"  # left, closed, died or failed; its slot is released
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arrival:
+    """One version a replica committed.
+
+    Attributes:
+      version: the version.
+      source: ``"trainer"`` or ``"replica '<name>'"`` (a peer that held it).
+      seconds: from the first control message to the commit, measured.
+      nbytes: bytes this replica received.
+    """
+
+    version: int
+    source: str
+    seconds: float
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """The trainer's view of one replica.
+
+    Attributes:
+      name: the replica's name (unique among live replicas).
+      id: the number the trainer gave it when it joined (never reused).
+      state: joining, ready or gone.
+      version: the last version it reported committed (``None``: none yet).
+      caught_up_from: where its first version came from (``"trainer"``, ``"replica '<name>'"``).
+      error: why it is gone (``""`` while it is not, ``"left"`` after a clean leave).
+    """
+
+    name: str
+    id: int
+    state: ReplicaState
+    version: int | None
+    caught_up_from: str = ""
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PushReport:
+    """What one push did.
+
+    Attributes:
+      version: the version pushed.
+      committed: names of the replicas that committed it.
+      lost: ``{name: why}`` for the replicas dropped during this push.
+      seconds: wall time of the push, measured.
+    """
+
+    version: int
+    committed: tuple[str, ...]
+    lost: dict[str, str]
+    seconds: float
+
+    def summary(self) -> str:
+        """One line: the version, who committed it, who was lost and why.
+
+        Example:
+          >>> print(PushReport(5, ("r1",), {"r2": "connection closed"}, 0.25).summary())
+          version 5: committed by r1 in 0.250 s; lost r2 (connection closed)
+        """
+        text = (
+            f"version {self.version}: committed by {', '.join(self.committed) or 'no replica'} in {self.seconds:.3f} s"
+        )
+        if self.lost:
+            text += "; lost " + ", ".join(f"{n} ({why})" for n, why in self.lost.items())
+        return text

@@ -1,0 +1,16 @@
+"""The parameters both sides of the elastic tests declare, and their exact values at each version."""
+
+import numpy as np
+
+SHAPES = {"embed": (64, 16), "wq": (16, 16), "w1": (16, 32), "w2": (32, 16), "norm": (16,)}
+
+
+def value(name: str, shape: tuple, version: int) -> np.ndarray:
+    salt = sum(map(ord, name))
+    return ((np.arange(np.prod(shape)) % 997) + salt * 0.5 + version * 1000).astype(np.float32).reshape(shape)
+
+
+def options():
+    from jreshard import Options
+
+    return Options(timeout_s=10.0, chunk_bytes=256, staging_bytes=1 << 14)

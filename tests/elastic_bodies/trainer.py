@@ -1,0 +1,99 @@
+"""The trainer program of the elastic tests: ``trainer.py ADDRESS_FILE SCENARIO [CATCH_UP]``.
+
+Prints one JSON line per event on stdout (the test starts replicas when it sees them) and its
+results as the last line.
+"""
+
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+from _model import SHAPES, options, value
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jreshard.elastic import ElasticTrainer
+
+STARTUP_S = 60.0  # replicas are separate programs: waiting for them to start includes importing jax
+
+
+def say(**event):
+    print(json.dumps(event), flush=True)
+
+
+def params(version):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    return {
+        k: jax.device_put(value(k, s, version), NamedSharding(mesh, P("fsdp") if s[0] % 2 == 0 else P()))
+        for k, s in SHAPES.items()
+    }
+
+
+def main():
+    address, scenario = sys.argv[1], sys.argv[2]
+    catch_up = sys.argv[3] if len(sys.argv) > 3 else "auto"
+    out = {"pushes": {}}
+    tr = ElasticTrainer(params(0), address_file=address, options=options(), catch_up=catch_up)
+    tr.wait(count=1 if scenario == "multi" else 2, timeout_s=STARTUP_S)
+
+    def push(v, **kw):
+        t0 = time.monotonic()
+        r = tr.push(params(v), version=v, **kw)
+        if r is not None:
+            out["pushes"][v] = {"committed": list(r.committed), "lost": r.lost, "seconds": time.monotonic() - t0}
+        say(event="pushed", version=v)
+
+    if scenario == "join":
+        for v in (1, 2, 3):
+            push(v)
+        say(event="join-now")
+        out["at3"] = tr.wait(version=3, count=3, timeout_s=STARTUP_S)
+        out["joined"] = {n: i.caught_up_from for n, i in tr.replicas().items()}
+        for v in (4, 5):
+            push(v)
+    elif scenario == "kill":
+        for v in (1, 2, 3, 4, 5):
+            push(v)
+        out["after5"] = {n: i.version for n, i in tr.replicas().items()}
+        say(event="join-now")
+        out["at5"] = tr.wait(version=5, count=2, timeout_s=STARTUP_S)  # the replacement caught up
+        out["joined"] = {n: i.caught_up_from for n, i in tr.replicas().items()}
+        push(6)
+    elif scenario == "leave":
+        push(1)
+        push(2)
+        t0 = time.monotonic()
+        while len(tr.replicas()) > 1 and time.monotonic() - t0 < STARTUP_S:  # r2 leaves after version 2
+            time.sleep(0.01)
+        out["gone"] = {n: i.error for n, i in tr.replicas(include_gone=True).items() if i.error}
+        push(3, block=False)
+        out["any1"] = tr.wait(version=3, count=1)
+        out["all3"] = tr.wait(version=3)
+        out["members3"] = sorted(tr.replicas())
+        say(event="join-now")
+        out["rejoined"] = tr.wait(version=3, count=2, timeout_s=STARTUP_S)
+        push(4, block=False)
+        out["any1_4"] = tr.wait(version=4, count=1)
+        out["all4"] = tr.wait(version=4)
+    elif scenario == "multi":  # r2 is two processes; r3 joins and catches up from it
+        push(1)
+        push(2)
+        say(event="join-now")
+        out["at2"] = tr.wait(version=2, count=2, timeout_s=STARTUP_S)
+        out["joined"] = {n: i.caught_up_from for n, i in tr.replicas().items()}
+        push(3)
+        say(event="kill-now")  # the test SIGKILLs one process of r2: the whole replica is dropped
+        t0 = time.monotonic()
+        while "r2" in tr.replicas() and time.monotonic() - t0 < STARTUP_S:
+            time.sleep(0.005)
+        out["noticed_s"] = time.monotonic() - t0
+        out["gone"] = {n: i.error for n, i in tr.replicas(include_gone=True).items() if i.error}
+        push(4)
+    tr.close()
+    say(event="done", **out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""A RefitGroup whose source side closes after two versions while the destination pulls a third:
+``refit_close_body.py source|destination`` under one MPMD mpiexec. The destination records how long
+its third pull took to fail (it should raise at once, not after ``timeout_s``)."""
+
+import sys
+import time
+
+import numpy as np
+from _common import main
+
+SHAPES = {"w": (8, 4), "b": (4,)}
+TIMEOUT_S = 30.0
+
+
+def body() -> dict:
+    from mpi4py import MPI
+
+    role = sys.argv[1]
+    world = MPI.COMM_WORLD
+    side = world.Split(0 if role == "source" else 1, world.Get_rank())
+
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard.errors import PeerError
+    from jreshard.multi import initialize
+    from jreshard.options import Options
+    from jreshard.refit import RefitGroup
+
+    if side.Get_size() > 1:
+        initialize(side)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sds = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P())) for k, s in SHAPES.items()}
+    group = RefitGroup(role, sds, options=Options(timeout_s=TIMEOUT_S))
+    log: dict = {"versions": []}
+    if role == "source":
+        for v in (1, 2):
+            tree = {k: jax.device_put(np.full(s, float(v), np.float32), sds[k].sharding) for k, s in SHAPES.items()}
+            group.push(tree, version=v)
+            log["versions"].append(v)
+        group.close()
+        return log
+    for _ in (1, 2):
+        tree, v = group.pull(like=sds)
+        assert float(np.asarray(tree["w"])[0, 0]) == v
+        log["versions"].append(v)
+    t0 = time.monotonic()
+    try:
+        group.pull(like=sds)
+    except PeerError as err:
+        log["error"] = str(err)
+    log["elapsed"] = time.monotonic() - t0
+    log["version"] = group.version
+    group.close()
+    return log
+
+
+if __name__ == "__main__":
+    main(f"close-{sys.argv[1]}", body)

@@ -1,0 +1,323 @@
+"""Elastic refit inside one process (8 CPU devices split among a trainer and replicas, every byte over
+loopback sockets): the protocol's error paths, fast. The separate-program tests are in test_elastic.py."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jreshard import LayoutMismatchError, Options, PeerError, TransferTimeoutError
+from jreshard.elastic import CatchUp, ElasticReplica, ElasticTrainer, ReplicaState
+from jreshard.elastic import membership as membership_module
+from jreshard.elastic import replica as replica_module
+from jreshard.elastic.sockcomm import SocketComm
+from jreshard.elastic.wire import Channel, parse_address
+from jreshard.nccl.comm import RecvOp, SendOp
+
+pytestmark = pytest.mark.timeout(60)
+D = jax.devices()
+SHAPES = {"a": (16, 8), "b": (8,)}
+OPTS = Options(timeout_s=5.0, chunk_bytes=64, staging_bytes=1024)
+
+
+def params(v: int) -> dict:
+    mesh = Mesh(np.array(D[:2]), ("fsdp",))
+    return {
+        k: jax.device_put(np.arange(np.prod(s), dtype=np.float32).reshape(s) + 100 * v, NamedSharding(mesh, P("fsdp")))
+        for k, s in SHAPES.items()
+    }
+
+
+def like(i: int, **change) -> dict:
+    mesh = Mesh(np.array(D[2 * i : 2 * i + 2]).reshape(1, 2), ("dp", "tp"))
+    out = {}
+    for k, s in SHAPES.items():
+        shape, dtype = change.get(k, (s, np.float32))
+        out[k] = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(None, "tp") if len(s) == 2 else P()))
+    return out
+
+
+def replica(trainer: ElasticTrainer, i: int, name: str, **kw) -> ElasticReplica:
+    return ElasticReplica(like(i), trainer.address, name=name, devices=list(D[2 * i : 2 * i + 2]), options=OPTS, **kw)
+
+
+@pytest.fixture
+def trainer():
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS)
+    yield tr
+    tr.close()
+
+
+def exact(tree: dict, v: int) -> bool:
+    want = params(v)
+    return all(np.array_equal(np.asarray(tree[k]), np.asarray(want[k])) for k in SHAPES)
+
+
+# ---- the transport ------------------------------------------------------------------------------
+def test_closed_peer_is_noticed_at_once_and_a_silent_one_after_timeout():
+    a, b = socket.socketpair()
+    left, right = Channel(a, "peer 'right'"), Channel(b, "peer 'left'")
+    got = np.zeros(8, np.uint8)
+    comm = SocketComm([1], {0: right})
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="peer 'left'"):
+        comm.exchange([], [RecvOp(0, 1, 3, got)], timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    right = Channel(b.dup(), "peer 'left'")
+    b.close()
+    left.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="peer 'left' closed the connection"):
+        SocketComm([1], {0: right}).exchange([], [RecvOp(0, 1, 3, got)], timeout_s=30.0)
+    assert time.monotonic() - t0 < 1.0
+    right.close()
+
+
+def test_frames_before_their_receive_are_kept_and_sizes_checked():
+    a, b = socket.socketpair()
+    tx, rx = SocketComm([0], {1: Channel(a, "rx")}), SocketComm([1], {0: Channel(b, "tx")})
+    tx.exchange([SendOp(0, 1, 1, np.full(4, 1, np.uint8)), SendOp(0, 1, 2, np.full(4, 2, np.uint8))], [], timeout_s=1)
+    first, second = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
+    rx.exchange([], [RecvOp(0, 1, 1, first)], timeout_s=1.0)
+    rx.exchange([], [RecvOp(0, 1, 2, second)], timeout_s=1.0)  # arrived during the first exchange
+    assert first.tolist() == [1] * 4 and second.tolist() == [2] * 4
+    tx.exchange([SendOp(0, 1, 5, np.zeros(3, np.uint8))], [], timeout_s=1.0)
+    with pytest.raises(PeerError, match="3 bytes under tag 5, expected 4"):
+        rx.exchange([], [RecvOp(0, 1, 5, np.zeros(4, np.uint8))], timeout_s=1.0)
+    with pytest.raises(PeerError, match="broken"):
+        rx.exchange([], [], timeout_s=1.0)
+    a.close()
+    b.close()
+
+
+def test_a_refused_peer_connection_fails_at_once():
+    from jreshard.elastic.wire import listen, open_channel
+
+    port = listen(0)
+    address = port.getsockname()
+    port.close()  # nobody listens there any more
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="replica 'x' refused the connection"):
+        open_channel(address, "replica 'x'", timeout_s=30.0, retry=False)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_addresses_are_loopback_only():
+    assert parse_address("localhost:9", timeout_s=1) == ("127.0.0.1", 9)
+    with pytest.raises(ValueError, match="loopback only"):
+        parse_address("10.0.0.2:9", timeout_s=1)
+    with pytest.raises(TransferTimeoutError, match="did not appear"):
+        parse_address("/nonexistent/address", timeout_s=0.1)
+
+
+# ---- membership ---------------------------------------------------------------------------------
+def test_a_mismatched_declaration_is_refused_naming_each_field(trainer):
+    with pytest.raises(LayoutMismatchError, match=r"\(1 problem;") as err:
+        ElasticReplica(like(1, b=((8,), np.int32)), trainer.address, devices=list(D[2:4]), options=OPTS)
+    assert "(1 problems" not in str(err.value)
+    assert "parameter ['b']: source dtype float32 != destination dtype int32" in str(err.value)
+    with pytest.raises(LayoutMismatchError, match=r"\(2 problems;") as err:
+        ElasticReplica(
+            like(1, a=((16, 4), np.float32), b=((8,), np.int32)), trainer.address, devices=list(D[2:4]), options=OPTS
+        )
+    assert "['a']: source shape (16, 8) != destination shape (16, 4)" in str(err.value)
+    assert trainer.replicas() == {}
+
+
+def test_a_taken_name_is_refused_and_released_on_leave(trainer):
+    r1 = replica(trainer, 1, "r1")
+    with pytest.raises(LayoutMismatchError, match="the name 'r1' is taken"):
+        replica(trainer, 2, "r1")
+    t0 = time.monotonic()
+    r1.leave()
+    while trainer.replicas() and time.monotonic() - t0 < 5:
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 0.5  # a clean leave is seen at once, not after timeout_s
+    info = trainer.replicas(include_gone=True)["r1"]
+    assert info.state is ReplicaState.GONE and info.error == "left"
+    again = replica(trainer, 2, "r1")
+    assert again.id != r1.id
+    again.leave()
+
+
+def test_push_checks_its_arguments_before_anything_moves(trainer):
+    r1 = replica(trainer, 1, "r1")
+    trainer.wait(count=1)
+    trainer.push(params(1), version=1)
+    with pytest.raises(ValueError, match="version=1 must be greater than 1"):
+        trainer.push(params(1), version=1)
+    with pytest.raises(TypeError, match="version='2'"):
+        trainer.push(params(2), version="2")
+    bad = params(2) | {"b": jax.device_put(np.zeros(8, np.int32), params(2)["b"].sharding)}
+    with pytest.raises(ValueError, match=r"\['b'\]: dtype int32 where float32 was declared"):
+        trainer.push(bad, version=2)
+    assert r1.version == 1 and trainer.version == 1
+    with pytest.raises(TransferTimeoutError, match=r"every replica at version 2 .* \{'r1': 1\}"):
+        trainer.wait(version=2, timeout_s=0.1)
+    r1.leave()
+
+
+def test_versions_waits_and_pulls(trainer):
+    r1, r2 = replica(trainer, 1, "r1"), replica(trainer, 2, "r2")
+    assert trainer.wait(count=2) == ("r1", "r2")
+    with pytest.raises(TransferTimeoutError, match="no version newer than None"):
+        r1.pull(timeout_s=0.05)
+    trainer.push(params(1), version=1, block=False)
+    assert trainer.wait(version=1, count=1)  # any 1 at version 1
+    assert trainer.wait(version=1) == ("r1", "r2")  # all at version 1
+    tree, v = r2.pull()
+    assert v == 1 and exact(tree, 1)
+    assert r2.arrivals[-1].source == "trainer" and r2.arrivals[-1].nbytes == 4 * (16 * 8 + 8 * 2)
+    trainer.close()
+    assert r1.pull(newer_than=0)[1] == 1  # what it holds, after the trainer left
+    with pytest.raises(PeerError, match="'r1': the trainer closed; it holds version 1"):
+        r1.pull(newer_than=1)
+    r1.leave()
+    r2.leave()
+
+
+def test_a_failed_peer_catch_up_falls_back_to_the_trainer(monkeypatch):
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.PEER)
+    r1 = replica(tr, 1, "r1")
+    tr.wait(count=1)
+    tr.push(params(1), version=1)
+    monkeypatch.setattr(replica_module.ElasticReplica, "_serve_peer", lambda self, ch, msg: None)  # r1 hangs up
+    r2 = replica(tr, 2, "r2")
+    assert tr.wait(version=1) == ("r1", "r2")
+    assert [(a.version, a.source) for a in r2.arrivals] == [(1, "trainer")]
+    assert tr.replicas()["r2"].caught_up_from == "trainer"
+    tr.close()
+    r1.leave()
+    r2.leave()
+
+
+def test_a_deleted_trainer_copy_is_served_by_a_peer():
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.TRAINER)
+    r1 = replica(tr, 1, "r1")
+    tr.wait(count=1)
+    p = params(1)
+    tr.push(p, version=1)
+    for a in p.values():
+        a.delete()  # as a donating train step would
+    r2 = replica(tr, 2, "r2")
+    tr.wait(version=1)
+    assert r2.arrivals[0].source == "replica 'r1'" and exact(r2.pull()[0], 1)
+    tr.close()
+    r1.leave()
+    r2.leave()
+
+
+def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeypatch):
+    r1 = replica(trainer, 1, "r1")
+    trainer.wait(count=1)
+    trainer.push(params(1), version=1)
+    real = membership_module.Membership._send
+
+    def half(self, m, leaves):  # the trainer's side stops after the first message of version 2
+        calls = {"n": 0}
+        exchange = SocketComm.exchange
+
+        def once(comm, sends, recvs, *, timeout_s):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                m.channels[0].close()
+                raise PeerError("stopped on purpose")
+            return exchange(comm, sends, recvs, timeout_s=timeout_s)
+
+        monkeypatch.setattr(SocketComm, "exchange", once)
+        try:
+            real(self, m, leaves)
+        finally:
+            monkeypatch.setattr(SocketComm, "exchange", exchange)
+
+    monkeypatch.setattr(membership_module.Membership, "_send", half)
+    report = trainer.push(params(2), version=2)
+    assert report.committed == () and "during version 2" in report.lost["r1"]
+    with pytest.raises(PeerError, match="r1"):
+        r1.pull(newer_than=1)
+    tree, v = r1.pull()
+    assert v == 1 and exact(tree, 1)
+    r1.leave()
+
+
+def test_the_docs_example_runs(capsys):
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "elastic.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/elastic.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("version 1: committed by r1 in ") and out[1] == "replica 'r1'"
+
+
+def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(monkeypatch):
+    import threading
+
+    trainer = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.TRAINER)
+    r1 = replica(trainer, 1, "r1")
+    trainer.wait(count=1)
+    trainer.push(params(1), version=1)
+    real, joined = membership_module.Membership._send, {}
+
+    def slow(self, m, leaves):  # while version 2 goes to r1, r2 connects (it is admitted mid-push)
+        if m.name == "r1":
+            threading.Thread(target=lambda: joined.setdefault("r2", replica(trainer, 2, "r2"))).start()
+            deadline = time.monotonic() + 10
+            while "r2" not in {x.name for x in self.members.values()} and time.monotonic() < deadline:
+                self.poll(0.01)  # the service thread admits r2 (and catches it up to version 1)
+        real(self, m, leaves)
+
+    monkeypatch.setattr(membership_module.Membership, "_send", slow)
+    report = trainer.push(params(2), version=2)
+    assert report.committed == ("r1",)  # r2 was not a member when version 2 started
+    assert trainer.wait(version=2) == ("r1", "r2")
+    deadline = time.monotonic() + 5
+    while "r2" not in joined and time.monotonic() < deadline:
+        time.sleep(0.01)
+    r2 = joined["r2"]
+    assert [a.version for a in r2.arrivals] == [1, 2]  # caught up to 1, then brought to 2 at once
+    assert exact(r2.pull()[0], 2)
+    trainer.close()
+    r1.leave()
+    r2.leave()
+
+
+def test_constructor_arguments_are_checked():
+    with pytest.raises(TypeError, match=r"options=\{\} must be a jreshard.Options"):
+        ElasticTrainer(params(0), devices=list(D[:2]), options={})
+    with pytest.raises(ValueError, match="port=-1 must be an int"):
+        ElasticTrainer(params(0), devices=list(D[:2]), port=-1)
+    with pytest.raises(ValueError, match="'sometimes' is not a valid CatchUp"):
+        ElasticTrainer(params(0), devices=list(D[:2]), catch_up="sometimes")
+    with pytest.raises(ValueError, match="name='' must be a non-empty str"):
+        ElasticReplica(like(1), "127.0.0.1:1", name="", devices=list(D[2:4]))
+    with pytest.raises(ValueError, match="has a shard on"):
+        ElasticReplica(like(1), "127.0.0.1:1", devices=list(D[4:6]))
+
+
+def test_a_replica_whose_processes_do_not_all_join_is_refused_naming_them():
+    from jreshard.elastic.wire import open_channel
+    from jreshard.refit_decl import declare_local
+
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=Options(timeout_s=0.5))
+    decl = declare_local("destination", like(1), list(D[2:4]), None)
+    ch = open_channel(parse_address(tr.address, timeout_s=1), "trainer", timeout_s=1)
+    hello = {"op": "hello", "name": "big", "decl": decl, "peer_port": 1, "process": 0, "processes": 2}
+    ch.send_control(hello, timeout_s=1.0)
+    t0 = time.monotonic()
+    answer = ch.recv_control(timeout_s=5.0)
+    assert answer["op"] == "reject" and 0.4 < time.monotonic() - t0 < 3.0
+    assert answer["errors"] == ["only processes [0] of the 2 of replica 'big' joined within timeout_s"]
+    ch.close()
+    bad = open_channel(parse_address(tr.address, timeout_s=1), "trainer", timeout_s=1)
+    bad.send_control({"op": "hello", "name": "odd", "decl": {"params": 3}, "peer_port": "x"}, timeout_s=1)
+    assert "a malformed hello" in bad.recv_control(timeout_s=5.0)["errors"][0]
+    bad.close()
+    assert tr.replicas() == {}
+    tr.close()
