@@ -105,7 +105,7 @@ def pair_plan(
 @functools.lru_cache(maxsize=64)
 def _pair_plan(key: str, options: Options) -> Pair:
     from jreshard import Topology
-    from jreshard.sharding.program import plan_layouts
+    from jreshard.sharding.planner import plan_layouts
 
     decls, n_src, links = json.loads(key)
     decls = {int(p): d for p, d in decls.items()}
