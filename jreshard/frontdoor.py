@@ -173,7 +173,7 @@ def _check_leaf(leaf: Any, where: str) -> None:
 _ROW_MAJOR = tuple(tuple(range(n)) for n in range(64))
 
 
-def _array_type() -> type:
+def _array_type() -> Any:
     from jax._src.array import ArrayImpl  # the concrete class of every jax.Array: a type check, not isinstance
 
     return ArrayImpl
