@@ -1,0 +1,115 @@
+"""The brute-force network lower bound of a tree of views, and a numpy evaluator of views.
+
+Independent of the lowering's box algebra: the views are evaluated with numpy on
+arrays of *element ids* (which source leaf, which element, which cast chain), so
+every destination element is traced to its source element one by one. For each
+fast-link domain ``G``, each distinct ``(source element, wire dtype chain)`` that
+some destination rank of ``G`` needs, and that no source rank of ``G`` holds, must
+enter ``G`` at least once, in its wire dtype (:func:`~jreshard.views.casts.wire_cut`):
+
+    network_bytes >= Σ_G Σ_{(e, chain) needed in G, e not held in G} itemsize(wire dtype).
+
+For tests and small tensors: it builds id arrays of the views' full shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.topology import Topology
+from jreshard.views.algebra import Cast, Concat, Index, Leaf, Stack, Transpose, View
+from jreshard.views.casts import cast, wire_cut
+
+__all__ = ["brute_force_network_bound", "evaluate"]
+
+_SHIFT = 40  # element ids below 2**40; the cast-chain code above
+
+
+def evaluate(
+    view: View, value: Callable[[Leaf], np.ndarray], on_cast: Callable[[np.ndarray, str], np.ndarray]
+) -> np.ndarray:
+    """``view`` computed with numpy from ``value(leaf)``, casting with ``on_cast``.
+
+    Example:
+      >>> from jreshard.views import concat
+      >>> a, b = Leaf(np.arange(4.0).reshape(2, 2)), Leaf(10 + np.arange(4.0).reshape(2, 2))
+      >>> evaluate(concat([a, b], axis=1, groups=2), lambda x: x.source, cast).tolist()
+      [[0.0, 10.0, 1.0, 11.0], [2.0, 12.0, 3.0, 13.0]]
+    """
+    if isinstance(view, Leaf):
+        return value(view)
+    if isinstance(view, Cast):
+        return on_cast(evaluate(view.x, value, on_cast), view.dtype)
+    if isinstance(view, Transpose):
+        return np.transpose(evaluate(view.x, value, on_cast), view.perm)
+    if isinstance(view, Index):
+        x = evaluate(view.x, value, on_cast)
+        idx = tuple(slice(a, b) if k else a for (a, b), k in zip(view.spans, view.keep, strict=True))
+        return x[idx]
+    if isinstance(view, Stack):
+        return np.stack([evaluate(p, value, on_cast) for p in view.parts], axis=view.axis)
+    if isinstance(view, Concat):
+        xs = [evaluate(p, value, on_cast) for p in view.parts]
+        g, a = view.groups, view.axis
+        return np.concatenate([c for i in range(g) for c in (np.split(x, g, axis=a)[i] for x in xs)], axis=a)
+    raise TypeError(f"evaluate: no numpy rule for {type(view).__name__}")
+
+
+def brute_force_network_bound(
+    views: Sequence[View], leaves: Sequence[Leaf], layouts: Sequence[Layout], dsts: Sequence[Layout], topo: Topology
+) -> int:
+    """The lower bound of the module docstring, in bytes, for a tree of views."""
+    offsets = np.cumsum([0] + [lay.nbytes // lay.itemsize for lay in layouts])
+    pos = {id(leaf): i for i, leaf in enumerate(leaves)}
+    chains: list[tuple[str, ...]] = [()]
+    code_of: dict[tuple[str, ...], int] = {(): 0}
+
+    def ids(leaf: Leaf) -> np.ndarray:
+        i = pos[id(leaf)]
+        return (offsets[i] + np.arange(offsets[i + 1] - offsets[i], dtype=np.int64)).reshape(leaf.shape)
+
+    def on_cast(x: np.ndarray, dtype: str) -> np.ndarray:
+        codes = x >> _SHIFT
+        out = x & ((1 << _SHIFT) - 1)
+        for c in np.unique(codes):
+            chain = (*chains[int(c)], dtype)
+            if chain not in code_of:
+                code_of[chain] = len(chains)
+                chains.append(chain)
+            out = np.where(codes == c, out | (np.int64(code_of[chain]) << _SHIFT), out)
+        return out
+
+    traced = [evaluate(v, ids, on_cast) for v in views]
+    leaf_of = lambda e: np.searchsorted(offsets, e, side="right") - 1  # noqa: E731
+    total = 0
+    for g in sorted(set(topo.domains)):
+        held = np.zeros(int(offsets[-1]), dtype=bool)
+        for i, lay in enumerate(layouts):
+            flat = held[offsets[i] : offsets[i + 1]].reshape(lay.shape)
+            for r, b in zip(lay.ranks, lay.boxes, strict=True):
+                if r in topo and topo.domain_of(r) == g:
+                    flat[b.slices()] = True
+        need: set[tuple[int, tuple[str, ...]]] = set()
+        for t, d in zip(traced, dsts, strict=True):
+            for r, b in zip(d.ranks, d.boxes, strict=True):
+                if topo.domain_of(r) != g:
+                    continue
+                for x in np.unique(t[b.slices()].reshape(-1)):
+                    e, c = int(x) & ((1 << _SHIFT) - 1), int(x) >> _SHIFT
+                    if held[e]:
+                        continue
+                    src_dtype = layouts[int(leaf_of(e))].dtype
+                    chain = chains[c]
+                    need.add((e, chain[: wire_cut(src_dtype, chain)]))
+        for e, wire in need:
+            total += numpy_dtype(wire[-1] if wire else layouts[int(leaf_of(e))].dtype).itemsize
+    return total
+
+
+def reference_values(view: View, values: Mapping[int, np.ndarray]) -> np.ndarray:
+    """``view`` evaluated on ``values[id(leaf)]`` with ``jnp.astype``-exact casts."""
+    return evaluate(view, lambda leaf: values[id(leaf)], cast)
