@@ -107,13 +107,13 @@ class View(abc.ABC):
         """A hashable description of the composition, leaves replaced by ``leaf_key(leaf)``."""
 
     def leaves(self) -> list[Leaf]:
-        """The source leaves, each once, in first-use order."""
+        """The source leaves, each source once (two leaves over one array are one), in first-use order."""
         out: dict[int, Leaf] = {}
         stack: list[View] = [self]
         while stack:
             v = stack.pop()
             if isinstance(v, Leaf):
-                out.setdefault(id(v), v)
+                out.setdefault(id(v.source), v)
             stack.extend(reversed(v.operands()))
         return list(out.values())
 
@@ -129,7 +129,8 @@ class View(abc.ABC):
 
 class Leaf(View):
     """A source leaf: a ``jax.Array``, a ``jax.ShapeDtypeStruct`` with a sharding, or a
-    :class:`~jreshard.Layout` (for planning without arrays). Compared by identity."""
+    :class:`~jreshard.Layout` (for planning without arrays). Leaves over the same object
+    (by identity) are the same source."""
 
     __slots__ = ("dtype", "shape", "source")
 

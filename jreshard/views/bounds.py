@@ -64,12 +64,12 @@ def brute_force_network_bound(
 ) -> int:
     """The lower bound of the module docstring, in bytes, for a tree of views."""
     offsets = np.cumsum([0] + [lay.nbytes // lay.itemsize for lay in layouts])
-    pos = {id(leaf): i for i, leaf in enumerate(leaves)}
+    pos = {id(leaf.source): i for i, leaf in enumerate(leaves)}
     chains: list[tuple[str, ...]] = [()]
     code_of: dict[tuple[str, ...], int] = {(): 0}
 
     def ids(leaf: Leaf) -> np.ndarray:
-        i = pos[id(leaf)]
+        i = pos[id(leaf.source)]
         return (offsets[i] + np.arange(offsets[i + 1] - offsets[i], dtype=np.int64)).reshape(leaf.shape)
 
     def on_cast(x: np.ndarray, dtype: str) -> np.ndarray:

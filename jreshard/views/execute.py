@@ -72,7 +72,7 @@ def _front(x: Any, target: Any, what: str) -> tuple:
     leaves: dict[int, Leaf] = {}
     for v in views:
         for leaf in v.leaves():
-            leaves.setdefault(id(leaf), leaf)
+            leaves.setdefault(id(leaf.source), leaf)
     srcs = list(leaves.values())
     for j, leaf in enumerate(srcs):
         a = leaf.source
@@ -86,11 +86,11 @@ def _front(x: Any, target: Any, what: str) -> tuple:
 
 
 def _lowerings(views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None) -> list[LeafLowering]:
-    pos = {id(leaf): i for i, leaf in enumerate(srcs)}
+    pos = {id(leaf.source): i for i, leaf in enumerate(srcs)}
     if topology is None:
         devices = {d for leaf in srcs for d in leaf.source.sharding.device_set}
         topology = Topology.from_devices(sorted(devices | _devices(dsts), key=lambda d: d.id))
-    key = (tuple(v.signature(lambda leaf: pos[id(leaf)]) for v in views), tuple(layouts), tuple(dsts), topology)
+    key = (tuple(v.signature(lambda leaf: pos[id(leaf.source)]) for v in views), tuple(layouts), tuple(dsts), topology)
     got = _CACHE.get(key)
     if got is None:
         if len(_CACHE) > 256:

@@ -172,7 +172,7 @@ def lower(
     """
     if view.shape != dst.shape:
         raise ValueError(f"lower: the view has shape {view.shape} but the destination layout {dst.shape}")
-    index = {id(leaf): i for i, leaf in enumerate(leaves)}
+    index = {id(leaf.source): i for i, leaf in enumerate(leaves)}
     state = _Domains() if _state is None else _state
     order = sorted(dst.ranks, key=lambda r: (topology.domain_of(r), r))
     pieces: list[Piece] = []
@@ -241,7 +241,7 @@ def _pieces(
     out: list[Piece] = []
     g = topo.domain_of(r)
     for m in regions:
-        i = index[id(m.leaf)]
+        i = index[id(m.leaf.source)]
         lay = layouts[i]
         k = wire_cut(lay.dtype, m.chain)
         send, recv = m.chain[:k], m.chain[k:]
@@ -267,7 +267,8 @@ def _pieces(
                         nxt.append(b)
                         continue
                     src = state.pick(holders, 0)
-                    out.append(_piece(m, x, i, src, r, origin, lay.dtype, send, recv, Link.FAST, via))
+                    lk = Link.LOCAL if via == r else Link.FAST
+                    out.append(_piece(m, x, i, src, r, origin, lay.dtype, send, recv, lk, None if via == r else via))
                     nxt += subtract(b, x)
                 todo = nxt
             for b in todo:
