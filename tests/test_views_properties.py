@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreshard import Layout, Topology, views
-from jreshard.views.bounds import brute_force_network_bound
+from jreshard.views.bounds import box_network_bound, brute_force_network_bound
 from jreshard.views.casts import CAST_DTYPES
 from jreshard.views.lowering import lower_tree
 
@@ -117,3 +117,4 @@ def test_random_compositions_equal_jnp_then_device_put(data):
     dst_lay = Layout.from_sharding(dst, view.shape, view.dtype)
     (low,) = lower_tree([view], leaves, layouts, [dst_lay], topo)
     assert low.network_bytes == brute_force_network_bound([view], leaves, layouts, [dst_lay], topo)
+    assert low.network_bytes == box_network_bound(view, leaves, layouts, dst_lay, topo)

@@ -113,3 +113,55 @@ def brute_force_network_bound(
 def reference_values(view: View, values: Mapping[int, np.ndarray]) -> np.ndarray:
     """``view`` evaluated on ``values[id(leaf)]`` with ``jnp.astype``-exact casts."""
     return evaluate(view, lambda leaf: values[id(leaf)], cast)
+
+
+def box_network_bound(
+    view: View, leaves: Sequence[Leaf], layouts: Sequence[Layout], dst: Layout, topo: Topology
+) -> int:
+    """The same bound for one destination leaf, from boxes instead of elements (for whole models).
+
+    Per domain ``G`` and wire key ``(leaf, sender casts)``: the volume of the union of the
+    source boxes the destination boxes of ``G`` read, minus the source boxes ranks of ``G``
+    hold, by cutting along every boundary (a grid of cells, as in ``sharding/bounds.py``).
+    """
+    pos = {id(leaf.source): i for i, leaf in enumerate(leaves)}
+    total = 0
+    for g in sorted({topo.domain_of(r) for r in dst.ranks}):
+        boxes = {b for r, b in zip(dst.ranks, dst.boxes, strict=True) if topo.domain_of(r) == g}
+        need: dict[tuple, list] = {}
+        for beta in sorted(boxes):
+            for m in view.regions(beta):
+                i = pos[id(m.leaf.source)]
+                send = m.chain[: wire_cut(layouts[i].dtype, m.chain)]
+                need.setdefault((i, send), []).append(m.src_box())
+        for (i, send), bs in need.items():
+            lay = layouts[i]
+            cover = [b for r, b in zip(lay.ranks, lay.boxes, strict=True) if r in topo and topo.domain_of(r) == g]
+            item = numpy_dtype(send[-1] if send else lay.dtype).itemsize
+            total += _union_minus(bs, cover) * item
+    return total
+
+
+def _union_minus(need: list, cover: list) -> int:
+    nd = need[0].ndim
+    if nd == 0:
+        return 0 if cover else 1
+    cuts = [np.unique([v for b in need + cover for v in (b.lo[d], b.hi[d])]) for d in range(nd)]
+    grid = np.zeros([len(c) - 1 for c in cuts], dtype=np.int8)
+
+    def sl(b: object) -> tuple:
+        return tuple(
+            slice(int(np.searchsorted(cuts[d], b.lo[d])), int(np.searchsorted(cuts[d], b.hi[d])))  # type: ignore[attr-defined]
+            for d in range(nd)
+        )
+
+    for b in need:
+        grid[sl(b)] = 1
+    for b in cover:
+        grid[sl(b)] = 0
+    vol = np.ones(grid.shape, dtype=np.int64)
+    for d in range(nd):
+        shape = [1] * nd
+        shape[d] = -1
+        vol = vol * np.diff(cuts[d]).reshape(shape)
+    return int((vol * grid).sum())
