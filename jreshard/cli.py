@@ -197,6 +197,8 @@ def _header(case: _Case) -> None:
 def _plan_cmd(args: argparse.Namespace) -> int:
     case = _case(args)
     _header(case)
+    if args.fused:
+        return _fused(args, case, simulate=False)
     cols = (
         "network",
         "lower bound",
@@ -248,6 +250,8 @@ def _simulate_cmd(args: argparse.Namespace) -> int:
 
     case = _case(args)
     _header(case)
+    if args.fused:
+        return _fused(args, case, simulate=True)
     print(f"chunk {case.options.chunk_bytes / (1 << 20):g} MiB; relays {'on' if case.options.relays else 'off'}")
     rows = [(label, p, predict(p)) for label, p, _ in _plans(case)]
     best = rows[0][2].seconds
@@ -269,6 +273,14 @@ def _simulate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fused(args: argparse.Namespace, case: _Case, simulate: bool) -> int:
+    if not args.model:
+        raise SystemExit("error: --fused needs --model")
+    from jreshard.models.fused import fused_report
+
+    return fused_report(args.model, args.train_gpus, args.infer_gpus, case.topology, simulate=simulate)
+
+
 def _add_case_args(p: argparse.ArgumentParser) -> None:
     from jreshard.models import MODELS
 
@@ -286,6 +298,9 @@ def _add_case_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-us", type=float, default=5.0, help="per-message latency, microseconds (default 5)")
     p.add_argument("--chunk-mib", type=int, default=8, help="pipeline chunk, MiB (default 8)")
     p.add_argument("--no-relays", action="store_true", help="plan without relays between destination domains")
+    p.add_argument(
+        "--fused", action="store_true", help="refit into the inference engine's fused format (views), beside the hybrid"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

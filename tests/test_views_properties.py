@@ -118,3 +118,8 @@ def test_random_compositions_equal_jnp_then_device_put(data):
     (low,) = lower_tree([view], leaves, layouts, [dst_lay], topo)
     assert low.network_bytes == brute_force_network_bound([view], leaves, layouts, [dst_lay], topo)
     assert low.network_bytes == box_network_bound(view, leaves, layouts, dst_lay, topo)
+    # Every destination element is written by exactly one piece.
+    cover = {r: np.zeros(b.shape, np.int32) for r, b in zip(dst_lay.ranks, dst_lay.boxes, strict=True)}
+    for p in low.pieces:
+        cover[p.dst_rank][p.dst_box.slices()] += 1
+    assert all((c == 1).all() for c in cover.values())

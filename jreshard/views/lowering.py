@@ -117,6 +117,10 @@ class LeafLowering:
     network_bytes: int
     fast_bytes: int
     local_bytes: int
+    loads: tuple[tuple[int, Link, bool, int], ...] = ()  # (rank, link, sending?, bytes), one row per rank and link
+
+    def load_map(self) -> dict[tuple[int, Link, bool], int]:
+        return {(r, lk, out): n for r, lk, out, n in self.loads}
 
 
 class _Domains:
@@ -163,11 +167,11 @@ def lower(
       >>> import numpy as np
       >>> from jreshard.views import concat, astype
       >>> src = Layout.from_mesh(np.arange(2), ("x",), ("x",), (4, 6), "float32")
-      >>> q, k = Leaf(src), Leaf(src)
+      >>> q, k = Leaf(src), Leaf(dataclasses.replace(src))  # two tensors of one layout
       >>> fused = astype(concat([q, k], axis=1, groups=2), "bfloat16")
       >>> dst = Layout.from_mesh(np.arange(2, 4), ("tp",), (None, "tp"), (4, 12), "bfloat16")
       >>> low = lower(fused, [q, k], [src, src], dst, Topology.uniform(range(4), domain_size=2))
-      >>> low.network_bytes, sorted({p.wire_dtype for p in low.pieces})
+      >>> low.network_bytes, sorted({p.wire_dtype for p in low.pieces})  # 48 float32 in, as bfloat16
       (96, ['bfloat16'])
     """
     if view.shape != dst.shape:
@@ -179,20 +183,26 @@ def lower(
     tasks: list[QuantTask] = []
     cache: dict[Box, list[Mapped]] = {}
     quant = view if isinstance(view, _Quant) else None
+    reps: dict[tuple[int, Box], tuple[int, ...]] = {}
+    for r in order:
+        key = (topology.domain_of(r), dst.box_of(r))
+        reps[key] = (*reps.get(key, ()), r)
     for r in order:
         box = dst.box_of(r)
+        g = topology.domain_of(r)
         if quant is None:
             if box not in cache:
                 cache[box] = view.regions(box)
-            pieces += _pieces(cache[box], box.lo, r, index, layouts, topology, state)
+            pieces += _pieces(cache[box], box.lo, r, index, layouts, topology, state, reps[(g, box)])
             continue
         hull = quant.hull(box)
-        ps = _pieces(quant.x.regions(hull), hull.lo, r, index, layouts, topology, state)
+        ps = _pieces(quant.x.regions(hull), hull.lo, r, index, layouts, topology, state, reps[(g, box)])
         aligned = all(_block_aligned(p.dst_box, hull, quant.block, quant.x.shape) for p in ps)
         tasks.append(QuantTask(r, hull, box, tuple(ps), aligned))
     net = fast = local = 0
+    loads: dict[tuple[int, Link, bool], int] = {}
     for p in pieces:
-        net, fast, local = _count(p, p.wire_bytes, net, fast, local)
+        net, fast, local = _count(p, p.wire_bytes, net, fast, local, loads)
     for t in tasks:
         for p in t.pieces:
             nbytes = p.wire_bytes
@@ -201,8 +211,9 @@ def lower(
                 nbytes = 0 if part is None else part.volume  # one float8 byte a weight
                 if quant.part == "scales":
                     nbytes = blocks_in(p.dst_box, quant.block) * 4
-            net, fast, local = _count(p, nbytes, net, fast, local)
-    return LeafLowering(tuple(pieces), tuple(tasks), net, fast, local)
+            net, fast, local = _count(p, nbytes, net, fast, local, loads)
+    rows = tuple((r, lk, out, n) for (r, lk, out), n in sorted(loads.items()))
+    return LeafLowering(tuple(pieces), tuple(tasks), net, fast, local, rows)
 
 
 def _global(local: Box, outer: Box) -> Box:
@@ -212,7 +223,11 @@ def _global(local: Box, outer: Box) -> Box:
     )
 
 
-def _count(p: Piece, nbytes: int, net: int, fast: int, local: int) -> tuple[int, int, int]:
+def _count(p: Piece, nbytes: int, net: int, fast: int, local: int, loads: dict) -> tuple[int, int, int]:
+    if p.link is not Link.LOCAL:
+        sender = p.via if p.via is not None else p.src_rank
+        for key in ((sender, p.link, True), (p.dst_rank, p.link, False)):
+            loads[key] = loads.get(key, 0) + nbytes
     if p.link is Link.NETWORK:
         return net + nbytes, fast, local
     if p.link is Link.FAST:
@@ -236,8 +251,10 @@ def _pieces(
     layouts: Sequence[Layout],
     topo: Topology,
     state: _Domains,
+    replicas: tuple[int, ...],
 ) -> list[Piece]:
-    """The pieces that fill ``regions`` on rank ``r`` (boxes local to ``origin``)."""
+    """The pieces that fill ``regions`` on rank ``r`` (boxes local to ``origin``); ``replicas``: the
+    ranks of ``r``'s domain with the same destination box, ascending (``r`` among them)."""
     out: list[Piece] = []
     g = topo.domain_of(r)
     for m in regions:
@@ -259,23 +276,45 @@ def _pieces(
                 out.append(_piece(m, part, i, src, r, origin, lay.dtype, send, recv, best, None))
                 continue
             todo = [part]
-            for done, via in state.landed.get((g, i, send), []):
+            landed = state.landed.setdefault((g, i, send, sbox), [])  # what already entered G from this box
+            for entry in landed:
+                done, via, arrived = entry
                 nxt = []
                 for b in todo:
                     x = intersect(b, done)
                     if x is None:
                         nxt.append(b)
                         continue
-                    src = state.pick(holders, 0)
-                    lk = Link.LOCAL if via == r else Link.FAST
-                    out.append(_piece(m, x, i, src, r, origin, lay.dtype, send, recv, lk, None if via == r else via))
+                    if via != r:  # another rank of G receives it: over the fast links from there
+                        src, lk = state.pick(holders, 0), Link.FAST
+                    elif arrived:  # this rank has it already (a part used twice)
+                        src, lk = state.pick(holders, 0), Link.LOCAL
+                    else:  # this rank's own stripe of its replica group, promised earlier
+                        src, lk = state.pick(holders, x.volume * item), Link.NETWORK
+                        entry[2] = True
+                    out.append(_piece(m, x, i, src, r, origin, lay.dtype, send, recv, lk, via if via != r else None))
                     nxt += subtract(b, x)
                 todo = nxt
-            for b in todo:
-                src = state.pick(holders, b.volume * item)
-                out.append(_piece(m, b, i, src, r, origin, lay.dtype, send, recv, Link.NETWORK, None))
-                state.landed.setdefault((g, i, send), []).append((b, r))
+            for b in todo:  # new to G: striped over the replicas of this box in G, one NIC each
+                for stripe, lander in zip(_stripes(b, len(replicas)), replicas, strict=False):
+                    if lander == r:
+                        src = state.pick(holders, stripe.volume * item)
+                        out.append(_piece(m, stripe, i, src, r, origin, lay.dtype, send, recv, Link.NETWORK, None))
+                    else:
+                        src = state.pick(holders, 0)
+                        out.append(_piece(m, stripe, i, src, r, origin, lay.dtype, send, recv, Link.FAST, lander))
+                    landed.append([stripe, lander, lander == r])
     return out
+
+
+def _stripes(b: Box, k: int) -> list[Box]:
+    """``b`` cut along its longest axis into at most ``k`` near-equal non-empty parts."""
+    if k <= 1 or b.ndim == 0:
+        return [b]
+    d = max(range(b.ndim), key=lambda a: b.shape[a])
+    n = min(k, b.shape[d])
+    cuts = [b.lo[d] + (b.shape[d] * j) // n for j in range(n + 1)]
+    return [Box((*b.lo[:d], cuts[j], *b.lo[d + 1 :]), (*b.hi[:d], cuts[j + 1], *b.hi[d + 1 :])) for j in range(n)]
 
 
 def _piece(
