@@ -24,7 +24,7 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 from jreshard.views import concat, quantize_fp8
 from jreshard.views.algebra import Leaf, View
-from jreshard.views.bounds import box_network_bound
+from jreshard.views.bounds import box_network_bound, quant_network_bound
 from jreshard.views.lowering import lower
 
 __all__ = ["FusedStats", "fused_report", "fused_stats", "fused_views"]
@@ -139,7 +139,11 @@ def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology) -> Fu
         if key not in cache:
             low = lower(view, leaves, lays, d, topology)
             tasks = len(low.tasks)
-            b = low.network_bytes if tasks else box_network_bound(view, leaves, lays, d, topology)
+            if tasks:
+                qb = quant_network_bound(view, lays, d, topology)
+                b = low.network_bytes if qb is None else qb  # None: a domain holds a source (not bounded)
+            else:
+                b = box_network_bound(view, leaves, lays, d, topology)
             cache[key] = (
                 low.network_bytes,
                 b,
@@ -198,7 +202,7 @@ def fused_report(name: str, n_train: int, n_infer: int, topology: Topology, *, s
         return f"{n / 1e12:.3f} TB" if n >= 1e11 else f"{n / 1e9:.2f} GB"
 
     print(
-        f"\nfused inference format (views): {s.leaves} leaves, {fmt(s.destination_bytes)} per inference replica;"
+        f"\nfused inference format (views): {s.leaves} leaves, {fmt(s.destination_bytes)} in the inference format;"
         f" planned in {secs:.1f} s"
     )
     if s.quantised:
@@ -226,8 +230,8 @@ def fused_report(name: str, n_train: int, n_infer: int, topology: Topology, *, s
         f"\nnetwork bytes: the hybrid moves {s.hybrid_network_bytes / max(s.network_bytes, 1):.2f}x the fused views'."
         "\nhybrid: FFN weights (gate/up/down, dense and expert) planned shard to shard in the trainer's dtype, every"
         "\nother tensor gathered and broadcast (NeMo RL); fused views: every leaf shard to shard, cast (and quantised)"
-        "\nat the sender. The hybrid's max NIC columns add its two plans' busiest ranks. The lower bound counts"
-        "\nquantised leaves as moved."
+        "\nat the sender. The hybrid's max NIC columns add its two plans' busiest ranks. Lower bound: every element"
+        "\na domain needs and holds no source of enters it once, in the wire dtype (float8 for quantised experts)."
     )
     if simulate:
         fused_t = max(s.max_nic_send, s.max_nic_recv) / topology.links.network_bw

@@ -165,3 +165,21 @@ def _union_minus(need: list, cover: list) -> int:
         shape[d] = -1
         vol = vol * np.diff(cuts[d]).reshape(shape)
     return int((vol * grid).sum())
+
+
+def quant_network_bound(view: View, layouts: Sequence[Layout], dst: Layout, topo: Topology) -> int | None:
+    """The bound for a block-quantised destination leaf, quantised at the sender.
+
+    Each output element (a float8 weight or a float32 scale) a domain ``G`` needs must enter
+    ``G`` once when no rank of ``G`` holds any of its source leaves: ``Σ_G |∪ boxes of G| *
+    itemsize``. ``None`` when some domain does hold a source (not counted here).
+    """
+    total = 0
+    src_domains = {topo.domain_of(r) for lay in layouts for r in lay.ranks if r in topo}
+    item = numpy_dtype(view.dtype).itemsize
+    for g in sorted({topo.domain_of(r) for r in dst.ranks}):
+        if g in src_domains:
+            return None
+        boxes = sorted({b for r, b in zip(dst.ranks, dst.boxes, strict=True) if topo.domain_of(r) == g})
+        total += _union_minus(boxes, []) * item
+    return total
