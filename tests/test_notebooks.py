@@ -18,6 +18,7 @@ def test_the_three_notebooks_are_there():
         "01_layouts_and_plans.ipynb",
         "02_rl_refit_loop.ipynb",
         "03_at_scale.ipynb",
+        "04_fused_refit.ipynb",
     ]
 
 
