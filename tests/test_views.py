@@ -172,3 +172,29 @@ def test_errors_name_the_argument():
     w, _ = views.quantize_fp8(x)
     with pytest.raises(TypeError, match="destination leaves"):
         views.transfer(views.transpose(w), FSDP4)
+
+
+def test_piece_byte_geometry_is_a_strided_copy():
+    # The lead's batched executor reads pieces as (shape, byte offset and strides) pairs: replay them with
+    # as_strided on the raw bytes and compare with the numpy executor's result.
+    from numpy.lib.stride_tricks import as_strided
+
+    a = _sharded((4, 6, 8), jnp.float32, NamedSharding(Mesh(DEVS[:4], ("x",)), P(None, None, "x")))
+    b = _sharded((8, 6), jnp.float32, FSDP4, 1)
+    view = views.concat([views.transpose(a[1], (1, 0)), b], axis=1, groups=2)  # (8, 12)
+    dst = NamedSharding(TP2DP2, P("tp", "dp"))
+    out = views.transfer(view, dst)
+    leaves = view.leaves()
+    lays = [Layout.from_sharding(lf.source.sharding, lf.shape, lf.dtype) for lf in leaves]
+    dlay = Layout.from_sharding(dst, (8, 12), "float32")
+    (low,) = lower_tree([view], leaves, lays, [dlay], Topology.uniform(range(8), domain_size=4))
+    assert any(p.axes != tuple(range(len(p.axes))) for p in low.pieces)  # some pieces are transposed
+    got = {r: np.zeros(dlay.box_of(r).shape, np.float32) for r in dlay.ranks}
+    for p in low.pieces:
+        shard = {s.device.id: np.asarray(s.data) for s in leaves[p.leaf].source.addressable_shards}[p.src_rank]
+        shape, s_off, s_str, d_off, d_str = p.byte_geometry(lays[p.leaf].box_of(p.src_rank), got[p.dst_rank].shape)
+        src = as_strided(shard.reshape(-1).view(np.uint8)[s_off:], (*shape, 4), (*s_str, 1))
+        dst_bytes = as_strided(got[p.dst_rank].reshape(-1).view(np.uint8)[d_off:], (*shape, 4), (*d_str, 1))
+        dst_bytes[...] = src
+    for s in out.addressable_shards:
+        np.testing.assert_array_equal(got[s.device.id], np.asarray(s.data))

@@ -62,7 +62,7 @@ def _front(x: Any, target: Any, what: str) -> tuple:
                 raise LayoutError(f"transfer: target leaf {i} is a ShapeDtypeStruct without a sharding")
             sh, dtype, shape = t.sharding, t.dtype, t.shape
         elif isinstance(t, jax.sharding.Sharding):
-            sh, dtype, shape = t, v.dtype, v.shape
+            sh, dtype, shape = t, v.dtype, v.shape  # type: ignore[assignment]
         else:
             raise LayoutError(f"transfer: target leaf {i} is {t!r}; expected a jax Sharding or ShapeDtypeStruct")
         if tuple(shape) != v.shape:
@@ -89,7 +89,7 @@ def _lowerings(views: list, srcs: list, layouts: list, dsts: list, topology: Top
     pos = {id(leaf.source): i for i, leaf in enumerate(srcs)}
     if topology is None:
         devices = {d for leaf in srcs for d in leaf.source.sharding.device_set}
-        topology = Topology.from_devices(sorted(devices | _devices(dsts), key=lambda d: d.id))
+        topology = Topology.from_devices(sorted(devices | _devices(dsts), key=lambda d: d.id))  # type: ignore[attr-defined]
     key = (tuple(v.signature(lambda leaf: pos[id(leaf.source)]) for v in views), tuple(layouts), tuple(dsts), topology)
     got = _CACHE.get(key)
     if got is None:

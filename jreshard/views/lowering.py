@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
@@ -127,7 +128,7 @@ class _Domains:
     """Per fast-link domain and wire key, the source boxes already received and by whom."""
 
     def __init__(self) -> None:
-        self.landed: dict[tuple, list[tuple[Box, int]]] = {}
+        self.landed: dict[tuple, list[list[Any]]] = {}  # [box, receiving rank, arrived yet]
         self.sent: dict[int, int] = {}
 
     def pick(self, holders: Sequence[int], nbytes: int) -> int:
