@@ -116,3 +116,26 @@ def wire_cut(source_dtype: str, chain: Sequence[str]) -> int:
     """
     sizes = [numpy_dtype(d).itemsize for d in (source_dtype, *chain)]
     return sizes.index(min(sizes))
+
+
+def cast_into(out: np.ndarray, x: np.ndarray, chain: Sequence[str]) -> None:
+    """``out[...] = cast_chain(x, chain)``, in one pass where numpy's own cast is already exact.
+
+    One float-to-float cast whose NaN bits numpy gets right is a ``np.copyto`` (no temporary);
+    anything else goes through :func:`cast_chain`.
+    """
+    if not chain:
+        np.copyto(out, x)
+        return
+    src = x.dtype.name
+    if len(chain) == 1 and _direct(src, chain[0]):
+        with np.errstate(all="ignore"):
+            np.copyto(out, x, casting="unsafe")
+        return
+    out[...] = cast_chain(x, chain)
+
+
+def _direct(src: str, dst: str) -> bool:
+    if numpy_dtype(dst).kind in "iu" or numpy_dtype(src).kind in "iu":
+        return src == dst
+    return (src, dst) not in _PAYLOAD_PAIRS and not (dst == "float8_e5m2" and src in _E5M2_CANONICAL)

@@ -24,7 +24,7 @@ from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 from jreshard.views.algebra import Leaf, View, as_view
-from jreshard.views.casts import cast_chain
+from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, Piece, lower_tree
 from jreshard.views.quant import _Quant
 
@@ -142,12 +142,7 @@ def _copy_piece(p: Piece, src: Mapping, src_box: Mapping, out: np.ndarray) -> No
     used = [a for a in p.axes if a >= 0]
     rest = [a for a in range(region.ndim) if a not in used]
     v = region.transpose(used + rest).reshape(p.dst_box.shape)
-    where = out[p.dst_box.slices()]
-    chain = p.sender_casts + p.receiver_casts
-    if chain:
-        where[...] = cast_chain(v, chain)
-    else:
-        np.copyto(where, v)
+    cast_into(out[p.dst_box.slices()], v, p.sender_casts + p.receiver_casts)
 
 
 def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layout]) -> tuple[dict, dict]:
