@@ -12,6 +12,8 @@ blocks that shard needs.
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,7 +27,7 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.casts import cast_into
-from jreshard.views.lowering import LeafLowering, Piece, lower_tree
+from jreshard.views.lowering import LeafLowering, Piece, QuantTask, lower_tree
 from jreshard.views.quant import _Quant
 
 __all__ = ["transfer", "transfer_into"]
@@ -117,16 +119,43 @@ def _execute_pieces(
     Each piece is a strided copy (a permuted view of the source, cast on the way); a
     quantised leaf's pieces fill a tile of whole blocks per destination shard, quantised after.
     """
+    jobs: dict[tuple[int, int], list[Piece]] = {}  # per destination shard: its pieces write disjoint boxes
+    nbytes = 0
     for t, low in enumerate(lowerings):
         for p in low.pieces:
-            _copy_piece(p, src, src_box, dst[t][p.dst_rank])
+            jobs.setdefault((t, p.dst_rank), []).append(p)
+            nbytes += p.wire_bytes
+
+    def shard(t: int, r: int) -> None:
+        for p in jobs[(t, r)]:
+            _copy_piece(p, src, src_box, dst[t][r])
+
+    def quantised(t: int, task: QuantTask) -> None:
         quant = views[t]
-        for task in low.tasks:
-            assert isinstance(quant, _Quant)
-            tile = np.empty(task.hull.shape, np.dtype(_np_dtype(quant.x.dtype)))
-            for p in task.pieces:
-                _copy_piece(p, src, src_box, tile)
-            dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
+        assert isinstance(quant, _Quant)
+        tile = np.empty(task.hull.shape, np.dtype(_np_dtype(quant.x.dtype)))
+        for p in task.pieces:
+            _copy_piece(p, src, src_box, tile)
+        dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
+
+    calls = [(shard, key) for key in jobs] + [(quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
+    if nbytes < _THREADED_BYTES or len(calls) < 2:
+        for fn, args in calls:
+            fn(*args)  # type: ignore[operator]
+        return
+    # numpy releases the GIL inside copies and casts: one destination shard per task, every core busy.
+    for f in [_pool().submit(fn, *args) for fn, args in calls]:  # type: ignore[operator]
+        f.result()
+
+
+_THREADED_BYTES = 4 << 20
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jreshard-views"))
+    return _POOL[0]
 
 
 def _np_dtype(name: str) -> np.dtype:
