@@ -202,3 +202,28 @@ def test_piece_byte_geometry_is_a_strided_copy():
         dst_bytes[...] = src
     for s in out.addressable_shards:
         np.testing.assert_array_equal(got[s.device.id], np.asarray(s.data))
+
+
+def test_threaded_copies_match(monkeypatch):
+    # Large transfers copy destination shards on a thread pool: the same bits.
+    from jreshard.views import execute
+
+    monkeypatch.setattr(execute, "_THREADED_BYTES", 0)
+    x = _sharded((4, 16, 24), jnp.float32, NamedSharding(Mesh(DEVS[:4], ("e",)), P("e")))
+    w, s = views.quantize_fp8(x, block=(8, 8))
+    fused = views.astype(views.concat([x[0], x[1]], axis=1, groups=2), jnp.bfloat16)
+    dst = NamedSharding(TP2DP2, P(None, "tp"))
+    out = views.transfer({"f": fused, "w": w, "s": s}, {"f": dst, "w": NamedSharding(TP2DP2, P("dp")), "s": dst})
+    ref_f = jnp.concatenate([jnp.split(y, 2, axis=1)[g] for g in range(2) for y in (x[0], x[1])], axis=1)
+    _assert_shards_equal(out["f"], jax.device_put(ref_f.astype(jnp.bfloat16), dst))
+    ref_w, ref_s = views.quantize_fp8_reference(np.asarray(x), (8, 8))
+    _assert_shards_equal(out["w"], jax.device_put(ref_w, NamedSharding(TP2DP2, P("dp"))))
+    _assert_shards_equal(out["s"], jax.device_put(ref_s, dst))
+
+
+def test_deleted_source_is_refused_before_any_byte_moves():
+    x = _sharded((8, 8), jnp.float32, FSDP4)
+    v = views.astype(x, jnp.bfloat16)
+    x.delete()
+    with pytest.raises(LayoutError, match="deleted"):
+        views.transfer(v, NamedSharding(TP2DP2, P()))
