@@ -45,6 +45,7 @@ __all__ = [
     "View",
     "astype",
     "concat",
+    "has_views",
     "quantize_fp8",
     "quantize_fp8_reference",
     "stack",
@@ -115,6 +116,19 @@ def quantize_fp8(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[View, Vie
     """
     v = as_view(x, "quantize_fp8(x)")
     return QuantWeights(v, block), QuantScales(v, block)
+
+
+def has_views(x: Any) -> bool:
+    """Whether the pytree ``x`` has a view among its leaves (then ``jreshard.views.transfer`` moves it).
+
+    Example:
+      >>> import numpy as np
+      >>> has_views({"a": np.zeros(2)}), has_views({"a": astype(np.zeros(2, np.float32), "bfloat16")})
+      (False, True)
+    """
+    import jax
+
+    return any(isinstance(leaf, View) for leaf in jax.tree_util.tree_leaves(x, is_leaf=lambda v: isinstance(v, View)))
 
 
 _LAZY = {"transfer": "jreshard.views.execute", "transfer_into": "jreshard.views.execute"}
