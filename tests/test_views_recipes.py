@@ -30,6 +30,12 @@ def test_llama3_70b_plan_fused(capsys):
     assert s.max_nic_recv < s.hybrid_max_nic_recv
 
 
+def test_llama3_70b_simulate_fused(capsys):
+    assert main(["simulate", "--model", "llama3-70b", "--fused", "--train-gpus", "16", "--infer-gpus", "16"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"predicted: fused views [\d.]+ ms .* hybrid [\d.]+ ms", out)
+
+
 @pytest.mark.slow
 def test_deepseek_v3_plan_fused(capsys):
     assert main(["plan", "--model", "deepseek-v3", "--fused"]) == 0

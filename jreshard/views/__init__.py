@@ -33,6 +33,10 @@ from jreshard.views.algebra import Stack as Stack
 from jreshard.views.algebra import Transpose as Transpose
 from jreshard.views.algebra import View as View
 from jreshard.views.algebra import as_view as as_view
+from jreshard.views.bounds import brute_force_network_bound as brute_force_network_bound
+from jreshard.views.lowering import LeafLowering as LeafLowering
+from jreshard.views.lowering import Piece as Piece
+from jreshard.views.lowering import lower_tree as lower_tree
 from jreshard.views.quant import QuantScales as QuantScales
 from jreshard.views.quant import QuantWeights as QuantWeights
 from jreshard.views.quant import quantize_fp8_reference as quantize_fp8_reference
@@ -42,10 +46,14 @@ if TYPE_CHECKING:
     from jreshard.views.execute import transfer_into as transfer_into
 
 __all__ = [
+    "LeafLowering",
+    "Piece",
     "View",
+    "brute_force_network_bound",
     "astype",
     "concat",
     "has_views",
+    "lower_tree",
     "quantize_fp8",
     "quantize_fp8_reference",
     "stack",
