@@ -227,3 +227,14 @@ def test_deleted_source_is_refused_before_any_byte_moves():
     x.delete()
     with pytest.raises(LayoutError, match="deleted"):
         views.transfer(v, NamedSharding(TP2DP2, P()))
+
+
+def test_scalars_from_integer_indices():
+    x = _sharded((8,), jnp.float32, FSDP4)
+    dst = NamedSharding(TP2DP2, P())
+    out = views.transfer(
+        {"s": views.astype(views.as_view(x)[5], jnp.bfloat16), "t": views.stack([x[1], x[6]])},
+        {"s": dst, "t": NamedSharding(TP2DP2, P("tp"))},
+    )
+    _assert_shards_equal(out["s"], jax.device_put(x[5].astype(jnp.bfloat16), dst))
+    _assert_shards_equal(out["t"], jax.device_put(jnp.stack([x[1], x[6]]), NamedSharding(TP2DP2, P("tp"))))

@@ -167,11 +167,11 @@ def _np_dtype(name: str) -> np.dtype:
 def _copy_piece(p: Piece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:
     s = src[(p.leaf, p.src_rank)]
     o = src_box[(p.leaf, p.src_rank)].lo
-    region = s[tuple(slice(a - b, c - b) for a, c, b in zip(p.src_box.lo, p.src_box.hi, o, strict=True))]
+    region = s[(*(slice(a - b, c - b) for a, c, b in zip(p.src_box.lo, p.src_box.hi, o, strict=True)), ...)]
     used = [a for a in p.axes if a >= 0]
     rest = [a for a in range(region.ndim) if a not in used]
     v = region.transpose(used + rest).reshape(p.dst_box.shape)
-    cast_into(out[p.dst_box.slices()], v, p.sender_casts + p.receiver_casts)
+    cast_into(out[(*p.dst_box.slices(), ...)], v, p.sender_casts + p.receiver_casts)  # "...": 0-d views stay arrays
 
 
 def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layout]) -> tuple[dict, dict]:
