@@ -71,6 +71,8 @@ def _case(args: argparse.Namespace, parser: argparse.ArgumentParser) -> _Case:
         staging_bytes=max(256 << 20, chunk),
         max_group_ops=args.max_group_ops if args.max_group_ops is not None else Options().max_group_ops,
     )
+    if getattr(args, "fused", False) and not args.model:
+        parser.error("--fused needs --model (a built-in model whose fused inference format is known)")
     given = [f for f, v in (("--model", args.model), ("--hf-config", args.hf_config), ("--shape", args.shape)) if v]
     if len(given) > 1:
         parser.error(f"give one of --model, --hf-config and --shape, not {' and '.join(given)}")
@@ -215,6 +217,8 @@ def _print_ops(plan: Any, options: Any, per_rank: bool) -> None:
 def _plan_cmd(args: argparse.Namespace) -> int:
     case = _case(args, args.parser)
     _header(case)
+    if args.fused:
+        return _fused(args, case, simulate=False)
     cols = (
         "network",
         "lower bound",
@@ -267,6 +271,8 @@ def _simulate_cmd(args: argparse.Namespace) -> int:
 
     case = _case(args, args.parser)
     _header(case)
+    if args.fused:
+        return _fused(args, case, simulate=True)
     print(f"chunk {case.options.chunk_bytes / (1 << 20):g} MiB; relays {'on' if case.options.relays else 'off'}")
     rows = [(label, p, predict(p)) for label, p, _ in _plans(case)]
     best = rows[0][2].seconds
@@ -286,6 +292,12 @@ def _simulate_cmd(args: argparse.Namespace) -> int:
         "\nloads spread evenly over the ranks of each domain."
     )
     return 0
+
+
+def _fused(args: argparse.Namespace, case: _Case, simulate: bool) -> int:
+    from jreshard.models.fused import fused_report
+
+    return fused_report(args.model, args.train_gpus, args.infer_gpus, case.topology, simulate=simulate)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

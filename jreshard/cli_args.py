@@ -178,3 +178,6 @@ def add_case_args(p: argparse.ArgumentParser) -> None:
         help="the most send/recv operations per rank in one exchange group (default: Options' 2048)",
     )
     p.add_argument("--no-relays", action="store_true", help="plan without relays between destination domains")
+    p.add_argument(
+        "--fused", action="store_true", help="refit into the inference engine's fused format (views), beside the hybrid"
+    )

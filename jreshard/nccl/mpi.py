@@ -119,7 +119,9 @@ class MpiComm(Communicator):
         try:
             return self._proc[rank]
         except KeyError:
-            raise ValueError(f"MpiComm: rank {rank} is not in rank_process (ranks {_short(list(self._proc))})") from None
+            raise ValueError(
+                f"MpiComm: rank {rank} is not in rank_process (ranks {_short(list(self._proc))})"
+            ) from None
 
     def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
         if self._broken is not None:

@@ -1,0 +1,376 @@
+"""Views: lazy, composable index maps from an inference-side tensor to trainer leaves.
+
+A view never holds data. Asked for a box of its own coordinates
+(:meth:`View.regions`), it answers with :class:`Mapped` regions: each is an affine
+image of one box of one source leaf, a permutation of axes and shifts, with the
+cast chain met on the way. Composition is recursion: each constructor turns the
+regions of its operands into regions of its own coordinates. Nothing here imports
+jax or touches an array.
+
+An affine region reads: destination axis ``d`` (``box.lo[d] .. box.hi[d]``) runs
+along source axis ``axes[d]`` from ``src_lo[axes[d]]``; ``axes[d] == -1`` is a new
+axis of extent 1 (from ``stack``); source axes no destination axis runs along have
+extent 1, at ``src_lo`` (from an integer index).
+"""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from jreshard.sharding.box import Box
+from jreshard.sharding.dtypes import dtype_name
+from jreshard.views.casts import check_cast_dtype
+
+__all__ = ["Cast", "Concat", "Index", "Leaf", "Mapped", "Stack", "Transpose", "View", "as_view"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mapped:
+    """A region of a view: ``box`` (view coordinates) is an affine image of a box of ``leaf``.
+
+    Attributes:
+      box: the region, in the view's global coordinates.
+      leaf: the source leaf.
+      src_lo: per source axis, the source index of ``box.lo``.
+      axes: per view axis, the source axis it runs along, or -1 (a new axis of extent 1).
+      chain: the casts met from the leaf to the view, in order.
+    """
+
+    box: Box
+    leaf: Leaf
+    src_lo: tuple[int, ...]
+    axes: tuple[int, ...]
+    chain: tuple[str, ...]
+
+    def src_box(self) -> Box:
+        """The box of the leaf this region reads."""
+        hi = [v + 1 for v in self.src_lo]
+        for d, a in enumerate(self.axes):
+            if a >= 0:
+                hi[a] = self.src_lo[a] + self.box.hi[d] - self.box.lo[d]
+        return Box(self.src_lo, tuple(hi))
+
+    def restrict_src(self, sub: Box) -> Mapped:
+        """The part of this region that reads ``sub`` (a box inside :meth:`src_box`)."""
+        lo, hi = list(self.box.lo), list(self.box.hi)
+        for d, a in enumerate(self.axes):
+            if a >= 0:
+                lo[d] = self.box.lo[d] + sub.lo[a] - self.src_lo[a]
+                hi[d] = lo[d] + sub.hi[a] - sub.lo[a]
+        return Mapped(Box(tuple(lo), tuple(hi)), self.leaf, sub.lo, self.axes, self.chain)
+
+    def restrict(self, sub: Box) -> Mapped:
+        """The part of this region inside ``sub`` (view coordinates, inside ``box``)."""
+        src = list(self.src_lo)
+        for d, a in enumerate(self.axes):
+            if a >= 0:
+                src[a] += sub.lo[d] - self.box.lo[d]
+        return Mapped(sub, self.leaf, tuple(src), self.axes, self.chain)
+
+    def moved(self, box: Box, axes: tuple[int, ...]) -> Mapped:
+        return Mapped(box, self.leaf, self.src_lo, axes, self.chain)
+
+
+class View(abc.ABC):
+    """A lazy tensor: a shape, a dtype, and how each of its boxes maps onto source leaves (abstract).
+
+    Final implementations: :class:`Leaf`, :class:`Cast`, :class:`Transpose`, :class:`Index`,
+    :class:`Stack`, :class:`Concat`, and the two outputs of block quantisation.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @abc.abstractmethod
+    def regions(self, box: Box) -> list[Mapped]:
+        """``box`` (view coordinates) as disjoint affine regions of source leaves, covering it."""
+
+    @abc.abstractmethod
+    def operands(self) -> tuple[View, ...]:
+        """The views this one is built from."""
+
+    @abc.abstractmethod
+    def signature(self, leaf_key: Any) -> tuple:
+        """A hashable description of the composition, leaves replaced by ``leaf_key(leaf)``."""
+
+    def leaves(self) -> list[Leaf]:
+        """The source leaves, each source once (two leaves over one array are one), in first-use order."""
+        out: dict[int, Leaf] = {}
+        stack: list[View] = [self]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, Leaf):
+                out.setdefault(id(v.source), v)
+            stack.extend(reversed(v.operands()))
+        return list(out.values())
+
+    def __getitem__(self, index: Any) -> View:
+        return Index(self, index)
+
+    def astype(self, dtype: object) -> View:
+        return self if dtype_name(dtype) == self.dtype else Cast(self, dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(shape={self.shape}, dtype={self.dtype})"
+
+
+class Leaf(View):
+    """A source leaf: a ``jax.Array``, a ``jax.ShapeDtypeStruct`` with a sharding, or a
+    :class:`~jreshard.Layout` (for planning without arrays). Leaves over the same object
+    (by identity) are the same source."""
+
+    __slots__ = ("dtype", "shape", "source")
+
+    def __init__(self, source: Any):
+        shape = getattr(source, "shape", None)
+        dtype = getattr(source, "dtype", None)
+        if shape is None or dtype is None:
+            raise TypeError(f"a view leaf needs an array, a ShapeDtypeStruct or a Layout; got {type(source).__name__}")
+        self.source, self.shape, self.dtype = source, tuple(int(n) for n in shape), dtype_name(dtype)
+
+    def regions(self, box: Box) -> list[Mapped]:
+        return [Mapped(box, self, box.lo, tuple(range(self.ndim)), ())]
+
+    def operands(self) -> tuple[View, ...]:
+        return ()
+
+    def signature(self, leaf_key: Any) -> tuple:
+        return ("leaf", leaf_key(self))
+
+
+def as_view(x: Any, what: str = "x") -> View:
+    """``x`` itself when it is a view, else a :class:`Leaf` over it."""
+    if isinstance(x, View):
+        return x
+    try:
+        return Leaf(x)
+    except TypeError as err:
+        raise TypeError(f"{what}: {err}") from None
+
+
+class Cast(View):
+    """``x`` cast to ``dtype`` (``jnp.astype`` semantics, :mod:`jreshard.views.casts`)."""
+
+    __slots__ = ("dtype", "shape", "x")
+
+    def __init__(self, x: View, dtype: object):
+        check_cast_dtype(x.dtype, "astype: the operand's dtype")
+        self.x, self.shape, self.dtype = x, x.shape, check_cast_dtype(dtype, "astype(dtype=...)")
+
+    def regions(self, box: Box) -> list[Mapped]:
+        return [dataclasses.replace(m, chain=(*m.chain, self.dtype)) for m in self.x.regions(box)]
+
+    def operands(self) -> tuple[View, ...]:
+        return (self.x,)
+
+    def signature(self, leaf_key: Any) -> tuple:
+        return ("cast", self.dtype, self.x.signature(leaf_key))
+
+
+class Transpose(View):
+    """Axis ``d`` of the result is axis ``perm[d]`` of ``x`` (``jnp.transpose``)."""
+
+    __slots__ = ("dtype", "perm", "shape", "x")
+
+    def __init__(self, x: View, perm: Sequence[int]):
+        perm = tuple(int(p) for p in perm)
+        if sorted(perm) != list(range(x.ndim)):
+            raise ValueError(f"transpose: perm={perm} is not a permutation of the {x.ndim} axes of shape {x.shape}")
+        self.x, self.perm, self.dtype = x, perm, x.dtype
+        self.shape = tuple(x.shape[p] for p in perm)
+
+    def regions(self, box: Box) -> list[Mapped]:
+        inner = [0] * self.ndim
+        for d, p in enumerate(self.perm):
+            inner[p] = d
+        lo = tuple(box.lo[inner[p]] for p in range(self.ndim))
+        hi = tuple(box.hi[inner[p]] for p in range(self.ndim))
+        out = []
+        for m in self.x.regions(Box(lo, hi)):
+            b = Box(tuple(m.box.lo[p] for p in self.perm), tuple(m.box.hi[p] for p in self.perm))
+            out.append(m.moved(b, tuple(m.axes[p] for p in self.perm)))
+        return out
+
+    def operands(self) -> tuple[View, ...]:
+        return (self.x,)
+
+    def signature(self, leaf_key: Any) -> tuple:
+        return ("transpose", self.perm, self.x.signature(leaf_key))
+
+
+class Index(View):
+    """A static index of ``x``: integers (which drop their axis), unit-step slices and ``...``."""
+
+    __slots__ = ("dtype", "keep", "shape", "spans", "x")
+
+    def __init__(self, x: View, index: Any):
+        items = index if isinstance(index, tuple) else (index,)
+        if sum(i is Ellipsis for i in items) > 1:
+            raise IndexError(f"index {index!r}: at most one Ellipsis")
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
+            items = items[:at] + (slice(None),) * (x.ndim - len(items) + 1) + items[at + 1 :]
+        if len(items) > x.ndim:
+            raise IndexError(f"index {index!r} has {len(items)} entries but the view has shape {x.shape}")
+        items = items + (slice(None),) * (x.ndim - len(items))
+        spans, keep = [], []
+        for d, (it, n) in enumerate(zip(items, x.shape, strict=True)):
+            if isinstance(it, slice):
+                start, stop, step = it.indices(n)
+                if step != 1:
+                    raise IndexError(f"index {index!r}: views take unit-step slices only, got step {step} on axis {d}")
+                spans.append((start, max(start, stop)))
+                keep.append(True)
+            elif isinstance(it, int) and not isinstance(it, bool):
+                if not -n <= it < n:
+                    raise IndexError(f"index {index!r}: {it} is out of range for axis {d} of size {n}")
+                spans.append((it % n, it % n + 1))
+                keep.append(False)
+            else:
+                raise IndexError(f"index {index!r}: views take ints, unit-step slices and ..., not {it!r}")
+        self.x, self.spans, self.keep, self.dtype = x, tuple(spans), tuple(keep), x.dtype
+        self.shape = tuple(b - a for (a, b), k in zip(spans, keep, strict=True) if k)
+
+    def regions(self, box: Box) -> list[Mapped]:
+        lo, hi, j = [], [], 0
+        for (a, _), k in zip(self.spans, self.keep, strict=True):
+            if k:
+                lo.append(a + box.lo[j])
+                hi.append(a + box.hi[j])
+                j += 1
+            else:
+                lo.append(a)
+                hi.append(a + 1)
+        out = []
+        kept = [d for d, k in enumerate(self.keep) if k]
+        for m in self.x.regions(Box(tuple(lo), tuple(hi))):
+            b = Box(
+                tuple(m.box.lo[d] - self.spans[d][0] for d in kept),
+                tuple(m.box.hi[d] - self.spans[d][0] for d in kept),
+            )
+            out.append(m.moved(b, tuple(m.axes[d] for d in kept)))
+        return out
+
+    def operands(self) -> tuple[View, ...]:
+        return (self.x,)
+
+    def signature(self, leaf_key: Any) -> tuple:
+        return ("index", self.spans, self.keep, self.x.signature(leaf_key))
+
+
+def _same_dtype(parts: Sequence[View], what: str) -> str:
+    dtypes = sorted({p.dtype for p in parts})
+    if len(dtypes) != 1:
+        raise TypeError(f"{what}: the parts have dtypes {dtypes}; cast them to one with astype first")
+    return dtypes[0]
+
+
+class Stack(View):
+    """``jnp.stack(parts, axis)``: a new axis ``axis`` whose index ``i`` is part ``i``."""
+
+    __slots__ = ("axis", "dtype", "parts", "shape")
+
+    def __init__(self, parts: Sequence[View], axis: int = 0):
+        parts = tuple(parts)
+        if not parts:
+            raise ValueError("stack: needs at least one part")
+        shapes = sorted({p.shape for p in parts})
+        if len(shapes) != 1:
+            raise ValueError(f"stack: the parts have shapes {shapes}; they must be equal")
+        nd = parts[0].ndim + 1
+        if not -nd <= axis < nd:
+            raise ValueError(f"stack: axis={axis} is out of range for {nd}-d results")
+        self.parts, self.axis, self.dtype = parts, axis % nd, _same_dtype(parts, "stack")
+        s = parts[0].shape
+        self.shape = (*s[: self.axis], len(parts), *s[self.axis :])
+
+    def regions(self, box: Box) -> list[Mapped]:
+        a, out = self.axis, []
+        inner = Box(box.lo[:a] + box.lo[a + 1 :], box.hi[:a] + box.hi[a + 1 :])
+        for i in range(box.lo[a], box.hi[a]):
+            for m in self.parts[i].regions(inner):
+                b = Box((*m.box.lo[:a], i, *m.box.lo[a:]), (*m.box.hi[:a], i + 1, *m.box.hi[a:]))
+                out.append(m.moved(b, (*m.axes[:a], -1, *m.axes[a:])))
+        return out
+
+    def operands(self) -> tuple[View, ...]:
+        return self.parts
+
+    def signature(self, leaf_key: Any) -> tuple:
+        return ("stack", self.axis, tuple(p.signature(leaf_key) for p in self.parts))
+
+
+class Concat(View):
+    """``parts`` concatenated along ``axis`` in ``groups`` interleaved groups.
+
+    Group ``i`` holds the ``i``-th of ``groups`` equal slices of each part, in part
+    order; ``groups=1`` is ``jnp.concatenate``. A part may appear more than once.
+    """
+
+    __slots__ = ("axis", "dtype", "groups", "parts", "segments", "shape", "starts")
+
+    def __init__(self, parts: Sequence[View], axis: int = 0, groups: int = 1):
+        parts = tuple(parts)
+        if not parts:
+            raise ValueError("concat: needs at least one part")
+        nd = parts[0].ndim
+        if nd == 0 or not -nd <= axis < nd:
+            raise ValueError(f"concat: axis={axis} is out of range for parts of shape {parts[0].shape}")
+        axis %= nd
+        rest = sorted({p.shape[:axis] + p.shape[axis + 1 :] for p in parts})
+        if len(rest) != 1 or any(p.ndim != nd for p in parts):
+            raise ValueError(f"concat: parts {[p.shape for p in parts]} differ outside axis {axis}")
+        if not isinstance(groups, int) or groups < 1 or any(p.shape[axis] % groups for p in parts):
+            raise ValueError(
+                f"concat: groups={groups} must be a positive integer dividing every part's axis {axis} "
+                f"(sizes {[p.shape[axis] for p in parts]})"
+            )
+        self.parts, self.axis, self.groups, self.dtype = parts, axis, groups, _same_dtype(parts, "concat")
+        segs, start = [], 0  # (start in the result, length, part, start in the part)
+        for g in range(groups):
+            for i, p in enumerate(parts):
+                n = p.shape[axis] // groups
+                if n:
+                    segs.append((start, n, i, g * n))
+                start += n
+        self.segments, self.starts = tuple(segs), [s[0] for s in segs]
+        self.shape = (*parts[0].shape[:axis], start, *parts[0].shape[axis + 1 :])
+
+    def regions(self, box: Box) -> list[Mapped]:
+        a, out = self.axis, []
+        lo, hi = box.lo[a], box.hi[a]
+        k = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while k < len(self.segments) and self.segments[k][0] < hi:
+            start, n, i, off = self.segments[k]
+            k += 1
+            s_lo, s_hi = max(lo, start), min(hi, start + n)
+            if s_lo >= s_hi:
+                continue
+            shift = off - start
+            inner = Box((*box.lo[:a], s_lo + shift, *box.lo[a + 1 :]), (*box.hi[:a], s_hi + shift, *box.hi[a + 1 :]))
+            for m in self.parts[i].regions(inner):
+                b = Box(
+                    (*m.box.lo[:a], m.box.lo[a] - shift, *m.box.lo[a + 1 :]),
+                    (*m.box.hi[:a], m.box.hi[a] - shift, *m.box.hi[a + 1 :]),
+                )
+                out.append(m.moved(b, m.axes))
+        return out
+
+    def operands(self) -> tuple[View, ...]:
+        return self.parts
+
+    def signature(self, leaf_key: Any) -> tuple:
+        return ("concat", self.axis, self.groups, tuple(p.signature(leaf_key) for p in self.parts))

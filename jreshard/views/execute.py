@@ -1,0 +1,261 @@
+"""transfer() and transfer_into() for pytrees of views, in one process.
+
+Front door (flatten, check every leaf and target before a byte moves) -> lowering
+(:mod:`jreshard.views.lowering`, cached by the views' composition and layouts) ->
+:func:`_execute_pieces` (numpy copies from zero-copy DLPack views of the source
+shards into 64-byte-aligned destination buffers, each cast inside its copy) ->
+zero-copy import of each destination shard and
+``jax.make_array_from_single_device_arrays``. No global array is built on any
+device or on the host: a quantised leaf gathers, per destination shard, only the
+blocks that shard needs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreshard.errors import LayoutError, LayoutMismatchError, TransferError
+from jreshard.nccl.buffers import aligned_empty, export_source, import_shard, writable_view
+from jreshard.sharding.box import Box
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.topology import Topology
+from jreshard.views.algebra import Leaf, View, as_view
+from jreshard.views.casts import cast_into
+from jreshard.views.lowering import LeafLowering, Piece, QuantTask, lower_tree
+from jreshard.views.quant import _Quant
+
+__all__ = ["transfer", "transfer_into"]
+
+_CACHE: dict[tuple, list[LeafLowering]] = {}
+
+
+def _is_view(x: Any) -> bool:
+    return isinstance(x, View)
+
+
+def _targets(views: list, treedef: Any, target: Any) -> list:
+    if isinstance(target, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
+        return [target] * len(views)
+    try:
+        return treedef.flatten_up_to(target)
+    except (ValueError, TypeError) as err:
+        raise LayoutMismatchError(f"target does not match the structure of the views: {err}") from None
+
+
+def _front(x: Any, target: Any, what: str) -> tuple:
+    """Flatten and check; returns (treedef, views, shardings, leaves, layouts, dst layouts)."""
+    flat, treedef = jax.tree_util.tree_flatten(x, is_leaf=_is_view)
+    tgts = _targets(flat, treedef, target)
+    views, shardings = [], []
+    for i, (leaf, t) in enumerate(zip(flat, tgts, strict=True)):
+        v = as_view(leaf, f"{what}: leaf {i}")
+        if what == "into":
+            if not isinstance(t, jax.Array) or t.is_deleted():
+                raise LayoutError(f"transfer_into: into leaf {i} is {type(t).__name__}, not a live jax.Array")
+            sh, dtype, shape = t.sharding, t.dtype, t.shape
+        elif isinstance(t, jax.ShapeDtypeStruct):
+            if t.sharding is None:
+                raise LayoutError(f"transfer: target leaf {i} is a ShapeDtypeStruct without a sharding")
+            sh, dtype, shape = t.sharding, t.dtype, t.shape
+        elif isinstance(t, jax.sharding.Sharding):
+            sh, dtype, shape = t, v.dtype, v.shape  # type: ignore[assignment]
+        else:
+            raise LayoutError(f"transfer: target leaf {i} is {t!r}; expected a jax Sharding or ShapeDtypeStruct")
+        if tuple(shape) != v.shape:
+            raise LayoutMismatchError(f"{what}: leaf {i} has shape {v.shape} but its target holds {tuple(shape)}")
+        views.append(v.astype(dtype))
+        shardings.append(sh)
+    leaves: dict[int, Leaf] = {}
+    for v in views:
+        for leaf in v.leaves():
+            leaves.setdefault(id(leaf.source), leaf)
+    srcs = list(leaves.values())
+    for j, leaf in enumerate(srcs):
+        a = leaf.source
+        if not isinstance(a, jax.Array):
+            raise LayoutError(f"{what}: source leaf {j} is {type(a).__name__}; transfer needs live jax.Arrays")
+        if a.is_deleted():
+            raise LayoutError(f"{what}: source leaf {j} has been deleted or donated; pass a live array")
+    layouts = [Layout.from_sharding(leaf.source.sharding, leaf.shape, leaf.dtype) for leaf in srcs]
+    dsts = [Layout.from_sharding(sh, v.shape, v.dtype) for v, sh in zip(views, shardings, strict=True)]
+    return treedef, views, shardings, srcs, layouts, dsts
+
+
+def _lowerings(views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None) -> list[LeafLowering]:
+    pos = {id(leaf.source): i for i, leaf in enumerate(srcs)}
+    if topology is None:
+        devices = {d for leaf in srcs for d in leaf.source.sharding.device_set}
+        topology = Topology.from_devices(sorted(devices | _devices(dsts), key=lambda d: d.id))  # type: ignore[attr-defined]
+    key = (tuple(v.signature(lambda leaf: pos[id(leaf.source)]) for v in views), tuple(layouts), tuple(dsts), topology)
+    got = _CACHE.get(key)
+    if got is None:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        got = _CACHE[key] = lower_tree(views, srcs, layouts, dsts, topology)
+    return got
+
+
+def _devices(dsts: list) -> set:
+    ids = {r for d in dsts for r in d.ranks}
+    return {d for d in jax.devices() if d.id in ids}
+
+
+def _execute_pieces(
+    lowerings: Sequence[LeafLowering],
+    views: Sequence[View],
+    src: Mapping[tuple[int, int], np.ndarray],
+    src_box: Mapping[tuple[int, int], Box],
+    dst: Sequence[Mapping[int, np.ndarray]],
+) -> None:
+    """Run every piece: ``src[(leaf, rank)]`` is a typed read-only source shard holding
+    ``src_box[(leaf, rank)]``; ``dst[t][rank]`` the typed destination shard of leaf ``t``.
+
+    Each piece is a strided copy (a permuted view of the source, cast on the way); a
+    quantised leaf's pieces fill a tile of whole blocks per destination shard, quantised after.
+    """
+    jobs: dict[tuple[int, int], list[Piece]] = {}  # per destination shard: its pieces write disjoint boxes
+    nbytes = 0
+    for t, low in enumerate(lowerings):
+        for p in low.pieces:
+            jobs.setdefault((t, p.dst_rank), []).append(p)
+            nbytes += p.wire_bytes
+
+    def shard(t: int, r: int) -> None:
+        for p in jobs[(t, r)]:
+            _copy_piece(p, src, src_box, dst[t][r])
+
+    def quantised(t: int, task: QuantTask) -> None:
+        quant = views[t]
+        assert isinstance(quant, _Quant)
+        tile = np.empty(task.hull.shape, np.dtype(_np_dtype(quant.x.dtype)))
+        for p in task.pieces:
+            _copy_piece(p, src, src_box, tile)
+        dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
+
+    calls = [(shard, key) for key in jobs] + [(quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
+    if nbytes < _THREADED_BYTES or len(calls) < 2:
+        for fn, args in calls:
+            fn(*args)  # type: ignore[operator]
+        return
+    # numpy releases the GIL inside copies and casts: one destination shard per task, every core busy.
+    for f in [_pool().submit(fn, *args) for fn, args in calls]:  # type: ignore[operator]
+        f.result()
+
+
+_THREADED_BYTES = 4 << 20
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jreshard-views"))
+    return _POOL[0]
+
+
+def _np_dtype(name: str) -> np.dtype:
+    from jreshard.sharding.dtypes import numpy_dtype
+
+    return numpy_dtype(name)
+
+
+def _copy_piece(p: Piece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:
+    s = src[(p.leaf, p.src_rank)]
+    o = src_box[(p.leaf, p.src_rank)].lo
+    region = s[(*(slice(a - b, c - b) for a, c, b in zip(p.src_box.lo, p.src_box.hi, o, strict=True)), ...)]
+    used = [a for a in p.axes if a >= 0]
+    rest = [a for a in range(region.ndim) if a not in used]
+    v = region.transpose(used + rest).reshape(p.dst_box.shape)
+    cast_into(out[(*p.dst_box.slices(), ...)], v, p.sender_casts + p.receiver_casts)  # "...": 0-d views stay arrays
+
+
+def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layout]) -> tuple[dict, dict]:
+    wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
+    wanted |= {(p.leaf, p.src_rank) for low in lowerings for t in low.tasks for p in t.pieces}
+    arrays, boxes = {}, {}
+    for i, leaf in enumerate(srcs):
+        shards = {s.device.id: s.data for s in leaf.source.addressable_shards}
+        for r in sorted(r for (j, r) in wanted if j == i):
+            if r not in shards:
+                raise TransferError(f"source leaf {i}: rank {r}'s shard is not addressable in this process")
+            box = layouts[i].box_of(r)
+            arrays[(i, r)] = export_source(shards[r]).view(layouts[i].np_dtype).reshape(box.shape)
+            boxes[(i, r)] = box
+    return arrays, boxes
+
+
+def transfer(x: Any, target: Any, *, topology: Topology | None = None) -> Any:
+    """Materialise a pytree of views (and arrays) in the target shardings, shard to shard.
+
+    Args:
+      x: a pytree whose leaves are views (:mod:`jreshard.views`) or ``jax.Array`` s.
+      target: a ``jax.sharding.Sharding`` or ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``
+        (a cast to ``dtype``), or a pytree of them matching ``x``.
+      topology: the fast-link domains (default: one per process); decides which holder each piece reads.
+
+    Returns:
+      New committed ``jax.Array`` s, one per leaf.
+
+    Raises:
+      LayoutMismatchError: structure or shapes differ; LayoutError: a bad target or a deleted source;
+      TypeError: a cast views do not support.
+    """
+    treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
+    lowerings = _lowerings(views, srcs, layouts, dsts, topology)
+    arrays, boxes = _sources(lowerings, srcs, layouts)
+    bufs: list[dict[int, np.ndarray]] = []
+    raw: list[dict[int, np.ndarray]] = []
+    for d in dsts:
+        item = d.np_dtype.itemsize
+        raw.append({r: aligned_empty(b.volume * item) for r, b in zip(d.ranks, d.boxes, strict=True)})
+        bufs.append({r: raw[-1][r].view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
+    _execute_pieces(lowerings, views, arrays, boxes, bufs)
+    del arrays
+    out = []
+    for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
+        devs = {dev.id: dev for dev in sh.addressable_devices}
+        parts = [import_shard(raw[t][r], d.box_of(r).shape, d.np_dtype, devs[r]) for r in d.ranks]
+        out.append(jax.make_array_from_single_device_arrays(d.shape, sh, parts))
+    return treedef.unflatten(out)
+
+
+def transfer_into(x: Any, into: Any, *, topology: Topology | None = None) -> Any:
+    """Write a pytree of views into the donated arrays ``into`` (same structure, shapes and dtypes).
+
+    The caller donates ``into``: use the returned arrays (over ``into``'s buffers) afterwards.
+    Every check runs before a byte is written.
+
+    Raises:
+      LayoutMismatchError: structure or shapes differ; LayoutError: ``into`` shares a buffer with a
+      source, or a leaf is deleted.
+    """
+    treedef, views, _shardings, srcs, layouts, dsts = _front(x, into, "into")
+    into_leaves = treedef.flatten_up_to(into)
+    src_ptrs = {s.data.unsafe_buffer_pointer() for leaf in srcs for s in leaf.source.addressable_shards}
+    for i, a in enumerate(into_leaves):
+        if any(s.data.unsafe_buffer_pointer() in src_ptrs for s in a.addressable_shards):
+            raise LayoutError(f"transfer_into: into leaf {i} shares memory with a source leaf; pass a separate array")
+    lowerings = _lowerings(views, srcs, layouts, dsts, topology)
+    arrays, boxes = _sources(lowerings, srcs, layouts)
+    bufs = []
+    for d, a in zip(dsts, into_leaves, strict=True):
+        shards = {s.device.id: s.data for s in a.addressable_shards}
+        bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
+    try:
+        _execute_pieces(lowerings, views, arrays, boxes, bufs)
+    except Exception as err:
+        raise TransferError(
+            f"transfer_into failed while copying ({type(err).__name__}: {err}); `into` is partly overwritten",
+            destination_intact=False,
+        ) from err
+    del arrays, bufs
+    out = [
+        jax.make_array_from_single_device_arrays(a.shape, a.sharding, [s.data for s in a.addressable_shards])
+        for a in into_leaves
+    ]
+    return treedef.unflatten(out)
