@@ -43,9 +43,12 @@ if _typing.TYPE_CHECKING:
     from jreshard.refit import RefitGroup as RefitGroup
 
 _LAZY = {"transfer": "jreshard.api", "transfer_into": "jreshard.api", "RefitGroup": "jreshard.refit"}
+_SUBPACKAGES = ("views", "elastic")  # loaded on first use: they import jax
 
 
 def __getattr__(name: str) -> object:
+    if name in _SUBPACKAGES:
+        return _importlib.import_module(f"jreshard.{name}")
     if name in _LAZY:
         value = getattr(_importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
@@ -87,6 +90,8 @@ __all__ = [
     "Transfer",
     "baselines",
     "cost",
+    "views",
+    "elastic",
     # errors
     "LayoutError",
     "LayoutMismatchError",

@@ -81,6 +81,8 @@ def _run(
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"topology={topology!r} ({type(topology).__name__}); expected jreshard.Topology or None")
     options = options or Options()
+    if _has_views(x):
+        return _run_views(x, target, mode, topology, options, report)
     builder = ReportBuilder(Backend.LOCAL)
     with builder.timed(ReportPhase.PLAN):
         choice, single_process = _route(x, target, mode, options)
@@ -101,6 +103,27 @@ def _run(
     else:
         result = _engine(x, target, choice, single_process, topology, options, builder)
     return (result, builder.build()) if report else result
+
+
+def _has_views(x: PyTree) -> bool:
+    from jreshard.views.algebra import View
+
+    return any(isinstance(v, View) for v in jax.tree_util.tree_leaves(x, is_leaf=lambda v: isinstance(v, View)))
+
+
+def _run_views(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options, report: bool) -> Any:
+    """A pytree with views among its leaves (casts, fused parameters...): :mod:`jreshard.views`, in one process."""
+    if options.backend not in (Backend.AUTO, Backend.LOCAL):
+        raise BackendUnavailableError(
+            f"views run in one process (backend 'local'); options.backend={options.backend.value!r} cannot run them"
+        )
+    if report:
+        raise BackendUnavailableError("report=True is not available for pytrees with views yet; call without report")
+    from jreshard.views import execute
+
+    if mode is Mode.INTO:
+        return execute.transfer_into(x, target, topology=topology)
+    return execute.transfer(x, target, topology=topology)
 
 
 def _engine(

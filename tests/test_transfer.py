@@ -353,3 +353,20 @@ def test_transfer_into_says_when_a_copy_fails_midway(monkeypatch):
     with pytest.raises(jreshard.TransferError, match="consumed") as info:
         jreshard.transfer_into(x, into)
     assert info.value.destination_intact is False
+
+
+def test_transfer_accepts_views_anywhere_a_leaf_is_allowed():
+    """jreshard.transfer / transfer_into route a pytree with views to the views executor."""
+    devs = np.array(jax.devices())
+    fsdp = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
+    tp2 = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    q, k, v = (_make((8, 16), jnp.float32, fsdp, i) for i in range(3))
+    fused = jreshard.views.astype(jreshard.views.concat([q, k, v], axis=1, groups=2), jnp.bfloat16)
+    out = jreshard.transfer({"qkv": fused, "q": q}, {"qkv": tp2, "q": tp2})
+    want = jnp.concatenate([jnp.concatenate([a[:, h * 8 : h * 8 + 8] for a in (q, k, v)], axis=1) for h in (0, 1)], 1)
+    _shards_equal(out["qkv"], jax.device_put(want.astype(jnp.bfloat16), tp2))
+    _shards_equal(out["q"], jax.device_put(q, tp2))
+    again = jreshard.transfer_into({"qkv": fused, "q": q}, out)
+    _shards_equal(again["qkv"], jax.device_put(want.astype(jnp.bfloat16), tp2))
+    with pytest.raises(jreshard.BackendUnavailableError, match="report=True"):
+        jreshard.transfer({"qkv": fused}, {"qkv": tp2}, report=True)
