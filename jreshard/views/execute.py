@@ -231,8 +231,8 @@ def transfer_into(x: Any, into: Any, *, topology: Topology | None = None) -> Any
     Every check runs before a byte is written.
 
     Raises:
-      LayoutMismatchError: structure or shapes differ; LayoutError: ``into`` shares a buffer with a
-      source, or a leaf is deleted.
+      LayoutMismatchError: structure or shapes differ.
+      LayoutError: ``into`` shares a buffer with a source, or a leaf is deleted.
     """
     treedef, views, _shardings, srcs, layouts, dsts = _front(x, into, "into")
     into_leaves = treedef.flatten_up_to(into)
