@@ -25,10 +25,15 @@ LayoutPair = tuple[Layout, Layout]  # (source layout, destination layout) of one
 
 def check_pairs(pairs: Sequence[LayoutPair], topology: Topology, names: Sequence[str]) -> None:
     """Raise when a pair disagrees on shape or dtype, or names a rank the topology lacks."""
+    seen: set[int] = set()  # ids of the layouts checked against the topology (equal layouts are one object)
     for (src, dst), name in zip(pairs, names, strict=True):
         check_pair(src, dst, name)
-        topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
-        topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
+        if id(src) not in seen:
+            topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
+            seen.add(id(src))
+        if id(dst) not in seen:
+            topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
+            seen.add(id(dst))
 
 
 def default_topology(pairs: Sequence[LayoutPair]) -> Topology:

@@ -129,42 +129,77 @@ class _Context:
     shared_devices: bool  # whether two destination ranks share a device (their fan-out is then a local copy)
 
 
-@cache(max_size=512)
-def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _SourceSide:
+    sidx: SourceIndex
+    holders_in: tuple[dict[int, tuple[int, ...]], ...]
+    on_device: tuple[dict[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _DestinationSide:
+    groups: tuple[tuple[Box, tuple[int, ...]], ...]
+    by_domain: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
+    dlo: np.ndarray
+    dhi: np.ndarray
+    overlaps: Overlaps | None
+    shared_devices: bool
+
+
+@cache(max_size=1024)
+def _source_side(src: Layout, topo: Topology) -> _SourceSide:
+    """What every unit reads about the source layout (shared by every pair with this source)."""
     sidx = source_index(src)
-    groups = dst.replica_groups()
-    by_domain = []
-    for _, ranks in groups:
-        doms: dict[int, list[int]] = {}
-        for r in ranks:
-            doms.setdefault(topo.domain_of(r), []).append(r)
-        by_domain.append(tuple((g, tuple(rs)) for g, rs in sorted(doms.items())))
+    domain, device = topo._domain, topo._device
     holders_in, on_device = [], []
     for hs in sidx.holders:
         inn: dict[int, list[int]] = {}
         dev: dict[int, int] = {}
         for h in hs:
-            inn.setdefault(topo.domain_of(h), []).append(h)
-            dev.setdefault(topo.device_of(h), h)
+            inn.setdefault(domain[h], []).append(h)
+            dev.setdefault(device[h], h)
         holders_in.append({g: tuple(v) for g, v in inn.items()})
         on_device.append(dev)
+    return _SourceSide(sidx, tuple(holders_in), tuple(on_device))
+
+
+@cache(max_size=1024)
+def _destination_side(dst: Layout, topo: Topology) -> _DestinationSide:
+    """What every unit reads about the destination layout (shared by every pair with this destination)."""
+    groups = dst.replica_groups()
+    domain = topo._domain
+    by_domain = []
+    for _, ranks in groups:
+        doms: dict[int, list[int]] = {}
+        for r in ranks:
+            doms.setdefault(domain[r], []).append(r)
+        by_domain.append(tuple((g, tuple(rs)) for g, rs in sorted(doms.items())))
     dlo = np.array([b.lo for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
     dhi = np.array([b.hi for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
     by_domain_t = tuple(by_domain)
-    devs = [topo.device_of(r) for r in dst.ranks]
+    devs = [topo._device[r] for r in dst.ranks]
+    overlaps = None if disjoint(tuple(b for b, _ in groups), dst.ndim) else overlaps_of(groups, by_domain_t, dlo, dhi)
+    return _DestinationSide(groups, by_domain_t, dlo, dhi, overlaps, len(set(devs)) < len(devs))
+
+
+@cache(max_size=4096)
+def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
+    topo.check_ranks(src.ranks, "the source layout")
+    topo.check_ranks(dst.ranks, "the destination layout")
+    s, d = _source_side(src, topo), _destination_side(dst, topo)
     return _Context(
         src,
         dst,
         topo,
-        sidx,
-        groups,
-        by_domain_t,
-        tuple(holders_in),
-        tuple(on_device),
-        dlo,
-        dhi,
-        None if disjoint(tuple(b for b, _ in groups), dst.ndim) else overlaps_of(groups, by_domain_t, dlo, dhi),
-        len(set(devs)) < len(devs),
+        s.sidx,
+        d.groups,
+        d.by_domain,
+        s.holders_in,
+        s.on_device,
+        d.dlo,
+        d.dhi,
+        d.overlaps,
+        d.shared_devices,
     )
 
 
@@ -210,6 +245,8 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
                 net.append((k, pbox))
                 need[k].append(g)
                 continue
+            if only is not None and only not in holders and only not in inside:
+                continue  # no row of this landing involves only (a same-device replica is inside too)
             for q, r in enumerate(holders):
                 h = ctx.on_device[j].get(topo.device_of(r))
                 if h is not None:
@@ -237,6 +274,7 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
             by_piece[g] = got
         return got
 
+    dom_only = None if only is None else next((g for g, hs in ranks_of.items() if only in hs), None)
     for k, doms in enumerate(need):
         if not doms:
             continue
@@ -252,7 +290,11 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
         if partial:
             chains += [[g] for g in doms if (k, g) in partial]
         turn = k  # the emitter adds the rotation
+        bystander = only is not None and only not in replicas  # then only rows of only's own domain involve it
         for chain in chains:
+            if bystander and dom_only not in chain:
+                turn += len(stripes_of(chain[0]).get(k, ()))  # its landings only advance the rotation
+                continue
             prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
             for hop, g in enumerate(chain):
                 holders = ranks_of[g]
@@ -261,9 +303,12 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
                     # the landings still advance ``turn``.
                     mine = stripes_of(g).get(k, []) if prev is None or chain[hop + 1 :] else []
                     if prev is None:
-                        for b, q in mine:
-                            out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
-                            turn += 1
+                        if only not in replicas:
+                            turn += len(mine)  # the landings only advance the rotation
+                        else:
+                            for b, q in mine:
+                                out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
+                                turn += 1
                     prev = (holders, mine)
                     continue
                 mine = stripes_of(g).get(k, [])
