@@ -18,7 +18,15 @@ from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 from jreshard.sharding.units import check_pair, plan_tensor, rank_rows
 
-__all__ = ["LayoutPair", "check_pairs", "default_topology", "plan_layouts", "rank_program", "tensor_names"]
+__all__ = [
+    "LayoutPair",
+    "check_pairs",
+    "default_topology",
+    "plan_layouts",
+    "rank_program",
+    "rank_programs",
+    "tensor_names",
+]
 
 LayoutPair = tuple[Layout, Layout]  # (source layout, destination layout) of one tensor
 
@@ -142,3 +150,27 @@ def rank_program(
     check_pairs(pairs, topology, tensor_names(pairs, names))
     rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
     return program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])
+
+
+def rank_programs(
+    pairs: Sequence[LayoutPair],
+    ranks: Sequence[int],
+    topology: Topology | None = None,
+    options: Options | None = None,
+    names: Sequence[str] | None = None,
+) -> dict[int, RankProgram]:
+    """The programs of the ranks one process drives, ``{rank: RankProgram}``, without the whole plan.
+
+    Each equals ``plan_layouts(...).program(rank)``: what the rank sends, receives (from
+    whom, at which stage, the pieces in order) and copies locally.
+    """
+    _check_inputs(topology, options)
+    pairs = _canonical(pairs)
+    topology = topology or default_topology(pairs)
+    options = options or Options()
+    check_pairs(pairs, topology, tensor_names(pairs, names))
+    out: dict[int, RankProgram] = {}
+    for rank in sorted(set(ranks)):
+        rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
+        out[rank] = program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])
+    return out
