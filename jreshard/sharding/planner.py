@@ -23,6 +23,7 @@ __all__ = [
     "check_pairs",
     "default_topology",
     "plan_layouts",
+    "prepare_pairs",
     "rank_program",
     "rank_programs",
     "tensor_names",
@@ -98,6 +99,18 @@ def _canonical(pairs: Sequence[LayoutPair]) -> tuple[LayoutPair, ...]:
 def _check_inputs(topology: object, options: object) -> None:
     Topology.check_arg(topology)
     Options.of(options)
+
+
+def prepare_pairs(
+    pairs: Sequence[LayoutPair], topology: Topology | None, options: Options | None, names: Sequence[str] | None
+) -> tuple[tuple[LayoutPair, ...], Topology, Options]:
+    """Check the arguments and return the canonical pairs, the topology and the options (defaults filled in)."""
+    _check_inputs(topology, options)
+    pairs = _canonical(pairs)
+    topology = topology or default_topology(pairs)
+    options = options or Options()
+    check_pairs(pairs, topology, tensor_names(pairs, names))
+    return pairs, topology, options
 
 
 @cache(max_size=128)

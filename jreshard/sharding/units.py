@@ -47,7 +47,17 @@ from jreshard.sharding.pieces import SourceIndex, disjoint, overlapping, pieces_
 from jreshard.sharding.rows import Emitter, Phase, Row, TensorPlan, TensorTemplate
 from jreshard.sharding.topology import Link, Topology
 
-__all__ = ["check_pair", "plan_rows", "plan_tensor", "plan_tensor_for_rank", "rank_rows", "stripe", "units_of_rank"]
+__all__ = [
+    "check_pair",
+    "plan_rows",
+    "plan_tensor",
+    "plan_tensor_for_rank",
+    "rank_rows",
+    "rotation_of",
+    "stripe",
+    "template_of",
+    "units_of_rank",
+]
 
 
 def check_pair(src: Layout, dst: Layout, name: str) -> None:
@@ -376,6 +386,16 @@ def _template(src: Layout, dst: Layout, topo: Topology, opts: Options) -> Tensor
 @cache(max_size=4096)
 def _tensor_plan(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
     return _template(src, dst, topo, opts).stamp(rot)
+
+
+def template_of(src: Layout, dst: Layout, topo: Topology, opts: Options) -> TensorTemplate:
+    """A layout pair's template, planned afresh and not kept (for simulations too large to cache)."""
+    return _template.__wrapped__(src, dst, topo, opts)  # type: ignore[attr-defined]
+
+
+def rotation_of(src: Layout, dst: Layout, topo: Topology, tensor_index: int) -> int:
+    """The replica rotation of tensor ``tensor_index`` (a pure function of its layouts and index)."""
+    return _rotation(_context(src, dst, topo), tensor_index)
 
 
 def plan_rows(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
