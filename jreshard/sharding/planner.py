@@ -155,12 +155,15 @@ def rank_program(
     """One rank's program, built from only the units that rank takes part in.
 
     Equal to ``plan_layouts(...).program(rank)`` without planning other ranks' units.
+    Cached by its inputs, like plans.
     """
-    _check_inputs(topology, options)
-    pairs = _canonical(pairs)
-    topology = topology or default_topology(pairs)
-    options = options or Options()
-    check_pairs(pairs, topology, tensor_names(pairs, names))
+    pairs, topology, options = prepare_pairs(pairs, topology, options, names)
+    key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
+    return _rank_program_cached(pairs, rank, topology, key_opts)
+
+
+@cache(max_size=256)
+def _rank_program_cached(pairs: tuple[LayoutPair, ...], rank: int, topology: Topology, options: Options) -> RankProgram:
     rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
     return program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])
 
@@ -177,13 +180,6 @@ def rank_programs(
     Each equals ``plan_layouts(...).program(rank)``: what the rank sends, receives (from
     whom, at which stage, the pieces in order) and copies locally.
     """
-    _check_inputs(topology, options)
-    pairs = _canonical(pairs)
-    topology = topology or default_topology(pairs)
-    options = options or Options()
-    check_pairs(pairs, topology, tensor_names(pairs, names))
-    out: dict[int, RankProgram] = {}
-    for rank in sorted(set(ranks)):
-        rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
-        out[rank] = program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])
-    return out
+    pairs, topology, options = prepare_pairs(pairs, topology, options, names)
+    key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
+    return {rank: _rank_program_cached(pairs, rank, topology, key_opts) for rank in sorted(set(ranks))}
