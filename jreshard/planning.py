@@ -45,14 +45,16 @@ def layout_pairs(src: Any, dst: Any) -> tuple[list[tuple[Layout, Layout]], list[
 
     s_leaves, s_tree = jax.tree_util.tree_flatten_with_path(src)
     d_leaves, d_tree = jax.tree_util.tree_flatten(dst, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
-    if s_tree.num_leaves != d_tree.num_leaves or len(s_leaves) != len(d_leaves):
+    if s_tree.num_leaves != d_tree.num_leaves or len(s_leaves) != len(d_leaves):  # type: ignore[attr-defined]
         raise LayoutMismatchError(
             f"src has {len(s_leaves)} leaves and dst {len(d_leaves)}: src tree {s_tree}, dst tree {d_tree}",
             src=s_tree,
             dst=d_tree,
             what="structure",
         )
-    pairs, names, devices = [], [], set()
+    pairs: list[tuple[Layout, Layout]] = []
+    names: list[str] = []
+    devices: set[Any] = set()
     for (path, a), b in zip(s_leaves, d_leaves, strict=True):
         name = jax.tree_util.keystr(path) or "x"
         sl = _leaf_layout(a, None, "src", name)

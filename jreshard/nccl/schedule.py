@@ -260,7 +260,8 @@ def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: in
     for r, by_round in ops.items():
         steps[r], peak = {}, 0
         for rnd, lst in sorted(by_round.items()):
-            pos, rows = 0, {"send": [], "recv": []}
+            pos = 0
+            rows: dict[str, list[tuple[int, tuple[int, ...], Box, int]]] = {"send": [], "recv": []}
             wires: dict[str, list[Wire]] = {"send": [], "recv": []}
             for kind, peer, tag, link, n, chunk, side, ip in lst:
                 if ip is not None:

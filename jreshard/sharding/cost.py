@@ -225,10 +225,10 @@ class LoadTable:
         remote = link != Link.LOCAL
         code = (stage[remote].astype(np.int64) * n + si[remote]) * n + di[remote]
         keys, inv = np.unique(code, return_inverse=True)
-        lk = np.zeros(len(keys), dtype=np.int8)
-        lk[inv] = link[remote]
+        mlink = np.zeros(len(keys), dtype=np.int8)
+        mlink[inv] = link[remote]
         self._codes.append(keys)
-        self._links.append(lk)
+        self._links.append(mlink)
         self._bytes.append(np.bincount(inv, weights=w[remote], minlength=len(keys)))
         self.stages = max(self.stages, int(stage.max()) + 1)
 
