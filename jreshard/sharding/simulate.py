@@ -3,10 +3,10 @@
 Tensors with the same layout pair share one template (``units.py``): its rows are
 planned once and stamped for each replica rotation. The cost model needs only
 per-rank port loads and the distinct messages (:class:`~jreshard.sharding.cost.LoadTable`),
-so each layout pair's template is planned, stamped for the rotations its tensors
-use (a rotation that ``m`` tensors share is added once, ``m`` times over), added to
-the table, and dropped. Memory is one template at a time, not the whole plan: a
-4096 + 4096 DeepSeek-V3 refit is predicted on a laptop.
+so each layout pair's template is planned, its fixed rows added once for all its
+tensors, its rotating rows stamped for each rotation in use (a rotation that ``m``
+tensors share is added once, ``m`` times over), and the template dropped. Memory is
+one template at a time, not the whole plan.
 
 The result equals ``predict(plan_layouts(pairs, ...))`` (a test checks it), and
 carries the network bytes beside the lower bound.
@@ -78,10 +78,16 @@ def simulate_layouts(
     for (src, dst), tensors in by_pair.items():
         tmpl = template_of(src, dst, topology, key_opts)
         rots = collections.Counter(rotation_of(src, dst, topology, t) for t in tensors)
-        for rot, times in sorted(rots.items()):
-            tp = tmpl.stamp(rot)
-            acc.add(tp.src, tp.dst, tp.link, tp.stage, tp.nbytes, times)
         tp = tmpl.plan
+        # Rows with a fixed sender are the same in every tensor: added once, len(tensors) times over.
+        # Only the rows whose sender rotates (the landings) are stamped, once per rotation in use.
+        fixed = tp.src >= 0
+        acc.add(tp.src[fixed], tp.dst[fixed], tp.link[fixed], tp.stage[fixed], tp.nbytes[fixed], len(tensors))
+        chosen = np.flatnonzero(~fixed)
+        if len(chosen):
+            cols = tp.dst[chosen], tp.link[chosen], tp.stage[chosen], tp.nbytes[chosen]
+            for rot, times in sorted(rots.items()):
+                acc.add(tmpl.stamp(rot).src[chosen], *cols, times)
         for lk in Link:
             by_link[lk] += int(tp.nbytes[tp.link == lk].sum()) * len(tensors)
         bound += network_lower_bound(src, dst, topology) * len(tensors)
