@@ -31,7 +31,6 @@ sender held before (stage 0) or received at a stage ``< s``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -41,9 +40,10 @@ from jreshard._cache import cache
 from jreshard.errors import LayoutMismatchError
 from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
+from jreshard.sharding.context import Context, context, fan_link
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.overlap import Overlaps, overlaps_of, take_from_earlier
-from jreshard.sharding.pieces import SourceIndex, disjoint, overlapping, pieces_of, source_index
+from jreshard.sharding.overlap import take_from_earlier
+from jreshard.sharding.pieces import overlapping, pieces_of
 from jreshard.sharding.rows import Emitter, Phase, Row, TensorPlan, TensorTemplate
 from jreshard.sharding.topology import Link, Topology
 
@@ -121,106 +121,7 @@ def stripe(pieces: Sequence[tuple[int, Box]], k: int, itemsize: int, min_bytes: 
     return out
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Context:
-    """Everything about one (src, dst, topology) that every unit reads."""
-
-    src: Layout
-    dst: Layout
-    topo: Topology
-    sidx: SourceIndex
-    groups: tuple[tuple[Box, tuple[int, ...]], ...]  # destination replica groups
-    by_domain: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # per group: (domain, holders) sorted
-    holders_in: tuple[dict[int, tuple[int, ...]], ...]  # per source box: domain -> replicas there
-    on_device: tuple[dict[int, int], ...]  # per source box: device -> its smallest replica there
-    dlo: np.ndarray
-    dhi: np.ndarray
-    overlaps: Overlaps | None  # destination groups that overlap inside one domain (overlap.py)
-    shared_devices: bool  # whether two destination ranks share a device (their fan-out is then a local copy)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _SourceSide:
-    sidx: SourceIndex
-    holders_in: tuple[dict[int, tuple[int, ...]], ...]
-    on_device: tuple[dict[int, int], ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _DestinationSide:
-    groups: tuple[tuple[Box, tuple[int, ...]], ...]
-    by_domain: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
-    dlo: np.ndarray
-    dhi: np.ndarray
-    overlaps: Overlaps | None
-    shared_devices: bool
-
-
-@cache(max_size=1024)
-def _source_side(src: Layout, topo: Topology) -> _SourceSide:
-    """What every unit reads about the source layout (shared by every pair with this source)."""
-    sidx = source_index(src)
-    domain, device = topo._domain, topo._device
-    holders_in, on_device = [], []
-    for hs in sidx.holders:
-        inn: dict[int, list[int]] = {}
-        dev: dict[int, int] = {}
-        for h in hs:
-            inn.setdefault(domain[h], []).append(h)
-            dev.setdefault(device[h], h)
-        holders_in.append({g: tuple(v) for g, v in inn.items()})
-        on_device.append(dev)
-    return _SourceSide(sidx, tuple(holders_in), tuple(on_device))
-
-
-@cache(max_size=1024)
-def _destination_side(dst: Layout, topo: Topology) -> _DestinationSide:
-    """What every unit reads about the destination layout (shared by every pair with this destination)."""
-    groups = dst.replica_groups()
-    domain = topo._domain
-    by_domain = []
-    for _, ranks in groups:
-        doms: dict[int, list[int]] = {}
-        for r in ranks:
-            doms.setdefault(domain[r], []).append(r)
-        by_domain.append(tuple((g, tuple(rs)) for g, rs in sorted(doms.items())))
-    dlo = np.array([b.lo for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
-    dhi = np.array([b.hi for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
-    by_domain_t = tuple(by_domain)
-    devs = [topo._device[r] for r in dst.ranks]
-    overlaps = None if disjoint(tuple(b for b, _ in groups), dst.ndim) else overlaps_of(groups, by_domain_t, dlo, dhi)
-    return _DestinationSide(groups, by_domain_t, dlo, dhi, overlaps, len(set(devs)) < len(devs))
-
-
-@cache(max_size=4096)
-def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
-    topo.check_ranks(src.ranks, "the source layout")
-    topo.check_ranks(dst.ranks, "the destination layout")
-    s, d = _source_side(src, topo), _destination_side(dst, topo)
-    return _Context(
-        src,
-        dst,
-        topo,
-        s.sidx,
-        d.groups,
-        d.by_domain,
-        s.holders_in,
-        s.on_device,
-        d.dlo,
-        d.dhi,
-        d.overlaps,
-        d.shared_devices,
-    )
-
-
-def _fast(ctx: _Context, a: int, b: int) -> Link:
-    """The link of a fan-out inside one domain: a local copy when the two ranks share a device."""
-    if ctx.shared_devices and ctx.topo.device_of(a) == ctx.topo.device_of(b):
-        return Link.LOCAL
-    return Link.FAST
-
-
-def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
+def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
     """Emit the rows of destination replica group ``u`` into ``out`` (module docstring).
 
     With ``out.only`` set, emit just the rows that send from or arrive at rank
@@ -351,13 +252,13 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
                             continue
                         for qq, r in enumerate(holders):
                             if qq != q:
-                                rows.append(Row(lander, r, _fast(ctx, lander, r), fan, hop + 1, u, b))
+                                rows.append(Row(lander, r, fan_link(ctx, lander, r), fan, hop + 1, u, b))
                     elif only in holders and holders.index(only) != q:
-                        rows.append(Row(lander, only, _fast(ctx, lander, only), fan, hop + 1, u, b))
+                        rows.append(Row(lander, only, fan_link(ctx, lander, only), fan, hop + 1, u, b))
                 prev = (holders, mine)
 
 
-def _rotation_period(ctx: _Context) -> int | None:
+def _rotation_period(ctx: Context) -> int | None:
     """Rotations act modulo the replica counts; beyond 64 distinct values, don't share."""
     p = 1
     for hs in ctx.sidx.holders:
@@ -368,7 +269,7 @@ def _rotation_period(ctx: _Context) -> int | None:
     return p if p <= 64 else None
 
 
-def _rotation(ctx: _Context, tensor_index: int) -> int:
+def _rotation(ctx: Context, tensor_index: int) -> int:
     period = _rotation_period(ctx)
     return tensor_index % period if period else tensor_index
 
@@ -376,7 +277,7 @@ def _rotation(ctx: _Context, tensor_index: int) -> int:
 @cache(max_size=1024)
 def _template(src: Layout, dst: Layout, topo: Topology, opts: Options) -> TensorTemplate:
     """Every row of the tensor, replica choices open: planned once per layout pair, stamped per tensor."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     out = Emitter(None)
     for u in range(len(ctx.groups)):
         _plan_unit(ctx, u, opts, out)
@@ -395,12 +296,12 @@ def template_of(src: Layout, dst: Layout, topo: Topology, opts: Options) -> Tens
 
 def rotation_of(src: Layout, dst: Layout, topo: Topology, tensor_index: int) -> int:
     """The replica rotation of tensor ``tensor_index`` (a pure function of its layouts and index)."""
-    return _rotation(_context(src, dst, topo), tensor_index)
+    return _rotation(context(src, dst, topo), tensor_index)
 
 
 def plan_rows(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
     """The rows for rotation ``rot``, planned directly (no template): the reference the templates must equal."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     out = Emitter(rot)
     for u in range(len(ctx.groups)):
         _plan_unit(ctx, u, opts, out)
@@ -410,13 +311,13 @@ def plan_rows(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int)
 def plan_tensor(src: Layout, dst: Layout, topo: Topology, opts: Options, tensor_index: int = 0) -> TensorPlan:
     """The plan of one tensor; ``tensor_index`` rotates replica choices so that
     many tensors with the same layouts spread over the replicas."""
-    return _tensor_plan(src, dst, topo, opts, _rotation(_context(src, dst, topo), tensor_index))
+    return _tensor_plan(src, dst, topo, opts, _rotation(context(src, dst, topo), tensor_index))
 
 
 def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[int]:
     """The destination replica groups whose unit involves ``rank``: the group it
     holds, and every group whose box meets a box ``rank`` holds as a source."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     units: set[int] = set()
     idx = src._index()
     if rank in idx:
@@ -434,7 +335,7 @@ def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[i
 @cache(max_size=8192)
 def _rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int) -> TensorTemplate:
     """The rows that may involve ``rank`` for some rotation, from only the units it takes part in."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     out = Emitter(None, only=rank)
     for u in units_of_rank(src, dst, topo, rank):
         _plan_unit(ctx, u, opts, out)
@@ -447,7 +348,7 @@ def rank_rows(
     """The rows of one tensor's plan that send from or arrive at ``rank``, and their boxes,
     built from only the units that rank takes part in (one template per layout pair and rank)."""
     tmpl = _rank_template(src, dst, topo, opts, rank)
-    tp = tmpl.stamp(_rotation(_context(src, dst, topo), tensor_index))
+    tp = tmpl.stamp(_rotation(context(src, dst, topo), tensor_index))
     if not len(tp):
         return tp, []
     keep = (tp.src == rank) | (tp.dst == rank)
