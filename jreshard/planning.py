@@ -19,7 +19,9 @@ from jreshard.sharding.plan import Plan
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
-__all__ = ["flat_direct", "gather_broadcast", "layout_pairs", "plan"]
+__all__ = ["PyTree", "flat_direct", "gather_broadcast", "layout_pairs", "plan"]
+
+PyTree = Any  # a Layout, a list of Layouts, or a pytree of jax arrays, ShapeDtypeStructs or shardings
 
 
 def _is_layout_seq(x: Any) -> bool:
@@ -28,7 +30,7 @@ def _is_layout_seq(x: Any) -> bool:
     )
 
 
-def layout_pairs(src: Any, dst: Any) -> tuple[list[tuple[Layout, Layout]], list[str], list[Any]]:
+def layout_pairs(src: PyTree, dst: PyTree) -> tuple[list[tuple[Layout, Layout]], list[str], list[Any]]:
     """Flatten ``src`` and ``dst`` into layout pairs, tensor names and the jax devices involved."""
     if _is_layout_seq(src) or _is_layout_seq(dst):
         s = [src] if isinstance(src, Layout) else list(src)
@@ -90,7 +92,7 @@ def _topology(topology: Topology | None, devices: Sequence[Any]) -> Topology | N
     return topology
 
 
-def plan(src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None) -> Plan:
+def plan(src: PyTree, dst: PyTree, topology: Topology | None = None, options: Options | None = None) -> Plan:
     """The minimal, topology-aware plan moving ``src`` to ``dst``.
 
     Args:
@@ -116,7 +118,7 @@ def plan(src: Any, dst: Any, topology: Topology | None = None, options: Options 
 
 
 def gather_broadcast(
-    src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None, *, ring: bool = False
+    src: PyTree, dst: PyTree, topology: Topology | None = None, options: Options | None = None, *, ring: bool = False
 ) -> Plan:
     """The gather-and-broadcast baseline as a Plan (see ``jreshard.sharding.baselines``);
     ``ring=True`` broadcasts along a chain of destinations, as NCCL does."""
@@ -126,7 +128,7 @@ def gather_broadcast(
     return gather_broadcast_layouts(pairs, _topology(topology, devices), options, names, ring=ring)
 
 
-def flat_direct(src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None) -> Plan:
+def flat_direct(src: PyTree, dst: PyTree, topology: Topology | None = None, options: Options | None = None) -> Plan:
     """The flat-direct-sends baseline as a Plan (see ``jreshard.sharding.baselines``)."""
     Topology.check_arg(topology)
     Options.of(options)
