@@ -190,6 +190,9 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
         if not doms:
             continue
         replicas = ctx.sidx.holders[pcs[k][1]]
+        bystander = only is not None and only not in replicas  # then only rows of only's own domain involve it
+        if bystander and dom_only not in doms:
+            continue  # only neither sends nor receives piece k over the network
         # A domain that takes part of the piece from an earlier group holds no whole piece to relay:
         # it gets the rest straight from the replicas.
         whole = [g for g in doms if (k, g) not in partial] if partial else doms
@@ -201,7 +204,6 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
         if partial:
             chains += [[g] for g in doms if (k, g) in partial]
         turn = k  # the emitter adds the rotation
-        bystander = only is not None and only not in replicas  # then only rows of only's own domain involve it
         for chain in chains:
             if bystander and dom_only not in chain:
                 turn += len(stripes_of(chain[0]).get(k, ()))  # its landings only advance the rotation
@@ -256,6 +258,8 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
                     elif only in holders and holders.index(only) != q:
                         rows.append(Row(lander, only, fan_link(ctx, lander, only), fan, hop + 1, u, b))
                 prev = (holders, mine)
+            if bystander:
+                break  # the one chain through only's domain is done: no later chain involves only
 
 
 def _rotation_period(ctx: Context) -> int | None:
