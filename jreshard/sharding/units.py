@@ -209,12 +209,22 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
                 turn += len(stripes_of(chain[0]).get(k, ()))  # its landings only advance the rotation
                 continue
             prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
-            for hop, g in enumerate(chain):
+            hops = range(len(chain))
+            if bystander:
+                # Only two hops can involve only: landing in (or relayed into) its domain, and the relay
+                # out of it. The hop before needs only its stripes; the head's turn matters only if it is
+                # only's domain.
+                i = chain.index(dom_only)
+                hops = range(i, min(i + 2, len(chain)))
+                if i > 0:
+                    prev = (ranks_of[chain[i - 1]], stripes_of(chain[i - 1]).get(k, []))
+            for hop in hops:
+                g = chain[hop]
                 holders = ranks_of[g]
                 if only is not None and only not in holders and (prev is None or only not in prev[0]):
                     # No row of this hop involves ``only`` except a landing it sends as a replica;
                     # the landings still advance ``turn``.
-                    mine = stripes_of(g).get(k, []) if prev is None or chain[hop + 1 :] else []
+                    mine = stripes_of(g).get(k, []) if prev is None or hop + 1 < len(chain) else []
                     if prev is None:
                         if only not in replicas:
                             turn += len(mine)  # the landings only advance the rotation
