@@ -343,17 +343,23 @@ def program_of(
             strict=True,
         )
         for src, dst, lk, ph, stage, box, nb in cols:
-            link = _LINKS[lk]
-            if lk == Link.LOCAL and ph == Phase.LAND:  # from a source shard on the rank's device
+            if lk == 0 and ph == 0:  # Link.LOCAL, Phase.LAND: from a source shard on the rank's device
                 if dst == rank:
-                    local.append(Move(t, src, dst, box, link, _PHASES[ph], stage, nb))
+                    local.append(Move(t, src, dst, box, _LINKS[lk], _PHASES[ph], stage, nb))
                 continue
+            piece = Piece(t, box, nb)
             if src == rank:
-                sends.setdefault((stage, dst), []).append(Piece(t, box, nb))
-                links[(stage, src, dst)] = link
+                got = sends.get((stage, dst))
+                if got is None:
+                    got = sends[(stage, dst)] = []
+                    links[(stage, src, dst)] = _LINKS[lk]
+                got.append(piece)
             if dst == rank:
-                recvs.setdefault((stage, src), []).append(Piece(t, box, nb))
-                links[(stage, src, dst)] = link
+                got = recvs.get((stage, src))
+                if got is None:
+                    got = recvs[(stage, src)] = []
+                    links[(stage, src, dst)] = _LINKS[lk]
+                got.append(piece)
     return RankProgram(
         rank,
         tuple(local),
