@@ -1,16 +1,18 @@
 """Planner speed and predicted refit times at scale.
 
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py            # everything (several minutes on 2 cores)
-    JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --quick    # skip the 512 + 512 models
+    JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --quick    # only the 128 + 128 models
 
 Prints:
 1. the published FFN-MoE case (one [256, 2048, 7168] bf16 tensor, EP16 -> TP8 x r):
    jreshard's and the baselines' predicted times beside the published measurements;
 2. the time to plan one tensor across 512 + 512 ranks;
-3. for DeepSeek-V3 and Kimi-K2, trainer and inference on 128 + 128 and 512 + 512
-   GPUs: time to plan the whole model, to extract one rank's program, a cached
-   plan call; network bytes against the lower bound; predicted refit times of
-   jreshard and the baselines.
+3. for DeepSeek-V3 and Kimi-K2, trainer and inference on 128 + 128 (and DeepSeek-V3
+   on 1024 + 1024): time to plan the whole model, to plan one rank's program alone, a
+   cached plan call; network bytes against the lower bound; predicted refit times of
+   jreshard and the baselines; and where the planning time goes (a profile);
+4. DeepSeek-V3 on 4096 + 4096: one rank's program, and ``simulate_layouts`` (the
+   whole refit predicted one layout pair at a time) with its time and peak memory.
 
 Each model configuration runs in a fresh process, so no cache from another
 configuration helps it; times are wall-clock (and CPU, as the machine may be
@@ -21,20 +23,25 @@ shared). Every refit time printed is *predicted* by the cost model
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
+import resource
 import subprocess
 import sys
 import time
 
 import numpy as np
 
+from jreshard._cache import clear_caches
 from jreshard.cost import predict
 from jreshard.models import refit, refit_topology
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.simulate import simulate_layouts
 from jreshard.sharding.topology import Topology
 
 NIC, NVLINK = 50e9, 900e9  # GB200 NVL72: 400 Gb/s NIC per GPU; NVLink 5 at 900 GB/s each way per GPU
@@ -119,7 +126,19 @@ def _copy(lay: Layout) -> Layout:
     return Layout(lay.shape, lay.dtype, lay.ranks, tuple(Box(b.lo, b.hi) for b in lay.boxes))
 
 
-def one_model(name: str, n: int) -> dict:
+def _profile(fn, top: int = 6) -> list[tuple[str, float]]:
+    """Where ``fn`` spends its time: the ``top`` functions by own time (a separate, profiled run)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    total = sum(v[2] for v in st.stats.values()) or 1.0  # type: ignore[attr-defined]
+    return [(f"{os.path.basename(f)}:{line} {func}", tt / total) for (f, line, func), (_, _, tt, _, _) in rows]
+
+
+def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     """Everything about one model configuration (run in a fresh process)."""
     r = refit(name, n, n)
     topo = refit_topology(n, n, DOMAIN, network_bw=NIC, fast_bw=NVLINK)
@@ -127,6 +146,7 @@ def one_model(name: str, n: int) -> dict:
         "name": r.model.name,
         "n": n,
         "tensors": len(r.pairs),
+        "pairs": len(set(r.pairs)),
         "bytes": r.model.nbytes,
         "trainer": r.trainer.name,
         "inference": r.inference.name,
@@ -139,6 +159,13 @@ def one_model(name: str, n: int) -> dict:
     _, out["program_src_s"], out["program_src_cpu"] = _timed(
         lambda: rank_program(r.pairs, src_rank, topo, names=r.names)
     )
+    out["program_cached_s"] = _median_call(lambda: rank_program(r.pairs, dst_rank, topo, names=r.names))
+    if not whole:
+        sim, out["simulate_s"], out["simulate_cpu"] = _timed(lambda: simulate_layouts(r.pairs, topo, names=r.names))
+        out["network"], out["bound"], out["rows"] = sim.network_bytes, sim.network_bytes_lower_bound, sim.rows
+        out["predicted"] = {"jreshard": (sim.prediction.seconds, sim.prediction.bound_seconds, _where(sim.prediction))}
+        out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return out
     p, out["plan_s"], out["plan_cpu"] = _timed(lambda: plan_layouts(r.pairs, topo, names=r.names))
     out["cached_s"] = _median_call(lambda: plan_layouts(r.pairs, topo, names=r.names))
     # Equal layouts built anew, one object per tensor (as a caller rebuilding them every step would):
@@ -146,64 +173,91 @@ def one_model(name: str, n: int) -> dict:
     fresh = [(_copy(s), _copy(d)) for s, d in r.pairs]
     _, out["cached_fresh_s"], _ = _timed(lambda: plan_layouts(fresh, topo, names=r.names))
     out["cached_fresh_again_s"] = _median_call(lambda: plan_layouts(fresh, topo, names=r.names))
-    s = p.stats()
+    s, out["stats_s"], out["stats_cpu"] = _timed(p.stats)
     out["network"], out["bound"] = s.network_bytes, s.network_bytes_lower_bound
+    out["rows"] = sum(len(tp) for tp in p.tensor_plans)
     out["predicted"] = {}
-    for label, build in (
-        ("jreshard", lambda: p),
-        ("gather-broadcast", lambda: gather_broadcast_layouts(r.pairs, topo, names=r.names)),
-        ("gather-broadcast (ring)", lambda: gather_broadcast_layouts(r.pairs, topo, names=r.names, ring=True)),
-        ("flat-direct", lambda: flat_direct_layouts(r.pairs, topo, names=r.names)),
-    ):
+    builds = [("jreshard", lambda p=p: p)]
+    if baselines:
+        builds += [
+            ("gather-broadcast", lambda: gather_broadcast_layouts(r.pairs, topo, names=r.names)),
+            ("gather-broadcast (ring)", lambda: gather_broadcast_layouts(r.pairs, topo, names=r.names, ring=True)),
+            ("flat-direct", lambda: flat_direct_layouts(r.pairs, topo, names=r.names)),
+        ]
+    for label, build in builds:
         pr = predict(build())
-        out["predicted"][label] = (
-            pr.seconds,
-            pr.bound_seconds,
-            f"rank {pr.bottleneck_rank} {pr.bottleneck_port.label}" if pr.bottleneck_port is not None else "-",
-        )
+        out["predicted"][label] = (pr.seconds, pr.bound_seconds, _where(pr))
+    del p
+    clear_caches()
+    out["profile"] = _profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+def _where(pr) -> str:
+    return f"rank {pr.bottleneck_rank} {pr.bottleneck_port.label}" if pr.bottleneck_port is not None else "-"
+
+
+CONFIGS_QUICK = (("deepseek-v3", 128, "whole"), ("kimi-k2", 128, "whole"))
+CONFIGS = (*CONFIGS_QUICK, ("deepseek-v3", 1024, "whole-nobase"), ("deepseek-v3", 4096, "rank"))
 
 
 def models(quick: bool) -> None:
     print(f"== whole models: trainer ranks 0..n-1, inference ranks n..2n-1; NVL72 racks with {DOMAIN} GPUs each")
-    print("   (each side starts a rack of its own), 50 GB/s NIC, 900 GB/s NVLink, 5 us latency, 8 MiB chunks\n")
-    for name in ("deepseek-v3", "kimi-k2"):
-        for n in (128,) if quick else (128, 512):
-            cmd = [sys.executable, __file__, "--one", name, str(n)]
-            res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
-            o = json.loads(res.stdout.strip().splitlines()[-1])
+    print("   (each side starts a rack of its own), 50 GB/s NIC, 900 GB/s NVLink, 5 us latency, 8 MiB chunks")
+    print("   times: wall clock, and the process's CPU time (the machine may be shared: CPU is the planner's own)\n")
+    for name, n, mode in CONFIGS_QUICK if quick else CONFIGS:
+        cmd = [sys.executable, __file__, "--one", name, str(n), mode]
+        res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
+        o = json.loads(res.stdout.strip().splitlines()[-1])
+        print(
+            f"{o['name']} on {n} + {n} GPUs: {o['tensors']} tensors ({o['pairs']} distinct layout pairs), "
+            f"{o['bytes'] / 1e12:.2f} TB; trainer {o['trainer']}, inference {o['inference']}"
+        )
+        if "plan_s" in o:
             print(
-                f"{o['name']} on {n} + {n} GPUs: {o['tensors']} tensors, {o['bytes'] / 1e12:.2f} TB; "
-                f"trainer {o['trainer']}, inference {o['inference']}"
+                f"   plan the whole model      {o['plan_s']:7.3f} s wall ({o['plan_cpu']:.3f} s CPU), {o['rows']} rows"
             )
-            print(f"   plan the whole model      {o['plan_s']:7.3f} s wall ({o['plan_cpu']:.3f} s CPU)")
-            print(f"   one destination's program {o['program_dst_s']:7.3f} s wall ({o['program_dst_cpu']:.3f} s CPU)")
-            print(f"   one source's program      {o['program_src_s']:7.3f} s wall ({o['program_src_cpu']:.3f} s CPU)")
+        print(f"   one destination's program {o['program_dst_s']:7.3f} s wall ({o['program_dst_cpu']:.3f} s CPU)")
+        print(f"   one source's program      {o['program_src_s']:7.3f} s wall ({o['program_src_cpu']:.3f} s CPU)")
+        print(f"   a program asked again     {o['program_cached_s'] * 1e3:7.3f} ms (median of 7; templates cached)")
+        if "plan_s" in o:
             print(
                 f"   cached plan (median of 7) {o['cached_s'] * 1e3:7.3f} ms (same layouts); equal layouts built "
                 f"anew: {o['cached_fresh_s'] * 1e3:.3f} ms first call, {o['cached_fresh_again_s'] * 1e3:.3f} ms after"
             )
-            ratio = o["network"] / o["bound"] if o["bound"] else 1.0
+            print(f"   plan.stats()              {o['stats_s']:7.3f} s wall ({o['stats_cpu']:.3f} s CPU)")
+        if "simulate_s" in o:
             print(
-                f"   network bytes             {o['network'] / 1e12:.4f} TB, lower bound {o['bound'] / 1e12:.4f} TB "
-                f"(ratio {ratio:.4f})"
+                f"   simulate_layouts          {o['simulate_s']:7.3f} s wall ({o['simulate_cpu']:.3f} s CPU), "
+                f"{o['rows']} rows never held at once"
             )
-            base = o["predicted"]["jreshard"][0]
-            for label, (secs, bound, where) in o["predicted"].items():
-                print(
-                    f"   predicted {label:<24}{secs:9.3f} s  (predicted bound {bound:.3f} s; {where}; "
-                    f"{secs / base:.2f}x jreshard)"
-                )
-            print()
+        ratio = o["network"] / o["bound"] if o["bound"] else 1.0
+        print(
+            f"   network bytes             {o['network'] / 1e12:.4f} TB, lower bound {o['bound'] / 1e12:.4f} TB "
+            f"(ratio {ratio:.4f})"
+        )
+        base = o["predicted"]["jreshard"][0]
+        for label, (secs, bound, where) in o["predicted"].items():
+            print(
+                f"   predicted {label:<24}{secs:9.3f} s  (predicted bound {bound:.3f} s; {where}; "
+                f"{secs / base:.2f}x jreshard)"
+            )
+        if "profile" in o:
+            print("   where the whole-plan time goes (own time, profiled run, caches cleared):")
+            for what, share in o["profile"]:
+                print(f"     {share * 100:5.1f}%  {what}")
+        print(f"   peak memory of the process {o['maxrss_mib']:.0f} MiB\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="skip the 512 + 512 configurations")
-    ap.add_argument("--one", nargs=2, metavar=("MODEL", "N"), help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="only the 128 + 128 configurations")
+    ap.add_argument("--one", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one_model(args.one[0], int(args.one[1]))))
+        name, n, mode = args.one
+        print(json.dumps(one_model(name, int(n), whole=mode.startswith("whole"), baselines=mode == "whole")))
         return
     ffn_moe()
     single_tensor()

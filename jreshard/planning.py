@@ -19,7 +19,9 @@ from jreshard.sharding.plan import Plan
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
-__all__ = ["flat_direct", "gather_broadcast", "layout_pairs", "plan"]
+__all__ = ["PyTree", "flat_direct", "gather_broadcast", "layout_pairs", "plan"]
+
+PyTree = Any  # a Layout, a list of Layouts, or a pytree of jax arrays, ShapeDtypeStructs or shardings
 
 
 def _is_layout_seq(x: Any) -> bool:
@@ -28,7 +30,7 @@ def _is_layout_seq(x: Any) -> bool:
     )
 
 
-def layout_pairs(src: Any, dst: Any) -> tuple[list[tuple[Layout, Layout]], list[str], list[Any]]:
+def layout_pairs(src: PyTree, dst: PyTree) -> tuple[list[tuple[Layout, Layout]], list[str], list[Any]]:
     """Flatten ``src`` and ``dst`` into layout pairs, tensor names and the jax devices involved."""
     if _is_layout_seq(src) or _is_layout_seq(dst):
         s = [src] if isinstance(src, Layout) else list(src)
@@ -45,14 +47,16 @@ def layout_pairs(src: Any, dst: Any) -> tuple[list[tuple[Layout, Layout]], list[
 
     s_leaves, s_tree = jax.tree_util.tree_flatten_with_path(src)
     d_leaves, d_tree = jax.tree_util.tree_flatten(dst, is_leaf=lambda v: isinstance(v, jax.sharding.Sharding))
-    if s_tree.num_leaves != d_tree.num_leaves or len(s_leaves) != len(d_leaves):
+    if s_tree.num_leaves != d_tree.num_leaves or len(s_leaves) != len(d_leaves):  # type: ignore[attr-defined]
         raise LayoutMismatchError(
             f"src has {len(s_leaves)} leaves and dst {len(d_leaves)}: src tree {s_tree}, dst tree {d_tree}",
             src=s_tree,
             dst=d_tree,
             what="structure",
         )
-    pairs, names, devices = [], [], set()
+    pairs: list[tuple[Layout, Layout]] = []
+    names: list[str] = []
+    devices: set[Any] = set()
     for (path, a), b in zip(s_leaves, d_leaves, strict=True):
         name = jax.tree_util.keystr(path) or "x"
         sl = _leaf_layout(a, None, "src", name)
@@ -88,7 +92,7 @@ def _topology(topology: Topology | None, devices: Sequence[Any]) -> Topology | N
     return topology
 
 
-def plan(src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None) -> Plan:
+def plan(src: PyTree, dst: PyTree, topology: Topology | None = None, options: Options | None = None) -> Plan:
     """The minimal, topology-aware plan moving ``src`` to ``dst``.
 
     Args:
@@ -114,7 +118,7 @@ def plan(src: Any, dst: Any, topology: Topology | None = None, options: Options 
 
 
 def gather_broadcast(
-    src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None, *, ring: bool = False
+    src: PyTree, dst: PyTree, topology: Topology | None = None, options: Options | None = None, *, ring: bool = False
 ) -> Plan:
     """The gather-broadcast baseline as a Plan (see ``jreshard.sharding.baselines``);
     ``ring=True`` ("gather-broadcast (ring)") broadcasts along a chain of destinations, as NCCL does."""
@@ -124,7 +128,7 @@ def gather_broadcast(
     return gather_broadcast_layouts(pairs, _topology(topology, devices), options, names, ring=ring)
 
 
-def flat_direct(src: Any, dst: Any, topology: Topology | None = None, options: Options | None = None) -> Plan:
+def flat_direct(src: PyTree, dst: PyTree, topology: Topology | None = None, options: Options | None = None) -> Plan:
     """The flat-direct baseline as a Plan (see ``jreshard.sharding.baselines``)."""
     Topology.check_arg(topology)
     Options.of(options)

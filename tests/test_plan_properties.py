@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 from _reference import brute_force_lower_bound, check_destinations, execute, network_entries, random_values
 from hypothesis import given
+from hypothesis import strategies as st
 from strategies import plan_case
 
 from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
-from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_program, rank_programs
 from jreshard.sharding.topology import Link
 
 
@@ -77,3 +78,25 @@ def test_messages_are_coalesced_per_pair_and_stage(case):
     assert p.stats().messages == len(keys)
     sent = sum(len(p.program(r).sends) for r in set(src.ranks) | set(dst.ranks))
     assert sent == len(keys)
+
+
+@given(plan_case(), st.data())
+def test_rank_programs_of_a_rank_set_equal_the_whole_plan(case, data):
+    src, dst, topo, opts = case
+    o = Options(**opts)
+    pairs = [(src, dst), (dst, src), (src, dst)]
+    everyone = sorted(set(src.ranks) | set(dst.ranks))
+    mine = data.draw(st.lists(st.sampled_from(everyone), min_size=1, max_size=4, unique=True))
+    whole = plan_layouts(pairs, topo, o)
+    local = rank_programs(pairs, mine, topo, o)
+    assert sorted(local) == sorted(mine)
+    for r in mine:
+        assert local[r] == whole.program(r)
+
+
+@given(plan_case())
+def test_programs_in_one_pass_equal_program_by_program(case):
+    src, dst, topo, opts = case
+    p = plan_layouts([(src, dst), (dst, src)], topo, Options(**opts))
+    everyone = sorted(set(src.ranks) | set(dst.ranks))
+    assert p.programs() == {r: p.program(r) for r in everyone}

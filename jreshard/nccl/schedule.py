@@ -223,7 +223,7 @@ def _first_fit(use: dict[int, list[int]], a: int, na: int, b: int, nb: int, lb: 
 def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: int) -> Schedule:
     shapes = _Shapes(plan)
     ranks = sorted({r for t in plan.tensors for r in (*t.src.ranks, *t.dst.ranks)})
-    progs = {r: plan.program(r) for r in ranks}
+    progs = plan.programs(ranks)
     msgs = sorted((m for p in progs.values() for m in p.sends), key=lambda m: (m.stage, m.src, m.dst))
     align = STAGE_ALIGN if staging_bytes % STAGE_ALIGN == 0 else 1  # then a padded chunk still fits
 
@@ -260,7 +260,8 @@ def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: in
     for r, by_round in ops.items():
         steps[r], peak = {}, 0
         for rnd, lst in sorted(by_round.items()):
-            pos, rows = 0, {"send": [], "recv": []}
+            pos = 0
+            rows: dict[str, list[tuple[int, tuple[int, ...], Box, int]]] = {"send": [], "recv": []}
             wires: dict[str, list[Wire]] = {"send": [], "recv": []}
             for kind, peer, tag, link, n, chunk, side, ip in lst:
                 if ip is not None:

@@ -27,6 +27,7 @@ import numpy as np
 from jreshard._cache import cache
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
+from jreshard.sharding.pieces import disjoint
 from jreshard.sharding.topology import Topology
 
 __all__ = ["network_lower_bound", "uncovered_volume"]
@@ -62,14 +63,6 @@ def union_uncovered_volume(betas: list[Box], cover: list[Box]) -> int:
     return int(np.sum(np.where(_mark(grid, betas) & ~_mark(grid, parts), vol, 0)))
 
 
-def _pairwise_disjoint(boxes: list[Box]) -> bool:
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            if intersect(a, b) is not None:
-                return False
-    return True
-
-
 def uncovered_volume(beta: Box, cover: list[Box]) -> int:
     """Elements of ``beta`` inside none of the boxes ``cover``."""
     parts = [x for c in cover if (x := intersect(beta, c)) is not None]
@@ -93,6 +86,22 @@ def uncovered_volume(beta: Box, cover: list[Box]) -> int:
     return int(beta.volume - np.sum(np.where(covered, vol, 0)))
 
 
+def _covered_volumes(betas: list[Box], cover: list[Box]) -> int:
+    """``Σ_beta Σ_c |beta ∩ c|``, all pairs at once: per dimension, the overlap of two
+    intervals is ``max(0, min(hi) - max(lo))``, and a box's is the product over dimensions."""
+    if not betas or not cover:
+        return 0
+    ndim = betas[0].ndim
+    if ndim == 0:
+        return len(betas) * len(cover)
+    blo = np.array([b.lo for b in betas], np.int64)[:, None, :]
+    bhi = np.array([b.hi for b in betas], np.int64)[:, None, :]
+    clo = np.array([c.lo for c in cover], np.int64)[None, :, :]
+    chi = np.array([c.hi for c in cover], np.int64)[None, :, :]
+    width = np.clip(np.minimum(bhi, chi) - np.maximum(blo, clo), 0, None)
+    return int(np.prod(width, axis=2).sum())
+
+
 @cache(max_size=4096)
 def network_lower_bound(src: Layout, dst: Layout, topo: Topology) -> int:
     """``Σ_G |(∪_beta beta) \\ U(G)|`` in bytes (module docstring)."""
@@ -102,13 +111,17 @@ def network_lower_bound(src: Layout, dst: Layout, topo: Topology) -> int:
     need: dict[int, set[Box]] = {}
     for r, b in zip(dst.ranks, dst.boxes, strict=True):
         need.setdefault(topo.domain_of(r), set()).add(b)
-    # Distinct boxes of one NamedSharding never overlap: then the union is a sum, box by box.
-    disjoint = _pairwise_disjoint(list({b for b in dst.boxes if not b.empty})) if len(set(dst.boxes)) <= 64 else None
+    # Distinct boxes of one NamedSharding never overlap. When neither side's do, the union is a
+    # sum: Σ_beta |beta| - Σ_beta Σ_c |beta ∩ c| over the distinct boxes of G on each side.
+    dst_disjoint = disjoint(tuple(sorted(set(dst.boxes))), dst.ndim)
+    src_disjoint = disjoint(tuple(sorted(set(src.boxes))), src.ndim)
     total = 0
     for g, betas in need.items():
         cover = sorted(src_in.get(g, ()))
         ordered = sorted(betas)
-        if disjoint is True or (disjoint is None and _pairwise_disjoint(ordered)):
+        if dst_disjoint and src_disjoint:
+            total += sum(b.volume for b in ordered) - _covered_volumes(ordered, cover)
+        elif dst_disjoint:
             total += sum(uncovered_volume(beta, cover) for beta in ordered)
         else:
             total += union_uncovered_volume(ordered, cover)

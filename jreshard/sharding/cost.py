@@ -67,7 +67,7 @@ from jreshard.errors import TopologyError
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link, Topology
 
-__all__ = ["Port", "Prediction", "predict"]
+__all__ = ["LoadTable", "Port", "Prediction", "predict", "predict_loads"]
 
 
 class Port(enum.IntEnum):
@@ -180,44 +180,91 @@ def predict(plan: Plan, topology: Topology | None = None) -> Prediction:
     """
     topology = plan.topology if topology is None else topology
     _check_topology(plan, topology)
+    c = plan._columns
+    layout_ranks = {r for t in plan.tensors for r in (*t.src.ranks, *t.dst.ranks)}
+    ranks = np.union1d(
+        np.fromiter(layout_ranks, dtype=np.int64, count=len(layout_ranks)), np.union1d(c["src"], c["dst"])
+    )
+    acc = LoadTable.empty(ranks)
+    acc.add(c["src"], c["dst"], c["link"], c["stage"], c["nbytes"])
+    return predict_loads(acc, topology, int(plan.options.chunk_bytes))
+
+
+class LoadTable:
+    """Per-rank, per-port bytes and the distinct messages of a plan, added up row block by row block.
+
+    The cost model needs only these, so a plan too large to hold (every row of every tensor
+    of a 4096 + 4096 refit) can be predicted from its tensors' rows one block at a time.
+    A message is a distinct ``(stage, sender, receiver)`` among the rows that are not local.
+    """
+
+    def __init__(self, ranks: np.ndarray):
+        self.ranks = ranks
+        self.load = np.zeros((len(Port), len(ranks)), dtype=np.int64)
+        self._codes: list[np.ndarray] = []
+        self._links: list[np.ndarray] = []
+        self._bytes: list[np.ndarray] = []
+        self.stages = 0
+
+    @classmethod
+    def empty(cls, ranks: np.ndarray) -> LoadTable:
+        return cls(np.asarray(ranks, dtype=np.int64))
+
+    def add(
+        self, src: np.ndarray, dst: np.ndarray, link: np.ndarray, stage: np.ndarray, nbytes: np.ndarray, times: int = 1
+    ) -> None:
+        """Add rows (columns as in :class:`~jreshard.sharding.rows.TensorPlan`), each ``times`` times."""
+        if not len(src):
+            return
+        n = len(self.ranks)
+        si, di = np.searchsorted(self.ranks, src), np.searchsorted(self.ranks, dst)
+        w = nbytes * times
+        for port, lk, who in _PORTS:
+            m = link == lk
+            self.load[port] += np.bincount((si if who == "src" else di)[m], weights=w[m], minlength=n).astype(np.int64)
+        remote = link != Link.LOCAL
+        code = (stage[remote].astype(np.int64) * n + si[remote]) * n + di[remote]
+        keys, inv = np.unique(code, return_inverse=True)
+        mlink = np.zeros(len(keys), dtype=np.int8)
+        mlink[inv] = link[remote]
+        self._codes.append(keys)
+        self._links.append(mlink)
+        self._bytes.append(np.bincount(inv, weights=w[remote], minlength=len(keys)))
+        self.stages = max(self.stages, int(stage.max()) + 1)
+
+    def messages(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(codes, links, bytes)`` of the distinct messages, codes ``(stage * n + src) * n + dst``."""
+        if not self._codes:
+            return np.zeros(0, np.int64), np.zeros(0, np.int8), np.zeros(0)
+        codes = np.concatenate(self._codes)
+        keys, inv = np.unique(codes, return_inverse=True)
+        lk = np.zeros(len(keys), dtype=np.int8)
+        lk[inv] = np.concatenate(self._links)
+        return keys, lk, np.bincount(inv, weights=np.concatenate(self._bytes), minlength=len(keys))
+
+
+def predict_loads(acc: LoadTable, topology: Topology, chunk: int) -> Prediction:
+    """The :class:`Prediction` of the loads and messages in ``acc`` (the module docstring's model)."""
     rate = _rates(topology)
     lat = float(topology.links.latency_s)
-    chunk = int(plan.options.chunk_bytes)
-    c = plan._columns
-    src, dst, link, stage, nbytes = c["src"], c["dst"], c["link"], c["stage"], c["nbytes"]
-
-    # Ranks that take part: every layout rank and every rank in a row.
-    layout_ranks = {r for t in plan.tensors for r in (*t.src.ranks, *t.dst.ranks)}
-    ranks = np.union1d(np.fromiter(layout_ranks, dtype=np.int64, count=len(layout_ranks)), np.union1d(src, dst))
+    ranks = acc.ranks
     n = len(ranks)
-    si = np.searchsorted(ranks, src)
-    di = np.searchsorted(ranks, dst)
-
-    # Messages: distinct (stage, src, dst) among non-local rows.
-    remote = link != Link.LOCAL
-    key = (stage[remote].astype(np.int64) * n + si[remote]) * n + di[remote]
-    mkeys, minv = np.unique(key, return_inverse=True)
-    mbytes = np.bincount(minv, weights=nbytes[remote], minlength=len(mkeys))
-    mlink = np.zeros(len(mkeys), dtype=np.int8)
-    mlink[minv] = link[remote]
+    mkeys, mlink, mbytes = acc.messages()
     mstage = mkeys // (n * n)
     msrc = (mkeys // n) % n
     mdst = mkeys % n
 
     # busy[r, p] = B[r, p] / bw[p] + M[r, p] * latency
     busy = np.zeros((len(Port), n))
-    load = np.zeros((len(Port), n), dtype=np.int64)
+    load = acc.load
     for port, lk, who in _PORTS:
-        m = link == lk
-        idx = si if who == "src" else di
-        load[port] = np.bincount(idx[m], weights=nbytes[m], minlength=n).astype(np.int64)
         busy[port] = load[port] / rate[lk]
         if lk != Link.LOCAL:
             mm = mlink == lk
             count = np.bincount((msrc if who == "src" else mdst)[mm], minlength=n)
             busy[port] += count * lat
 
-    if not len(nbytes) or not busy.any():
+    if not busy.any():
         return Prediction(
             seconds=0.0,
             bound_seconds=0.0,
@@ -226,7 +273,7 @@ def predict(plan: Plan, topology: Topology | None = None) -> Prediction:
             bottleneck_rank=None,
             bottleneck_port=None,
             bottleneck_bytes=0,
-            stages=int(stage.max()) + 1 if len(stage) else 0,
+            stages=acc.stages,
             port_seconds=tuple((p, 0.0) for p in Port),
         )
     # Ties go to the lowest port, then the lowest rank: deterministic.
@@ -256,6 +303,6 @@ def predict(plan: Plan, topology: Topology | None = None) -> Prediction:
         bottleneck_rank=int(ranks[r_star]),
         bottleneck_port=Port(p_star),
         bottleneck_bytes=int(load[p_star, r_star]),
-        stages=int(stage.max()) + 1,
+        stages=acc.stages,
         port_seconds=tuple((p, float(busy[p].max())) for p in Port),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 from jreshard.options import Options
 from jreshard.sharding.bounds import network_lower_bound
 from jreshard.sharding.box import Box
+from jreshard.sharding.layout import Layout
 from jreshard.sharding.rows import Move, Phase, TensorPlan, TensorSpec
 from jreshard.sharding.topology import Link, Topology
 
@@ -101,6 +103,38 @@ class PlanStats:
     network_messages: int
     stages: int
     destination_bytes: int
+
+
+def _unique_rows(keys: np.ndarray) -> np.ndarray:
+    """The distinct rows of an ``(n, 4)`` array of non-negative ints, sorted."""
+    if not len(keys):
+        return keys.reshape(0, 4)
+    # Rows of non-negative ints sort like their mixed-radix codes: a 1-d unique is far
+    # faster than np.unique(axis=0), and gives the same rows in the same order.
+    radix = [int(v) + 1 for v in keys.max(axis=0)]
+    if math.prod(radix) >= 1 << 62:
+        return np.unique(keys, axis=0)
+    code = ((keys[:, 0] * radix[1] + keys[:, 1]) * radix[2] + keys[:, 2]) * radix[3] + keys[:, 3]
+    code = np.unique(code)
+    out = np.empty((len(code), 4), dtype=np.int64)
+    for col in (3, 2, 1):
+        code, out[:, col] = np.divmod(code, radix[col])
+    out[:, 0] = code
+    return out
+
+
+def _distinct_keys(tp: TensorPlan) -> np.ndarray:
+    """Distinct ``(stage, src, dst, link)`` of one tensor's rows that travel as messages."""
+    m = (tp.link != Link.LOCAL) | (tp.phase != Phase.LAND)
+    return _unique_rows(np.stack([tp.stage[m], tp.src[m], tp.dst[m], tp.link[m]], axis=1).astype(np.int64))
+
+
+def _box_bytes(lay: Layout) -> int:
+    """The bytes all of a layout's boxes hold together (replicas counted each)."""
+    n = len(lay.boxes)
+    lo = np.fromiter(itertools.chain.from_iterable(b.lo for b in lay.boxes), np.int64, n * lay.ndim)
+    hi = np.fromiter(itertools.chain.from_iterable(b.hi for b in lay.boxes), np.int64, n * lay.ndim)
+    return int(np.prod((hi - lo).reshape(n, lay.ndim), axis=1).sum()) * lay.itemsize
 
 
 def _concat(parts: Sequence[TensorPlan], field: str) -> np.ndarray:
@@ -185,31 +219,23 @@ class Plan:
             ("local", Link.LOCAL, "dst"),
         ):
             m = c["link"] == link
-            ranks, inv = np.unique(c[who][m], return_inverse=True)
-            sums = np.bincount(inv, weights=c["nbytes"][m], minlength=len(ranks))
-            out[name] = {int(r): int(v) for r, v in zip(ranks, sums, strict=True)}
+            who_m = c[who][m]
+            # Ranks are small non-negative ints: one bincount, no sort.
+            sums = np.bincount(who_m, weights=c["nbytes"][m]) if len(who_m) else np.zeros(0)
+            seen = np.bincount(who_m) if len(who_m) else np.zeros(0, np.int64)
+            ranks = np.flatnonzero(seen)
+            out[name] = dict(zip(ranks.tolist(), sums[ranks].astype(np.int64).tolist(), strict=True))
         return out
 
     def message_keys(self) -> np.ndarray:
         """Distinct ``(stage, src, dst, link)`` rows of the transfers that travel as messages
         (all but the local landings from a source shard)."""
-        c = self._columns
-        m = (c["link"] != Link.LOCAL) | (c["phase"] != Phase.LAND)
-        keys = np.stack([c["stage"][m], c["src"][m], c["dst"][m], c["link"][m]], axis=1).astype(np.int64)
-        if not len(keys):
-            return keys.reshape(0, 4)
-        # Rows of non-negative ints sort like their mixed-radix codes: a 1-d unique is far
-        # faster than np.unique(axis=0), and gives the same rows in the same order.
-        radix = [int(v) + 1 for v in keys.max(axis=0)]
-        if math.prod(radix) >= 1 << 62:
-            return np.unique(keys, axis=0)
-        code = ((keys[:, 0] * radix[1] + keys[:, 1]) * radix[2] + keys[:, 2]) * radix[3] + keys[:, 3]
-        code = np.unique(code)
-        out = np.empty((len(code), 4), dtype=np.int64)
-        for col in (3, 2, 1):
-            code, out[:, col] = np.divmod(code, radix[col])
-        out[:, 0] = code
-        return out
+        parts: dict[int, np.ndarray] = {}  # id(tensor plan) -> its distinct keys: stamped tensors repeat
+        for tp in self.tensor_plans:
+            if id(tp) not in parts:
+                parts[id(tp)] = _distinct_keys(tp)
+        keys = np.concatenate(list(parts.values())) if parts else np.zeros((0, 4), np.int64)
+        return _unique_rows(keys)
 
     def stats(self) -> PlanStats:
         """Bytes by link kind, the lower bound, per-rank maxima and message counts (computed once)."""
@@ -234,13 +260,51 @@ class Plan:
             messages=len(keys),
             network_messages=int(np.sum(keys[:, 3] == Link.NETWORK)) if len(keys) else 0,
             stages=int(c["stage"].max()) + 1 if len(c["stage"]) else 0,
-            destination_bytes=sum(sum(b.volume for b in t.dst.boxes) * t.dst.itemsize for t in self.tensors),
+            destination_bytes=self._destination_bytes(),
         )
+
+    def _destination_bytes(self) -> int:
+        per: dict[int, int] = {}  # id(layout) -> its bytes: tensors share layouts
+        total = 0
+        for t in self.tensors:
+            got = per.get(id(t.dst))
+            if got is None:
+                got = per[id(t.dst)] = _box_bytes(t.dst)
+            total += got
+        return total
 
     def program(self, rank: int) -> RankProgram:
         """The part of this plan that ``rank`` runs."""
         parts = [tp.select((tp.src == rank) | (tp.dst == rank)) for tp in self.tensor_plans]
         return program_of(rank, parts)
+
+    def programs(self, ranks: Sequence[int] | None = None) -> dict[int, RankProgram]:
+        """``{rank: self.program(rank)}`` for ``ranks`` (default: every rank of the plan).
+
+        One pass over the rows groups them by rank (a stable sort per tensor), instead of
+        scanning every row once per rank.
+        """
+        if ranks is None:
+            ranks = sorted({r for t in self.tensors for r in (*t.src.ranks, *t.dst.ranks)})
+        want = sorted(set(ranks))
+        rows: dict[int, list[TensorPlan]] = {r: [] for r in want}
+        wanted = np.asarray(want, dtype=np.int64)
+        for tp in self.tensor_plans:
+            # Each row belongs to its sender and its receiver (once when they are the same rank).
+            idx = np.arange(len(tp), dtype=np.int64)
+            who = np.concatenate([tp.src, tp.dst])
+            at = np.concatenate([idx, idx])
+            keep = (np.concatenate([np.ones(len(tp), bool), tp.dst != tp.src])) & np.isin(who, wanted)
+            who, at = who[keep], at[keep]
+            order = np.lexsort((at, who))
+            who, at = who[order], at[order]
+            cuts = np.flatnonzero(np.diff(who)) + 1
+            groups = dict(zip(who[np.r_[0, cuts]].tolist(), np.split(at, cuts), strict=True)) if len(who) else {}
+            empty = tp.select(np.zeros(0, np.int64))
+            for r in want:
+                got = groups.get(r)
+                rows[r].append(empty if got is None else tp.select(got))
+        return {r: program_of(r, rows[r]) for r in want}
 
 
 _LINKS = tuple(Link)
@@ -279,17 +343,23 @@ def program_of(
             strict=True,
         )
         for src, dst, lk, ph, stage, box, nb in cols:
-            link = _LINKS[lk]
-            if lk == Link.LOCAL and ph == Phase.LAND:  # from a source shard on the rank's device
+            if lk == 0 and ph == 0:  # Link.LOCAL, Phase.LAND: from a source shard on the rank's device
                 if dst == rank:
-                    local.append(Move(t, src, dst, box, link, _PHASES[ph], stage, nb))
+                    local.append(Move(t, src, dst, box, _LINKS[lk], _PHASES[ph], stage, nb))
                 continue
+            piece = Piece(t, box, nb)
             if src == rank:
-                sends.setdefault((stage, dst), []).append(Piece(t, box, nb))
-                links[(stage, src, dst)] = link
+                got = sends.get((stage, dst))
+                if got is None:
+                    got = sends[(stage, dst)] = []
+                    links[(stage, src, dst)] = _LINKS[lk]
+                got.append(piece)
             if dst == rank:
-                recvs.setdefault((stage, src), []).append(Piece(t, box, nb))
-                links[(stage, src, dst)] = link
+                got = recvs.get((stage, src))
+                if got is None:
+                    got = recvs[(stage, src)] = []
+                    links[(stage, src, dst)] = _LINKS[lk]
+                got.append(piece)
     return RankProgram(
         rank,
         tuple(local),

@@ -18,17 +18,31 @@ from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 from jreshard.sharding.units import check_pair, plan_tensor, rank_rows
 
-__all__ = ["LayoutPair", "check_pairs", "default_topology", "plan_layouts", "rank_program", "tensor_names"]
+__all__ = [
+    "LayoutPair",
+    "check_pairs",
+    "default_topology",
+    "plan_layouts",
+    "prepare_pairs",
+    "rank_program",
+    "rank_programs",
+    "tensor_names",
+]
 
 LayoutPair = tuple[Layout, Layout]  # (source layout, destination layout) of one tensor
 
 
 def check_pairs(pairs: Sequence[LayoutPair], topology: Topology, names: Sequence[str]) -> None:
     """Raise when a pair disagrees on shape or dtype, or names a rank the topology lacks."""
+    seen: set[int] = set()  # ids of the layouts checked against the topology (equal layouts are one object)
     for (src, dst), name in zip(pairs, names, strict=True):
         check_pair(src, dst, name)
-        topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
-        topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
+        if id(src) not in seen:
+            topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
+            seen.add(id(src))
+        if id(dst) not in seen:
+            topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
+            seen.add(id(dst))
 
 
 def default_topology(pairs: Sequence[LayoutPair]) -> Topology:
@@ -87,6 +101,18 @@ def _check_inputs(topology: object, options: object) -> None:
     Options.of(options)
 
 
+def prepare_pairs(
+    pairs: Sequence[LayoutPair], topology: Topology | None, options: Options | None, names: Sequence[str] | None
+) -> tuple[tuple[LayoutPair, ...], Topology, Options]:
+    """Check the arguments and return the canonical pairs, the topology and the options (defaults filled in)."""
+    _check_inputs(topology, options)
+    pairs = _canonical(pairs)
+    topology = topology or default_topology(pairs)
+    options = options or Options()
+    check_pairs(pairs, topology, tensor_names(pairs, names))
+    return pairs, topology, options
+
+
 @cache(max_size=128)
 def _plan_cached(pairs: tuple[LayoutPair, ...], topology: Topology, options: Options, names: tuple[str, ...]) -> Plan:
     check_pairs(pairs, topology, names)
@@ -129,11 +155,31 @@ def rank_program(
     """One rank's program, built from only the units that rank takes part in.
 
     Equal to ``plan_layouts(...).program(rank)`` without planning other ranks' units.
+    Cached by its inputs, like plans.
     """
-    _check_inputs(topology, options)
-    pairs = _canonical(pairs)
-    topology = topology or default_topology(pairs)
-    options = options or Options()
-    check_pairs(pairs, topology, tensor_names(pairs, names))
+    pairs, topology, options = prepare_pairs(pairs, topology, options, names)
+    key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
+    return _rank_program_cached(pairs, rank, topology, key_opts)
+
+
+@cache(max_size=256)
+def _rank_program_cached(pairs: tuple[LayoutPair, ...], rank: int, topology: Topology, options: Options) -> RankProgram:
     rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
     return program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])
+
+
+def rank_programs(
+    pairs: Sequence[LayoutPair],
+    ranks: Sequence[int],
+    topology: Topology | None = None,
+    options: Options | None = None,
+    names: Sequence[str] | None = None,
+) -> dict[int, RankProgram]:
+    """The programs of the ranks one process drives, ``{rank: RankProgram}``, without the whole plan.
+
+    Each equals ``plan_layouts(...).program(rank)``: what the rank sends, receives (from
+    whom, at which stage, the pieces in order) and copies locally.
+    """
+    pairs, topology, options = prepare_pairs(pairs, topology, options, names)
+    key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
+    return {rank: _rank_program_cached(pairs, rank, topology, key_opts) for rank in sorted(set(ranks))}

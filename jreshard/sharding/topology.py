@@ -72,8 +72,8 @@ class Topology:
     devices: tuple[int, ...]
     links: Links = Links()
     _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
-    _domain: dict = dataclasses.field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
-    _device: dict = dataclasses.field(init=False, repr=False, compare=False, default=None)  # type: ignore[assignment]
+    _domain: dict[int, int] = dataclasses.field(init=False, repr=False, compare=False, default_factory=dict)
+    _device: dict[int, int] = dataclasses.field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("ranks", "domains", "devices"):
@@ -179,7 +179,7 @@ class Topology:
         if len(set(ranks)) != len(ranks):
             dup = sorted({r for r in ranks if ranks.count(r) > 1})
             raise TopologyError(f"Topology.uniform: ranks={_short(ranks)} lists ranks {dup} more than once")
-        return cls.from_domains({r: i // domain_size for i, r in enumerate(ranks)}, **links)
+        return cls.from_domains({r: i // domain_size for i, r in enumerate(ranks)}, **links)  # type: ignore[arg-type]
 
     @classmethod
     def from_devices(
@@ -204,7 +204,7 @@ class Topology:
             r = rank_of[d] if rank_of is not None else int(d.id)  # type: ignore[attr-defined]
             doms[r] = domain_of[d] if domain_of is not None else int(d.process_index)  # type: ignore[attr-defined]
             devs[r] = int(d.id)  # type: ignore[attr-defined]
-        return cls.from_domains(doms, devices=devs, **links)
+        return cls.from_domains(doms, devices=devs, **links)  # type: ignore[arg-type]  # links are Links fields
 
     @staticmethod
     def check_arg(topology: object, name: str = "topology") -> None:

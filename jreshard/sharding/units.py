@@ -31,7 +31,6 @@ sender held before (stage 0) or received at a stage ``< s``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -41,13 +40,24 @@ from jreshard._cache import cache
 from jreshard.errors import LayoutMismatchError
 from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
+from jreshard.sharding.context import Context, context, fan_link
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.overlap import Overlaps, overlaps_of, take_from_earlier
-from jreshard.sharding.pieces import SourceIndex, disjoint, overlapping, pieces_of, source_index
+from jreshard.sharding.overlap import take_from_earlier
+from jreshard.sharding.pieces import overlapping, pieces_of
 from jreshard.sharding.rows import Emitter, Phase, Row, TensorPlan, TensorTemplate
 from jreshard.sharding.topology import Link, Topology
 
-__all__ = ["check_pair", "plan_rows", "plan_tensor", "plan_tensor_for_rank", "rank_rows", "stripe", "units_of_rank"]
+__all__ = [
+    "check_pair",
+    "plan_rows",
+    "plan_tensor",
+    "plan_tensor_for_rank",
+    "rank_rows",
+    "rotation_of",
+    "stripe",
+    "template_of",
+    "units_of_rank",
+]
 
 
 def check_pair(src: Layout, dst: Layout, name: str) -> None:
@@ -111,71 +121,7 @@ def stripe(pieces: Sequence[tuple[int, Box]], k: int, itemsize: int, min_bytes: 
     return out
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Context:
-    """Everything about one (src, dst, topology) that every unit reads."""
-
-    src: Layout
-    dst: Layout
-    topo: Topology
-    sidx: SourceIndex
-    groups: tuple[tuple[Box, tuple[int, ...]], ...]  # destination replica groups
-    by_domain: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]  # per group: (domain, holders) sorted
-    holders_in: tuple[dict[int, tuple[int, ...]], ...]  # per source box: domain -> replicas there
-    on_device: tuple[dict[int, int], ...]  # per source box: device -> its smallest replica there
-    dlo: np.ndarray
-    dhi: np.ndarray
-    overlaps: Overlaps | None  # destination groups that overlap inside one domain (overlap.py)
-    shared_devices: bool  # whether two destination ranks share a device (their fan-out is then a local copy)
-
-
-@cache(max_size=512)
-def _context(src: Layout, dst: Layout, topo: Topology) -> _Context:
-    sidx = source_index(src)
-    groups = dst.replica_groups()
-    by_domain = []
-    for _, ranks in groups:
-        doms: dict[int, list[int]] = {}
-        for r in ranks:
-            doms.setdefault(topo.domain_of(r), []).append(r)
-        by_domain.append(tuple((g, tuple(rs)) for g, rs in sorted(doms.items())))
-    holders_in, on_device = [], []
-    for hs in sidx.holders:
-        inn: dict[int, list[int]] = {}
-        dev: dict[int, int] = {}
-        for h in hs:
-            inn.setdefault(topo.domain_of(h), []).append(h)
-            dev.setdefault(topo.device_of(h), h)
-        holders_in.append({g: tuple(v) for g, v in inn.items()})
-        on_device.append(dev)
-    dlo = np.array([b.lo for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
-    dhi = np.array([b.hi for b, _ in groups], dtype=np.int64).reshape(len(groups), dst.ndim)
-    by_domain_t = tuple(by_domain)
-    devs = [topo.device_of(r) for r in dst.ranks]
-    return _Context(
-        src,
-        dst,
-        topo,
-        sidx,
-        groups,
-        by_domain_t,
-        tuple(holders_in),
-        tuple(on_device),
-        dlo,
-        dhi,
-        None if disjoint(tuple(b for b, _ in groups), dst.ndim) else overlaps_of(groups, by_domain_t, dlo, dhi),
-        len(set(devs)) < len(devs),
-    )
-
-
-def _fast(ctx: _Context, a: int, b: int) -> Link:
-    """The link of a fan-out inside one domain: a local copy when the two ranks share a device."""
-    if ctx.shared_devices and ctx.topo.device_of(a) == ctx.topo.device_of(b):
-        return Link.LOCAL
-    return Link.FAST
-
-
-def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
+def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
     """Emit the rows of destination replica group ``u`` into ``out`` (module docstring).
 
     With ``out.only`` set, emit just the rows that send from or arrive at rank
@@ -210,6 +156,8 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
                 net.append((k, pbox))
                 need[k].append(g)
                 continue
+            if only is not None and only not in holders and only not in inside:
+                continue  # no row of this landing involves only (a same-device replica is inside too)
             for q, r in enumerate(holders):
                 h = ctx.on_device[j].get(topo.device_of(r))
                 if h is not None:
@@ -237,10 +185,14 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
             by_piece[g] = got
         return got
 
+    dom_only = None if only is None else next((g for g, hs in ranks_of.items() if only in hs), None)
     for k, doms in enumerate(need):
         if not doms:
             continue
         replicas = ctx.sidx.holders[pcs[k][1]]
+        bystander = only is not None and only not in replicas  # then only rows of only's own domain involve it
+        if bystander and dom_only not in doms:
+            continue  # only neither sends nor receives piece k over the network
         # A domain that takes part of the piece from an earlier group holds no whole piece to relay:
         # it gets the rest straight from the replicas.
         whole = [g for g in doms if (k, g) not in partial] if partial else doms
@@ -253,17 +205,33 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
             chains += [[g] for g in doms if (k, g) in partial]
         turn = k  # the emitter adds the rotation
         for chain in chains:
+            if bystander and dom_only not in chain:
+                turn += len(stripes_of(chain[0]).get(k, ()))  # its landings only advance the rotation
+                continue
             prev: tuple[tuple[int, ...], list[tuple[Box, int]]] | None = None
-            for hop, g in enumerate(chain):
+            hops = range(len(chain))
+            if bystander:
+                # Only two hops can involve only: landing in (or relayed into) its domain, and the relay
+                # out of it. The hop before needs only its stripes; the head's turn matters only if it is
+                # only's domain.
+                i = chain.index(dom_only)
+                hops = range(i, min(i + 2, len(chain)))
+                if i > 0:
+                    prev = (ranks_of[chain[i - 1]], stripes_of(chain[i - 1]).get(k, []))
+            for hop in hops:
+                g = chain[hop]
                 holders = ranks_of[g]
                 if only is not None and only not in holders and (prev is None or only not in prev[0]):
                     # No row of this hop involves ``only`` except a landing it sends as a replica;
                     # the landings still advance ``turn``.
-                    mine = stripes_of(g).get(k, []) if prev is None or chain[hop + 1 :] else []
+                    mine = stripes_of(g).get(k, []) if prev is None or hop + 1 < len(chain) else []
                     if prev is None:
-                        for b, q in mine:
-                            out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
-                            turn += 1
+                        if only not in replicas:
+                            turn += len(mine)  # the landings only advance the rotation
+                        else:
+                            for b, q in mine:
+                                out.pick(replicas, turn, holders[q], Link.NETWORK, Phase.LAND, 0, u, b)
+                                turn += 1
                     prev = (holders, mine)
                     continue
                 mine = stripes_of(g).get(k, [])
@@ -296,13 +264,15 @@ def _plan_unit(ctx: _Context, u: int, opts: Options, out: Emitter) -> None:
                             continue
                         for qq, r in enumerate(holders):
                             if qq != q:
-                                rows.append(Row(lander, r, _fast(ctx, lander, r), fan, hop + 1, u, b))
+                                rows.append(Row(lander, r, fan_link(ctx, lander, r), fan, hop + 1, u, b))
                     elif only in holders and holders.index(only) != q:
-                        rows.append(Row(lander, only, _fast(ctx, lander, only), fan, hop + 1, u, b))
+                        rows.append(Row(lander, only, fan_link(ctx, lander, only), fan, hop + 1, u, b))
                 prev = (holders, mine)
+            if bystander:
+                break  # the one chain through only's domain is done: no later chain involves only
 
 
-def _rotation_period(ctx: _Context) -> int | None:
+def _rotation_period(ctx: Context) -> int | None:
     """Rotations act modulo the replica counts; beyond 64 distinct values, don't share."""
     p = 1
     for hs in ctx.sidx.holders:
@@ -313,7 +283,7 @@ def _rotation_period(ctx: _Context) -> int | None:
     return p if p <= 64 else None
 
 
-def _rotation(ctx: _Context, tensor_index: int) -> int:
+def _rotation(ctx: Context, tensor_index: int) -> int:
     period = _rotation_period(ctx)
     return tensor_index % period if period else tensor_index
 
@@ -321,7 +291,7 @@ def _rotation(ctx: _Context, tensor_index: int) -> int:
 @cache(max_size=1024)
 def _template(src: Layout, dst: Layout, topo: Topology, opts: Options) -> TensorTemplate:
     """Every row of the tensor, replica choices open: planned once per layout pair, stamped per tensor."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     out = Emitter(None)
     for u in range(len(ctx.groups)):
         _plan_unit(ctx, u, opts, out)
@@ -333,9 +303,19 @@ def _tensor_plan(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: i
     return _template(src, dst, topo, opts).stamp(rot)
 
 
+def template_of(src: Layout, dst: Layout, topo: Topology, opts: Options) -> TensorTemplate:
+    """A layout pair's template, planned afresh and not kept (for simulations too large to cache)."""
+    return _template.__wrapped__(src, dst, topo, opts)  # type: ignore[attr-defined]
+
+
+def rotation_of(src: Layout, dst: Layout, topo: Topology, tensor_index: int) -> int:
+    """The replica rotation of tensor ``tensor_index`` (a pure function of its layouts and index)."""
+    return _rotation(context(src, dst, topo), tensor_index)
+
+
 def plan_rows(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int) -> TensorPlan:
     """The rows for rotation ``rot``, planned directly (no template): the reference the templates must equal."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     out = Emitter(rot)
     for u in range(len(ctx.groups)):
         _plan_unit(ctx, u, opts, out)
@@ -345,13 +325,13 @@ def plan_rows(src: Layout, dst: Layout, topo: Topology, opts: Options, rot: int)
 def plan_tensor(src: Layout, dst: Layout, topo: Topology, opts: Options, tensor_index: int = 0) -> TensorPlan:
     """The plan of one tensor; ``tensor_index`` rotates replica choices so that
     many tensors with the same layouts spread over the replicas."""
-    return _tensor_plan(src, dst, topo, opts, _rotation(_context(src, dst, topo), tensor_index))
+    return _tensor_plan(src, dst, topo, opts, _rotation(context(src, dst, topo), tensor_index))
 
 
 def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[int]:
     """The destination replica groups whose unit involves ``rank``: the group it
     holds, and every group whose box meets a box ``rank`` holds as a source."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     units: set[int] = set()
     idx = src._index()
     if rank in idx:
@@ -369,7 +349,7 @@ def units_of_rank(src: Layout, dst: Layout, topo: Topology, rank: int) -> list[i
 @cache(max_size=8192)
 def _rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int) -> TensorTemplate:
     """The rows that may involve ``rank`` for some rotation, from only the units it takes part in."""
-    ctx = _context(src, dst, topo)
+    ctx = context(src, dst, topo)
     out = Emitter(None, only=rank)
     for u in units_of_rank(src, dst, topo, rank):
         _plan_unit(ctx, u, opts, out)
@@ -382,7 +362,7 @@ def rank_rows(
     """The rows of one tensor's plan that send from or arrive at ``rank``, and their boxes,
     built from only the units that rank takes part in (one template per layout pair and rank)."""
     tmpl = _rank_template(src, dst, topo, opts, rank)
-    tp = tmpl.stamp(_rotation(_context(src, dst, topo), tensor_index))
+    tp = tmpl.stamp(_rotation(context(src, dst, topo), tensor_index))
     if not len(tp):
         return tp, []
     keep = (tp.src == rank) | (tp.dst == rank)
