@@ -258,7 +258,7 @@ def draw_plan(
             )
         )
 
-    handles = [Line2D([], [], color=c, linestyle=ls, lw=2, label=lab) for c, ls, lab in LINK_STYLE.values()]
+    handles = [Line2D([], [], color=c, linestyle=ls, lw=2, label=lab) for c, ls, lab in LINK_STYLE.values()]  # type: ignore[arg-type]
     ax.legend(
         handles=handles,
         loc="upper center",
@@ -269,13 +269,13 @@ def draw_plan(
         title="arrows: what moves where (width ~ bytes)",
         title_fontsize=9,
     )
-    s = plan.stats() if len(plan.tensors) == 1 else None
+    stats = plan.stats() if len(plan.tensors) == 1 else None
     extra = (
         (
-            f"\nnetwork {_fmt_bytes(s.network_bytes)} (lower bound {_fmt_bytes(s.network_bytes_lower_bound)}), "
-            f"fast {_fmt_bytes(s.fast_bytes)}, local {_fmt_bytes(s.local_bytes)}"
+            f"\nnetwork {_fmt_bytes(stats.network_bytes)} (lower bound {_fmt_bytes(stats.network_bytes_lower_bound)}), "
+            f"fast {_fmt_bytes(stats.fast_bytes)}, local {_fmt_bytes(stats.local_bytes)}"
         )
-        if s
+        if stats
         else ""
     )
     ax.set_title(f"{plan.kind} plan: tensor {spec.name!r} {list(shape)} {src.dtype}{extra}", fontsize=11)

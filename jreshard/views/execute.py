@@ -171,7 +171,8 @@ def _copy_piece(p: Piece, src: Mapping, src_box: Mapping, out: np.ndarray) -> No
     used = [a for a in p.axes if a >= 0]
     rest = [a for a in range(region.ndim) if a not in used]
     v = region.transpose(used + rest).reshape(p.dst_box.shape)
-    cast_into(out[(*p.dst_box.slices(), ...)], v, p.sender_casts + p.receiver_casts)  # "...": 0-d views stay arrays
+    where: Any = (*p.dst_box.slices(), ...)  # "...": 0-d views stay arrays
+    cast_into(out[where], v, p.sender_casts + p.receiver_casts)
 
 
 def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layout]) -> tuple[dict, dict]:
