@@ -17,7 +17,7 @@ port               load                                       rate
 
 The NIC is full duplex (send and receive are separate ports), and so is the
 fast link. Every message (all pieces one sender sends one receiver at one stage,
-see ``program.py``) costs one ``latency_s`` on the sender's send port and on the
+see ``plan.py``) costs one ``latency_s`` on the sender's send port and on the
 receiver's receive port: a message's chunks stream back to back, so its latency
 is paid once.
 
