@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(BIN)/ruff check jreshard tests benchmarks examples tools
+	$(BIN)/ruff format --check jreshard tests benchmarks examples tools
+	$(BIN)/python -m mypy jreshard
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -q
 	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
 

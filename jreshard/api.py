@@ -76,11 +76,8 @@ def _run(
     x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options | None, report: bool
 ) -> Any:
     """The one path of every call: route, front door, run the backend's lowering, assemble."""
-    if options is not None and not isinstance(options, Options):
-        raise TypeError(f"options={options!r} ({type(options).__name__}); expected jreshard.Options or None")
-    if topology is not None and not isinstance(topology, Topology):
-        raise TypeError(f"topology={topology!r} ({type(topology).__name__}); expected jreshard.Topology or None")
-    options = options or Options()
+    options = Options.of(options)
+    Topology.check_arg(topology)
     if _has_views(x):
         return _run_views(x, target, mode, topology, options, report)
     builder = ReportBuilder(Backend.LOCAL)

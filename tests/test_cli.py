@@ -191,3 +191,20 @@ def _error_after(capsys, tmp_path, sysfile) -> str:
 def test_demo_still_runs(capsys):
     assert main(["demo"]) == 0
     assert "jreshard" in capsys.readouterr().out
+
+
+def test_simulate_at_scale_predicts_from_templates(monkeypatch, capsys):
+    """Above WHOLE_PLAN_MAX_RANKS, simulate predicts jreshard's refit one layout pair at a time, with the
+    same prediction as the whole plan's."""
+    from jreshard import cli
+
+    args = ["simulate", "--model", "llama3-70b", "--train-gpus", "16", "--infer-gpus", "16", "--domain-size", "8"]
+    assert cli.main(args) == 0
+    whole = capsys.readouterr().out
+    monkeypatch.setattr(cli, "WHOLE_PLAN_MAX_RANKS", 8)
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "predicted from the planner's layout-pair templates" in out and "gather-broadcast" not in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("jreshard "))
+    want = next(ln for ln in whole.splitlines() if ln.startswith("jreshard "))
+    assert line.split()[1:3] == want.split()[1:3]  # the same predicted time, from the same loads

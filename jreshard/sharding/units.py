@@ -214,7 +214,7 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
                 # Only two hops can involve only: landing in (or relayed into) its domain, and the relay
                 # out of it. The hop before needs only its stripes; the head's turn matters only if it is
                 # only's domain.
-                i = chain.index(dom_only)
+                i = chain.index(dom_only)  # type: ignore[arg-type]  # a bystander has a domain
                 hops = range(i, min(i + 2, len(chain)))
                 if i > 0:
                     prev = (ranks_of[chain[i - 1]], stripes_of(chain[i - 1]).get(k, []))
