@@ -14,10 +14,11 @@ Cases, all measured in one run (these hosts are shared and noisy: read the ratio
   from FSDP4 to Megatron TP2 x DP2.
 
 Every time is wall clock over ``--repeats`` calls after a warm-up call, each result
-freed before the next; the table prints the median and [min-max]. ``jax.device_put``
-runs on new arrays over the same source buffers each call (:func:`rewrap`), as in a
-refit where every step brings new weights (repeating it on one array reuses a host copy
-jax caches on it). The floor is the destination bytes at the ``np.copyto`` bandwidth
+freed before the next; the table prints the median and [min-max]. Every contender runs
+on new arrays over the same source buffers each call (:func:`rewrap`, done before the
+clock starts), as in a refit where every step brings new weights: repeating a call on one
+array object would reuse what jax caches on it (``jax.device_put``'s host copy, the shard
+list jreshard reads). The floor is the destination bytes at the ``np.copyto`` bandwidth
 into warm memory, measured in this run with 8 MiB calls.
 
 Run:  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/transfer_bench.py   (``--quick``: fewer repeats)
@@ -123,13 +124,16 @@ def stats(times: list[float]) -> str:
     return f"{np.median(times) * 1e3:.1f} [{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]"
 
 
-def timings(fn, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` calls after one warm-up call; each result freed before the next."""
+def timings(fn, repeats: int, sources: list | None = None) -> list[float]:
+    """Seconds of ``repeats`` calls after one warm-up call; each result freed before the next.
+
+    ``sources``: call ``k`` gets ``sources[k]`` (new arrays every call, built before the clock starts)."""
     out = []
     for k in range(repeats + 1):
         gc.collect()
+        arg = () if sources is None else (sources[k],)
         t = time.perf_counter()
-        r = fn()
+        r = fn(*arg)
         jax.block_until_ready(r)
         dt = time.perf_counter() - t
         del r
@@ -153,19 +157,27 @@ def warm_bandwidth(nbytes: int = 256 * MiB, step: int = 8 * MiB, repeats: int = 
 
 
 def compare(name: str, x, target, repeats: int, bw: float, leaves: int | None = None) -> dict:
-    """transfer, transfer_into and device_put on one case."""
+    """transfer, transfer_into and device_put on one case.
+
+    Every call of every contender gets new source arrays (over the same shard buffers, made
+    before the clock starts), as a refit does after each train step: nothing jax caches on an
+    array object (its host copy, its shard list) carries over from one call to the next."""
     held = [jreshard.transfer(x, target)]
     nbytes = dest_bytes(held[0])
-    t_tr = timings(lambda: jreshard.transfer(x, target), repeats)
 
-    def into():
-        held[0] = jreshard.transfer_into(x, held[0])
+    def fresh() -> list:
+        return [rewrap(x) for _ in range(repeats + 1)]
+
+    t_tr = timings(lambda xs: jreshard.transfer(xs, target), repeats, fresh())
+
+    def into(xs):
+        held[0] = jreshard.transfer_into(xs, held[0])
         return held[0]
 
-    t_in = timings(into, repeats)
-    _, rep = jreshard.transfer(x, target, report=True)
+    t_in = timings(into, repeats, fresh())
+    _, rep = jreshard.transfer(rewrap(x), target, report=True)
     held.clear()
-    t_dp = timings(lambda: jax.device_put(rewrap(x), target), repeats)
+    t_dp = timings(lambda xs: jax.device_put(xs, target), repeats, fresh())
     floor = nbytes / bw
     row = {"case": name, "bytes": nbytes, "transfer": t_tr, "into": t_in, "device_put": t_dp, "floor": floor}
     row["report"] = rep
@@ -200,12 +212,13 @@ def main() -> None:
         if (n, side) == (1000, 128):
             firsts, cached = [], []
             for _ in range(3):
+                a, b = rewrap(x), rewrap(x)
                 jreshard.clear_caches()
                 t0 = time.perf_counter()
-                jax.block_until_ready(jreshard.transfer(x, t))
+                jax.block_until_ready(jreshard.transfer(a, t))
                 firsts.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                jax.block_until_ready(jreshard.transfer(x, t))
+                jax.block_until_ready(jreshard.transfer(b, t))
                 cached.append(time.perf_counter() - t0)
             first_row = (firsts, cached)
         del x
