@@ -98,3 +98,18 @@ def test_report_over_mpi_counts_the_plans_bytes_and_messages(tmp_path, procs, de
     network, fast, local, messages = (sum(r[k] for r in got.values()) for k in ("network", "fast", "local", "messages"))
     (plan,) = {tuple(r["plan"]) for r in got.values()}
     assert (network, fast, local, messages) == plan and network > 0
+
+
+def test_refit_groups_one_after_another_on_the_same_processes(tmp_path):
+    """A group's close notice stays with that group: three groups in a row each move their version."""
+    need_mpi()
+    launch(
+        [program(2, "refit_twice_body.py", "source"), program(2, "refit_twice_body.py", "destination")],
+        tmp_path,
+        devices=1,
+        timeout_s=120,
+    )
+    got = results(tmp_path, "twice-source") | results(tmp_path, "twice-destination")
+    assert len(got) == 4 and all("error" not in r for r in got.values()), got
+    dst = [r["got"] for r in got.values() if r["got"]]
+    assert dst and all(g == [[1, 0.0], [2, 1.0], [3, 2.0]] for g in dst)

@@ -16,6 +16,7 @@ closed raises :class:`PeerError` at once instead of after ``timeout_s``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,8 @@ from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.nccl.mpi import import_mpi
 
 __all__ = ["Control"]
+
+_GENERATIONS = itertools.count()
 
 
 class Control:
@@ -50,6 +53,10 @@ class Control:
         self._tag_ub = int(ub) if ub else 32767
         self._closed_tag = self._tag_ub  # reserved: "this process closed"; operations use tags below it
         self._closed: set[int] = set()  # peers whose notice arrived
+        # Every process makes its Controls in the same (collective) order, so this numbers one group
+        # alike everywhere. A close notice carries it: a notice left unreceived on a freed communicator
+        # (MPI may give its context to the next duplicate) never closes a later group.
+        self._generation = next(_GENERATIONS)
         self._seq = 0
         self._describe = describe or (lambda p: f"process {p}")
         self._leftover: list[Any] = []
@@ -136,9 +143,9 @@ class Control:
     def _check_closed(self, peers: Sequence[int], tag: int) -> None:
         """Raise :class:`PeerError` if one of ``peers`` closed without sending its ``tag`` message."""
         for p in peers:
-            if p not in self._closed and self._comm.iprobe(source=p, tag=self._closed_tag):
-                self._comm.recv(source=p, tag=self._closed_tag)
-                self._closed.add(p)
+            while p not in self._closed and self._comm.iprobe(source=p, tag=self._closed_tag):
+                if self._comm.recv(source=p, tag=self._closed_tag) == ("closed", self._generation):
+                    self._closed.add(p)  # (a notice of an earlier group is dropped)
         gone = [p for p in peers if p in self._closed and not self._comm.iprobe(source=p, tag=tag)]
         if gone:
             raise PeerError(
@@ -159,7 +166,7 @@ class Control:
         for p in range(self.size):
             if p != self.rank:
                 try:
-                    sends.append(self._comm.isend(True, dest=p, tag=self._closed_tag))
+                    sends.append(self._comm.isend(("closed", self._generation), dest=p, tag=self._closed_tag))
                 except self._MPI.Exception:  # pragma: no cover - best effort
                     pass
         self._finish_sends(sends)
