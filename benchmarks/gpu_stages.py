@@ -64,19 +64,6 @@ def gpu():
     return jax.devices("gpu")[0]
 
 
-class _Store:
-    """The key-value store of a one-process group."""
-
-    def __init__(self):
-        self.values = {}
-
-    def key_value_set(self, key, value):
-        self.values[key] = value
-
-    def blocking_key_value_get(self, key, timeout_in_ms):
-        return self.values[key]
-
-
 def self_comm(o: int, namespace: str):
     """NcclComm over ranks 0 and 1, both on GPU ``o``: NCCL rank 0 sends to itself."""
     from jreshard.nccl.cupy_nccl import NcclComm
@@ -85,7 +72,7 @@ def self_comm(o: int, namespace: str):
     return NcclComm(
         devices={0: 0, 1: 0, 2: 0},
         local_devices={0: o, 1: o, 2: o},
-        rendezvous=KeyValueRendezvous(_Store()),
+        rendezvous=KeyValueRendezvous.in_process(),
         namespace=namespace,
         timeout_s=120.0,
     )

@@ -47,7 +47,7 @@ from jreshard.sharding.topology import Topology
 NIC, NVLINK = 50e9, 900e9  # GB200 NVL72: 400 Gb/s NIC per GPU; NVLink 5 at 900 GB/s each way per GPU
 DOMAIN = 64  # GPUs of a job per NVL72 rack: 128 + 128 GPUs fill 4 racks, as in the published DeepSeek-V3 run
 
-# Published measurements (../shared/REFERENCE.md): NCCL M2N, flat direct sends, all-gather + broadcast.
+# Published measurements (the NCCL M2N README, nccl-extensions): NCCL M2N, flat direct sends, all-gather + broadcast.
 PUBLISHED = {2: (10.25, 20.86), 4: (13.83, 35.84), 8: (9.78, 77.26)}
 PUBLISHED_GATHER = "222-240"
 FLOOR_MS = 7168e6 / (16 * 50e9) * 1e3  # the published floor: 7168 MB / (16 x 50 GB/s) = 8.96 ms
@@ -97,7 +97,7 @@ def ffn_moe() -> None:
 
 
 def single_tensor() -> None:
-    """Issue 2: one tensor across 512 + 512 ranks, planned from scratch."""
+    """One tensor across 512 + 512 ranks, planned from scratch."""
     print("== one tensor across 512 + 512 ranks (8 ranks per domain)")
     shape = (256, 2048, 7168)
     cases = {

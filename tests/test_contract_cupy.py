@@ -138,21 +138,11 @@ def test_nccl_comm_creation_with_the_real_modules_fails_in_cuda(cupy, nccl):
     """NcclComm end to end with the real modules: the first CUDA call fails (no driver or
     device), as a CUDA error from inside the communicator's creation."""
 
-    class Store:
-        def __init__(self):
-            self.values = {}
-
-        def key_value_set(self, key, value):
-            self.values[key] = value
-
-        def blocking_key_value_get(self, key, timeout_in_ms):
-            return self.values[key]
-
     with pytest.raises((cupy.cuda.runtime.CUDARuntimeError, nccl.NcclError)):
         NcclComm(
             devices={0: 0},
             local_devices={0: 0},
-            rendezvous=KeyValueRendezvous(Store()),
+            rendezvous=KeyValueRendezvous.in_process(),
             namespace="contract",
             timeout_s=30.0,
         )

@@ -157,19 +157,6 @@ def test_pack_unpack_kernels_match_numpy(env, bufs, seed):
     np.testing.assert_array_equal(cupy.asnumpy(dev), expected)
 
 
-class _Store:
-    """An in-process key-value store: the rendezvous of a one-process group."""
-
-    def __init__(self):
-        self.values = {}
-
-    def key_value_set(self, key, value):
-        self.values[key] = value
-
-    def blocking_key_value_get(self, key, timeout_in_ms):
-        return self.values[key]
-
-
 @pytest.mark.parametrize("stream_ordered", [False, True])
 def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     """Ranks 0 (source) and 1, 2 (destination, split by columns) are different devices to
@@ -198,7 +185,7 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     comm = NcclComm(
         devices={0: 0, 1: 0, 2: 0},
         local_devices={0: o, 1: o, 2: o},
-        rendezvous=KeyValueRendezvous(_Store()),
+        rendezvous=KeyValueRendezvous.in_process(),
         namespace=f"gpu-test-self-{stream_ordered}",
     )
     # Stream-ordered: no host wait per exchange, one bounded wait at the end of execute.

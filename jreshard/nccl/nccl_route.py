@@ -19,19 +19,6 @@ from jreshard.sharding.topology import Topology
 __all__ = ["nccl_in_process", "nccl_multiprocess"]
 
 
-class _Store:
-    """An in-process key-value store: the NCCL unique id's rendezvous when one process drives every GPU."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, str] = {}
-
-    def key_value_set(self, key: str, value: str) -> None:
-        self.values[key] = value
-
-    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
-        return self.values[key]
-
-
 def _leaves_and_targets(x: Any, target: Any) -> tuple[list, list]:
     """The leaves of ``x`` and the target sharding of each (``None``: kept)."""
     from jreshard.frontdoor import flatten, target_sharding
@@ -50,7 +37,7 @@ def nccl_in_process(x: Any, target: Any, topology: Topology | None, options: Opt
     comm = NcclComm(
         devices={r: r for r in devs},
         local_devices={r: int(d.local_hardware_id) for r, d in devs.items()},
-        rendezvous=KeyValueRendezvous(_Store()),
+        rendezvous=KeyValueRendezvous.in_process(),
         namespace="jreshard.transfer",
         timeout_s=options.timeout_s,
     )

@@ -45,6 +45,19 @@ class Rendezvous(abc.ABC):
         """
 
 
+class _LocalStore:
+    """A key-value store in this process (the client interface of ``jax.distributed``'s store)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def key_value_set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key: str, timeout_in_ms: int) -> str:
+        return self.values[key]
+
+
 class KeyValueRendezvous(Rendezvous):
     """Over a key-value store: the maker sets the key, the others wait for it (final).
 
@@ -71,6 +84,15 @@ class KeyValueRendezvous(Rendezvous):
     def __init__(self, client: Any, *, namespace: str = "jreshard"):
         self._client = client
         self._namespace = namespace
+
+    @classmethod
+    def in_process(cls, *, namespace: str = "jreshard") -> KeyValueRendezvous:
+        """Over a store of this process's own: the rendezvous when one process drives every rank.
+
+        >>> KeyValueRendezvous.in_process().share("uid/0", b"\\x02", timeout_s=1.0)
+        b'\\x02'
+        """
+        return cls(_LocalStore(), namespace=namespace)
 
     @classmethod
     def from_jax(cls, *, namespace: str = "jreshard") -> KeyValueRendezvous:

@@ -50,3 +50,24 @@ def main(tag: str, body: Callable[[], dict[str, Any]], *, hard_exit: bool = Fals
             time.sleep(0.05)
         os._exit(code)
     sys.exit(code)
+
+
+def refit_side(role: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Join ``role``'s side of an MPMD launch (one jax cluster per side) and declare ``shapes`` as float32
+    arrays replicated over the side's devices: ``{name: jax.ShapeDtypeStruct}``."""
+    import numpy as np
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    side = world.Split(0 if role == "source" else 1, world.Get_rank())
+
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard.multi import initialize
+
+    if side.Get_size() > 1:
+        initialize(side)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    return {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P())) for k, s in shapes.items()}

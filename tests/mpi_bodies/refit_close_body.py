@@ -6,32 +6,22 @@ import sys
 import time
 
 import numpy as np
-from _common import main
+from _common import main, refit_side
 
 SHAPES = {"w": (8, 4), "b": (4,)}
 TIMEOUT_S = 30.0
 
 
 def body() -> dict:
-    from mpi4py import MPI
-
     role = sys.argv[1]
-    world = MPI.COMM_WORLD
-    side = world.Split(0 if role == "source" else 1, world.Get_rank())
+    sds = refit_side(role, SHAPES)
 
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jreshard.errors import PeerError
-    from jreshard.multi import initialize
     from jreshard.options import Options
     from jreshard.refit import RefitGroup
 
-    if side.Get_size() > 1:
-        initialize(side)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-    sds = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P())) for k, s in SHAPES.items()}
     group = RefitGroup(role, sds, options=Options(timeout_s=TIMEOUT_S))
     log: dict = {"versions": []}
     if role == "source":

@@ -5,30 +5,20 @@ never close the second group."""
 import sys
 
 import numpy as np
-from _common import main
+from _common import main, refit_side
 
 SHAPES = {"w": (8, 4)}
 
 
 def body() -> dict:
-    from mpi4py import MPI
-
     role = sys.argv[1]
-    world = MPI.COMM_WORLD
-    side = world.Split(0 if role == "source" else 1, world.Get_rank())
+    sds = refit_side(role, SHAPES)
 
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from jreshard.multi import initialize
     from jreshard.options import Options
     from jreshard.refit import RefitGroup
 
-    if side.Get_size() > 1:
-        initialize(side)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-    sds = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P())) for k, s in SHAPES.items()}
     got = []
     for g in range(3):
         group = RefitGroup(role, sds, options=Options(timeout_s=30.0))
