@@ -7,6 +7,8 @@ stage), exactly-once delivery and the final contents of every destination.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from jreshard.sharding.layout import Layout
@@ -116,3 +118,14 @@ def network_entries(plan: Plan) -> dict:
             arr = out.setdefault(key, np.zeros(spec.src.shape, np.int64))
             arr[tp.box(i).slices()] += 1
     return out
+
+
+def check_exact_and_minimal(p: Any, src: Any, dst: Any, topo: Any) -> None:
+    """A one-tensor plan delivers every destination element exactly, its network bytes equal the
+    brute-force union bound, and no element enters a domain over the network twice."""
+    values = random_values(p)
+    check_destinations(p, values, execute(p, values))
+    s = p.stats()
+    assert s.network_bytes == s.network_bytes_lower_bound == brute_force_lower_bound(src, dst, topo)
+    for key, count in network_entries(p).items():
+        assert count.max() <= 1, f"{key}: some element entered the domain over the network {count.max()} times"

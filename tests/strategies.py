@@ -25,6 +25,17 @@ def factorizations(n: int, max_axes: int = 3) -> list[tuple[int, ...]]:
 
 
 @st.composite
+def box_in(draw, shape: tuple[int, ...]) -> Box:
+    """A non-empty box inside ``shape`` (every extent at least 1)."""
+    lo, hi = [], []
+    for n in shape:
+        a = draw(st.integers(0, n - 1))
+        lo.append(a)
+        hi.append(draw(st.integers(a + 1, n)))
+    return Box(tuple(lo), tuple(hi))
+
+
+@st.composite
 def mesh_layout(draw, ranks: list[int], ndim: int, mults: list[int], dtype: str) -> Layout:
     """A structured layout of a tensor over ``ranks`` with a random mesh and spec.
 
@@ -128,13 +139,7 @@ def overlap_case(draw, max_ranks: int = 12):
     dst_ranks = list(range(n_src, n_src + n_dst))
     boxes = {}
     for r in dst_ranks:
-        lo, hi = [], []
-        for n in shape:
-            a = draw(st.integers(0, n - 1))
-            b = draw(st.integers(a + 1, n))
-            lo.append(a)
-            hi.append(b)
-        boxes[r] = Box(tuple(lo), tuple(hi))
+        boxes[r] = draw(box_in(shape))
     dst = Layout.from_boxes(shape, dtype, boxes)
     n_domains = draw(st.integers(1, 3))
     domains = {r: draw(st.integers(0, n_domains - 1)) for r in src_ranks + dst_ranks}

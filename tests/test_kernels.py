@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import box_in
 
 from jreshard.nccl import kernels
 from jreshard.sharding.box import Box
@@ -18,14 +19,9 @@ DTYPES = [np.float32, np.int8, np.float16, np.int64, ml_dtypes.bfloat16, np.bool
 def shard_and_box(draw, max_ndim: int = 4):
     ndim = draw(st.integers(0, max_ndim))
     shape = tuple(draw(st.integers(1, 5)) for _ in range(ndim))
-    lo, hi = [], []
-    for n in shape:
-        a = draw(st.integers(0, n - 1))
-        b = draw(st.integers(a + 1, n))
-        lo.append(a)
-        hi.append(b)
+    box = draw(box_in(shape))
     dtype = np.dtype(draw(st.sampled_from(DTYPES)))
-    return shape, Box(tuple(lo), tuple(hi)), dtype
+    return shape, box, dtype
 
 
 def _random(shape, dtype, rng):

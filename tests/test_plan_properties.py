@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from _reference import brute_force_lower_bound, check_destinations, execute, network_entries, random_values
+from _reference import (
+    check_destinations,
+    check_exact_and_minimal,
+    execute,
+    random_values,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import plan_case
@@ -18,12 +23,7 @@ from jreshard.sharding.topology import Link
 def test_plan_delivers_exactly_and_minimally(case):
     src, dst, topo, opts = case
     p = plan_layouts([(src, dst)], topo, Options(**opts))
-    values = random_values(p)
-    check_destinations(p, values, execute(p, values))
-    s = p.stats()
-    assert s.network_bytes == s.network_bytes_lower_bound == brute_force_lower_bound(src, dst, topo)
-    for key, count in network_entries(p).items():
-        assert count.max() <= 1, f"{key}: some element entered the domain over the network {count.max()} times"
+    check_exact_and_minimal(p, src, dst, topo)
 
 
 @given(plan_case())
