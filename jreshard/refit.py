@@ -115,10 +115,8 @@ class RefitGroup:
         from jreshard.sharding.planner import plan_layouts
 
         self.plan = plan_layouts(pairs, self.topology, self.options, self.names)
-        self._me = self._control.rank
         self._comm = MpiComm(comm, rank_process)
         self._decl = mine
-        self._shardings = None
         self.version: int | None = None
         self._broken: str | None = None
 

@@ -151,3 +151,9 @@ def overlap_case(draw, max_ranks: int = 12):
     topo = Topology.from_domains(domains, devices=devices)
     opts = {"relays": draw(st.booleans()), "min_stripe_bytes": draw(st.sampled_from([0, 1, 16]))}
     return src, dst, topo, opts
+
+
+def byte_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """A C-ordered tensor's shape seen as bytes: the last extent times ``itemsize`` (rank 0: ``(itemsize,)``)."""
+    shape = tuple(int(n) for n in shape)
+    return (*shape[:-1], shape[-1] * itemsize) if shape else (itemsize,)

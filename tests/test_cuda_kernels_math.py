@@ -16,6 +16,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from strategies import byte_shape
 
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl import kernels as K
@@ -49,7 +50,7 @@ def random_case(rng, n_pieces, misalign=False):
     shapes, ptrs, bufs, pieces, taken = [], [], [], [], []
     for _ in range(int(rng.integers(1, 4))):
         shape = tuple(int(v) for v in rng.integers(1, 9, size=ndim))
-        outer = K.byte_shape(shape, itemsize)
+        outer = byte_shape(shape, itemsize)
         ptr, buf = arena.take(int(np.prod(outer)), int(rng.integers(0, 16)) if misalign else 0)
         buf[:] = rng.integers(0, 256, size=buf.size, dtype=np.uint8)
         shapes.append(shape)
@@ -63,7 +64,7 @@ def random_case(rng, n_pieces, misalign=False):
         if any(pb == b and intersect(box, other) is not None for pb, other in taken):
             continue  # pieces of one message never overlap (so unpack has one writer per byte)
         taken.append((b, box))
-        pieces.append((b, K.byte_shape(shapes[b], itemsize), K.byte_box(box, itemsize)))
+        pieces.append((b, byte_shape(shapes[b], itemsize), K.byte_box(box, itemsize)))
     table = K.build_table(pieces)
     sptr, staging = arena.take(K.table_bytes(table), int(rng.integers(0, 16)) if misalign else 0)
     return arena, table, ptrs, bufs, sptr, staging
@@ -110,8 +111,8 @@ def test_copy_launch_matches_numpy(seed):
     arena = Arena(rng)
     itemsize = int(rng.choice([2, 4]))
     shape_a, shape_b = (8, 6, 4), (4, 12, 8)
-    pa, a = arena.take(int(np.prod(K.byte_shape(shape_a, itemsize))))
-    pb, b = arena.take(int(np.prod(K.byte_shape(shape_b, itemsize))))
+    pa, a = arena.take(int(np.prod(byte_shape(shape_a, itemsize))))
+    pb, b = arena.take(int(np.prod(byte_shape(shape_b, itemsize))))
     a[:] = rng.integers(0, 256, size=a.size, dtype=np.uint8)
     ext = [int(rng.integers(1, 5)) for _ in range(3)]
     lo_a = [int(rng.integers(0, n - e + 1)) for n, e in zip(shape_a, ext, strict=True)]
@@ -122,10 +123,10 @@ def test_copy_launch_matches_numpy(seed):
         [
             (
                 0,
-                K.byte_shape(shape_a, itemsize),
+                byte_shape(shape_a, itemsize),
                 K.byte_box(box_a, itemsize),
                 0,
-                K.byte_shape(shape_b, itemsize),
+                byte_shape(shape_b, itemsize),
                 K.byte_box(box_b, itemsize),
             )
         ]
@@ -145,8 +146,6 @@ def test_vector_width_and_tiles():
     assert lt[0, CK.TILE] == 0 and lt[1, CK.TILE] == 1 and CK.grid_size(lt) == 2
     big = K.build_table([(0, (1 << 20,), Box((0,), (1 << 20,)))])
     assert CK.grid_size(CK.pack_launch(big, [0], 0)) == (1 << 20) // 16 // CK.TILE_UNITS
-    assert CK.contiguous_run(big, [4096]) == (4096, 1 << 20)
-    assert CK.contiguous_run(t, [0]) is None
     assert CK.pack_launch(K.build_table([]), [], 0).shape == (0, CK.LAUNCH_COLUMNS)
     assert CK.grid_size(CK.pack_launch(K.build_table([]), [], 0)) == 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from strategies import byte_shape
 
 from jreshard.nccl import kernels as K
 from jreshard.sharding.box import Box
@@ -129,7 +130,7 @@ def test_pack_unpack_kernels_match_numpy(env, bufs, seed):
     rng = np.random.default_rng(seed)
     itemsize = int(rng.choice([1, 2, 4, 8]))
     shape = tuple(int(v) for v in rng.integers(2, 40, size=3))
-    outer = K.byte_shape(shape, itemsize)
+    outer = byte_shape(shape, itemsize)
     host = rng.integers(0, 256, size=int(np.prod(outer)), dtype=np.uint8)
     pieces, taken = [], []
     for _ in range(8):

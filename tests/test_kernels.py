@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import box_in
+from strategies import box_in, byte_shape
 
 from jreshard.nccl import kernels
 from jreshard.sharding.box import Box
@@ -37,7 +37,7 @@ def test_pack_unpack_match_numpy_slicing(case, seed):
     shape, box, dtype = case
     rng = np.random.default_rng(seed)
     shard = _random(shape, dtype, rng)
-    outer = kernels.byte_shape(shape, dtype.itemsize)
+    outer = byte_shape(shape, dtype.itemsize)
     table = kernels.build_table([(0, outer, kernels.byte_box(box, dtype.itemsize))], staging_offset=3)
     assert table.shape == (1, kernels.COLUMNS) and 1 <= table[0, kernels.NDIM] <= kernels.MAX_DIMS
     assert kernels.table_bytes(table) == box.volume * dtype.itemsize
@@ -89,10 +89,10 @@ def test_copy_tables_between_differently_shaped_buffers(a, b, seed):
         [
             (
                 0,
-                kernels.byte_shape(sshape, isz),
+                byte_shape(sshape, isz),
                 kernels.byte_box(sbox, isz),
                 0,
-                kernels.byte_shape(dshape, isz),
+                byte_shape(dshape, isz),
                 kernels.byte_box(dbox, isz),
             )
         ]

@@ -342,19 +342,6 @@ def unit_addresses(launch_table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     return s, d, w
 
 
-def contiguous_run(table: np.ndarray, pointers: Sequence[int]) -> tuple[int, int] | None:
-    """``(address, nbytes)`` when ``table`` is one contiguous piece: the engine can hand
-    that run to NCCL in place and skip packing. ``None`` otherwise.
-
-    >>> from jreshard.sharding.box import Box
-    >>> contiguous_run(K.build_table([(0, (4, 8), Box((1, 0), (3, 8)))]), [1000])
-    (1008, 16)
-    """
-    if len(table) != 1 or int(table[0, K.NDIM]) != 1:
-        return None
-    return int(_addresses(table, pointers)[0]), int(table[0, K.NBYTES])
-
-
 _KERNELS: dict[int, Any] = {}
 
 

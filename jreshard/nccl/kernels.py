@@ -60,7 +60,6 @@ __all__ = [
     "build_copy_tables",
     "build_table",
     "byte_box",
-    "byte_shape",
     "copy_cpu",
     "pack_cpu",
     "table_bytes",
@@ -72,16 +71,6 @@ BUF, OFF, STAGE, NBYTES, NDIM = 0, 1, 2, 3, 4
 SHAPE0 = 5
 STRIDE0 = SHAPE0 + MAX_DIMS
 COLUMNS = STRIDE0 + MAX_DIMS
-
-
-def byte_shape(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
-    """The shape of a C-ordered tensor seen as bytes: the last extent times ``itemsize``.
-
-    >>> byte_shape((4, 6), 2), byte_shape((), 4)
-    ((4, 12), (4,))
-    """
-    shape = tuple(int(n) for n in shape)
-    return (*shape[:-1], shape[-1] * itemsize) if shape else (itemsize,)
 
 
 def byte_box(box: Box, itemsize: int) -> Box:

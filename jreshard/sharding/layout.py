@@ -22,9 +22,7 @@ from jreshard.errors import IndivisibleError, LayoutError, LayoutJSONError
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype
 
-__all__ = ["Layout", "SpecEntry", "normalize_spec"]
-
-SpecEntry = None | str | tuple[str, ...]
+__all__ = ["Layout", "normalize_spec"]
 
 
 def normalize_spec(spec: Sequence[object], ndim: int, axis_names: Sequence[str]) -> tuple[tuple[str, ...], ...]:
