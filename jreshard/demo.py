@@ -48,8 +48,8 @@ class DemoConfig:
     """
 
     vocab: int = 8192
-    d_model: int = 512
-    layers: int = 4
+    d_model: int = 256
+    layers: int = 16
     refits: int = 5
     seed: int = 0
 
@@ -267,8 +267,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options, for its own parser and for the ``python -m jreshard demo`` subcommand."""
     defaults = DemoConfig()
     parser.add_argument("--refits", type=int, default=defaults.refits, help="train-then-refit rounds (default 5)")
-    parser.add_argument("--layers", type=int, default=defaults.layers, help="transformer layers (default 4)")
-    parser.add_argument("--d-model", type=int, default=defaults.d_model, help="model width (default 512)")
+    parser.add_argument(
+        "--layers", type=int, default=defaults.layers, help=f"transformer layers (default {defaults.layers})"
+    )
+    parser.add_argument(
+        "--d-model", type=int, default=defaults.d_model, help=f"model width (default {defaults.d_model})"
+    )
     parser.add_argument("--vocab", type=int, default=defaults.vocab, help="vocabulary size (default 8192)")
 
 
