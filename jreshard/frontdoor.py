@@ -174,9 +174,14 @@ _ROW_MAJOR = tuple(tuple(range(n)) for n in range(64))
 
 
 def _array_type() -> Any:
-    from jax._src.array import ArrayImpl  # the concrete class of every jax.Array: a type check, not isinstance
+    """The concrete class of every ``jax.Array`` (a type check is cheaper than ``isinstance``); where it is
+    not found, ``jax.Array`` itself, which no value has as its exact type: every leaf takes the full check."""
+    try:
+        from jax._src.array import ArrayImpl
 
-    return ArrayImpl
+        return ArrayImpl
+    except ImportError:  # pragma: no cover - another jax
+        return jax.Array
 
 
 _ARRAY = _array_type()
@@ -336,4 +341,7 @@ def _shape(key: tuple) -> Shape:
 
 def _addressable_order(sharding: Any) -> tuple[Any, ...]:
     """The devices of a sharding in the order jax lists an array's shards (``addressable_data``)."""
-    return tuple(sharding._internal_device_list.addressable_device_list)
+    try:
+        return tuple(sharding._internal_device_list.addressable_device_list)
+    except AttributeError:  # pragma: no cover - another jax: the same order under its older name
+        return tuple(sharding._addressable_device_assignment)

@@ -370,3 +370,15 @@ def test_transfer_accepts_views_anywhere_a_leaf_is_allowed():
     _shards_equal(again["qkv"], jax.device_put(want.astype(jnp.bfloat16), tp2))
     with pytest.raises(jreshard.BackendUnavailableError, match="report=True"):
         jreshard.transfer({"qkv": fused}, {"qkv": tp2}, report=True)
+
+
+def test_public_assembly_path_gives_the_same_results(monkeypatch):
+    """Without jax's one-call assembly (another jax version), results come from public calls, equal."""
+    import jreshard.nccl.inprocess as inprocess
+
+    monkeypatch.setattr(inprocess, "_PUT", None)
+    s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))
+    x = {"a": _make((8, 8), jnp.float32, s, 3), "b": _make((4, 4), jnp.bfloat16, s, 4)}
+    out = jreshard.transfer(x, d)
+    for k in x:
+        _shards_equal(out[k], jax.device_put(x[k], d))

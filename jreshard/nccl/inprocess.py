@@ -112,11 +112,13 @@ _PUT = _batched_put()
 
 
 def _make_array(shape: tuple[int, ...], dtype: Any, sharding: Any, views: list[np.ndarray], devices: Any) -> Any:
+    """A global array over host buffers ``views`` (one per device, in ``devices`` order), zero-copy on CPU."""
+    global _PUT
     if _PUT is not None:
         try:
             return _PUT(shape, dtype, sharding, views, devices)
-        except TypeError:  # pragma: no cover - signature changed: fall back for good
-            pass
+        except Exception:  # pragma: no cover - another jax's private signature: the public path from now on
+            _PUT = None
     shards = [jax.device_put(v, d) for v, d in zip(views, devices, strict=True)]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
@@ -199,7 +201,7 @@ def _donate(arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool]
     """
     by_devices: dict[Any, list[int]] = {}
     for i, a in enumerate(arrays):
-        by_devices.setdefault(a.sharding._internal_device_list, []).append(i)
+        by_devices.setdefault(tuple(sorted(d.id for d in a.sharding.device_set)), []).append(i)
     out: list[tuple[Any, tuple[int, ...]]] = [(None, ())] * len(arrays)
     for idx in by_devices.values():
         group = [arrays[i] for i in idx]
