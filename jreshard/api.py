@@ -229,7 +229,8 @@ def transfer_into(
     instead: they are left as they are, and the report counts those bytes
     (``not_in_place_bytes``). Nothing in ``x`` ever changes. A ``None`` leaf in
     ``into`` returns that leaf of ``x`` itself. On any error raised before the copy,
-    ``into`` is untouched: every check runs before the first byte is written.
+    ``into`` is untouched: every check runs before the first byte is written. On GPUs in
+    one process (not run on GPU) the engine writes new arrays and leaves ``into`` as it is.
 
     Args:
       x: a ``jax.Array`` or a pytree of them.
