@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link
 
-if TYPE_CHECKING:  # Plan.draw calls draw_plan: importing Plan here at run time would close a circle
-    from jreshard.sharding.plan import Plan
+Plan = Any  # a jreshard.Plan; named here, not imported: the planning house never depends on its pictures
 
 __all__ = ["LINK_STYLE", "draw_loads", "draw_plan"]
 

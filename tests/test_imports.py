@@ -15,27 +15,14 @@ def _module(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _type_only(tree: ast.AST) -> set[int]:
-    """The ids of import nodes under ``if TYPE_CHECKING:`` (they never run)."""
-    out: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
-    return out
-
-
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the jreshard modules it imports at run time (any import statement at any depth, lazy
-    ones inside functions included; only ``if TYPE_CHECKING:`` imports are left out)."""
+    """Module -> the jreshard modules it imports (any import statement at any depth: lazy ones inside
+    functions and ``if TYPE_CHECKING:`` ones included)."""
     mods = {_module(p): p for p in ROOT.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
-        tree = ast.parse(p.read_text())
-        skip = _type_only(tree)
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
+        for node in ast.walk(ast.parse(p.read_text())):
             names: list[str] = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

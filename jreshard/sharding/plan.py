@@ -15,7 +15,6 @@ import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -171,15 +170,6 @@ class Plan:
             f"(bound {s.network_bytes_lower_bound}), fast={s.fast_bytes} B, local={s.local_bytes} B, "
             f"{s.messages} messages)"
         )
-
-    def draw(self, tensor: int | str = 0, ax: Any = None, **kwargs: Any) -> Any:
-        """Draw one tensor's source and destination shards and what moves where (matplotlib).
-
-        See :func:`jreshard.draw.draw_plan` for ``dims`` and ``max_copies``. Returns the Axes.
-        """
-        from jreshard.draw import draw_plan  # a thin method: the drawing (and matplotlib) lives in draw.py
-
-        return draw_plan(self, tensor, ax, **kwargs)
 
     def transfers(self) -> Iterator[Move]:
         """Every byte movement, tensor by tensor, in emission order."""
