@@ -274,7 +274,9 @@ def transfer(emit, quick):
         aliased.append(out.unsafe_buffer_pointer() == ptr)
         into = out
     same = bool(jnp.array_equal(into, x))
-    ok = same and all(m == nbytes for m in moved) and all(aliased)
+    # In one process on GPUs transfer_into runs the engine into new arrays (into is left as it is), so
+    # aliasing is reported, not required; the bytes moved and the values are.
+    ok = same and all(m == nbytes for m in moved)
     emit("transfer_into", "ok" if ok else "FAILED", **stats(times[1:], nbytes), moved_bytes=moved,
          aliases_into=aliased, values_equal=same)  # fmt: skip
     put = []
