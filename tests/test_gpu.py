@@ -57,10 +57,10 @@ def zeros_on(cupy, bufs, ordinal: int, n: int):
 def nccl_or_skip():
     """``cupy.cuda.nccl``, or a skip when CuPy imports without libnccl (it says so in ``available``)."""
     from jreshard.errors import BackendUnavailableError
-    from jreshard.nccl.cupy_nccl import _import
+    from jreshard.nccl.nccl_support import import_cupy
 
     try:
-        return _import("cupy.cuda.nccl")
+        return import_cupy("cupy.cuda.nccl")
     except BackendUnavailableError as err:
         pytest.skip(str(err))
 

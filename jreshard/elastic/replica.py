@@ -26,7 +26,7 @@ from typing import Any
 
 from jreshard.elastic.pairs import check_like, leaves_by_name, pair_plan, run_pair, source_shards, target_devices
 from jreshard.elastic.types import Arrival
-from jreshard.elastic.wire import Channel, listen, open_channel, parse_address
+from jreshard.elastic.wire import Channel, listen, open_channel, parse_address, stop_service
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local, problems
@@ -150,12 +150,7 @@ class ElasticReplica:
 
     def leave(self) -> None:
         """Leave at once: the trainer drops this replica from its next push; the held tree stays usable."""
-        with self._cv:
-            if self._stop:
-                return
-            self._stop = True
-            self._wake_w.send(b"x")
-        self._thread.join(self.options.timeout_s)
+        stop_service(self._cv, self, self.options.timeout_s)
 
     close = leave
 

@@ -28,7 +28,7 @@ from typing import Any
 from jreshard.elastic.membership import Membership
 from jreshard.elastic.pairs import check_like, leaves_by_name
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
-from jreshard.elastic.wire import listen
+from jreshard.elastic.wire import listen, stop_service
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local
@@ -189,12 +189,7 @@ class ElasticTrainer:
 
     def close(self) -> None:
         """Tell every replica the trainer is done (their pulls return what they hold, then raise) and stop."""
-        with self._cv:
-            if self._stop:
-                return
-            self._stop = True
-            self._wake_w.send(b"x")
-        self._thread.join(self.options.timeout_s)
+        stop_service(self._cv, self, self.options.timeout_s)
 
     def __enter__(self) -> ElasticTrainer:
         return self

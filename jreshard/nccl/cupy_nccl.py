@@ -37,22 +37,20 @@ the calls and their order, not NCCL).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import threading
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
-from jreshard.nccl.backend import cuda_extra
+from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 from jreshard.nccl.nccl_support import (
     Watchdog,
     device_pointer,
     event_done,
+    import_cupy,
     run_bounded,
     uid_argument,
     uid_from_bytes,
@@ -107,24 +105,6 @@ def destroy_cached_communicators() -> int:
     return n
 
 
-def _import(name: str) -> ModuleType:
-    """Import a CuPy module, or raise BackendUnavailableError saying why and what to install."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            mod = importlib.import_module(name)
-        except (ImportError, OSError) as err:
-            raise BackendUnavailableError(
-                f"NcclComm: importing {name} failed ({type(err).__name__}: {err}); the fix is {cuda_extra()}"
-            ) from err
-    if name == "cupy.cuda.nccl" and mod.available is not True:  # imports without libnccl, says so here
-        said = "; ".join(" ".join(str(w.message).split()) for w in caught) or "libnccl was not loaded"
-        raise BackendUnavailableError(
-            f"NcclComm: cupy.cuda.nccl.available is False ({said}); the fix is {cuda_extra()}"
-        )
-    return mod
-
-
 class NcclComm(Communicator):
     """Grouped NCCL point-to-point messages between GPUs (final). Not run on GPU.
 
@@ -160,8 +140,8 @@ class NcclComm(Communicator):
         nccl: ModuleType | Any = None,
         cuda: ModuleType | Any = None,
     ):
-        self._nccl = nccl if nccl is not None else _import("cupy.cuda.nccl")
-        self._cuda = cuda if cuda is not None else _import("cupy.cuda")
+        self._nccl = nccl if nccl is not None else import_cupy("cupy.cuda.nccl")
+        self._cuda = cuda if cuda is not None else import_cupy("cupy.cuda")
         self._device_key = {int(r): int(k) for r, k in devices.items()}
         world = tuple(sorted(set(self._device_key.values())))
         self._nccl_rank = {k: i for i, k in enumerate(world)}

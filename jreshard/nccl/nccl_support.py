@@ -22,14 +22,27 @@ error). What is bounded, and what is not, is listed in ``docs/gpu.md``. Not run 
 
 from __future__ import annotations
 
+import importlib
 import platform
 import threading
+import warnings
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any, TypeVar
 
-from jreshard.errors import TransferTimeoutError
+from jreshard.errors import BackendUnavailableError, TransferTimeoutError
+from jreshard.nccl.backend import cuda_extra
 
-__all__ = ["Watchdog", "device_pointer", "event_done", "run_bounded", "uid_argument", "uid_from_bytes", "uid_to_bytes"]
+__all__ = [
+    "Watchdog",
+    "device_pointer",
+    "event_done",
+    "import_cupy",
+    "run_bounded",
+    "uid_argument",
+    "uid_from_bytes",
+    "uid_to_bytes",
+]
 
 T = TypeVar("T")
 
@@ -209,3 +222,21 @@ class Watchdog:
 
     def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
+
+
+def import_cupy(name: str) -> ModuleType:
+    """Import a CuPy module, or raise BackendUnavailableError saying why and what to install."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            mod = importlib.import_module(name)
+        except (ImportError, OSError) as err:
+            raise BackendUnavailableError(
+                f"NcclComm: importing {name} failed ({type(err).__name__}: {err}); the fix is {cuda_extra()}"
+            ) from err
+    if name == "cupy.cuda.nccl" and mod.available is not True:  # imports without libnccl, says so here
+        said = "; ".join(" ".join(str(w.message).split()) for w in caught) or "libnccl was not loaded"
+        raise BackendUnavailableError(
+            f"NcclComm: cupy.cuda.nccl.available is False ({said}); the fix is {cuda_extra()}"
+        )
+    return mod
