@@ -67,11 +67,6 @@ class Group:
     dst_order: tuple[tuple[int, ...], ...]
     devices: tuple[list[Any], ...]
 
-    @property
-    def dst_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The destination shard shape of each slot."""
-        return tuple(self.dst.box_of(r).shape for r in self.dst.ranks)
-
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Shape:

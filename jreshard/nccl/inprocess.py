@@ -34,12 +34,13 @@ import numpy as np
 
 from jreshard._cache import cache
 from jreshard.errors import TransferError
-from jreshard.frontdoor import Group, Kind, Mode, Prepared
+from jreshard.frontdoor import Kind, Mode, Prepared
 from jreshard.nccl import strided
 from jreshard.nccl.lowering import LocalProgram, addresses, lower_local
 from jreshard.nccl.pool import ALIGN, BufferPool, default_pool
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
@@ -127,13 +128,13 @@ def _padded(nbytes: int) -> int:
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
 
-def _fresh(group: Group, n: int, pool: BufferPool) -> tuple[np.ndarray, list[list[np.ndarray]]]:
-    """Destination shards for ``n`` leaves of ``group``: one pool block per slot, cut per leaf.
+def _fresh(dst: Layout, n: int, pool: BufferPool) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+    """Destination shards of layout ``dst`` for ``n`` leaves: one pool block per slot, cut per leaf.
 
     Returns ``(addresses (n, slots), views[leaf][slot])``.
     """
-    dtype = group.dst.np_dtype
-    shapes = group.dst_shapes
+    dtype = dst.np_dtype
+    shapes = tuple(dst.box_of(r).shape for r in dst.ranks)
     ptr = np.zeros((n, len(shapes)), dtype=np.int64)
     views: list[list[np.ndarray]] = [[] for _ in range(n)]
     for k, shape in enumerate(shapes):
@@ -179,7 +180,7 @@ def _addresses_of(a: Any) -> tuple[tuple[int, ...], bool]:
     entry = _KNOWN.get(id(a))
     if entry is not None and entry[0]() is a:
         return entry[1], entry[2]
-    return tuple(_pointer(s) for s in _arrays(a)), False
+    return _read(a), False
 
 
 def _donate(arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool]) -> list[tuple[Any, tuple[int, ...]]]:
@@ -253,6 +254,48 @@ def _claim_into(prep: Prepared, src_ptrs: set[int]) -> dict[int, tuple[tuple[int
     return own
 
 
+def _into_destinations(
+    prep: Prepared, src_ptr: list[np.ndarray], pool: BufferPool, builder: ReportBuilder
+) -> tuple[list[np.ndarray], list[list[list[np.ndarray]]], dict[int, tuple[Any, tuple[int, ...]]]]:
+    """The destination shards of ``transfer_into``, per group: ``(addresses, fresh views, donated)``.
+
+    ``into`` leaves owned exclusively are donated (their memory taken over, ``donated[leaf] =
+    (new array, addresses)``); the others get fresh shards from the pool, counted as not in place.
+    """
+    leaves, shape = prep.leaves, prep.shape
+    every_src = {int(v) for p in src_ptr for v in p.ravel().tolist()} - {0}
+    for i, kind in enumerate(shape.kinds):  # kept leaves are sources an into leaf may name too
+        if kind is Kind.KEEP and leaves[i].size:
+            every_src |= _raw_pointers(_arrays(leaves[i]))
+    own = _claim_into(prep, every_src)
+    mine = [i for g in shape.groups for i in g.leaves if own[i] is not None]
+    claims = [c for c in (own[i] for i in mine) if c is not None]
+    taken = _donate([prep.targets[i] for i in mine], [c[0] for c in claims], [c[1] for c in claims])
+    donated = dict(zip(mine, taken, strict=True))
+    dst_ptr: list[np.ndarray] = []
+    views: list[list[list[np.ndarray]]] = []
+    for g in shape.groups:
+        p = np.zeros((len(g.leaves), len(g.dst.ranks)), dtype=np.int64)
+        if len(set(g.dst_order)) == 1 and all(i in donated for i in g.leaves):  # the steady state: one call
+            p[:, list(g.dst_order[0])] = np.array([donated[i][1] for i in g.leaves], dtype=np.int64)
+            dst_ptr.append(p)
+            views.append([[] for _ in g.leaves])
+            continue
+        v_g: list[list[np.ndarray]] = []
+        for j, i in enumerate(g.leaves):
+            if i in donated:
+                p[j, list(g.dst_order[j])] = donated[i][1]
+                v_g.append([])
+            else:
+                one_p, one_v = _fresh(g.dst, 1, pool)
+                p[j] = one_p[0]
+                v_g.append(one_v[0])
+                builder.add_unowned(sum(x.nbytes for x in one_v[0]))
+        dst_ptr.append(p)
+        views.append(v_g)
+    return dst_ptr, views, donated
+
+
 def run_local(
     prep: Prepared, topology: Topology | None, options: Options, builder: ReportBuilder, pool: BufferPool | None = None
 ) -> list[Any]:
@@ -274,51 +317,18 @@ def run_local(
         programs = [program_of(g.src, g.dst, topology, options) for g in shape.groups]
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
-        moved = [leaves[i] for g in shape.groups for i in g.leaves]
-        jax.block_until_ready(moved)
+        jax.block_until_ready([leaves[i] for g in shape.groups for i in g.leaves])
         src_shards = {i: _arrays(leaves[i]) for g in shape.groups for i in g.leaves}  # (each read builds arrays)
         src_ptr = [
             _pointers([src_shards[i] for i in g.leaves], g.src_order, len(g.src.ranks), _has_empty(g.src))
             for g in shape.groups
         ]
-        dst_ptr: list[np.ndarray] = []
-        views: list[list[list[np.ndarray]]] = []
-        donated: dict[int, Any] = {}
-        if prep.mode is Mode.INTO:
-            every_src = {int(v) for p in src_ptr for v in p.ravel().tolist()} - {0}
-            for i, kind in enumerate(shape.kinds):  # kept leaves are sources an into leaf may name too
-                if kind is Kind.KEEP and leaves[i].size:
-                    every_src |= _raw_pointers(_arrays(leaves[i]))
-            own = _claim_into(prep, every_src)
-            mine = [i for g in shape.groups for i in g.leaves if own[i] is not None]
-            claims = [own[i] for i in mine]
-            moved = _donate([prep.targets[i] for i in mine], [c[0] for c in claims if c], [c[1] for c in claims if c])
-            donated = dict(zip(mine, moved, strict=True))
-        for g in shape.groups:
-            n = len(g.leaves)
-            if prep.mode is Mode.TRANSFER:
-                p, v = _fresh(g, n, pool)
-                dst_ptr.append(p)
-                views.append(v)
-                continue
-            p = np.zeros((n, len(g.dst.ranks)), dtype=np.int64)
-            v_g: list[list[np.ndarray]] = []
-            if len(set(g.dst_order)) == 1 and all(i in donated for i in g.leaves):  # the steady state: one call
-                p[:, list(g.dst_order[0])] = np.array([donated[i][1] for i in g.leaves], dtype=np.int64)
-                dst_ptr.append(p)
-                views.append([[] for _ in g.leaves])
-                continue
-            for j, i in enumerate(g.leaves):
-                if i in donated:
-                    p[j, list(g.dst_order[j])] = donated[i][1]
-                    v_g.append([])
-                else:
-                    one_p, one_v = _fresh(Group(g.src, g.dst, (i,), (), (), ()), 1, pool)
-                    p[j] = one_p[0]
-                    v_g.append(one_v[0])
-                    builder.add_unowned(sum(x.nbytes for x in one_v[0]))
-            dst_ptr.append(p)
-            views.append(v_g)
+        donated: dict[int, tuple[Any, tuple[int, ...]]] = {}
+        if prep.mode is Mode.TRANSFER:
+            fresh = [_fresh(g.dst, len(g.leaves), pool) for g in shape.groups]
+            dst_ptr, views = [p for p, _ in fresh], [v for _, v in fresh]
+        else:
+            dst_ptr, views, donated = _into_destinations(prep, src_ptr, pool, builder)
     with builder.timed(ReportPhase.COPY):
         try:
             for prog, sp, dp in zip(programs, src_ptr, dst_ptr, strict=True):
@@ -348,6 +358,6 @@ def run_local(
                 sharding = shape.shardings[i]
                 out[i] = _make_array(tuple(leaf.shape), leaf.dtype, sharding, [v_g[j][k] for k in order], g.devices[j])
                 _remember(out[i], [rows[j][k] for k in order], by_jax=False)
-        del src_ptr, moved
+        del src_ptr
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)
     return out
