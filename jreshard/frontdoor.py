@@ -85,13 +85,12 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Prepared:
-    """One call: its leaves, targets, tree structure, names and cached :class:`Shape`."""
+    """One call: its leaves, targets, tree structure and cached :class:`Shape`."""
 
     mode: Mode
     leaves: list[Any]
     targets: list[Any]
     treedef: Any
-    names: tuple[str, ...]
     shape: Shape
 
 
@@ -123,10 +122,6 @@ def leaf_names(treedef: Any, x: PyTree) -> tuple[str, ...]:
     """The key path of every leaf (``"x"`` for a bare array), for messages."""
     paths = jax.tree_util.tree_flatten_with_path(x)[0]
     return tuple(jax.tree_util.keystr(p) or "x" for p, _ in paths)
-
-
-def _name(names: tuple[str, ...], i: int) -> str:
-    return f"leaf {names[i]}" if names else f"leaf #{i}"
 
 
 def target_sharding(t: Any, where: str) -> Any:
@@ -237,45 +232,44 @@ def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, op
         names the leaf's key path and the values).
     """
     leaves, treedef, targets = flatten(x, target, mode.value if mode is Mode.INTO else "target")
-    names: tuple[str, ...] = ()
     try:
         specs = []
         for i, (leaf, t) in enumerate(zip(leaves, targets, strict=True)):
             # The common case costs a few attribute reads; messages are built only on the error path.
             if type(leaf) is not _ARRAY or leaf.is_deleted():
                 _check_leaf(leaf, f"leaf #{i} of x")
-            shape, dtype = leaf.shape, leaf.dtype
-            if len(shape) > 1 and _major_to_minor(leaf) not in (None, _ROW_MAJOR[len(shape)]):
+            dims, dtype = leaf.shape, leaf.dtype
+            if len(dims) > 1 and _major_to_minor(leaf) not in (None, _ROW_MAJOR[len(dims)]):
                 _check_default_layout(leaf, f"leaf #{i} of x")
             if mode is Mode.INTO and t is not None:
                 if type(t) is not _ARRAY:
                     _check_leaf(t, f"leaf #{i} of into")
-                if t.shape != shape or t.dtype != dtype:
+                if t.shape != dims or t.dtype != dtype:
                     raise LayoutMismatchError(
-                        f"leaf #{i} is {dtype}{list(shape)} but into holds {t.dtype}{list(t.shape)}",
-                        src=(shape, dtype),
+                        f"leaf #{i} is {dtype}{list(dims)} but into holds {t.dtype}{list(t.shape)}",
+                        src=(dims, dtype),
                         dst=(t.shape, t.dtype),
-                        what="shape" if t.shape != shape else "dtype",
+                        what="shape" if t.shape != dims else "dtype",
                     )
-                if len(shape) > 1 and not t.is_deleted() and _major_to_minor(t) not in (None, _ROW_MAJOR[len(shape)]):
+                if len(dims) > 1 and not t.is_deleted() and _major_to_minor(t) not in (None, _ROW_MAJOR[len(dims)]):
                     _check_default_layout(t, f"leaf #{i} of into")
                 sh = t.sharding
             elif t is None or type(t) is jax.sharding.NamedSharding:
                 sh = t
             else:
                 sh = target_sharding(t, f"the target of leaf #{i}")
-                if isinstance(t, jax.ShapeDtypeStruct) and (t.shape != shape or t.dtype != dtype):
+                if isinstance(t, jax.ShapeDtypeStruct) and (t.shape != dims or t.dtype != dtype):
                     raise LayoutMismatchError(
-                        f"leaf #{i} is {dtype}{list(shape)} but its target is {t}; casting needs jreshard.views.astype",
-                        src=(shape, dtype),
+                        f"leaf #{i} is {dtype}{list(dims)} but its target is {t}; casting needs jreshard.views.astype",
+                        src=(dims, dtype),
                         dst=(t.shape, t.dtype),
-                        what="shape" if t.shape != shape else "dtype",
+                        what="shape" if t.shape != dims else "dtype",
                     )
-            specs.append((shape, dtype, leaf.sharding, sh))
+            specs.append((dims, dtype, leaf.sharding, sh))
         key = (treedef, tuple(specs), mode, topology, options)
-        shape = _shape(key)
+        cached = _shape(key)
     except (LayoutError, TopologyError, LayoutMismatchError) as err:
-        if names or not leaves:
+        if not leaves:
             raise
         # Name leaves by key path: computed only on the error path (it costs a second flatten).
         names = leaf_names(treedef, x)
@@ -283,7 +277,7 @@ def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, op
         if isinstance(err, LayoutMismatchError):
             raise LayoutMismatchError(message, src=err.src, dst=err.dst, what=err.what) from None
         raise type(err)(message) from err.__cause__
-    return Prepared(mode, leaves, targets, treedef, names, shape)
+    return Prepared(mode, leaves, targets, treedef, cached)
 
 
 def _renamed(message: str, names: tuple[str, ...]) -> str:
