@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jreshard._cache import register_clear
 from jreshard.errors import LayoutError, LayoutMismatchError, TransferError
 from jreshard.nccl.buffers import aligned_empty, export_source, import_shard, writable_view
 from jreshard.sharding.box import Box
@@ -28,11 +29,13 @@ from jreshard.sharding.topology import Topology
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, Piece, QuantTask, lower_tree
+from jreshard.views.program import Program, compile_program, run_task
 from jreshard.views.quant import _Quant
 
 __all__ = ["transfer", "transfer_into"]
 
-_CACHE: dict[tuple, list[LeafLowering]] = {}
+_CACHE: dict[tuple, tuple[list[LeafLowering], Program]] = {}
+register_clear(_CACHE.clear)
 
 
 def _is_view(x: Any) -> bool:
@@ -87,7 +90,10 @@ def _front(x: Any, target: Any, what: str) -> tuple:
     return treedef, views, shardings, srcs, layouts, dsts
 
 
-def _lowerings(views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None) -> list[LeafLowering]:
+def _lowerings(
+    views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None
+) -> tuple[list[LeafLowering], Program]:
+    """The lowering of every leaf and the program that runs it, cached by the views' composition and layouts."""
     pos = {id(leaf.source): i for i, leaf in enumerate(srcs)}
     if topology is None:
         devices = {d for leaf in srcs for d in leaf.source.sharding.device_set}
@@ -97,7 +103,9 @@ def _lowerings(views: list, srcs: list, layouts: list, dsts: list, topology: Top
     if got is None:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        got = _CACHE[key] = lower_tree(views, srcs, layouts, dsts, topology)
+        lowerings = lower_tree(views, srcs, layouts, dsts, topology)
+        wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
+        got = _CACHE[key] = (lowerings, compile_program(lowerings, {k: layouts[k[0]].box_of(k[1]) for k in wanted}))
     return got
 
 
@@ -108,27 +116,18 @@ def _devices(dsts: list) -> set:
 
 def _execute_pieces(
     lowerings: Sequence[LeafLowering],
+    program: Program,
     views: Sequence[View],
     src: Mapping[tuple[int, int], np.ndarray],
     src_box: Mapping[tuple[int, int], Box],
     dst: Sequence[Mapping[int, np.ndarray]],
 ) -> None:
-    """Run every piece: ``src[(leaf, rank)]`` is a typed read-only source shard holding
-    ``src_box[(leaf, rank)]``; ``dst[t][rank]`` the typed destination shard of leaf ``t``.
+    """Run ``program`` (the lowerings' pieces) and the quantisation tasks: ``src[(leaf, rank)]`` is a
+    typed read-only source shard holding ``src_box[(leaf, rank)]``; ``dst[t][rank]`` the typed
+    destination shard of leaf ``t``.
 
-    Each piece is a strided copy (a permuted view of the source, cast on the way); a
-    quantised leaf's pieces fill a tile of whole blocks per destination shard, quantised after.
+    A quantised leaf's pieces fill a tile of whole blocks per destination shard, quantised after.
     """
-    jobs: dict[tuple[int, int], list[Piece]] = {}  # per destination shard: its pieces write disjoint boxes
-    nbytes = 0
-    for t, low in enumerate(lowerings):
-        for p in low.pieces:
-            jobs.setdefault((t, p.dst_rank), []).append(p)
-            nbytes += p.wire_bytes
-
-    def shard(t: int, r: int) -> None:
-        for p in jobs[(t, r)]:
-            _copy_piece(p, src, src_box, dst[t][r])
 
     def quantised(t: int, task: QuantTask) -> None:
         quant = views[t]
@@ -138,13 +137,14 @@ def _execute_pieces(
             _copy_piece(p, src, src_box, tile)
         dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
 
-    calls = [(shard, key) for key in jobs] + [(quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
-    if nbytes < _THREADED_BYTES or len(calls) < 2:
+    calls: list[tuple[Any, tuple]] = [(run_task, (task, src, dst)) for task in program.tasks]
+    calls += [(quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
+    if program.wire_bytes < _THREADED_BYTES or len(calls) < 2:
         for fn, args in calls:
-            fn(*args)  # type: ignore[operator]
+            fn(*args)
         return
-    # numpy releases the GIL inside copies and casts: one destination shard per task, every core busy.
-    for f in [_pool().submit(fn, *args) for fn, args in calls]:  # type: ignore[operator]
+    # numpy releases the GIL inside copies and casts: every core busy, each task writes its own boxes.
+    for f in [_pool().submit(fn, *args) for fn, args in calls]:
         f.result()
 
 
@@ -165,6 +165,7 @@ def _np_dtype(name: str) -> np.dtype:
 
 
 def _copy_piece(p: Piece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:
+    """Copy piece ``p`` into ``out`` with its casts."""
     s = src[(p.leaf, p.src_rank)]
     o = src_box[(p.leaf, p.src_rank)].lo
     region = s[(*(slice(a - b, c - b) for a, c, b in zip(p.src_box.lo, p.src_box.hi, o, strict=True)), ...)]
@@ -207,7 +208,7 @@ def transfer(x: Any, target: Any, *, topology: Topology | None = None) -> Any:
       TypeError: a cast views do not support.
     """
     treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
-    lowerings = _lowerings(views, srcs, layouts, dsts, topology)
+    lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
     arrays, boxes = _sources(lowerings, srcs, layouts)
     bufs: list[dict[int, np.ndarray]] = []
     raw: list[dict[int, np.ndarray]] = []
@@ -215,7 +216,7 @@ def transfer(x: Any, target: Any, *, topology: Topology | None = None) -> Any:
         item = d.np_dtype.itemsize
         raw.append({r: aligned_empty(b.volume * item) for r, b in zip(d.ranks, d.boxes, strict=True)})
         bufs.append({r: raw[-1][r].view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
-    _execute_pieces(lowerings, views, arrays, boxes, bufs)
+    _execute_pieces(lowerings, program, views, arrays, boxes, bufs)
     del arrays
     out = []
     for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
@@ -241,14 +242,14 @@ def transfer_into(x: Any, into: Any, *, topology: Topology | None = None) -> Any
     for i, a in enumerate(into_leaves):
         if any(s.data.unsafe_buffer_pointer() in src_ptrs for s in a.addressable_shards):
             raise LayoutError(f"transfer_into: into leaf {i} shares memory with a source leaf; pass a separate array")
-    lowerings = _lowerings(views, srcs, layouts, dsts, topology)
+    lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
     arrays, boxes = _sources(lowerings, srcs, layouts)
     bufs = []
     for d, a in zip(dsts, into_leaves, strict=True):
         shards = {s.device.id: s.data for s in a.addressable_shards}
         bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
     try:
-        _execute_pieces(lowerings, views, arrays, boxes, bufs)
+        _execute_pieces(lowerings, program, views, arrays, boxes, bufs)
     except Exception as err:
         raise TransferError(
             f"transfer_into failed while copying ({type(err).__name__}: {err}); `into` is partly overwritten",
