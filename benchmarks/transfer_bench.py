@@ -12,6 +12,12 @@ Cases, all measured in one run (these hosts are shared and noisy: read the ratio
   floor of the destination bytes.
 - ``refit``: a stack of transformer layers (bfloat16 attention, float32 MLP and norms)
   from FSDP4 to Megatron TP2 x DP2.
+- ``fused``: a float32 -> bfloat16 fused refit with views (``jreshard.views``): float32
+  ``q, k, v, o, gate, up, down`` stacked over layers, FSDP4, into per-layer bfloat16
+  ``qkv`` (fused, TP-grouped, the key/value heads repeated for TP2), ``gate_up``,
+  ``o`` and ``down`` on TP2 x DP2; against a jitted ``jnp`` fuse-and-cast on the
+  trainer's mesh followed by ``jax.device_put`` (the path without views), checked
+  equal bit for bit.
 
 Every time is wall clock over ``--repeats`` calls after a warm-up call, each result
 freed before the next; the table prints the median and [min-max]. Every contender runs
@@ -42,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
+from jreshard import views
 from jreshard.nccl.buffers import aligned_empty
 from jreshard.nccl.pool import default_pool
 
@@ -89,6 +96,99 @@ def tensor_case(mib: int):
     tp2dp2 = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
     n = mib * MiB // 4
     return _fill((n // 4096, 4096), jnp.float32, tp4, 0), tp2dp2
+
+
+def fused_case(layers: int, d: int, tp: int = 2):
+    """Trainer params (float32, stacked over layers, FSDP4) and the server's per-layer fused shardings."""
+    devs = np.array(jax.devices())
+    trainer, server = Mesh(devs[:4], ("fsdp",)), Mesh(devs[4:].reshape(2, tp), ("dp", "tp"))
+    shapes = {"q": (d, d), "k": (d, d // 8), "v": (d, d // 8), "o": (d, d), "gate": (d, 4 * d), "up": (d, 4 * d)}
+    shapes["down"] = (4 * d, d)
+    params = {
+        n: _fill((layers, *s), jnp.float32, NamedSharding(trainer, P(None, "fsdp")), i)
+        for i, (n, s) in enumerate(shapes.items())
+    }
+    col, row = NamedSharding(server, P(None, "tp")), NamedSharding(server, P("tp", None))
+    target = [{"qkv": col, "gate_up": col, "o": row, "down": row} for _ in range(layers)]
+    return params, target
+
+
+_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def fused_views(p, tp: int = 2):
+    """The server's tree as views of the trainer's arrays: nothing is computed until it is transferred."""
+    out = []
+    for i in range(p["q"].shape[0]):
+        q, k, v, o, g, u, dn = (views.unstack(p[n])[i] for n in _NAMES)
+        kk, vv = (views.concat([x] * tp, axis=1) for x in (k, v))  # one key/value head group: repeat it per TP rank
+        out.append(
+            {
+                "qkv": views.astype(views.concat([q, kk, vv], axis=1, groups=tp), jnp.bfloat16),
+                "gate_up": views.astype(views.concat([g, u], axis=1, groups=tp), jnp.bfloat16),
+                "o": views.astype(o, jnp.bfloat16),
+                "down": views.astype(dn, jnp.bfloat16),
+            }
+        )
+    return out
+
+
+def jnp_fused(p, tp: int = 2):
+    """The same tree built with jnp on full arrays (what a user writes without views)."""
+
+    def grouped(xs):
+        return jnp.concatenate([jnp.split(x, tp, axis=-1)[g] for g in range(tp) for x in xs], axis=-1)
+
+    out = []
+    for i in range(p["q"].shape[0]):
+        q, k, v, o, g, u, dn = (p[n][i] for n in _NAMES)
+        kk, vv = jnp.concatenate([k] * tp, axis=1), jnp.concatenate([v] * tp, axis=1)
+        out.append(
+            {
+                "qkv": grouped([q, kk, vv]).astype(jnp.bfloat16),
+                "gate_up": grouped([g, u]).astype(jnp.bfloat16),
+                "o": o.astype(jnp.bfloat16),
+                "down": dn.astype(jnp.bfloat16),
+            }
+        )
+    return out
+
+
+def compare_fused(layers: int, d: int, repeats: int, bw: float) -> dict:
+    """transfer and transfer_into of the views against jit(jnp fuse) + device_put, new source arrays every call."""
+    params, target = fused_case(layers, d)
+    held = [jreshard.transfer(fused_views(params), target)]
+    nbytes = dest_bytes(held[0])
+
+    def fresh() -> list:
+        return [rewrap(params) for _ in range(repeats + 1)]
+
+    t_tr = timings(lambda ps: jreshard.transfer(fused_views(ps), target), repeats, fresh())
+
+    def into(ps):
+        held[0] = jreshard.transfer_into(fused_views(ps), held[0])
+        return held[0]
+
+    t_in = timings(into, repeats, fresh())
+    fuse = jax.jit(jnp_fused)
+    t_dp = timings(lambda ps: jax.device_put(fuse(ps), target), repeats, fresh())
+    ref = jax.device_put(fuse(params), target)
+    exact = all(
+        np.array_equal(np.asarray(s.data).view(np.uint16), np.asarray(r.data).view(np.uint16))
+        for x, y in zip(jax.tree.leaves(held[0]), jax.tree.leaves(ref), strict=True)
+        for s, r in zip(x.addressable_shards, y.addressable_shards, strict=True)
+    )
+    src_mib = sum(a.nbytes for a in params.values()) / MiB
+    name = f"fused f32->bf16 {layers} layers {src_mib:.0f} MiB"
+    return {
+        "case": name,
+        "bytes": nbytes,
+        "transfer": t_tr,
+        "into": t_in,
+        "device_put": t_dp,
+        "floor": nbytes / bw,
+        "exact": exact,
+    }
 
 
 def dest_bytes(tree) -> int:
@@ -194,7 +294,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats, 4 layers")
     ap.add_argument(
-        "--cases", default="leaves,tensor,refit", help="comma-separated subset of: leaves, tensor, refit (default all)"
+        "--cases",
+        default="leaves,tensor,refit,fused",
+        help="comma-separated subset of: leaves, tensor, refit, fused (default all)",
     )
     args = ap.parse_args()
     if args.quick:
@@ -232,6 +334,8 @@ def main() -> None:
         name = f"refit {len(jax.tree.leaves(x))} leaves {src_bytes / MiB:.0f} MiB"
         rows.append(compare(name, x, t, args.repeats, bw))
         del x
+    if "fused" in cases:
+        rows.append(compare_fused(2, args.d_model, args.repeats, bw))
     default_pool().clear()
     print()
     print("times in ms: median [min-max]; floor = destination bytes at the warm copy bandwidth")
@@ -240,7 +344,7 @@ def main() -> None:
         "dest MiB",
         "transfer",
         "transfer_into",
-        "jax.device_put",
+        "jax.device_put (fused: jnp fuse + device_put)",
         "device_put / transfer",
         "device_put / transfer_into",
         "transfer / floor",
@@ -271,9 +375,13 @@ def main() -> None:
             f"\nfirst call on 1000 leaves (clear_caches, planning included): {stats(firsts)} ms; "
             f"cached: {stats(cached)} ms; ratio {np.median(firsts) / np.median(cached):.2f}x"
         )
+    for r in rows:
+        if "exact" in r:
+            print(f"\n{r['case']}: views equal jnp fuse + device_put bit for bit: {r['exact']}")
     print("\nwhere the time goes (last transfer of each case, TransferReport phases):")
     for r in rows:
-        print(f"  {r['case']}: {r['report'].summary()}")
+        if "report" in r:
+            print(f"  {r['case']}: {r['report'].summary()}")
 
 
 if __name__ == "__main__":

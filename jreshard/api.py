@@ -114,13 +114,12 @@ def _run_views(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None,
         raise BackendUnavailableError(
             f"views run in one process (backend 'local'); options.backend={options.backend.value!r} cannot run them"
         )
-    if report:
-        raise BackendUnavailableError("report=True is not available for pytrees with views yet; call without report")
     from jreshard.views import execute
 
-    if mode is Mode.INTO:
-        return execute.transfer_into(x, target, topology=topology)
-    return execute.transfer(x, target, topology=topology)
+    builder = ReportBuilder(Backend.LOCAL, "views run in one process")
+    run = execute.transfer_into if mode is Mode.INTO else execute.transfer
+    result = run(x, target, topology=topology, report=builder)
+    return (result, builder.build()) if report else result
 
 
 def _engine(

@@ -22,10 +22,15 @@ import numpy as np
 
 from jreshard._cache import register_clear
 from jreshard.errors import LayoutError, LayoutMismatchError, TransferError
-from jreshard.nccl.buffers import aligned_empty, export_source, import_shard, writable_view
+from jreshard.frontdoor import _addressable_order
+from jreshard.nccl.buffers import export_source, writable_view
+from jreshard.nccl.inprocess import _addresses_of, _donate, _fresh, _make_array, _read, _remember
+from jreshard.nccl.pool import default_pool
+from jreshard.options import Backend
+from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.topology import Topology
+from jreshard.sharding.topology import Link, Topology
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, Piece, QuantTask, lower_tree
@@ -59,8 +64,8 @@ def _front(x: Any, target: Any, what: str) -> tuple:
     for i, (leaf, t) in enumerate(zip(flat, tgts, strict=True)):
         v = as_view(leaf, f"{what}: leaf {i}")
         if what == "into":
-            if not isinstance(t, jax.Array) or t.is_deleted():
-                raise LayoutError(f"transfer_into: into leaf {i} is {type(t).__name__}, not a live jax.Array")
+            if not isinstance(t, jax.Array):
+                raise LayoutError(f"transfer_into: into leaf {i} is {type(t).__name__}, not a jax.Array")
             sh, dtype, shape = t.sharding, t.dtype, t.shape
         elif isinstance(t, jax.ShapeDtypeStruct):
             if t.sharding is None:
@@ -191,7 +196,7 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
     return arrays, boxes
 
 
-def transfer(x: Any, target: Any, *, topology: Topology | None = None) -> Any:
+def transfer(x: Any, target: Any, *, topology: Topology | None = None, report: ReportBuilder | None = None) -> Any:
     """Materialise a pytree of views (and arrays) in the target shardings, shard to shard.
 
     Args:
@@ -199,65 +204,130 @@ def transfer(x: Any, target: Any, *, topology: Topology | None = None) -> Any:
       target: a ``jax.sharding.Sharding`` or ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``
         (a cast to ``dtype``), or a pytree of them matching ``x``.
       topology: the fast-link domains (default: one per process); decides which holder each piece reads.
+      report: a builder that records the phases and bytes (``jreshard.transfer(..., report=True)``).
 
     Returns:
-      New committed ``jax.Array`` s, one per leaf.
+      New committed ``jax.Array`` s, one per leaf, over fresh memory (never a source's).
 
     Raises:
       LayoutMismatchError: structure or shapes differ; LayoutError: a bad target or a deleted source;
       TypeError: a cast views do not support.
     """
-    treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
-    lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
-    arrays, boxes = _sources(lowerings, srcs, layouts)
-    bufs: list[dict[int, np.ndarray]] = []
-    raw: list[dict[int, np.ndarray]] = []
-    for d in dsts:
-        item = d.np_dtype.itemsize
-        raw.append({r: aligned_empty(b.volume * item) for r, b in zip(d.ranks, d.boxes, strict=True)})
-        bufs.append({r: raw[-1][r].view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
-    _execute_pieces(lowerings, program, views, arrays, boxes, bufs)
-    del arrays
-    out = []
-    for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
-        devs = {dev.id: dev for dev in sh.addressable_devices}
-        parts = [import_shard(raw[t][r], d.box_of(r).shape, d.np_dtype, devs[r]) for r in d.ranks]
-        out.append(jax.make_array_from_single_device_arrays(d.shape, sh, parts))
+    builder = report or ReportBuilder(Backend.LOCAL)
+    with builder.timed(ReportPhase.PLAN):
+        treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
+        lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
+    pool = default_pool()
+    fresh0 = pool.stats().fresh_bytes
+    with builder.timed(ReportPhase.BUFFERS):
+        arrays, boxes = _sources(lowerings, srcs, layouts)
+        bufs = [_fresh(d, 1, pool)[1][0] for d in dsts]
+    with builder.timed(ReportPhase.COPY):
+        try:
+            _execute_pieces(
+                lowerings,
+                program,
+                views,
+                arrays,
+                boxes,
+                [dict(zip(d.ranks, b, strict=True)) for d, b in zip(dsts, bufs, strict=True)],
+            )
+        except Exception as err:
+            raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
+    with builder.timed(ReportPhase.BUFFERS):
+        del arrays
+        out = [_assemble(d, sh, b) for d, sh, b in zip(dsts, shardings, bufs, strict=True)]
+    _count(builder, lowerings)
+    builder.add_fresh(pool.stats().fresh_bytes - fresh0)
     return treedef.unflatten(out)
 
 
-def transfer_into(x: Any, into: Any, *, topology: Topology | None = None) -> Any:
-    """Write a pytree of views into the donated arrays ``into`` (same structure, shapes and dtypes).
+def _assemble(d: Layout, sharding: Any, shards: list[np.ndarray]) -> Any:
+    """A global array over host shards (``d.ranks`` order), zero-copy on CPU."""
+    slot = {r: k for k, r in enumerate(d.ranks)}
+    devs = _addressable_order(sharding)
+    return _make_array(d.shape, d.np_dtype, sharding, [shards[slot[dev.id]] for dev in devs], list(devs))
 
-    The caller donates ``into``: use the returned arrays (over ``into``'s buffers) afterwards.
-    Every check runs before a byte is written.
+
+def _count(builder: ReportBuilder, lowerings: Sequence[LeafLowering]) -> None:
+    for low in lowerings:
+        builder.add_bytes(Link.NETWORK, low.network_bytes)
+        builder.add_bytes(Link.FAST, low.fast_bytes)
+        builder.add_bytes(Link.LOCAL, low.local_bytes)
+
+
+def transfer_into(x: Any, into: Any, *, topology: Topology | None = None, report: ReportBuilder | None = None) -> Any:
+    """Write a pytree of views into ``into`` (same structure, shapes and dtypes), consuming it.
+
+    ``into`` is consumed as ``jax.jit(..., donate_argnums=...)`` consumes its arguments:
+    an ``into`` leaf that nothing else can observe (not a source's memory, not another
+    ``into`` leaf's) is donated and written in place; the others are left as they are and
+    the result gets fresh memory (counted in ``TransferReport.not_in_place_bytes``). Use
+    the returned arrays afterwards. Every check runs before a byte is written.
 
     Raises:
       LayoutMismatchError: structure or shapes differ.
-      LayoutError: ``into`` shares a buffer with a source, or a leaf is deleted.
+      LayoutError: a bad ``into`` leaf or a deleted source.
+      TransferError: a copy failed; the donated ``into`` arrays are consumed and the
+        results were not returned (``destination_intact=False``).
     """
-    treedef, views, _shardings, srcs, layouts, dsts = _front(x, into, "into")
-    into_leaves = treedef.flatten_up_to(into)
-    src_ptrs = {s.data.unsafe_buffer_pointer() for leaf in srcs for s in leaf.source.addressable_shards}
-    for i, a in enumerate(into_leaves):
-        if any(s.data.unsafe_buffer_pointer() in src_ptrs for s in a.addressable_shards):
-            raise LayoutError(f"transfer_into: into leaf {i} shares memory with a source leaf; pass a separate array")
-    lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
-    arrays, boxes = _sources(lowerings, srcs, layouts)
-    bufs = []
-    for d, a in zip(dsts, into_leaves, strict=True):
-        shards = {s.device.id: s.data for s in a.addressable_shards}
-        bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
-    try:
-        _execute_pieces(lowerings, program, views, arrays, boxes, bufs)
-    except Exception as err:
-        raise TransferError(
-            f"transfer_into failed while copying ({type(err).__name__}: {err}); `into` is partly overwritten",
-            destination_intact=False,
-        ) from err
-    del arrays, bufs
-    out = [
-        jax.make_array_from_single_device_arrays(a.shape, a.sharding, [s.data for s in a.addressable_shards])
-        for a in into_leaves
-    ]
+    builder = report or ReportBuilder(Backend.LOCAL)
+    with builder.timed(ReportPhase.PLAN):
+        treedef, views, shardings, srcs, layouts, dsts = _front(x, into, "into")
+        into_leaves = treedef.flatten_up_to(into)
+        lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
+    pool = default_pool()
+    fresh0 = pool.stats().fresh_bytes
+    with builder.timed(ReportPhase.BUFFERS):
+        arrays, boxes = _sources(lowerings, srcs, layouts)
+        owned = _claim(into_leaves, {p for leaf in srcs for p in _read(leaf.source)} - {0})
+        donated = _donate(
+            [into_leaves[t] for t in owned], [c[0] for c in owned.values()], [c[1] for c in owned.values()]
+        )
+        taken = dict(zip(owned, donated, strict=True))  # leaf -> (the array that owns the memory now, addresses)
+        bufs: list[dict[int, np.ndarray]] = []
+        fresh: dict[int, list[np.ndarray]] = {}
+        for t, d in enumerate(dsts):
+            if t in taken:
+                shards = {s.device.id: s.data for s in taken[t][0].addressable_shards}
+                bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
+            else:
+                fresh[t] = _fresh(d, 1, pool)[1][0]
+                bufs.append(dict(zip(d.ranks, fresh[t], strict=True)))
+                builder.add_unowned(sum(b.nbytes for b in fresh[t]))
+    with builder.timed(ReportPhase.COPY):
+        try:
+            _execute_pieces(lowerings, program, views, arrays, boxes, bufs)
+        except Exception as err:
+            raise TransferError(
+                f"transfer_into failed while copying ({type(err).__name__}: {err}); the into arrays were "
+                "consumed and the results hold neither the old nor the new values",
+                destination_intact=False,
+            ) from err
+    with builder.timed(ReportPhase.BUFFERS):
+        del arrays, bufs
+        out = [
+            taken[t][0] if t in taken else _assemble(d, sh, fresh[t])
+            for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True))
+        ]
+        for a, addrs in taken.values():
+            _remember(a, addrs, by_jax=True)
+    _count(builder, lowerings)
+    builder.add_fresh(pool.stats().fresh_bytes - fresh0)
     return treedef.unflatten(out)
+
+
+def _claim(into_leaves: list[Any], src_ptrs: set[int]) -> dict[int, tuple[tuple[int, ...], bool]]:
+    """``{leaf: (shard addresses, allocated by jax)}`` of the ``into`` leaves that may be written in place:
+    live, sharing no buffer with a source or with an ``into`` leaf claimed before."""
+    claimed: set[int] = set()
+    own: dict[int, tuple[tuple[int, ...], bool]] = {}
+    for t, a in enumerate(into_leaves):
+        if a.is_deleted():
+            continue
+        addrs, by_jax = _addresses_of(a)
+        ptrs = set(addrs) - {0}
+        if not (ptrs & src_ptrs) and not (ptrs & claimed):
+            own[t] = (addrs, by_jax)
+            claimed |= ptrs
+    return own

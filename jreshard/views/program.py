@@ -118,7 +118,13 @@ def compile_program(
             tasks += [ShardJob((_direct(t, p, src_boxes),)) for t, p in group]
             continue
         tasks += [_block(group, rows, src_boxes) for rows in _bands(hull, group[0][1].wire_dtype, block_bytes)]
+    tasks.sort(key=_elements, reverse=True)  # the largest first: threads finish together
     return Program(tuple(tasks), wire)
+
+
+def _elements(task: Block | ShardJob) -> int:
+    """Elements the task writes (its copies' sizes)."""
+    return sum(math.prod(c.shape) for _, c in task.copies)
 
 
 def _direct(t: int, p: Piece, src_boxes: Mapping[tuple[int, int], Box]) -> tuple[tuple[int, int], Copy]:
