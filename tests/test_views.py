@@ -276,3 +276,18 @@ def test_scalars_from_integer_indices():
     )
     _assert_shards_equal(out["s"], jax.device_put(x[5].astype(jnp.bfloat16), dst))
     _assert_shards_equal(out["t"], jax.device_put(jnp.stack([x[1], x[6]]), NamedSharding(TP2DP2, P("tp"))))
+
+
+def test_views_on_another_platform_are_refused_by_name():
+    from jreshard.errors import BackendUnavailableError
+    from jreshard.views.execute import _check_cpu
+
+    class Device:
+        platform = "gpu"
+
+    class Sharding:
+        device_set = frozenset({Device()})
+
+    _check_cpu([("source leaf 0", FSDP4)], "transfer")  # CPU devices pass
+    with pytest.raises(BackendUnavailableError, match="target leaf 3 is on gpu devices"):
+        _check_cpu([("target leaf 3", Sharding())], "transfer")

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jreshard._cache import register_clear
-from jreshard.errors import LayoutError, LayoutMismatchError, TransferError
+from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
 from jreshard.frontdoor import _addressable_order
 from jreshard.nccl.buffers import export_source, writable_view
 from jreshard.nccl.inprocess import _addresses_of, _donate, _fresh, _make_array, _read, _remember
@@ -90,9 +90,26 @@ def _front(x: Any, target: Any, what: str) -> tuple:
             raise LayoutError(f"{what}: source leaf {j} is {type(a).__name__}; transfer needs live jax.Arrays")
         if a.is_deleted():
             raise LayoutError(f"{what}: source leaf {j} has been deleted or donated; pass a live array")
+    _check_cpu([(f"source leaf {j}", leaf.source.sharding) for j, leaf in enumerate(srcs)], what)
+    _check_cpu([(f"target leaf {i}", sh) for i, sh in enumerate(shardings)], what)
     layouts = [Layout.from_sharding(leaf.source.sharding, leaf.shape, leaf.dtype) for leaf in srcs]
     dsts = [Layout.from_sharding(sh, v.shape, v.dtype) for v, sh in zip(views, shardings, strict=True)]
     return treedef, views, shardings, srcs, layouts, dsts
+
+
+def _check_cpu(named: list[tuple[str, Any]], what: str) -> None:
+    """Views run on CPU devices in one process.
+
+    Raises:
+      BackendUnavailableError: a sharding names a device of another platform.
+    """
+    for name, sh in named:
+        other = sorted({d.platform for d in sh.device_set} - {"cpu"})
+        if other:
+            raise BackendUnavailableError(
+                f"{what}: {name} is on {other[0]} devices; views run on CPU devices in one process today. "
+                "The fix is to build the fused tree with jnp on the trainer's mesh, then jreshard.transfer it"
+            )
 
 
 def _lowerings(
