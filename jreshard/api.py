@@ -118,7 +118,7 @@ def _run_views(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None,
 
     builder = ReportBuilder(Backend.LOCAL, "views run in one process")
     run = execute.transfer_into if mode is Mode.INTO else execute.transfer
-    result = run(x, target, topology=topology, report=builder)
+    result = run(x, target, topology=topology, report=builder, threads=options.copy_threads)
     return (result, builder.build()) if report else result
 
 

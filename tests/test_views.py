@@ -291,3 +291,28 @@ def test_views_on_another_platform_are_refused_by_name():
     _check_cpu([("source leaf 0", FSDP4)], "transfer")  # CPU devices pass
     with pytest.raises(BackendUnavailableError, match="target leaf 3 is on gpu devices"):
         _check_cpu([("target leaf 3", Sharding())], "transfer")
+
+
+def test_copy_threads_option_bounds_the_threads(monkeypatch):
+    import threading
+
+    from jreshard.views import execute
+
+    seen = []
+    real = execute.run_task
+
+    def recording(task, src, dst):
+        seen.append(threading.current_thread())
+        real(task, src, dst)
+
+    monkeypatch.setattr(execute, "run_task", recording)
+    monkeypatch.setattr(execute, "_THREADED_BYTES", 0)
+    x = _sharded((4, 16, 24), jnp.float32, NamedSharding(Mesh(DEVS[:4], ("e",)), P("e")))
+    fused = views.astype(views.concat([x[0], x[1], x[2]], axis=1, groups=2), jnp.bfloat16)
+    dst = NamedSharding(TP2DP2, P(None, "tp"))
+    ref = jreshard.transfer(fused, dst, options=jreshard.Options(copy_threads=1))
+    assert len(seen) > 1 and set(seen) == {threading.current_thread()}
+    seen.clear()
+    out = jreshard.transfer(fused, dst, options=jreshard.Options(copy_threads=2))
+    _assert_shards_equal(out, ref)
+    assert threading.current_thread() not in seen and len(set(seen)) <= 2

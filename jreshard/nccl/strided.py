@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["LARGE_PIECE", "CopyClass", "copy_classes", "raw_view"]
+__all__ = ["LARGE_PIECE", "CopyClass", "copy_classes", "executor", "raw_view", "threads_for"]
 
 LARGE_PIECE = 256 << 10  # bytes: pieces at least this big are copied one by one
 _CHUNK_BYTES = 1 << 20  # bytes of pieces per gather/scatter call: the temporary stays in cache
@@ -91,7 +91,13 @@ def _cores() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
+def threads_for(threads: int | None) -> int:
+    """Copy threads to use for ``Options.copy_threads``: ``None`` is one per core (up to 8), never above the cores."""
+    return _cores() if threads is None else max(1, min(int(threads), _cores()))
+
+
+def executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's copy threads (one per core, up to 8), shared by every in-process copy."""
     global _THREADS
     if _THREADS is None:
         _THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=_cores(), thread_name_prefix="jreshard-copy")
@@ -157,7 +163,7 @@ def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], threads: 
         side, nor read bytes another piece of the call writes.
       threads: copy threads (numpy's copies release the GIL); ``None``: one per core, up to 8.
     """
-    threads = _cores() if threads is None else max(1, min(int(threads), _cores()))
+    threads = threads_for(threads)
     jobs: list[Callable[[], None]] = []
     total = 0
     for cls, src, dst in work:
@@ -172,6 +178,6 @@ def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], threads: 
         for job in jobs:
             job()
         return total
-    for f in [_executor().submit(job) for job in jobs]:
+    for f in [executor().submit(job) for job in jobs]:
         f.result()
     return total

@@ -12,8 +12,6 @@ blocks that shard needs.
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +21,7 @@ import numpy as np
 from jreshard._cache import register_clear
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
 from jreshard.frontdoor import _addressable_order
+from jreshard.nccl import strided
 from jreshard.nccl.buffers import export_source, writable_view
 from jreshard.nccl.inprocess import _addresses_of, _donate, _fresh, _make_array, _read, _remember
 from jreshard.nccl.pool import default_pool
@@ -34,7 +33,7 @@ from jreshard.sharding.topology import Link, Topology
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, Piece, QuantTask, lower_tree
-from jreshard.views.program import Program, compile_program, run_task
+from jreshard.views.program import Program, compile_program, run_task, task_elements
 from jreshard.views.quant import _Quant
 
 __all__ = ["transfer", "transfer_into"]
@@ -143,10 +142,11 @@ def _execute_pieces(
     src: Mapping[tuple[int, int], np.ndarray],
     src_box: Mapping[tuple[int, int], Box],
     dst: Sequence[Mapping[int, np.ndarray]],
+    threads: int | None = None,
 ) -> None:
     """Run ``program`` (the lowerings' pieces) and the quantisation tasks: ``src[(leaf, rank)]`` is a
     typed read-only source shard holding ``src_box[(leaf, rank)]``; ``dst[t][rank]`` the typed
-    destination shard of leaf ``t``.
+    destination shard of leaf ``t``; on ``threads`` threads (``Options.copy_threads``; ``None``: every core).
 
     A quantised leaf's pieces fill a tile of whole blocks per destination shard, quantised after.
     """
@@ -159,25 +159,31 @@ def _execute_pieces(
             _copy_piece(p, src, src_box, tile)
         dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
 
-    calls: list[tuple[Any, tuple]] = [(run_task, (task, src, dst)) for task in program.tasks]
-    calls += [(quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
-    if program.wire_bytes < _THREADED_BYTES or len(calls) < 2:
-        for fn, args in calls:
+    calls: list[tuple[int, Any, tuple]] = [(task_elements(t), run_task, (t, src, dst)) for t in program.tasks]
+    calls += [(k.hull.volume, quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
+    lanes = 1 if program.wire_bytes < _THREADED_BYTES else min(len(calls), strided.threads_for(threads))
+    if lanes <= 1:
+        for _, fn, args in calls:
             fn(*args)
         return
-    # numpy releases the GIL inside copies and casts: every core busy, each task writes its own boxes.
-    for f in [_pool().submit(fn, *args) for fn, args in calls]:
+    # numpy releases the GIL inside copies and casts; the tasks write disjoint boxes. Largest first,
+    # each to the least loaded of ``lanes`` threads, so the threads finish together.
+    work: list[list[tuple[Any, tuple]]] = [[] for _ in range(lanes)]
+    load = [0] * lanes
+    for size, fn, args in sorted(calls, key=lambda c: -c[0]):
+        k = load.index(min(load))
+        work[k].append((fn, args))
+        load[k] += size
+    for f in [strided.executor().submit(_run_lane, lane) for lane in work]:
         f.result()
 
 
+def _run_lane(lane: list[tuple[Any, tuple]]) -> None:
+    for fn, args in lane:
+        fn(*args)
+
+
 _THREADED_BYTES = 4 << 20
-_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="jreshard-views"))
-    return _POOL[0]
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -213,7 +219,14 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
     return arrays, boxes
 
 
-def transfer(x: Any, target: Any, *, topology: Topology | None = None, report: ReportBuilder | None = None) -> Any:
+def transfer(
+    x: Any,
+    target: Any,
+    *,
+    topology: Topology | None = None,
+    report: ReportBuilder | None = None,
+    threads: int | None = None,
+) -> Any:
     """Materialise a pytree of views (and arrays) in the target shardings, shard to shard.
 
     Args:
@@ -222,6 +235,7 @@ def transfer(x: Any, target: Any, *, topology: Topology | None = None, report: R
         (a cast to ``dtype``), or a pytree of them matching ``x``.
       topology: the fast-link domains (default: one per process); decides which holder each piece reads.
       report: a builder that records the phases and bytes (``jreshard.transfer(..., report=True)``).
+      threads: copy threads (``Options.copy_threads``); ``None``: every core.
 
     Returns:
       New committed ``jax.Array`` s, one per leaf, over fresh memory (never a source's).
@@ -248,6 +262,7 @@ def transfer(x: Any, target: Any, *, topology: Topology | None = None, report: R
                 arrays,
                 boxes,
                 [dict(zip(d.ranks, b, strict=True)) for d, b in zip(dsts, bufs, strict=True)],
+                threads,
             )
         except Exception as err:
             raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
@@ -273,7 +288,14 @@ def _count(builder: ReportBuilder, lowerings: Sequence[LeafLowering]) -> None:
         builder.add_bytes(Link.LOCAL, low.local_bytes)
 
 
-def transfer_into(x: Any, into: Any, *, topology: Topology | None = None, report: ReportBuilder | None = None) -> Any:
+def transfer_into(
+    x: Any,
+    into: Any,
+    *,
+    topology: Topology | None = None,
+    report: ReportBuilder | None = None,
+    threads: int | None = None,
+) -> Any:
     """Write a pytree of views into ``into`` (same structure, shapes and dtypes), consuming it.
 
     ``into`` is consumed as ``jax.jit(..., donate_argnums=...)`` consumes its arguments:
@@ -314,7 +336,7 @@ def transfer_into(x: Any, into: Any, *, topology: Topology | None = None, report
                 builder.add_unowned(sum(b.nbytes for b in fresh[t]))
     with builder.timed(ReportPhase.COPY):
         try:
-            _execute_pieces(lowerings, program, views, arrays, boxes, bufs)
+            _execute_pieces(lowerings, program, views, arrays, boxes, bufs, threads)
         except Exception as err:
             raise TransferError(
                 f"transfer_into failed while copying ({type(err).__name__}: {err}); the into arrays were "

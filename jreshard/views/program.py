@@ -33,7 +33,17 @@ from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, Piece
 
-__all__ = ["BLOCK_BYTES", "Block", "Copy", "Program", "ShardJob", "compile_program", "run_copy", "run_task"]
+__all__ = [
+    "BLOCK_BYTES",
+    "Block",
+    "Copy",
+    "Program",
+    "ShardJob",
+    "compile_program",
+    "run_copy",
+    "run_task",
+    "task_elements",
+]
 
 BLOCK_BYTES = 4 << 20  # wire bytes cast at once into a band that stays in the shared cache while its pieces copy out
 
@@ -118,12 +128,12 @@ def compile_program(
             tasks += [ShardJob((_direct(t, p, src_boxes),)) for t, p in group]
             continue
         tasks += [_block(group, rows, src_boxes) for rows in _bands(hull, group[0][1].wire_dtype, block_bytes)]
-    tasks.sort(key=_elements, reverse=True)  # the largest first: threads finish together
+    tasks.sort(key=task_elements, reverse=True)  # the largest first
     return Program(tuple(tasks), wire)
 
 
-def _elements(task: Block | ShardJob) -> int:
-    """Elements the task writes (its copies' sizes)."""
+def task_elements(task: Block | ShardJob) -> int:
+    """Elements the task writes (its copies' sizes): its weight when tasks are spread over threads."""
     return sum(math.prod(c.shape) for _, c in task.copies)
 
 
