@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
+from jreshard import views
 
 DEVS = np.array(jax.devices())
 TRAIN = NamedSharding(Mesh(DEVS[:4], ("fsdp",)), P("fsdp"))
@@ -135,10 +136,10 @@ def _aliasing(draw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(_aliasing(), st.integers(0, 1000))
-def test_random_aliasing_never_changes_a_live_array(case, seed):
+@given(_aliasing(), st.integers(0, 1000), st.booleans())
+def test_random_aliasing_never_changes_a_live_array(case, seed, as_views):
     """Random pytrees with random aliasing between x, into and third arrays: every live array that is
-    not a returned leaf holds exactly its old bytes afterwards."""
+    not a returned leaf holds exactly its old bytes afterwards (x given as arrays, or as views of them)."""
     n, kinds = case
     rng = np.random.default_rng(seed)
     sh = [TRAIN, INFER][seed % 2]
@@ -160,7 +161,7 @@ def test_random_aliasing_never_changes_a_live_array(case, seed):
             into.append(jax.device_put(jnp.zeros((8, 8)), sh))
     live = [a for a in (*x, third, *into) if not a.is_deleted()]
     before = {id(a): _host(a) for a in live}
-    out = jreshard.transfer_into(x, into)
+    out = jreshard.transfer_into([views.as_view(a) for a in x] if as_views else x, into)
     for o, a in zip(out, x, strict=True):
         np.testing.assert_array_equal(_host(o), _host(a))
     returned = {id(o) for o in out}
