@@ -1,13 +1,14 @@
 """transfer() and transfer_into() for pytrees of views, in one process.
 
 Front door (flatten, check every leaf and target before a byte moves) -> lowering
-(:mod:`jreshard.views.lowering`, cached by the views' composition and layouts) ->
-:func:`_execute_pieces` (numpy copies from zero-copy DLPack views of the source
-shards into 64-byte-aligned destination buffers, each cast inside its copy) ->
-zero-copy import of each destination shard and
-``jax.make_array_from_single_device_arrays``. No global array is built on any
-device or on the host: a quantised leaf gathers, per destination shard, only the
-blocks that shard needs.
+(:mod:`jreshard.views.lowering`) and its program of copies
+(:mod:`jreshard.views.program`), both cached by the views' composition and layouts ->
+destinations (``transfer``: warm blocks of the buffer pool; ``transfer_into``: the
+``into`` arrays nothing else can see, donated as ``jax.jit`` donates, else fresh
+blocks) -> :func:`_execute_pieces` (the program's tasks on the copy threads, reading
+zero-copy DLPack views of the source shards) -> the destination arrays, assembled
+zero-copy. No global array is built on any device or on the host: a quantised leaf
+gathers, per destination shard, only the blocks that shard needs.
 """
 
 from __future__ import annotations
