@@ -109,11 +109,32 @@ def _has_views(x: PyTree) -> bool:
 
 
 def _run_views(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options, report: bool) -> Any:
-    """A pytree with views among its leaves (casts, fused parameters...): :mod:`jreshard.views`, in one process."""
-    if options.backend not in (Backend.AUTO, Backend.LOCAL):
+    """A pytree with views among its leaves (casts, fused parameters...): :mod:`jreshard.views`, in one
+    process, or across the processes of a multi-controller cluster over MPI (``transfer`` only)."""
+    from jreshard.views.algebra import View
+
+    views = jax.tree_util.tree_leaves(x, is_leaf=lambda v: isinstance(v, View))
+    devices = {d for v in views if isinstance(v, View) for leaf in v.leaves() for d in leaf.source.sharding.device_set}
+    _, single = _route([v for v in views if isinstance(v, jax.Array)], target, mode, options)
+    single = single and all(d.process_index == jax.process_index() for d in devices)
+    allowed = (Backend.AUTO, Backend.LOCAL) if single else (Backend.AUTO, Backend.MPI)
+    if options.backend not in allowed:
+        where = "in one process" if single else "across processes"
         raise BackendUnavailableError(
-            f"views run in one process (backend 'local'); options.backend={options.backend.value!r} cannot run them"
+            f"views {where} run with backend {' or '.join(repr(b.value) for b in allowed)}; "
+            f"options.backend={options.backend.value!r} cannot run them"
         )
+    if not single:
+        if mode is Mode.INTO:
+            raise BackendUnavailableError(
+                "transfer_into of views runs in one process; across processes, call jreshard.transfer on every "
+                "process (its results are new arrays)"
+            )
+        from jreshard.views.cluster import transfer_cluster
+
+        builder = ReportBuilder(Backend.MPI, "views across processes: MPI")
+        result = transfer_cluster(x, target, topology=topology, options=options, report=builder)
+        return (result, builder.build()) if report else result
     from jreshard.views import execute
 
     builder = ReportBuilder(Backend.LOCAL, "views run in one process")

@@ -113,3 +113,23 @@ def test_refit_groups_one_after_another_on_the_same_processes(tmp_path):
     assert len(got) == 4 and all("error" not in r for r in got.values()), got
     dst = [r["got"] for r in got.values() if r["got"]]
     assert dst and all(g == [[1, 0.0], [2, 1.0], [3, 2.0]] for g in dst)
+
+
+@pytest.mark.parametrize(("procs", "devices"), [(2, 2), (4, 1)])
+def test_views_across_processes(tmp_path, procs, devices):
+    """jreshard.transfer of fused, cast and block-FP8 views over global arrays: every target shard equals
+    numpy on the global arrays; the network bytes all processes sent equal the lowering's."""
+    need_mpi()
+    launch([program(procs, "views_transfer.py")], tmp_path, devices=devices, timeout_s=150)
+    got = results(tmp_path, "views")
+    assert sorted(got) == list(range(procs))
+    for r in got.values():
+        assert "error" not in r, r
+        assert r["backend"] == "mpi"
+        assert "transfer_into of views runs in one process" in r["refused"]
+    assert sum(r["checked"] for r in got.values()) == 4 * procs * devices  # every target shard, once
+    (expect,) = {r["expect_network"] for r in got.values()}
+    assert sum(r["network"] for r in got.values()) == expect > 0
+    (moved,) = {r["expect_moved"] for r in got.values()}
+    assert sum(r["network"] + r["fast"] + r["local"] for r in got.values()) == moved
+    assert sum(r["messages"] for r in got.values()) > 0
