@@ -84,19 +84,27 @@ def transfer_cluster(
                     (regions[(t, dev.id)],) = cpu.allocate([int(np.prod(shape)) * d.np_dtype.itemsize], dev)
                     outs[(t, dev.id, -1)] = regions[(t, dev.id)].view(d.np_dtype).reshape(shape)
             for k, task in enumerate(low.tasks):
-                if task.dst_rank in mine:
+                if task.dst_rank in mine and not task.at_sender:
                     quant = views[t]
                     assert isinstance(quant, _Quant)
                     outs[(t, task.dst_rank, k)] = np.empty(task.hull.shape, _np_dtype(quant.x.dtype))
     process_of = {d.id: d.process_index for d in jax.devices()}
     with builder.timed(ReportPhase.NETWORK):
+        quants = {t: v for t, v in enumerate(views) if isinstance(v, _Quant)}
         stats = run_pieces(
-            lowerings, transport, process_of, src, boxes, lambda t, r, k: outs[(t, r, k)], timeout_s=options.timeout_s
+            lowerings,
+            transport,
+            process_of,
+            src,
+            boxes,
+            lambda t, r, k: outs[(t, r, k)],
+            quants=quants,
+            timeout_s=options.timeout_s,
         )
     with builder.timed(ReportPhase.UNPACK):
         for t, low in enumerate(lowerings):
             for k, task in enumerate(low.tasks):
-                if task.dst_rank in mine:
+                if task.dst_rank in mine and not task.at_sender:  # at the sender: quantised before sending
                     quant = views[t]
                     assert isinstance(quant, _Quant)
                     outs[(t, task.dst_rank, -1)][...] = quant.compute(outs[(t, task.dst_rank, k)], task.hull, task.box)

@@ -197,7 +197,10 @@ def lower(
             pieces += _pieces(cache[box], box.lo, r, index, layouts, topology, state, reps[(g, box)], view.ndim)
             continue
         hull = quant.hull(box)
-        ps = _pieces(quant.x.regions(hull), hull.lo, r, index, layouts, topology, state, reps[(g, box)], view.ndim - 2)
+        content = ("fp8", quant.part, quant.block)  # weights and scales of one x are different bytes
+        ps = _pieces(
+            quant.x.regions(hull), hull.lo, r, index, layouts, topology, state, reps[(g, box)], view.ndim - 2, content
+        )
         aligned = all(_block_aligned(p.dst_box, hull, quant.block, quant.x.shape) for p in ps)
         tasks.append(QuantTask(r, hull, box, tuple(ps), aligned))
     net = fast = local = 0
@@ -254,10 +257,13 @@ def _pieces(
     state: _Domains,
     replicas: tuple[int, ...],
     blocked_from: int,
+    content: tuple = (),
 ) -> list[Piece]:
     """The pieces that fill ``regions`` on rank ``r`` (boxes local to ``origin``); ``replicas``: the
     ranks of ``r``'s domain with the same destination box, ascending (``r`` among them). New bytes are
-    striped along source axes that view axes below ``blocked_from`` run along (so quantisation blocks stay whole)."""
+    striped along source axes that view axes below ``blocked_from`` run along (so quantisation blocks stay whole).
+    ``content`` names what the bytes on the wire are beyond their source elements and wire dtype (a quantised
+    output's part and block): bytes that entered the domain are shared only between pieces of the same content."""
     out: list[Piece] = []
     g = topo.domain_of(r)
     for m in regions:
@@ -279,7 +285,7 @@ def _pieces(
                 out.append(_piece(m, part, i, src, r, origin, lay.dtype, send, recv, best, None))
                 continue
             todo = [part]
-            landed = state.landed.setdefault((g, i, send, sbox), [])  # what already entered G from this box
+            landed = state.landed.setdefault((g, i, send, sbox, content), [])  # what already entered G from this box
             for entry in landed:
                 done, via, arrived = entry
                 nxt = []

@@ -30,14 +30,16 @@ def body() -> dict:
     server = NamedSharding(Mesh(np.array(order).reshape(n // tp, tp), ("dp", "tp")), P(None, "tp"))
     g = {
         name: (np.arange(16 * w, dtype=np.float32).reshape(16, w) * (i + 1) / 7)
-        for i, (name, w) in enumerate((("q", 16), ("k", 4), ("v", 4), ("m", 32)))
+        for i, (name, w) in enumerate((("q", 16), ("k", 4), ("v", 4), ("m", 32), ("a", 16)))
     }
     x = {name: jax.make_array_from_callback(a.shape, fsdp, lambda idx, a=a: a[idx]) for name, a in g.items()}
     kk, vv = (views.concat([x[s]] * tp, axis=1) for s in ("k", "v"))
     qkv = views.astype(views.concat([x["q"], kk, vv], axis=1, groups=tp), jnp.bfloat16)
-    w8, s8 = views.quantize_fp8(x["m"], block=(8, 8))
-    tree = {"qkv": qkv, "w": w8, "s": s8, "q": x["q"]}
-    target = {"qkv": server, "w": server, "s": server, "q": server}
+    w8, s8 = views.quantize_fp8(x["m"], block=(8, 8))  # 8-row blocks over 4-row shards: quantised on arrival
+    # 4-row blocks within each source shard: quantised at the sender, 1 byte a weight on the wire
+    wa, sa = views.quantize_fp8(x["a"], block=(16 // n, 8))
+    tree = {"qkv": qkv, "w": w8, "s": s8, "q": x["q"], "wa": wa, "sa": sa}
+    target = dict.fromkeys(tree, server)
     out, rep = jreshard.transfer(tree, target, report=True, options=jreshard.Options(timeout_s=60))
 
     def grouped(parts):
@@ -49,8 +51,10 @@ def body() -> dict:
         )
     )
     ref_w, ref_s = views.quantize_fp8_reference(g["m"], (8, 8))
+    ref_wa, ref_sa = views.quantize_fp8_reference(g["a"], (16 // n, 8))
     checked = 0
-    for name, ref in (("qkv", ref_qkv), ("w", ref_w), ("s", ref_s), ("q", g["q"])):
+    refs = {"qkv": ref_qkv, "w": ref_w, "s": ref_s, "q": g["q"], "wa": ref_wa, "sa": ref_sa}
+    for name, ref in refs.items():
         leaf = out[name]
         assert leaf.sharding == server and leaf.shape == ref.shape and leaf.dtype == ref.dtype, name
         for s in leaf.addressable_shards:
@@ -62,7 +66,7 @@ def body() -> dict:
         refused = ""
     except jreshard.BackendUnavailableError as err:
         refused = str(err)
-    flat = [qkv, w8, s8, views.as_view(x["q"])]
+    flat = [qkv, w8, s8, views.as_view(x["q"]), wa, sa]
     leaves = list({id(lf.source): lf for v in flat for lf in v.leaves()}.values())
     lays = [Layout.from_sharding(lf.source.sharding, lf.shape, lf.dtype) for lf in leaves]
     dsts = [Layout.from_sharding(server, v.shape, v.dtype) for v in flat]
