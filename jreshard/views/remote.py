@@ -12,13 +12,17 @@ network), by that rank, in a second stage over the fast links:
   lowering order, each padded to 16 bytes), each in its *wire* dtype (the
   sender's casts applied) and in the source's axis order; the receiver permutes
   and applies its own casts while unpacking. A ``via`` rank forwards the wire
-  bytes it received in the first stage (or packs them from a source shard its
-  process holds).
+  bytes it received in the first stage; a piece whose source elements already
+  reached its own rank (an element used twice) is copied from there.
 
 So the network carries each piece once in the wire dtype: the lowering's
-network bytes, which equal the lower bound. A quantised leaf's pieces land in its
-tile of whole blocks at the destination, quantised after, as in one process.
-Pure numpy over the communicator: no jax.
+network bytes, which equal the lower bound. A block-FP8 output whose blocks each
+lie in one piece is quantised by the carrier (float8 weights or float32 scales on
+the wire); otherwise a quantised leaf's pieces land in its tile of whole blocks
+at the destination, quantised after, as in one process. A piece the lowering
+meant to forward that cannot be (not planned; kept as a safety net) comes from
+its source rank and is counted on the link it takes. Pure numpy over the
+communicator: no jax.
 """
 
 from __future__ import annotations
