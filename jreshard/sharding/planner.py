@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from jreshard._cache import cache, register_clear
 from jreshard.options import Options
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.plan import Plan, RankProgram, program_of
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.program import RankProgram, stamped_program
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
-from jreshard.sharding.units import check_pair, plan_tensor, rank_rows
+from jreshard.sharding.units import check_pair, plan_tensor, rank_template, rotations
 
 __all__ = [
     "LayoutPair",
@@ -164,8 +165,16 @@ def rank_program(
 
 @cache(max_size=256)
 def _rank_program_cached(pairs: tuple[LayoutPair, ...], rank: int, topology: Topology, options: Options) -> RankProgram:
-    rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
-    return program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])
+    by_pair: dict[LayoutPair, list[int]] = {}
+    for t, pair in enumerate(pairs):
+        by_pair.setdefault(pair, []).append(t)
+    blocks = []
+    for (s, d), tensors in by_pair.items():
+        if rank not in s._index() and rank not in d._index():
+            continue  # every row of this pair is between two other ranks
+        blocks.append((rank_template(s, d, topology, options, rank), tensors, rotations(s, d, topology, tensors)))
+    width = max((s.ndim for s, _ in pairs), default=0)
+    return stamped_program(rank, blocks, width)
 
 
 def rank_programs(

@@ -53,7 +53,9 @@ __all__ = [
     "plan_tensor",
     "plan_tensor_for_rank",
     "rank_rows",
+    "rank_template",
     "rotation_of",
+    "rotations",
     "stripe",
     "template_of",
     "units_of_rank",
@@ -272,6 +274,7 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
                 break  # the one chain through only's domain is done: no later chain involves only
 
 
+@cache(max_size=4096)
 def _rotation_period(ctx: Context) -> int | None:
     """Rotations act modulo the replica counts; beyond 64 distinct values, don't share."""
     p = 1
@@ -286,6 +289,13 @@ def _rotation_period(ctx: Context) -> int | None:
 def _rotation(ctx: Context, tensor_index: int) -> int:
     period = _rotation_period(ctx)
     return tensor_index % period if period else tensor_index
+
+
+def rotations(src: Layout, dst: Layout, topo: Topology, tensor_indices: Sequence[int]) -> np.ndarray:
+    """The replica rotation of each tensor index, for tensors with layouts ``src`` and ``dst``."""
+    period = _rotation_period(context(src, dst, topo))
+    idx = np.asarray(tensor_indices, dtype=np.int64)
+    return idx % period if period else idx
 
 
 @cache(max_size=1024)
@@ -354,6 +364,12 @@ def _rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank
     for u in units_of_rank(src, dst, topo, rank):
         _plan_unit(ctx, u, opts, out)
     return out.template(src.ndim, src.itemsize)
+
+
+def rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int) -> TensorTemplate:
+    """The rows of one tensor's plan that may involve ``rank`` for some rotation, replica choices open,
+    from only the units that rank takes part in (cached per layout pair and rank)."""
+    return _rank_template(src, dst, topo, opts, rank)
 
 
 def rank_rows(
