@@ -21,7 +21,7 @@ import numpy as np
 from jreshard.options import Options
 from jreshard.sharding.bounds import network_lower_bound
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import Message, Piece, RankProgram, build_program, padded
+from jreshard.sharding.program import Message, Piece, RankProgram, columns_program, padded
 from jreshard.sharding.rows import Move, Phase, TensorPlan, TensorSpec
 from jreshard.sharding.topology import Link, Topology
 
@@ -234,7 +234,7 @@ class Plan:
         lo, hi, ndim, order = self._bounds
         cols = {f: c[f][rows] for f in ("src", "dst", "link", "phase", "stage", "nbytes", "tensor")}
         cols["order"] = order[rows]
-        return build_program(rank, cols, lo[rows], hi[rows], ndim[rows])
+        return columns_program(rank, cols, lo[rows], hi[rows], ndim[rows])
 
     def program(self, rank: int) -> RankProgram:
         """The part of this plan that ``rank`` runs."""
@@ -274,4 +274,4 @@ def program_of(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
     ndim = np.repeat(np.array([tp.lo.shape[1] for tp in parts], np.int8), [len(tp) for tp in parts])
     lo = padded([tp.lo for tp in parts], width)
     hi = padded([tp.hi for tp in parts], width)
-    return build_program(rank, cols, lo, hi, ndim)
+    return columns_program(rank, cols, lo, hi, ndim)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -217,38 +218,55 @@ class RankProgram:
 _LINKS = tuple(Link)
 
 
+def _sort_order(*keys: np.ndarray) -> np.ndarray:
+    """The permutation that sorts rows by ``keys`` (most significant first; non-negative ints, each
+    row's keys distinct from every other row's): one argsort of a mixed-radix code when it fits in
+    63 bits, a lexsort otherwise."""
+    if not len(keys[0]):
+        return np.zeros(0, np.int64)
+    radix = [int(k.max()) + 1 for k in keys]
+    if math.prod(radix) >= 1 << 62:
+        return np.lexsort(keys[::-1])
+    code = keys[0].astype(np.int64)
+    for k, r in zip(keys[1:], radix[1:], strict=True):
+        code = code * r + k
+    return np.argsort(code)
+
+
 def build_program(
     rank: int,
-    cols: dict[str, np.ndarray],
-    lo: np.ndarray,
-    hi: np.ndarray,
-    ndim: np.ndarray,
+    keys: dict[str, np.ndarray],
+    fetch: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
 ) -> RankProgram:
-    """The program of ``rank`` from rows that involve it, in any order.
+    """The program of ``rank`` from rows that may involve it, in any order.
 
-    ``cols`` holds the rows' ``src``, ``dst``, ``link``, ``phase``, ``stage``, ``nbytes``,
-    ``tensor`` and ``order`` (the row's position among its tensor's rows in emission
-    order, or any number that sorts like it); ``lo`` and ``hi`` are ``(n, D)`` bounds
-    padded with zeros, ``ndim`` each row's dimensions. Rows that neither send from nor
-    arrive at ``rank`` are dropped, and so are local landings into another rank.
+    ``keys`` holds the rows' ``src``, ``dst``, ``link``, ``phase``, ``stage``, ``tensor`` and
+    ``order`` (the row's position among its tensor's rows in emission order, or any number
+    that sorts like it); ``fetch(idx)`` returns the ``nbytes``, ``lo``, ``hi`` (``(n, D)``,
+    zero-padded) and ``ndim`` of the rows at ``idx``, so that only the rows kept are gathered.
+    Rows that neither send from nor arrive at ``rank`` are dropped, and so are local
+    landings into another rank.
     """
-    src, dst, link, phase = cols["src"], cols["dst"], cols["link"], cols["phase"]
-    landing = (link == Link.LOCAL) & (phase == Phase.LAND)
+    src, dst = keys["src"], keys["dst"]
+    landing = (keys["link"] == Link.LOCAL) & (keys["phase"] == Phase.LAND)
+    to_me = dst == rank
     parts = (
-        np.flatnonzero(landing & (dst == rank)),
+        np.flatnonzero(landing & to_me),
         np.flatnonzero(~landing & (src == rank)),
-        np.flatnonzero(~landing & (dst == rank)),
+        np.flatnonzero(~landing & to_me),
     )
     sel = np.concatenate(parts)
+    nlocal = len(parts[0])
     kind = np.repeat(np.array([LOCAL, SEND, RECV], np.int8), [len(p) for p in parts])
     peer = np.concatenate([src[parts[0]], dst[parts[1]], src[parts[2]]]).astype(np.int64)
-    stage = cols["stage"][sel].astype(np.int64)
-    tensor, order = cols["tensor"][sel].astype(np.int64), cols["order"][sel].astype(np.int64)
+    stage = keys["stage"][sel].astype(np.int64)
     # Local rows keep (tensor, emission) order: their stage and peer do not sort them.
-    is_msg = kind != LOCAL
-    perm = np.lexsort((order, tensor, np.where(is_msg, peer, 0), np.where(is_msg, stage, 0), kind))
-    sel, kind, peer, stage, tensor = sel[perm], kind[perm], peer[perm], stage[perm], tensor[perm]
-    nlocal = len(parts[0])
+    stage[:nlocal] = 0
+    peer_key = peer.copy()
+    peer_key[:nlocal] = 0
+    perm = _sort_order(kind, stage, peer_key, keys["tensor"][sel], keys["order"][sel])
+    sel, kind, peer = sel[perm], kind[perm], peer[perm]
+    stage = keys["stage"][sel].astype(np.int64)
     new = np.flatnonzero(
         (kind[nlocal + 1 :] != kind[nlocal:-1])
         | (stage[nlocal + 1 :] != stage[nlocal:-1])
@@ -256,20 +274,28 @@ def build_program(
     )
     n = len(sel)
     cuts = np.concatenate([[nlocal], new + nlocal + 1, [n]]) if n > nlocal else np.array([nlocal], np.int64)
+    nbytes, lo, hi, ndim = fetch(sel)
     table = ProgramTable(
         kind=_frozen(kind),
         stage=_frozen(stage),
         peer=_frozen(peer),
-        link=_frozen(link[sel].astype(np.int8)),
-        phase=_frozen(phase[sel].astype(np.int8)),
-        tensor=_frozen(tensor),
-        nbytes=_frozen(cols["nbytes"][sel].astype(np.int64)),
-        lo=_frozen(lo[sel]),
-        hi=_frozen(hi[sel]),
-        ndim=_frozen(ndim[sel].astype(np.int8)),
+        link=_frozen(keys["link"][sel].astype(np.int8)),
+        phase=_frozen(keys["phase"][sel].astype(np.int8)),
+        tensor=_frozen(keys["tensor"][sel].astype(np.int64)),
+        nbytes=_frozen(nbytes.astype(np.int64)),
+        lo=_frozen(np.ascontiguousarray(lo, dtype=np.int64)),
+        hi=_frozen(np.ascontiguousarray(hi, dtype=np.int64)),
+        ndim=_frozen(ndim.astype(np.int8)),
         cuts=_frozen(cuts.astype(np.int64)),
     )
     return RankProgram(rank, table)
+
+
+def columns_program(
+    rank: int, cols: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray, ndim: np.ndarray
+) -> RankProgram:
+    """:func:`build_program` from whole columns: ``cols`` has the keys and ``nbytes``."""
+    return build_program(rank, cols, lambda sel: (cols["nbytes"][sel], lo[sel], hi[sel], ndim[sel]))
 
 
 def padded(parts: Sequence[np.ndarray], width: int) -> np.ndarray:
@@ -310,16 +336,20 @@ def stamped_program(
     order = pos % n_of
     tensors = np.concatenate([ts for _, ts, _ in used]) if used else np.zeros(0, np.int64)
     tensor = tensors[np.repeat(np.cumsum(ntens) - ntens, sizes) + pos // n_of]
-    g = table[off[blk] + order]
+    rows = off[blk] + order
     src = [tm.stamp_many(np.asarray(r, dtype=np.int64)).reshape(-1) for tm, _, r in used]
-    cols = {
+    keys = {
         "src": np.concatenate(src) if src else np.zeros(0, np.int64),
-        "dst": g[:, 0],
-        "link": g[:, 1],
-        "phase": g[:, 2],
-        "stage": g[:, 3],
-        "nbytes": g[:, 4],
+        "dst": table[rows, 0],
+        "link": table[rows, 1],
+        "phase": table[rows, 2],
+        "stage": table[rows, 3],
         "tensor": tensor,
         "order": order,
     }
-    return build_program(rank, cols, g[:, 6 : 6 + width], g[:, 6 + width :], g[:, 5])
+
+    def fetch(sel: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        g = table[rows[sel]]
+        return g[:, 4], g[:, 6 : 6 + width], g[:, 6 + width :], g[:, 5]
+
+    return build_program(rank, keys, fetch)
