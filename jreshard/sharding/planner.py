@@ -36,14 +36,27 @@ LayoutPair = tuple[Layout, Layout]  # (source layout, destination layout) of one
 def check_pairs(pairs: Sequence[LayoutPair], topology: Topology, names: Sequence[str]) -> None:
     """Raise when a pair disagrees on shape or dtype, or names a rank the topology lacks."""
     seen: set[int] = set()  # ids of the layouts checked against the topology (equal layouts are one object)
+    pairs_seen: set[tuple[int, int]] = set()  # tensors of one layout pair share the two objects: check once
     for (src, dst), name in zip(pairs, names, strict=True):
+        key = (id(src), id(dst))
+        if key in pairs_seen:
+            continue
+        pairs_seen.add(key)
         check_pair(src, dst, name)
         if id(src) not in seen:
-            topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
+            if not _ranks_known(src, topology):
+                topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
             seen.add(id(src))
         if id(dst) not in seen:
-            topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
+            if not _ranks_known(dst, topology):
+                topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
             seen.add(id(dst))
+
+
+@cache(max_size=8192)
+def _ranks_known(layout: Layout, topology: Topology) -> bool:
+    """Whether the topology has every rank of the layout (remembered: a refit asks again every step)."""
+    return topology._domain.keys() >= set(layout.ranks)
 
 
 def default_topology(pairs: Sequence[LayoutPair]) -> Topology:
@@ -94,7 +107,15 @@ def _canonical(pairs: Sequence[LayoutPair]) -> tuple[LayoutPair, ...]:
     ``Layout`` object per tensor, say) are compared deeply once per object, not once
     per tensor on every lookup. Bounded, and emptied by ``clear_caches()``.
     """
-    return tuple((_canonical_layout(s), _canonical_layout(d)) for s, d in pairs)
+    memo: dict[tuple[int, int], LayoutPair] = {}  # tensors of one layout pair often share the two objects
+    out = []
+    for s, d in pairs:
+        key = (id(s), id(d))
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = (_canonical_layout(s), _canonical_layout(d))
+        out.append(got)
+    return tuple(out)
 
 
 def _check_inputs(topology: object, options: object) -> None:
