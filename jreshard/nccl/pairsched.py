@@ -54,7 +54,7 @@ from jreshard.nccl.schedule import (
     tag_of,
 )
 from jreshard.options import Options
-from jreshard.sharding.box import Box, intersect
+from jreshard.sharding.box import Box
 from jreshard.sharding.plan import Message, RankProgram
 from jreshard.sharding.rows import TensorSpec
 
@@ -134,7 +134,8 @@ def pair_paced(
         return -(-n // align) * align
 
     # 2. Rounds, stage by stage.
-    arrived: dict[tuple[int, int], list[tuple[Box, int, int]]] = {}  # (rank, tensor) -> (byte box, stage, round)
+    arrived: dict[tuple[int, int], list[tuple[Box, int]]] = {}  # (rank, tensor) -> (byte box, round) received
+    index: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     next_round: dict[tuple[int, int], int] = collections.defaultdict(int)  # (sender, receiver) -> first free round
     ops: dict[int, dict[int, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
     stages = sorted({m.stage for r in mine for m in (*programs[r].sends, *programs[r].recvs)})
@@ -151,9 +152,7 @@ def pair_paced(
                     lb = next_round[(r, m.dst)]
                     if s > 0:  # after every round in which r received bytes this chunk forwards
                         for t, bb in chunk:
-                            for gb, gs, gr in arrived.get((r, t), ()):
-                                if gs < s and gr >= lb and intersect(gb, bb) is not None:
-                                    lb = gr + 1
+                            lb = max(lb, _after(index.get((r, t)), bb))
                     next_round[(r, m.dst)] = lb + 1
                     placed.append(lb)
                     n = sum(b.volume for _, b in chunk)
@@ -172,11 +171,30 @@ def pair_paced(
                 n = sum(b.volume for _, b in chunk)
                 ops[r][rnd].append(("recv", a, tag_of(s, k), m.link, n, chunk, DST, _in_place(chunk, r, DST, shapes)))
                 for t, bb in chunk:
-                    arrived.setdefault((r, t), []).append((bb, s, rnd))
+                    arrived.setdefault((r, t), []).append((bb, rnd))
+        # Every arrival so far is at a stage below the next one's: index them for its causality checks.
+        index = {key: _arrivals(v) for key, v in arrived.items()}
     steps, staging = _steps(ops, shapes, padded)
     local = {r: _local_tables(programs[r], shapes) for r in mine if programs[r].local}
     rounds = 1 + max((rnd for by in steps.values() for rnd in by), default=-1)
     return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors))
+
+
+def _arrivals(got: list[tuple[Box, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Byte boxes received (``(n, d)`` bounds) and their rounds, as arrays."""
+    n, d = len(got), len(got[0][0].lo)
+    lo = np.array([b.lo for b, _ in got], np.int64).reshape(n, d)
+    hi = np.array([b.hi for b, _ in got], np.int64).reshape(n, d)
+    return lo, hi, np.array([r for _, r in got], np.int64)
+
+
+def _after(arrivals: tuple[np.ndarray, np.ndarray, np.ndarray] | None, bb: Box) -> int:
+    """The round after the last one in which any byte of ``bb`` arrived (0 when none did)."""
+    if arrivals is None:
+        return 0
+    lo, hi, rounds = arrivals
+    hit = np.all((lo < np.asarray(bb.hi)) & (hi > np.asarray(bb.lo)), axis=1)
+    return int(rounds[hit].max()) + 1 if hit.any() else 0
 
 
 def pair_schedule(
