@@ -323,19 +323,11 @@ def stamped_program(
     nrows = np.array([len(tm.plan) for tm, _, _ in used], dtype=np.int64)
     ntens = np.array([len(ts) for _, ts, _ in used], dtype=np.int64)
     off = np.cumsum(nrows) - nrows
-    # Every template row as (dst, link, phase, stage, nbytes, ndim, *lo, *hi), bounds zero-padded to width.
-    table = np.zeros((int(nrows.sum()), 6 + 2 * width), dtype=np.int64)
-    for c, f in enumerate(("dst", "link", "phase", "stage", "nbytes")):
-        if used:
-            table[:, c] = np.concatenate([getattr(tm.plan, f) for tm, _, _ in used])
-    dims = np.array([tm.plan.lo.shape[1] for tm, _, _ in used], dtype=np.int64)
-    table[:, 5] = np.repeat(dims, nrows)
-    for d in np.unique(dims).tolist():  # templates of one tensor rank: one assignment for all of them
-        if d:
-            which = np.flatnonzero(dims == d)
-            at = np.concatenate([np.arange(off[i], off[i] + nrows[i]) for i in which.tolist()])
-            table[at, 6 : 6 + d] = np.concatenate([used[i][0].plan.lo for i in which.tolist()])
-            table[at, 6 + width : 6 + width + d] = np.concatenate([used[i][0].plan.hi for i in which.tolist()])
+    table = np.zeros((int(nrows.sum()), 6 + 2 * width), dtype=np.int64)  # the matrix of rows.py, padded
+    for (tm, _, _), o, n in zip(used, off.tolist(), nrows.tolist(), strict=True):
+        m, d = tm.matrix, tm.plan.lo.shape[1]
+        table[o : o + n, : 6 + d] = m[:, : 6 + d]
+        table[o : o + n, 6 + width : 6 + width + d] = m[:, 6 + d :]
     # Entry e of block b is row (e % n_b) of the template, for tensor tensors_b[e // n_b].
     sizes = nrows * ntens
     blk = np.repeat(np.arange(len(used), dtype=np.int64), sizes)
