@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py            # everything (several minutes on 2 cores)
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --quick    # only the 128 + 128 models
+    JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --repeat 5 # each model in 5 fresh processes (default 3)
 
 Prints:
 1. the published FFN-MoE case (one [256, 2048, 7168] bf16 tensor, EP16 -> TP8 x r):
@@ -15,8 +16,10 @@ Prints:
    whole refit predicted one layout pair at a time) with its time and peak memory.
 
 Each model configuration runs in a fresh process, so no cache from another
-configuration helps it; times are wall-clock (and CPU, as the machine may be
-shared). Every refit time printed is *predicted* by the cost model
+configuration helps it, ``--repeat`` times (the 4096 + 4096 one once): times are the
+median, with min-max, of wall-clock (and CPU, as the machine may be shared). A rank's
+program is columns of numpy arrays; the time to build its Message and Piece values
+(done when a consumer first reads them) is printed beside it. Every refit time printed is *predicted* by the cost model
 (``jreshard.cost``), never measured.
 """
 
@@ -153,9 +156,12 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     }
     # One rank's program first, so that nothing the whole plan computed helps it.
     dst_rank, src_rank = n + n // 2 + 3, n // 2 + 3
-    _, out["program_dst_s"], out["program_dst_cpu"] = _timed(
+    prog, out["program_dst_s"], out["program_dst_cpu"] = _timed(
         lambda: rank_program(r.pairs, dst_rank, topo, names=r.names)
     )
+    # The program is columns (numpy); its Message and Piece values are built the first time they are read.
+    _, out["program_objects_s"], _ = _timed(lambda: (prog.local, prog.sends, prog.recvs))
+    out["program_pieces"] = len(prog.table)
     _, out["program_src_s"], out["program_src_cpu"] = _timed(
         lambda: rank_program(r.pairs, src_rank, topo, names=r.names)
     )
@@ -202,14 +208,41 @@ CONFIGS_QUICK = (("deepseek-v3", 128, "whole"), ("kimi-k2", 128, "whole"))
 CONFIGS = (*CONFIGS_QUICK, ("deepseek-v3", 1024, "whole-nobase"), ("deepseek-v3", 4096, "rank"))
 
 
-def models(quick: bool) -> None:
+_TIMES = (
+    "plan_s",
+    "plan_cpu",
+    "program_dst_s",
+    "program_dst_cpu",
+    "program_src_s",
+    "program_src_cpu",
+    "program_cached_s",
+    "program_objects_s",
+    "cached_s",
+)
+
+
+def _span(values: list[float]) -> str:
+    """`` (min-max over n fresh processes)`` when there are several runs."""
+    if len(values) < 2:
+        return ""
+    return f" [{min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms over {len(values)} processes]"
+
+
+def models(quick: bool, repeat: int) -> None:
     print(f"== whole models: trainer ranks 0..n-1, inference ranks n..2n-1; NVL72 racks with {DOMAIN} GPUs each")
     print("   (each side starts a rack of its own), 50 GB/s NIC, 900 GB/s NVLink, 5 us latency, 8 MiB chunks")
     print("   times: wall clock, and the process's CPU time (the machine may be shared: CPU is the planner's own)\n")
     for name, n, mode in CONFIGS_QUICK if quick else CONFIGS:
         cmd = [sys.executable, __file__, "--one", name, str(n), mode]
-        res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
-        o = json.loads(res.stdout.strip().splitlines()[-1])
+        runs = []
+        for _ in range(repeat if mode != "rank" else 1):  # the 4096 + 4096 run (simulate) takes minutes: once
+            res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
+            runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        o = runs[0]
+        for key in _TIMES:
+            if key in o:
+                o[key] = float(np.median([x[key] for x in runs]))
+                o[key + "_range"] = _span([x[key] for x in runs])
         print(
             f"{o['name']} on {n} + {n} GPUs: {o['tensors']} tensors ({o['pairs']} distinct layout pairs), "
             f"{o['bytes'] / 1e12:.2f} TB; trainer {o['trainer']}, inference {o['inference']}"
@@ -217,13 +250,28 @@ def models(quick: bool) -> None:
         if "plan_s" in o:
             print(
                 f"   plan the whole model      {o['plan_s']:7.3f} s wall ({o['plan_cpu']:.3f} s CPU), {o['rows']} rows"
+                f"{o['plan_s_range']}"
             )
-        print(f"   one destination's program {o['program_dst_s']:7.3f} s wall ({o['program_dst_cpu']:.3f} s CPU)")
-        print(f"   one source's program      {o['program_src_s']:7.3f} s wall ({o['program_src_cpu']:.3f} s CPU)")
-        print(f"   a program asked again     {o['program_cached_s'] * 1e3:7.3f} ms (median of 7; templates cached)")
+        print(
+            f"   one destination's program {o['program_dst_s']:7.3f} s wall ({o['program_dst_cpu']:.3f} s CPU)"
+            f"{o['program_dst_s_range']}, {o['program_pieces']} pieces"
+        )
+        print(
+            f"     its Message/Piece values {o['program_objects_s']:6.3f} s more, built when first read"
+            f"{o['program_objects_s_range']}"
+        )
+        print(
+            f"   one source's program      {o['program_src_s']:7.3f} s wall ({o['program_src_cpu']:.3f} s CPU)"
+            f"{o['program_src_s_range']}"
+        )
+        print(
+            f"   a program asked again     {o['program_cached_s'] * 1e3:7.3f} ms (median of 7; templates cached)"
+            f"{o['program_cached_s_range']}"
+        )
         if "plan_s" in o:
             print(
-                f"   cached plan (median of 7) {o['cached_s'] * 1e3:7.3f} ms (same layouts); equal layouts built "
+                f"   cached plan (median of 7) {o['cached_s'] * 1e3:7.3f} ms{o['cached_s_range']} (same layouts); "
+                "equal layouts built "
                 f"anew: {o['cached_fresh_s'] * 1e3:.3f} ms first call, {o['cached_fresh_again_s'] * 1e3:.3f} ms after"
             )
             print(f"   plan.stats()              {o['stats_s']:7.3f} s wall ({o['stats_cpu']:.3f} s CPU)")
@@ -253,6 +301,9 @@ def models(quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="only the 128 + 128 configurations")
+    ap.add_argument(
+        "--repeat", type=int, default=3, help="fresh processes per configuration (medians and ranges; default 3)"
+    )
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -261,7 +312,7 @@ def main() -> None:
         return
     ffn_moe()
     single_tensor()
-    models(args.quick)
+    models(args.quick, max(1, args.repeat))
 
 
 if __name__ == "__main__":

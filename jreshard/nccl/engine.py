@@ -105,7 +105,7 @@ class ExecStats:
 
 
 def execute(
-    plan: Plan,
+    plan: Plan | None,
     comm: Communicator,
     shards: Shards,
     *,
@@ -113,11 +113,13 @@ def execute(
     backend: BufferBackend | None = None,
     devices: Mapping[int, Any] | None = None,
     report: ReportBuilder | None = None,
+    schedule: Schedule | None = None,
 ) -> ExecStats:
     """Run the parts of ``plan`` that belong to ``comm.local_ranks``.
 
     Args:
-      plan: the whole plan (every process holds the same one).
+      plan: the whole plan (every process holds the same one); None when ``schedule`` and
+        ``options`` are given.
       comm: the transport; its ``local_ranks`` are the ranks this process runs.
       shards: the local ranks' source and destination shard buffers.
       options: chunking, staging and timeout (default: the plan's).
@@ -125,6 +127,8 @@ def execute(
       devices: ``{rank: jax device}`` of the local ranks, so each staging arena is
         allocated on its rank's device (default: the backend's current device).
       report: where to add phase times, bytes per link, messages and staging.
+      schedule: the rounds to run (default: ``build_schedule(plan, options)``), e.g. one
+        built for this process's ranks alone by :mod:`jreshard.nccl.pairsched`.
 
     Returns:
       What was moved, and the peak staging of each local rank.
@@ -133,9 +137,14 @@ def execute(
       TransferError: a shard the plan reads or writes is missing (nothing was written);
         TransferTimeoutError / PeerError from the communicator.
     """
-    options = options or plan.options
+    if plan is None:
+        if schedule is None or options is None:
+            raise ValueError("execute: without a plan, give both schedule and options")
+        sched = schedule
+    else:
+        options = options or plan.options
+        sched = schedule or build_schedule(plan, options)
     backend = backend or CpuBuffers()
-    sched = build_schedule(plan, options)
     ranks = tuple(comm.local_ranks)
     bufs = {r: shards.of_rank(r, sched.ntensors) for r in ranks}
     _check_buffers(sched, ranks, bufs, shards)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from jreshard.nccl import kernels
 from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.plan import Message, Plan
+from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link
 
 __all__ = [
@@ -165,12 +166,12 @@ def chunk_pieces(pieces: Iterable[tuple[int, Box]], chunk_bytes: int) -> list[li
 
 
 class _Shapes:
-    """Byte shapes and byte boxes of every (tensor, rank, side) shard of a plan."""
+    """Byte shapes and byte boxes of every (tensor, rank, side) shard of a plan's tensors."""
 
-    def __init__(self, plan: Plan):
-        self.items = [t.src.itemsize for t in plan.tensors]
-        self.src = [t.src._index() for t in plan.tensors]
-        self.dst = [t.dst._index() for t in plan.tensors]
+    def __init__(self, tensors: Sequence[TensorSpec]):
+        self.items = [t.src.itemsize for t in tensors]
+        self.src = [t.src._index() for t in tensors]
+        self.dst = [t.dst._index() for t in tensors]
 
     def box(self, t: int, rank: int, side: int) -> Box:
         idx = self.src[t] if side == SRC else self.dst[t]
@@ -221,7 +222,7 @@ def _first_fit(use: dict[int, list[int]], a: int, na: int, b: int, nb: int, lb: 
 
 @cache(max_size=32)
 def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: int) -> Schedule:
-    shapes = _Shapes(plan)
+    shapes = _Shapes(plan.tensors)
     ranks = sorted({r for t in plan.tensors for r in (*t.src.ranks, *t.dst.ranks)})
     progs = plan.programs(ranks)
     msgs = sorted((m for p in progs.values() for m in p.sends), key=lambda m: (m.stage, m.src, m.dst))
@@ -255,6 +256,18 @@ def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: in
             tag = tag_of(m.stage, c)
             ops[m.src][rnd].append(("send", m.dst, tag, m.link, n, chunk, side, send_ip))
             ops[m.dst][rnd].append(("recv", m.src, tag, m.link, n, chunk, DST, recv_ip))
+    steps, staging = _steps(ops, shapes, padded)
+    local = {r: _local_tables(p, shapes) for r, p in progs.items() if p.local}
+    return Schedule(rounds=nrounds, steps=steps, local=local, staging=staging, ntensors=len(plan.tensors))
+
+
+Op = tuple  # ("send" | "recv", peer, tag, link, nbytes, chunk, side, in_place)
+
+
+def _steps(
+    ops: Mapping[int, Mapping[int, list[Op]]], shapes: _Shapes, padded: Callable[[int], int]
+) -> tuple[dict[int, dict[int, Step]], dict[int, int]]:
+    """Each rank's :class:`Step` per round from its operations, and the most staging it holds."""
     steps: dict[int, dict[int, Step]] = {}
     staging: dict[int, int] = {}
     for r, by_round in ops.items():
@@ -276,8 +289,7 @@ def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: in
                 pos = padded(pos)
             steps[r][rnd] = Step(_table(rows["send"]), _table(rows["recv"]), tuple(wires["send"]), tuple(wires["recv"]))
         staging[r] = peak
-    local = {r: _local_tables(p, shapes) for r, p in progs.items() if p.local}
-    return Schedule(rounds=nrounds, steps=steps, local=local, staging=staging, ntensors=len(plan.tensors))
+    return steps, staging
 
 
 def _table(rows: list[tuple[int, tuple[int, ...], Box, int]]) -> np.ndarray:

@@ -62,17 +62,21 @@ class _DestinationSide:
 def _source_side(src: Layout, topo: Topology) -> _SourceSide:
     """What every unit reads about the source layout (shared by every pair with this source)."""
     sidx = source_index(src)
+    sides = [_spread(hs, topo) for hs in sidx.holders]
+    return _SourceSide(sidx, tuple(s[0] for s in sides), tuple(s[1] for s in sides))
+
+
+@cache(max_size=8192)
+def _spread(hs: tuple[int, ...], topo: Topology) -> tuple[dict[int, tuple[int, ...]], dict[int, int]]:
+    """Replicas ``hs`` by domain, and the smallest replica on each device (tensors of many shapes share
+    one set of replicas: computed once per set)."""
     domain, device = topo._domain, topo._device
-    holders_in, on_device = [], []
-    for hs in sidx.holders:
-        inn: dict[int, list[int]] = {}
-        dev: dict[int, int] = {}
-        for h in hs:
-            inn.setdefault(domain[h], []).append(h)
-            dev.setdefault(device[h], h)
-        holders_in.append({g: tuple(v) for g, v in inn.items()})
-        on_device.append(dev)
-    return _SourceSide(sidx, tuple(holders_in), tuple(on_device))
+    inn: dict[int, list[int]] = {}
+    dev: dict[int, int] = {}
+    for h in hs:
+        inn.setdefault(domain[h], []).append(h)
+        dev.setdefault(device[h], h)
+    return {g: tuple(v) for g, v in inn.items()}, dev
 
 
 @cache(max_size=1024)

@@ -280,10 +280,15 @@ def _rank_index(lay: Layout) -> dict[int, Box]:
 
 @cache(max_size=4096)
 def _replica_groups(lay: Layout) -> tuple[tuple[Box, tuple[int, ...]], ...]:
-    by_box: dict[Box, list[int]] = {}
+    # Keyed by the bounds (tuples hash and compare in C; boxes order like their (lo, hi)).
+    by_box: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Box, list[int]]] = {}
     for r, b in zip(lay.ranks, lay.boxes, strict=True):
-        by_box.setdefault(b, []).append(r)
-    return tuple((b, tuple(sorted(rs))) for b, rs in sorted(by_box.items()))
+        got = by_box.get((b.lo, b.hi))
+        if got is None:
+            by_box[(b.lo, b.hi)] = (b, [r])
+        else:
+            got[1].append(r)
+    return tuple((b, tuple(sorted(rs))) for _, (b, rs) in sorted(by_box.items(), key=lambda kv: kv[0]))
 
 
 @cache(max_size=8192)

@@ -139,7 +139,13 @@ def _pieces_of(beta: Box, index: SourceIndex, what: str) -> tuple[tuple[Box, int
     out: list[tuple[Box, int]] = []
     covered = 0
     blo, bhi = beta.lo, beta.hi
-    for j in overlapping(index.lo, index.hi, beta).tolist():
+    if len(index.boxes) == 1:  # one source box (a replicated source): no search
+        sb = index.boxes[0]
+        meets = all(a < d and c < b and a < b and c < d for a, b, c, d in zip(blo, bhi, sb.lo, sb.hi, strict=True))
+        hits = [0] if meets else []
+    else:
+        hits = overlapping(index.lo, index.hi, beta).tolist()
+    for j in hits:
         sb = index.boxes[j]
         box = Box.trusted(tuple(map(max, blo, sb.lo)), tuple(map(min, bhi, sb.hi)))  # overlapping: a valid box
         out.append((box, j))

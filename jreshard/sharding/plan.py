@@ -20,57 +20,12 @@ import numpy as np
 
 from jreshard.options import Options
 from jreshard.sharding.bounds import network_lower_bound
-from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
+from jreshard.sharding.program import Message, Piece, RankProgram, columns_program, padded
 from jreshard.sharding.rows import Move, Phase, TensorPlan, TensorSpec
 from jreshard.sharding.topology import Link, Topology
 
 __all__ = ["Message", "Piece", "Plan", "PlanStats", "RankProgram", "program_of"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Piece:
-    """One part of a message: a box of a tensor, in global coordinates."""
-
-    tensor: int
-    box: Box
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Message:
-    """All pieces ``src`` sends ``dst`` at ``stage``, in a fixed order."""
-
-    stage: int
-    src: int
-    dst: int
-    link: Link
-    pieces: tuple[Piece, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankProgram:
-    """What one rank does: local copies into its destination shards, then, stage
-    by stage, the messages it sends and receives.
-
-    ``local`` are landings from a source shard on the rank's device (the sender's
-    buffer is in this process). A fan-out between two destination ranks that share
-    a device is labelled ``Link.LOCAL`` but travels as a message, at its stage. ``sends`` and ``recvs`` are sorted by
-    ``(stage, peer)``.
-    """
-
-    rank: int
-    local: tuple[Move, ...]
-    sends: tuple[Message, ...]
-    recvs: tuple[Message, ...]
-
-    @property
-    def stages(self) -> tuple[int, ...]:
-        return tuple(sorted({m.stage for m in self.sends} | {m.stage for m in self.recvs}))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -263,96 +218,60 @@ class Plan:
             total += got
         return total
 
+    @functools.cached_property
+    def _bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every row's box bounds, zero-padded to the most dimensions, its tensor's dimensions and its
+        position among its tensor's rows."""
+        width = max((t.src.ndim for t in self.tensors), default=0)
+        lo = padded([tp.lo for tp in self.tensor_plans], width)
+        hi = padded([tp.hi for tp in self.tensor_plans], width)
+        ndim = np.repeat(np.array([t.src.ndim for t in self.tensors], np.int8), [len(tp) for tp in self.tensor_plans])
+        order = np.concatenate([np.arange(len(tp)) for tp in self.tensor_plans] or [np.zeros(0, np.int64)])
+        return lo, hi, ndim, order
+
+    def _program_of_rows(self, rank: int, rows: np.ndarray) -> RankProgram:
+        c = self._columns
+        lo, hi, ndim, order = self._bounds
+        cols = {f: c[f][rows] for f in ("src", "dst", "link", "phase", "stage", "nbytes", "tensor")}
+        cols["order"] = order[rows]
+        return columns_program(rank, cols, lo[rows], hi[rows], ndim[rows])
+
     def program(self, rank: int) -> RankProgram:
         """The part of this plan that ``rank`` runs."""
-        parts = [tp.select((tp.src == rank) | (tp.dst == rank)) for tp in self.tensor_plans]
-        return program_of(rank, parts)
+        c = self._columns
+        return self._program_of_rows(rank, np.flatnonzero((c["src"] == rank) | (c["dst"] == rank)))
 
     def programs(self, ranks: Sequence[int] | None = None) -> dict[int, RankProgram]:
         """``{rank: self.program(rank)}`` for ``ranks`` (default: every rank of the plan).
 
-        One pass over the rows groups them by rank (a stable sort per tensor), instead of
+        One pass over the rows groups them by rank (one stable sort), instead of
         scanning every row once per rank.
         """
         if ranks is None:
             ranks = sorted({r for t in self.tensors for r in (*t.src.ranks, *t.dst.ranks)})
         want = sorted(set(ranks))
-        rows: dict[int, list[TensorPlan]] = {r: [] for r in want}
-        wanted = np.asarray(want, dtype=np.int64)
-        for tp in self.tensor_plans:
-            # Each row belongs to its sender and its receiver (once when they are the same rank).
-            idx = np.arange(len(tp), dtype=np.int64)
-            who = np.concatenate([tp.src, tp.dst])
-            at = np.concatenate([idx, idx])
-            keep = (np.concatenate([np.ones(len(tp), bool), tp.dst != tp.src])) & np.isin(who, wanted)
-            who, at = who[keep], at[keep]
-            order = np.lexsort((at, who))
-            who, at = who[order], at[order]
-            cuts = np.flatnonzero(np.diff(who)) + 1
-            groups = dict(zip(who[np.r_[0, cuts]].tolist(), np.split(at, cuts), strict=True)) if len(who) else {}
-            empty = tp.select(np.zeros(0, np.int64))
-            for r in want:
-                got = groups.get(r)
-                rows[r].append(empty if got is None else tp.select(got))
-        return {r: program_of(r, rows[r]) for r in want}
+        c = self._columns
+        n = len(c["src"])
+        # Each row belongs to its sender and its receiver (once when they are the same rank).
+        idx = np.arange(n, dtype=np.int64)
+        who = np.concatenate([c["src"], c["dst"][c["dst"] != c["src"]]])
+        at = np.concatenate([idx, idx[c["dst"] != c["src"]]])
+        keep = np.isin(who, np.asarray(want, dtype=np.int64))
+        who, at = who[keep], at[keep]
+        order = np.argsort(who, kind="stable")
+        who, at = who[order], at[order]
+        bounds = np.searchsorted(who, [*want, max(want, default=0) + 1]) if want else np.zeros(0, np.int64)
+        return {r: self._program_of_rows(r, np.sort(at[bounds[i] : bounds[i + 1]])) for i, r in enumerate(want)}
 
 
-_LINKS = tuple(Link)
-_PHASES = tuple(Phase)
-
-
-def program_of(
-    rank: int, parts: Sequence[TensorPlan], boxes: Sequence[Sequence[Box] | None] | None = None
-) -> RankProgram:
-    """The :class:`RankProgram` of ``rank`` from the rows of each tensor that involve it.
-
-    ``boxes[t]``, where given, are the rows' boxes of tensor ``t`` as :class:`Box` values already
-    built (tensors with equal layouts share them), so that they are not built again.
-    """
-    local: list[Move] = []
-    sends: dict[tuple[int, int], list[Piece]] = {}
-    recvs: dict[tuple[int, int], list[Piece]] = {}
-    links: dict[tuple[int, int, int], Link] = {}
-    trusted = Box.trusted
-    for t, tp in enumerate(parts):
-        if not len(tp):
-            continue
-        given = boxes[t] if boxes is not None else None
-        box_list = (
-            given if given is not None else list(map(trusted, map(tuple, tp.lo.tolist()), map(tuple, tp.hi.tolist())))
-        )
-        # Whole columns to Python ints at once: far faster than indexing numpy scalars row by row.
-        cols = zip(
-            tp.src.tolist(),
-            tp.dst.tolist(),
-            tp.link.tolist(),
-            tp.phase.tolist(),
-            tp.stage.tolist(),
-            box_list,
-            tp.nbytes.tolist(),
-            strict=True,
-        )
-        for src, dst, lk, ph, stage, box, nb in cols:
-            if lk == 0 and ph == 0:  # Link.LOCAL, Phase.LAND: from a source shard on the rank's device
-                if dst == rank:
-                    local.append(Move(t, src, dst, box, _LINKS[lk], _PHASES[ph], stage, nb))
-                continue
-            piece = Piece(t, box, nb)
-            if src == rank:
-                got = sends.get((stage, dst))
-                if got is None:
-                    got = sends[(stage, dst)] = []
-                    links[(stage, src, dst)] = _LINKS[lk]
-                got.append(piece)
-            if dst == rank:
-                got = recvs.get((stage, src))
-                if got is None:
-                    got = recvs[(stage, src)] = []
-                    links[(stage, src, dst)] = _LINKS[lk]
-                got.append(piece)
-    return RankProgram(
-        rank,
-        tuple(local),
-        tuple(Message(s, rank, p, links[(s, rank, p)], tuple(v)) for (s, p), v in sorted(sends.items())),
-        tuple(Message(s, p, rank, links[(s, p, rank)], tuple(v)) for (s, p), v in sorted(recvs.items())),
-    )
+def program_of(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
+    """The :class:`RankProgram` of ``rank`` from the rows of each tensor (``parts[t]``, in emission
+    order) that involve it."""
+    width = max((tp.lo.shape[1] for tp in parts), default=0)
+    cols = {f: _concat(parts, f) for f in ("src", "dst", "link", "phase", "stage", "nbytes")}
+    cols["tensor"] = np.repeat(np.arange(len(parts), dtype=np.int64), [len(tp) for tp in parts])
+    cols["order"] = np.concatenate([np.arange(len(tp)) for tp in parts] or [np.zeros(0, np.int64)])
+    ndim = np.repeat(np.array([tp.lo.shape[1] for tp in parts], np.int8), [len(tp) for tp in parts])
+    lo = padded([tp.lo for tp in parts], width)
+    hi = padded([tp.hi for tp in parts], width)
+    return columns_program(rank, cols, lo, hi, ndim)

@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from jreshard._cache import cache, register_clear
 from jreshard.options import Options
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.plan import Plan, RankProgram, program_of
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.program import RankProgram, stamped_program
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
-from jreshard.sharding.units import check_pair, plan_tensor, rank_rows
+from jreshard.sharding.units import check_pair, plan_tensor, rank_template, rotations
 
 __all__ = [
     "LayoutPair",
@@ -35,14 +36,27 @@ LayoutPair = tuple[Layout, Layout]  # (source layout, destination layout) of one
 def check_pairs(pairs: Sequence[LayoutPair], topology: Topology, names: Sequence[str]) -> None:
     """Raise when a pair disagrees on shape or dtype, or names a rank the topology lacks."""
     seen: set[int] = set()  # ids of the layouts checked against the topology (equal layouts are one object)
+    pairs_seen: set[tuple[int, int]] = set()  # tensors of one layout pair share the two objects: check once
     for (src, dst), name in zip(pairs, names, strict=True):
+        key = (id(src), id(dst))
+        if key in pairs_seen:
+            continue
+        pairs_seen.add(key)
         check_pair(src, dst, name)
         if id(src) not in seen:
-            topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
+            if not _ranks_known(src, topology):
+                topology.check_ranks(src.ranks, f"the source layout of tensor {name}")
             seen.add(id(src))
         if id(dst) not in seen:
-            topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
+            if not _ranks_known(dst, topology):
+                topology.check_ranks(dst.ranks, f"the destination layout of tensor {name}")
             seen.add(id(dst))
+
+
+@cache(max_size=8192)
+def _ranks_known(layout: Layout, topology: Topology) -> bool:
+    """Whether the topology has every rank of the layout (remembered: a refit asks again every step)."""
+    return topology._domain.keys() >= set(layout.ranks)
 
 
 def default_topology(pairs: Sequence[LayoutPair]) -> Topology:
@@ -93,7 +107,15 @@ def _canonical(pairs: Sequence[LayoutPair]) -> tuple[LayoutPair, ...]:
     ``Layout`` object per tensor, say) are compared deeply once per object, not once
     per tensor on every lookup. Bounded, and emptied by ``clear_caches()``.
     """
-    return tuple((_canonical_layout(s), _canonical_layout(d)) for s, d in pairs)
+    memo: dict[tuple[int, int], LayoutPair] = {}  # tensors of one layout pair often share the two objects
+    out = []
+    for s, d in pairs:
+        key = (id(s), id(d))
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = (_canonical_layout(s), _canonical_layout(d))
+        out.append(got)
+    return tuple(out)
 
 
 def _check_inputs(topology: object, options: object) -> None:
@@ -164,8 +186,16 @@ def rank_program(
 
 @cache(max_size=256)
 def _rank_program_cached(pairs: tuple[LayoutPair, ...], rank: int, topology: Topology, options: Options) -> RankProgram:
-    rows = [rank_rows(s, d, topology, options, rank, t) for t, (s, d) in enumerate(pairs)]
-    return program_of(rank, [tp for tp, _ in rows], [boxes for _, boxes in rows])
+    by_pair: dict[LayoutPair, list[int]] = {}
+    for t, pair in enumerate(pairs):
+        by_pair.setdefault(pair, []).append(t)
+    blocks = []
+    for (s, d), tensors in by_pair.items():
+        if rank not in s._index() and rank not in d._index():
+            continue  # every row of this pair is between two other ranks
+        blocks.append((rank_template(s, d, topology, options, rank), tensors, rotations(s, d, topology, tensors)))
+    width = max((s.ndim for s, _ in pairs), default=0)
+    return stamped_program(rank, blocks, width)
 
 
 def rank_programs(

@@ -225,6 +225,22 @@ class TensorTemplate:
         lo, hi = self.plan.lo.tolist(), self.plan.hi.tolist()
         return list(map(Box.trusted, map(tuple, lo), map(tuple, hi)))
 
+    @functools.cached_property
+    def matrix(self) -> np.ndarray:
+        """Every row as ``(dst, link, phase, stage, nbytes, ndim, *lo, *hi)`` in one int64 array
+        (built once; every column but the sender, which :meth:`stamp_many` gives)."""
+        p = self.plan
+        n, d = p.lo.shape
+        head = np.stack([p.dst, p.link, p.phase, p.stage, p.nbytes, np.full(n, d)], axis=1).astype(np.int64)
+        return _frozen(np.concatenate([head, p.lo, p.hi], axis=1).reshape(n, 6 + 2 * d))
+
+    def stamp_many(self, rots: np.ndarray) -> np.ndarray:
+        """The ``src`` column for each rotation in ``rots``: a ``(len(rots), len(plan))`` array."""
+        src = np.tile(self.plan.src, (len(rots), 1))
+        for cands, rows, bases in self.choices:
+            src[:, rows] = cands[(bases[None, :] + rots[:, None]) % len(cands)]
+        return src
+
     def stamp(self, rot: int) -> TensorPlan:
         """The rows for rotation ``rot`` (every column but ``src`` is shared with the template)."""
         if not self.choices:

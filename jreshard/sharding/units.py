@@ -41,8 +41,8 @@ from jreshard.errors import LayoutMismatchError
 from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.context import Context, context, fan_link
+from jreshard.sharding.landings import domain_needs
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.overlap import take_from_earlier
 from jreshard.sharding.pieces import overlapping, pieces_of
 from jreshard.sharding.rows import Emitter, Phase, Row, TensorPlan, TensorTemplate
 from jreshard.sharding.topology import Link, Topology
@@ -53,7 +53,9 @@ __all__ = [
     "plan_tensor",
     "plan_tensor_for_rank",
     "rank_rows",
+    "rank_template",
     "rotation_of",
+    "rotations",
     "stripe",
     "template_of",
     "units_of_rank",
@@ -91,17 +93,24 @@ def stripe(pieces: Sequence[tuple[int, Box]], k: int, itemsize: int, min_bytes: 
     if k <= 1 or total == 0:
         return [(i, b, 0) for i, b in pieces]
     pos, cursor = 0, 0
+    floor = 2 * max(min_bytes, 1)
+    trusted = Box.trusted
     for i, box in pieces:
-        rest = box
+        rest: Box | None = box  # the part of the piece not yet given to a lander, as bounds and a Box made on demand
+        lo, hi = box.lo, box.hi
+        shape = [b - a for a, b in zip(lo, hi, strict=True)]
+        nbytes = math.prod(shape) * itemsize
         while True:
             while pos < k - 1 and (pos + 1) * total <= cursor * k:
                 pos += 1
-            shape = rest.shape
-            nbytes = math.prod(shape) * itemsize
             space = ((pos + 1) * total) / k - cursor
-            d = next((e for e, n in enumerate(shape) if n > 1), None)
-            if pos == k - 1 or d is None or nbytes <= space or nbytes < 2 * max(min_bytes, 1):
-                out.append((i, rest, pos))
+            d = -1
+            for e, n in enumerate(shape):
+                if n > 1:
+                    d = e
+                    break
+            if pos == k - 1 or d < 0 or nbytes <= space or nbytes < floor:
+                out.append((i, rest if rest is not None else trusted(lo, hi), pos))
                 cursor += nbytes
                 break
             row = nbytes // shape[d]
@@ -111,11 +120,15 @@ def stripe(pieces: Sequence[tuple[int, Box]], k: int, itemsize: int, min_bytes: 
                 continue
             rows = max(rows, -(-min_bytes // row))
             if rows >= shape[d] or (shape[d] - rows) * row < min_bytes:
-                out.append((i, rest, pos))
+                out.append((i, rest if rest is not None else trusted(lo, hi), pos))
                 cursor += nbytes
                 break
-            head, rest = rest.split(d, rest.lo[d] + rows)
-            out.append((i, head, pos))
+            at = lo[d] + rows
+            out.append((i, trusted(lo, (*hi[:d], at, *hi[d + 1 :])), pos))
+            lo = (*lo[:d], at, *lo[d + 1 :])
+            rest = None
+            shape[d] -= rows
+            nbytes -= rows * row
             cursor += rows * row
             pos += 1
     return out
@@ -130,58 +143,32 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
     """
     only = out.only
     beta, _ = ctx.groups[u]
-    topo, itemsize = ctx.topo, ctx.src.itemsize
+    itemsize = ctx.src.itemsize
     pcs = pieces_of(beta, ctx.sidx)
-    need: list[list[int]] = [[] for _ in pcs]  # piece -> domains that need it over the network
-    ranks_of: dict[int, tuple[int, ...]] = {}
-    nets: dict[int, tuple[tuple[int, Box], ...]] = {}
-    partial: set[tuple[int, int]] = set()  # (piece, domain): the domain takes part of the piece from earlier groups
-    ov = ctx.overlaps
+    ranks_of, nets, need, partial = domain_needs(ctx, u, pcs, out)
     shared = ctx.shared_devices
     fan = Phase.FANOUT
-    for g, holders in ctx.by_domain[u]:
-        ranks_of[g] = holders
-        net: list[tuple[int, Box]] = []
-        for k, (pbox, j) in enumerate(pcs):
-            inside = ctx.holders_in[j].get(g)
-            if not inside:
-                if ov is not None and g in ov.earlier[u]:
-                    rest = take_from_earlier(ov, ctx.groups, topo, u, g, holders, k, pbox, out)
-                    if rest != [pbox]:
-                        partial.add((k, g))
-                    net.extend((k, b) for b in rest)
-                    if rest:
-                        need[k].append(g)
-                    continue
-                net.append((k, pbox))
-                need[k].append(g)
-                continue
-            if only is not None and only not in holders and only not in inside:
-                continue  # no row of this landing involves only (a same-device replica is inside too)
-            for q, r in enumerate(holders):
-                h = ctx.on_device[j].get(topo.device_of(r))
-                if h is not None:
-                    out.add(Row(h, r, Link.LOCAL, Phase.LAND, 0, u, pbox))
-                else:
-                    out.pick(inside, q + k, r, Link.FAST, Phase.LAND, 0, u, pbox)
-        if net:
-            nets[g] = tuple(net)
     # stripe() is a pure function of (pieces, landers): domains with equal inputs share one result,
     # and a domain's stripes are cut only when a row needs them. by_piece[g][k]: the (sub_box, lander)
-    # stripes of piece k in domain g, in stripe order.
+    # stripes of piece k in domain g, in stripe order. Domains often share one tuple of pieces:
+    # by_id finds its result without hashing the tuple again.
     striped: dict[tuple, dict[int, list[tuple[Box, int]]]] = {}
+    by_id: dict[tuple[int, int], dict[int, list[tuple[Box, int]]]] = {}
     by_piece: dict[int, dict[int, list[tuple[Box, int]]]] = {}
 
     def stripes_of(g: int) -> dict[int, list[tuple[Box, int]]]:
         got = by_piece.get(g)
         if got is None:
-            key = (nets[g], len(ranks_of[g]))
-            got = striped.get(key)
+            net, landers = nets[g], len(ranks_of[g])
+            got = by_id.get((id(net), landers))
             if got is None:
-                got = {}
-                for kk, b, q in stripe(nets[g], len(ranks_of[g]), itemsize, opts.min_stripe_bytes):
-                    got.setdefault(kk, []).append((b, q))
-                striped[key] = got
+                got = striped.get((net, landers))
+                if got is None:
+                    got = {}
+                    for kk, b, q in stripe(net, landers, itemsize, opts.min_stripe_bytes):
+                        got.setdefault(kk, []).append((b, q))
+                    striped[(net, landers)] = got
+                by_id[(id(net), landers)] = got
             by_piece[g] = got
         return got
 
@@ -272,6 +259,7 @@ def _plan_unit(ctx: Context, u: int, opts: Options, out: Emitter) -> None:
                 break  # the one chain through only's domain is done: no later chain involves only
 
 
+@cache(max_size=4096)
 def _rotation_period(ctx: Context) -> int | None:
     """Rotations act modulo the replica counts; beyond 64 distinct values, don't share."""
     p = 1
@@ -286,6 +274,13 @@ def _rotation_period(ctx: Context) -> int | None:
 def _rotation(ctx: Context, tensor_index: int) -> int:
     period = _rotation_period(ctx)
     return tensor_index % period if period else tensor_index
+
+
+def rotations(src: Layout, dst: Layout, topo: Topology, tensor_indices: Sequence[int]) -> np.ndarray:
+    """The replica rotation of each tensor index, for tensors with layouts ``src`` and ``dst``."""
+    period = _rotation_period(context(src, dst, topo))
+    idx = np.asarray(tensor_indices, dtype=np.int64)
+    return idx % period if period else idx
 
 
 @cache(max_size=1024)
@@ -354,6 +349,12 @@ def _rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank
     for u in units_of_rank(src, dst, topo, rank):
         _plan_unit(ctx, u, opts, out)
     return out.template(src.ndim, src.itemsize)
+
+
+def rank_template(src: Layout, dst: Layout, topo: Topology, opts: Options, rank: int) -> TensorTemplate:
+    """The rows of one tensor's plan that may involve ``rank`` for some rotation, replica choices open,
+    from only the units that rank takes part in (cached per layout pair and rank)."""
+    return _rank_template(src, dst, topo, opts, rank)
 
 
 def rank_rows(

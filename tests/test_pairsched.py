@@ -1,0 +1,191 @@
+"""Pair-paced rounds: each process builds the schedule of its own ranks from their programs alone.
+
+Processes are simulated: each runs the builder for its ranks on programs from
+``rank_programs`` (never the whole plan), and a mail board delivers a payload only
+once its sender has posted it. The schedules must match end to end (every send a
+receive in the same round, same tag and bytes), keep every rank within its staging,
+and, run by the engine, deliver every destination byte.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mpi_launch import launch, need_mpi, program, results
+from strategies import plan_case
+
+from jreshard.nccl.engine import Shards, execute
+from jreshard.nccl.local import LocalComm
+from jreshard.nccl.pairsched import comm_mail, pair_chunk_bytes, pair_paced, pair_schedule
+from jreshard.nccl.schedule import STAGING, Schedule
+from jreshard.options import Options
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.planner import plan_layouts, rank_programs
+from jreshard.sharding.rows import TensorSpec
+from jreshard.sharding.topology import Topology
+
+OPTS = Options(chunk_bytes=64, staging_bytes=4096)
+
+
+def build_per_process(pairs, topo, options, groups):
+    """Each process's schedule, built from its own ranks' programs; payloads go through a mail board."""
+    tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
+    talks = {i: pair_paced(tensors, rank_programs(pairs, g, topo, options), options) for i, g in enumerate(groups)}
+    board: dict = {}
+    waiting = {i: next(t) for i, t in talks.items()}  # process -> (what it posted, what it waits for)
+    for out, _ in waiting.values():
+        board.update(out)
+    done: dict[int, Schedule] = {}
+    while waiting:
+        ready = [i for i, (_, want) in waiting.items() if all(k in board for k in want)]
+        assert ready, f"no process can go on: they wait for {[sorted(w)[:3] for _, w in waiting.values()]}"
+        for i in ready:
+            _, want = waiting.pop(i)
+            got = {}
+            for k, n in want.items():
+                assert len(board[k]) == n, f"payload {k} has {len(board[k])} values, the receiver expects {n}"
+                got[k] = board[k]
+            try:
+                out, want2 = talks[i].send(got)
+            except StopIteration as stop:
+                done[i] = stop.value
+                continue
+            board.update(out)
+            waiting[i] = (out, want2)
+    return done
+
+
+def merged(schedules):
+    steps, local, staging = {}, {}, {}
+    for s in schedules:
+        steps.update(s.steps)
+        local.update(s.local)
+        staging.update(s.staging)
+    n = max((s.ntensors for s in schedules), default=0)
+    return Schedule(max((s.rounds for s in schedules), default=0), steps, local, staging, n)
+
+
+def check_matched(sched, options):
+    sends, recvs = collections.Counter(), collections.Counter()
+    for r, by_round in sched.steps.items():
+        for rnd, step in by_round.items():
+            sends.update((r, w.peer, rnd, w.tag, w.nbytes) for w in step.sends)
+            recvs.update((w.peer, r, rnd, w.tag, w.nbytes) for w in step.recvs)
+            assert len(step.sends) + len(step.recvs) <= options.max_group_ops
+            staged = sum(w.nbytes for w in (*step.sends, *step.recvs) if w.buf == STAGING)
+            assert staged <= options.staging_bytes
+    assert sends == recvs
+    for r, peak in sched.staging.items():
+        assert peak <= options.staging_bytes, (r, peak)
+
+
+def _global(lay: Layout, seed: int) -> np.ndarray:
+    raw = np.random.default_rng(seed).integers(0, 256, size=lay.nbytes, dtype=np.uint8)
+    return raw.view(lay.np_dtype).reshape(lay.shape) if lay.nbytes else np.zeros(lay.shape, lay.np_dtype)
+
+
+def run_and_check(pairs, topo, options, sched):
+    plan = plan_layouts(pairs, topo, options)  # only for execute's signature: the schedule is given
+    values = [_global(s, t) for t, (s, _) in enumerate(pairs)]
+    src, dst = {}, {}
+    for t, ((s, d), g) in enumerate(zip(pairs, values, strict=True)):
+        for r, b in zip(s.ranks, s.boxes, strict=True):
+            src[(t, r)] = np.ascontiguousarray(g[b.slices()]).reshape(-1).view(np.uint8)
+        for r, b in zip(d.ranks, d.boxes, strict=True):
+            dst[(t, r)] = np.full(b.volume * d.itemsize, 0xA5, np.uint8)
+    execute(plan, LocalComm(topo.ranks), Shards(src=src, dst=dst), options=options, schedule=sched)
+    for t, ((_, d), g) in enumerate(zip(pairs, values, strict=True)):
+        for r, b in zip(d.ranks, d.boxes, strict=True):
+            want = np.ascontiguousarray(g[b.slices()]).reshape(-1).view(np.uint8)
+            np.testing.assert_array_equal(dst[(t, r)], want)
+
+
+@given(plan_case(), st.data())
+def test_per_process_schedules_match_and_deliver(case, data):
+    src, dst, topo, opts = case
+    options = Options(**opts, chunk_bytes=OPTS.chunk_bytes, staging_bytes=OPTS.staging_bytes)
+    pairs = [(src, dst), (src, dst), (dst, src)]
+    ranks = sorted(set(src.ranks) | set(dst.ranks))
+    owner = {r: data.draw(st.integers(0, 3)) for r in ranks}  # which process drives each rank
+    groups = [g for g in ([r for r in ranks if owner[r] == p] for p in range(4)) if g]
+    per_process = build_per_process(pairs, topo, options, groups)
+    assert len(per_process) == len(groups)
+    sched = merged(list(per_process.values()))
+    check_matched(sched, options)
+    run_and_check(pairs, topo, options, sched)
+    # A rank's rounds do not depend on which process drives it, or on which other ranks that process drives.
+    alone = merged(list(build_per_process(pairs, topo, options, [ranks]).values()))
+    assert alone.rounds == sched.rounds
+    for r in ranks:
+        assert _wires(alone, r) == _wires(sched, r)
+
+
+def _wires(sched, rank):
+    return {rnd: (step.sends, step.recvs) for rnd, step in sched.steps.get(rank, {}).items()}
+
+
+def test_a_relay_chain_forwards_only_what_arrived():
+    """Four domains need one replica's bytes: relays and fan-outs run in later rounds than their bytes land."""
+    shape = (64, 8)
+    src = Layout.from_mesh(np.arange(2), ("x",), ("x",), shape, "float32")
+    dst = Layout.replicated(range(2, 18), shape, "float32")
+    topo = Topology.from_domains({0: 0, 1: 0, **{r: 1 + (r - 2) // 4 for r in range(2, 18)}})
+    pairs = [(src, dst)]
+    per_process = build_per_process(pairs, topo, OPTS, [[r] for r in range(18)])
+    sched = merged(list(per_process.values()))
+    check_matched(sched, OPTS)
+    run_and_check(pairs, topo, OPTS, sched)
+    assert sched.rounds > 2  # the chain is pipelined over several rounds
+
+
+def test_one_process_through_a_communicator():
+    shape = (32, 6)
+    src = Layout.from_mesh(np.arange(4), ("x",), ("x",), shape, "int32")
+    dst = Layout.from_mesh(np.arange(4, 8).reshape(2, 2), ("a", "b"), ("b", "a"), shape, "int32")
+    topo = Topology.uniform(range(8), 4)
+    pairs = [(src, dst), (src, dst)]
+    tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
+    comm = LocalComm(range(8))
+    sched = pair_schedule(tensors, rank_programs(pairs, range(8), topo, OPTS), OPTS, comm_mail(comm, 5.0))
+    check_matched(sched, OPTS)
+    assert max(sched.staging.values()) > 0  # column shards: chunks are packed into the staging arena
+    run_and_check(pairs, topo, OPTS, sched)
+
+
+def test_pair_chunks_share_the_staging():
+    assert pair_chunk_bytes(4, 2, Options(chunk_bytes=1 << 20, staging_bytes=1 << 20), 4) == (1 << 20) // 8
+    assert pair_chunk_bytes(1, 1, Options(chunk_bytes=1024, staging_bytes=1 << 20), 4) == 1024
+    with pytest.raises(ValueError, match=r"staging_bytes=64 .* 100 and 3 peers"):
+        pair_chunk_bytes(100, 3, Options(chunk_bytes=64, staging_bytes=64), 4)
+
+
+@pytest.mark.mpi
+def test_pair_rounds_over_mpi(tmp_path):
+    """Four processes, one rank each, plan and schedule only their own ranks and deliver every byte."""
+    need_mpi()
+    launch([program(4, "pair_rounds.py")], tmp_path, timeout_s=120)
+    got = results(tmp_path, "pairs")
+    assert sorted(got) == list(range(4))
+    assert all("error" not in r for r in got.values()), got
+    pairs = engine_groups_case(4)
+    whole = plan_layouts(pairs, Topology.uniform(range(4), domain_size=4))
+    s = whole.stats()
+    assert sum(r["checked"] for r in got.values()) == s.destination_bytes
+    assert sum(r["sent"]["FAST"] for r in got.values()) == s.fast_bytes
+    assert sum(r["sent"]["NETWORK"] for r in got.values()) == s.network_bytes == s.network_bytes_lower_bound
+    assert all(r["staging"] <= 4096 for r in got.values())
+
+
+def engine_groups_case(n):
+    import importlib.util
+
+    from mpi_launch import BODIES
+
+    spec = importlib.util.spec_from_file_location("engine_groups", BODIES / "engine_groups.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.case(n)[1]
