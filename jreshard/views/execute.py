@@ -198,9 +198,7 @@ def _copy_piece(p: Piece, src: Mapping, src_box: Mapping, out: np.ndarray) -> No
     s = src[(p.leaf, p.src_rank)]
     o = src_box[(p.leaf, p.src_rank)].lo
     region = s[(*(slice(a - b, c - b) for a, c, b in zip(p.src_box.lo, p.src_box.hi, o, strict=True)), ...)]
-    used = [a for a in p.axes if a >= 0]
-    rest = [a for a in range(region.ndim) if a not in used]
-    v = region.transpose(used + rest).reshape(p.dst_box.shape)
+    v = region.transpose(p.source_order).reshape(p.dst_box.shape)
     where: Any = (*p.dst_box.slices(), ...)  # "...": 0-d views stay arrays
     cast_into(out[where], v, p.sender_casts + p.receiver_casts)
 

@@ -72,6 +72,13 @@ class Piece:
         return chain[-1] if chain else self.src_dtype
 
     @property
+    def source_order(self) -> tuple[int, ...]:
+        """The source axes in destination order (then the extent-1 ones no destination axis runs along):
+        ``source[src_box].transpose(source_order).reshape(dst_box.shape)`` lands in ``dst_box``."""
+        used = [a for a in self.axes if a >= 0]
+        return (*used, *(a for a in range(self.src_box.ndim) if a not in used))
+
+    @property
     def wire_bytes(self) -> int:
         return self.src_box.volume * numpy_dtype(self.wire_dtype).itemsize
 

@@ -143,8 +143,7 @@ def _direct(t: int, p: Piece, src_boxes: Mapping[tuple[int, int], Box]) -> tuple
 
 
 def _copy(t: int, p: Piece, rel: Box, casts: tuple[str, ...]) -> Copy:
-    used = [a for a in p.axes if a >= 0]
-    order = tuple(used + [a for a in range(rel.ndim) if a not in used])
+    order = p.source_order
     perm = None if order == tuple(range(rel.ndim)) else order
     return Copy(t, p.dst_rank, (*p.dst_box.slices(), ...), (*rel.slices(), ...), perm, p.dst_box.shape, casts)  # type: ignore[arg-type]
 

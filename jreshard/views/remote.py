@@ -113,9 +113,7 @@ def _at(box: Box) -> Any:
 
 def _unpack(p: Piece, wire: np.ndarray, out: np.ndarray) -> None:
     """Write the wire bytes of ``p`` (source axis order, wire dtype) into ``out`` with the receiver's casts."""
-    used = [a for a in p.axes if a >= 0]
-    rest = [a for a in range(wire.ndim) if a not in used]
-    v = wire.transpose(used + rest).reshape(p.dst_box.shape)
+    v = wire.transpose(p.source_order).reshape(p.dst_box.shape)
     cast_into(out[_at(p.dst_box)], v, p.receiver_casts)
 
 
@@ -297,9 +295,7 @@ def _by_pair(jobs: list[_Job]) -> dict[tuple[int, int], list[_Job]]:
 def _moved(p: Piece, src: Mapping, src_box: Mapping) -> np.ndarray:
     """The source elements of ``p`` permuted into its destination's axis order."""
     region = _source_view(p, src, src_box)
-    used = [a for a in p.axes if a >= 0]
-    rest = [a for a in range(region.ndim) if a not in used]
-    return region.transpose(used + rest).reshape(p.dst_box.shape)
+    return region.transpose(p.source_order).reshape(p.dst_box.shape)
 
 
 def _wire_bytes(p: Piece, rank: int, received: Mapping) -> np.ndarray:
