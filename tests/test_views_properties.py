@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import Layout, Topology, views
-from jreshard.views import program
+from jreshard.views import native, program
 from jreshard.views.bounds import box_network_bound, brute_force_network_bound
 from jreshard.views.casts import CAST_DTYPES
 from jreshard.views.lowering import lower_tree
@@ -108,13 +108,18 @@ def test_random_compositions_equal_jnp_then_device_put(data):
     topo = Topology.uniform(range(8), domain_size=domain)
     # Narrowing casts run in bands of the source shard: tiny bands cut pieces on every axis.
     band = data.draw(st.sampled_from([None, 1, 6, 40]))
+    # The compiled casts where they are built, or numpy's alone.
+    kernels = (native.KERNELS, native.SCATTER) if data.draw(st.booleans()) else ({}, {})
+    saved = native.KERNELS, native.SCATTER
     try:
+        native.KERNELS, native.SCATTER = kernels
         if band is not None:
             program.BLOCK_BYTES = band
-            jreshard.clear_caches()
+        jreshard.clear_caches()
         out = views.transfer({"w": view}, {"w": dst}, topology=topo)["w"]
     finally:
         program.BLOCK_BYTES = BLOCK_BYTES
+        native.KERNELS, native.SCATTER = saved
         jreshard.clear_caches()
     ref = jax.device_put(expect, dst)
     assert out.dtype == ref.dtype and out.shape == ref.shape and out.sharding == dst

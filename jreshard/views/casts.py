@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype
+from jreshard.views import native
 
 __all__ = ["CAST_DTYPES", "cast", "cast_chain", "check_cast_dtype", "wire_cut"]
 
@@ -121,13 +122,16 @@ def wire_cut(source_dtype: str, chain: Sequence[str]) -> int:
 def cast_into(out: np.ndarray, x: np.ndarray, chain: Sequence[str]) -> None:
     """``out[...] = cast_chain(x, chain)``, in one pass where numpy's own cast is already exact.
 
-    One float-to-float cast whose NaN bits numpy gets right is a ``np.copyto`` (no temporary);
-    anything else goes through :func:`cast_chain`.
+    float32 <-> bfloat16 runs the compiled kernel of :mod:`jreshard.views.native` where it
+    was built; another float-to-float cast whose NaN bits numpy gets right is a ``np.copyto``
+    (no temporary); anything else goes through :func:`cast_chain`.
     """
     if not chain:
         np.copyto(out, x)
         return
     src = x.dtype.name
+    if len(chain) == 1 and out.dtype.name == chain[0] and native.cast_into(out, x):
+        return
     if len(chain) == 1 and _direct(src, chain[0]):
         with np.errstate(all="ignore"):
             np.copyto(out, x, casting="unsafe")

@@ -127,7 +127,9 @@ def _lowerings(
             _CACHE.clear()
         lowerings = lower_tree(views, srcs, layouts, dsts, topology)
         wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
-        got = _CACHE[key] = (lowerings, compile_program(lowerings, {k: layouts[k[0]].box_of(k[1]) for k in wanted}))
+        boxes = {k: layouts[k[0]].box_of(k[1]) for k in wanted}
+        shapes = {(t, r): d.box_of(r).shape for t, d in enumerate(dsts) for r in d.ranks}
+        got = _CACHE[key] = (lowerings, compile_program(lowerings, boxes, dst_shapes=shapes))
     return got
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.views import native
 from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, Piece
 
@@ -38,6 +39,7 @@ __all__ = [
     "Block",
     "Copy",
     "Program",
+    "Scatter",
     "ShardJob",
     "compile_program",
     "run_copy",
@@ -65,9 +67,30 @@ class Copy:
     casts: tuple[str, ...]
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Scatter:
+    """A block's copies as runs of one band row each, for the compiled cast-and-scatter kernel.
+
+    Row ``i`` of ``table`` is ``(band row, first column, columns, destination slot)``,
+    sorted by band row; the run goes to byte ``offsets[i]`` of destination shard
+    ``dests[slot]`` (a ``(leaf, rank)``), whose shape is ``shapes[slot]``. The band is
+    seen as rows of ``row_elems`` elements (its last axis).
+    """
+
+    table: np.ndarray
+    offsets: np.ndarray
+    dests: tuple[tuple[int, int], ...]
+    shapes: tuple[tuple[int, ...], ...]
+    row_elems: int
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Block:
-    """Cast ``rows`` of source shard ``key`` into ``dtype`` with ``casts``; then run ``copies`` from the band."""
+    """Cast ``rows`` of source shard ``key`` into ``dtype`` with ``casts``; then run ``copies`` from the band.
+
+    ``scatter`` is set when the compiled kernel of :mod:`jreshard.views.native` can run
+    the block in one pass (float32 to bfloat16, every copy a run of band rows).
+    """
 
     key: tuple[int, int]
     rows: tuple[slice, ...]
@@ -75,6 +98,7 @@ class Block:
     dtype: str
     casts: tuple[str, ...]
     copies: tuple[tuple[tuple[int, int], Copy], ...]  # (source shard key, copy) with the band as the source
+    scatter: Scatter | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,11 +117,16 @@ class Program:
 
 
 def compile_program(
-    lowerings: Sequence[LeafLowering], src_boxes: Mapping[tuple[int, int], Box], block_bytes: int | None = None
+    lowerings: Sequence[LeafLowering],
+    src_boxes: Mapping[tuple[int, int], Box],
+    block_bytes: int | None = None,
+    dst_shapes: Mapping[tuple[int, int], tuple[int, ...]] | None = None,
 ) -> Program:
     """The tasks that run the pieces of ``lowerings`` (quantisation tasks are not included).
 
-    ``src_boxes[(leaf, rank)]`` is the box of the source shard a piece reads.
+    ``src_boxes[(leaf, rank)]`` is the box of the source shard a piece reads;
+    ``dst_shapes[(t, rank)]``, when given, the shape of destination shard ``rank`` of
+    leaf ``t``, so blocks the compiled kernel can run get their :class:`Scatter`.
 
     Pieces with sender casts that read one source shard become blocks when their
     source boxes fill at least their hull once (else each piece is cast on its own).
@@ -127,7 +156,8 @@ def compile_program(
         if hull.volume > sum(p.src_box.volume for _, p in group):  # the pieces cover little of it
             tasks += [ShardJob((_direct(t, p, src_boxes),)) for t, p in group]
             continue
-        tasks += [_block(group, rows, src_boxes) for rows in _bands(hull, group[0][1].wire_dtype, block_bytes)]
+        bands = _bands(hull, group[0][1].wire_dtype, block_bytes)
+        tasks += [_block(group, rows, src_boxes, dst_shapes) for rows in bands]
     tasks.sort(key=task_elements, reverse=True)  # the largest first
     return Program(tuple(tasks), wire)
 
@@ -144,7 +174,8 @@ def _direct(t: int, p: Piece, src_boxes: Mapping[tuple[int, int], Box]) -> tuple
 
 def _copy(t: int, p: Piece, rel: Box, casts: tuple[str, ...]) -> Copy:
     order = p.source_order
-    perm = None if order == tuple(range(rel.ndim)) else order
+    moved = [a for a in order if rel.shape[a] != 1]  # axes of extent 1 may go anywhere: the order is the same
+    perm = None if moved == sorted(moved) else order
     return Copy(t, p.dst_rank, (*p.dst_box.slices(), ...), (*rel.slices(), ...), perm, p.dst_box.shape, casts)  # type: ignore[arg-type]
 
 
@@ -179,7 +210,12 @@ def _bands(hull: Box, dtype: str, block_bytes: int) -> list[Box]:
     return out
 
 
-def _block(group: list[tuple[int, Piece]], rows: Box, src_boxes: Mapping[tuple[int, int], Box]) -> Block:
+def _block(
+    group: list[tuple[int, Piece]],
+    rows: Box,
+    src_boxes: Mapping[tuple[int, int], Box],
+    dst_shapes: Mapping[tuple[int, int], tuple[int, ...]] | None,
+) -> Block:
     first = group[0][1]
     key = (first.leaf, first.src_rank)
     copies = []
@@ -188,7 +224,62 @@ def _block(group: list[tuple[int, Piece]], rows: Box, src_boxes: Mapping[tuple[i
         if part is not None:
             copies.append((key, _copy(t, part, part.src_box.relative_to(rows), p.receiver_casts)))
     band = rows.relative_to(src_boxes[key])
-    return Block(key, band.slices(), rows.shape, first.wire_dtype, first.sender_casts, tuple(copies))
+    scatter = None
+    if dst_shapes is not None and native.SCATTER.get((first.src_dtype, first.sender_casts)) is not None:
+        scatter = _scatter([c for _, c in copies], rows.shape, dst_shapes)
+    return Block(key, band.slices(), rows.shape, first.wire_dtype, first.sender_casts, tuple(copies), scatter)
+
+
+def _scatter(
+    copies: Sequence[Copy], band: tuple[int, ...], dst_shapes: Mapping[tuple[int, int], tuple[int, ...]]
+) -> Scatter | None:
+    """The copies as runs of band rows (see :class:`Scatter`); ``None`` when one is not such a run.
+
+    A copy qualifies when it keeps the axis order, adds no cast, and its last axis is
+    the band's last axis on both ends (same extent): then each index of its other
+    axes is one run of contiguous elements in the band and in the destination.
+
+    >>> c = Copy(0, 5, (slice(2, 4), slice(0, 3), ...), (slice(1, 3), slice(4, 7), ...), None, (2, 3), ())
+    >>> sc = _scatter([c], (4, 8), {(0, 5): (6, 3)})
+    >>> sc.table.tolist(), sc.offsets.tolist(), sc.dests, sc.row_elems
+    ([[1, 4, 3, 0], [2, 4, 3, 0]], [12, 18], ((0, 5),), 8)
+    """
+    if not band or not copies:
+        return None
+    slots: dict[tuple[int, int], int] = {}
+    tables, offsets = [], []
+    for c in copies:
+        dshape = dst_shapes[(c.leaf, c.rank)]
+        src, dst = c.src[:-1], c.dst[:-1]  # the trailing Ellipsis off
+        if c.perm is not None or c.casts or not dshape or len(src) != len(band) or len(dst) != len(dshape):
+            return None
+        run = src[-1].stop - src[-1].start
+        if dst[-1].stop - dst[-1].start != run or math.prod(c.shape) == 0:
+            return None
+        src_starts = _run_starts(src, band)
+        dst_starts = _run_starts(dst, dshape)
+        slot = slots.setdefault((c.leaf, c.rank), len(slots))
+        rows = np.empty((len(src_starts), 4), np.int64)
+        rows[:, 0], rows[:, 1] = np.divmod(src_starts, band[-1])
+        rows[:, 2], rows[:, 3] = run, slot
+        tables.append(rows)
+        offsets.append(dst_starts * 2)  # bfloat16 bytes
+    table, offs = np.concatenate(tables), np.concatenate(offsets)
+    order = np.lexsort((table[:, 1], table[:, 0]))
+    dests = tuple(slots)
+    sizes = np.array([2 * math.prod(dst_shapes[d]) for d in dests], np.int64)
+    if np.any(offs + 2 * table[:, 2] > sizes[table[:, 3]]) or np.any(table[:, 1] + table[:, 2] > band[-1]):
+        raise AssertionError("a scatter run leaves its band or its destination shard")  # the kernel trusts the table
+    return Scatter(table[order], offs[order], dests, tuple(dst_shapes[d] for d in dests), band[-1])
+
+
+def _run_starts(index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """Flat offsets (C order, elements) of the first element of each run along the last axis of ``a[index]``."""
+    strides = np.cumprod((1, *shape[:0:-1]))[::-1]
+    starts = np.zeros((), np.int64) + index[-1].start
+    for sl, stride in zip(index[:-1], strides[:-1], strict=True):
+        starts = np.add.outer(starts, np.arange(sl.start, sl.stop, dtype=np.int64) * stride)
+    return starts.ravel()
 
 
 def _restrict(p: Piece, band: Box) -> Piece | None:
@@ -224,7 +315,27 @@ def run_task(
         for key, c in task.copies:
             run_copy(c, src[key], dst[c.leaf][c.rank])
         return
+    if task.scatter is not None and _run_scatter(task.scatter, src[task.key][task.rows], dst, task.casts):
+        return
     band = np.empty(task.shape, numpy_dtype(task.dtype))
     cast_into(band, src[task.key][task.rows], task.casts)
     for _, c in task.copies:
         run_copy(c, band, dst[c.leaf][c.rank])
+
+
+def _run_scatter(
+    sc: Scatter, band: np.ndarray, dst: Sequence[Mapping[int, np.ndarray]], casts: tuple[str, ...]
+) -> bool:
+    """Run a block with the compiled kernel; ``False`` (nothing written) unless every array is as compiled."""
+    kernel = native.SCATTER.get((band.dtype.name, casts))
+    outs = [dst[t][r] for t, r in sc.dests]
+    if kernel is None or not band.flags.c_contiguous or not band.flags.aligned:
+        return False
+    for out, shape in zip(outs, sc.shapes, strict=True):
+        if out.shape != shape or out.dtype.name != "bfloat16" or not (out.flags.c_contiguous and out.flags.writeable):
+            return False
+    bases = np.array([out.ctypes.data for out in outs], np.int64)
+    table = sc.table.copy()
+    table[:, 3] = bases[table[:, 3]] + sc.offsets
+    kernel(band.ctypes.data, band.shape[-1] * band.itemsize, band.size // sc.row_elems, sc.row_elems, table)
+    return True

@@ -1,0 +1,179 @@
+"""The compiled float32 <-> bfloat16 casts of the views executor: bit for bit against ml_dtypes (which matches
+``jnp.astype``), the cast-and-scatter kernel against numpy on adversarial geometry, and the executor's two paths
+(compiled and numpy) against each other."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jreshard
+from jreshard import views
+from jreshard.views import native, program
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled casts are not built here")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _f32_patterns() -> np.ndarray:
+    """Every upper half of a float32 with low halves at the rounding edges (ties, just above and below) and
+    random ones: every exponent, sign, NaN payload, subnormal and overflow case."""
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000, 0xC000, 0x17FFF & 0xFFFF, 0x2468], np.uint32)
+    lows = np.concatenate([lows, np.random.default_rng(0).integers(0, 1 << 16, 6, dtype=np.uint32)])
+    return ((np.arange(1 << 16, dtype=np.uint32)[:, None] << 16) | lows[None, :]).ravel().view(np.float32)
+
+
+def test_f32_to_bf16_is_bit_exact_with_ml_dtypes():
+    x = _f32_patterns()
+    out = np.empty(x.shape, BF16)
+    assert native.cast_into(out, x)
+    with np.errstate(invalid="ignore"):
+        want = x.astype(BF16)
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+
+
+def test_bf16_to_f32_is_bit_exact_with_ml_dtypes():
+    x = np.arange(1 << 16, dtype=np.uint16).view(BF16)
+    out = np.empty(x.shape, np.float32)
+    assert native.cast_into(out, x)
+    np.testing.assert_array_equal(out.view(np.uint32), x.astype(np.float32).view(np.uint32))
+
+
+def test_f32_to_bf16_matches_jnp_astype():
+    x = _f32_patterns()[::7].copy()
+    out = np.empty(x.shape, BF16)
+    assert native.cast_into(out, x)
+    np.testing.assert_array_equal(out.view(np.uint16), np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16))
+
+
+@pytest.mark.parametrize(
+    ("index", "taken"),
+    [
+        ((slice(None), slice(None), slice(None)), True),
+        ((slice(3, 9), slice(None), slice(5, 30)), True),
+        ((1, slice(2, 40), slice(None)), True),
+        ((slice(None, None, 2), slice(None), slice(None)), True),
+        ((slice(0, 0), slice(None), slice(None)), True),
+        ((slice(None), slice(None), slice(None, None, 2)), False),  # the last axis is not contiguous
+    ],
+)
+def test_cast_into_takes_only_layouts_it_covers(index, taken):
+    x = np.random.default_rng(1).standard_normal((16, 48, 40)).astype(np.float32)
+    src = x[index]
+    out = np.zeros((*src.shape[:-1], src.shape[-1] + 3), BF16)[..., 1 : 1 + src.shape[-1]]
+    before = out.copy()
+    assert native.cast_into(out, src) == taken
+    np.testing.assert_array_equal(out.view(np.uint16), (src.astype(BF16) if taken else before).view(np.uint16))
+
+
+def test_cast_into_refuses_mismatched_or_transposed_arrays():
+    x = np.ones((8, 6), np.float32)
+    assert not native.cast_into(np.empty((6, 8), BF16), x)
+    assert not native.cast_into(np.empty((6, 8), BF16), x.T[:, :8].T.T)  # transposed: last axis strided
+    assert not native.cast_into(np.empty((8, 6), np.float16), x)  # no kernel for the pair
+    raw = np.zeros(8 * 6 * 4 + 1, np.uint8)[1:].view(np.float32).reshape(8, 6)  # misaligned float32
+    assert not raw.flags.aligned and not native.cast_into(np.empty((8, 6), BF16), raw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_scatter_kernel_writes_each_run_where_the_table_says(data):
+    rows, cols = data.draw(st.integers(1, 6)), data.draw(st.sampled_from([1, 3, 64, 130, 4096, 5000, 9000]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    band = (rng.standard_normal((rows, cols)) * 100).astype(np.float32)
+    band.ravel()[rng.integers(0, band.size, 3)] = [np.nan, np.inf, -np.nan]
+    dest = np.zeros(2 * band.size * 3 + 64, BF16)
+    entries, at = [], data.draw(st.integers(0, 7))  # odd starts: destinations 2-byte aligned only
+    for r in range(rows):
+        for _ in range(data.draw(st.integers(0, 3))):
+            c0 = data.draw(st.integers(0, cols - 1))
+            n = data.draw(st.integers(1, cols - c0))
+            entries.append((r, c0, n, at))
+            at += n + data.draw(st.integers(0, 9))
+    if at > dest.size:
+        return
+    table = np.array([(r, c, n, dest.ctypes.data + 2 * off) for r, c, n, off in entries] or np.empty((0, 4)), np.int64)
+    native.SCATTER["float32", ("bfloat16",)](band.ctypes.data, cols * 4, rows, cols, table.reshape(-1, 4))
+    want = np.zeros_like(dest)
+    with np.errstate(invalid="ignore"):
+        for r, c, n, off in entries:
+            want[off : off + n] = band[r, c : c + n].astype(BF16)
+    np.testing.assert_array_equal(dest.view(np.uint16), want.view(np.uint16))
+
+
+def _fused_case(d=64, layers=2, tp=2):
+    devs = np.array(jax.devices())
+    trainer, server = Mesh(devs[:4], ("fsdp",)), Mesh(devs[4:].reshape(2, tp), ("dp", "tp"))
+    rng = np.random.default_rng(3)
+    shapes = {"q": (d, d), "k": (d, d // 8), "v": (d, d // 8), "gate": (d, 4 * d), "up": (d, 4 * d), "o": (d, d)}
+    params = {
+        n: jax.device_put(rng.standard_normal((layers, *s)).astype(np.float32), NamedSharding(trainer, P(None, "fsdp")))
+        for n, s in shapes.items()
+    }
+    col, row = NamedSharding(server, P(None, "tp")), NamedSharding(server, P("tp", None))
+    tree, want = [], []
+    for i in range(layers):
+        q, k, v, g, u, o = (views.unstack(params[n])[i] for n in shapes)
+        kk, vv = (views.concat([x] * tp, axis=1) for x in (k, v))
+        tree.append(
+            {
+                "qkv": views.astype(views.concat([q, kk, vv], axis=1, groups=tp), jnp.bfloat16),
+                "gate_up": views.astype(views.concat([g, u], axis=1, groups=tp), jnp.bfloat16),
+                "o": views.astype(o, jnp.bfloat16),
+            }
+        )
+        full = {n: params[n][i] for n in shapes}
+        full["k"], full["v"] = (jnp.concatenate([full[n]] * tp, axis=1) for n in "kv")
+
+        def grouped(xs):
+            return jnp.concatenate([jnp.split(x, tp, axis=1)[j] for j in range(tp) for x in xs], axis=1)
+
+        want.append(
+            {
+                "qkv": grouped([full["q"], full["k"], full["v"]]).astype(jnp.bfloat16),
+                "gate_up": grouped([full["gate"], full["up"]]).astype(jnp.bfloat16),
+                "o": full["o"].astype(jnp.bfloat16),
+            }
+        )
+    target = [{"qkv": col, "gate_up": col, "o": row} for _ in range(layers)]
+    return tree, target, want
+
+
+def _bits(x):
+    return {s.device.id: np.asarray(s.data).view(np.uint16) for s in x.addressable_shards}
+
+
+@pytest.mark.parametrize("band_bytes", [None, 200])
+def test_fused_refit_runs_the_kernel_and_equals_the_numpy_path(monkeypatch, band_bytes):
+    tree, target, want = _fused_case()
+    ran = []
+    real = program._run_scatter
+
+    def counted(*args):
+        ran.append(real(*args))
+        return ran[-1]
+
+    monkeypatch.setattr(program, "_run_scatter", counted)
+    if band_bytes is not None:
+        monkeypatch.setattr(program, "BLOCK_BYTES", band_bytes)
+    jreshard.clear_caches()
+    fast = jreshard.transfer(tree, target)
+    assert ran and all(ran)  # every block of this refit runs compiled
+    monkeypatch.setattr(native, "SCATTER", {})
+    monkeypatch.setattr(native, "KERNELS", {})
+    jreshard.clear_caches()
+    slow = jreshard.transfer(tree, target)
+    jreshard.clear_caches()
+    for f, s, w in zip(jax.tree.leaves(fast), jax.tree.leaves(slow), jax.tree.leaves(want), strict=True):
+        ref = _bits(jax.device_put(w, f.sharding))
+        assert _bits(f).keys() == ref.keys()
+        for dev, bits in _bits(f).items():
+            np.testing.assert_array_equal(bits, ref[dev])
+            np.testing.assert_array_equal(_bits(s)[dev], ref[dev])
