@@ -17,7 +17,8 @@ Cases, all measured in one run (these hosts are shared and noisy: read the ratio
   ``qkv`` (fused, TP-grouped, the key/value heads repeated for TP2), ``gate_up``,
   ``o`` and ``down`` on TP2 x DP2; against a jitted ``jnp`` fuse-and-cast on the
   trainer's mesh followed by ``jax.device_put`` (the path without views), checked
-  equal bit for bit.
+  equal bit for bit. Run twice: with the compiled cast kernels (``jreshard.views.native``),
+  and with numpy's casts alone, as where they were not built.
 
 Every time is wall clock over ``--repeats`` calls after a warm-up call, each result
 freed before the next; the table prints the median and [min-max]. Every contender runs
@@ -51,6 +52,7 @@ import jreshard
 from jreshard import views
 from jreshard.nccl.buffers import aligned_empty
 from jreshard.nccl.pool import default_pool
+from jreshard.views import native
 
 MiB = 1 << 20
 
@@ -154,8 +156,20 @@ def jnp_fused(p, tp: int = 2):
     return out
 
 
-def compare_fused(layers: int, d: int, repeats: int, bw: float) -> dict:
-    """transfer and transfer_into of the views against jit(jnp fuse) + device_put, new source arrays every call."""
+def compare_fused(layers: int, d: int, repeats: int, bw: float, compiled: bool = True) -> dict:
+    """transfer and transfer_into of the views against jit(jnp fuse) + device_put, new source arrays every call.
+
+    ``compiled=False`` runs the views with numpy's casts only (as where the C kernels were not built)."""
+    if not compiled:
+        saved = native.KERNELS, native.SCATTER
+        native.KERNELS, native.SCATTER = {}, {}
+        jreshard.clear_caches()
+        try:
+            row = compare_fused(layers, d, repeats, bw)
+        finally:
+            native.KERNELS, native.SCATTER = saved
+            jreshard.clear_caches()
+        return {**row, "case": row["case"] + " (numpy casts)"}
     params, target = fused_case(layers, d)
     held = [jreshard.transfer(fused_views(params), target)]
     nbytes = dest_bytes(held[0])
@@ -336,6 +350,8 @@ def main() -> None:
         del x
     if "fused" in cases:
         rows.append(compare_fused(2, args.d_model, args.repeats, bw))
+        if native.available():
+            rows.append(compare_fused(2, args.d_model, args.repeats, bw, compiled=False))
     default_pool().clear()
     print()
     print("times in ms: median [min-max]; floor = destination bytes at the warm copy bandwidth")
