@@ -19,6 +19,7 @@ def import_graph() -> dict[str, set[str]]:
     """Module -> the jreshard modules it imports (any import statement at any depth: lazy ones inside
     functions and ``if TYPE_CHECKING:`` ones included)."""
     mods = {_module(p): p for p in ROOT.rglob("*.py")}
+    mods |= {_module(p): p for p in ROOT.rglob("*.pyi") if _module(p) not in mods}  # compiled modules, by their stubs
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+import jreshard.views.native as native
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype
-from jreshard.views import native
 
 __all__ = ["CAST_DTYPES", "cast", "cast_chain", "check_cast_dtype", "wire_cut"]
 

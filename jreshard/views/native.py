@@ -22,7 +22,7 @@ import numpy as np
 
 _compiled: ModuleType | None
 try:
-    from jreshard.views import _casts as _compiled
+    import jreshard.views._casts as _compiled
 except ImportError:  # not built (no compiler, or a checkout run in place)
     _compiled = None
 

@@ -28,9 +28,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+import jreshard.views.native as native
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.dtypes import numpy_dtype
-from jreshard.views import native
 from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, Piece
 
