@@ -26,7 +26,8 @@ on new arrays over the same source buffers each call (:func:`rewrap`, done befor
 clock starts), as in a refit where every step brings new weights: repeating a call on one
 array object would reuse what jax caches on it (``jax.device_put``'s host copy, the shard
 list jreshard reads). The floor is the destination bytes at the ``np.copyto`` bandwidth
-into warm memory, measured in this run with 8 MiB calls.
+into warm memory, measured with 8 MiB calls right before each case (the bandwidth of a
+shared host drifts over a run).
 
 Run:  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/transfer_bench.py   (``--quick``: fewer repeats)
 """
@@ -318,13 +319,13 @@ def main() -> None:
     print(f"$ python benchmarks/transfer_bench.py{' --quick' if args.quick else ''}")
     print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices, {os.cpu_count()} cores, {args.repeats} repeats")
     bw = warm_bandwidth()
-    print(f"warm np.copyto bandwidth (8 MiB calls): {bw / 1e9:.2f} GB/s")
+    print(f"warm np.copyto bandwidth at the start (8 MiB calls): {bw / 1e9:.2f} GB/s")
     rows = []
     cases = set(args.cases.split(","))
     first_row = None
     for n, side in ((1000, 128), (200, 128), (1000, 8)) if "leaves" in cases else ():
         x, t = leaves_case(n, side)
-        rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, bw, leaves=n))
+        rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, warm_bandwidth(), leaves=n))
         if (n, side) == (1000, 128):
             firsts, cached = [], []
             for _ in range(3):
@@ -340,21 +341,24 @@ def main() -> None:
         del x
     if "tensor" in cases:
         x, t = tensor_case(args.tensor_mib)
-        rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats, bw))
+        rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats, warm_bandwidth()))
         del x
     if "refit" in cases:
         x, t = refit_case(args.layers, args.d_model)
         src_bytes = sum(a.nbytes for a in jax.tree.leaves(x))
         name = f"refit {len(jax.tree.leaves(x))} leaves {src_bytes / MiB:.0f} MiB"
-        rows.append(compare(name, x, t, args.repeats, bw))
+        rows.append(compare(name, x, t, args.repeats, warm_bandwidth()))
         del x
     if "fused" in cases:
-        rows.append(compare_fused(2, args.d_model, args.repeats, bw))
+        rows.append(compare_fused(2, args.d_model, args.repeats, warm_bandwidth()))
         if native.available():
-            rows.append(compare_fused(2, args.d_model, args.repeats, bw, compiled=False))
+            rows.append(compare_fused(2, args.d_model, args.repeats, warm_bandwidth(), compiled=False))
     default_pool().clear()
     print()
-    print("times in ms: median [min-max]; floor = destination bytes at the warm copy bandwidth")
+    print(
+        "times in ms: median [min-max]; floor = destination bytes at the warm copy bandwidth, measured again "
+        "right before each case"
+    )
     cols = [
         "case",
         "dest MiB",
@@ -391,6 +395,7 @@ def main() -> None:
             f"\nfirst call on 1000 leaves (clear_caches, planning included): {stats(firsts)} ms; "
             f"cached: {stats(cached)} ms; ratio {np.median(firsts) / np.median(cached):.2f}x"
         )
+    print("\nwarm copy bandwidth before each case: " + ", ".join(f"{r['bytes'] / r['floor'] / 1e9:.2f}" for r in rows))
     for r in rows:
         if "exact" in r:
             print(f"\n{r['case']}: views equal jnp fuse + device_put bit for bit: {r['exact']}")
