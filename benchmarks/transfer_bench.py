@@ -25,9 +25,9 @@ freed before the next; the table prints the median and [min-max]. Every contende
 on new arrays over the same source buffers each call (:func:`rewrap`, done before the
 clock starts), as in a refit where every step brings new weights: repeating a call on one
 array object would reuse what jax caches on it (``jax.device_put``'s host copy, the shard
-list jreshard reads). The floor is the destination bytes at the ``np.copyto`` bandwidth
-into warm memory, measured with 8 MiB calls right before each case (the bandwidth of a
-shared host drifts over a run).
+list jreshard reads). The floor is ``np.copyto`` of the case's destination bytes into warm
+memory in 8 MiB calls, timed before every call of every contender (the median): the
+bandwidth of a shared host drifts over a run, and this way the floor sees what they see.
 
 Run:  JAX_PLATFORMS=cpu .venv/bin/python benchmarks/transfer_bench.py   (``--quick``: fewer repeats)
 """
@@ -157,7 +157,7 @@ def jnp_fused(p, tp: int = 2):
     return out
 
 
-def compare_fused(layers: int, d: int, repeats: int, bw: float, compiled: bool = True) -> dict:
+def compare_fused(layers: int, d: int, repeats: int, compiled: bool = True) -> dict:
     """transfer and transfer_into of the views against jit(jnp fuse) + device_put, new source arrays every call.
 
     ``compiled=False`` runs the views with numpy's casts only (as where the C kernels were not built)."""
@@ -166,7 +166,7 @@ def compare_fused(layers: int, d: int, repeats: int, bw: float, compiled: bool =
         native.KERNELS, native.SCATTER = {}, {}
         jreshard.clear_caches()
         try:
-            row = compare_fused(layers, d, repeats, bw)
+            row = compare_fused(layers, d, repeats)
         finally:
             native.KERNELS, native.SCATTER = saved
             jreshard.clear_caches()
@@ -174,19 +174,20 @@ def compare_fused(layers: int, d: int, repeats: int, bw: float, compiled: bool =
     params, target = fused_case(layers, d)
     held = [jreshard.transfer(fused_views(params), target)]
     nbytes = dest_bytes(held[0])
+    floor = Floor(nbytes)
 
     def fresh() -> list:
         return [rewrap(params) for _ in range(repeats + 1)]
 
-    t_tr = timings(lambda ps: jreshard.transfer(fused_views(ps), target), repeats, fresh())
+    t_tr = timings(lambda ps: jreshard.transfer(fused_views(ps), target), repeats, fresh(), floor)
 
     def into(ps):
         held[0] = jreshard.transfer_into(fused_views(ps), held[0])
         return held[0]
 
-    t_in = timings(into, repeats, fresh())
+    t_in = timings(into, repeats, fresh(), floor)
     fuse = jax.jit(jnp_fused)
-    t_dp = timings(lambda ps: jax.device_put(fuse(ps), target), repeats, fresh())
+    t_dp = timings(lambda ps: jax.device_put(fuse(ps), target), repeats, fresh(), floor)
     ref = jax.device_put(fuse(params), target)
     exact = all(
         np.array_equal(np.asarray(s.data).view(np.uint16), np.asarray(r.data).view(np.uint16))
@@ -201,7 +202,7 @@ def compare_fused(layers: int, d: int, repeats: int, bw: float, compiled: bool =
         "transfer": t_tr,
         "into": t_in,
         "device_put": t_dp,
-        "floor": nbytes / bw,
+        "floor": floor.seconds(),
         "exact": exact,
     }
 
@@ -239,12 +240,35 @@ def stats(times: list[float]) -> str:
     return f"{np.median(times) * 1e3:.1f} [{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}]"
 
 
-def timings(fn, repeats: int, sources: list | None = None) -> list[float]:
+class Floor:
+    """The floor of a case: ``np.copyto`` of its destination bytes into warm memory in 8 MiB calls,
+    timed once before every call of every contender, so it sees the machine as they do."""
+
+    def __init__(self, nbytes: int, step: int = 8 * MiB):
+        self.src, self.dst, self.step = aligned_empty(max(nbytes, 1)), aligned_empty(max(nbytes, 1)), step
+        self.src[:] = 1
+        self.dst[:] = 0
+        self.times: list[float] = []
+
+    def __call__(self) -> None:
+        t = time.perf_counter()
+        for i in range(0, self.src.size, self.step):
+            np.copyto(self.dst[i : i + self.step], self.src[i : i + self.step])
+        self.times.append(time.perf_counter() - t)
+
+    def seconds(self) -> float:
+        return _median(self.times)
+
+
+def timings(fn, repeats: int, sources: list | None = None, floor: Floor | None = None) -> list[float]:
     """Seconds of ``repeats`` calls after one warm-up call; each result freed before the next.
 
-    ``sources``: call ``k`` gets ``sources[k]`` (new arrays every call, built before the clock starts)."""
+    ``sources``: call ``k`` gets ``sources[k]`` (new arrays every call, built before the clock starts);
+    ``floor``: timed before each call."""
     out = []
     for k in range(repeats + 1):
+        if floor is not None:
+            floor()
         gc.collect()
         arg = () if sources is None else (sources[k],)
         t = time.perf_counter()
@@ -271,7 +295,7 @@ def warm_bandwidth(nbytes: int = 256 * MiB, step: int = 8 * MiB, repeats: int = 
     return nbytes / _median(ts)
 
 
-def compare(name: str, x, target, repeats: int, bw: float, leaves: int | None = None) -> dict:
+def compare(name: str, x, target, repeats: int, leaves: int | None = None) -> dict:
     """transfer, transfer_into and device_put on one case.
 
     Every call of every contender gets new source arrays (over the same shard buffers, made
@@ -283,17 +307,18 @@ def compare(name: str, x, target, repeats: int, bw: float, leaves: int | None = 
     def fresh() -> list:
         return [rewrap(x) for _ in range(repeats + 1)]
 
-    t_tr = timings(lambda xs: jreshard.transfer(xs, target), repeats, fresh())
+    floor_copy = Floor(nbytes)
+    t_tr = timings(lambda xs: jreshard.transfer(xs, target), repeats, fresh(), floor_copy)
 
     def into(xs):
         held[0] = jreshard.transfer_into(xs, held[0])
         return held[0]
 
-    t_in = timings(into, repeats, fresh())
+    t_in = timings(into, repeats, fresh(), floor_copy)
     _, rep = jreshard.transfer(rewrap(x), target, report=True)
     held.clear()
-    t_dp = timings(lambda xs: jax.device_put(xs, target), repeats, fresh())
-    floor = nbytes / bw
+    t_dp = timings(lambda xs: jax.device_put(xs, target), repeats, fresh(), floor_copy)
+    floor = floor_copy.seconds()
     row = {"case": name, "bytes": nbytes, "transfer": t_tr, "into": t_in, "device_put": t_dp, "floor": floor}
     row["report"] = rep
     if leaves:
@@ -325,7 +350,7 @@ def main() -> None:
     first_row = None
     for n, side in ((1000, 128), (200, 128), (1000, 8)) if "leaves" in cases else ():
         x, t = leaves_case(n, side)
-        rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, warm_bandwidth(), leaves=n))
+        rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, leaves=n))
         if (n, side) == (1000, 128):
             firsts, cached = [], []
             for _ in range(3):
@@ -341,23 +366,23 @@ def main() -> None:
         del x
     if "tensor" in cases:
         x, t = tensor_case(args.tensor_mib)
-        rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats, warm_bandwidth()))
+        rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats))
         del x
     if "refit" in cases:
         x, t = refit_case(args.layers, args.d_model)
         src_bytes = sum(a.nbytes for a in jax.tree.leaves(x))
         name = f"refit {len(jax.tree.leaves(x))} leaves {src_bytes / MiB:.0f} MiB"
-        rows.append(compare(name, x, t, args.repeats, warm_bandwidth()))
+        rows.append(compare(name, x, t, args.repeats))
         del x
     if "fused" in cases:
-        rows.append(compare_fused(2, args.d_model, args.repeats, warm_bandwidth()))
+        rows.append(compare_fused(2, args.d_model, args.repeats))
         if native.available():
-            rows.append(compare_fused(2, args.d_model, args.repeats, warm_bandwidth(), compiled=False))
+            rows.append(compare_fused(2, args.d_model, args.repeats, compiled=False))
     default_pool().clear()
     print()
     print(
-        "times in ms: median [min-max]; floor = destination bytes at the warm copy bandwidth, measured again "
-        "right before each case"
+        "times in ms: median [min-max]; floor = np.copyto of the destination bytes into warm memory, "
+        "timed before every call of the case (median)"
     )
     cols = [
         "case",
@@ -395,7 +420,8 @@ def main() -> None:
             f"\nfirst call on 1000 leaves (clear_caches, planning included): {stats(firsts)} ms; "
             f"cached: {stats(cached)} ms; ratio {np.median(firsts) / np.median(cached):.2f}x"
         )
-    print("\nwarm copy bandwidth before each case: " + ", ".join(f"{r['bytes'] / r['floor'] / 1e9:.2f}" for r in rows))
+    during = ", ".join(f"{r['bytes'] / r['floor'] / 1e9:.2f}" for r in rows)
+    print(f"\nfloor bandwidth (GB/s) during each case: {during}")
     for r in rows:
         if "exact" in r:
             print(f"\n{r['case']}: views equal jnp fuse + device_put bit for bit: {r['exact']}")

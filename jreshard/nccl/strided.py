@@ -29,11 +29,12 @@ import concurrent.futures
 import dataclasses
 import math
 import os
+import threading
 from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["LARGE_PIECE", "CopyClass", "copy_classes", "executor", "raw_view", "threads_for"]
+__all__ = ["LARGE_PIECE", "CopyClass", "copy_classes", "executor", "raw_view", "run_shared", "threads_for"]
 
 LARGE_PIECE = 256 << 10  # bytes: pieces at least this big are copied one by one
 _CHUNK_BYTES = 1 << 20  # bytes of pieces per gather/scatter call: the temporary stays in cache
@@ -178,6 +179,34 @@ def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], threads: 
         for job in jobs:
             job()
         return total
-    for f in [executor().submit(job) for job in jobs]:
-        f.result()
+    run_shared(jobs, threads)
     return total
+
+
+def run_shared(jobs: list[Callable[[], None]], threads: int) -> None:
+    """Run ``jobs`` on ``threads`` threads that take the next job as each finishes: the calling thread
+    and ``threads - 1`` pool threads (the caller is already on a core; a woken pool thread may wait
+    milliseconds for one on a busy host). Returns when every job has ended; the first error is raised.
+
+    >>> out = []
+    >>> run_shared([lambda i=i: out.append(i) for i in range(5)], 2)
+    >>> sorted(out)
+    [0, 1, 2, 3, 4]
+    """
+    lock, pending = threading.Lock(), list(reversed(jobs))
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                job = pending.pop()
+            job()
+
+    futures = [executor().submit(work) for _ in range(min(threads, len(jobs)) - 1)]
+    try:
+        work()
+    finally:
+        concurrent.futures.wait(futures)  # no thread is left writing, whatever failed
+    for f in futures:
+        f.result()

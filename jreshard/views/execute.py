@@ -13,6 +13,7 @@ gathers, per destination shard, only the blocks that shard needs.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,8 +24,8 @@ from jreshard._cache import register_clear
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
 from jreshard.frontdoor import _addressable_order
 from jreshard.nccl import strided
-from jreshard.nccl.buffers import export_source, writable_view
-from jreshard.nccl.inprocess import _addresses_of, _donate, _fresh, _make_array, _read, _remember
+from jreshard.nccl.buffers import writable_view
+from jreshard.nccl.inprocess import _addresses_of, _arrays, _donate, _fresh, _make_array, _read, _remember
 from jreshard.nccl.pool import default_pool
 from jreshard.options import Backend
 from jreshard.report import ReportBuilder, ReportPhase
@@ -169,21 +170,10 @@ def _execute_pieces(
         for _, fn, args in calls:
             fn(*args)
         return
-    # numpy releases the GIL inside copies and casts; the tasks write disjoint boxes. Largest first,
-    # each to the least loaded of ``lanes`` threads, so the threads finish together.
-    work: list[list[tuple[Any, tuple]]] = [[] for _ in range(lanes)]
-    load = [0] * lanes
-    for size, fn, args in sorted(calls, key=lambda c: -c[0]):
-        k = load.index(min(load))
-        work[k].append((fn, args))
-        load[k] += size
-    for f in [strided.executor().submit(_run_lane, lane) for lane in work]:
-        f.result()
-
-
-def _run_lane(lane: list[tuple[Any, tuple]]) -> None:
-    for fn, args in lane:
-        fn(*args)
+    # numpy and the compiled casts release the GIL; the tasks write disjoint boxes. Largest first, each
+    # thread taking the next task as it finishes, so the threads finish together.
+    calls.sort(key=lambda c: -c[0])
+    strided.run_shared([functools.partial(fn, *args) for _, fn, args in calls], lanes)
 
 
 _THREADED_BYTES = 4 << 20
@@ -210,12 +200,18 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
     wanted |= {(p.leaf, p.src_rank) for low in lowerings for t in low.tasks for p in t.pieces}
     arrays, boxes = {}, {}
     for i, leaf in enumerate(srcs):
-        shards = {s.device.id: s.data for s in leaf.source.addressable_shards}
-        for r in sorted(r for (j, r) in wanted if j == i):
+        ranks = sorted(r for (j, r) in wanted if j == i)
+        if not ranks:
+            continue
+        order = _addressable_order(leaf.source.sharding)
+        shards = {d.id: a for d, a in zip(order, _arrays(leaf.source), strict=True)}
+        for r in ranks:
             if r not in shards:
                 raise TransferError(f"source leaf {i}: rank {r}'s shard is not addressable in this process")
             box = layouts[i].box_of(r)
-            arrays[(i, r)] = export_source(shards[r]).view(layouts[i].np_dtype).reshape(box.shape)
+            raw = writable_view(shards[r])  # waits until the shard is ready; the caller holds the source
+            raw.flags.writeable = False  # a source is only read
+            arrays[(i, r)] = raw.view(layouts[i].np_dtype).reshape(box.shape)
             boxes[(i, r)] = box
     return arrays, boxes
 
