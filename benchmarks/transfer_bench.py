@@ -5,7 +5,7 @@ Cases, all measured in one run (these hosts are shared and noisy: read the ratio
 - ``leaves``: pytrees of many small leaves, FSDP over devices 0-3 -> TP2 x DP2 over
   devices 4-7 (1000 and 200 leaves of 128x128 float32, 1000 leaves of 8x8): the
   case users hit first. Besides the time, the *fixed cost per leaf*:
-  ``(time - destination bytes / warm copy bandwidth) / leaves``.
+  ``(time - floor) / leaves``.
 - ``first call``: the 1000-leaf pytree after ``jreshard.clear_caches()`` (planning
   included), against the cached call.
 - ``tensor``: one 256 MiB float32 tensor, TP4 -> TP2 x DP2, against the warm memcpy
