@@ -31,10 +31,10 @@ from jreshard.sharding.topology import Topology
 OPTS = Options(chunk_bytes=64, staging_bytes=4096)
 
 
-def build_per_process(pairs, topo, options, groups):
+def build_per_process(pairs, topo, options, groups, builder=pair_paced):
     """Each process's schedule, built from its own ranks' programs; payloads go through a mail board."""
     tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
-    talks = {i: pair_paced(tensors, rank_programs(pairs, g, topo, options), options) for i, g in enumerate(groups)}
+    talks = {i: builder(tensors, rank_programs(pairs, g, topo, options), options) for i, g in enumerate(groups)}
     board: dict = {}
     waiting = {i: next(t) for i, t in talks.items()}  # process -> (what it posted, what it waits for)
     for out, _ in waiting.values():
