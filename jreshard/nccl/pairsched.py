@@ -41,12 +41,12 @@ import numpy as np
 from jreshard.nccl.chunktable import chunk_boxes, segment_starts
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 from jreshard.nccl.pairtables import SEND_KIND, after_arrivals, build_steps, message_table, spans
-from jreshard.nccl.schedule import STAGE_ALIGN, Schedule, _local_tables, _Shapes
+from jreshard.nccl.schedule import STAGE_ALIGN, TAG_CHUNK_BITS, Schedule, _local_tables, _Shapes
 from jreshard.options import Options
 from jreshard.sharding.plan import RankProgram
 from jreshard.sharding.rows import TensorSpec
 
-__all__ = ["Mail", "comm_mail", "pair_chunk_bytes", "pair_paced", "pair_schedule"]
+__all__ = ["MAIL_TAG", "Mail", "comm_mail", "pair_chunk_bytes", "pair_paced", "pair_schedule"]
 
 # A mail round: payloads (int64 arrays) keyed by (from rank, to rank, tag) go out; the ones addressed to
 # this process's ranks come back. Both ends know every payload's length in advance.
@@ -54,8 +54,10 @@ Mail = Callable[[Mapping[tuple[int, int, int], np.ndarray], Mapping[tuple[int, i
 Key = tuple[int, int, int]  # (from rank, to rank, tag)
 Outgoing = dict[Key, np.ndarray]
 Wanted = dict[Key, int]
-COUNT_OUT, COUNT_IN = 0, 1  # tags of the peer-count mail: "I send to n ranks", "I receive from n ranks"
-ROUNDS = 2  # the rounds of a stage-s message travel with tag ROUNDS + s
+# Mail travels under tags of its own, above every chunk's (a chunk's tag is tag_of(stage, k), stages are small).
+MAIL_TAG = 0x7FFF << TAG_CHUNK_BITS
+COUNT_OUT, COUNT_IN = MAIL_TAG, MAIL_TAG + 1  # peer counts: "I send to n ranks", "I receive from n ranks"
+ROUNDS = MAIL_TAG + 2  # the rounds of a stage-s message travel with tag ROUNDS + s
 
 
 def pair_chunk_bytes(n_out: int, n_in: int, options: Options, widest: int) -> int:
@@ -183,7 +185,7 @@ def pair_paced(
     shapes = _Shapes(tensors) if with_local else None
     local = {r: _local_tables(programs[r], shapes) for r in with_local if shapes is not None}
     rounds = 1 + max((rnd for by in steps.values() for rnd in by), default=-1)
-    return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors))
+    return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors), groups={})
 
 
 def _byte_strides(tensors: Sequence[TensorSpec], width: int) -> np.ndarray:
