@@ -40,7 +40,7 @@ import numpy as np
 
 from jreshard.nccl.chunktable import chunk_boxes, segment_starts
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.pairtables import SEND_KIND, after_arrivals, build_steps, message_table, spans
+from jreshard.nccl.pairtables import SEND_KIND, after_arrivals, build_steps, message_table, round_groups, spans
 from jreshard.nccl.schedule import STAGE_ALIGN, TAG_CHUNK_BITS, Schedule, _local_tables, _Shapes
 from jreshard.options import Options
 from jreshard.sharding.plan import RankProgram
@@ -96,30 +96,42 @@ def pair_paced(
     sends = msgs.kind == SEND_KIND
     n_out = _distinct_peers(msgs.rank[sends], msgs.peer[sends])
     n_in = _distinct_peers(msgs.rank[~sends], msgs.peer[~sends])
-    for r in mine:
-        if n_out.get(r, 0) + n_in.get(r, 0) > options.max_group_ops:
-            raise ValueError(
-                f"pair-paced rounds: rank {r} has {n_out.get(r, 0)} + {n_in.get(r, 0)} peers, more than "
-                f"max_group_ops={options.max_group_ops} operations in one round"
-            )
-    # 1. Peer counts (one payload per message: a message's ends are one ordered pair at one stage, and a
-    # pair's payload is sent once).
+    if options.max_group_ops < 2:
+        raise ValueError(
+            f"pair-paced rounds: max_group_ops={options.max_group_ops}; a rank may send one chunk and receive "
+            "another in one exchange group, so rank-local rounds need max_group_ops >= 2"
+        )
+    half = options.max_group_ops // 2
+    # 1. Peer counts, and where each end ranks the other among its peers (for the exchange groups).
+    ranks_l, peers_l, sends_l = msgs.rank.tolist(), msgs.peer.tolist(), sends.tolist()
+    place = _peer_places(ranks_l, peers_l, sends_l)
     out: dict[Key, np.ndarray] = {}
     want: dict[Key, int] = {}
-    ranks_l, peers_l, sends_l = msgs.rank.tolist(), msgs.peer.tolist(), sends.tolist()
     for r, peer, is_send in zip(ranks_l, peers_l, sends_l, strict=True):
         if is_send:
-            out[(r, peer, COUNT_OUT)] = np.array([n_out[r]], np.int64)
-            want[(peer, r, COUNT_IN)] = 1
+            out[(r, peer, COUNT_OUT)] = np.array([n_out[r], place[(r, peer, True)]], np.int64)
+            want[(peer, r, COUNT_IN)] = 2
         else:
-            out[(r, peer, COUNT_IN)] = np.array([n_in[r]], np.int64)
-            want[(peer, r, COUNT_OUT)] = 1
+            out[(r, peer, COUNT_IN)] = np.array([n_in[r], place[(r, peer, False)]], np.int64)
+            want[(peer, r, COUNT_OUT)] = 2
     got = yield out, want
     size = np.array(
         [
             pair_chunk_bytes(n_out[r], int(got[(peer, r, COUNT_IN)][0]), options, widest)
             if is_send
             else pair_chunk_bytes(int(got[(peer, r, COUNT_OUT)][0]), n_in[r], options, widest)
+            for r, peer, is_send in zip(ranks_l, peers_l, sends_l, strict=True)
+        ],
+        np.int64,
+    )
+    # A message's exchange group: (its place among the sender's receivers, its place among the receiver's
+    # senders), each // half. Both ends compute the same key; a rank has at most `half` sends and `half`
+    # receives with one key, so at most max_group_ops operations in a group.
+    group_key = np.array(
+        [
+            (place[(r, peer, True)] // half) * _KEY_RADIX + int(got[(peer, r, COUNT_IN)][1]) // half
+            if is_send
+            else (int(got[(peer, r, COUNT_OUT)][1]) // half) * _KEY_RADIX + place[(r, peer, False)] // half
             for r, peer, is_send in zip(ranks_l, peers_l, sends_l, strict=True)
         ],
         np.int64,
@@ -181,11 +193,12 @@ def pair_paced(
         arrived |= recv_box
     align = STAGE_ALIGN if options.staging_bytes % STAGE_ALIGN == 0 else 1
     steps, staging = build_steps(chunks, msgs, chunk_round, tensors, width, align)
+    groups = round_groups(chunks, msgs, chunk_round, group_key)
     with_local = [r for r in mine if programs[r].local]
     shapes = _Shapes(tensors) if with_local else None
     local = {r: _local_tables(programs[r], shapes) for r in with_local if shapes is not None}
     rounds = 1 + max((rnd for by in steps.values() for rnd in by), default=-1)
-    return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors), groups={})
+    return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors), groups=groups)
 
 
 def _byte_strides(tensors: Sequence[TensorSpec], width: int) -> np.ndarray:
@@ -200,6 +213,19 @@ def _byte_strides(tensors: Sequence[TensorSpec], width: int) -> np.ndarray:
     for d in range(width - 2, -1, -1):
         st[:, d] = st[:, d + 1] * shape[:, d + 1]
     return st
+
+
+_KEY_RADIX = 1 << 31  # group keys: (sender-side block) * _KEY_RADIX + (receiver-side block)
+
+
+def _peer_places(ranks: list[int], peers: list[int], sends: list[bool]) -> dict[tuple[int, int, bool], int]:
+    """``{(rank, peer, is_send): i}``: the peer is the rank's ``i``-th receiver (or sender), in rank order."""
+    out: dict[tuple[int, int, bool], int] = {}
+    count: dict[tuple[int, bool], int] = {}
+    for r, peer, is_send in sorted(set(zip(ranks, peers, sends, strict=True))):
+        out[(r, peer, is_send)] = count.get((r, is_send), 0)
+        count[(r, is_send)] = out[(r, peer, is_send)] + 1
+    return out
 
 
 def _distinct_peers(rank: np.ndarray, peer: np.ndarray) -> dict[int, int]:

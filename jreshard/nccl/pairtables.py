@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jreshard.errors import TransferError
-from jreshard.nccl import kernels
 from jreshard.nccl.chunktable import ChunkBoxes, contiguous, descriptor_rows, segment_starts
 from jreshard.nccl.schedule import DST, SRC, STAGING, TAG_CHUNK_BITS, Step, Wire
 from jreshard.sharding.layout import Layout
@@ -23,7 +22,7 @@ from jreshard.sharding.program import SEND
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link
 
-__all__ = ["MessageTable", "after_arrivals", "build_steps", "message_table", "shard_boxes", "spans"]
+__all__ = ["MessageTable", "after_arrivals", "build_steps", "message_table", "round_groups", "shard_boxes", "spans"]
 
 _LINKS = tuple(Link)
 SEND_KIND, RECV_KIND = 0, 1
@@ -329,7 +328,31 @@ def build_steps(
     return steps, staging
 
 
-def empty_table() -> np.ndarray:
-    t = np.zeros((0, kernels.COLUMNS), np.int64)
-    t.setflags(write=False)
-    return t
+def round_groups(
+    chunks: ChunkBoxes, msgs: MessageTable, chunk_round: np.ndarray, msg_key: np.ndarray
+) -> dict[int, dict[tuple[int, int, int], int]]:
+    """``{round: {(src, dst, tag): group key}}`` for the rounds whose chunks here have more than one key
+    (a round left out runs as one group: all its chunks have the same key)."""
+    cm = chunks.chunk_msg
+    key = msg_key[cm]
+    if not len(key):
+        return {}
+    order = np.lexsort((key, chunk_round))
+    r_o, k_o = chunk_round[order], key[order]
+    first = np.r_[True, r_o[1:] != r_o[:-1]]
+    start_key = k_o[first][np.cumsum(first) - 1]
+    mixed_round = np.unique(r_o[(k_o != start_key)])
+    if not len(mixed_round):
+        return {}
+    sel = np.flatnonzero(np.isin(chunk_round, mixed_round))
+    m = cm[sel]
+    is_send = msgs.kind[m] == SEND_KIND
+    src = np.where(is_send, msgs.rank[m], msgs.peer[m])
+    dst = np.where(is_send, msgs.peer[m], msgs.rank[m])
+    tag = (msgs.stage[m] << TAG_CHUNK_BITS) | (chunks.chunk_index[sel] & ((1 << TAG_CHUNK_BITS) - 1))
+    out: dict[int, dict[tuple[int, int, int], int]] = {}
+    for rnd, s, d, t, k in zip(
+        chunk_round[sel].tolist(), src.tolist(), dst.tolist(), tag.tolist(), key[sel].tolist(), strict=True
+    ):
+        out.setdefault(rnd, {})[(s, d, t)] = k
+    return out
