@@ -39,7 +39,7 @@ from jreshard.options import Options
 from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
 from jreshard.sharding.plan import Plan, RankProgram
-from jreshard.sharding.planner import rank_programs
+from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 
@@ -272,5 +272,16 @@ def schedule_local(
     peers over ``comm``): all a process needs to run its part, without the whole plan."""
     tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(names, pairs, strict=True)]
     programs = rank_programs(pairs, comm.local_ranks, topology, options, names)
-    sched = pair_schedule(tensors, programs, options, comm_mail(comm, options.timeout_s))
+    canonical, _, _ = prepare_pairs(pairs, topology, options, names)
+    key = (
+        canonical,
+        tuple(names),
+        topology,
+        options.plan_key(),
+        options.chunk_bytes,
+        options.staging_bytes,
+        options.max_group_ops,
+        tuple(sorted(programs)),
+    )
+    sched = pair_schedule(tensors, programs, options, comm_mail(comm, options.timeout_s), key=key)
     return tensors, programs, sched

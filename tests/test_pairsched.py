@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mpi_launch import launch, need_mpi, program, results
 from strategies import plan_case
 
+from jreshard._cache import clear_caches
 from jreshard.nccl.engine import Shards, execute
 from jreshard.nccl.local import LocalComm
 from jreshard.nccl.pairsched import comm_mail, pair_chunk_bytes, pair_paced, pair_schedule
@@ -201,6 +202,35 @@ def test_rank_local_rounds_need_two_operations_per_group():
     topo = Topology.uniform(range(4), domain_size=2)
     with pytest.raises(ValueError, match="max_group_ops=1"):
         build_per_process([(src, dst)], topo, Options(max_group_ops=1), [[0, 1, 2, 3]])
+
+
+def test_a_kept_schedule_replays_its_mail():
+    """Asked again with its key, the schedule is not rebuilt but sends the same mail, so peers that did
+    rebuild it (after clear_caches) get every payload they wait for."""
+    shape = (32, 6)
+    src = Layout.from_mesh(np.arange(4), ("x",), ("x",), shape, "int32")
+    dst = Layout.replicated(range(4, 8), shape, "int32")
+    topo = Topology.uniform(range(8), 2)
+    tensors = [TensorSpec("w", src, dst)]
+    programs = rank_programs([(src, dst)], range(8), topo, OPTS)
+    comm = LocalComm(range(8))
+    said = []
+
+    def mail(out, want):
+        said[-1].append(({k: v.tolist() for k, v in out.items()}, dict(want)))
+        return comm_mail(comm, 5.0)(out, want)
+
+    clear_caches()
+    scheds = []
+    for _ in range(2):
+        said.append([])
+        scheds.append(pair_schedule(tensors, programs, OPTS, mail, key="w"))
+    assert scheds[0] is scheds[1] and said[0] == said[1] and len(said[0]) >= 2
+    clear_caches()
+    said.append([])
+    again = pair_schedule(tensors, programs, OPTS, mail, key="w")
+    assert again is not scheds[0] and said[2] == said[0]
+    assert _wires(again, 5) == _wires(scheds[0], 5)
 
 
 def test_pair_chunks_share_the_staging():
