@@ -29,7 +29,16 @@ import numpy as np
 
 from jreshard.nccl import kernels
 
-__all__ = ["ChunkBoxes", "chunk_boxes", "contiguous", "descriptor_rows", "segment_starts"]
+__all__ = [
+    "ChunkBoxes",
+    "chunk_boxes",
+    "contiguous",
+    "descriptor_rows",
+    "row_all",
+    "row_dot",
+    "row_prod",
+    "segment_starts",
+]
 
 
 def segment_starts(counts: np.ndarray) -> np.ndarray:
@@ -37,6 +46,30 @@ def segment_starts(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts), np.int64)
     if len(counts) > 1:
         np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def row_prod(a: np.ndarray) -> np.ndarray:
+    """Product of each row of an ``(n, D)`` int array (a loop over the few columns: faster than ``axis=1``)."""
+    out = np.ones(a.shape[0], np.int64)
+    for d in range(a.shape[1]):
+        out *= a[:, d]
+    return out
+
+
+def row_dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise dot product of two ``(n, D)`` int arrays."""
+    out = np.zeros(a.shape[0], np.int64)
+    for d in range(a.shape[1]):
+        out += a[:, d] * b[:, d]
+    return out
+
+
+def row_all(a: np.ndarray) -> np.ndarray:
+    """Whether every entry of each row of an ``(n, D)`` bool array is true."""
+    out = np.ones(a.shape[0], bool)
+    for d in range(a.shape[1]):
+        out &= a[:, d]
     return out
 
 
@@ -83,7 +116,7 @@ def chunk_boxes(lo: np.ndarray, hi: np.ndarray, msg: np.ndarray, size: np.ndarra
     lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
     npieces, width = lo.shape
     shape = hi - lo
-    vol = np.prod(shape, axis=1) if width else np.ones(npieces, np.int64)
+    vol = row_prod(shape)
     keep = np.flatnonzero(vol > 0)
     msg_bytes = np.bincount(msg[keep], weights=vol[keep], minlength=nmsg).astype(np.int64)
     nchunks = -(-msg_bytes // size)
@@ -164,7 +197,7 @@ def contiguous(rel_lo: np.ndarray, shape: np.ndarray, outer: np.ndarray) -> np.n
     first = np.argmax(shape > 1, axis=1)  # the first dimension with extent > 1 (0 when none)
     full = (rel_lo == 0) & (shape == outer)
     later = np.arange(width)[None, :] > first[:, None]
-    return (np.prod(shape, axis=1) <= 1) | np.all(full | ~later, axis=1)
+    return (row_prod(shape) <= 1) | row_all(full | ~later)
 
 
 def descriptor_rows(
@@ -177,9 +210,9 @@ def descriptor_rows(
     st = _c_strides(outer)
     table = np.zeros((m, kernels.COLUMNS), np.int64)
     table[:, kernels.BUF] = buf
-    table[:, kernels.OFF] = np.sum(rel_lo * st, axis=1)
+    table[:, kernels.OFF] = row_dot(rel_lo, st)
     table[:, kernels.STAGE] = stage
-    table[:, kernels.NBYTES] = np.prod(shape, axis=1)
+    table[:, kernels.NBYTES] = row_prod(shape)
     # Merge as kernels._merge does: extents of 1 are dropped, and a dimension folds into the group of
     # dimensions inside it when they are contiguous: for one C-ordered buffer, when every dimension
     # from it (exclusive) to the next one kept (inclusive) spans its whole extent.

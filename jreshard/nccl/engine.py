@@ -36,6 +36,7 @@ from jreshard.nccl import kernels
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 from jreshard.nccl.groups import exchange_groups, group_rounds
+from jreshard.nccl.ranksteps import RankSteps
 from jreshard.nccl.schedule import (
     DST,
     SRC,
@@ -228,7 +229,10 @@ def _check_buffers(sched: Schedule, ranks: tuple[int, ...], bufs: dict[int, list
     missing: list[str] = []
     for r in ranks:
         need: set[int] = set()
-        for step in sched.steps.get(r, {}).values():
+        by_round = sched.steps.get(r, {})
+        if isinstance(by_round, RankSteps):  # steps held as tables: read them, make no Step
+            need = by_round.buffers()
+        for step in () if isinstance(by_round, RankSteps) else by_round.values():
             need.update(int(b) for b in step.pack[:, kernels.BUF])
             need.update(int(b) for b in step.unpack[:, kernels.BUF])
             need.update(w.buf for w in (*step.sends, *step.recvs) if w.buf != STAGING)

@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jreshard.errors import TransferError
-from jreshard.nccl.chunktable import ChunkBoxes, contiguous, descriptor_rows, segment_starts
-from jreshard.nccl.schedule import DST, SRC, STAGING, TAG_CHUNK_BITS, Step, Wire
+from jreshard.nccl.chunktable import ChunkBoxes, contiguous, descriptor_rows, row_all, row_dot, row_prod, segment_starts
+from jreshard.nccl.ranksteps import RankSteps
+from jreshard.nccl.schedule import DST, SRC, STAGING, TAG_CHUNK_BITS, Step
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import RankProgram
 from jreshard.sharding.program import SEND
@@ -147,7 +148,7 @@ def shard_boxes(
 def spans(lo: np.ndarray, hi: np.ndarray, strides: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per non-empty box, the range of C-order offsets from its first to past its last element
     (``strides``: per box, of a space holding it): boxes that meet have ranges that meet."""
-    return np.sum(lo * strides, axis=1), np.sum((hi - 1) * strides, axis=1) + 1
+    return row_dot(lo, strides), row_dot(hi - 1, strides) + 1
 
 
 def after_arrivals(
@@ -191,7 +192,7 @@ def after_arrivals(
         c = cnt[q]
         qi = np.repeat(q, c)
         ai = np.repeat(first[q], c) + (np.arange(int(c.sum())) - np.repeat(segment_starts(c), c))
-        hit = np.all((a_lo[ai] < q_hi[qi]) & (a_hi[ai] > q_lo[qi]), axis=1)
+        hit = row_all((a_lo[ai] < q_hi[qi]) & (a_hi[ai] > q_lo[qi]))
         if len(qi):
             np.maximum.at(out, qi, np.where(hit, a_round[ai] + 1, 0))
         done = end
@@ -205,8 +206,9 @@ def build_steps(
     tensors: Sequence[TensorSpec],
     width: int,
     align: int,
-) -> tuple[dict[int, dict[int, Step]], dict[int, int]]:
-    """Every rank's :class:`Step` per round from its chunks and their rounds, and the most staging it holds.
+) -> tuple[dict[int, Mapping[int, Step]], dict[int, int]]:
+    """Every rank's :class:`Step` per round (a :class:`~jreshard.nccl.ranksteps.RankSteps`) from its chunks
+    and their rounds, and the most staging it holds.
 
     Within a rank's round the chunks go in the order the scalar builder appended them: by stage,
     sends before receives, then by message.
@@ -223,7 +225,7 @@ def build_steps(
     p_lo, p_hi = shard_boxes(tensors, msgs.rank[pm], msgs.tensor, p_side, width)
     box_chunk, bp = chunks.chunk, chunks.piece
     slo, shi = p_lo[bp], p_hi[bp]
-    outside = np.any(chunks.lo < slo, 1) | np.any(chunks.hi > shi, 1)
+    outside = ~row_all((chunks.lo >= slo) & (chunks.hi <= shi))
     if outside.any():
         bad = int(np.flatnonzero(outside)[0])
         raise TransferError(
@@ -250,7 +252,7 @@ def build_steps(
     start[order] = run - (run[group_new])[gid]
     staged = ~in_place
     end = np.where(staged, start + nbytes, 0)
-    vol = np.prod(shape, axis=1)
+    vol = row_prod(shape)
     cum = np.cumsum(vol) - vol  # where each box starts in its chunk: cum - cum[chunk's first box]
 
     def rows(want: np.ndarray) -> np.ndarray:
@@ -272,7 +274,7 @@ def build_steps(
     oo = outer[one_off]
     for d in range(width - 2, -1, -1):
         st[:, d] = st[:, d + 1] * oo[:, d + 1]
-    box_off = np.sum(rel[one_off] * st, axis=1)  # per chunk in execution order: its first box's offset
+    box_off = row_dot(rel[one_off], st)  # per chunk in execution order: its first box's offset
     # Per chunk (execution order): its wire, and how many pack / unpack rows it has.
     oc = order
     o_kind = kind[oc]
@@ -287,40 +289,30 @@ def build_steps(
     unpack_at = np.r_[0, np.cumsum(nunpack)]
     bounds = np.r_[np.flatnonzero(group_new), nch]
     is_send_o = o_kind == SEND_KIND
-    wires = list(
-        map(
-            Wire,
-            peer.tolist(),
-            tag.tolist(),
-            map(_LINKS.__getitem__, link.tolist()),
-            nbytes[oc].tolist(),
-            wbuf.tolist(),
-            woff.tolist(),
-        )
-    )
-    send_w = [w for w, s in zip(wires, is_send_o.tolist(), strict=True) if s]
-    recv_w = [w for w, s in zip(wires, is_send_o.tolist(), strict=True) if not s]
+    cols = (peer, tag, link, nbytes[oc], wbuf, woff)
+    send_cols = tuple(c[is_send_o] for c in cols)
+    recv_cols = tuple(c[~is_send_o] for c in cols)
     send_at = np.r_[0, np.cumsum(is_send_o)][bounds]
     recv_at = bounds - send_at
-    steps: dict[int, dict[int, Step]] = {}
     heads = bounds[:-1]
-    for r, rnd, p0, p1, u0, u1, s0, s1, v0, v1 in zip(
-        o_rank[heads].tolist(),
-        o_round[heads].tolist(),
-        pack_at[heads].tolist(),
-        pack_at[bounds[1:]].tolist(),
-        unpack_at[heads].tolist(),
-        unpack_at[bounds[1:]].tolist(),
-        send_at[:-1].tolist(),
-        send_at[1:].tolist(),
-        recv_at[:-1].tolist(),
-        recv_at[1:].tolist(),
-        strict=True,
-    ):
-        by = steps.get(r)
-        if by is None:
-            by = steps[r] = {}
-        by[rnd] = Step(pack_rows[p0:p1], unpack_rows[u0:u1], tuple(send_w[s0:s1]), tuple(recv_w[v0:v1]))
+    g_rank = o_rank[heads]
+    rank_cut = np.r_[np.flatnonzero(np.r_[True, g_rank[1:] != g_rank[:-1]]), len(heads)]
+    steps: dict[int, Mapping[int, Step]] = {}
+    for g0, g1 in zip(rank_cut[:-1].tolist(), rank_cut[1:].tolist(), strict=True):
+        s0, s1, v0, v1 = int(send_at[g0]), int(send_at[g1]), int(recv_at[g0]), int(recv_at[g1])
+        b0, b1 = int(bounds[g0]), int(bounds[g1])
+        p0, p1, u0, u1 = int(pack_at[b0]), int(pack_at[b1]), int(unpack_at[b0]), int(unpack_at[b1])
+        steps[int(g_rank[g0])] = RankSteps(
+            o_round[heads[g0:g1]],
+            tuple(c[s0:s1] for c in send_cols),  # type: ignore[arg-type]
+            tuple(c[v0:v1] for c in recv_cols),  # type: ignore[arg-type]
+            send_at[g0 : g1 + 1] - s0,
+            recv_at[g0 : g1 + 1] - v0,
+            pack_rows[p0:p1],
+            unpack_rows[u0:u1],
+            pack_at[bounds[g0 : g1 + 1]] - p0,
+            unpack_at[bounds[g0 : g1 + 1]] - u0,
+        )
     peak = np.zeros(len(np.unique(rank)), np.int64)
     ranks_u, rinv = np.unique(rank, return_inverse=True)
     np.maximum.at(peak, rinv.reshape(-1), end)
