@@ -208,44 +208,51 @@ def descriptor_rows(
     extents ``outer``; ``stage`` each box's offset in staging. Boxes must not be empty."""
     m, width = shape.shape
     st = _c_strides(outer)
-    table = np.zeros((m, kernels.COLUMNS), np.int64)
-    table[:, kernels.BUF] = buf
-    table[:, kernels.OFF] = row_dot(rel_lo, st)
-    table[:, kernels.STAGE] = stage
-    table[:, kernels.NBYTES] = row_prod(shape)
+    cols = np.zeros((kernels.COLUMNS, m), np.int64)  # column by column (each one contiguous), transposed at the end
+    cols[kernels.BUF] = buf
+    cols[kernels.OFF] = row_dot(rel_lo, st)
+    cols[kernels.STAGE] = stage
+    cols[kernels.NBYTES] = row_prod(shape)
     # Merge as kernels._merge does: extents of 1 are dropped, and a dimension folds into the group of
     # dimensions inside it when they are contiguous: for one C-ordered buffer, when every dimension
     # from it (exclusive) to the next one kept (inclusive) spans its whole extent.
     full = shape == outer
     kept = shape != 1
-    edge = np.zeros((m, width), bool)  # the innermost dimension of each merged group
+    edge = np.zeros((width, m), bool)  # the innermost dimension of each merged group
     inner_full = np.zeros(m, bool)  # all full from d + 1 to the next kept dimension inside d
     has_inner = np.zeros(m, bool)
     for d in range(width - 1, -1, -1):
-        edge[:, d] = kept[:, d] & ~(has_inner & inner_full)
+        edge[d] = kept[:, d] & ~(has_inner & inner_full)
         inner_full = np.where(kept[:, d], full[:, d], inner_full & full[:, d])
         has_inner |= kept[:, d]
-    r, dim = np.nonzero(edge)  # row by row, outermost group first
-    prod = np.cumprod(shape, axis=1)[r, dim]
-    new_row = np.r_[True, r[1:] != r[:-1]] if len(r) else np.zeros(0, bool)
-    before = np.where(new_row, 1, np.r_[1, prod[:-1]])
-    ngroups = np.bincount(r, minlength=m)
-    col = np.arange(len(r)) - np.repeat(segment_starts(ngroups), ngroups)
+    # Outermost group first: group c covers the dimensions after group c - 1's edge up to its own edge.
+    ext = np.ones((width + 1, m), np.int64)
+    strd = np.ones((width + 1, m), np.int64)
+    col = np.zeros(m, np.int64)
+    acc = np.ones(m, np.int64)
+    last_stride = np.ones(m, np.int64)
+    for d in range(width):
+        acc *= shape[:, d]
+        e = np.flatnonzero(edge[d])
+        at = col[e] * m + e
+        ext.reshape(-1)[at] = acc[e]
+        strd.reshape(-1)[at] = st[e, d]
+        last_stride[e] = st[e, d]
+        acc[e] = 1
+        col[e] += 1
     # After the groups, a last dimension (1, stride 1) when the innermost group's stride is not 1.
-    last_stride = np.zeros(m, np.int64)
-    last_stride[r] = st[r, dim]  # rows' groups are in order: the innermost one is written last
-    inner = (ngroups == 0) | (last_stride != 1)
-    ndim = ngroups + inner
+    inner = (col == 0) | (last_stride != 1)
+    ndim = col + inner
     if m and int(ndim.max()) > kernels.MAX_DIMS:
         bad = int(np.argmax(ndim))
         raise ValueError(
             f"a box of extents {tuple(shape[bad].tolist())} needs {int(ndim[bad])} strided dimensions; "
             f"the descriptor table holds at most {kernels.MAX_DIMS}"
         )
-    table[:, kernels.NDIM] = ndim
-    table[:, kernels.SHAPE0 : kernels.SHAPE0 + kernels.MAX_DIMS] = 1
-    table[r, kernels.SHAPE0 + col] = prod // before
-    table[r, kernels.STRIDE0 + col] = st[r, dim]
-    rows = np.flatnonzero(inner)
-    table[rows, kernels.STRIDE0 + ngroups[rows]] = 1
-    return table
+    cols[kernels.NDIM] = ndim
+    n = min(width + 1, kernels.MAX_DIMS)
+    cols[kernels.SHAPE0 : kernels.SHAPE0 + kernels.MAX_DIMS] = 1
+    cols[kernels.SHAPE0 : kernels.SHAPE0 + n] = ext[:n]
+    used = np.arange(n)[:, None] < ndim[None, :]
+    cols[kernels.STRIDE0 : kernels.STRIDE0 + n] = np.where(used, strd[:n], 0)
+    return np.ascontiguousarray(cols.T)

@@ -1,17 +1,18 @@
-"""Pair-paced rounds: a schedule each process builds for the ranks it drives, from their programs.
+"""Pair-paced rounds: the schedule each process builds for the ranks it drives, from their programs.
 
-Not used by the engine yet (:func:`jreshard.nccl.engine.execute` takes one through its
-``schedule`` argument; the front door still builds the global schedule of
-:mod:`jreshard.nccl.schedule`).
-
-The global schedule places every chunk of every rank by first fit over all ranks'
-staging, so every process needs every rank's program. Here a process needs only the
-programs of its own ranks (:func:`jreshard.sharding.planner.rank_programs`) and a few
-integers from their peers, exchanged over the same :class:`Communicator`:
+The front door across processes (:func:`jreshard.multi.transfer_multiprocess`) runs
+these: no process builds the whole plan or every rank's schedule. (The global
+schedule of :mod:`jreshard.nccl.schedule` places every chunk of every rank by first
+fit over all ranks' staging, so every process needs every rank's program; a
+``RefitGroup``, which holds the whole plan, still runs it.) Here a process needs only
+the programs of its own ranks (:func:`jreshard.sharding.planner.rank_programs`) and a
+few integers from their peers, exchanged over the same :class:`Communicator` under
+tags of their own (from :data:`MAIL_TAG`):
 
 1. **Peer counts.** For each ordered pair ``a -> b`` that has a message, ``a`` tells
-   ``b`` how many ranks it sends to (``n_out(a)``) and ``b`` tells ``a`` how many
-   ranks it receives from (``n_in(b)``).
+   ``b`` how many ranks it sends to (``n_out(a)``) and where ``b`` stands among them,
+   and ``b`` tells ``a`` how many ranks it receives from (``n_in(b)``) and where ``a``
+   stands among them.
 2. **Pair chunks.** The pair's chunk size is ``c(a, b) = min(chunk_bytes,
    staging_bytes / (2 max(n_out(a), n_in(b))))`` (rounded down to
    :data:`~jreshard.nccl.schedule.STAGE_ALIGN`), and a pair moves at most one chunk
@@ -27,9 +28,23 @@ integers from their peers, exchanged over the same :class:`Communicator`:
 Both ends then agree on every chunk's round, tag (``tag_of(stage, k)``) and bytes.
 The rounds are pairwise matched, so running them in increasing order cannot
 deadlock: every operation of round 0 is posted by both of its ends first, so round
-0 completes everywhere; then round 1, and so on. A rank posts at most
-``n_out + n_in`` operations in a round; when that exceeds ``max_group_ops`` the
-builder refuses (the global schedule cuts such rounds into groups).
+0 completes everywhere; then round 1, and so on.
+
+**Exchange groups.** A rank posts up to ``n_out + n_in`` operations in a round. A
+chunk's group is keyed by ``(place of b among a's receivers // h, place of a among
+b's senders // h)`` with ``h = max_group_ops // 2``: both ends know both places from
+step 1, and a rank has at most ``h`` sends and ``h`` receives with one key, so no
+group holds more than ``max_group_ops`` of its operations. A round whose operations
+here have several keys runs as one group per key, in key order (``Schedule.groups``);
+both ends put every chunk in the same group, and the argument above holds for
+(round, key) in order. Rank-local rounds need ``max_group_ops >= 2``.
+
+**Cost.** Chunks, their boxes, rounds and descriptor rows are numpy columns over all
+of this process's messages (:mod:`jreshard.nccl.chunktable`,
+:mod:`jreshard.nccl.pairtables`, equal to the scalar builder step for step, a tested
+property), and each rank's steps are held as tables
+(:class:`~jreshard.nccl.ranksteps.RankSteps`): the Python work is per message and per
+round read, not per box.
 """
 
 from __future__ import annotations
