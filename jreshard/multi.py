@@ -10,6 +10,13 @@ builds the whole plan or every rank's schedule. It runs them through the shared
 engine (:func:`jreshard.nccl.engine.execute`) over :class:`MpiComm`. A device's
 rank is its ``device.id``, which is unique in a jax cluster.
 
+**The rule for GPU buffers.** The scheduling mail travels over the transport in host
+memory, which MPI (and the in-process transports) carry. With device buffers (a
+``buffers`` backend other than :class:`~jreshard.nccl.buffers.CpuBuffers`: NCCL, or
+CuPy in one process) every process builds the whole plan and its global schedule
+(:func:`jreshard.nccl.schedule.build_schedule`), as before; the mail on device
+buffers is not built.
+
 **What each process gets.** A global ``jax.Array`` per leaf with the target
 sharding, exactly as jax represents global arrays in a multi-controller
 program: its addressable shards are this process's target devices, filled with
@@ -39,7 +46,7 @@ from jreshard.options import Options
 from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
 from jreshard.sharding.plan import Plan, RankProgram
-from jreshard.sharding.planner import prepare_pairs, rank_programs
+from jreshard.sharding.planner import plan_layouts, prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 
@@ -238,7 +245,15 @@ def transfer_multiprocess(
     if transport is None:
         MPI = import_mpi()
         transport = _cluster_comm(MPI.COMM_WORLD if comm is None else comm)
-    tensors, programs, sched = schedule_local(pairs, names, topology, options, transport)
+    if buffers is None or isinstance(buffers, CpuBuffers):
+        tensors, programs, sched = schedule_local(pairs, names, topology, options, transport)
+    else:  # device buffers (NCCL): the scheduling mail would need them too, not built yet (module docstring)
+        plan = plan_layouts(pairs, topology, options, names)
+        tensors, programs, sched = (
+            list(plan.tensors),
+            plan.programs(transport.local_ranks),
+            build_schedule(plan, options),
+        )
     sources, targets = {}, {}
     me = jax.process_index()
     for t, i in enumerate(moved):

@@ -19,6 +19,7 @@ from mpi_launch import BODIES, launch, need_mpi, program, results
 
 import jreshard
 from jreshard.multi import transfer_multiprocess
+from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.local import LocalComm
 from jreshard.sharding.topology import Topology
 
@@ -64,3 +65,50 @@ def test_each_process_plans_only_its_own_ranks(tmp_path, procs, devices):
         assert "error" not in r, r["error"]
         assert r["programmed"] and set(r["programmed"]) <= set(r["mine"])  # its own devices, never a peer's
     assert sum(r["checked"] for r in got.values()) > 0
+
+
+class _DeviceLikeBuffers(BufferBackend):
+    """Host buffers behind a backend that is not CpuBuffers, as NCCL's device buffers are."""
+
+    def __init__(self):
+        self.cpu = CpuBuffers()
+
+    def export_source(self, shard):
+        return self.cpu.export_source(shard)
+
+    def writable_view(self, array):
+        return self.cpu.writable_view(array)
+
+    def allocate(self, sizes, device):
+        return self.cpu.allocate(sizes, device)
+
+    def import_shard(self, buffer, shape, dtype, device):
+        return self.cpu.import_shard(buffer, shape, dtype, device)
+
+    def staging(self, nbytes, device=None):
+        return self.cpu.staging(nbytes, device)
+
+    def pack(self, table, buffers, staging):
+        self.cpu.pack(table, buffers, staging)
+
+    def unpack(self, table, staging, buffers):
+        self.cpu.unpack(table, staging, buffers)
+
+    def copy(self, src_table, src, dst_table, dst):
+        self.cpu.copy(src_table, src, dst_table, dst)
+
+
+def test_device_buffers_keep_the_global_schedule(monkeypatch):
+    """With buffers other than CpuBuffers (NCCL's) the mail is not built: the whole plan and the
+    global schedule run, as the module docstring of jreshard.multi says."""
+    devs = np.array(jax.devices())
+    src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
+    dst = NamedSharding(Mesh(devs[4:], ("tp",)), P(None, "tp"))
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), src)
+    args = dict(topology=Topology.uniform(range(8), domain_size=4), transport=LocalComm(range(8)))
+    out = transfer_multiprocess(x, dst, buffers=_DeviceLikeBuffers(), **args)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    guard(monkeypatch.setattr)
+    with pytest.raises(WholePlanCalled):
+        transfer_multiprocess(x, dst, buffers=_DeviceLikeBuffers(), **args)
+    transfer_multiprocess(x, dst, buffers=CpuBuffers(), **args)  # host buffers: rank-local, no whole plan
