@@ -13,7 +13,14 @@ Prints:
    cached plan call; network bytes against the lower bound; predicted refit times of
    jreshard and the baselines; and where the planning time goes (a profile);
 4. DeepSeek-V3 on 4096 + 4096: one rank's program, and ``simulate_layouts`` (the
-   whole refit predicted one layout pair at a time) with its time and peak memory.
+   whole refit predicted one layout pair at a time) with its time and peak memory;
+5. for DeepSeek-V3 on 128 + 128 and 1024 + 1024: one process's rank-local schedule
+   (``jreshard.nccl.pairsched``, what every process of a multi-process transfer builds for
+   the ranks it drives), for a process driving one destination rank, and where its time goes.
+   The peers' mail is answered here in one process: their peer counts are exact (from the
+   whole plan's messages, built apart and not timed), the rounds of received stage-0 chunks
+   are exact (``0, 1, ...``, as every sender places them), those of later stages a stand-in
+   (``k + stage``) that changes round numbers, not the work.
 
 Each model configuration runs in a fresh process, so no cache from another
 configuration helps it, ``--repeat`` times (the 4096 + 4096 one once): times are the
@@ -40,10 +47,13 @@ import numpy as np
 from jreshard._cache import clear_caches
 from jreshard.cost import predict
 from jreshard.models import refit, refit_topology
+from jreshard.nccl.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, pair_paced
+from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_program, rank_programs
+from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.simulate import simulate_layouts
 from jreshard.sharding.topology import Topology
 
@@ -193,11 +203,67 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     for label, build in builds:
         pr = predict(build())
         out["predicted"][label] = (pr.seconds, pr.bound_seconds, _where(pr))
+    peers = _peer_mail(p) if name == "deepseek-v3" else None
     del p
     clear_caches()
     out["profile"] = _profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    if peers is not None:
+        out.update(_local_schedule(r, topo, dst_rank, peers))
     out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+def _peer_mail(plan) -> tuple[dict, dict]:
+    """Each rank's distinct receivers and senders, sorted (what its peers tell a rank in the mail)."""
+    keys = plan.message_keys()
+    outs: dict[int, list[int]] = {}
+    ins: dict[int, list[int]] = {}
+    for src, dst in sorted({(int(a), int(b)) for a, b in keys[:, 1:3]}):
+        outs.setdefault(src, []).append(dst)
+        ins.setdefault(dst, []).append(src)
+    return outs, ins
+
+
+def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict]) -> dict:
+    """Time one process's rank-local schedule for ``rank`` (module docstring: how its mail is answered)."""
+    outs, ins = peers
+    tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(r.names, r.pairs, strict=True)]
+    opts = Options()
+
+    def answer(want: dict) -> dict:
+        got = {}
+        for (a, b, tag), n in want.items():
+            if tag == COUNT_IN:  # receiver a: how many it receives from, and where b is among them
+                got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b)], np.int64)
+            elif tag == COUNT_OUT:
+                got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b)], np.int64)
+            else:
+                got[(a, b, tag)] = np.arange(n, dtype=np.int64) + (tag - ROUNDS)
+        return got
+
+    def build():
+        programs = rank_programs(r.pairs, [rank], topo, names=r.names)
+        talk = pair_paced(tensors, programs, opts)
+        _, want = next(talk)
+        try:
+            while True:
+                _, want = talk.send(answer(want))
+        except StopIteration as done:
+            return done.value
+
+    clear_caches()
+    _, prog_s, _ = _timed(lambda: rank_programs(r.pairs, [rank], topo, names=r.names))
+    sched, total_s, total_cpu = _timed(build)  # the programs are cached now: this is the schedule alone
+    steps = sched.steps.get(rank, {})
+    return {
+        "local_sched_s": total_s,
+        "local_sched_cpu": total_cpu,
+        "local_sched_programs_s": prog_s,
+        "local_sched_rounds": sched.rounds,
+        "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
+        "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
+        "local_sched_profile": _profile(build, top=8),
+    }
 
 
 def _where(pr) -> str:
@@ -218,6 +284,8 @@ _TIMES = (
     "program_cached_s",
     "program_objects_s",
     "cached_s",
+    "local_sched_s",
+    "local_sched_cpu",
 )
 
 
@@ -275,6 +343,16 @@ def models(quick: bool, repeat: int) -> None:
                 f"anew: {o['cached_fresh_s'] * 1e3:.3f} ms first call, {o['cached_fresh_again_s'] * 1e3:.3f} ms after"
             )
             print(f"   plan.stats()              {o['stats_s']:7.3f} s wall ({o['stats_cpu']:.3f} s CPU)")
+        if "local_sched_s" in o:
+            print(
+                f"   one process's schedule (rank-local) {o['local_sched_s']:7.3f} s wall "
+                f"({o['local_sched_cpu']:.3f} s CPU){o['local_sched_s_range']}: one destination rank, "
+                f"{o['local_sched_chunks']} chunks in {o['local_sched_rounds']} rounds, "
+                f"{o['local_sched_rows']} descriptor rows (its program: {o['local_sched_programs_s']:.3f} s more)"
+            )
+            print("     where the schedule's time goes (own time, profiled run):")
+            for what, share in o["local_sched_profile"]:
+                print(f"       {share * 100:5.1f}%  {what}")
         if "simulate_s" in o:
             print(
                 f"   simulate_layouts          {o['simulate_s']:7.3f} s wall ({o['simulate_cpu']:.3f} s CPU), "

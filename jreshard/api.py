@@ -300,7 +300,8 @@ def transfer_with(
     rank taking part): the path MPI and NCCL take, in one process. For tests and comparisons.
 
     Returns:
-      ``(result, stats, plan)``: the moved pytree, what the engine did, and the plan it ran.
+      ``(result, stats, programs)``: the moved pytree, what the engine did, and the programs
+      ``{rank: RankProgram}`` of ``comm``'s ranks it ran (each planned alone, no whole plan).
     """
     from jreshard.multi import transfer_multiprocess
 

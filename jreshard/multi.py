@@ -2,10 +2,20 @@
 
 This is the case ``jax.device_put`` refuses: source and target shardings on
 different processes, on different devices of the same processes, or
-overlapping. Every process computes the same plan from the two global
-shardings (no communication), then runs the ranks of its own devices through
-the shared engine (:func:`jreshard.nccl.engine.execute`) over :class:`MpiComm`.
-A device's rank is its ``device.id``, which is unique in a jax cluster.
+overlapping. Every process plans only the ranks of its own devices: their
+programs (:func:`jreshard.sharding.planner.rank_programs`, from the two global
+shardings, no communication), then their rounds, agreed with their peers by a
+few small messages (:func:`jreshard.nccl.pairsched.pair_schedule`); no process
+builds the whole plan or every rank's schedule. It runs them through the shared
+engine (:func:`jreshard.nccl.engine.execute`) over :class:`MpiComm`. A device's
+rank is its ``device.id``, which is unique in a jax cluster.
+
+**The rule for GPU buffers.** The scheduling mail travels over the transport in host
+memory, which MPI (and the in-process transports) carry. With device buffers (a
+``buffers`` backend other than :class:`~jreshard.nccl.buffers.CpuBuffers`: NCCL, or
+CuPy in one process) every process builds the whole plan and its global schedule
+(:func:`jreshard.nccl.schedule.build_schedule`), as before; the mail on device
+buffers is not built.
 
 **What each process gets.** A global ``jax.Array`` per leaf with the target
 sharding, exactly as jax represents global arrays in a multi-controller
@@ -22,7 +32,7 @@ under ``mpiexec``; :func:`initialize` does that for CPU devices.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jreshard.errors import BackendUnavailableError
@@ -30,14 +40,17 @@ from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator
 from jreshard.nccl.engine import ExecStats, Shards, execute
 from jreshard.nccl.mpi import MpiComm, import_mpi
+from jreshard.nccl.pairsched import comm_mail, pair_schedule
+from jreshard.nccl.schedule import Schedule, build_schedule
 from jreshard.options import Options
 from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
-from jreshard.sharding.plan import Plan
-from jreshard.sharding.planner import plan_layouts
+from jreshard.sharding.plan import Plan, RankProgram
+from jreshard.sharding.planner import plan_layouts, prepare_pairs, rank_programs
+from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 
-__all__ = ["initialize", "run_plan", "transfer_multiprocess"]
+__all__ = ["initialize", "run_plan", "run_schedule", "transfer_multiprocess"]
 
 _COMMS: dict[int, MpiComm] = {}
 
@@ -101,7 +114,11 @@ def run_plan(
     backend: BufferBackend | None = None,
     report: ReportBuilder | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
-    """Run this process's ranks of ``plan`` and return the new destination shards.
+    """Run this process's ranks of ``plan`` on its global schedule and return the new destination shards.
+
+    For callers that hold the whole plan (a refit group, the elastic pairs);
+    :func:`transfer_multiprocess` plans and schedules only this process's ranks
+    (:func:`run_schedule`).
 
     Args:
       plan: the plan every process computed.
@@ -116,12 +133,36 @@ def run_plan(
       ``({(tensor, rank): single-device jax array}, stats)``. The arrays alias
       freshly allocated buffers: nothing the caller holds is written.
     """
+    options = options or plan.options
+    sched = build_schedule(plan, options)
+    return run_schedule(plan.tensors, sched, comm, sources, targets, options=options, backend=backend, report=report)
+
+
+def run_schedule(
+    tensors: Sequence[TensorSpec],
+    schedule: Schedule,
+    comm: Communicator,
+    sources: Mapping[tuple[int, int], Any],
+    targets: Mapping[tuple[int, int], Any],
+    *,
+    options: Options,
+    backend: BufferBackend | None = None,
+    report: ReportBuilder | None = None,
+) -> tuple[dict[tuple[int, int], Any], ExecStats]:
+    """Run ``schedule`` (rounds of this process's ranks) and return the new destination shards.
+
+    Args:
+      tensors: the tensors the schedule moves (their destination layouts size the new shards).
+      schedule: the rounds, from :func:`~jreshard.nccl.pairsched.pair_schedule` or
+        :func:`~jreshard.nccl.schedule.build_schedule`.
+      comm, sources, targets, options, backend, report: as for :func:`run_plan`.
+    """
     backend = backend or CpuBuffers()
     src = {k: backend.export_source(a) for k, a in sources.items()}
     dst, meta = {}, {}
     devices: dict[int, Any] = {}
     for (t, r), device in targets.items():
-        lay = plan.tensors[t].dst
+        lay = tensors[t].dst
         box = lay.box_of(r)
         (dst[(t, r)],) = backend.allocate([box.volume * lay.itemsize], device)
         meta[(t, r)] = (box.shape, lay.np_dtype, device)
@@ -129,7 +170,14 @@ def run_plan(
     for (_, r), a in sources.items():
         devices.setdefault(r, next(iter(a.devices())))
     stats = execute(
-        plan, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
+        None,
+        comm,
+        Shards(src=src, dst=dst),
+        options=options,
+        backend=backend,
+        devices=devices,
+        report=report,
+        schedule=schedule,
     )
     out = {k: backend.import_shard(dst[k], *meta[k]) for k in dst}
     return out, stats
@@ -169,7 +217,9 @@ def transfer_multiprocess(
         be this process's device ids that take part. ``comm`` is then unused.
       buffers: the buffer operations (default numpy on CPU; ``CupyBuffers`` on GPUs).
       report: a report builder the engine adds its phases, bytes and messages to.
-      details: return ``(result, stats, plan)`` instead of the result alone.
+      details: return ``(result, stats, programs)`` instead of the result alone: what the engine
+        did for this process's ranks, and their programs ``{rank: RankProgram}`` (the ranks of
+        ``transport``). No process builds the whole plan; ``jreshard.plan`` gives it.
 
     Returns:
       The same tree of global arrays with the target shardings (see the module
@@ -192,10 +242,18 @@ def transfer_multiprocess(
     }
     pairs, names, devices = layout_pairs([x_leaves[i] for i in moved], [shardings[i] for i in moved])
     topology = topology or Topology.from_devices(devices)
-    plan = plan_layouts(pairs, topology, options, names)
     if transport is None:
         MPI = import_mpi()
         transport = _cluster_comm(MPI.COMM_WORLD if comm is None else comm)
+    if buffers is None or isinstance(buffers, CpuBuffers):
+        tensors, programs, sched = schedule_local(pairs, names, topology, options, transport)
+    else:  # device buffers (NCCL): the scheduling mail would need them too, not built yet (module docstring)
+        plan = plan_layouts(pairs, topology, options, names)
+        tensors, programs, sched = (
+            list(plan.tensors),
+            plan.programs(transport.local_ranks),
+            build_schedule(plan, options),
+        )
     sources, targets = {}, {}
     me = jax.process_index()
     for t, i in enumerate(moved):
@@ -206,11 +264,39 @@ def transfer_multiprocess(
         for d in shardings[i].device_set:
             if d.process_index == me:
                 targets[(t, d.id)] = d
-    shards, stats = run_plan(plan, transport, sources, targets, options=options, backend=buffers, report=report)
+    shards, stats = run_schedule(
+        tensors, sched, transport, sources, targets, options=options, backend=buffers, report=report
+    )
     out = list(x_leaves)
     for t, i in enumerate(moved):
         a, sharding = x_leaves[i], shardings[i]
         mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
         out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine)
     result = jax.tree_util.tree_unflatten(treedef, out)
-    return (result, stats, plan) if details else result
+    return (result, stats, programs) if details else result
+
+
+def schedule_local(
+    pairs: Sequence[tuple[Any, Any]],
+    names: Sequence[str],
+    topology: Topology,
+    options: Options,
+    comm: Communicator,
+) -> tuple[list[TensorSpec], dict[int, RankProgram], Schedule]:
+    """The tensors, the programs of ``comm``'s local ranks and their pair-paced rounds (agreed with the
+    peers over ``comm``): all a process needs to run its part, without the whole plan."""
+    tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(names, pairs, strict=True)]
+    programs = rank_programs(pairs, comm.local_ranks, topology, options, names)
+    canonical, _, _ = prepare_pairs(pairs, topology, options, names)
+    key = (
+        canonical,
+        tuple(names),
+        topology,
+        options.plan_key(),
+        options.chunk_bytes,
+        options.staging_bytes,
+        options.max_group_ops,
+        tuple(sorted(programs)),
+    )
+    sched = pair_schedule(tensors, programs, options, comm_mail(comm, options.timeout_s), key=key)
+    return tensors, programs, sched

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mpi_launch import launch, need_mpi, program, results
 from strategies import plan_case
 
+from jreshard._cache import clear_caches
 from jreshard.nccl.engine import Shards, execute
 from jreshard.nccl.local import LocalComm
 from jreshard.nccl.pairsched import comm_mail, pair_chunk_bytes, pair_paced, pair_schedule
@@ -31,10 +32,10 @@ from jreshard.sharding.topology import Topology
 OPTS = Options(chunk_bytes=64, staging_bytes=4096)
 
 
-def build_per_process(pairs, topo, options, groups):
+def build_per_process(pairs, topo, options, groups, builder=pair_paced):
     """Each process's schedule, built from its own ranks' programs; payloads go through a mail board."""
     tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
-    talks = {i: pair_paced(tensors, rank_programs(pairs, g, topo, options), options) for i, g in enumerate(groups)}
+    talks = {i: builder(tensors, rank_programs(pairs, g, topo, options), options) for i, g in enumerate(groups)}
     board: dict = {}
     waiting = {i: next(t) for i, t in talks.items()}  # process -> (what it posted, what it waits for)
     for out, _ in waiting.values():
@@ -60,13 +61,28 @@ def build_per_process(pairs, topo, options, groups):
 
 
 def merged(schedules):
+    """One schedule of every process's ranks, for LocalComm (one process: each round runs as one group)."""
     steps, local, staging = {}, {}, {}
     for s in schedules:
         steps.update(s.steps)
         local.update(s.local)
         staging.update(s.staging)
     n = max((s.ntensors for s in schedules), default=0)
-    return Schedule(max((s.rounds for s in schedules), default=0), steps, local, staging, n)
+    return Schedule(max((s.rounds for s in schedules), default=0), steps, local, staging, n, groups={})
+
+
+def check_groups(per_process, options):
+    """No rank has more than max_group_ops operations in one exchange group of its process."""
+    for sched in per_process:
+        for r, by_round in sched.steps.items():
+            for rnd, step in by_round.items():
+                cut = sched.groups.get(rnd)
+                if cut is None:  # the round runs as one group
+                    assert len(step.sends) + len(step.recvs) <= options.max_group_ops
+                    continue
+                keys = collections.Counter(cut[(r, w.peer, w.tag)] for w in step.sends)
+                keys.update(cut[(w.peer, r, w.tag)] for w in step.recvs)
+                assert max(keys.values()) <= options.max_group_ops, (r, rnd, keys)
 
 
 def check_matched(sched, options):
@@ -75,7 +91,6 @@ def check_matched(sched, options):
         for rnd, step in by_round.items():
             sends.update((r, w.peer, rnd, w.tag, w.nbytes) for w in step.sends)
             recvs.update((w.peer, r, rnd, w.tag, w.nbytes) for w in step.recvs)
-            assert len(step.sends) + len(step.recvs) <= options.max_group_ops
             staged = sum(w.nbytes for w in (*step.sends, *step.recvs) if w.buf == STAGING)
             assert staged <= options.staging_bytes
     assert sends == recvs
@@ -114,6 +129,7 @@ def test_per_process_schedules_match_and_deliver(case, data):
     groups = [g for g in ([r for r in ranks if owner[r] == p] for p in range(4)) if g]
     per_process = build_per_process(pairs, topo, options, groups)
     assert len(per_process) == len(groups)
+    check_groups(per_process.values(), options)
     sched = merged(list(per_process.values()))
     check_matched(sched, options)
     run_and_check(pairs, topo, options, sched)
@@ -156,6 +172,67 @@ def test_one_process_through_a_communicator():
     run_and_check(pairs, topo, OPTS, sched)
 
 
+@pytest.mark.parametrize("max_ops", [2, 3, 5])
+def test_ranks_with_many_peers_run_rounds_in_bounded_groups(max_ops):
+    """Sixteen sources each send every destination a part: a destination's round holds more operations
+    than max_group_ops, so its process cuts it into groups keyed alike at both ends of every chunk."""
+    shape = (64, 16)
+    src = Layout.from_mesh(np.arange(16), ("x",), ("x",), shape, "float32")
+    dst = Layout.from_mesh(np.arange(16, 24), ("y",), (None, "y"), shape, "float32")
+    topo = Topology.uniform(range(24), domain_size=24)
+    options = Options(chunk_bytes=64, staging_bytes=4096, max_group_ops=max_ops)
+    groups = [list(range(0, 8)), list(range(8, 16)), list(range(16, 20)), list(range(20, 24))]
+    per_process = build_per_process([(src, dst)], topo, options, groups)
+    check_groups(per_process.values(), options)
+    assert any(s.groups for s in per_process.values())  # some rounds were cut
+    sched = merged(list(per_process.values()))
+    check_matched(sched, options)
+    run_and_check([(src, dst)], topo, options, sched)
+    # Both ends of every cut chunk put it in the same group.
+    key = {}
+    for s in per_process.values():
+        for rnd, cut in s.groups.items():
+            for op, k in cut.items():
+                assert key.setdefault((rnd, op), k) == k
+
+
+def test_rank_local_rounds_need_two_operations_per_group():
+    src = Layout.from_mesh(np.arange(2), ("x",), ("x",), (8,), "float32")
+    dst = Layout.replicated(range(2, 4), (8,), "float32")
+    topo = Topology.uniform(range(4), domain_size=2)
+    with pytest.raises(ValueError, match="max_group_ops=1"):
+        build_per_process([(src, dst)], topo, Options(max_group_ops=1), [[0, 1, 2, 3]])
+
+
+def test_a_kept_schedule_replays_its_mail():
+    """Asked again with its key, the schedule is not rebuilt but sends the same mail, so peers that did
+    rebuild it (after clear_caches) get every payload they wait for."""
+    shape = (32, 6)
+    src = Layout.from_mesh(np.arange(4), ("x",), ("x",), shape, "int32")
+    dst = Layout.replicated(range(4, 8), shape, "int32")
+    topo = Topology.uniform(range(8), 2)
+    tensors = [TensorSpec("w", src, dst)]
+    programs = rank_programs([(src, dst)], range(8), topo, OPTS)
+    comm = LocalComm(range(8))
+    said = []
+
+    def mail(out, want):
+        said[-1].append(({k: v.tolist() for k, v in out.items()}, dict(want)))
+        return comm_mail(comm, 5.0)(out, want)
+
+    clear_caches()
+    scheds = []
+    for _ in range(2):
+        said.append([])
+        scheds.append(pair_schedule(tensors, programs, OPTS, mail, key="w"))
+    assert scheds[0] is scheds[1] and said[0] == said[1] and len(said[0]) >= 2
+    clear_caches()
+    said.append([])
+    again = pair_schedule(tensors, programs, OPTS, mail, key="w")
+    assert again is not scheds[0] and said[2] == said[0]
+    assert _wires(again, 5) == _wires(scheds[0], 5)
+
+
 def test_pair_chunks_share_the_staging():
     assert pair_chunk_bytes(4, 2, Options(chunk_bytes=1 << 20, staging_bytes=1 << 20), 4) == (1 << 20) // 8
     assert pair_chunk_bytes(1, 1, Options(chunk_bytes=1024, staging_bytes=1 << 20), 4) == 1024
@@ -164,10 +241,13 @@ def test_pair_chunks_share_the_staging():
 
 
 @pytest.mark.mpi
-def test_pair_rounds_over_mpi(tmp_path):
-    """Four processes, one rank each, plan and schedule only their own ranks and deliver every byte."""
+@pytest.mark.parametrize("max_ops", [None, 2])
+def test_pair_rounds_over_mpi(tmp_path, max_ops):
+    """Four processes, one rank each, plan and schedule only their own ranks and deliver every byte
+    (with max_group_ops=2, in rounds cut into groups)."""
     need_mpi()
-    launch([program(4, "pair_rounds.py")], tmp_path, timeout_s=120)
+    env = {} if max_ops is None else {"JRESHARD_MAX_GROUP_OPS": str(max_ops)}
+    launch([program(4, "pair_rounds.py", env=env)], tmp_path, timeout_s=120)
     got = results(tmp_path, "pairs")
     assert sorted(got) == list(range(4))
     assert all("error" not in r for r in got.values()), got
@@ -178,6 +258,8 @@ def test_pair_rounds_over_mpi(tmp_path):
     assert sum(r["sent"]["FAST"] for r in got.values()) == s.fast_bytes
     assert sum(r["sent"]["NETWORK"] for r in got.values()) == s.network_bytes == s.network_bytes_lower_bound
     assert all(r["staging"] <= 4096 for r in got.values())
+    if max_ops is not None:
+        assert sum(r["cut_rounds"] for r in got.values()) > 0
 
 
 def engine_groups_case(n):

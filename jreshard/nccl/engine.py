@@ -16,7 +16,10 @@ Local copies (``RankProgram.local``) run first, straight from the source shard.
 
 **Report.** Given a :class:`~jreshard.report.ReportBuilder`, :func:`execute` adds
 the time of every phase (pack, network, fan-out, unpack with the local copies),
-the bytes per link, the messages and the staging it held. An exchange group is
+the bytes per link, the messages and the staging it held. A message is what a
+plan counts as one (:attr:`~jreshard.sharding.plan.PlanStats.messages`): all a
+rank sends one peer at one stage, however many chunks carry it, so the messages
+of all processes add up to the plan's whatever the chunking. An exchange group is
 timed as a whole: a group that carries any network chunk counts as network time
 (the fan-out chunks inside it overlap with it), a group of fast-link chunks only
 as fan-out time.
@@ -33,10 +36,12 @@ from jreshard.nccl import kernels
 from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 from jreshard.nccl.groups import exchange_groups, group_rounds
+from jreshard.nccl.ranksteps import RankSteps
 from jreshard.nccl.schedule import (
     DST,
     SRC,
     STAGING,
+    TAG_CHUNK_BITS,
     Schedule,
     Step,
     Wire,
@@ -164,7 +169,11 @@ def execute(
     held = sum(sched.staging.get(r, 0) for r in ranks)
     rep.staging(held)
     rounds_run = 0
-    cuts = group_rounds(sched, options.max_group_ops).group_of  # rounds over max_group_ops ops run as groups
+    if sched.groups is None:  # a global schedule: rounds over max_group_ops operations run as groups
+        cuts = group_rounds(sched, options.max_group_ops).group_of
+    else:  # a rank-local one carries its own cut, agreed with the peers
+        cuts = sched.groups
+    messages: set[tuple[int, int, int]] = set()  # (rank, peer, stage) of the messages sent
     for rnd in range(sched.rounds):
         sends: list[SendOp] = []
         recvs: list[RecvOp] = []
@@ -180,7 +189,10 @@ def execute(
                 for w in step.sends:
                     sends.append(SendOp(r, w.peer, w.tag, _region(w, bufs[r], arenas[r])))
                     sent[w.link] += w.nbytes
-                    rep.add_bytes(w.link, w.nbytes, messages=1)
+                    key = (r, w.peer, w.tag >> TAG_CHUNK_BITS)
+                    first = key not in messages
+                    messages.add(key)
+                    rep.add_bytes(w.link, w.nbytes, messages=int(first))
                     network = network or w.link is Link.NETWORK
                 recvs.extend(RecvOp(w.peer, r, w.tag, _region(w, bufs[r], arenas[r])) for w in step.recvs)
                 network = network or any(w.link is Link.NETWORK for w in step.recvs)
@@ -217,7 +229,10 @@ def _check_buffers(sched: Schedule, ranks: tuple[int, ...], bufs: dict[int, list
     missing: list[str] = []
     for r in ranks:
         need: set[int] = set()
-        for step in sched.steps.get(r, {}).values():
+        by_round = sched.steps.get(r, {})
+        if isinstance(by_round, RankSteps):  # steps held as tables: read them, make no Step
+            need = by_round.buffers()
+        for step in () if isinstance(by_round, RankSteps) else by_round.values():
             need.update(int(b) for b in step.pack[:, kernels.BUF])
             need.update(int(b) for b in step.unpack[:, kernels.BUF])
             need.update(w.buf for w in (*step.sends, *step.recvs) if w.buf != STAGING)

@@ -55,6 +55,7 @@ __all__ = [
     "SRC",
     "STAGE_ALIGN",
     "STAGING",
+    "TAG_CHUNK_BITS",
     "Schedule",
     "Step",
     "Wire",
@@ -113,6 +114,10 @@ class Schedule:
         shards ``src_keys[i] = (tensor, rank)`` into ``rank``'s destination shards.
       staging: ``staging[rank]``: the most staging bytes ``rank`` ever holds at once.
       ntensors: tensors in the plan.
+      groups: how rounds are cut into exchange groups, ``{round: {(src, dst, tag): group}}``
+        (rounds absent run as one group), when the schedule carries its own cut (a rank-local
+        one, :mod:`jreshard.nccl.pairsched`); None: the engine cuts it with
+        :func:`jreshard.nccl.groups.group_rounds`, which needs every rank's steps.
     """
 
     rounds: int
@@ -120,6 +125,7 @@ class Schedule:
     local: Mapping[int, tuple[tuple[tuple[int, int], ...], np.ndarray, np.ndarray]]
     staging: Mapping[int, int]
     ntensors: int
+    groups: Mapping[int, Mapping[tuple[int, int, int], int]] | None = None
 
 
 def chunk_pieces(pieces: Iterable[tuple[int, Box]], chunk_bytes: int) -> list[list[tuple[int, Box]]]:

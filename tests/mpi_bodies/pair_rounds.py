@@ -10,6 +10,8 @@ from __future__ import annotations
 
 
 def body() -> dict:
+    import os
+
     from engine_groups import case, check, shards_for
     from mpi4py import MPI
 
@@ -26,7 +28,8 @@ def body() -> dict:
     _, pairs, globals_ = case(n)  # the seeded layouts and values (its plan is not used)
     topo = Topology.uniform(range(n), domain_size=4)
     comm = MpiComm(world, {r: r for r in range(n)})
-    opts = Options(chunk_bytes=64, staging_bytes=4096, timeout_s=60)
+    max_ops = int(os.environ.get("JRESHARD_MAX_GROUP_OPS", str(Options().max_group_ops)))
+    opts = Options(chunk_bytes=64, staging_bytes=4096, timeout_s=60, max_group_ops=max_ops)
     tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
     programs = rank_programs(pairs, comm.local_ranks, topo, opts)
     sched = pair_schedule(tensors, programs, opts, comm_mail(comm, opts.timeout_s))
@@ -39,6 +42,7 @@ def body() -> dict:
         "sent": {lk.name: v for lk, v in stats.sent_bytes.items()},
         "rounds": sched.rounds,
         "staging": max(sched.staging.values(), default=0),
+        "cut_rounds": len(sched.groups or {}),
     }
 
 

@@ -1,0 +1,43 @@
+"""Make every function that plans the whole cluster raise, and record which ranks get a program.
+
+Used by the rank-local tests: on the front door's multi-process path a process plans and
+schedules only the ranks it drives. Guarded: the whole plan (``plan_layouts``' cached planner and
+``plan_tensor``, which plans every unit of a tensor), slicing a plan into rank programs
+(``Plan.program``/``Plan.programs``) and the global schedule (``build_schedule``'s builder).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WholePlanCalled(AssertionError):
+    pass
+
+
+def guard(patch: Any) -> list[int]:
+    """Patch with ``patch(obj, name, value)`` (pytest's ``monkeypatch.setattr`` or :func:`setattr`);
+    return the list the ranks given a program are appended to."""
+    from jreshard.nccl import schedule
+    from jreshard.sharding import plan, planner
+
+    def refuse(what: str):
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise WholePlanCalled(f"{what} was called on the rank-local path")
+
+        return call
+
+    patch(planner, "_plan_cached", refuse("the whole plan (plan_layouts)"))
+    patch(planner, "plan_tensor", refuse("plan_tensor (every unit of a tensor)"))
+    patch(plan.Plan, "program", refuse("Plan.program"))
+    patch(plan.Plan, "programs", refuse("Plan.programs"))
+    patch(schedule, "_schedule_cached", refuse("the global schedule (build_schedule)"))
+    programmed: list[int] = []
+    inner = planner._rank_program_cached
+
+    def record(pairs: Any, rank: int, topology: Any, options: Any) -> Any:
+        programmed.append(rank)
+        return inner(pairs, rank, topology, options)
+
+    patch(planner, "_rank_program_cached", record)
+    return programmed

@@ -1,0 +1,45 @@
+"""``transfer_multiprocess`` plans only this process's ranks: every whole-plan function raises here.
+
+Each process guards the whole-plan functions (``no_whole_plan.guard``), runs seeded random
+transfers (as ``multi_transfer.py``) and checks its target shards against numpy; it reports the
+ranks it computed a program for and its own device ids.
+"""
+
+import numpy as np
+from _common import main
+
+
+def body() -> dict:
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from no_whole_plan import guard
+
+    from jreshard.multi import initialize, transfer_multiprocess
+    from jreshard.options import Options
+
+    initialize()
+    programmed = guard(setattr)
+    devs = jax.devices()
+    n = len(devs)
+    rng = np.random.default_rng(77)
+    checked = 0
+    for case in range(4):
+        k_src, k_dst = (int(rng.choice([k for k in (1, 2, 4, 8) if k <= n])) for _ in range(2))
+        src_mesh = jax.sharding.Mesh(np.array([devs[i] for i in rng.permutation(n)[:k_src]]), ("a",))
+        dst_mesh = jax.sharding.Mesh(np.array([devs[i] for i in rng.permutation(n)[:k_dst]]), ("a",))
+        src = NamedSharding(src_mesh, [P("a"), P(None, "a"), P()][case % 3])
+        dst = NamedSharding(dst_mesh, [P(None, "a"), P("a"), P("a")][case % 3])
+        shape = (8, 16)
+        g = (np.arange(np.prod(shape)) * (case + 3)).reshape(shape).astype(np.float32)
+        x = jax.make_array_from_callback(shape, src, lambda idx, g=g: g[idx], dtype=np.float32)
+        y = transfer_multiprocess(x, dst, options=Options(chunk_bytes=64, staging_bytes=4096, timeout_s=60))
+        for s in y.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(s.data), g[s.index])
+            checked += 1
+    mine = sorted(d.id for d in jax.local_devices())
+    return {"checked": checked, "programmed": sorted(set(programmed)), "mine": mine}
+
+
+if __name__ == "__main__":
+    main("ranklocal", body)
