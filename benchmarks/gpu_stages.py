@@ -247,6 +247,14 @@ def nccl(emit, quick):
         st = stats(times, total)
         emit(f"self send/recv in {chunk // MiB} MiB chunks", "ok" if same else "FAILED", **st,
              vs_memcpy=float(np.median(base)) / float(np.median(times)))  # fmt: skip
+    # The rank-local schedule's mail: int64 payloads through device buffers, on the deferred streams.
+    from jreshard.nccl.pairsched import COUNT_OUT, ROUNDS, comm_mail
+
+    out = {(0, 1, COUNT_OUT): np.array([3, 1], np.int64), (0, 1, ROUNDS + 1): np.arange(7, dtype=np.int64)}
+    t0 = time.perf_counter()
+    got = comm_mail(comm, 60.0, buffers=comm.buffers(), devices={0: g, 1: g})(out, {k: v.size for k, v in out.items()})
+    same = all(np.array_equal(got[k], v) for k, v in out.items())
+    emit("scheduling mail in device buffers", "ok" if same else "FAILED", seconds=time.perf_counter() - t0)
 
 
 def transfer(emit, quick):

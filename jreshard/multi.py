@@ -10,12 +10,10 @@ builds the whole plan or every rank's schedule. It runs them through the shared
 engine (:func:`jreshard.nccl.engine.execute`) over :class:`MpiComm`. A device's
 rank is its ``device.id``, which is unique in a jax cluster.
 
-**The rule for GPU buffers.** The scheduling mail travels over the transport in host
-memory, which MPI (and the in-process transports) carry. With device buffers (a
-``buffers`` backend other than :class:`~jreshard.nccl.buffers.CpuBuffers`: NCCL, or
-CuPy in one process) every process builds the whole plan and its global schedule
-(:func:`jreshard.nccl.schedule.build_schedule`), as before; the mail on device
-buffers is not built.
+**Device buffers.** The scheduling mail travels in the ``buffers`` backend's memory, as
+the chunks do (:func:`jreshard.nccl.pairsched.comm_mail`): on GPUs, a few integers per
+peer go through small device buffers over NCCL (not run on GPU); on CPU, in host memory
+with no copy. So every transport takes the same rank-local path.
 
 **What each process gets.** A global ``jax.Array`` per leaf with the target
 sharding, exactly as jax represents global arrays in a multi-controller
@@ -46,7 +44,7 @@ from jreshard.options import Options
 from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
 from jreshard.sharding.plan import Plan, RankProgram
-from jreshard.sharding.planner import plan_layouts, prepare_pairs, rank_programs
+from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 
@@ -245,15 +243,8 @@ def transfer_multiprocess(
     if transport is None:
         MPI = import_mpi()
         transport = _cluster_comm(MPI.COMM_WORLD if comm is None else comm)
-    if buffers is None or isinstance(buffers, CpuBuffers):
-        tensors, programs, sched = schedule_local(pairs, names, topology, options, transport)
-    else:  # device buffers (NCCL): the scheduling mail would need them too, not built yet (module docstring)
-        plan = plan_layouts(pairs, topology, options, names)
-        tensors, programs, sched = (
-            list(plan.tensors),
-            plan.programs(transport.local_ranks),
-            build_schedule(plan, options),
-        )
+    where = {d.id: d for d in jax.local_devices()}
+    tensors, programs, sched = schedule_local(pairs, names, topology, options, transport, buffers, where)
     sources, targets = {}, {}
     me = jax.process_index()
     for t, i in enumerate(moved):
@@ -282,9 +273,12 @@ def schedule_local(
     topology: Topology,
     options: Options,
     comm: Communicator,
+    buffers: BufferBackend | None = None,
+    devices: Mapping[int, Any] | None = None,
 ) -> tuple[list[TensorSpec], dict[int, RankProgram], Schedule]:
     """The tensors, the programs of ``comm``'s local ranks and their pair-paced rounds (agreed with the
-    peers over ``comm``): all a process needs to run its part, without the whole plan."""
+    peers over ``comm``, the mail in ``buffers`` on ``devices[rank]``): all a process needs to run
+    its part, without the whole plan."""
     tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(names, pairs, strict=True)]
     programs = rank_programs(pairs, comm.local_ranks, topology, options, names)
     canonical, _, _ = prepare_pairs(pairs, topology, options, names)
@@ -298,5 +292,6 @@ def schedule_local(
         options.max_group_ops,
         tuple(sorted(programs)),
     )
-    sched = pair_schedule(tensors, programs, options, comm_mail(comm, options.timeout_s), key=key)
+    mail = comm_mail(comm, options.timeout_s, buffers=buffers, devices=devices)
+    sched = pair_schedule(tensors, programs, options, mail, key=key)
     return tensors, programs, sched

@@ -273,17 +273,34 @@ class OutOfMemoryError(MemoryError):
 class FakeDeviceArray:
     """A 1-D uint8 "device array": remembers the device current when it was made."""
 
-    def __init__(self, n: int, device: int, ptr: int):
+    def __init__(self, n: int, device: int, ptr: int, cuda: RecordingCuda | None = None):
+        self.cuda = cuda
         self.size, self.shape = n, (n,)
         self.device = types.SimpleNamespace(id=device)
         self.data = types.SimpleNamespace(ptr=ptr)
 
     def __getitem__(self, s: slice) -> FakeDeviceArray:
         start, stop, _ = s.indices(self.size)
-        return FakeDeviceArray(stop - start, self.device.id, self.data.ptr + start)
+        return FakeDeviceArray(stop - start, self.device.id, self.data.ptr + start, self.cuda)
 
     def __len__(self) -> int:
         return self.size
+
+    # ``set``/``get`` as ``cupy.ndarray`` declares them (the contract test compares the names); they log
+    # the device current and the stream, and move no bytes (``get`` answers zeros).
+    def set(self, arr, stream=None):
+        assert arr.shape == self.shape and arr.dtype == np.uint8, (arr.shape, arr.dtype)
+        self._log("set", stream)
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        self._log("get", stream)
+        return np.zeros(self.size, np.uint8)
+
+    def _log(self, what, stream):
+        cuda = self.cuda
+        if stream is not None:
+            stream._check(f"ndarray.{what}")
+        cuda.log.append((what, self.size, cuda.device, None if stream is None else stream.ptr))
 
     @property
     def __cuda_array_interface__(self) -> dict:
@@ -304,14 +321,14 @@ def fake_cupy(cuda: RecordingCuda | None = None, *, free: int = 1 << 40, total: 
         ptr = state["ptr"]
         state["ptr"] += -(-max(n, 1) // 512) * 512
         cuda.log.append(("empty", n, cuda.device))
-        return FakeDeviceArray(n, cuda.device, ptr)
+        return FakeDeviceArray(n, cuda.device, ptr, cuda)
 
     def filled(what):
         def make(data, *args, **kwargs):
             n = int(np.asarray(data).size) if what == "asarray" else int(data)
             stream = cuda.current.get(cuda.device)
             cuda.log.append((what, n, cuda.device, None if stream is None else stream.ptr))
-            return FakeDeviceArray(n, cuda.device, 0)
+            return FakeDeviceArray(n, cuda.device, 0, cuda)
 
         return make
 

@@ -273,6 +273,7 @@ def test_the_cupy_signatures_jreshard_and_gpu_check_call_with(cupy, nccl):
         cupy.cuda.get_elapsed_time: ["start_event", "end_event"],
         cupy.cuda.MemoryPointer.copy_from_device_async: ["src", "size", "stream"],
         cupy.ndarray.set: ["arr", "stream"],
+        cupy.ndarray.get: ["stream", "order", "out", "blocking"],
         cupy.cuda.UnownedMemory: ["ptr", "size", "owner", "device_id"],
         cupy.cuda.MemoryPointer: ["mem", "offset"],
         cupy.from_dlpack: ["array", "*", "device", "copy"],

@@ -187,3 +187,20 @@ def test_pack_runs_on_the_staging_gpu_stream_and_unpack_waits_for_the_current_st
     log = [e for e in cp.cuda.log if e[0] in ("record", "wait_event", "launch")]
     current = cp.cuda.current[1].ptr
     assert log[1:] == [("record", current), ("wait_event", s1, current), launches[1]]
+
+
+def test_mail_goes_up_and_down_on_the_buffers_gpu_and_stream():
+    """upload/download (the scheduling mail) copy on the named GPU and this backend's stream there,
+    whatever device is current, and hand the host an array of the buffer's length."""
+    cp = fake_cupy()
+    bufs = CupyBuffers(cupy=cp)
+    host = np.arange(16, dtype=np.uint8)
+    up = bufs.upload(host, gpu(2))
+    assert (up.device.id, up.size, cp.cuda.device) == (2, 16, 0)
+    s2 = bufs.stream(2)
+    assert ("set", 16, 2, s2.ptr) in cp.cuda.log
+    down = bufs.download(up[8:16])
+    assert isinstance(down, np.ndarray) and down.shape == (8,) and down.dtype == np.uint8
+    assert ("get", 8, 2, s2.ptr) in cp.cuda.log and cp.cuda.device == 0
+    empty = bufs.upload(np.zeros(0, np.uint8), gpu(1))
+    assert empty.size == 0 and not any(e[0] == "set" and e[2] == 1 for e in cp.cuda.log)

@@ -19,11 +19,11 @@ from mpi_launch import BODIES, launch, need_mpi, program, results
 
 import jreshard
 from jreshard.multi import transfer_multiprocess
-from jreshard.nccl.buffers import BufferBackend, CpuBuffers
 from jreshard.nccl.local import LocalComm
 from jreshard.sharding.topology import Topology
 
 sys.path.insert(0, str(BODIES))
+from device_like import DeviceLikeBuffers, DeviceOnlyComm, HostMemoryOnTheWire
 from no_whole_plan import WholePlanCalled, guard
 
 
@@ -55,60 +55,55 @@ def test_transfer_over_a_transport_builds_no_whole_plan(monkeypatch):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize(("procs", "devices"), [(2, 2), (4, 1)])
-def test_each_process_plans_only_its_own_ranks(tmp_path, procs, devices):
+@pytest.mark.parametrize(("procs", "devices", "memory"), [(2, 2, "host"), (4, 1, "host"), (2, 2, "device")])
+def test_each_process_plans_only_its_own_ranks(tmp_path, procs, devices, memory):
+    """``device``: the buffers are device-like and the MPI transport takes only their memory."""
     need_mpi()
-    launch([program(procs, "rank_local_transfer.py")], tmp_path, devices=devices, timeout_s=150)
+    launch([program(procs, "rank_local_transfer.py", memory)], tmp_path, devices=devices, timeout_s=150)
     got = results(tmp_path, "ranklocal")
     assert sorted(got) == list(range(procs))
     for r in got.values():
         assert "error" not in r, r["error"]
         assert r["programmed"] and set(r["programmed"]) <= set(r["mine"])  # its own devices, never a peer's
     assert sum(r["checked"] for r in got.values()) > 0
+    if memory == "device":
+        assert all(r["mail_ops"] > 0 and r["chunk_ops"] > 0 for r in got.values())
 
 
-class _DeviceLikeBuffers(BufferBackend):
-    """Host buffers behind a backend that is not CpuBuffers, as NCCL's device buffers are."""
-
-    def __init__(self):
-        self.cpu = CpuBuffers()
-
-    def export_source(self, shard):
-        return self.cpu.export_source(shard)
-
-    def writable_view(self, array):
-        return self.cpu.writable_view(array)
-
-    def allocate(self, sizes, device):
-        return self.cpu.allocate(sizes, device)
-
-    def import_shard(self, buffer, shape, dtype, device):
-        return self.cpu.import_shard(buffer, shape, dtype, device)
-
-    def staging(self, nbytes, device=None):
-        return self.cpu.staging(nbytes, device)
-
-    def pack(self, table, buffers, staging):
-        self.cpu.pack(table, buffers, staging)
-
-    def unpack(self, table, staging, buffers):
-        self.cpu.unpack(table, staging, buffers)
-
-    def copy(self, src_table, src, dst_table, dst):
-        self.cpu.copy(src_table, src, dst_table, dst)
-
-
-def test_device_buffers_keep_the_global_schedule(monkeypatch):
-    """With buffers other than CpuBuffers (NCCL's) the mail is not built: the whole plan and the
-    global schedule run, as the module docstring of jreshard.multi says."""
+def test_device_buffers_carry_the_mail_and_no_whole_plan_is_built(monkeypatch):
+    """With a backend other than CpuBuffers (NCCL's device buffers) over a transport that, like NCCL,
+    takes only that backend's memory, the scheduling mail travels in it too: rank-local, bit-exact."""
     devs = np.array(jax.devices())
     src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
-    dst = NamedSharding(Mesh(devs[4:], ("tp",)), P(None, "tp"))
-    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), src)
-    args = dict(topology=Topology.uniform(range(8), domain_size=4), transport=LocalComm(range(8)))
-    out = transfer_multiprocess(x, dst, buffers=_DeviceLikeBuffers(), **args)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
-    guard(monkeypatch.setattr)
-    with pytest.raises(WholePlanCalled):
-        transfer_multiprocess(x, dst, buffers=_DeviceLikeBuffers(), **args)
-    transfer_multiprocess(x, dst, buffers=CpuBuffers(), **args)  # host buffers: rank-local, no whole plan
+    dst = NamedSharding(Mesh(devs[2:6].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    x = {"a": jax.device_put(jnp.arange(64.0).reshape(8, 8), src), "b": jax.device_put(jnp.ones((16, 4)), src)}
+    programmed = guard(monkeypatch.setattr)
+    buffers = DeviceLikeBuffers()
+    comm = DeviceOnlyComm(LocalComm(range(8)), buffers)
+    out = transfer_multiprocess(
+        x,
+        {"a": dst, "b": dst},
+        topology=Topology.uniform(range(8), domain_size=4),
+        options=jreshard.Options(chunk_bytes=64, staging_bytes=4096),
+        transport=comm,
+        buffers=buffers,
+    )
+    for k in x:
+        for a, b in zip(out[k].addressable_shards, jax.device_put(x[k], dst).addressable_shards, strict=True):
+            np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    assert comm.mail_ops > 0 and comm.chunk_ops > 0
+    assert buffers.uploads > 0 and buffers.downloads > 0
+    assert sorted(set(programmed)) == list(range(8))
+
+
+def test_the_device_only_transport_refuses_host_mail():
+    """The twin above can fail: mail built in host memory (the host path's mail) is refused by it."""
+    from jreshard.nccl.pairsched import COUNT_OUT, comm_mail
+
+    buffers = DeviceLikeBuffers()
+    comm = DeviceOnlyComm(LocalComm(range(2)), buffers)
+    payload = {(0, 1, COUNT_OUT): np.array([1, 0], np.int64)}
+    with pytest.raises(HostMemoryOnTheWire):
+        comm_mail(comm, 5.0)(payload, {(0, 1, COUNT_OUT): 2})
+    got = comm_mail(comm, 5.0, buffers=buffers)(payload, {(0, 1, COUNT_OUT): 2})
+    assert got[(0, 1, COUNT_OUT)].tolist() == [1, 0] and comm.mail_ops == 2

@@ -237,6 +237,16 @@ class BufferBackend(abc.ABC):
     def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
         """Copy piece ``i`` of ``src_table`` into piece ``i`` of ``dst_table``."""
 
+    @abc.abstractmethod
+    def upload(self, data: np.ndarray, device: Any) -> Any:
+        """A 1-D uint8 buffer on ``device`` holding the host bytes ``data`` (a few integers: the
+        scheduling mail), ready for the next exchange after :meth:`fence`."""
+
+    @abc.abstractmethod
+    def download(self, buffer: Any) -> np.ndarray:
+        """The bytes of ``buffer`` (from :meth:`upload` or :meth:`staging`) as a host uint8 array,
+        after everything issued so far has landed (call :meth:`synchronize` first)."""
+
     def synchronize(self) -> None:
         """Wait for every copy issued so far (default: copies are synchronous)."""
         return None
@@ -288,6 +298,12 @@ class CpuBuffers(BufferBackend):
 
     def staging(self, nbytes: int, device: Any = None) -> np.ndarray:
         return aligned_empty(nbytes)
+
+    def upload(self, data: np.ndarray, device: Any) -> np.ndarray:
+        return np.ascontiguousarray(data, np.uint8)  # already host memory: no copy
+
+    def download(self, buffer: np.ndarray) -> np.ndarray:
+        return buffer
 
     def pack(self, table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
         kernels.pack_cpu(table, buffers, staging)

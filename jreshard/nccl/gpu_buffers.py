@@ -264,6 +264,23 @@ class CupyBuffers(BufferBackend):
         o = self._cp.cuda.Device().id if device is None else _ordinal(device)
         return self._empty(max(int(nbytes), 0), o, "staging")
 
+    def upload(self, data: np.ndarray, device: Any) -> Any:
+        """``data`` (host uint8) copied into a new buffer on ``device``, on this backend's stream
+        (the mail of the rank-local schedule: a few integers). Not run on GPU."""
+        o = _ordinal(device)
+        buf = self._empty(int(data.size), o, "scheduling mail")
+        if data.size:
+            with self._cp.cuda.Device(o):
+                buf.set(np.ascontiguousarray(data, np.uint8), stream=self.stream(o))
+        return buf
+
+    def download(self, buffer: Any) -> np.ndarray:
+        """``buffer``'s bytes on the host, copied on this backend's stream after what it ordered
+        there (with ``NcclComm.buffers()``, the receives). Not run on GPU."""
+        o = buffer.device.id
+        with self._cp.cuda.Device(o):
+            return np.asarray(buffer.get(stream=self.stream(o)))
+
     @staticmethod
     def _pointers(buffers: Sequence[Any]) -> list[int]:
         return [0 if b is None else int(b.data.ptr) for b in buffers]

@@ -2,8 +2,12 @@
 
 Each process guards the whole-plan functions (``no_whole_plan.guard``), runs seeded random
 transfers (as ``multi_transfer.py``) and checks its target shards against numpy; it reports the
-ranks it computed a program for and its own device ids.
+ranks it computed a program for and its own device ids. With the argument ``device`` the buffers
+are ``device_like.DeviceLikeBuffers`` over an MPI transport that takes only their memory (as
+NCCL takes only device memory), so the scheduling mail must travel in them too.
 """
+
+import sys
 
 import numpy as np
 from _common import main
@@ -15,11 +19,19 @@ def body() -> dict:
     from jax.sharding import PartitionSpec as P
     from no_whole_plan import guard
 
-    from jreshard.multi import initialize, transfer_multiprocess
+    from jreshard.multi import _cluster_comm, initialize, transfer_multiprocess
     from jreshard.options import Options
 
     initialize()
     programmed = guard(setattr)
+    extra, comm = {}, None
+    if "device" in sys.argv[1:]:
+        from device_like import DeviceLikeBuffers, DeviceOnlyComm
+        from mpi4py import MPI
+
+        buffers = DeviceLikeBuffers()
+        comm = DeviceOnlyComm(_cluster_comm(MPI.COMM_WORLD), buffers)
+        extra = {"transport": comm, "buffers": buffers}
     devs = jax.devices()
     n = len(devs)
     rng = np.random.default_rng(77)
@@ -33,12 +45,13 @@ def body() -> dict:
         shape = (8, 16)
         g = (np.arange(np.prod(shape)) * (case + 3)).reshape(shape).astype(np.float32)
         x = jax.make_array_from_callback(shape, src, lambda idx, g=g: g[idx], dtype=np.float32)
-        y = transfer_multiprocess(x, dst, options=Options(chunk_bytes=64, staging_bytes=4096, timeout_s=60))
+        y = transfer_multiprocess(x, dst, options=Options(chunk_bytes=64, staging_bytes=4096, timeout_s=60), **extra)
         for s in y.addressable_shards:
             np.testing.assert_array_equal(np.asarray(s.data), g[s.index])
             checked += 1
     mine = sorted(d.id for d in jax.local_devices())
-    return {"checked": checked, "programmed": sorted(set(programmed)), "mine": mine}
+    mail = {} if comm is None else {"mail_ops": comm.mail_ops, "chunk_ops": comm.chunk_ops}
+    return {"checked": checked, "programmed": sorted(set(programmed)), "mine": mine, **mail}
 
 
 if __name__ == "__main__":
