@@ -17,8 +17,10 @@ process by process. Declarations are exchanged; every process checks all of
 them (names, shapes, dtypes on both sides, every process of a side agreeing, a
 device a process does not have, a source that does not cover a tensor) and
 raises :class:`LayoutMismatchError` with the same full list on every process of
-both sides before any weight moves. Otherwise each process computes the same
-plan and caches it.
+both sides before any weight moves. Otherwise each process plans only the
+ranks it drives (their programs, no whole plan) and, at the first refit, agrees
+their rounds with its peers in a few small messages; the schedule is kept for
+every later refit. ``group.plan`` builds the whole plan only when read.
 
 A refit. ``push(params, version)`` on every source process and ``pull(...)`` on
 every destination process: (1) a *begin* vote (each side's local checks, the
@@ -42,11 +44,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
-from jreshard.multi import assemble, run_plan
+from jreshard.multi import assemble, run_schedule, schedule_local
 from jreshard.nccl.mpi import MpiComm, import_mpi
 from jreshard.nccl.mpi_control import Control
+from jreshard.nccl.schedule import Schedule
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, problems, validate
+from jreshard.sharding.plan import Plan
+from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 
 __all__ = ["RefitGroup", "Role"]
@@ -112,9 +117,10 @@ class RefitGroup:
         self._base = bases[self._control.rank]
         self._index = {n: t for t, n in enumerate(self.names)}
         self.topology = Topology.from_domains(domains, devices={r: r for r in domains}, **(links or {}))
-        from jreshard.sharding.planner import plan_layouts
-
-        self.plan = plan_layouts(pairs, self.topology, self.options, self.names)
+        self._pairs = pairs
+        self._tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(self.names, pairs, strict=True)]
+        self._plan: Plan | None = None
+        self._schedule: Schedule | None = None  # this process's ranks only, agreed with peers at the first refit
         self._comm = MpiComm(comm, rank_process)
         self._decl = mine
         self.version: int | None = None
@@ -167,6 +173,20 @@ class RefitGroup:
         merged = inter.Merge(high=role is Role.DESTINATION)
         return cls(role, params, comm=merged, **kwargs)
 
+    @property
+    def plan(self) -> Plan:
+        """The whole plan of the group (every rank's moves), built when first read and kept.
+
+        Refits do not build it: each process plans and schedules only the ranks it drives,
+        agreeing on rounds with its peers at the first refit. Read it for statistics
+        (``group.plan.stats()``) or pictures.
+        """
+        if self._plan is None:
+            from jreshard.sharding.planner import plan_layouts
+
+            self._plan = plan_layouts(self._pairs, self.topology, self.options, self.names)
+        return self._plan
+
     def _describe(self, p: int) -> str:
         return f"process {p} ({self._roles.get(p, 'unknown role')})"
 
@@ -191,7 +211,9 @@ class RefitGroup:
         err = ""
         shards: dict = {}
         try:
-            shards, _ = run_plan(self.plan, self._comm, sources, targets, options=self.options)
+            if self._schedule is None:
+                _, _, self._schedule = schedule_local(self._pairs, self.names, self.topology, self.options, self._comm)
+            shards, _ = run_schedule(self._tensors, self._schedule, self._comm, sources, targets, options=self.options)
         except TransferError as e:
             err = f"{type(e).__name__}: {e}"
             self._broken = err
@@ -237,7 +259,7 @@ class RefitGroup:
         for t, a in self._indexed(params):
             for sh in a.addressable_shards:
                 r = self._rank_of(sh.device)
-                if r is not None and r in self.plan.tensors[t].src.ranks:
+                if r is not None and r in self._tensors[t].src.ranks:
                     sources[(t, r)] = sh.data
         self._run(sources, {})
         self.version = int(version)

@@ -99,10 +99,11 @@ def validate(decls: Mapping[int, dict]) -> list[str]:
         return errors
     try:
         names, pairs, domains, _, _ = group_layouts(decls)
-        from jreshard.sharding.planner import plan_layouts
+        from jreshard.sharding.planner import prepare_pairs
         from jreshard.sharding.topology import Topology
 
-        plan_layouts(pairs, Topology.from_domains(domains, devices={r: r for r in domains}), None, names)
+        # What planning checks, without the whole plan: each process later plans only its own ranks.
+        prepare_pairs(pairs, Topology.from_domains(domains, devices={r: r for r in domains}), None, names)
     except JReshardError as err:
         errors.append(f"the declared layouts cannot be planned: {err}")
     return errors

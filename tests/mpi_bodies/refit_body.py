@@ -3,7 +3,8 @@
 
 Usage: ``refit_body.py source|destination [mode]``; modes: ``ok`` (MPMD over MPI_COMM_WORLD),
 ``connect:<file>`` (two launches), ``kill-source`` / ``kill-destination`` (with connect: one process
-of that side kills itself in the data phase of version 3), ``mismatch`` (bad declarations).
+of that side kills itself in the data phase of version 3), ``mismatch`` (bad declarations), ``guard``
+(as ``ok``, with every whole-plan function made to raise: ``no_whole_plan.guard``).
 """
 
 import os
@@ -75,6 +76,11 @@ def body() -> dict:
             return {"rejected": str(err)}
         return {"rejected": None}
 
+    programmed = None
+    if mode == "guard":
+        from no_whole_plan import guard
+
+        programmed = guard(setattr)
     if connect:
         address = os.environ["JRESHARD_ADDRESS"]
         group = RefitGroup.connect(role, sds, address=address, options=opts)
@@ -97,7 +103,7 @@ def body() -> dict:
                 n += sh.data.nbytes
         return n
 
-    log = {"versions": [], "bytes": [], "network_bytes": group.plan.stats().network_bytes}
+    log = {"versions": [], "bytes": [], "network_bytes": None if mode == "guard" else group.plan.stats().network_bytes}
     current = make(0) if role == "destination" else None
     for v in range(1, steps + 1):
         if victim and v == 3:
@@ -131,6 +137,8 @@ def body() -> dict:
             break
         log["versions"].append(group.version)
     log.pop("error", None) if "failed_at" not in log else None
+    if programmed is not None:
+        log |= {"programmed": sorted(set(programmed)), "mine": list(group._comm.local_ranks)}
     return log
 
 
