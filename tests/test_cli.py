@@ -208,3 +208,20 @@ def test_simulate_at_scale_predicts_from_templates(monkeypatch, capsys):
     line = next(ln for ln in out.splitlines() if ln.startswith("jreshard "))
     want = next(ln for ln in whole.splitlines() if ln.startswith("jreshard "))
     assert line.split()[1:3] == want.split()[1:3]  # the same predicted time, from the same loads
+
+
+def test_plan_at_scale_prints_the_whole_plans_statistics_without_it(monkeypatch, capsys):
+    """Above WHOLE_PLAN_MAX_RANKS, plan prints jreshard's row from the layout-pair templates: the same
+    bytes, loads, messages and stages as the whole plan's row, and says what it leaves out."""
+    from jreshard import cli
+
+    args = ["plan", "--model", "llama3-70b", "--train-gpus", "16", "--infer-gpus", "16", "--domain-size", "8"]
+    assert cli.main(args) == 0
+    whole = capsys.readouterr().out
+    monkeypatch.setattr(cli, "WHOLE_PLAN_MAX_RANKS", 8)
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "one\nlayout-pair template at a time" in out and "gather-broadcast" not in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("jreshard "))
+    want = next(ln for ln in whole.splitlines() if ln.startswith("jreshard "))
+    assert line.split()[:-2] == want.split()[:-2]  # every column but the time it took

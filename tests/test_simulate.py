@@ -21,6 +21,7 @@ def _same(pairs, topo, opts):
     assert (sim.network_bytes, sim.fast_bytes, sim.local_bytes) == (s.network_bytes, s.fast_bytes, s.local_bytes)
     assert sim.network_bytes_lower_bound == s.network_bytes_lower_bound
     assert sim.rows == sum(len(tp) for tp in whole.tensor_plans)
+    assert sim.stats == s
 
 
 @given(plan_case())
