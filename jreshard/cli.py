@@ -182,9 +182,9 @@ def _print_ops(plan: Any, options: Any, per_rank: bool) -> None:
         rg = group_rounds(sched, options.max_group_ops)
         groups = {r: rg.rank_groups(sched, r) for r in counts}
         note = (
-            "groups: the exchange groups of the whole plan's schedule, what a RefitGroup runs (one per round,"
-            "\n  more where a round holds more ops); transfers across processes schedule each process's ranks"
-            "\n  on their own (pair-paced rounds), with chunks that may be smaller"
+            "groups: the exchange groups of the whole plan's schedule (one per round, more where a round holds"
+            "\n  more ops); transfers and RefitGroups across processes schedule each process's ranks on their own"
+            "\n  (pair-paced rounds), with chunks that may be smaller"
         )
     else:
         groups = {r: -(-(s + v) // options.max_group_ops) for r, (s, v) in counts.items()}
