@@ -214,7 +214,7 @@ class RefitGroup:
             if self._schedule is None:
                 _, _, self._schedule = schedule_local(self._pairs, self.names, self.topology, self.options, self._comm)
             shards, _ = run_schedule(self._tensors, self._schedule, self._comm, sources, targets, options=self.options)
-        except TransferError as e:
+        except (TransferError, ValueError) as e:  # ValueError: the options cannot schedule this process's ranks
             err = f"{type(e).__name__}: {e}"
             self._broken = err
         failed: list[str] = [f"{self._describe(self._control.rank)}: {err}"] if err else []

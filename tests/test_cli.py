@@ -193,35 +193,27 @@ def test_demo_still_runs(capsys):
     assert "jreshard" in capsys.readouterr().out
 
 
-def test_simulate_at_scale_predicts_from_templates(monkeypatch, capsys):
-    """Above WHOLE_PLAN_MAX_RANKS, simulate predicts jreshard's refit one layout pair at a time, with the
-    same prediction as the whole plan's."""
+@pytest.mark.parametrize(
+    ("command", "says", "same"),
+    [
+        # simulate: the same predicted time and bound, from the same loads
+        ("simulate", "predicted from the planner's layout-pair templates", slice(1, 3)),
+        # plan: every column of jreshard's row but the time it took (bytes, loads, messages, stages)
+        ("plan", "one\nlayout-pair template at a time", slice(0, -2)),
+    ],
+)
+def test_at_scale_the_cli_answers_from_templates_as_the_whole_plan_does(monkeypatch, capsys, command, says, same):
+    """Above WHOLE_PLAN_MAX_RANKS, plan and simulate work one layout pair at a time, skip the baselines,
+    and print jreshard's row as the whole plan gives it."""
     from jreshard import cli
 
-    args = ["simulate", "--model", "llama3-70b", "--train-gpus", "16", "--infer-gpus", "16", "--domain-size", "8"]
+    args = [command, "--model", "llama3-70b", "--train-gpus", "16", "--infer-gpus", "16", "--domain-size", "8"]
     assert cli.main(args) == 0
     whole = capsys.readouterr().out
     monkeypatch.setattr(cli, "WHOLE_PLAN_MAX_RANKS", 8)
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "predicted from the planner's layout-pair templates" in out and "gather-broadcast" not in out
+    assert says in out and "gather-broadcast" not in out
     line = next(ln for ln in out.splitlines() if ln.startswith("jreshard "))
     want = next(ln for ln in whole.splitlines() if ln.startswith("jreshard "))
-    assert line.split()[1:3] == want.split()[1:3]  # the same predicted time, from the same loads
-
-
-def test_plan_at_scale_prints_the_whole_plans_statistics_without_it(monkeypatch, capsys):
-    """Above WHOLE_PLAN_MAX_RANKS, plan prints jreshard's row from the layout-pair templates: the same
-    bytes, loads, messages and stages as the whole plan's row, and says what it leaves out."""
-    from jreshard import cli
-
-    args = ["plan", "--model", "llama3-70b", "--train-gpus", "16", "--infer-gpus", "16", "--domain-size", "8"]
-    assert cli.main(args) == 0
-    whole = capsys.readouterr().out
-    monkeypatch.setattr(cli, "WHOLE_PLAN_MAX_RANKS", 8)
-    assert cli.main(args) == 0
-    out = capsys.readouterr().out
-    assert "one\nlayout-pair template at a time" in out and "gather-broadcast" not in out
-    line = next(ln for ln in out.splitlines() if ln.startswith("jreshard "))
-    want = next(ln for ln in whole.splitlines() if ln.startswith("jreshard "))
-    assert line.split()[:-2] == want.split()[:-2]  # every column but the time it took
+    assert line.split()[same] == want.split()[same]

@@ -23,11 +23,12 @@ def test_multicontroller_random_layouts(tmp_path, procs, devices):
     assert sum(r["empty"] for r in got.values()) > 0  # some process held no target device: empty result
 
 
-@pytest.mark.parametrize(("trainers", "servers", "devices"), [(2, 2, 2), (4, 4, 1)])
-def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices):
+@pytest.mark.parametrize(("trainers", "servers", "devices", "mode"), [(2, 2, 2, "guard"), (4, 4, 1, "ok")])
+def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
+    """``guard``: every whole-plan function raises; each process must plan only its own ranks."""
     need_mpi()
     launch(
-        [program(trainers, "refit_body.py", "source"), program(servers, "refit_body.py", "destination")],
+        [program(trainers, "refit_body.py", "source", mode), program(servers, "refit_body.py", "destination", mode)],
         tmp_path,
         devices=devices,
         timeout_s=150,
@@ -37,6 +38,8 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices):
     for r in (*src.values(), *dst.values()):
         assert "error" not in r, r
         assert r["versions"] == [1, 2, 3, 4, 5]
+        if mode == "guard":
+            assert r["programmed"] == r["mine"] and len(r["mine"]) == devices
     # every destination shard byte was checked against numpy at every version
     per_version = [sum(r["bytes"][v] for r in dst.values()) for v in range(5)]
     assert len(set(per_version)) == 1 and per_version[0] > 0

@@ -70,26 +70,6 @@ def test_each_process_plans_only_its_own_ranks(tmp_path, procs, devices, memory)
         assert all(r["mail_ops"] > 0 and r["chunk_ops"] > 0 for r in got.values())
 
 
-@pytest.mark.mpi
-def test_a_refit_group_plans_only_its_own_ranks(tmp_path):
-    """RefitGroup (trainer FSDP over 2 processes -> server TP x DP over 2): five versioned refits, every
-    byte checked, with every whole-plan function raising; each process programs only its own ranks."""
-    need_mpi()
-    launch(
-        [program(2, "refit_body.py", "source", "guard"), program(2, "refit_body.py", "destination", "guard")],
-        tmp_path,
-        devices=2,
-        timeout_s=150,
-    )
-    got = results(tmp_path, "refit-source") | results(tmp_path, "refit-destination")
-    assert sorted(got) == [0, 1, 2, 3]
-    for r in got.values():
-        assert "error" not in r, r
-        assert r["versions"] == [1, 2, 3, 4, 5]
-        assert r["programmed"] == r["mine"] and len(r["mine"]) == 2
-    assert all(sum(r["bytes"]) > 0 for r in results(tmp_path, "refit-destination").values())
-
-
 def test_device_buffers_carry_the_mail_and_no_whole_plan_is_built(monkeypatch):
     """With a backend other than CpuBuffers (NCCL's device buffers) over a transport that, like NCCL,
     takes only that backend's memory, the scheduling mail travels in it too: rank-local, bit-exact."""
