@@ -52,23 +52,33 @@ def pair_paced(
                 f"pair-paced rounds: rank {r} has {n_out[r]} + {n_in[r]} peers, more than "
                 f"max_group_ops={options.max_group_ops} operations in one round"
             )
-    # 1. Peer counts.
+    # 1. Peer counts and bytes.
+    b_out = {r: sum(m.nbytes for m in programs[r].sends) for r in mine}
+    b_in = {r: sum(m.nbytes for m in programs[r].recvs) for r in mine}
+    pair: dict[tuple[int, int], int] = collections.defaultdict(int)  # (sender, receiver) -> bytes, all stages
+    for r in mine:
+        for m in (*programs[r].sends, *programs[r].recvs):
+            pair[(m.src, m.dst)] += m.nbytes
     out: dict[tuple[int, int, int], np.ndarray] = {}
     want: dict[tuple[int, int, int], int] = {}
     for r in mine:
         for m in programs[r].sends:
-            out[(r, m.dst, COUNT_OUT)] = np.array([n_out[r]], np.int64)
-            want[(m.dst, r, COUNT_IN)] = 1
+            out[(r, m.dst, COUNT_OUT)] = np.array([n_out[r], -1, b_out[r]], np.int64)
+            want[(m.dst, r, COUNT_IN)] = 3
         for m in programs[r].recvs:
-            out[(r, m.src, COUNT_IN)] = np.array([n_in[r]], np.int64)
-            want[(m.src, r, COUNT_OUT)] = 1
+            out[(r, m.src, COUNT_IN)] = np.array([n_in[r], -1, b_in[r]], np.int64)
+            want[(m.src, r, COUNT_OUT)] = 3
     got = yield out, want
     size: dict[tuple[int, int], int] = {}  # (sender, receiver) -> the pair's chunk bytes
     for r in mine:
         for m in programs[r].sends:
-            size[(r, m.dst)] = pair_chunk_bytes(n_out[r], int(got[(m.dst, r, COUNT_IN)][0]), options, widest)
+            them = got[(m.dst, r, COUNT_IN)]
+            ends = (n_out[r], b_out[r]), (int(them[0]), int(them[2]))
+            size[(r, m.dst)] = pair_chunk_bytes(*ends, pair[(r, m.dst)], options, widest)
         for m in programs[r].recvs:
-            size[(m.src, r)] = pair_chunk_bytes(int(got[(m.src, r, COUNT_OUT)][0]), n_in[r], options, widest)
+            them = got[(m.src, r, COUNT_OUT)]
+            ends = (int(them[0]), int(them[2])), (n_in[r], b_in[r])
+            size[(m.src, r)] = pair_chunk_bytes(*ends, pair[(m.src, r)], options, widest)
     align = STAGE_ALIGN if options.staging_bytes % STAGE_ALIGN == 0 else 1
 
     def padded(n: int) -> int:

@@ -234,10 +234,26 @@ def test_a_kept_schedule_replays_its_mail():
 
 
 def test_pair_chunks_share_the_staging():
-    assert pair_chunk_bytes(4, 2, Options(chunk_bytes=1 << 20, staging_bytes=1 << 20), 4) == (1 << 20) // 8
-    assert pair_chunk_bytes(1, 1, Options(chunk_bytes=1024, staging_bytes=1 << 20), 4) == 1024
+    o = Options(chunk_bytes=1 << 20, staging_bytes=1 << 20)
+    assert pair_chunk_bytes((4, 400), (2, 200), 100, o, 4) == (1 << 20) // 8  # even: half the staging / 4 peers
+    assert pair_chunk_bytes((4, 400), (1, 100), 100, o, 4) == (1 << 20) // 8  # the sender's share decides
+    # A pair that carries all of both ends' bytes gets most of their staging (half evenly, half by bytes).
+    assert pair_chunk_bytes((4, 400), (2, 400), 400, o, 4) == (1 << 20) * 5 // 16
+    assert pair_chunk_bytes((1, 1), (1, 1), 1, Options(chunk_bytes=1024, staging_bytes=1 << 20), 4) == 1024
     with pytest.raises(ValueError, match=r"staging_bytes=64 .* 100 and 3 peers"):
-        pair_chunk_bytes(100, 3, Options(chunk_bytes=64, staging_bytes=64), 4)
+        pair_chunk_bytes((100, 10), (3, 10), 1, Options(chunk_bytes=64, staging_bytes=64), 4)
+
+
+@given(st.lists(st.integers(0, 1 << 40), min_size=1, max_size=40), st.integers(1, 1 << 34))
+def test_one_ranks_pair_shares_add_up_to_half_its_staging_at_most(pair_bytes, staging):
+    """Whatever its peers' bytes, the shares one rank gives them add up to at most staging / 2: so
+    a round's sends (or receives) never need more staging than half of staging_bytes."""
+    from jreshard.nccl.pairsched import _share
+
+    total = sum(pair_bytes)
+    shares = [_share(staging, len(pair_bytes), b, total) for b in pair_bytes]
+    assert sum(shares) <= staging // 2
+    assert min(shares) >= staging // (4 * len(pair_bytes)) - 1  # every peer keeps half an even share
 
 
 @pytest.mark.mpi

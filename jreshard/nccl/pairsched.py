@@ -10,15 +10,21 @@ few integers from their peers, exchanged over the same :class:`Communicator` und
 tags of their own (from :data:`MAIL_TAG`):
 
 1. **Peer counts.** For each ordered pair ``a -> b`` that has a message, ``a`` tells
-   ``b`` how many ranks it sends to (``n_out(a)``) and where ``b`` stands among them,
-   and ``b`` tells ``a`` how many ranks it receives from (``n_in(b)``) and where ``a``
-   stands among them.
-2. **Pair chunks.** The pair's chunk size is ``c(a, b) = min(chunk_bytes,
-   staging_bytes / (2 max(n_out(a), n_in(b))))`` (rounded down to
-   :data:`~jreshard.nccl.schedule.STAGE_ALIGN`), and a pair moves at most one chunk
-   per round. So in any round a rank stages at most ``n_out * c <= staging/2`` bytes
-   of sends and ``n_in * c <= staging/2`` of receives, whatever rounds the pairs
-   pick: no rank can exceed ``staging_bytes``, and no other rank's choices matter.
+   ``b`` how many ranks it sends to (``n_out(a)``), where ``b`` stands among them and
+   how many bytes it sends in all (``B_out(a)``), and ``b`` tells ``a`` how many ranks it
+   receives from (``n_in(b)``), where ``a`` stands among them and ``B_in(b)``. Both
+   ends know the pair's own bytes ``B(a, b)`` (all stages) from their programs.
+2. **Pair chunks.** Each end gives each of its peers a share of half its staging:
+   half of that half split evenly, half by bytes, ``share(n, B_end) = staging/2 *
+   (1/(2n) + B(a, b)/(2 B_end))``, so its shares add up to at most ``staging/2``. The
+   pair's chunk size is ``c(a, b) = min(chunk_bytes, share(n_out(a), B_out(a)),
+   share(n_in(b), B_in(b)))`` (rounded down to :data:`~jreshard.nccl.schedule.STAGE_ALIGN`),
+   and a pair moves at most one chunk per round. So in any round a rank stages at most
+   ``staging/2`` bytes of sends and ``staging/2`` of receives, whatever rounds the pairs
+   pick: no rank can exceed ``staging_bytes``, and no other rank's choices matter. A
+   pair that carries most of a rank's bytes gets most of its staging, so the rounds
+   needed are about ``4 B / staging_bytes`` for a rank moving ``B`` bytes (or
+   ``B(a, b) / chunk_bytes``), not ``B(a, b)`` over an even share.
 3. **Rounds, stage by stage.** The sender places chunk ``k`` of its stage-``s``
    message to ``b`` in the first round after chunk ``k - 1`` of the pair and after
    every round in which it received (at a stage ``< s``) bytes this chunk forwards,
@@ -80,21 +86,38 @@ COUNT_OUT, COUNT_IN = MAIL_TAG, MAIL_TAG + 1  # peer counts: "I send to n ranks"
 ROUNDS = MAIL_TAG + 2  # the rounds of a stage-s message travel with tag ROUNDS + s
 
 
-def pair_chunk_bytes(n_out: int, n_in: int, options: Options, widest: int) -> int:
-    """The chunk size of a pair whose sender sends to ``n_out`` ranks and receiver receives from ``n_in``.
+def pair_chunk_bytes(
+    sender: tuple[int, int], receiver: tuple[int, int], pair_bytes: int, options: Options, widest: int
+) -> int:
+    """The chunk size of a pair that moves ``pair_bytes``, between a sender and a receiver given as
+    ``(peers, bytes)``: how many ranks it sends to (receives from) and how many bytes in all.
+
+    Example:
+      >>> o = Options(chunk_bytes=1 << 20, staging_bytes=1 << 20)
+      >>> pair_chunk_bytes((4, 400), (2, 200), 100, o, 4)  # an even pair: 1 MiB / (2 * 4)
+      131072
+      >>> pair_chunk_bytes((4, 400), (2, 200), 0, o, 4)  # no bytes: half of that
+      65536
 
     Raises:
       ValueError: the staging budget cannot give the pair a chunk of one item.
     """
     align = STAGE_ALIGN if options.staging_bytes % STAGE_ALIGN == 0 else 1
-    share = options.staging_bytes // (2 * max(n_out, n_in, 1))
-    size = min(options.chunk_bytes, share // align * align)
+    shares = [_share(options.staging_bytes, n, pair_bytes, total) for n, total in (sender, receiver)]
+    size = min(options.chunk_bytes, *shares) // align * align
     if size < max(widest, 1):
         raise ValueError(
-            f"Options: staging_bytes={options.staging_bytes} gives a pair between ranks with {n_out} and {n_in} "
-            f"peers only {size} bytes per round, less than an item of {widest} bytes; raise staging_bytes"
+            f"Options: staging_bytes={options.staging_bytes} gives a pair between ranks with {sender[0]} and "
+            f"{receiver[0]} peers only {size} bytes per round, less than an item of {widest} bytes; raise staging_bytes"
         )
     return size
+
+
+def _share(staging: int, peers: int, pair_bytes: int, total: int) -> int:
+    """``staging/2 * (1/(2 peers) + pair_bytes/(2 total))``, rounded down (exact integers): the shares of
+    one rank's peers add up to at most ``staging/2``."""
+    peers, total = max(peers, 1), max(total, pair_bytes, 1)
+    return staging * (total + peers * pair_bytes) // (4 * peers * total)
 
 
 def pair_paced(
@@ -125,25 +148,34 @@ def pair_paced(
     # 1. Peer counts, and where each end ranks the other among its peers (for the exchange groups).
     ranks_l, peers_l, sends_l = msgs.rank.tolist(), msgs.peer.tolist(), sends.tolist()
     place = _peer_places(ranks_l, peers_l, sends_l)
+    piece_bytes = np.prod(msgs.hi - msgs.lo, axis=1)
+    msg_bytes = np.bincount(msgs.piece_msg, weights=piece_bytes, minlength=len(ranks_l)).astype(np.int64)
+    pair_b: dict[tuple[int, int, bool], int] = collections.defaultdict(int)  # all stages of one pair
+    total: dict[tuple[int, bool], int] = collections.defaultdict(int)  # all a rank sends (receives)
+    for r, peer, is_send, b in zip(ranks_l, peers_l, sends_l, msg_bytes.tolist(), strict=True):
+        pair_b[(r, peer, is_send)] += b
+        total[(r, is_send)] += b
     out: dict[Key, np.ndarray] = {}
     want: dict[Key, int] = {}
     for r, peer, is_send in zip(ranks_l, peers_l, sends_l, strict=True):
         if is_send:
-            out[(r, peer, COUNT_OUT)] = np.array([n_out[r], place[(r, peer, True)]], np.int64)
-            want[(peer, r, COUNT_IN)] = 2
+            out[(r, peer, COUNT_OUT)] = np.array([n_out[r], place[(r, peer, True)], total[(r, True)]], np.int64)
+            want[(peer, r, COUNT_IN)] = 3
         else:
-            out[(r, peer, COUNT_IN)] = np.array([n_in[r], place[(r, peer, False)]], np.int64)
-            want[(peer, r, COUNT_OUT)] = 2
+            out[(r, peer, COUNT_IN)] = np.array([n_in[r], place[(r, peer, False)], total[(r, False)]], np.int64)
+            want[(peer, r, COUNT_OUT)] = 3
     got = yield out, want
-    size = np.array(
-        [
-            pair_chunk_bytes(n_out[r], int(got[(peer, r, COUNT_IN)][0]), options, widest)
-            if is_send
-            else pair_chunk_bytes(int(got[(peer, r, COUNT_OUT)][0]), n_in[r], options, widest)
-            for r, peer, is_send in zip(ranks_l, peers_l, sends_l, strict=True)
-        ],
-        np.int64,
-    )
+
+    def chunk(r: int, peer: int, is_send: bool) -> int:
+        if is_send:
+            them = got[(peer, r, COUNT_IN)]
+            ends = (n_out[r], total[(r, True)]), (int(them[0]), int(them[2]))
+        else:
+            them = got[(peer, r, COUNT_OUT)]
+            ends = (int(them[0]), int(them[2])), (n_in[r], total[(r, False)])
+        return pair_chunk_bytes(*ends, pair_b[(r, peer, is_send)], options, widest)
+
+    size = np.array([chunk(r, p, s) for r, p, s in zip(ranks_l, peers_l, sends_l, strict=True)], np.int64)
     # A message's exchange group: (its place among the sender's receivers, its place among the receiver's
     # senders), each // half. Both ends compute the same key; a rank has at most `half` sends and `half`
     # receives with one key, so at most max_group_ops operations in a group.
