@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py            # everything (several minutes on 2 cores)
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --quick    # only the 128 + 128 models
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --repeat 5 # each model in 5 fresh processes (default 3)
+    JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --only deepseek-v3:4096  # only these model sizes (3. to 5.)
 
 Prints:
 1. the published FFN-MoE case (one [256, 2048, 7168] bf16 tensor, EP16 -> TP8 x r):
@@ -14,13 +15,18 @@ Prints:
    jreshard and the baselines; and where the planning time goes (a profile);
 4. DeepSeek-V3 on 4096 + 4096: one rank's program, and ``simulate_layouts`` (the
    whole refit predicted one layout pair at a time) with its time and peak memory;
-5. for DeepSeek-V3 on 128 + 128 and 1024 + 1024: one process's rank-local schedule
-   (``jreshard.nccl.pairsched``, what every process of a multi-process transfer builds for
-   the ranks it drives), for a process driving one destination rank, and where its time goes.
-   The peers' mail is answered here in one process: their peer counts are exact (from the
-   whole plan's messages, built apart and not timed), the rounds of received stage-0 chunks
-   are exact (``0, 1, ...``, as every sender places them), those of later stages a stand-in
-   (``k + stage``) that changes round numbers, not the work.
+5. for DeepSeek-V3 on 128 + 128, 1024 + 1024 and 4096 + 4096: one process's rank-local
+   schedule (``jreshard.nccl.pairsched``, what every process of a multi-process transfer
+   builds for the ranks it drives), for a process driving one destination rank, where its
+   time goes, and the process's peak memory by then. The peers' mail is answered here in
+   one process: their peer counts are exact, the rounds of received stage-0 chunks are
+   exact (``0, 1, ...``, as every sender places them), those of later stages a stand-in
+   (``k + stage``) that changes round numbers, not the work. The peer counts come from
+   the peers' own programs, the same way at every size: the destination rank's program
+   names its peers (the ranks it receives from and sends to), one ``rank_programs`` call
+   builds theirs, and each peer's distinct receivers and senders are read from its
+   program's sent and received rows. This setup runs in a separate process and is not
+   timed (its time is printed apart), so neither its time nor its memory counts.
 
 Each model configuration runs in a fresh process, so no cache from another
 configuration helps it, ``--repeat`` times (the 4096 + 4096 one once): times are the
@@ -53,6 +59,7 @@ from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_la
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts, rank_program, rank_programs
+from jreshard.sharding.program import RECV, SEND
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.simulate import simulate_layouts
 from jreshard.sharding.topology import Topology
@@ -177,6 +184,8 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     )
     out["program_cached_s"] = _median_call(lambda: rank_program(r.pairs, dst_rank, topo, names=r.names))
     if not whole:
+        if name == "deepseek-v3":  # before simulate_layouts, so the peak memory is the schedule's process's
+            out.update(_local_schedule(r, topo, dst_rank, _peer_mail_process(name, n, dst_rank)))
         sim, out["simulate_s"], out["simulate_cpu"] = _timed(lambda: simulate_layouts(r.pairs, topo, names=r.names))
         out["network"], out["bound"], out["rows"] = sim.network_bytes, sim.network_bytes_lower_bound, sim.rows
         out["predicted"] = {"jreshard": (sim.prediction.seconds, sim.prediction.bound_seconds, _where(sim.prediction))}
@@ -203,30 +212,58 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     for label, build in builds:
         pr = predict(build())
         out["predicted"][label] = (pr.seconds, pr.bound_seconds, _where(pr))
-    peers = _peer_mail(p) if name == "deepseek-v3" else None
     del p
     clear_caches()
     out["profile"] = _profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
-    if peers is not None:
-        out.update(_local_schedule(r, topo, dst_rank, peers))
+    if name == "deepseek-v3":
+        out.update(_local_schedule(r, topo, dst_rank, _peer_mail_process(name, n, dst_rank)))
     out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
 
-def _peer_mail(plan) -> tuple[dict, dict]:
-    """Each rank's distinct receivers and senders, sorted (what its peers tell a rank in the mail)."""
-    keys = plan.message_keys()
+def peer_mail(r, topo, rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The peers of ``rank`` and, for each, its distinct receivers and senders, sorted (what the
+    peers tell ``rank`` in the mail), from the peers' programs alone (no whole plan).
+
+    ``rank``'s program lists its peers: the ranks it receives from and those it sends to
+    (itself too, if it sends to itself). Each peer's program lists, in its sent rows, the
+    ranks it sends to, and in its received rows those it receives from; its local
+    landings are no messages and count for neither.
+    """
+    own = rank_programs(r.pairs, [rank], topo, names=r.names)[rank]
+    peers = sorted(set(own.table.peer[int(own.table.cuts[0]) :].tolist()))
     outs: dict[int, list[int]] = {}
     ins: dict[int, list[int]] = {}
-    for src, dst in sorted({(int(a), int(b)) for a, b in keys[:, 1:3]}):
-        outs.setdefault(src, []).append(dst)
-        ins.setdefault(dst, []).append(src)
+    for p, prog in rank_programs(r.pairs, peers, topo, names=r.names).items():
+        t = prog.table
+        kind, peer = t.kind[int(t.cuts[0]) :], t.peer[int(t.cuts[0]) :]
+        outs[p] = np.unique(peer[kind == SEND]).tolist()
+        ins[p] = np.unique(peer[kind == RECV]).tolist()
     return outs, ins
 
 
-def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict]) -> dict:
-    """Time one process's rank-local schedule for ``rank`` (module docstring: how its mail is answered)."""
-    outs, ins = peers
+def _peer_mail_process(name: str, n: int, rank: int) -> tuple[dict, dict, float, int]:
+    """:func:`peer_mail` in a fresh process: ``(outs, ins, its wall time, its peak MiB)``."""
+    cmd = [sys.executable, __file__, "--peers", name, str(n), str(rank)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    outs = {int(k): v for k, v in got["outs"].items()}
+    ins = {int(k): v for k, v in got["ins"].items()}
+    return outs, ins, got["seconds"], got["maxrss_mib"]
+
+
+def _peers_main(name: str, n: int, rank: int) -> None:
+    r = refit(name, n, n)
+    topo = refit_topology(n, n, DOMAIN, network_bw=NIC, fast_bw=NVLINK)
+    (outs, ins), wall, _ = _timed(lambda: peer_mail(r, topo, rank))
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"outs": outs, "ins": ins, "seconds": wall, "maxrss_mib": maxrss}))
+
+
+def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, int]) -> dict:
+    """Time one process's rank-local schedule for ``rank``; ``peers`` is :func:`_peer_mail_process`'s
+    answer (module docstring: how the mail is answered)."""
+    outs, ins, setup_s, setup_mib = peers
     tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(r.names, r.pairs, strict=True)]
     opts = Options()
 
@@ -263,6 +300,10 @@ def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict]) -> dict:
         "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
         "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
         "local_sched_profile": _profile(build, top=8),
+        "local_sched_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "local_sched_peers": len(outs),
+        "local_sched_setup_s": setup_s,
+        "local_sched_setup_mib": setup_mib,
     }
 
 
@@ -296,11 +337,11 @@ def _span(values: list[float]) -> str:
     return f" [{min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms over {len(values)} processes]"
 
 
-def models(quick: bool, repeat: int) -> None:
+def models(configs: tuple[tuple[str, int, str], ...], repeat: int) -> None:
     print(f"== whole models: trainer ranks 0..n-1, inference ranks n..2n-1; NVL72 racks with {DOMAIN} GPUs each")
     print("   (each side starts a rack of its own), 50 GB/s NIC, 900 GB/s NVLink, 5 us latency, 8 MiB chunks")
     print("   times: wall clock, and the process's CPU time (the machine may be shared: CPU is the planner's own)\n")
-    for name, n, mode in CONFIGS_QUICK if quick else CONFIGS:
+    for name, n, mode in configs:
         cmd = [sys.executable, __file__, "--one", name, str(n), mode]
         runs = []
         for _ in range(repeat if mode != "rank" else 1):  # the 4096 + 4096 run (simulate) takes minutes: once
@@ -350,6 +391,12 @@ def models(quick: bool, repeat: int) -> None:
                 f"{o['local_sched_chunks']} chunks in {o['local_sched_rounds']} rounds, "
                 f"{o['local_sched_rows']} descriptor rows (its program: {o['local_sched_programs_s']:.3f} s more)"
             )
+            print(
+                f"     peak memory of the process by then {o['local_sched_maxrss_mib']:.0f} MiB"
+                f"{' (the whole plan included)' if 'plan_s' in o else ''}; untimed setup in a process of its own: "
+                f"{o['local_sched_peers']} peers' programs in {o['local_sched_setup_s']:.3f} s, "
+                f"{o['local_sched_setup_mib']:.0f} MiB peak"
+            )
             print("     where the schedule's time goes (own time, profiled run):")
             for what, share in o["local_sched_profile"]:
                 print(f"       {share * 100:5.1f}%  {what}")
@@ -382,15 +429,33 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=3, help="fresh processes per configuration (medians and ranges; default 3)"
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        metavar="MODEL:N",
+        help="only this model configuration (repeatable; e.g. deepseek-v3:4096), without the first two sections",
+    )
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--peers", nargs=3, metavar=("MODEL", "N", "RANK"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         name, n, mode = args.one
         print(json.dumps(one_model(name, int(n), whole=mode.startswith("whole"), baselines=mode == "whole")))
         return
-    ffn_moe()
-    single_tensor()
-    models(args.quick, max(1, args.repeat))
+    if args.peers:
+        _peers_main(args.peers[0], int(args.peers[1]), int(args.peers[2]))
+        return
+    configs = CONFIGS_QUICK if args.quick else CONFIGS
+    if args.only:
+        known = {f"{name}:{n}": (name, n, mode) for name, n, mode in CONFIGS}
+        unknown = [c for c in args.only if c not in known]
+        if unknown:
+            ap.error(f"--only {', '.join(unknown)}: not a configuration; choose from {', '.join(known)}")
+        configs = tuple(known[c] for c in args.only)
+    else:
+        ffn_moe()
+        single_tensor()
+    models(configs, max(1, args.repeat))
 
 
 if __name__ == "__main__":
