@@ -289,22 +289,27 @@ def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, int]) ->
             return done.value
 
     clear_caches()
+    before_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     _, prog_s, _ = _timed(lambda: rank_programs(r.pairs, [rank], topo, names=r.names))
     sched, total_s, total_cpu = _timed(build)  # the programs are cached now: this is the schedule alone
     steps = sched.steps.get(rank, {})
-    return {
+    out = {
         "local_sched_s": total_s,
         "local_sched_cpu": total_cpu,
         "local_sched_programs_s": prog_s,
         "local_sched_rounds": sched.rounds,
         "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
         "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
-        "local_sched_profile": _profile(build, top=8),
+        # Peak memory before the profiled run (which builds a second schedule while this one is held).
         "local_sched_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "local_sched_before_mib": before_mib,
         "local_sched_peers": len(outs),
         "local_sched_setup_s": setup_s,
         "local_sched_setup_mib": setup_mib,
     }
+    del sched, steps
+    out["local_sched_profile"] = _profile(build, top=8)
+    return out
 
 
 def _where(pr) -> str:
@@ -392,8 +397,9 @@ def models(configs: tuple[tuple[str, int, str], ...], repeat: int) -> None:
                 f"{o['local_sched_rows']} descriptor rows (its program: {o['local_sched_programs_s']:.3f} s more)"
             )
             print(
-                f"     peak memory of the process by then {o['local_sched_maxrss_mib']:.0f} MiB"
-                f"{' (the whole plan included)' if 'plan_s' in o else ''}; untimed setup in a process of its own: "
+                f"     peak memory of the process by then {o['local_sched_maxrss_mib']:.0f} MiB "
+                f"({o['local_sched_before_mib']:.0f} MiB before its program and schedule"
+                f"{': a peak the whole plan set' if 'plan_s' in o else ''}); untimed setup in a process of its own: "
                 f"{o['local_sched_peers']} peers' programs in {o['local_sched_setup_s']:.3f} s, "
                 f"{o['local_sched_setup_mib']:.0f} MiB peak"
             )
