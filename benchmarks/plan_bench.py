@@ -79,6 +79,21 @@ def _timed(fn):
     return out, time.perf_counter() - t, time.process_time() - c
 
 
+def _peak_mib() -> float:
+    """This process's peak resident memory, MiB: ``VmHWM`` of ``/proc/self/status`` where there is one.
+
+    (``ru_maxrss`` is kept across ``fork`` and ``exec``: a child would report its parent's peak.)
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _median_call(fn, repeat: int = 7) -> float:
     """Median wall time of ``repeat`` calls (a cached call is short enough for the machine's noise to matter)."""
     times = [_timed(fn)[1] for _ in range(repeat)]
@@ -189,7 +204,7 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
         sim, out["simulate_s"], out["simulate_cpu"] = _timed(lambda: simulate_layouts(r.pairs, topo, names=r.names))
         out["network"], out["bound"], out["rows"] = sim.network_bytes, sim.network_bytes_lower_bound, sim.rows
         out["predicted"] = {"jreshard": (sim.prediction.seconds, sim.prediction.bound_seconds, _where(sim.prediction))}
-        out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["maxrss_mib"] = _peak_mib()
         return out
     p, out["plan_s"], out["plan_cpu"] = _timed(lambda: plan_layouts(r.pairs, topo, names=r.names))
     out["cached_s"] = _median_call(lambda: plan_layouts(r.pairs, topo, names=r.names))
@@ -217,7 +232,7 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     out["profile"] = _profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
     if name == "deepseek-v3":
         out.update(_local_schedule(r, topo, dst_rank, _peer_mail_process(name, n, dst_rank)))
-    out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["maxrss_mib"] = _peak_mib()
     return out
 
 
@@ -256,7 +271,7 @@ def _peers_main(name: str, n: int, rank: int) -> None:
     r = refit(name, n, n)
     topo = refit_topology(n, n, DOMAIN, network_bw=NIC, fast_bw=NVLINK)
     (outs, ins), wall, _ = _timed(lambda: peer_mail(r, topo, rank))
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    maxrss = _peak_mib()
     print(json.dumps({"outs": outs, "ins": ins, "seconds": wall, "maxrss_mib": maxrss}))
 
 
@@ -289,7 +304,7 @@ def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, int]) ->
             return done.value
 
     clear_caches()
-    before_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before_mib = _peak_mib()
     _, prog_s, _ = _timed(lambda: rank_programs(r.pairs, [rank], topo, names=r.names))
     sched, total_s, total_cpu = _timed(build)  # the programs are cached now: this is the schedule alone
     steps = sched.steps.get(rank, {})
@@ -301,7 +316,7 @@ def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, int]) ->
         "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
         "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
         # Peak memory before the profiled run (which builds a second schedule while this one is held).
-        "local_sched_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "local_sched_maxrss_mib": _peak_mib(),
         "local_sched_before_mib": before_mib,
         "local_sched_peers": len(outs),
         "local_sched_setup_s": setup_s,
