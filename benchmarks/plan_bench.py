@@ -26,7 +26,8 @@ Prints:
    names its peers (the ranks it receives from and sends to), one ``rank_programs`` call
    builds theirs, and each peer's distinct receivers and senders are read from its
    program's sent and received rows. This setup runs in a separate process and is not
-   timed (its time is printed apart), so neither its time nor its memory counts.
+   timed (its time is printed apart), so neither its time nor its memory counts
+   (``plan_bench_local.py``, beside this file, holds this part).
 
 Each model configuration runs in a fresh process, so no cache from another
 configuration helps it, ``--repeat`` times (the 4096 + 4096 one once): times are the
@@ -39,28 +40,21 @@ program is columns of numpy arrays; the time to build its Message and Piece valu
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
-import resource
 import subprocess
 import sys
-import time
 
 import numpy as np
+from plan_bench_local import local_schedule, peak_mib, peer_mail_process, print_local, profile, timed
 
 from jreshard._cache import clear_caches
 from jreshard.cost import predict
 from jreshard.models import refit, refit_topology
-from jreshard.nccl.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, pair_paced
-from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.planner import plan_layouts, rank_program, rank_programs
-from jreshard.sharding.program import RECV, SEND
-from jreshard.sharding.rows import TensorSpec
+from jreshard.sharding.planner import plan_layouts, rank_program
 from jreshard.sharding.simulate import simulate_layouts
 from jreshard.sharding.topology import Topology
 
@@ -73,30 +67,9 @@ PUBLISHED_GATHER = "222-240"
 FLOOR_MS = 7168e6 / (16 * 50e9) * 1e3  # the published floor: 7168 MB / (16 x 50 GB/s) = 8.96 ms
 
 
-def _timed(fn):
-    t, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - t, time.process_time() - c
-
-
-def _peak_mib() -> float:
-    """This process's peak resident memory, MiB: ``VmHWM`` of ``/proc/self/status`` where there is one.
-
-    (``ru_maxrss`` is kept across ``fork`` and ``exec``: a child would report its parent's peak.)
-    """
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _median_call(fn, repeat: int = 7) -> float:
     """Median wall time of ``repeat`` calls (a cached call is short enough for the machine's noise to matter)."""
-    times = [_timed(fn)[1] for _ in range(repeat)]
+    times = [timed(fn)[1] for _ in range(repeat)]
     return float(np.median(times))
 
 
@@ -147,7 +120,7 @@ def single_tensor() -> None:
     }
     topo = Topology.uniform(range(1024), 8, network_bw=NIC, fast_bw=450e9)
     for label, (src, dst) in cases.items():
-        p, wall, cpu = _timed(lambda s=src, d=dst: plan_layouts([(s, d)], topo))
+        p, wall, cpu = timed(lambda s=src, d=dst: plan_layouts([(s, d)], topo))
         s = p.stats()
         print(
             f"   {label:<28} planned in {wall * 1e3:7.1f} ms wall ({cpu * 1e3:.1f} ms CPU): {s.messages} messages, "
@@ -159,18 +132,6 @@ def single_tensor() -> None:
 
 def _copy(lay: Layout) -> Layout:
     return Layout(lay.shape, lay.dtype, lay.ranks, tuple(Box(b.lo, b.hi) for b in lay.boxes))
-
-
-def _profile(fn, top: int = 6) -> list[tuple[str, float]]:
-    """Where ``fn`` spends its time: the ``top`` functions by own time (a separate, profiled run)."""
-    prof = cProfile.Profile()
-    prof.enable()
-    fn()
-    prof.disable()
-    st = pstats.Stats(prof)
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
-    total = sum(v[2] for v in st.stats.values()) or 1.0  # type: ignore[attr-defined]
-    return [(f"{os.path.basename(f)}:{line} {func}", tt / total) for (f, line, func), (_, _, tt, _, _) in rows]
 
 
 def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
@@ -188,32 +149,32 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     }
     # One rank's program first, so that nothing the whole plan computed helps it.
     dst_rank, src_rank = n + n // 2 + 3, n // 2 + 3
-    prog, out["program_dst_s"], out["program_dst_cpu"] = _timed(
+    prog, out["program_dst_s"], out["program_dst_cpu"] = timed(
         lambda: rank_program(r.pairs, dst_rank, topo, names=r.names)
     )
     # The program is columns (numpy); its Message and Piece values are built the first time they are read.
-    _, out["program_objects_s"], _ = _timed(lambda: (prog.local, prog.sends, prog.recvs))
+    _, out["program_objects_s"], _ = timed(lambda: (prog.local, prog.sends, prog.recvs))
     out["program_pieces"] = len(prog.table)
-    _, out["program_src_s"], out["program_src_cpu"] = _timed(
+    _, out["program_src_s"], out["program_src_cpu"] = timed(
         lambda: rank_program(r.pairs, src_rank, topo, names=r.names)
     )
     out["program_cached_s"] = _median_call(lambda: rank_program(r.pairs, dst_rank, topo, names=r.names))
     if not whole:
         if name == "deepseek-v3":  # before simulate_layouts, so the peak memory is the schedule's process's
-            out.update(_local_schedule(r, topo, dst_rank, _peer_mail_process(name, n, dst_rank)))
-        sim, out["simulate_s"], out["simulate_cpu"] = _timed(lambda: simulate_layouts(r.pairs, topo, names=r.names))
+            out.update(local_schedule(r, topo, dst_rank, peer_mail_process(name, n, dst_rank, DOMAIN, NIC, NVLINK)))
+        sim, out["simulate_s"], out["simulate_cpu"] = timed(lambda: simulate_layouts(r.pairs, topo, names=r.names))
         out["network"], out["bound"], out["rows"] = sim.network_bytes, sim.network_bytes_lower_bound, sim.rows
         out["predicted"] = {"jreshard": (sim.prediction.seconds, sim.prediction.bound_seconds, _where(sim.prediction))}
-        out["maxrss_mib"] = _peak_mib()
+        out["maxrss_mib"] = peak_mib()
         return out
-    p, out["plan_s"], out["plan_cpu"] = _timed(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    p, out["plan_s"], out["plan_cpu"] = timed(lambda: plan_layouts(r.pairs, topo, names=r.names))
     out["cached_s"] = _median_call(lambda: plan_layouts(r.pairs, topo, names=r.names))
     # Equal layouts built anew, one object per tensor (as a caller rebuilding them every step would):
     # the first lookup compares each once, later lookups go by identity.
     fresh = [(_copy(s), _copy(d)) for s, d in r.pairs]
-    _, out["cached_fresh_s"], _ = _timed(lambda: plan_layouts(fresh, topo, names=r.names))
+    _, out["cached_fresh_s"], _ = timed(lambda: plan_layouts(fresh, topo, names=r.names))
     out["cached_fresh_again_s"] = _median_call(lambda: plan_layouts(fresh, topo, names=r.names))
-    s, out["stats_s"], out["stats_cpu"] = _timed(p.stats)
+    s, out["stats_s"], out["stats_cpu"] = timed(p.stats)
     out["network"], out["bound"] = s.network_bytes, s.network_bytes_lower_bound
     out["rows"] = sum(len(tp) for tp in p.tensor_plans)
     out["predicted"] = {}
@@ -229,101 +190,10 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
         out["predicted"][label] = (pr.seconds, pr.bound_seconds, _where(pr))
     del p
     clear_caches()
-    out["profile"] = _profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    out["profile"] = profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
     if name == "deepseek-v3":
-        out.update(_local_schedule(r, topo, dst_rank, _peer_mail_process(name, n, dst_rank)))
-    out["maxrss_mib"] = _peak_mib()
-    return out
-
-
-def peer_mail(r, topo, rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """The peers of ``rank`` and, for each, its distinct receivers and senders, sorted (what the
-    peers tell ``rank`` in the mail), from the peers' programs alone (no whole plan).
-
-    ``rank``'s program lists its peers: the ranks it receives from and those it sends to
-    (itself too, if it sends to itself). Each peer's program lists, in its sent rows, the
-    ranks it sends to, and in its received rows those it receives from; its local
-    landings are no messages and count for neither.
-    """
-    own = rank_programs(r.pairs, [rank], topo, names=r.names)[rank]
-    peers = sorted(set(own.table.peer[int(own.table.cuts[0]) :].tolist()))
-    outs: dict[int, list[int]] = {}
-    ins: dict[int, list[int]] = {}
-    for p, prog in rank_programs(r.pairs, peers, topo, names=r.names).items():
-        t = prog.table
-        kind, peer = t.kind[int(t.cuts[0]) :], t.peer[int(t.cuts[0]) :]
-        outs[p] = np.unique(peer[kind == SEND]).tolist()
-        ins[p] = np.unique(peer[kind == RECV]).tolist()
-    return outs, ins
-
-
-def _peer_mail_process(name: str, n: int, rank: int) -> tuple[dict, dict, float, int]:
-    """:func:`peer_mail` in a fresh process: ``(outs, ins, its wall time, its peak MiB)``."""
-    cmd = [sys.executable, __file__, "--peers", name, str(n), str(rank)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    outs = {int(k): v for k, v in got["outs"].items()}
-    ins = {int(k): v for k, v in got["ins"].items()}
-    return outs, ins, got["seconds"], got["maxrss_mib"]
-
-
-def _peers_main(name: str, n: int, rank: int) -> None:
-    r = refit(name, n, n)
-    topo = refit_topology(n, n, DOMAIN, network_bw=NIC, fast_bw=NVLINK)
-    (outs, ins), wall, _ = _timed(lambda: peer_mail(r, topo, rank))
-    maxrss = _peak_mib()
-    print(json.dumps({"outs": outs, "ins": ins, "seconds": wall, "maxrss_mib": maxrss}))
-
-
-def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, int]) -> dict:
-    """Time one process's rank-local schedule for ``rank``; ``peers`` is :func:`_peer_mail_process`'s
-    answer (module docstring: how the mail is answered)."""
-    outs, ins, setup_s, setup_mib = peers
-    tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(r.names, r.pairs, strict=True)]
-    opts = Options()
-
-    def answer(want: dict) -> dict:
-        got = {}
-        for (a, b, tag), n in want.items():
-            if tag == COUNT_IN:  # receiver a: how many it receives from, and where b is among them
-                got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b)], np.int64)
-            elif tag == COUNT_OUT:
-                got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b)], np.int64)
-            else:
-                got[(a, b, tag)] = np.arange(n, dtype=np.int64) + (tag - ROUNDS)
-        return got
-
-    def build():
-        programs = rank_programs(r.pairs, [rank], topo, names=r.names)
-        talk = pair_paced(tensors, programs, opts)
-        _, want = next(talk)
-        try:
-            while True:
-                _, want = talk.send(answer(want))
-        except StopIteration as done:
-            return done.value
-
-    clear_caches()
-    before_mib = _peak_mib()
-    _, prog_s, _ = _timed(lambda: rank_programs(r.pairs, [rank], topo, names=r.names))
-    sched, total_s, total_cpu = _timed(build)  # the programs are cached now: this is the schedule alone
-    steps = sched.steps.get(rank, {})
-    out = {
-        "local_sched_s": total_s,
-        "local_sched_cpu": total_cpu,
-        "local_sched_programs_s": prog_s,
-        "local_sched_rounds": sched.rounds,
-        "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
-        "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
-        # Peak memory before the profiled run (which builds a second schedule while this one is held).
-        "local_sched_maxrss_mib": _peak_mib(),
-        "local_sched_before_mib": before_mib,
-        "local_sched_peers": len(outs),
-        "local_sched_setup_s": setup_s,
-        "local_sched_setup_mib": setup_mib,
-    }
-    del sched, steps
-    out["local_sched_profile"] = _profile(build, top=8)
+        out.update(local_schedule(r, topo, dst_rank, peer_mail_process(name, n, dst_rank, DOMAIN, NIC, NVLINK)))
+    out["maxrss_mib"] = peak_mib()
     return out
 
 
@@ -405,22 +275,7 @@ def models(configs: tuple[tuple[str, int, str], ...], repeat: int) -> None:
             )
             print(f"   plan.stats()              {o['stats_s']:7.3f} s wall ({o['stats_cpu']:.3f} s CPU)")
         if "local_sched_s" in o:
-            print(
-                f"   one process's schedule (rank-local) {o['local_sched_s']:7.3f} s wall "
-                f"({o['local_sched_cpu']:.3f} s CPU){o['local_sched_s_range']}: one destination rank, "
-                f"{o['local_sched_chunks']} chunks in {o['local_sched_rounds']} rounds, "
-                f"{o['local_sched_rows']} descriptor rows (its program: {o['local_sched_programs_s']:.3f} s more)"
-            )
-            print(
-                f"     peak memory of the process by then {o['local_sched_maxrss_mib']:.0f} MiB "
-                f"({o['local_sched_before_mib']:.0f} MiB before its program and schedule"
-                f"{': a peak the whole plan set' if 'plan_s' in o else ''}); untimed setup in a process of its own: "
-                f"{o['local_sched_peers']} peers' programs in {o['local_sched_setup_s']:.3f} s, "
-                f"{o['local_sched_setup_mib']:.0f} MiB peak"
-            )
-            print("     where the schedule's time goes (own time, profiled run):")
-            for what, share in o["local_sched_profile"]:
-                print(f"       {share * 100:5.1f}%  {what}")
+            print_local(o)
         if "simulate_s" in o:
             print(
                 f"   simulate_layouts          {o['simulate_s']:7.3f} s wall ({o['simulate_cpu']:.3f} s CPU), "
@@ -457,16 +312,12 @@ def main() -> None:
         help="only this model configuration (repeatable; e.g. deepseek-v3:4096), without the first two sections",
     )
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
-    ap.add_argument("--peers", nargs=3, metavar=("MODEL", "N", "RANK"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         name, n, mode = args.one
         print(json.dumps(one_model(name, int(n), whole=mode.startswith("whole"), baselines=mode == "whole")))
         return
-    if args.peers:
-        _peers_main(args.peers[0], int(args.peers[1]), int(args.peers[2]))
-        return
-    configs = CONFIGS_QUICK if args.quick else CONFIGS
+    configs: tuple[tuple[str, int, str], ...] = CONFIGS_QUICK if args.quick else CONFIGS
     if args.only:
         known = {f"{name}:{n}": (name, n, mode) for name, n, mode in CONFIGS}
         unknown = [c for c in args.only if c not in known]

@@ -1,9 +1,8 @@
-"""benchmarks/plan_bench.py: the peers' mail answered from their programs equals what the whole
+"""benchmarks/plan_bench.py (plan_bench_local.py): the peers' mail answered from their programs equals what the whole
 plan's messages say (each peer's sorted distinct receivers and senders)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -16,12 +15,9 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
-_path = Path(__file__).parent.parent / "benchmarks" / "plan_bench.py"
-_spec = importlib.util.spec_from_file_location("plan_bench", _path)
-assert _spec is not None and _spec.loader is not None
-plan_bench = importlib.util.module_from_spec(_spec)
-sys.modules["plan_bench"] = plan_bench
-_spec.loader.exec_module(plan_bench)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import plan_bench
+import plan_bench_local
 
 
 def _whole_plan_mail(plan) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -47,12 +43,12 @@ def test_peer_mail_equals_the_whole_plan(model, n, domain):
     ranks = [n + n // 2 + 3, n // 2 + 3, 0, 2 * n - 1, *sorted(forwards)[:2]]
     for rank in ranks:
         peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))
-        got_outs, got_ins = plan_bench.peer_mail(r, topo, rank)
+        got_outs, got_ins = plan_bench_local.peer_mail(r, topo, rank)
         assert sorted(got_outs) == sorted(got_ins) == peers, rank
         assert got_outs == {p: outs.get(p, []) for p in peers}, rank
         assert got_ins == {p: ins.get(p, []) for p in peers}, rank
     # The answers are not trivial: some peer of the benchmark's rank talks to several ranks.
-    got_outs, got_ins = plan_bench.peer_mail(r, topo, n + n // 2 + 3)
+    got_outs, got_ins = plan_bench_local.peer_mail(r, topo, n + n // 2 + 3)
     assert max(len(v) for v in (*got_outs.values(), *got_ins.values())) > 1
 
 
@@ -68,6 +64,6 @@ def test_peer_mail_skips_local_landings():
     outs, ins = _whole_plan_mail(plan)
     for rank in range(8):
         peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))
-        got_outs, got_ins = plan_bench.peer_mail(r, topo, rank)
+        got_outs, got_ins = plan_bench_local.peer_mail(r, topo, rank)
         assert got_outs == {p: outs.get(p, []) for p in peers}, rank
         assert got_ins == {p: ins.get(p, []) for p in peers}, rank
