@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py            # everything (several minutes on 2 cores)
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --quick    # only the 128 + 128 models
     JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --repeat 5 # each model in 5 fresh processes (default 3)
+    JAX_PLATFORMS=cpu python benchmarks/plan_bench.py --only deepseek-v3:4096  # only these model sizes (3. to 5.)
 
 Prints:
 1. the published FFN-MoE case (one [256, 2048, 7168] bf16 tensor, EP16 -> TP8 x r):
@@ -14,13 +15,19 @@ Prints:
    jreshard and the baselines; and where the planning time goes (a profile);
 4. DeepSeek-V3 on 4096 + 4096: one rank's program, and ``simulate_layouts`` (the
    whole refit predicted one layout pair at a time) with its time and peak memory;
-5. for DeepSeek-V3 on 128 + 128 and 1024 + 1024: one process's rank-local schedule
-   (``jreshard.nccl.pairsched``, what every process of a multi-process transfer builds for
-   the ranks it drives), for a process driving one destination rank, and where its time goes.
-   The peers' mail is answered here in one process: their peer counts are exact (from the
-   whole plan's messages, built apart and not timed), the rounds of received stage-0 chunks
-   are exact (``0, 1, ...``, as every sender places them), those of later stages a stand-in
-   (``k + stage``) that changes round numbers, not the work.
+5. for DeepSeek-V3 on 128 + 128, 1024 + 1024 and 4096 + 4096: one process's rank-local
+   schedule (``jreshard.nccl.pairsched``, what every process of a multi-process transfer
+   builds for the ranks it drives), for a process driving one destination rank, where its
+   time goes, and the process's peak memory by then. The peers' mail is answered here in
+   one process: their peer counts are exact, the rounds of received stage-0 chunks are
+   exact (``0, 1, ...``, as every sender places them), those of later stages a stand-in
+   (``k + stage``) that changes round numbers, not the work. The peer counts come from
+   the peers' own programs, the same way at every size: the destination rank's program
+   names its peers (the ranks it receives from and sends to), one ``rank_programs`` call
+   builds theirs, and each peer's distinct receivers and senders are read from its
+   program's sent and received rows. This setup runs in a separate process and is not
+   timed (its time is printed apart), so neither its time nor its memory counts
+   (``plan_bench_local.py``, beside this file, holds this part).
 
 Each model configuration runs in a fresh process, so no cache from another
 configuration helps it, ``--repeat`` times (the 4096 + 4096 one once): times are the
@@ -33,27 +40,21 @@ program is columns of numpy arrays; the time to build its Message and Piece valu
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
-import resource
 import subprocess
 import sys
-import time
 
 import numpy as np
+from plan_bench_local import local_schedule, peak_mib, peer_mail_process, print_local, profile, timed
 
 from jreshard._cache import clear_caches
 from jreshard.cost import predict
 from jreshard.models import refit, refit_topology
-from jreshard.nccl.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, pair_paced
-from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.planner import plan_layouts, rank_program, rank_programs
-from jreshard.sharding.rows import TensorSpec
+from jreshard.sharding.planner import plan_layouts, rank_program
 from jreshard.sharding.simulate import simulate_layouts
 from jreshard.sharding.topology import Topology
 
@@ -66,15 +67,9 @@ PUBLISHED_GATHER = "222-240"
 FLOOR_MS = 7168e6 / (16 * 50e9) * 1e3  # the published floor: 7168 MB / (16 x 50 GB/s) = 8.96 ms
 
 
-def _timed(fn):
-    t, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - t, time.process_time() - c
-
-
 def _median_call(fn, repeat: int = 7) -> float:
     """Median wall time of ``repeat`` calls (a cached call is short enough for the machine's noise to matter)."""
-    times = [_timed(fn)[1] for _ in range(repeat)]
+    times = [timed(fn)[1] for _ in range(repeat)]
     return float(np.median(times))
 
 
@@ -125,7 +120,7 @@ def single_tensor() -> None:
     }
     topo = Topology.uniform(range(1024), 8, network_bw=NIC, fast_bw=450e9)
     for label, (src, dst) in cases.items():
-        p, wall, cpu = _timed(lambda s=src, d=dst: plan_layouts([(s, d)], topo))
+        p, wall, cpu = timed(lambda s=src, d=dst: plan_layouts([(s, d)], topo))
         s = p.stats()
         print(
             f"   {label:<28} planned in {wall * 1e3:7.1f} ms wall ({cpu * 1e3:.1f} ms CPU): {s.messages} messages, "
@@ -137,18 +132,6 @@ def single_tensor() -> None:
 
 def _copy(lay: Layout) -> Layout:
     return Layout(lay.shape, lay.dtype, lay.ranks, tuple(Box(b.lo, b.hi) for b in lay.boxes))
-
-
-def _profile(fn, top: int = 6) -> list[tuple[str, float]]:
-    """Where ``fn`` spends its time: the ``top`` functions by own time (a separate, profiled run)."""
-    prof = cProfile.Profile()
-    prof.enable()
-    fn()
-    prof.disable()
-    st = pstats.Stats(prof)
-    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
-    total = sum(v[2] for v in st.stats.values()) or 1.0  # type: ignore[attr-defined]
-    return [(f"{os.path.basename(f)}:{line} {func}", tt / total) for (f, line, func), (_, _, tt, _, _) in rows]
 
 
 def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
@@ -166,30 +149,32 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     }
     # One rank's program first, so that nothing the whole plan computed helps it.
     dst_rank, src_rank = n + n // 2 + 3, n // 2 + 3
-    prog, out["program_dst_s"], out["program_dst_cpu"] = _timed(
+    prog, out["program_dst_s"], out["program_dst_cpu"] = timed(
         lambda: rank_program(r.pairs, dst_rank, topo, names=r.names)
     )
     # The program is columns (numpy); its Message and Piece values are built the first time they are read.
-    _, out["program_objects_s"], _ = _timed(lambda: (prog.local, prog.sends, prog.recvs))
+    _, out["program_objects_s"], _ = timed(lambda: (prog.local, prog.sends, prog.recvs))
     out["program_pieces"] = len(prog.table)
-    _, out["program_src_s"], out["program_src_cpu"] = _timed(
+    _, out["program_src_s"], out["program_src_cpu"] = timed(
         lambda: rank_program(r.pairs, src_rank, topo, names=r.names)
     )
     out["program_cached_s"] = _median_call(lambda: rank_program(r.pairs, dst_rank, topo, names=r.names))
     if not whole:
-        sim, out["simulate_s"], out["simulate_cpu"] = _timed(lambda: simulate_layouts(r.pairs, topo, names=r.names))
+        if name == "deepseek-v3":  # before simulate_layouts, so the peak memory is the schedule's process's
+            out.update(local_schedule(r, topo, dst_rank, peer_mail_process(name, n, dst_rank, DOMAIN, NIC, NVLINK)))
+        sim, out["simulate_s"], out["simulate_cpu"] = timed(lambda: simulate_layouts(r.pairs, topo, names=r.names))
         out["network"], out["bound"], out["rows"] = sim.network_bytes, sim.network_bytes_lower_bound, sim.rows
         out["predicted"] = {"jreshard": (sim.prediction.seconds, sim.prediction.bound_seconds, _where(sim.prediction))}
-        out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["maxrss_mib"] = peak_mib()
         return out
-    p, out["plan_s"], out["plan_cpu"] = _timed(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    p, out["plan_s"], out["plan_cpu"] = timed(lambda: plan_layouts(r.pairs, topo, names=r.names))
     out["cached_s"] = _median_call(lambda: plan_layouts(r.pairs, topo, names=r.names))
     # Equal layouts built anew, one object per tensor (as a caller rebuilding them every step would):
     # the first lookup compares each once, later lookups go by identity.
     fresh = [(_copy(s), _copy(d)) for s, d in r.pairs]
-    _, out["cached_fresh_s"], _ = _timed(lambda: plan_layouts(fresh, topo, names=r.names))
+    _, out["cached_fresh_s"], _ = timed(lambda: plan_layouts(fresh, topo, names=r.names))
     out["cached_fresh_again_s"] = _median_call(lambda: plan_layouts(fresh, topo, names=r.names))
-    s, out["stats_s"], out["stats_cpu"] = _timed(p.stats)
+    s, out["stats_s"], out["stats_cpu"] = timed(p.stats)
     out["network"], out["bound"] = s.network_bytes, s.network_bytes_lower_bound
     out["rows"] = sum(len(tp) for tp in p.tensor_plans)
     out["predicted"] = {}
@@ -203,67 +188,13 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
     for label, build in builds:
         pr = predict(build())
         out["predicted"][label] = (pr.seconds, pr.bound_seconds, _where(pr))
-    peers = _peer_mail(p) if name == "deepseek-v3" else None
     del p
     clear_caches()
-    out["profile"] = _profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
-    if peers is not None:
-        out.update(_local_schedule(r, topo, dst_rank, peers))
-    out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["profile"] = profile(lambda: plan_layouts(r.pairs, topo, names=r.names))
+    if name == "deepseek-v3":
+        out.update(local_schedule(r, topo, dst_rank, peer_mail_process(name, n, dst_rank, DOMAIN, NIC, NVLINK)))
+    out["maxrss_mib"] = peak_mib()
     return out
-
-
-def _peer_mail(plan) -> tuple[dict, dict]:
-    """Each rank's distinct receivers and senders, sorted (what its peers tell a rank in the mail)."""
-    keys = plan.message_keys()
-    outs: dict[int, list[int]] = {}
-    ins: dict[int, list[int]] = {}
-    for src, dst in sorted({(int(a), int(b)) for a, b in keys[:, 1:3]}):
-        outs.setdefault(src, []).append(dst)
-        ins.setdefault(dst, []).append(src)
-    return outs, ins
-
-
-def _local_schedule(r, topo, rank: int, peers: tuple[dict, dict]) -> dict:
-    """Time one process's rank-local schedule for ``rank`` (module docstring: how its mail is answered)."""
-    outs, ins = peers
-    tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(r.names, r.pairs, strict=True)]
-    opts = Options()
-
-    def answer(want: dict) -> dict:
-        got = {}
-        for (a, b, tag), n in want.items():
-            if tag == COUNT_IN:  # receiver a: how many it receives from, and where b is among them
-                got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b)], np.int64)
-            elif tag == COUNT_OUT:
-                got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b)], np.int64)
-            else:
-                got[(a, b, tag)] = np.arange(n, dtype=np.int64) + (tag - ROUNDS)
-        return got
-
-    def build():
-        programs = rank_programs(r.pairs, [rank], topo, names=r.names)
-        talk = pair_paced(tensors, programs, opts)
-        _, want = next(talk)
-        try:
-            while True:
-                _, want = talk.send(answer(want))
-        except StopIteration as done:
-            return done.value
-
-    clear_caches()
-    _, prog_s, _ = _timed(lambda: rank_programs(r.pairs, [rank], topo, names=r.names))
-    sched, total_s, total_cpu = _timed(build)  # the programs are cached now: this is the schedule alone
-    steps = sched.steps.get(rank, {})
-    return {
-        "local_sched_s": total_s,
-        "local_sched_cpu": total_cpu,
-        "local_sched_programs_s": prog_s,
-        "local_sched_rounds": sched.rounds,
-        "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
-        "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
-        "local_sched_profile": _profile(build, top=8),
-    }
 
 
 def _where(pr) -> str:
@@ -296,11 +227,11 @@ def _span(values: list[float]) -> str:
     return f" [{min(values) * 1e3:.1f}-{max(values) * 1e3:.1f} ms over {len(values)} processes]"
 
 
-def models(quick: bool, repeat: int) -> None:
+def models(configs: tuple[tuple[str, int, str], ...], repeat: int) -> None:
     print(f"== whole models: trainer ranks 0..n-1, inference ranks n..2n-1; NVL72 racks with {DOMAIN} GPUs each")
     print("   (each side starts a rack of its own), 50 GB/s NIC, 900 GB/s NVLink, 5 us latency, 8 MiB chunks")
     print("   times: wall clock, and the process's CPU time (the machine may be shared: CPU is the planner's own)\n")
-    for name, n, mode in CONFIGS_QUICK if quick else CONFIGS:
+    for name, n, mode in configs:
         cmd = [sys.executable, __file__, "--one", name, str(n), mode]
         runs = []
         for _ in range(repeat if mode != "rank" else 1):  # the 4096 + 4096 run (simulate) takes minutes: once
@@ -344,15 +275,7 @@ def models(quick: bool, repeat: int) -> None:
             )
             print(f"   plan.stats()              {o['stats_s']:7.3f} s wall ({o['stats_cpu']:.3f} s CPU)")
         if "local_sched_s" in o:
-            print(
-                f"   one process's schedule (rank-local) {o['local_sched_s']:7.3f} s wall "
-                f"({o['local_sched_cpu']:.3f} s CPU){o['local_sched_s_range']}: one destination rank, "
-                f"{o['local_sched_chunks']} chunks in {o['local_sched_rounds']} rounds, "
-                f"{o['local_sched_rows']} descriptor rows (its program: {o['local_sched_programs_s']:.3f} s more)"
-            )
-            print("     where the schedule's time goes (own time, profiled run):")
-            for what, share in o["local_sched_profile"]:
-                print(f"       {share * 100:5.1f}%  {what}")
+            print_local(o)
         if "simulate_s" in o:
             print(
                 f"   simulate_layouts          {o['simulate_s']:7.3f} s wall ({o['simulate_cpu']:.3f} s CPU), "
@@ -382,15 +305,29 @@ def main() -> None:
     ap.add_argument(
         "--repeat", type=int, default=3, help="fresh processes per configuration (medians and ranges; default 3)"
     )
+    ap.add_argument(
+        "--only",
+        action="append",
+        metavar="MODEL:N",
+        help="only this model configuration (repeatable; e.g. deepseek-v3:4096), without the first two sections",
+    )
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "N", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         name, n, mode = args.one
         print(json.dumps(one_model(name, int(n), whole=mode.startswith("whole"), baselines=mode == "whole")))
         return
-    ffn_moe()
-    single_tensor()
-    models(args.quick, max(1, args.repeat))
+    configs: tuple[tuple[str, int, str], ...] = CONFIGS_QUICK if args.quick else CONFIGS
+    if args.only:
+        known = {f"{name}:{n}": (name, n, mode) for name, n, mode in CONFIGS}
+        unknown = [c for c in args.only if c not in known]
+        if unknown:
+            ap.error(f"--only {', '.join(unknown)}: not a configuration; choose from {', '.join(known)}")
+        configs = tuple(known[c] for c in args.only)
+    else:
+        ffn_moe()
+        single_tensor()
+    models(configs, max(1, args.repeat))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,179 @@
+"""The rank-local schedule part of ``plan_bench.py`` (its section 5; the module docstring there
+says how the peers' mail is answered), and the small timing helpers both use.
+
+Run as a script, it is the untimed setup's process: ``python plan_bench_local.py MODEL N RANK
+DOMAIN NIC FAST`` prints, as one JSON line, the distinct receivers and senders of every peer
+of ``RANK`` (:func:`peer_mail`), the time that took and the process's peak memory.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import json
+import os
+import pstats
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jreshard._cache import clear_caches
+from jreshard.models import refit, refit_topology
+from jreshard.nccl.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, pair_paced
+from jreshard.options import Options
+from jreshard.sharding.planner import rank_programs
+from jreshard.sharding.program import RECV, SEND
+from jreshard.sharding.rows import TensorSpec
+
+
+def timed(fn):
+    """``(fn(), wall seconds, CPU seconds)``."""
+    t, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - t, time.process_time() - c
+
+
+def peak_mib() -> float:
+    """This process's peak resident memory, MiB: ``VmHWM`` of ``/proc/self/status`` where there is one.
+
+    (``ru_maxrss`` is kept across ``fork`` and ``exec``: a child would report its parent's peak.)
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def profile(fn, top: int = 6) -> list[tuple[str, float]]:
+    """Where ``fn`` spends its time: the ``top`` functions by own time (a separate, profiled run)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    total = sum(v[2] for v in st.stats.values()) or 1.0  # type: ignore[attr-defined]
+    return [(f"{os.path.basename(f)}:{line} {func}", tt / total) for (f, line, func), (_, _, tt, _, _) in rows]
+
+
+def peer_mail(r, topo, rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """The peers of ``rank`` and, for each, its distinct receivers and senders, sorted (what the
+    peers tell ``rank`` in the mail), from the peers' programs alone (no whole plan).
+
+    ``rank``'s program lists its peers: the ranks it receives from and those it sends to
+    (itself too, if it sends to itself). Each peer's program lists, in its sent rows, the
+    ranks it sends to, and in its received rows those it receives from; its local
+    landings are no messages and count for neither.
+    """
+    own = rank_programs(r.pairs, [rank], topo, names=r.names)[rank]
+    peers = sorted(set(own.table.peer[int(own.table.cuts[0]) :].tolist()))
+    outs: dict[int, list[int]] = {}
+    ins: dict[int, list[int]] = {}
+    for p, prog in rank_programs(r.pairs, peers, topo, names=r.names).items():
+        t = prog.table
+        kind, peer = t.kind[int(t.cuts[0]) :], t.peer[int(t.cuts[0]) :]
+        outs[p] = np.unique(peer[kind == SEND]).tolist()
+        ins[p] = np.unique(peer[kind == RECV]).tolist()
+    return outs, ins
+
+
+def peer_mail_process(
+    name: str, n: int, rank: int, domain: int, nic: float, fast: float
+) -> tuple[dict, dict, float, float]:
+    """:func:`peer_mail` for ``refit(name, n, n)`` on ``refit_topology(n, n, domain, ...)``, in a
+    process of its own: ``(outs, ins, its wall time, its peak MiB)``."""
+    cmd = [sys.executable, __file__, name, str(n), str(rank), str(domain), repr(nic), repr(fast)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    outs = {int(k): v for k, v in got["outs"].items()}
+    ins = {int(k): v for k, v in got["ins"].items()}
+    return outs, ins, got["seconds"], got["peak_mib"]
+
+
+def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -> dict:
+    """Time one process's rank-local schedule for ``rank``; ``peers`` is :func:`peer_mail_process`'s answer."""
+    outs, ins, setup_s, setup_mib = peers
+    tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(r.names, r.pairs, strict=True)]
+    opts = Options()
+
+    def answer(want: dict) -> dict:
+        got = {}
+        for (a, b, tag), n in want.items():
+            if tag == COUNT_IN:  # receiver a: how many it receives from, and where b is among them
+                got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b)], np.int64)
+            elif tag == COUNT_OUT:
+                got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b)], np.int64)
+            else:
+                got[(a, b, tag)] = np.arange(n, dtype=np.int64) + (tag - ROUNDS)
+        return got
+
+    def build():
+        programs = rank_programs(r.pairs, [rank], topo, names=r.names)
+        talk = pair_paced(tensors, programs, opts)
+        _, want = next(talk)
+        try:
+            while True:
+                _, want = talk.send(answer(want))
+        except StopIteration as done:
+            return done.value
+
+    clear_caches()
+    before_mib = peak_mib()
+    _, prog_s, _ = timed(lambda: rank_programs(r.pairs, [rank], topo, names=r.names))
+    sched, total_s, total_cpu = timed(build)  # the programs are cached now: this is the schedule alone
+    steps = sched.steps.get(rank, {})
+    out = {
+        "local_sched_s": total_s,
+        "local_sched_cpu": total_cpu,
+        "local_sched_programs_s": prog_s,
+        "local_sched_rounds": sched.rounds,
+        "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
+        "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
+        # Peak memory before the profiled run (which builds a second schedule while this one is held).
+        "local_sched_peak_mib": peak_mib(),
+        "local_sched_before_mib": before_mib,
+        "local_sched_peers": len(outs),
+        "local_sched_setup_s": setup_s,
+        "local_sched_setup_mib": setup_mib,
+    }
+    del sched, steps
+    out["local_sched_profile"] = profile(build, top=8)
+    return out
+
+
+def print_local(o: dict) -> None:
+    """The rows of :func:`local_schedule`'s answer (with ``local_sched_s_range`` added)."""
+    print(
+        f"   one process's schedule (rank-local) {o['local_sched_s']:7.3f} s wall "
+        f"({o['local_sched_cpu']:.3f} s CPU){o['local_sched_s_range']}: one destination rank, "
+        f"{o['local_sched_chunks']} chunks in {o['local_sched_rounds']} rounds, "
+        f"{o['local_sched_rows']} descriptor rows (its program: {o['local_sched_programs_s']:.3f} s more)"
+    )
+    print(
+        f"     peak memory of the process by then {o['local_sched_peak_mib']:.0f} MiB "
+        f"({o['local_sched_before_mib']:.0f} MiB before its program and schedule"
+        f"{': a peak the whole plan set' if 'plan_s' in o else ''}); untimed setup in a process of its own: "
+        f"{o['local_sched_peers']} peers' programs in {o['local_sched_setup_s']:.3f} s, "
+        f"{o['local_sched_setup_mib']:.0f} MiB peak"
+    )
+    print("     where the schedule's time goes (own time, profiled run):")
+    for what, share in o["local_sched_profile"]:
+        print(f"       {share * 100:5.1f}%  {what}")
+
+
+def main(argv: list[str]) -> None:
+    name, n, rank, domain, nic, fast = argv
+    r = refit(name, int(n), int(n))
+    topo = refit_topology(int(n), int(n), int(domain), network_bw=float(nic), fast_bw=float(fast))
+    (outs, ins), wall, _ = timed(lambda: peer_mail(r, topo, int(rank)))
+    print(json.dumps({"outs": outs, "ins": ins, "seconds": wall, "peak_mib": peak_mib()}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

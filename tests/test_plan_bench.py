@@ -1,0 +1,69 @@
+"""benchmarks/plan_bench.py (plan_bench_local.py): the peers' mail answered from their programs equals what the whole
+plan's messages say (each peer's sorted distinct receivers and senders)."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jreshard.models import refit, refit_topology
+from jreshard.sharding.layout import Layout
+from jreshard.sharding.planner import plan_layouts
+from jreshard.sharding.topology import Topology
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import plan_bench
+import plan_bench_local
+
+
+def _whole_plan_mail(plan) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """Each rank's sorted distinct receivers and senders, from the whole plan's message keys."""
+    outs: dict[int, list[int]] = {}
+    ins: dict[int, list[int]] = {}
+    for src, dst in sorted({(int(a), int(b)) for a, b in plan.message_keys()[:, 1:3]}):
+        outs.setdefault(src, []).append(dst)
+        ins.setdefault(dst, []).append(src)
+    return outs, ins
+
+
+@pytest.mark.parametrize(
+    ("model", "n", "domain"),
+    [("llama3-70b", 16, 8), ("qwen3-235b", 32, 8), ("deepseek-v3", 128, plan_bench.DOMAIN)],
+)
+def test_peer_mail_equals_the_whole_plan(model, n, domain):
+    r = refit(model, n, n)
+    topo = refit_topology(n, n, domain, network_bw=plan_bench.NIC, fast_bw=plan_bench.NVLINK)
+    plan = plan_layouts(r.pairs, topo, names=r.names)
+    outs, ins = _whole_plan_mail(plan)
+    forwards = set(outs) & set(ins)  # ranks that receive and send: the relays
+    ranks = [n + n // 2 + 3, n // 2 + 3, 0, 2 * n - 1, *sorted(forwards)[:2]]
+    for rank in ranks:
+        peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))
+        got_outs, got_ins = plan_bench_local.peer_mail(r, topo, rank)
+        assert sorted(got_outs) == sorted(got_ins) == peers, rank
+        assert got_outs == {p: outs.get(p, []) for p in peers}, rank
+        assert got_ins == {p: ins.get(p, []) for p in peers}, rank
+    # The answers are not trivial: some peer of the benchmark's rank talks to several ranks.
+    got_outs, got_ins = plan_bench_local.peer_mail(r, topo, n + n // 2 + 3)
+    assert max(len(v) for v in (*got_outs.values(), *got_ins.values())) > 1
+
+
+def test_peer_mail_skips_local_landings():
+    """Source and destination on the same ranks: a rank's local landings are no messages."""
+    shape = (64, 48)
+    src = Layout.from_mesh(np.arange(8), ("fsdp",), ("fsdp",), shape, "float32")
+    dst = Layout.from_mesh(np.arange(8).reshape(2, 4), ("dp", "tp"), (None, "tp"), shape, "float32")
+    r = types.SimpleNamespace(pairs=((src, dst), (dst, src)), names=("a", "b"))
+    topo = Topology.uniform(range(8), 4, network_bw=plan_bench.NIC, fast_bw=plan_bench.NVLINK)
+    plan = plan_layouts(r.pairs, topo, names=r.names)
+    assert any(int(p.table.cuts[0]) for p in (plan.program(k) for k in range(8)))  # there are local landings
+    outs, ins = _whole_plan_mail(plan)
+    for rank in range(8):
+        peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))
+        got_outs, got_ins = plan_bench_local.peer_mail(r, topo, rank)
+        assert got_outs == {p: outs.get(p, []) for p in peers}, rank
+        assert got_ins == {p: ins.get(p, []) for p in peers}, rank
