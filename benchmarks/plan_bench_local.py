@@ -62,9 +62,10 @@ def profile(fn, top: int = 6) -> list[tuple[str, float]]:
     return [(f"{os.path.basename(f)}:{line} {func}", tt / total) for (f, line, func), (_, _, tt, _, _) in rows]
 
 
-def peer_mail(r, topo, rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
-    """The peers of ``rank`` and, for each, its distinct receivers and senders, sorted (what the
-    peers tell ``rank`` in the mail), from the peers' programs alone (no whole plan).
+def peer_mail(r, topo, rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]], dict[int, int], dict[int, int]]:
+    """The peers of ``rank`` and, for each, its distinct receivers and senders, sorted, and the bytes it
+    sends and receives in all (what the peers tell ``rank`` in the mail), from the peers' programs
+    alone (no whole plan).
 
     ``rank``'s program lists its peers: the ranks it receives from and those it sends to
     (itself too, if it sends to itself). Each peer's program lists, in its sent rows, the
@@ -75,40 +76,44 @@ def peer_mail(r, topo, rank: int) -> tuple[dict[int, list[int]], dict[int, list[
     peers = sorted(set(own.table.peer[int(own.table.cuts[0]) :].tolist()))
     outs: dict[int, list[int]] = {}
     ins: dict[int, list[int]] = {}
+    sent: dict[int, int] = {}
+    got: dict[int, int] = {}
     for p, prog in rank_programs(r.pairs, peers, topo, names=r.names).items():
         t = prog.table
-        kind, peer = t.kind[int(t.cuts[0]) :], t.peer[int(t.cuts[0]) :]
+        rows = slice(int(t.cuts[0]), len(t))
+        kind, peer, nbytes = t.kind[rows], t.peer[rows], t.nbytes[rows]
         outs[p] = np.unique(peer[kind == SEND]).tolist()
         ins[p] = np.unique(peer[kind == RECV]).tolist()
-    return outs, ins
+        sent[p] = int(nbytes[kind == SEND].sum())
+        got[p] = int(nbytes[kind == RECV].sum())
+    return outs, ins, sent, got
 
 
 def peer_mail_process(
     name: str, n: int, rank: int, domain: int, nic: float, fast: float
 ) -> tuple[dict, dict, float, float]:
     """:func:`peer_mail` for ``refit(name, n, n)`` on ``refit_topology(n, n, domain, ...)``, in a
-    process of its own: ``(outs, ins, its wall time, its peak MiB)``."""
+    process of its own: ``(outs, ins, sent, received, its wall time, its peak MiB)``."""
     cmd = [sys.executable, __file__, name, str(n), str(rank), str(domain), repr(nic), repr(fast)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(), check=True)
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    outs = {int(k): v for k, v in got["outs"].items()}
-    ins = {int(k): v for k, v in got["ins"].items()}
-    return outs, ins, got["seconds"], got["peak_mib"]
+    outs, ins, sent, recv = ({int(k): v for k, v in got[f].items()} for f in ("outs", "ins", "sent", "received"))
+    return outs, ins, sent, recv, got["seconds"], got["peak_mib"]
 
 
 def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -> dict:
     """Time one process's rank-local schedule for ``rank``; ``peers`` is :func:`peer_mail_process`'s answer."""
-    outs, ins, setup_s, setup_mib = peers
+    outs, ins, sent, received, setup_s, setup_mib = peers
     tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(r.names, r.pairs, strict=True)]
     opts = Options()
 
     def answer(want: dict) -> dict:
         got = {}
         for (a, b, tag), n in want.items():
-            if tag == COUNT_IN:  # receiver a: how many it receives from, and where b is among them
-                got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b)], np.int64)
+            if tag == COUNT_IN:  # receiver a: how many it receives from, where b is among them, its bytes
+                got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b), received[a]], np.int64)
             elif tag == COUNT_OUT:
-                got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b)], np.int64)
+                got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b), sent[a]], np.int64)
             else:
                 got[(a, b, tag)] = np.arange(n, dtype=np.int64) + (tag - ROUNDS)
         return got
@@ -171,8 +176,9 @@ def main(argv: list[str]) -> None:
     name, n, rank, domain, nic, fast = argv
     r = refit(name, int(n), int(n))
     topo = refit_topology(int(n), int(n), int(domain), network_bw=float(nic), fast_bw=float(fast))
-    (outs, ins), wall, _ = timed(lambda: peer_mail(r, topo, int(rank)))
-    print(json.dumps({"outs": outs, "ins": ins, "seconds": wall, "peak_mib": peak_mib()}))
+    (outs, ins, sent, received), wall, _ = timed(lambda: peer_mail(r, topo, int(rank)))
+    mail = {"outs": outs, "ins": ins, "sent": sent, "received": received}
+    print(json.dumps({**mail, "seconds": wall, "peak_mib": peak_mib()}))
 
 
 if __name__ == "__main__":

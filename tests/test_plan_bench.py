@@ -30,6 +30,13 @@ def _whole_plan_mail(plan) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     return outs, ins
 
 
+def _same_bytes(plan, sent, received, peers) -> None:
+    """The bytes each peer sends and receives in all, as the whole plan's messages of that peer carry."""
+    for p in peers:
+        prog = plan.program(p)
+        assert sent[p] == sum(m.nbytes for m in prog.sends) and received[p] == sum(m.nbytes for m in prog.recvs), p
+
+
 @pytest.mark.parametrize(
     ("model", "n", "domain"),
     [("llama3-70b", 16, 8), ("qwen3-235b", 32, 8), ("deepseek-v3", 128, plan_bench.DOMAIN)],
@@ -43,12 +50,13 @@ def test_peer_mail_equals_the_whole_plan(model, n, domain):
     ranks = [n + n // 2 + 3, n // 2 + 3, 0, 2 * n - 1, *sorted(forwards)[:2]]
     for rank in ranks:
         peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))
-        got_outs, got_ins = plan_bench_local.peer_mail(r, topo, rank)
-        assert sorted(got_outs) == sorted(got_ins) == peers, rank
+        got_outs, got_ins, sent, received = plan_bench_local.peer_mail(r, topo, rank)
+        assert sorted(got_outs) == sorted(got_ins) == sorted(sent) == sorted(received) == peers, rank
         assert got_outs == {p: outs.get(p, []) for p in peers}, rank
         assert got_ins == {p: ins.get(p, []) for p in peers}, rank
+        _same_bytes(plan, sent, received, peers[:: max(1, len(peers) // 8)])
     # The answers are not trivial: some peer of the benchmark's rank talks to several ranks.
-    got_outs, got_ins = plan_bench_local.peer_mail(r, topo, n + n // 2 + 3)
+    got_outs, got_ins, _, _ = plan_bench_local.peer_mail(r, topo, n + n // 2 + 3)
     assert max(len(v) for v in (*got_outs.values(), *got_ins.values())) > 1
 
 
@@ -64,6 +72,7 @@ def test_peer_mail_skips_local_landings():
     outs, ins = _whole_plan_mail(plan)
     for rank in range(8):
         peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))
-        got_outs, got_ins = plan_bench_local.peer_mail(r, topo, rank)
+        got_outs, got_ins, sent, received = plan_bench_local.peer_mail(r, topo, rank)
         assert got_outs == {p: outs.get(p, []) for p in peers}, rank
         assert got_ins == {p: ins.get(p, []) for p in peers}, rank
+        _same_bytes(plan, sent, received, peers)
