@@ -140,11 +140,14 @@ def intersect(a: Box, b: Box) -> Box | None:
     ``[max(lo), min(hi))``; the boxes overlap when every dimension's is non-empty.
     Rank-0 boxes always overlap (both are the single element).
     """
-    lo = tuple(max(x, y) for x, y in zip(a.lo, b.lo, strict=True))
-    hi = tuple(min(x, y) for x, y in zip(a.hi, b.hi, strict=True))
-    if any(h <= l for l, h in zip(lo, hi, strict=True)):
-        return None
-    return Box(lo, hi)
+    if len(a.lo) != len(b.lo):
+        raise ValueError(f"intersect: boxes of {len(a.lo)} and {len(b.lo)} dimensions: {a}, {b}")
+    lo = tuple(map(max, a.lo, b.lo))
+    hi = tuple(map(min, a.hi, b.hi))
+    for x, y in zip(lo, hi):  # noqa: B905 - equal lengths, checked above
+        if y <= x:
+            return None
+    return Box.trusted(lo, hi)  # bounds of two valid boxes: valid
 
 
 def difference(a: Box, b: Box) -> list[Box]:
