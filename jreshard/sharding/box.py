@@ -144,7 +144,7 @@ def intersect(a: Box, b: Box) -> Box | None:
         raise ValueError(f"intersect: boxes of {len(a.lo)} and {len(b.lo)} dimensions: {a}, {b}")
     lo = tuple(map(max, a.lo, b.lo))
     hi = tuple(map(min, a.hi, b.hi))
-    for x, y in zip(lo, hi):  # noqa: B905 - equal lengths, checked above
+    for x, y in zip(lo, hi, strict=True):
         if y <= x:
             return None
     return Box.trusted(lo, hi)  # bounds of two valid boxes: valid
