@@ -35,12 +35,7 @@ def _byte_chunks(m: Message, shapes: _Shapes, size: int) -> list[list[tuple[int,
 def pair_paced(
     tensors: Sequence[TensorSpec], programs: Mapping[int, RankProgram], options: Options
 ) -> Generator[tuple[Outgoing, Wanted], dict[Key, np.ndarray], Schedule]:
-    """The schedule of the ranks in ``programs``, as a conversation: each step yields the payloads to
-    send and the lengths of those to receive, and is sent back the received payloads; the last
-    step's return value (``StopIteration.value``) is the :class:`Schedule` of these ranks.
-
-    Every process runs it for its own ranks; :func:`pair_schedule` drives it over a mail function.
-    """
+    """:func:`jreshard.nccl.pairsched.pair_paced`, the same conversation, one object per chunk piece."""
     shapes = _Shapes(tensors)
     widest = max((t.src.itemsize for t in tensors), default=1)
     mine = sorted(programs)

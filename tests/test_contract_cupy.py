@@ -294,15 +294,14 @@ def test_export_hands_cupy_a_legacy_capsule_it_reads(cupy, runtime):
     """export_source's hand-over: cupy.from_dlpack on a re-typed legacy capsule that reports
     a CUDA device ends in a CUDA error (no GPU here), not a TypeError from the binding. Whether
     CuPy reads the capsule before it calls CUDA is not visible from here."""
-    from jreshard.nccl.buffers import _DLTensor, _get_pointer, retype_capsule
-    from jreshard.nccl.gpu_buffers import _Capsule
+    from jreshard.nccl.buffers import KDLCUDA, Capsule, _DLTensor, _get_pointer, retype_capsule
 
     x = np.arange(16, dtype=np.float32)
     capsule = x.__dlpack__()
     _DLTensor.from_address(_get_pointer(capsule, b"dltensor")).device.device_type = 2  # kDLCUDA
     capsule = retype_capsule(capsule, 1, 32)
     try:
-        cupy.from_dlpack(_Capsule(capsule, 0))
+        cupy.from_dlpack(Capsule(capsule, 0, KDLCUDA))
     except runtime.CUDARuntimeError:
         return
     pytest.skip("CUDA works here: the gpu tests cover the real hand-over")

@@ -15,7 +15,8 @@ from cupy_standins import RecordingCuda, fake_cupy
 
 from jreshard.errors import TransferError
 from jreshard.nccl.buffers import CpuBuffers
-from jreshard.nccl.gpu_buffers import CupyBuffers, _Typed
+from jreshard.nccl.gpu_buffers import CupyBuffers
+from jreshard.nccl.gpu_dlpack import Typed as _Typed
 from jreshard.nccl.local import LocalComm
 from jreshard.options import Options
 from jreshard.sharding.box import Box

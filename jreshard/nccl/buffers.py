@@ -38,7 +38,9 @@ from jreshard.nccl.pool import ALIGN, BufferPool, default_pool
 
 __all__ = [
     "ALIGN",
+    "KDLCUDA",
     "BufferBackend",
+    "Capsule",
     "CpuBuffers",
     "aligned_empty",
     "dlpack_type",
@@ -51,6 +53,7 @@ __all__ = [
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
 _FLOAT8 = {"float8_e4m3fn": 10, "float8_e4m3fnuz": 11, "float8_e5m2": 12, "float8_e5m2fnuz": 13}
 _KDLCPU = 1
+KDLCUDA = 2  # DLPack device type of a CUDA GPU
 
 
 class _DLDevice(ctypes.Structure):
@@ -107,7 +110,7 @@ def retype_capsule(capsule: Any, code: int, bits: int, device_id: int | None = N
 
     Example:
       >>> x = np.arange(3, dtype=np.int16)
-      >>> y = np.from_dlpack(_Capsule(retype_capsule(x.__dlpack__(), _UINT, 16), 0))
+      >>> y = np.from_dlpack(Capsule(retype_capsule(x.__dlpack__(), _UINT, 16), 0))
       >>> y.dtype, y.tolist()
       (dtype('uint16'), [0, 1, 2])
     """
@@ -118,19 +121,20 @@ def retype_capsule(capsule: Any, code: int, bits: int, device_id: int | None = N
     return capsule
 
 
-class _Capsule:
-    """Hands one capsule to a DLPack consumer, reporting ``device`` as its location."""
+class Capsule:
+    """Hands one already-made capsule to a DLPack consumer, reporting device ``device_id`` of DLPack
+    device type ``device_type`` (CPU by default; :data:`KDLCUDA` for a CUDA device) as its location."""
 
     __slots__ = ("_capsule", "_device")
 
-    def __init__(self, capsule: Any, device_id: int):
-        self._capsule, self._device = capsule, device_id
+    def __init__(self, capsule: Any, device_id: int, device_type: int = _KDLCPU):
+        self._capsule, self._device = capsule, (device_type, device_id)
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
         return self._capsule
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_KDLCPU, self._device)
+        return self._device
 
 
 def export_source(shard: Any) -> np.ndarray:
@@ -142,7 +146,7 @@ def export_source(shard: Any) -> np.ndarray:
         return np.zeros(0, np.uint8)
     bits = shard.dtype.itemsize * 8
     capsule = retype_capsule(shard.__dlpack__(), _UINT, bits)
-    flat = np.from_dlpack(_Capsule(capsule, 0)).reshape(-1)
+    flat = np.from_dlpack(Capsule(capsule, 0)).reshape(-1)
     return flat.view(np.uint8)
 
 
@@ -180,7 +184,7 @@ def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, devi
     code, bits = dlpack_type(dtype)
     typed = region.view(np.dtype(f"uint{bits}")).reshape(shape)
     hw = device.local_hardware_id
-    out = jax.dlpack.from_dlpack(_Capsule(retype_capsule(typed.__dlpack__(), code, bits, hw), hw))
+    out = jax.dlpack.from_dlpack(Capsule(retype_capsule(typed.__dlpack__(), code, bits, hw), hw))
     if out.dtype != dtype:
         raise TransferError(f"import_shard: asked jax for {dtype} and got {out.dtype}")
     # The engine may import a destination before its bytes are written: a copy here would

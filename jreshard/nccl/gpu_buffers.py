@@ -38,48 +38,14 @@ from jreshard.errors import BackendUnavailableError, TransferError, TransferTime
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl import kernels as K
 from jreshard.nccl.backend import cuda_extra
-from jreshard.nccl.buffers import BufferBackend, dlpack_type, retype_capsule
+from jreshard.nccl.buffers import KDLCUDA, BufferBackend, Capsule, dlpack_type, retype_capsule
+from jreshard.nccl.gpu_dlpack import Typed
 from jreshard.nccl.nccl_support import event_done
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
 
 GPU_ALIGN = 256  # bytes: the alignment of every destination and staging buffer
-_KDLCUDA = 2
 _UINT = 1
-
-
-class _Capsule:
-    """Hands one already-made capsule to a DLPack consumer (CuPy) on CUDA device ``ordinal``."""
-
-    __slots__ = ("_capsule", "_ordinal")
-
-    def __init__(self, capsule: Any, ordinal: int):
-        self._capsule, self._ordinal = capsule, ordinal
-
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._capsule
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (_KDLCUDA, self._ordinal)
-
-
-class _Typed:
-    """A CuPy array re-typed for JAX: exports with the consumer's stream, after ``stream``'s work."""
-
-    __slots__ = ("_array", "_bits", "_code", "_cuda", "_ordinal", "_stream")
-
-    def __init__(self, array: Any, code: int, bits: int, stream: Any, ordinal: int, cuda: Any):
-        self._array, self._code, self._bits, self._stream, self._ordinal = array, code, bits, stream, ordinal
-        self._cuda = cuda
-
-    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
-        # CuPy refuses to enter a stream of another device than the current one.
-        with self._cuda.Device(self._ordinal), self._stream:  # the consumer's stream waits on this one
-            capsule = self._array.__dlpack__(stream=stream)
-        return retype_capsule(capsule, self._code, self._bits)
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return (_KDLCUDA, self._ordinal)
 
 
 def _no_room(what: str, nbytes: int, ordinal: int, free: int, total: int) -> str:
@@ -168,7 +134,7 @@ class CupyBuffers(BufferBackend):
         s = self.stream(o)
         with cp.cuda.Device(o), s:
             capsule = retype_capsule(shard.__dlpack__(stream=s.ptr), _UINT, bits)
-            view = cp.from_dlpack(_Capsule(capsule, o)).reshape(-1).view(cp.uint8)
+            view = cp.from_dlpack(Capsule(capsule, o, KDLCUDA)).reshape(-1).view(cp.uint8)
         self._views.append(view)
         return view
 
@@ -217,7 +183,7 @@ class CupyBuffers(BufferBackend):
         code, bits = dlpack_type(dtype)
         o = _ordinal(device)
         typed = buffer.view(self._cp.dtype(f"uint{bits}")).reshape(shape)
-        out = jax.dlpack.from_dlpack(_Typed(typed, code, bits, self.stream(o), o, self._cp.cuda))
+        out = jax.dlpack.from_dlpack(Typed(typed, code, bits, self.stream(o), o, self._cp.cuda))
         if out.dtype != dtype:
             raise TransferError(f"CupyBuffers.import_shard: asked jax for {dtype} and got {out.dtype}")
         return out
