@@ -114,9 +114,8 @@ def run_plan(
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """Run this process's ranks of ``plan`` on its global schedule and return the new destination shards.
 
-    For callers that hold the whole plan (a refit group, the elastic pairs);
-    :func:`transfer_multiprocess` plans and schedules only this process's ranks
-    (:func:`run_schedule`).
+    For callers that hold the whole plan (the elastic pairs); :func:`transfer_multiprocess` and
+    ``RefitGroup`` plan and schedule only this process's ranks (:func:`run_schedule`).
 
     Args:
       plan: the plan every process computed.

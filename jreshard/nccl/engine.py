@@ -228,14 +228,15 @@ def _region(w: Wire, bufs: list, arena) -> object:
 def _check_buffers(sched: Schedule, ranks: tuple[int, ...], bufs: dict[int, list], shards: Shards) -> None:
     missing: list[str] = []
     for r in ranks:
-        need: set[int] = set()
         by_round = sched.steps.get(r, {})
         if isinstance(by_round, RankSteps):  # steps held as tables: read them, make no Step
-            need = by_round.buffers()
-        for step in () if isinstance(by_round, RankSteps) else by_round.values():
-            need.update(int(b) for b in step.pack[:, kernels.BUF])
-            need.update(int(b) for b in step.unpack[:, kernels.BUF])
-            need.update(w.buf for w in (*step.sends, *step.recvs) if w.buf != STAGING)
+            need = set(by_round.buffers())
+        else:
+            need = set()
+            for step in by_round.values():
+                need.update(int(b) for b in step.pack[:, kernels.BUF])
+                need.update(int(b) for b in step.unpack[:, kernels.BUF])
+                need.update(w.buf for w in (*step.sends, *step.recvs) if w.buf != STAGING)
         if r in sched.local:
             keys, _, dt = sched.local[r]
             need.update(int(b) for b in dt[:, kernels.BUF])
