@@ -24,8 +24,8 @@ Prints:
    (``k + stage``) that changes round numbers, not the work. The peer counts come from
    the peers' own programs, the same way at every size: the destination rank's program
    names its peers (the ranks it receives from and sends to), one ``rank_programs`` call
-   builds theirs, and each peer's distinct receivers and senders are read from its
-   program's sent and received rows. This setup runs in a separate process and is not
+   builds theirs, and each peer's distinct receivers and senders, and the bytes it sends and
+   receives in all, are read from its program's sent and received rows. This setup runs in a separate process and is not
    timed (its time is printed apart), so neither its time nor its memory counts
    (``plan_bench_local.py``, beside this file, holds this part).
 
