@@ -106,8 +106,8 @@ def versions(emit, quick):
 def kernel(emit, quick):
     import cupy as cp
 
-    from jreshard.nccl import kernels as K
     from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.schedule import kernels as K
     from jreshard.sharding.box import Box
 
     g = gpu()
@@ -165,8 +165,8 @@ def dlpack(emit, quick):
 def kernel_cases(emit, quick):
     import cupy as cp
 
-    from jreshard.nccl import kernels as K
     from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.schedule import kernels as K
     from jreshard.sharding.box import Box, intersect
 
     g = gpu()
@@ -217,7 +217,7 @@ def kernel_cases(emit, quick):
 def nccl(emit, quick):
     import cupy as cp
 
-    from jreshard.nccl.comm import RecvOp, SendOp
+    from jreshard.engine.comm import RecvOp, SendOp
 
     g = gpu()
     o = g.local_hardware_id
@@ -248,7 +248,8 @@ def nccl(emit, quick):
         emit(f"self send/recv in {chunk // MiB} MiB chunks", "ok" if same else "FAILED", **st,
              vs_memcpy=float(np.median(base)) / float(np.median(times)))  # fmt: skip
     # The rank-local schedule's mail: int64 payloads through device buffers, on the deferred streams.
-    from jreshard.nccl.pairsched import COUNT_OUT, ROUNDS, comm_mail
+    from jreshard.engine.mail import comm_mail
+    from jreshard.schedule.pairsched import COUNT_OUT, ROUNDS
 
     out = {(0, 1, COUNT_OUT): np.array([3, 1], np.int64), (0, 1, ROUNDS + 1): np.arange(7, dtype=np.int64)}
     t0 = time.perf_counter()
@@ -307,7 +308,7 @@ def transfer(emit, quick):
 
 def engine_split(emit, x, g, o, nbytes, shape):
     """The engine moving ``x`` from rank 0 to a column split over ranks 1 and 2 (one GPU, NCCL to itself)."""
-    from jreshard.nccl.engine import Shards, execute
+    from jreshard.engine.rounds import Shards, execute
     from jreshard.options import Options
     from jreshard.sharding.box import Box
     from jreshard.sharding.layout import Layout
@@ -341,7 +342,7 @@ def sweep(emit, quick):
     import cupy as cp
 
     from jreshard.nccl import cuda_kernels as CK
-    from jreshard.nccl import kernels as K
+    from jreshard.schedule import kernels as K
     from jreshard.sharding.box import Box
 
     g = gpu()

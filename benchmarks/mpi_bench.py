@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
-from jreshard.multi import initialize
-from jreshard.nccl.buffers import export_source
-from jreshard.nccl.mpi_baseline import GatherBroadcast
+from jreshard.engine.buffers import export_source
+from jreshard.mpi.baseline import GatherBroadcast
+from jreshard.mpi.cluster import initialize
 from jreshard.options import Options
 from jreshard.refit import RefitGroup
 

@@ -51,8 +51,8 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import views
-from jreshard.nccl.buffers import aligned_empty
-from jreshard.nccl.pool import default_pool
+from jreshard.engine.buffers import aligned_empty
+from jreshard.engine.pool import default_pool
 from jreshard.views import native
 
 MiB = 1 << 20

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 import jreshard
-from jreshard.multi import initialize
+from jreshard.mpi.cluster import initialize
 
 SHAPES = {"embed": (256, 64), "wq": (64, 64), "wo": (64, 64), "w1": (64, 256), "w2": (256, 64)}
 

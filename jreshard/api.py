@@ -1,22 +1,22 @@
 """transfer() and transfer_into(): move jax arrays and pytrees between shardings.
 
 **Which backend.** ``options.backend`` and where the arrays live pick the
-transport (:func:`jreshard.nccl.backend.select_backend`), and the choice is final:
+transport (:func:`jreshard.routes.select_backend`), and the choice is final:
 an explicit backend that cannot start raises :class:`BackendUnavailableError`
 saying why, never falling back to another.
 
 - ``local``: every device taking part is addressable in this process (a
   single-controller program on CPU devices). The plan of each layout group is
-  lowered to local copies (:mod:`jreshard.nccl.lowering`) and run for every leaf of
-  the group at once (:mod:`jreshard.nccl.inprocess`): source shards are read through
+  lowered to local copies (:mod:`jreshard.engine.copies`) and run for every leaf of
+  the group at once (:mod:`jreshard.engine.inprocess`): source shards are read through
   their buffers, destination shards come from a pool of memory jax has released
-  (:mod:`jreshard.nccl.pool`), and the global array is never materialised on the
+  (:mod:`jreshard.engine.pool`), and the global array is never materialised on the
   host. On GPUs in one process the engine below runs over local copies.
-- ``mpi``: :func:`jreshard.multi.transfer_multiprocess`, the message-passing
+- ``mpi``: :func:`jreshard.routes.transfer_multiprocess`, the message-passing
   engine over MPI; every process of the cluster calls ``transfer``.
 - ``nccl``: the same engine over ``NcclComm``, in one process with GPUs or across
   the processes of a ``jax.distributed`` cluster (through
-  :func:`jreshard.multi.transfer_multiprocess`). Not run on GPU.
+  :func:`jreshard.routes.transfer_multiprocess`). Not run on GPU.
 
 All the work that depends only on shapes, dtypes and shardings is cached
 (:mod:`jreshard.frontdoor`): the second transfer of the same pytree spends no time
@@ -31,10 +31,10 @@ from typing import Any
 import jax
 
 from jreshard.errors import BackendUnavailableError
-from jreshard.frontdoor import Mode, Prepared, prepare
-from jreshard.nccl.backend import BackendChoice, Placement, select_backend
+from jreshard.frontdoor import Mode, flatten, prepare
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
+from jreshard.routes import route, run_engine, target_shardings
 from jreshard.sharding.topology import Topology
 
 __all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]
@@ -42,80 +42,61 @@ __all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]
 PyTree = Any
 
 
-def _route(x: PyTree, target: PyTree, mode: Mode, options: Options) -> tuple[BackendChoice, bool]:
-    """The backend for these arrays, and whether one process addresses every device."""
-    shardings = set()
-    for leaf in jax.tree_util.tree_leaves(x):
-        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            shardings.add(leaf.sharding)
-    is_leaf = None if mode is Mode.INTO else (lambda v: v is None or not isinstance(v, (dict, list, tuple)))
-    for t in jax.tree_util.tree_leaves(target, is_leaf=is_leaf):
-        if isinstance(t, jax.Array):
-            shardings.add(t.sharding)
-        elif isinstance(t, jax.sharding.Sharding):
-            shardings.add(t)
-        elif isinstance(t, jax.ShapeDtypeStruct) and t.sharding is not None:
-            shardings.add(t.sharding)
-    devices: set = set()
-    for sh in shardings:
-        try:
-            devices |= sh.device_set
-        except Exception:  # an abstract mesh: the front door says so
-            continue
-    if not devices:  # nothing to place: an empty tree
-        return BackendChoice(backend=Backend.LOCAL, reason="no devices take part (an empty pytree)"), True
-    placement = Placement.of_devices(devices, jax.process_index())
-    return select_backend(options.backend, placement), placement.single_process
-
-
-def _on_gpus(prep: Prepared) -> bool:
-    return any(d.platform in ("gpu", "cuda") for leaf in prep.leaves[:1] for d in leaf.sharding.device_set)
-
-
 def _run(
     x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options | None, report: bool
 ) -> Any:
-    """The one path of every call: route, front door, run the backend's lowering, assemble."""
+    """The one path of every call: flatten once, route, check, run, assemble."""
     options = Options.of(options)
     Topology.check_arg(topology)
-    if _has_views(x):
-        return _run_views(x, target, mode, topology, options, report)
+    leaves, treedef, targets = flatten(x, target, mode.value if mode is Mode.INTO else "target")
+    if _has_views(leaves):
+        return _run_views(x, target, mode, topology, options, report, leaves, targets)
     builder = ReportBuilder(Backend.LOCAL)
     with builder.timed(ReportPhase.PLAN):
-        choice, single_process = _route(x, target, mode, options)
+        choice, single_process = route(leaves, targets, options)
         builder.choose(choice.backend, choice.reason)
+        prep = None
         if choice.backend is Backend.LOCAL or single_process:
-            prep = prepare(x, target, mode, topology, options)
+            prep = prepare(leaves, treedef, targets, mode, topology, options, x)
     if mode is Mode.INTO and choice.backend is not Backend.LOCAL:
         raise BackendUnavailableError(
             f"transfer_into runs in one process with backend 'local', but {choice.reason} picked backend "
             f"{choice.backend.value!r}. The fix is jreshard.RefitGroup.pull(into=...) across processes, "
             "or backend='auto' or 'local' in one process"
         )
-    if choice.backend is Backend.LOCAL and not _on_gpus(prep):
-        from jreshard.nccl.inprocess import run_local
+    if prep is not None and choice.backend is Backend.LOCAL and not prep.on_gpus:
+        from jreshard.engine.inprocess import run_local
 
-        leaves = run_local(prep, topology, options, builder)
-        result = prep.treedef.unflatten(leaves)
+        out = run_local(prep, topology, options, builder)
     else:
-        result = _engine(x, target, choice, single_process, topology, options, builder)
+        shardings = list(prep.shape.shardings) if prep is not None else target_shardings(targets)
+        out = run_engine(leaves, shardings, choice, single_process, topology, options, builder)
+    result = treedef.unflatten(out)
     return (result, builder.build()) if report else result
 
 
-def _has_views(x: PyTree) -> bool:
+def _has_views(leaves: list[Any]) -> bool:
     from jreshard.views.algebra import View
 
-    return any(isinstance(v, View) for v in jax.tree_util.tree_leaves(x, is_leaf=lambda v: isinstance(v, View)))
+    return any(isinstance(v, View) for v in leaves)
 
 
-def _run_views(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options, report: bool) -> Any:
+def _run_views(
+    x: PyTree,
+    target: PyTree,
+    mode: Mode,
+    topology: Topology | None,
+    options: Options,
+    report: bool,
+    leaves: list[Any],
+    targets: list[Any],
+) -> Any:
     """A pytree with views among its leaves (casts, fused parameters...): :mod:`jreshard.views`, in one
     process, or across the processes of a multi-controller cluster over MPI (``transfer`` only)."""
     from jreshard.views.algebra import View
 
-    views = jax.tree_util.tree_leaves(x, is_leaf=lambda v: isinstance(v, View))
-    devices = {d for v in views if isinstance(v, View) for leaf in v.leaves() for d in leaf.source.sharding.device_set}
-    _, single = _route([v for v in views if isinstance(v, jax.Array)], target, mode, options)
+    devices = {d for v in leaves if isinstance(v, View) for leaf in v.leaves() for d in leaf.source.sharding.device_set}
+    _, single = route([v for v in leaves if isinstance(v, jax.Array)], targets, options)
     single = single and all(d.process_index == jax.process_index() for d in devices)
     allowed = (Backend.AUTO, Backend.LOCAL) if single else (Backend.AUTO, Backend.MPI)
     if options.backend not in allowed:
@@ -141,41 +122,6 @@ def _run_views(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None,
     run = execute.transfer_into if mode is Mode.INTO else execute.transfer
     result = run(x, target, topology=topology, report=builder, threads=options.copy_threads)
     return (result, builder.build()) if report else result
-
-
-def _engine(
-    x: PyTree,
-    target: PyTree,
-    choice: BackendChoice,
-    single_process: bool,
-    topology: Topology | None,
-    options: Options,
-    builder: ReportBuilder,
-) -> Any:
-    """The message-passing engine: MPI across processes, NCCL, or GPUs in one process (not run on GPU)."""
-    from jreshard.multi import transfer_multiprocess
-
-    if choice.backend is Backend.MPI:
-        return transfer_multiprocess(x, target, topology=topology, options=options, report=builder)
-    if choice.backend is Backend.LOCAL:  # GPUs in one process: the engine over local copies
-        from jreshard.nccl.gpu_buffers import CupyBuffers
-        from jreshard.nccl.local import LocalComm
-
-        ranks = sorted({d.id for leaf in jax.tree_util.tree_leaves(x) for d in leaf.sharding.device_set})
-        return transfer_multiprocess(
-            x,
-            target,
-            topology=topology,
-            options=options,
-            transport=LocalComm(ranks),
-            buffers=CupyBuffers(),
-            report=builder,
-        )
-    from jreshard.nccl.nccl_route import nccl_in_process, nccl_multiprocess
-
-    if not single_process:
-        return nccl_multiprocess(x, target, topology, options, builder)
-    return nccl_in_process(x, target, topology, options, builder)
 
 
 def transfer(
@@ -204,7 +150,7 @@ def transfer(
       with ``x``, even where a destination shard equals a source shard on the same
       device (colocated meshes, renamed axes): a train step that donates ``x`` never
       deletes a result. Nothing in ``x`` is written. Destination buffers come from a
-      pool of memory that jax released earlier (``jreshard.nccl.pool.default_pool()``;
+      pool of memory that jax released earlier (``jreshard.engine.pool.default_pool()``;
       ``.clear()`` gives it back).
 
     Raises:
@@ -303,7 +249,7 @@ def transfer_with(
       ``(result, stats, programs)``: the moved pytree, what the engine did, and the programs
       ``{rank: RankProgram}`` of ``comm``'s ranks it ran (each planned alone, no whole plan).
     """
-    from jreshard.multi import transfer_multiprocess
+    from jreshard.routes import transfer_multiprocess
 
     return transfer_multiprocess(
         x, target, topology=topology, options=options, transport=comm, buffers=buffers, report=report, details=True

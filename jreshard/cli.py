@@ -170,13 +170,13 @@ EXACT_GROUPS_MAX_CHUNKS = 4000  # above this many chunk messages, building the e
 def _print_ops(plan: Any, options: Any, per_rank: bool) -> None:
     """Send and receive operations and exchange groups: per fast-link domain (min-max over its ranks),
     or for every rank with ``per_rank``."""
-    from jreshard.nccl.groups import group_rounds, plan_op_counts
+    from jreshard.schedule.groups import group_rounds, plan_op_counts
 
     counts = plan_op_counts(plan, options.chunk_bytes)
     total = sum(s for s, _ in counts.values())
     exact = total <= EXACT_GROUPS_MAX_CHUNKS
     if exact:
-        from jreshard.nccl.schedule import build_schedule
+        from jreshard.schedule.steps import build_schedule
 
         sched = build_schedule(plan, options)
         rg = group_rounds(sched, options.max_group_ops)

@@ -7,6 +7,9 @@ died, a backend that cannot start) are ``RuntimeError`` subclasses.
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
+
 __all__ = [
     "BackendUnavailableError",
     "IndivisibleError",
@@ -18,6 +21,7 @@ __all__ = [
     "TopologyError",
     "TransferError",
     "TransferTimeoutError",
+    "cuda_extra",
 ]
 
 
@@ -77,3 +81,20 @@ class TransferTimeoutError(TransferError):
 
 class PeerError(TransferError):
     """A peer reported a failure or disagreed on the declared layouts."""
+
+
+def cuda_extra(find_spec: Callable[[str], object] = importlib.util.find_spec) -> str:
+    """The pip extra that installs CuPy and NCCL for the jax CUDA build in use.
+
+    ``jreshard[cuda13]`` when the ``jax_cuda13_plugin`` package is present,
+    ``jreshard[cuda12]`` when ``jax_cuda12_plugin`` is, else both are named.
+
+    Example:
+      >>> cuda_extra(lambda name: object() if name == "jax_cuda13_plugin" else None)
+      "pip install 'jreshard[cuda13]'"
+    """
+    if find_spec("jax_cuda13_plugin") is not None:
+        return "pip install 'jreshard[cuda13]'"
+    if find_spec("jax_cuda12_plugin") is not None:
+        return "pip install 'jreshard[cuda12]'"
+    return "pip install 'jreshard[cuda12]' (CUDA 12) or 'jreshard[cuda13]' (CUDA 13)"

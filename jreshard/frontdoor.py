@@ -1,4 +1,4 @@
-"""The front door of every transfer: flatten once, check everything once, group by layout pair.
+"""The front door of ``transfer`` and ``transfer_into``: flatten once, check everything once, group by layout pair.
 
 :func:`prepare` turns ``(x, target)`` into a :class:`Prepared`: the leaves, the
 tree structure, and a cached :class:`Shape` of the transfer that every backend
@@ -14,14 +14,13 @@ its key path and shows the values.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from typing import Any
 
 import jax
 import numpy as np
 
 from jreshard._cache import cache
+from jreshard.engine.prepared import Group, Kind, Mode, Prepared, Shape
 from jreshard.errors import IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
 from jreshard.options import Options
 from jreshard.sharding.layout import Layout
@@ -30,68 +29,6 @@ from jreshard.sharding.topology import Topology
 __all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "flatten", "prepare", "target_sharding"]
 
 PyTree = Any
-
-
-class Mode(enum.Enum):
-    """What the call writes: new arrays (``transfer``) or the caller's ``into`` arrays."""
-
-    TRANSFER = "transfer"
-    INTO = "into"
-
-
-class Kind(enum.IntEnum):
-    """What happens to one leaf."""
-
-    KEEP = 0  # returned as it is: a None target, or (transfer) the very same sharding
-    MOVE = 1  # bytes move into new or donated destination shards
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Group:
-    """Moved leaves that share a (source layout, destination layout) pair.
-
-    Attributes:
-      src, dst: the layouts.
-      leaves: the leaf indices of the group, in tree order.
-      src_order: per leaf of the group, for each of its source array's addressable
-        shards (in ``addressable_data`` order), the source slot it fills.
-      dst_order: per leaf, for each device of its target sharding (in the order jax
-        assembles them), the destination slot it holds.
-      devices: per leaf, the target sharding's devices in that order.
-    """
-
-    src: Layout
-    dst: Layout
-    leaves: tuple[int, ...]
-    src_order: tuple[tuple[int, ...], ...]
-    dst_order: tuple[tuple[int, ...], ...]
-    devices: tuple[list[Any], ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Shape:
-    """Everything about a transfer that depends only on its cache key.
-
-    Attributes:
-      kinds: per leaf, kept or moved.
-      groups: the moved leaves, grouped by layout pair.
-      shardings: per leaf, the target sharding (``None`` for a kept leaf).
-    """
-
-    kinds: tuple[Kind, ...]
-    groups: tuple[Group, ...]
-    shardings: tuple[Any, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Prepared:
-    """One call: its leaves, targets, tree structure and cached :class:`Shape`."""
-
-    mode: Mode
-    leaves: list[Any]
-    targets: list[Any]
-    treedef: Any
-    shape: Shape
 
 
 def _is_target_leaf(v: Any) -> bool:
@@ -223,15 +160,24 @@ def _local_devices() -> frozenset:
     return frozenset(jax.local_devices())
 
 
-def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options) -> Prepared:
-    """Flatten, check and look up the cached :class:`Shape` of one call.
+def prepare(
+    leaves: list[Any],
+    treedef: Any,
+    targets: list[Any],
+    mode: Mode,
+    topology: Topology | None,
+    options: Options,
+    x: PyTree = None,
+) -> Prepared:
+    """Check one call's flat leaves and targets (from :func:`flatten`) and look up its cached :class:`Shape`.
+
+    ``x`` (the unflattened tree) is read only on the error path, to name the leaf by its key path.
 
     Raises:
       LayoutMismatchError: structure, shape or dtype differ between ``x`` and its target.
       LayoutError, IndivisibleError, TopologyError: a leaf or a target is unusable (the message
         names the leaf's key path and the values).
     """
-    leaves, treedef, targets = flatten(x, target, mode.value if mode is Mode.INTO else "target")
     try:
         specs = []
         for i, (leaf, t) in enumerate(zip(leaves, targets, strict=True)):
@@ -269,7 +215,7 @@ def prepare(x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, op
         key = (treedef, tuple(specs), mode, topology, options)
         cached = _shape(key)
     except (LayoutError, TopologyError, LayoutMismatchError) as err:
-        if not leaves:
+        if not leaves or x is None:
             raise
         # Name leaves by key path: computed only on the error path (it costs a second flatten).
         names = leaf_names(treedef, x)

@@ -43,13 +43,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
-from jreshard.multi import assemble, run_schedule, schedule_local
-from jreshard.nccl.mpi import MpiComm, import_mpi
-from jreshard.nccl.mpi_control import Control
-from jreshard.nccl.schedule import Schedule
+from jreshard.mpi.comm import MpiComm, import_mpi
+from jreshard.mpi.control import Control
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, problems, validate
+from jreshard.schedule.steps import Schedule
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology

@@ -1,5 +1,5 @@
 """The pair-paced scheduler as first written (one Python object per chunk piece): the oracle the
-vectorised builder in ``jreshard.nccl.pairsched`` is compared against, step table for step table."""
+vectorised builder in ``jreshard.schedule.pairsched`` is compared against, step table for step table."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from collections.abc import Generator, Mapping, Sequence
 
 import numpy as np
 
-from jreshard.nccl import kernels
-from jreshard.nccl.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, Key, Outgoing, Wanted, pair_chunk_bytes
-from jreshard.nccl.schedule import (
+from jreshard.options import Options
+from jreshard.schedule import kernels
+from jreshard.schedule.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, Key, Outgoing, Wanted, pair_chunk_bytes
+from jreshard.schedule.steps import (
     DST,
     SRC,
     STAGE_ALIGN,
@@ -22,7 +23,6 @@ from jreshard.nccl.schedule import (
     chunk_pieces,
     tag_of,
 )
-from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.plan import Message, RankProgram
 from jreshard.sharding.rows import TensorSpec
@@ -35,7 +35,7 @@ def _byte_chunks(m: Message, shapes: _Shapes, size: int) -> list[list[tuple[int,
 def pair_paced(
     tensors: Sequence[TensorSpec], programs: Mapping[int, RankProgram], options: Options
 ) -> Generator[tuple[Outgoing, Wanted], dict[Key, np.ndarray], Schedule]:
-    """:func:`jreshard.nccl.pairsched.pair_paced`, the same conversation, one object per chunk piece."""
+    """:func:`jreshard.schedule.pairsched.pair_paced`, the same conversation, one object per chunk piece."""
     shapes = _Shapes(tensors)
     widest = max((t.src.itemsize for t in tensors), default=1)
     mine = sorted(programs)

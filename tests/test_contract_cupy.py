@@ -294,7 +294,7 @@ def test_export_hands_cupy_a_legacy_capsule_it_reads(cupy, runtime):
     """export_source's hand-over: cupy.from_dlpack on a re-typed legacy capsule that reports
     a CUDA device ends in a CUDA error (no GPU here), not a TypeError from the binding. Whether
     CuPy reads the capsule before it calls CUDA is not visible from here."""
-    from jreshard.nccl.buffers import KDLCUDA, Capsule, _DLTensor, _get_pointer, retype_capsule
+    from jreshard.engine.buffers import KDLCUDA, Capsule, _DLTensor, _get_pointer, retype_capsule
 
     x = np.arange(16, dtype=np.float32)
     capsule = x.__dlpack__()

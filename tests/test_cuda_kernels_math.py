@@ -19,7 +19,7 @@ import pytest
 from strategies import byte_shape
 
 from jreshard.nccl import cuda_kernels as CK
-from jreshard.nccl import kernels as K
+from jreshard.schedule import kernels as K
 from jreshard.sharding.box import Box, intersect
 
 ARENA = 1 << 20

@@ -18,7 +18,7 @@ from jreshard.elastic import membership as membership_module
 from jreshard.elastic import replica as replica_module
 from jreshard.elastic.sockcomm import SocketComm
 from jreshard.elastic.wire import Channel, parse_address
-from jreshard.nccl.comm import RecvOp, SendOp
+from jreshard.engine.comm import RecvOp, SendOp
 
 pytestmark = pytest.mark.timeout(60)
 D = jax.devices()

@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from jreshard.engine.comm import RecvOp, SendOp
+from jreshard.engine.loopback import LocalComm
+from jreshard.engine.recording import RecordingComm
+from jreshard.engine.rounds import Shards, build_schedule, chunk_pieces, execute
 from jreshard.errors import PeerError, TransferError
-from jreshard.nccl import kernels
-from jreshard.nccl.comm import RecvOp, SendOp
-from jreshard.nccl.engine import Shards, build_schedule, chunk_pieces, execute
-from jreshard.nccl.local import LocalComm
-from jreshard.nccl.recording import RecordingComm
-from jreshard.nccl.schedule import STAGE_ALIGN, STAGING
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
+from jreshard.schedule import kernels
+from jreshard.schedule.steps import STAGE_ALIGN, STAGING
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout

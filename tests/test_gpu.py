@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from strategies import byte_shape
 
-from jreshard.nccl import kernels as K
+from jreshard.schedule import kernels as K
 from jreshard.sharding.box import Box
 
 pytestmark = pytest.mark.gpu
@@ -166,8 +166,8 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     after every exchange, and stream-ordered (``NcclComm.buffers()``)."""
     cupy, jax, gpu = env
     nccl_or_skip()
+    from jreshard.engine.rounds import Shards, execute
     from jreshard.nccl.cupy_nccl import NcclComm
-    from jreshard.nccl.engine import Shards, execute
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.rendezvous import KeyValueRendezvous
     from jreshard.options import Options

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from cupy_standins import RecordingCuda, fake_cupy
 
+from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.loopback import LocalComm
 from jreshard.errors import TransferError
-from jreshard.nccl.buffers import CpuBuffers
 from jreshard.nccl.gpu_buffers import CupyBuffers
 from jreshard.nccl.gpu_dlpack import Typed as _Typed
-from jreshard.nccl.local import LocalComm
 from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
@@ -90,7 +90,7 @@ class DeviceRecordingBuffers(CpuBuffers):
 
 
 def test_run_plan_stages_each_rank_on_its_own_device():
-    from jreshard.multi import run_plan
+    from jreshard.engine.driver import run_plan
 
     devs = jax.devices()[:3]
     shape = (16, 64)
@@ -150,7 +150,7 @@ class CountingBuffers(CpuBuffers):
 
 
 def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
-    from jreshard.nccl.engine import Shards, execute
+    from jreshard.engine.rounds import Shards, execute
 
     shape = (32, 64)
     src = Layout.from_boxes(shape, "float32", {0: Box((0, 0), shape)})
@@ -170,7 +170,7 @@ def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
 
 def test_pack_runs_on_the_staging_gpu_stream_and_unpack_waits_for_the_current_stream(monkeypatch):
     from jreshard.nccl import cuda_kernels as CK
-    from jreshard.nccl import kernels as K
+    from jreshard.schedule import kernels as K
 
     monkeypatch.setattr(CK, "_KERNELS", {})  # the stand-in's kernels, cached per device
     cp = fake_cupy()

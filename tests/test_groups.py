@@ -9,11 +9,11 @@ import importlib.util
 import pytest
 from mpi_launch import BODIES, launch, need_mpi, program, results
 
-from jreshard.nccl.engine import execute
-from jreshard.nccl.groups import group_rounds, rank_op_counts
-from jreshard.nccl.recording import RecordingComm
-from jreshard.nccl.schedule import build_schedule
+from jreshard.engine.recording import RecordingComm
+from jreshard.engine.rounds import execute
 from jreshard.options import Options
+from jreshard.schedule.groups import group_rounds, rank_op_counts
+from jreshard.schedule.steps import build_schedule
 
 _spec = importlib.util.spec_from_file_location("engine_groups", BODIES / "engine_groups.py")
 assert _spec is not None and _spec.loader is not None
@@ -130,7 +130,7 @@ def test_engine_over_mpi_at_16_processes(tmp_path):
 
 
 def test_op_counts_from_the_plan_equal_the_schedule():
-    from jreshard.nccl.groups import plan_op_counts
+    from jreshard.schedule.groups import plan_op_counts
 
     for n in (8, 16):
         plan, _, _ = engine_groups.case(n)

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import box_in, byte_shape
 
-from jreshard.nccl import kernels
+from jreshard.schedule import kernels
 from jreshard.sharding.box import Box
 
 DTYPES = [np.float32, np.int8, np.float16, np.int64, ml_dtypes.bfloat16, np.bool_]

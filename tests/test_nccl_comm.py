@@ -15,9 +15,9 @@ import threading
 import pytest
 from cupy_standins import CUDA_ERROR_NOT_READY, UID13, NcclError, RecordingCuda, RecordingNccl
 
+from jreshard.engine.comm import RecvOp, SendOp
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl import cupy_nccl
-from jreshard.nccl.comm import RecvOp, SendOp
 from jreshard.nccl.cupy_nccl import NcclComm, device_pointer, uid_from_bytes, uid_to_bytes
 from jreshard.nccl.rendezvous import KeyValueRendezvous, MpiRendezvous
 
@@ -363,8 +363,8 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
     stream, packs before their group and unpacks after it, no host wait until the end."""
     from cupy_standins import FakeDeviceArray, fake_cupy
 
+    from jreshard.engine.rounds import Shards, execute
     from jreshard.nccl import cuda_kernels as CK
-    from jreshard.nccl.engine import Shards, execute
     from jreshard.options import Options
     from jreshard.sharding.box import Box
     from jreshard.sharding.layout import Layout

@@ -19,11 +19,12 @@ from mpi_launch import launch, need_mpi, program, results
 from strategies import plan_case
 
 from jreshard._cache import clear_caches
-from jreshard.nccl.engine import Shards, execute
-from jreshard.nccl.local import LocalComm
-from jreshard.nccl.pairsched import comm_mail, pair_chunk_bytes, pair_paced, pair_schedule
-from jreshard.nccl.schedule import STAGING, Schedule
+from jreshard.engine.loopback import LocalComm
+from jreshard.engine.mail import comm_mail
+from jreshard.engine.rounds import Shards, execute
 from jreshard.options import Options
+from jreshard.schedule.pairsched import pair_chunk_bytes, pair_paced, pair_schedule
+from jreshard.schedule.steps import STAGING, Schedule
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts, rank_programs
 from jreshard.sharding.rows import TensorSpec
@@ -248,7 +249,7 @@ def test_pair_chunks_share_the_staging():
 def test_one_ranks_pair_shares_add_up_to_half_its_staging_at_most(pair_bytes, staging):
     """Whatever its peers' bytes, the shares one rank gives them add up to at most staging / 2: so
     a round's sends (or receives) never need more staging than half of staging_bytes."""
-    from jreshard.nccl.pairsched import _share
+    from jreshard.schedule.pairsched import _share
 
     total = sum(pair_bytes)
     shares = [_share(staging, len(pair_bytes), b, total) for b in pair_bytes]

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from strategies import plan_case
 from test_pairsched import build_per_process
 
-from jreshard.nccl import kernels
-from jreshard.nccl.chunktable import chunk_boxes, contiguous, descriptor_rows
-from jreshard.nccl.schedule import chunk_pieces
 from jreshard.options import Options
+from jreshard.schedule import kernels
+from jreshard.schedule.chunktable import chunk_boxes, contiguous, descriptor_rows
+from jreshard.schedule.steps import chunk_pieces
 from jreshard.sharding.box import Box
 
 

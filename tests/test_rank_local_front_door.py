@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 from mpi_launch import BODIES, launch, need_mpi, program, results
 
 import jreshard
-from jreshard.multi import transfer_multiprocess
-from jreshard.nccl.local import LocalComm
+from jreshard.engine.loopback import LocalComm
+from jreshard.routes import transfer_multiprocess
 from jreshard.sharding.topology import Topology
 
 sys.path.insert(0, str(BODIES))
@@ -98,7 +98,8 @@ def test_device_buffers_carry_the_mail_and_no_whole_plan_is_built(monkeypatch):
 
 def test_the_device_only_transport_refuses_host_mail():
     """The twin above can fail: mail built in host memory (the host path's mail) is refused by it."""
-    from jreshard.nccl.pairsched import COUNT_OUT, comm_mail
+    from jreshard.engine.mail import comm_mail
+    from jreshard.schedule.pairsched import COUNT_OUT
 
     buffers = DeviceLikeBuffers()
     comm = DeviceOnlyComm(LocalComm(range(2)), buffers)

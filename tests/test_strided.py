@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jreshard.nccl import strided
-from jreshard.nccl.lowering import geometry
-from jreshard.nccl.pool import BufferPool
+from jreshard.engine import strided
+from jreshard.engine.copies import geometry
+from jreshard.engine.pool import BufferPool
 
 
 @st.composite

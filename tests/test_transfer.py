@@ -16,11 +16,11 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import api
+from jreshard.engine import pool
+from jreshard.engine.recording import RecordingComm
 from jreshard.errors import BackendUnavailableError, IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
 from jreshard.frontdoor import _shape
-from jreshard.nccl import pool
-from jreshard.nccl.pairsched import MAIL_TAG
-from jreshard.nccl.recording import RecordingComm
+from jreshard.schedule.pairsched import MAIL_TAG
 from jreshard.sharding.topology import Link, Topology
 
 DEVS = np.array(jax.devices())
@@ -335,7 +335,7 @@ def test_threaded_copies_equal_device_put():
 def test_multiprocess_path_over_any_transport():
     """transfer_multiprocess runs the plan over the transport it is given (NCCL passes its own):
     here a RecordingComm in one process, checked against device_put and the plan's bytes."""
-    from jreshard.multi import transfer_multiprocess
+    from jreshard.routes import transfer_multiprocess
 
     devs = np.array(jax.devices())
     src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
@@ -361,7 +361,7 @@ def test_transfer_into_says_when_a_copy_fails_midway(monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("simulated failure inside a copy")
 
-    monkeypatch.setattr("jreshard.nccl.strided.copy_classes", broken)
+    monkeypatch.setattr("jreshard.engine.strided.copy_classes", broken)
     with pytest.raises(jreshard.TransferError, match="consumed") as info:
         jreshard.transfer_into(x, into)
     assert info.value.destination_intact is False
@@ -386,7 +386,7 @@ def test_transfer_accepts_views_anywhere_a_leaf_is_allowed():
 
 def test_public_assembly_path_gives_the_same_results(monkeypatch):
     """Without jax's one-call assembly (another jax version), results come from public calls, equal."""
-    import jreshard.nccl.inprocess as inprocess
+    import jreshard.engine.inprocess as inprocess
 
     monkeypatch.setattr(inprocess, "_PUT", None)
     s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))

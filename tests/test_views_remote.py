@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from test_views_properties import _bits, compositions, shardings
 
 from jreshard import Layout, Topology, views
-from jreshard.nccl.local import LocalComm
+from jreshard.engine.loopback import LocalComm
 from jreshard.sharding.topology import Link
 from jreshard.views.lowering import lower_tree
 from jreshard.views.quant import _Quant

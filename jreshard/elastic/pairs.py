@@ -188,7 +188,7 @@ def run_pair(pair: Pair, process: int, channels: Mapping[int, Channel], *, shard
     Returns:
       ``{(tensor, rank): new single-device array}`` on a destination (fresh buffers), ``{}`` on a source.
     """
-    from jreshard.multi import run_plan
+    from jreshard.engine.driver import run_plan
 
     source = process < pair.n_src
     remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}

@@ -26,9 +26,9 @@ import time
 from collections.abc import Mapping, Sequence
 
 from jreshard.elastic.wire import Channel
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import PeerError, TransferTimeoutError
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.local import match_and_copy
 
 __all__ = ["SocketComm"]
 

@@ -1,7 +1,7 @@
 """GPU pack, unpack and copy: one CuPy ``RawKernel`` launch per descriptor table.
 
 The engine describes a chunk's pieces with the descriptor table of
-:mod:`jreshard.nccl.kernels` (one ``int64`` row per piece: buffer, byte offset,
+:mod:`jreshard.schedule.kernels` (one ``int64`` row per piece: buffer, byte offset,
 staging offset, extents and byte strides, innermost stride 1). Here each table
 becomes a *launch table*, a second small ``int64`` array with absolute addresses,
 and one kernel launch moves every piece of it, strided to strided. The index math
@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.nccl import kernels as K
+from jreshard.schedule import kernels as K
 
 __all__ = [
     "CUDA_SOURCE",

@@ -44,8 +44,8 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 from jreshard.nccl.nccl_support import (
     Watchdog,
     device_pointer,

@@ -1,6 +1,6 @@
 """CupyBuffers: shard, staging and destination buffers on CUDA GPUs. Not run on GPU.
 
-The GPU :class:`~jreshard.nccl.buffers.BufferBackend`. Buffers are 1-D ``uint8``
+The GPU :class:`~jreshard.engine.buffers.BufferBackend`. Buffers are 1-D ``uint8``
 CuPy arrays; pack, unpack and copy are one ``RawKernel`` launch per descriptor
 table (:mod:`jreshard.nccl.cuda_kernels`).
 
@@ -34,13 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError
+from jreshard.engine.buffers import KDLCUDA, BufferBackend, Capsule, dlpack_type, retype_capsule
+from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
 from jreshard.nccl import cuda_kernels as CK
-from jreshard.nccl import kernels as K
-from jreshard.nccl.backend import cuda_extra
-from jreshard.nccl.buffers import KDLCUDA, BufferBackend, Capsule, dlpack_type, retype_capsule
 from jreshard.nccl.gpu_dlpack import Typed
 from jreshard.nccl.nccl_support import event_done
+from jreshard.schedule import kernels as K
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
 

@@ -3,7 +3,7 @@ Not run on GPU.
 
 :class:`Typed` hands JAX a CuPy destination buffer re-typed to its real DLPack type (bfloat16,
 float8_*), exported with JAX's stream from inside ``with stream:``, so JAX's stream waits for the
-kernels that filled it. The other way, :class:`~jreshard.nccl.buffers.Capsule` hands CuPy a
+kernels that filled it. The other way, :class:`~jreshard.engine.buffers.Capsule` hands CuPy a
 re-typed capsule of a source shard.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jreshard.nccl.buffers import KDLCUDA, retype_capsule
+from jreshard.engine.buffers import KDLCUDA, retype_capsule
 
 __all__ = ["Typed"]
 

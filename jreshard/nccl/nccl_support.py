@@ -30,8 +30,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
-from jreshard.errors import BackendUnavailableError, TransferTimeoutError
-from jreshard.nccl.backend import cuda_extra
+from jreshard.errors import BackendUnavailableError, TransferTimeoutError, cuda_extra
 
 __all__ = [
     "Watchdog",

@@ -1,7 +1,7 @@
 """``transfer`` of views in a multi-controller jax cluster: every process calls it with the same views.
 
 The views name global arrays whose shards live in several processes (a
-``jax.distributed`` cluster over MPI, as for :func:`jreshard.multi.transfer_multiprocess`).
+``jax.distributed`` cluster over MPI, as for :func:`jreshard.routes.transfer_multiprocess`).
 Every process checks the call and lowers the views the same way (no communication),
 then runs the pieces that touch its devices (:func:`jreshard.views.remote.run_pieces`):
 copies inside the process, messages over MPI between processes, in the wire dtype,
@@ -17,10 +17,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard.multi import _cluster_comm, assemble
-from jreshard.nccl.buffers import CpuBuffers, export_source
-from jreshard.nccl.comm import Communicator
-from jreshard.nccl.mpi import import_mpi
+from jreshard.engine.buffers import CpuBuffers, export_source
+from jreshard.engine.comm import Communicator
+from jreshard.engine.driver import assemble
+from jreshard.mpi.cluster import cluster_comm
+from jreshard.mpi.comm import import_mpi
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.topology import Link, Topology
@@ -63,7 +64,7 @@ def transfer_cluster(
         treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
         lowerings, _ = _lowerings(views, srcs, layouts, dsts, topology)
     if transport is None:
-        transport = _cluster_comm(import_mpi().COMM_WORLD)
+        transport = cluster_comm(import_mpi().COMM_WORLD)
     mine = set(transport.local_ranks)
     with builder.timed(ReportPhase.BUFFERS):
         src, boxes = {}, {}

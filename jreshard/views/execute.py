@@ -21,12 +21,12 @@ import jax
 import numpy as np
 
 from jreshard._cache import register_clear
+from jreshard.engine import strided
+from jreshard.engine.buffers import writable_view
+from jreshard.engine.inprocess import _addresses_of, _arrays, _donate, _fresh, _make_array, _read, _remember
+from jreshard.engine.pool import default_pool
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
 from jreshard.frontdoor import _addressable_order
-from jreshard.nccl import strided
-from jreshard.nccl.buffers import writable_view
-from jreshard.nccl.inprocess import _addresses_of, _arrays, _donate, _fresh, _make_array, _read, _remember
-from jreshard.nccl.pool import default_pool
 from jreshard.options import Backend
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.box import Box

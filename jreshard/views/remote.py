@@ -8,7 +8,7 @@ network), by that rank, in a second stage over the fast links:
 
 - both ends in this process: a copy, as in one process;
 - else one message per (stage, carrier rank, destination rank) over the
-  :class:`~jreshard.nccl.comm.Communicator`: the pieces' bytes end to end (in
+  :class:`~jreshard.engine.comm.Communicator`: the pieces' bytes end to end (in
   lowering order, each padded to 16 bytes), each in its *wire* dtype (the
   sender's casts applied) and in the source's axis order; the receiver permutes
   and applies its own casts while unpacking. A ``via`` rank forwards the wire
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.errors import TransferError
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.topology import Link

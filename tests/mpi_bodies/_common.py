@@ -65,7 +65,7 @@ def refit_side(role: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jreshard.multi import initialize
+    from jreshard.mpi.cluster import initialize
 
     if side.Get_size() > 1:
         initialize(side)

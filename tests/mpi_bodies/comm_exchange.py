@@ -12,9 +12,9 @@ import numpy as np
 from _common import main
 from mpi4py import MPI
 
+from jreshard.engine.comm import RecvOp, SendOp
 from jreshard.errors import TransferTimeoutError
-from jreshard.nccl.comm import RecvOp, SendOp
-from jreshard.nccl.mpi import MpiComm
+from jreshard.mpi.comm import MpiComm
 
 
 def payload(src: int, dst: int, tag: int, n: int) -> np.ndarray:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jreshard.nccl.buffers import BufferBackend, CpuBuffers
-from jreshard.nccl.comm import Communicator
-from jreshard.nccl.pairsched import MAIL_TAG
+from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.comm import Communicator
+from jreshard.schedule.pairsched import MAIL_TAG
 
 
 class HostMemoryOnTheWire(AssertionError):

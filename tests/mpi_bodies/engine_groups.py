@@ -58,7 +58,7 @@ def case(n_ranks: int):
 
 
 def shards_for(pairs, globals_, ranks):
-    from jreshard.nccl.engine import Shards
+    from jreshard.engine.rounds import Shards
 
     src, dst = {}, {}
     for t, ((s, d), g) in enumerate(zip(pairs, globals_, strict=True)):
@@ -85,9 +85,9 @@ def check(pairs, globals_, shards) -> int:
 def body() -> dict:
     from mpi4py import MPI
 
-    from jreshard.nccl.comm import Communicator
-    from jreshard.nccl.engine import execute
-    from jreshard.nccl.mpi import MpiComm
+    from jreshard.engine.comm import Communicator
+    from jreshard.engine.rounds import execute
+    from jreshard.mpi.comm import MpiComm
     from jreshard.options import Options
 
     class Counting(Communicator):

@@ -18,7 +18,7 @@ class WholePlanCalled(AssertionError):
 def guard(patch: Any) -> list[int]:
     """Patch with ``patch(obj, name, value)`` (pytest's ``monkeypatch.setattr`` or :func:`setattr`);
     return the list the ranks given a program are appended to."""
-    from jreshard.nccl import schedule
+    from jreshard.schedule import steps as schedule
     from jreshard.sharding import plan, planner
 
     def refuse(what: str):

@@ -15,10 +15,11 @@ def body() -> dict:
     from engine_groups import case, check, shards_for
     from mpi4py import MPI
 
-    from jreshard.nccl.engine import execute
-    from jreshard.nccl.mpi import MpiComm
-    from jreshard.nccl.pairsched import comm_mail, pair_schedule
+    from jreshard.engine.mail import comm_mail
+    from jreshard.engine.rounds import execute
+    from jreshard.mpi.comm import MpiComm
     from jreshard.options import Options
+    from jreshard.schedule.pairsched import pair_schedule
     from jreshard.sharding.planner import rank_programs
     from jreshard.sharding.rows import TensorSpec
     from jreshard.sharding.topology import Topology

@@ -45,7 +45,7 @@ def body() -> dict:
     from jax.sharding import PartitionSpec as P
 
     from jreshard.errors import LayoutMismatchError, TransferError
-    from jreshard.multi import initialize
+    from jreshard.mpi.cluster import initialize
     from jreshard.options import Options
     from jreshard.refit import RefitGroup
 

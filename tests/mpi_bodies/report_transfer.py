@@ -13,7 +13,7 @@ def body() -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jreshard
-    from jreshard.multi import initialize
+    from jreshard.mpi.cluster import initialize
 
     initialize()
     devs = jax.devices()

@@ -18,7 +18,7 @@ def body() -> dict:
 
     import jreshard
     from jreshard import Layout, views
-    from jreshard.multi import initialize
+    from jreshard.mpi.cluster import initialize
     from jreshard.views.lowering import lower_tree
 
     initialize()

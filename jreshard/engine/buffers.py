@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from jreshard.engine.pool import ALIGN, BufferPool, default_pool
 from jreshard.errors import TransferError
-from jreshard.nccl import kernels
-from jreshard.nccl.pool import ALIGN, BufferPool, default_pool
+from jreshard.schedule import kernels
 
 __all__ = [
     "ALIGN",
@@ -266,7 +266,7 @@ class CpuBuffers(BufferBackend):
 
     Args:
       pool: where destination buffers come from (default: the process-wide
-        :func:`~jreshard.nccl.pool.default_pool`, which hands out blocks that jax
+        :func:`~jreshard.engine.pool.default_pool`, which hands out blocks that jax
         has released, warm). ``BufferPool(max_bytes=0)`` keeps nothing: every
         buffer is allocated fresh.
 

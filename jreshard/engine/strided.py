@@ -19,7 +19,7 @@ Large pieces (:data:`LARGE_PIECE`) are copied one by one with ``np.copyto`` on
 views of the piece itself, cut along their outermost extent across threads.
 
 Nothing here checks addresses: callers compute them from shard shapes they
-checked (:mod:`jreshard.nccl.lowering`), and the tests compare every layout against
+checked (:mod:`jreshard.engine.copies`), and the tests compare every layout against
 ``jax.device_put``.
 """
 

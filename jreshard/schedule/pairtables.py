@@ -1,9 +1,9 @@
-"""The tables behind pair-paced rounds (:mod:`jreshard.nccl.pairsched`): every chunk and box of the ranks one
-process drives as numpy columns, and the :class:`~jreshard.nccl.schedule.Step` of each rank and round from them.
+"""The tables behind pair-paced rounds (:mod:`jreshard.schedule.pairsched`): every chunk and box of the ranks one
+process drives as numpy columns, and the :class:`~jreshard.schedule.steps.Step` of each rank and round from them.
 
 Equal, step for step, to building the chunks with
-:func:`~jreshard.nccl.schedule.chunk_pieces` and the tables with
-:func:`~jreshard.nccl.kernels.build_table` one box at a time; no Python work per box.
+:func:`~jreshard.schedule.steps.chunk_pieces` and the tables with
+:func:`~jreshard.schedule.kernels.build_table` one box at a time; no Python work per box.
 """
 
 from __future__ import annotations
@@ -14,9 +14,17 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jreshard.errors import TransferError
-from jreshard.nccl.chunktable import ChunkBoxes, contiguous, descriptor_rows, row_all, row_dot, row_prod, segment_starts
-from jreshard.nccl.ranksteps import RankSteps
-from jreshard.nccl.schedule import DST, SRC, STAGING, TAG_CHUNK_BITS, Step
+from jreshard.schedule.chunktable import (
+    ChunkBoxes,
+    contiguous,
+    descriptor_rows,
+    row_all,
+    row_dot,
+    row_prod,
+    segment_starts,
+)
+from jreshard.schedule.ranksteps import RankSteps
+from jreshard.schedule.steps import DST, SRC, STAGING, TAG_CHUNK_BITS, Step
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import RankProgram
 from jreshard.sharding.program import SEND
@@ -207,7 +215,7 @@ def build_steps(
     width: int,
     align: int,
 ) -> tuple[dict[int, Mapping[int, Step]], dict[int, int]]:
-    """Every rank's :class:`Step` per round (a :class:`~jreshard.nccl.ranksteps.RankSteps`) from its chunks
+    """Every rank's :class:`Step` per round (a :class:`~jreshard.schedule.ranksteps.RankSteps`) from its chunks
     and their rounds, and the most staging it holds.
 
     Within a rank's round the chunks go in the order the scalar builder appended them: by stage,

@@ -6,7 +6,7 @@ copy: from the sender's source shard when its source box holds the move, else
 from the sender's destination shard (a fan-out or relay of bytes that landed at an
 earlier stage), into the receiver's destination shard. Stages run in order. The
 result is a :class:`LocalProgram`: per stage, copy classes
-(:class:`~jreshard.nccl.strided.CopyClass`) with the slots and byte offsets of each
+(:class:`~jreshard.engine.strided.CopyClass`) with the slots and byte offsets of each
 piece, independent of where the buffers are. A call then turns slots into
 addresses for a whole batch of leaves with one numpy expression per class.
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jreshard.nccl.strided import CopyClass
+from jreshard.engine.strided import CopyClass
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link
 

@@ -1,7 +1,7 @@
 """Run a prepared transfer in one process on CPU devices: the local-copy lowering of its plans.
 
-Per layout group (:class:`~jreshard.frontdoor.Group`) the plan of its layout pair is
-lowered once (:func:`~jreshard.nccl.lowering.lower_local`, cached) and applied to
+Per layout group (:class:`~jreshard.engine.prepared.Group`) the plan of its layout pair is
+lowered once (:func:`~jreshard.engine.copies.lower_local`, cached) and applied to
 every leaf of the group at once:
 
 1. **Sources.** The arrays are waited on once (``jax.block_until_ready``), then each
@@ -9,13 +9,13 @@ every leaf of the group at once:
    DLPack export costs tens). The sources are only read, and stay referenced until
    the copies end.
 2. **Destinations.** ``transfer``: one warm block per (group, destination device)
-   from the buffer pool (:mod:`jreshard.nccl.pool`), cut into one aligned shard per
+   from the buffer pool (:mod:`jreshard.engine.pool`), cut into one aligned shard per
    leaf. ``transfer_into``: the ``into`` arrays, consumed as ``jax.jit`` with
    ``donate_argnums`` consumes them (they are donated to an identity computation,
    whose outputs own the same memory), but only where nothing else can observe that
    memory; otherwise fresh shards, counted in the report.
 3. **Copies.** Every stage's copy classes, for the whole group, as batched strided
-   copies (:mod:`jreshard.nccl.strided`).
+   copies (:mod:`jreshard.engine.strided`).
 4. **Results.** Each destination array is made from its shards in one call
    (zero-copy on CPU: jax keeps the numpy shard alive, and the pool takes the block
    back when jax lets it go).
@@ -33,11 +33,11 @@ import jax
 import numpy as np
 
 from jreshard._cache import cache
+from jreshard.engine import strided
+from jreshard.engine.copies import LocalProgram, addresses, lower_local
+from jreshard.engine.pool import ALIGN, BufferPool, default_pool
+from jreshard.engine.prepared import Kind, Mode, Prepared
 from jreshard.errors import TransferError
-from jreshard.frontdoor import Kind, Mode, Prepared
-from jreshard.nccl import strided
-from jreshard.nccl.lowering import LocalProgram, addresses, lower_local
-from jreshard.nccl.pool import ALIGN, BufferPool, default_pool
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.layout import Layout

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import PeerError
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.local import match_and_copy
 from jreshard.sharding.topology import Link, Topology
 
 __all__ = ["Record", "RecordingComm"]

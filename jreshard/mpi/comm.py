@@ -28,9 +28,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.local import match_and_copy
 
 __all__ = ["MpiComm", "import_mpi"]
 

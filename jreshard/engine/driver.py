@@ -5,13 +5,14 @@ different processes, on different devices of the same processes, or
 overlapping. Every process plans only the ranks of its own devices: their
 programs (:func:`jreshard.sharding.planner.rank_programs`, from the two global
 shardings, no communication), then their rounds, agreed with their peers by a
-few small messages (:func:`jreshard.nccl.pairsched.pair_schedule`); no process
+few small messages (:func:`jreshard.schedule.pairsched.pair_schedule`); no process
 builds the whole plan or every rank's schedule. It runs them through the shared
-engine (:func:`jreshard.nccl.engine.execute`) over :class:`MpiComm`. A device's
+engine (:func:`jreshard.engine.rounds.execute`) over the transport it is given (chosen and built by
+:mod:`jreshard.routes`: MPI, NCCL, or local copies). A device's
 rank is its ``device.id``, which is unique in a jax cluster.
 
 **Device buffers.** The scheduling mail travels in the ``buffers`` backend's memory, as
-the chunks do (:func:`jreshard.nccl.pairsched.comm_mail`): on GPUs, a few integers per
+the chunks do (:func:`jreshard.engine.mail.comm_mail`): on GPUs, a few integers per
 peer go through small device buffers over NCCL (not run on GPU); on CPU, in host memory
 with no copy. So every transport takes the same rank-local path.
 
@@ -23,9 +24,7 @@ addressable shards (``x.addressable_shards == []``, ``x.is_fully_addressable``
 is false); its shape, dtype and sharding are those of the target, and it is
 safe to pass on to jitted code or to drop.
 
-The jax processes must be the MPI processes of ``comm`` (``MPI.COMM_WORLD`` by
-default), e.g. ``jax.distributed.initialize(cluster_detection_method="mpi4py")``
-under ``mpiexec``; :func:`initialize` does that for CPU devices.
+This module imports no transport: the caller hands it one.
 """
 
 from __future__ import annotations
@@ -33,73 +32,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.errors import BackendUnavailableError
-from jreshard.nccl.buffers import BufferBackend, CpuBuffers
-from jreshard.nccl.comm import Communicator
-from jreshard.nccl.engine import ExecStats, Shards, execute
-from jreshard.nccl.mpi import MpiComm, import_mpi
-from jreshard.nccl.pairsched import comm_mail, pair_schedule
-from jreshard.nccl.schedule import Schedule, build_schedule
+from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.comm import Communicator
+from jreshard.engine.mail import comm_mail
+from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.options import Options
 from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
+from jreshard.schedule.pairsched import pair_schedule
+from jreshard.schedule.steps import Schedule, build_schedule
 from jreshard.sharding.plan import Plan, RankProgram
 from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 
-__all__ = ["initialize", "run_plan", "run_schedule", "transfer_multiprocess"]
-
-_COMMS: dict[int, MpiComm] = {}
-
-
-def initialize(comm: Any = None, *, port: int | None = None) -> None:
-    """Start ``jax.distributed`` over the processes of an MPI communicator.
-
-    With ``comm`` = ``MPI.COMM_WORLD`` (the default) this is
-    ``jax.distributed.initialize(cluster_detection_method="mpi4py")``. For a
-    sub-communicator (one program of an MPMD launch), process 0 of ``comm``
-    picks a free local port for the coordinator and shares it, so each program
-    is its own jax cluster. Set the CPU device count with ``JAX_NUM_CPU_DEVICES``
-    before jax starts.
-    """
-    import jax
-
-    MPI = import_mpi()
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if comm == MPI.COMM_WORLD and port is None:
-        jax.distributed.initialize(cluster_detection_method="mpi4py")
-        return
-    if port is None and comm.Get_rank() == 0:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=comm.Get_size(), process_id=comm.Get_rank()
-    )
-
-
-def _cluster_comm(comm: Any) -> MpiComm:
-    """One MpiComm per MPI communicator, mapping every jax device id to its MPI process."""
-    import jax
-
-    key = id(comm)
-    c = _COMMS.get(key)
-    if c is not None and c.broken is None:
-        return c
-    procs = comm.allgather(jax.process_index())  # MPI rank -> jax process index (setup, once)
-    if sorted(procs) != list(range(jax.process_count())) or comm.Get_size() != jax.process_count():
-        raise BackendUnavailableError(
-            f"transfer across processes: the MPI communicator has {comm.Get_size()} processes with jax process "
-            f"indices {procs}, but the jax cluster has {jax.process_count()}; the fix is to start jax.distributed "
-            "over the MPI processes (jreshard.multi.initialize())"
-        )
-    mpi_of = {p: i for i, p in enumerate(procs)}
-    c = _COMMS[key] = MpiComm(comm, {d.id: mpi_of[d.process_index] for d in jax.devices()})
-    return c
+__all__ = ["assemble", "run_leaves", "run_plan", "run_schedule", "schedule_local"]
 
 
 def run_plan(
@@ -114,7 +61,7 @@ def run_plan(
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """Run this process's ranks of ``plan`` on its global schedule and return the new destination shards.
 
-    For callers that hold the whole plan (the elastic pairs); :func:`transfer_multiprocess` and
+    For callers that hold the whole plan (the elastic pairs); :func:`jreshard.routes.transfer_multiprocess` and
     ``RefitGroup`` plan and schedule only this process's ranks (:func:`run_schedule`).
 
     Args:
@@ -150,8 +97,8 @@ def run_schedule(
 
     Args:
       tensors: the tensors the schedule moves (their destination layouts size the new shards).
-      schedule: the rounds, from :func:`~jreshard.nccl.pairsched.pair_schedule` or
-        :func:`~jreshard.nccl.schedule.build_schedule`.
+      schedule: the rounds, from :func:`~jreshard.schedule.pairsched.pair_schedule` or
+        :func:`~jreshard.schedule.steps.build_schedule`.
       comm, sources, targets, options, backend, report: as for :func:`run_plan`.
     """
     backend = backend or CpuBuffers()
@@ -188,67 +135,55 @@ def assemble(shape: tuple[int, ...], dtype: Any, sharding: Any, shards: Mapping[
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 
-def transfer_multiprocess(
-    x: Any,
-    target: Any,
+def run_leaves(
+    leaves: Sequence[Any],
+    shardings: Sequence[Any],
     *,
     topology: Topology | None = None,
     options: Options | None = None,
-    comm: Any = None,
-    transport: Communicator | None = None,
+    transport: Communicator,
     buffers: BufferBackend | None = None,
     report: ReportBuilder | None = None,
-    details: bool = False,
-) -> Any:
-    """``jreshard.transfer`` through the message-passing engine: every process of the cluster calls it.
+) -> tuple[list[Any], ExecStats, dict[int, RankProgram]]:
+    """Move flat leaves to their target shardings through the message-passing engine: every process of
+    the cluster calls it with the same leaves and shardings.
+
+    The front door (:func:`jreshard.frontdoor.flatten`) flattened the pytree and read each
+    target's sharding; this takes its output and never flattens again.
 
     Args:
-      x: a jax array or pytree of arrays (global arrays of the cluster).
-      target: a sharding or pytree of shardings (or arrays / ShapeDtypeStructs carrying one);
-        a ``None`` leaf keeps that leaf of ``x`` as it is.
+      leaves: the source leaves (global jax arrays of the cluster).
+      shardings: per leaf, its target sharding, or ``None`` to keep the leaf as it is.
       topology: ranks (device ids), domains and links; default one domain per process.
       options: chunking, staging and ``timeout_s`` (every wait on a peer).
-      comm: the MPI communicator of the cluster's processes (default ``MPI.COMM_WORLD``).
-      transport: another :class:`Communicator` to run the plan over instead of MPI (on GPUs,
-        ``NcclComm``: not run on GPU; in one process, ``LocalComm``); its local ranks must
-        be this process's device ids that take part. ``comm`` is then unused.
+      transport: the :class:`Communicator` to run over (``MpiComm``; ``NcclComm`` on GPUs, not run
+        on GPU; ``LocalComm`` in one process); its local ranks must be this process's device ids
+        that take part.
       buffers: the buffer operations (default numpy on CPU; ``CupyBuffers`` on GPUs).
       report: a report builder the engine adds its phases, bytes and messages to.
-      details: return ``(result, stats, programs)`` instead of the result alone: what the engine
-        did for this process's ranks, and their programs ``{rank: RankProgram}`` (the ranks of
-        ``transport``). No process builds the whole plan; ``jreshard.plan`` gives it.
 
     Returns:
-      The same tree of global arrays with the target shardings (see the module
-      docstring for processes that hold no target device).
+      ``(result leaves, stats, programs)``: the moved leaves (see the module docstring for
+      processes that hold no target device), what the engine did for this process's ranks, and
+      their programs ``{rank: RankProgram}``. No process builds the whole plan.
 
     Raises:
       TransferTimeoutError: a peer process did not answer within ``options.timeout_s``.
-      LayoutMismatchError, LayoutError: the trees, shapes or dtypes disagree.
+      LayoutMismatchError, LayoutError: the shapes or dtypes disagree.
     """
     import jax
 
-    from jreshard.frontdoor import flatten, target_sharding
-
     options = options or Options()
-    x_leaves, treedef, tgt = flatten(x, target)
-    moved = [i for i, t in enumerate(tgt) if t is not None]
-    shardings = {
-        i: t.sharding if isinstance(t := tgt[i], jax.Array) else target_sharding(t, f"the target of leaf #{i}")
-        for i in moved
-    }
-    pairs, names, devices = layout_pairs([x_leaves[i] for i in moved], [shardings[i] for i in moved])
+    moved = [i for i, s in enumerate(shardings) if s is not None]
+    pairs, names, devices = layout_pairs([leaves[i] for i in moved], [shardings[i] for i in moved])
     topology = topology or Topology.from_devices(devices)
-    if transport is None:
-        MPI = import_mpi()
-        transport = _cluster_comm(MPI.COMM_WORLD if comm is None else comm)
     where = {d.id: d for d in jax.local_devices()}
     tensors, programs, sched = schedule_local(pairs, names, topology, options, transport, buffers, where)
     sources, targets = {}, {}
     me = jax.process_index()
     for t, i in enumerate(moved):
         src_ranks = set(pairs[t][0].ranks)
-        for sh in x_leaves[i].addressable_shards:
+        for sh in leaves[i].addressable_shards:
             if sh.device.id in src_ranks:
                 sources[(t, sh.device.id)] = sh.data
         for d in shardings[i].device_set:
@@ -257,13 +192,12 @@ def transfer_multiprocess(
     shards, stats = run_schedule(
         tensors, sched, transport, sources, targets, options=options, backend=buffers, report=report
     )
-    out = list(x_leaves)
+    out = list(leaves)
     for t, i in enumerate(moved):
-        a, sharding = x_leaves[i], shardings[i]
+        a, sharding = leaves[i], shardings[i]
         mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
         out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine)
-    result = jax.tree_util.tree_unflatten(treedef, out)
-    return (result, stats, programs) if details else result
+    return out, stats, programs
 
 
 def schedule_local(

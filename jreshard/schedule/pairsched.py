@@ -1,13 +1,13 @@
 """Pair-paced rounds: the schedule each process builds for the ranks it drives, from their programs.
 
-The front door across processes (:func:`jreshard.multi.transfer_multiprocess`) runs
+The front door across processes (:func:`jreshard.routes.transfer_multiprocess`) runs
 these: no process builds the whole plan or every rank's schedule. (The global
-schedule of :mod:`jreshard.nccl.schedule` places every chunk of every rank by first
+schedule of :mod:`jreshard.schedule.steps` places every chunk of every rank by first
 fit over all ranks' staging, so every process needs every rank's program; a
 ``RefitGroup``, which holds the whole plan, still runs it.) Here a process needs only
 the programs of its own ranks (:func:`jreshard.sharding.planner.rank_programs`) and a
-few integers from their peers, exchanged over the same :class:`Communicator` under
-tags of their own (from :data:`MAIL_TAG`):
+few integers from their peers, exchanged through a ``mail`` function (over the transport:
+:func:`jreshard.engine.mail.comm_mail`) under tags of their own (from :data:`MAIL_TAG`):
 
 1. **Peer counts.** For each ordered pair ``a -> b`` that has a message, ``a`` tells
    ``b`` how many ranks it sends to (``n_out(a)``), where ``b`` stands among them and
@@ -18,7 +18,7 @@ tags of their own (from :data:`MAIL_TAG`):
    half of that half split evenly, half by bytes, ``share(n, B_end) = staging/2 *
    (1/(2n) + B(a, b)/(2 B_end))``, so its shares add up to at most ``staging/2``. The
    pair's chunk size is ``c(a, b) = min(chunk_bytes, share(n_out(a), B_out(a)),
-   share(n_in(b), B_in(b)))`` (rounded down to :data:`~jreshard.nccl.schedule.STAGE_ALIGN`),
+   share(n_in(b), B_in(b)))`` (rounded down to :data:`~jreshard.schedule.steps.STAGE_ALIGN`),
    and a pair moves at most one chunk per round. So in any round a rank stages at most
    ``staging/2`` bytes of sends and ``staging/2`` of receives, whatever rounds the pairs
    pick: no rank can exceed ``staging_bytes``, and no other rank's choices matter. A
@@ -46,33 +46,29 @@ both ends put every chunk in the same group, and the argument above holds for
 (round, key) in order. Rank-local rounds need ``max_group_ops >= 2``.
 
 **Cost.** Chunks, their boxes, rounds and descriptor rows are numpy columns over all
-of this process's messages (:mod:`jreshard.nccl.chunktable`,
-:mod:`jreshard.nccl.pairtables`, equal to the scalar builder step for step, a tested
+of this process's messages (:mod:`jreshard.schedule.chunktable`,
+:mod:`jreshard.schedule.pairtables`, equal to the scalar builder step for step, a tested
 property), and each rank's steps are held as tables
-(:class:`~jreshard.nccl.ranksteps.RankSteps`): the Python work is per message and per
+(:class:`~jreshard.schedule.ranksteps.RankSteps`): the Python work is per message and per
 round read, not per box.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
 from jreshard._cache import register_clear
-from jreshard.nccl.buffers import BufferBackend, CpuBuffers
-from jreshard.nccl.chunktable import chunk_boxes, segment_starts
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.pairtables import SEND_KIND, after_arrivals, build_steps, message_table, round_groups, spans
-from jreshard.nccl.schedule import STAGE_ALIGN, TAG_CHUNK_BITS, Schedule, _local_tables, _Shapes
 from jreshard.options import Options
+from jreshard.schedule.chunktable import chunk_boxes, segment_starts
+from jreshard.schedule.pairtables import SEND_KIND, after_arrivals, build_steps, message_table, round_groups, spans
+from jreshard.schedule.steps import STAGE_ALIGN, TAG_CHUNK_BITS, Schedule, _local_tables, _Shapes
 from jreshard.sharding.plan import RankProgram
 from jreshard.sharding.rows import TensorSpec
 
-__all__ = ["MAIL_TAG", "Mail", "comm_mail", "pair_chunk_bytes", "pair_paced", "pair_schedule"]
+__all__ = ["MAIL_TAG", "Mail", "pair_chunk_bytes", "pair_paced", "pair_schedule"]
 
 # A mail round: payloads (int64 arrays) keyed by (from rank, to rank, tag) go out; the ones addressed to
 # this process's ranks come back. Both ends know every payload's length in advance.
@@ -129,7 +125,7 @@ def pair_paced(
 
     Every process runs it for its own ranks; :func:`pair_schedule` drives it over a mail function.
     Chunks, rounds and descriptor tables are numpy columns over all of this process's messages
-    (:mod:`jreshard.nccl.pairtables`); the Python work is per message and per step, not per box.
+    (:mod:`jreshard.schedule.pairtables`); the Python work is per message and per step, not per box.
     """
     items = np.array([t.src.itemsize for t in tensors], np.int64)
     widest = int(items.max()) if len(items) else 1
@@ -332,59 +328,3 @@ def pair_schedule(
         if len(_KEPT) > _MAX_KEPT:
             _KEPT.popitem(last=False)
     return sched
-
-
-def comm_mail(
-    comm: Communicator,
-    timeout_s: float,
-    *,
-    buffers: BufferBackend | None = None,
-    devices: Mapping[int, Any] | None = None,
-) -> Mail:
-    """A mail function over ``comm``: one exchange per call, int64 payloads as bytes (tags as given).
-
-    The payloads travel in ``buffers``' memory, so a transport that moves only device memory (NCCL)
-    carries them as it carries the chunks: each rank's outgoing payloads are uploaded in one buffer
-    on its device (``devices[rank]``), its incoming ones land in one staging buffer there, and come
-    back to the host after the exchange. With host buffers (the default,
-    :class:`~jreshard.nccl.buffers.CpuBuffers`) nothing is copied.
-    """
-    backend = buffers if buffers is not None else CpuBuffers()
-    where = dict(devices or {})
-
-    def mail(out: Mapping[Key, np.ndarray], want: Mapping[Key, int]) -> dict:
-        sends: list[SendOp] = []
-        recvs: list[RecvOp] = []
-        held = []  # host payloads stay alive until the exchange has run
-        for r, run in itertools.groupby(sorted(out), key=lambda k: k[0]):
-            keys = list(run)
-            host = np.concatenate([np.ascontiguousarray(out[k], np.int64).view(np.uint8) for k in keys])
-            held.append(host)
-            buf, pos = backend.upload(host, where.get(r)), 0
-            for a, b, tag in keys:
-                n = 8 * out[(a, b, tag)].size
-                sends.append(SendOp(a, b, tag, buf[pos : pos + n]))
-                pos += n
-        inboxes = []
-        for r, run in itertools.groupby(sorted(want, key=lambda k: (k[1], k)), key=lambda k: k[1]):
-            keys = list(run)
-            sizes = [8 * want[k] for k in keys]
-            buf = backend.staging(sum(sizes), where.get(r))
-            starts = np.cumsum([0, *sizes[:-1]]).tolist()
-            recvs.extend(
-                RecvOp(a, b, tag, buf[p : p + n]) for (a, b, tag), p, n in zip(keys, starts, sizes, strict=True)
-            )
-            inboxes.append((buf, keys, starts, sizes))
-        if sends or recvs:
-            backend.fence()
-            comm.exchange(sends, recvs, timeout_s=timeout_s)
-            backend.synchronize()
-        del held
-        got = {}
-        for buf, keys, starts, sizes in inboxes:
-            host = backend.download(buf)
-            for k, p, n in zip(keys, starts, sizes, strict=True):
-                got[k] = host[p : p + n].view(np.int64).copy()
-        return got
-
-    return mail

@@ -1,5 +1,5 @@
-"""Chunks and descriptor tables as numpy arrays: :func:`~jreshard.nccl.schedule.chunk_pieces` and
-:func:`~jreshard.nccl.kernels.build_table` for many messages at once, with no Python work per box.
+"""Chunks and descriptor tables as numpy arrays: :func:`~jreshard.schedule.steps.chunk_pieces` and
+:func:`~jreshard.schedule.kernels.build_table` for many messages at once, with no Python work per box.
 
 **Chunk boxes.** The pieces of a message, laid end to end, are cut every ``size``
 bytes. Where a cut falls inside a piece, :func:`chunk_pieces` splits the piece's box
@@ -27,7 +27,7 @@ import dataclasses
 
 import numpy as np
 
-from jreshard.nccl import kernels
+from jreshard.schedule import kernels
 
 __all__ = [
     "ChunkBoxes",
@@ -105,7 +105,7 @@ class ChunkBoxes:
 
 
 def chunk_boxes(lo: np.ndarray, hi: np.ndarray, msg: np.ndarray, size: np.ndarray, nmsg: int) -> ChunkBoxes:
-    """Cut messages of byte boxes into chunks, exactly as :func:`~jreshard.nccl.schedule.chunk_pieces`.
+    """Cut messages of byte boxes into chunks, exactly as :func:`~jreshard.schedule.steps.chunk_pieces`.
 
     Args:
       lo, hi: ``(n, D)`` int64 byte bounds of the pieces, grouped by message, in message order.
@@ -203,7 +203,7 @@ def contiguous(rel_lo: np.ndarray, shape: np.ndarray, outer: np.ndarray) -> np.n
 def descriptor_rows(
     buf: np.ndarray, rel_lo: np.ndarray, shape: np.ndarray, outer: np.ndarray, stage: np.ndarray
 ) -> np.ndarray:
-    """Descriptor table rows (:mod:`jreshard.nccl.kernels`) of byte boxes, as :func:`kernels.build_table`
+    """Descriptor table rows (:mod:`jreshard.schedule.kernels`) of byte boxes, as :func:`kernels.build_table`
     builds them one by one: ``rel_lo`` and ``shape`` in the local byte coordinates of buffers of
     extents ``outer``; ``stage`` each box's offset in staging. Boxes must not be empty."""
     m, width = shape.shape

@@ -27,16 +27,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.schedule import Schedule
+from jreshard.schedule.steps import Schedule
 from jreshard.sharding.topology import Link
 
-__all__ = ["RoundGroups", "exchange_groups", "group_rounds", "plan_op_counts", "rank_op_counts", "split_ops"]
+__all__ = ["RoundGroups", "group_rounds", "plan_op_counts", "rank_op_counts"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +91,7 @@ def group_rounds(schedule: Schedule, max_ops: int) -> RoundGroups:
 
     Example:
       >>> import numpy as np, jreshard
-      >>> from jreshard.nccl.schedule import build_schedule
+      >>> from jreshard.schedule.steps import build_schedule
       >>> src = jreshard.Layout.from_mesh(np.arange(4), ("x",), ("x",), (64,), "float32")
       >>> dst = jreshard.Layout.replicated(range(4, 8), (64,), "float32")
       >>> p = jreshard.plan([src] * 3, [dst] * 3, jreshard.Topology.uniform(range(8), domain_size=4))
@@ -117,36 +116,6 @@ def group_rounds(schedule: Schedule, max_ops: int) -> RoundGroups:
             continue
         group_of[rnd], groups[rnd] = _first_fit(sorted(msgs), max_ops)
     return RoundGroups(max_ops=max_ops, group_of=group_of, groups=groups)
-
-
-def split_ops(
-    sends: Sequence[SendOp], recvs: Sequence[RecvOp], cut: Mapping[tuple[int, int, int], int] | None
-) -> Iterator[tuple[list[SendOp], list[RecvOp]]]:
-    """This process's operations of one round, group by group in order (groups it has no part in are skipped)."""
-    if cut is None:
-        if sends or recvs:
-            yield list(sends), list(recvs)
-        return
-    by: dict[int, tuple[list[SendOp], list[RecvOp]]] = {}
-    for s in sends:
-        by.setdefault(cut[(s.src, s.dst, s.tag)], ([], []))[0].append(s)
-    for r in recvs:
-        by.setdefault(cut[(r.src, r.dst, r.tag)], ([], []))[1].append(r)
-    for g in sorted(by):
-        yield by[g]
-
-
-def exchange_groups(
-    comm: Communicator,
-    sends: Sequence[SendOp],
-    recvs: Sequence[RecvOp],
-    cut: Mapping[tuple[int, int, int], int] | None,
-    *,
-    timeout_s: float,
-) -> None:
-    """Run one round's operations as its groups, one :meth:`Communicator.exchange` each."""
-    for s, r in split_ops(sends, recvs, cut):
-        comm.exchange(s, r, timeout_s=timeout_s)
 
 
 def rank_op_counts(schedule: Schedule) -> dict[int, tuple[int, int]]:

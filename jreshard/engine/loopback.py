@@ -2,15 +2,15 @@
 
 The message-passing engine runs over it in one process (the path MPI and NCCL
 take), for GPUs in one process, tests and comparisons. The in-process path on CPU
-devices needs no messages at all (:mod:`jreshard.nccl.inprocess`).
+devices needs no messages at all (:mod:`jreshard.engine.inprocess`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.errors import PeerError
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
 
 __all__ = ["LocalComm", "match_and_copy"]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jreshard.errors import PeerError, TransferTimeoutError
-from jreshard.nccl.mpi import import_mpi
+from jreshard.mpi.comm import import_mpi
 
 __all__ = ["Control"]
 

@@ -1,7 +1,7 @@
 """The schedule: which chunk of which message runs in which exchange round, for every rank of a plan.
 
 Built once per plan and chunking options and cached; the engine
-(:mod:`jreshard.nccl.engine`) interprets it. Every process computes the same
+(:mod:`jreshard.engine.rounds`) interprets it. Every process computes the same
 schedule from the plan alone, so the two ends of every chunk agree without talking.
 
 **Chunks.** The pieces of a message, laid end to end in plan order, are cut
@@ -43,8 +43,8 @@ import numpy as np
 
 from jreshard._cache import cache
 from jreshard.errors import TransferError
-from jreshard.nccl import kernels
 from jreshard.options import Options
+from jreshard.schedule import kernels
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.plan import Message, Plan
 from jreshard.sharding.rows import TensorSpec
@@ -116,8 +116,8 @@ class Schedule:
       ntensors: tensors in the plan.
       groups: how rounds are cut into exchange groups, ``{round: {(src, dst, tag): group}}``
         (rounds absent run as one group), when the schedule carries its own cut (a rank-local
-        one, :mod:`jreshard.nccl.pairsched`); None: the engine cuts it with
-        :func:`jreshard.nccl.groups.group_rounds`, which needs every rank's steps.
+        one, :mod:`jreshard.schedule.pairsched`); None: the engine cuts it with
+        :func:`jreshard.schedule.groups.group_rounds`, which needs every rank's steps.
     """
 
     rounds: int

@@ -1,6 +1,6 @@
-"""One rank's steps held as tables: a :class:`~jreshard.nccl.schedule.Step` is made when its round is read.
+"""One rank's steps held as tables: a :class:`~jreshard.schedule.steps.Step` is made when its round is read.
 
-A rank-local schedule (:mod:`jreshard.nccl.pairsched`) of a large refit has tens of
+A rank-local schedule (:mod:`jreshard.schedule.pairsched`) of a large refit has tens of
 thousands of rounds and hundreds of thousands of chunks per rank. :class:`RankSteps`
 keeps their wires and descriptor rows as numpy columns, in round order, and is the
 ``schedule.steps[rank]`` mapping: reading ``steps[rank][round]`` builds that round's
@@ -16,8 +16,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from jreshard.nccl import kernels
-from jreshard.nccl.schedule import STAGING, Step, Wire
+from jreshard.schedule import kernels
+from jreshard.schedule.steps import STAGING, Step, Wire
 from jreshard.sharding.topology import Link
 
 __all__ = ["RankSteps", "WireColumns"]

@@ -1,9 +1,9 @@
 """The engine: run the ranks' parts of a :class:`~jreshard.sharding.plan.Plan` over a Communicator.
 
 Every transport (in-process, MPI, NCCL) drives this same code; only the
-:class:`~jreshard.nccl.comm.Communicator` and the
-:class:`~jreshard.nccl.buffers.BufferBackend` differ. What runs when is decided
-by the schedule (:mod:`jreshard.nccl.schedule`: chunks, rounds, staging layout),
+:class:`~jreshard.engine.comm.Communicator` and the
+:class:`~jreshard.engine.buffers.BufferBackend` differ. What runs when is decided
+by the schedule (:mod:`jreshard.schedule.steps`: chunks, rounds, staging layout),
 built once per plan and cached; this module interprets it.
 
 **Buffers.** Stage-0 chunks are read from the sender's source shard; later
@@ -28,16 +28,18 @@ as fan-out time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.errors import TransferError
-from jreshard.nccl import kernels
-from jreshard.nccl.buffers import BufferBackend, CpuBuffers
-from jreshard.nccl.comm import Communicator, RecvOp, SendOp
-from jreshard.nccl.groups import exchange_groups, group_rounds
-from jreshard.nccl.ranksteps import RankSteps
-from jreshard.nccl.schedule import (
+from jreshard.options import Backend, Options
+from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.schedule import kernels
+from jreshard.schedule.groups import group_rounds
+from jreshard.schedule.ranksteps import RankSteps
+from jreshard.schedule.steps import (
     DST,
     SRC,
     STAGING,
@@ -50,8 +52,6 @@ from jreshard.nccl.schedule import (
     chunk_pieces,
     tag_of,
 )
-from jreshard.options import Backend, Options
-from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link
 
@@ -66,7 +66,9 @@ __all__ = [
     "buffer_index",
     "build_schedule",
     "chunk_pieces",
+    "exchange_groups",
     "execute",
+    "split_ops",
     "tag_of",
 ]
 
@@ -133,7 +135,7 @@ def execute(
         allocated on its rank's device (default: the backend's current device).
       report: where to add phase times, bytes per link, messages and staging.
       schedule: the rounds to run (default: ``build_schedule(plan, options)``), e.g. one
-        built for this process's ranks alone by :mod:`jreshard.nccl.pairsched`.
+        built for this process's ranks alone by :mod:`jreshard.schedule.pairsched`.
 
     Returns:
       What was moved, and the peak staging of each local rank.
@@ -250,3 +252,33 @@ def _check_buffers(sched: Schedule, ranks: tuple[int, ...], bufs: dict[int, list
             + (f" ... {len(missing)} in all" if len(missing) > 8 else ""),
             destination_intact=True,
         )
+
+
+def split_ops(
+    sends: Sequence[SendOp], recvs: Sequence[RecvOp], cut: Mapping[tuple[int, int, int], int] | None
+) -> Iterator[tuple[list[SendOp], list[RecvOp]]]:
+    """This process's operations of one round, group by group in order (groups it has no part in are skipped)."""
+    if cut is None:
+        if sends or recvs:
+            yield list(sends), list(recvs)
+        return
+    by: dict[int, tuple[list[SendOp], list[RecvOp]]] = {}
+    for s in sends:
+        by.setdefault(cut[(s.src, s.dst, s.tag)], ([], []))[0].append(s)
+    for r in recvs:
+        by.setdefault(cut[(r.src, r.dst, r.tag)], ([], []))[1].append(r)
+    for g in sorted(by):
+        yield by[g]
+
+
+def exchange_groups(
+    comm: Communicator,
+    sends: Sequence[SendOp],
+    recvs: Sequence[RecvOp],
+    cut: Mapping[tuple[int, int, int], int] | None,
+    *,
+    timeout_s: float,
+) -> None:
+    """Run one round's operations as its groups, one :meth:`Communicator.exchange` each."""
+    for s, r in split_ops(sends, recvs, cut):
+        comm.exchange(s, r, timeout_s=timeout_s)
