@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from jreshard import repack
 from jreshard.errors import BackendUnavailableError
 from jreshard.frontdoor import Mode, flatten, prepare
 from jreshard.options import Backend, Options
@@ -52,6 +53,26 @@ def _run(
     if _has_views(leaves):
         return _run_views(x, target, mode, topology, options, report, leaves, targets)
     builder = ReportBuilder(Backend.LOCAL)
+    encs = repack.encodings(leaves)
+    if encs is None:
+        out = _run_flat(leaves, treedef, targets, mode, topology, options, builder, x)
+    else:
+        out = _run_repacked(leaves, treedef, targets, encs, mode, topology, options, builder, x)
+    result = treedef.unflatten(out)
+    return (result, builder.build()) if report else result
+
+
+def _run_flat(
+    leaves: list[Any],
+    treedef: Any,
+    targets: list[Any],
+    mode: Mode,
+    topology: Topology | None,
+    options: Options,
+    builder: ReportBuilder,
+    x: PyTree,
+) -> list[Any]:
+    """Route, check and run one call's flat leaves; returns the result leaves."""
     with builder.timed(ReportPhase.PLAN):
         choice, single_process = route(leaves, targets, options)
         builder.choose(choice.backend, choice.reason)
@@ -67,12 +88,49 @@ def _run(
     if prep is not None and choice.backend is Backend.LOCAL and not prep.on_gpus:
         from jreshard.engine.inprocess import run_local
 
-        out = run_local(prep, topology, options, builder)
-    else:
-        shardings = list(prep.shape.shardings) if prep is not None else target_shardings(targets)
-        out = run_engine(leaves, shardings, choice, single_process, topology, options, builder)
-    result = treedef.unflatten(out)
-    return (result, builder.build()) if report else result
+        return run_local(prep, topology, options, builder)
+    shardings = list(prep.shape.shardings) if prep is not None else target_shardings(targets)
+    return run_engine(leaves, shardings, choice, single_process, topology, options, builder)
+
+
+def _run_repacked(
+    leaves: list[Any],
+    treedef: Any,
+    targets: list[Any],
+    encs: list[repack.Encoding | None],
+    mode: Mode,
+    topology: Topology | None,
+    options: Options,
+    builder: ReportBuilder,
+    x: PyTree,
+) -> list[Any]:
+    """A call with leaves the engine cannot address as they are (:mod:`jreshard.repack`): those are
+    encoded on their devices, moved as plain arrays, and decoded at their targets.
+
+    Order: every check, then the encoded leaves' transfer (new arrays: nothing of the caller's is
+    touched if it fails), then the other leaves' call, then the decodes (which consume the ``into``
+    leaves they write over).
+    """
+    plan = repack.plan_leaves(leaves, targets, encs, mode)
+    special = [i for i, e in enumerate(encs) if e is not None]
+    moved = [i for i in special if plan[i] is not None]
+    sub: list[Any] = []
+    if moved:
+        encoded = [repack.encode(leaves[i], encs[i]) for i in moved]  # type: ignore[arg-type]
+        enc_targets = [plan[i].encoded_sharding for i in moved]  # type: ignore[union-attr]
+        enc_tree = jax.tree_util.tree_structure(encoded)
+        sub = _run_flat(encoded, enc_tree, enc_targets, Mode.TRANSFER, topology, options, builder, None)
+    rest_targets = [None if e is not None else t for e, t in zip(encs, targets, strict=True)]
+    out = _run_flat(leaves, treedef, rest_targets, mode, topology, options, builder, x)
+    for i in special:
+        if plan[i] is None:  # a None target, or (transfer) already the target sharding
+            out[i] = leaves[i] if mode is Mode.TRANSFER or targets[i] is None else targets[i]
+    owned = repack.exclusive_into(leaves, targets, moved) if mode is Mode.INTO else set()
+    for i, m in zip(moved, sub, strict=True):
+        out[i] = repack.decode(m, encs[i], plan[i].sharding, targets[i] if i in owned else None)  # type: ignore[arg-type,union-attr]
+        if mode is Mode.INTO and i not in owned:
+            builder.add_unowned(repack.storage_of(leaves[i]))
+    return out
 
 
 def _has_views(leaves: list[Any]) -> bool:

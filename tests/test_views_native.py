@@ -99,8 +99,10 @@ def test_scatter_kernel_writes_each_run_where_the_table_says(data):
             at += n + data.draw(st.integers(0, 9))
     if at > dest.size:
         return
-    table = np.array([(r, c, n, dest.ctypes.data + 2 * off) for r, c, n, off in entries] or np.empty((0, 4)), np.int64)
-    native.SCATTER["float32", ("bfloat16",)](band.ctypes.data, cols * 4, rows, cols, table.reshape(-1, 4))
+    end = dest.ctypes.data + dest.nbytes
+    rows_ = [(r, c, n, dest.ctypes.data + 2 * off, end) for r, c, n, off in entries]
+    table = np.array(rows_ or np.empty((0, 5)), np.int64)
+    native.SCATTER["float32", ("bfloat16",)](band.ctypes.data, cols * 4, rows, cols, table.reshape(-1, 5))
     want = np.zeros_like(dest)
     with np.errstate(invalid="ignore"):
         for r, c, n, off in entries:
@@ -177,3 +179,28 @@ def test_fused_refit_runs_the_kernel_and_equals_the_numpy_path(monkeypatch, band
         for dev, bits in _bits(f).items():
             np.testing.assert_array_equal(bits, ref[dev])
             np.testing.assert_array_equal(_bits(s)[dev], ref[dev])
+
+
+@pytest.mark.skipif(not native.available(), reason="the compiled casts were not built")
+@pytest.mark.parametrize(
+    "entry",
+    [
+        (0, 0, 9, 0),  # one bfloat16 past the end of the destination
+        (0, 5, 4, 0),  # columns past the end of the band row
+        (2, 0, 1, 0),  # a row the band does not have
+        (0, -1, 2, 0),  # a negative column
+    ],
+)
+def test_scatter_kernel_refuses_an_entry_outside_its_buffers_and_writes_nothing(entry):
+    band = np.arange(16, dtype=np.float32).reshape(2, 8)
+    dest = np.zeros(8, BF16)
+    guard = np.full(4, 7, np.uint16)  # bytes right after dest in one allocation
+    block = np.concatenate([dest.view(np.uint16), guard])
+    out = block[:8]
+    r, c, n, off = entry
+    good = (1, 0, 8, out.ctypes.data, out.ctypes.data + out.nbytes)
+    table = np.array([good, (r, c, n, out.ctypes.data + 2 * off, out.ctypes.data + out.nbytes)], np.int64)
+    table = table[np.argsort(table[:, 0], kind="stable")]
+    with pytest.raises(ValueError, match=r"outside the band|past the end"):
+        native.SCATTER["float32", ("bfloat16",)](band.ctypes.data, 32, 2, 8, table)
+    assert not block[:8].any() and (block[8:] == 7).all()  # nothing written, the neighbour intact

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jreshard.engine.strided import CopyClass
+from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link
 
@@ -141,6 +142,11 @@ def lower_local(plan: Plan) -> LocalProgram:
         soff = sum((a - b0) * st for a, b0, st in zip(lo, box.lo, strides, strict=True))
         doff = sum((a - b0) * st for a, b0, st in zip(lo, rbox.lo, d_str[receiver], strict=True))
         cls = geometry(extent, isz, strides, d_str[receiver])
+        # Every piece inside the shard it reads and the one it writes, in the buffers' own bytes.
+        if soff + cls.extent(cls.src_strides) > storage_bytes(src.np_dtype, box.volume) or doff + cls.extent(
+            cls.dst_strides
+        ) > storage_bytes(dst.np_dtype, rbox.volume):
+            raise ValueError(f"lower_local: move {i} of {spec.name} ({lo}..{hi}) runs past the end of a shard")
         groups.setdefault((stage, kind, cls), []).append((slot, soff, d_slot[receiver], doff))
     by_stage: dict[int, list[ClassRows]] = {}
     for (stage, kind, cls), rows in sorted(groups.items(), key=lambda kv: kv[0][:2]):

@@ -41,6 +41,7 @@ from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
 from jreshard.schedule.pairsched import pair_schedule
 from jreshard.schedule.steps import Schedule, build_schedule
+from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.plan import Plan, RankProgram
 from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
@@ -108,7 +109,7 @@ def run_schedule(
     for (t, r), device in targets.items():
         lay = tensors[t].dst
         box = lay.box_of(r)
-        (dst[(t, r)],) = backend.allocate([box.volume * lay.itemsize], device)
+        (dst[(t, r)],) = backend.allocate([storage_bytes(lay.np_dtype, box.volume)], device)
         meta[(t, r)] = (box.shape, lay.np_dtype, device)
         devices[r] = device
     for (_, r), a in sources.items():

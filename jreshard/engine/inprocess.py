@@ -40,6 +40,7 @@ from jreshard.engine.prepared import Kind, Mode, Prepared
 from jreshard.errors import TransferError
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
@@ -139,7 +140,7 @@ def _fresh(dst: Layout, n: int, pool: BufferPool) -> tuple[np.ndarray, list[list
     views: list[list[np.ndarray]] = [[] for _ in range(n)]
     for k, shape in enumerate(shapes):
         count = math.prod(shape)
-        step = _padded(count * dtype.itemsize)
+        step = _padded(storage_bytes(dtype, count))
         block = pool.take(step * n)
         ptr[:, k] = block.ctypes.data + np.arange(n, dtype=np.int64) * step
         # One view of the block as (leaf, padded shard), cut to the shard: iterating it yields
@@ -329,12 +330,13 @@ def run_local(
             dst_ptr, views = [p for p, _ in fresh], [v for _, v in fresh]
         else:
             dst_ptr, views, donated = _into_destinations(prep, src_ptr, pool, builder)
+    bounds = _buffers(prep, src_shards, views, donated) if strided.checking_bounds() else None
     with builder.timed(ReportPhase.COPY):
         try:
             for prog, sp, dp in zip(programs, src_ptr, dst_ptr, strict=True):
                 for stage in prog.stages:
                     work = [(rows.cls, *addresses(rows, sp, dp)) for rows in stage]
-                    strided.copy_classes(work, threads=options.copy_threads)
+                    strided.copy_classes(work, threads=options.copy_threads, bounds=bounds)
         except Exception as err:
             if prep.mode is Mode.INTO:
                 raise TransferError(
@@ -361,3 +363,28 @@ def run_local(
         del src_ptr
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)
     return out
+
+
+def _buffers(
+    prep: Prepared,
+    src_shards: dict[int, Sequence[Any]],
+    views: list[list[list[np.ndarray]]],
+    donated: dict[int, tuple[Any, tuple[int, ...]]],
+) -> tuple[strided.Buffers, strided.Buffers]:
+    """The buffers a call's copies may read and write (the ``JRESHARD_CHECK_BOUNDS`` mode), sized from the
+    buffers themselves: jax's shards by their dtype's storage (packed sub-byte dtypes counted as packed),
+    the pool's by their numpy views."""
+    written: list[tuple[int, int]] = []
+    for g, v_g in zip(prep.shape.groups, views, strict=True):
+        for j, i in enumerate(g.leaves):
+            if i in donated:
+                for s in _arrays(donated[i][0]):
+                    written.append((_pointer(s), _pointer(s) + storage_bytes(np.dtype(s.dtype), s.size)))
+            else:
+                written.extend((v.ctypes.data, v.ctypes.data + v.nbytes) for v in v_g[j])
+    read = [
+        (_pointer(s), _pointer(s) + storage_bytes(np.dtype(s.dtype), s.size))
+        for arrs in src_shards.values()
+        for s in arrs
+    ]
+    return strided.Buffers.of(read + written), strided.Buffers.of(written)

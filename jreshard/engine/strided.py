@@ -18,9 +18,13 @@ costs one numpy call per class and chunk, not one per piece:
 Large pieces (:data:`LARGE_PIECE`) are copied one by one with ``np.copyto`` on
 views of the piece itself, cut along their outermost extent across threads.
 
-Nothing here checks addresses: callers compute them from shard shapes they
-checked (:mod:`jreshard.engine.copies`), and the tests compare every layout against
-``jax.device_put``.
+Addresses come from the lowering (:mod:`jreshard.engine.copies`), which checks every
+piece against the byte size of the shard it reads and the one it writes
+(:func:`jreshard.sharding.dtypes.storage_bytes`). With the environment variable
+``JRESHARD_CHECK_BOUNDS=1`` every copy also checks, before it runs, that each piece lies
+inside one of the buffers the caller names (:class:`Buffers`), and raises
+:class:`~jreshard.errors.TransferError` before writing anything otherwise: a debug mode,
+for tests run under ``MALLOC_CHECK_=3`` and for new transports.
 """
 
 from __future__ import annotations
@@ -34,7 +38,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["LARGE_PIECE", "CopyClass", "copy_classes", "executor", "raw_view", "run_shared", "threads_for"]
+__all__ = [
+    "LARGE_PIECE",
+    "Buffers",
+    "CopyClass",
+    "checking_bounds",
+    "copy_classes",
+    "executor",
+    "raw_view",
+    "run_shared",
+    "threads_for",
+]
 
 LARGE_PIECE = 256 << 10  # bytes: pieces at least this big are copied one by one
 _CHUNK_BYTES = 1 << 20  # bytes of pieces per gather/scatter call: the temporary stays in cache
@@ -83,6 +97,56 @@ class CopyClass:
     def extent(self, strides: tuple[int, ...]) -> int:
         """Bytes from a piece's first byte to one past its last, with these strides."""
         return sum((n - 1) * s for n, s in zip(self.outer, strides, strict=True)) + self.run
+
+
+def checking_bounds() -> bool:
+    """Whether ``JRESHARD_CHECK_BOUNDS`` asks every copy to check its pieces against their buffers."""
+    return os.environ.get("JRESHARD_CHECK_BOUNDS", "") not in ("", "0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Buffers:
+    """Raw buffers as sorted, disjoint ``[start, end)`` address ranges, for the bounds check.
+
+    Example:
+      >>> b = Buffers.of([(100, 116), (200, 204)])
+      >>> b.outside(np.array([100, 112, 201]), 4).tolist()
+      [False, False, True]
+    """
+
+    starts: np.ndarray
+    ends: np.ndarray
+
+    @classmethod
+    def of(cls, ranges: list[tuple[int, int]]) -> Buffers:
+        r = sorted((int(a), int(b)) for a, b in ranges if b > a)
+        return cls(np.array([a for a, _ in r], np.int64), np.array([b for _, b in r], np.int64))
+
+    def outside(self, addrs: np.ndarray, extent: int) -> np.ndarray:
+        """Per piece starting at ``addrs`` and ``extent`` bytes long, whether no single buffer holds it."""
+        k = np.searchsorted(self.starts, addrs, side="right") - 1
+        ok = (k >= 0) & (addrs + extent <= self.ends[np.maximum(k, 0)])
+        return ~ok
+
+
+def _check_bounds(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], bounds: tuple[Buffers, Buffers]) -> None:
+    from jreshard.errors import TransferError
+
+    src_bufs, dst_bufs = bounds
+    for cls, src, dst in work:
+        if not len(src) or cls.piece_bytes == 0:
+            continue
+        for side, addrs, bufs, strides in (
+            ("read", src, src_bufs, cls.src_strides),
+            ("write", dst, dst_bufs, cls.dst_strides),
+        ):
+            bad = bufs.outside(addrs, cls.extent(strides))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise TransferError(
+                    f"bounds check: a copy would {side} {cls.extent(strides)} bytes at {int(addrs[i]):#x}, outside "
+                    f"every buffer it was given ({int(bad.sum())} of {len(addrs)} pieces of {cls}); nothing was copied"
+                )
 
 
 _THREADS: concurrent.futures.ThreadPoolExecutor | None = None
@@ -155,7 +219,11 @@ def _one_by_one(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) 
     return jobs
 
 
-def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], threads: int | None = None) -> int:
+def copy_classes(
+    work: list[tuple[CopyClass, np.ndarray, np.ndarray]],
+    threads: int | None = None,
+    bounds: tuple[Buffers, Buffers] | None = None,
+) -> int:
     """Copy every piece of every class; returns the bytes copied.
 
     Args:
@@ -163,7 +231,14 @@ def copy_classes(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], threads: 
         one entry per piece. Pieces of one call must not overlap on the destination
         side, nor read bytes another piece of the call writes.
       threads: copy threads (numpy's copies release the GIL); ``None``: one per core, up to 8.
+      bounds: the buffers pieces may read and write; when given, every piece is checked
+        against them before anything is copied (the ``JRESHARD_CHECK_BOUNDS`` mode).
+
+    Raises:
+      TransferError: (with ``bounds``) a piece lies outside every buffer; nothing was copied.
     """
+    if bounds is not None:
+        _check_bounds(work, bounds)
     threads = threads_for(threads)
     jobs: list[Callable[[], None]] = []
     total = 0

@@ -20,7 +20,7 @@ import numpy as np
 from jreshard._cache import cache
 from jreshard.errors import IndivisibleError, LayoutError, LayoutJSONError
 from jreshard.sharding.box import Box
-from jreshard.sharding.dtypes import dtype_name, numpy_dtype
+from jreshard.sharding.dtypes import dtype_name, numpy_dtype, packed_bits
 
 __all__ = ["Layout", "normalize_spec"]
 
@@ -94,6 +94,14 @@ class Layout:
             name = dtype_name(self.dtype)
         except TypeError as err:
             raise LayoutError(f"Layout: dtype={self.dtype!r} is not a known dtype") from err
+        bits = packed_bits(numpy_dtype(name))
+        if bits is not None:
+            # A box of a packed shard can start or end inside a byte: byte ranges cannot describe it.
+            raise LayoutError(
+                f"Layout: dtype={name} packs {8 // bits} values a byte, and layouts "
+                "address whole bytes; jreshard.transfer moves such arrays as one byte a value "
+                "(jreshard.repack), and plans describe them as uint8"
+            )
         ranks = tuple(int(r) for r in self.ranks)
         boxes = tuple(self.boxes)
         if len(ranks) != len(boxes):

@@ -54,7 +54,10 @@ static void bf16_to_f32_rows(const char *src, Py_ssize_t src_stride, char *dst, 
 
 /* Cast rows of float32 to bfloat16 and scatter them: for band row r (row r of the source,
  * `src_stride` bytes apart, `row_elems` elements each), the columns of each table entry
- * (row, first column, columns, destination address) whose row is r go to that address.
+ * (row, first column, columns, destination address, destination end) whose row is r go to
+ * that address. Every entry is checked before anything is written: its row and columns lie
+ * in the band, and its bytes end at or before the destination end (the end of the buffer it
+ * writes into); the first entry that does not is returned, and nothing is written.
  * The table is sorted by row. Each row is cast once, in chunks that stay in the first
  * level cache, and copied out from there: every source element is read once and cast
  * once however many destinations need it. */
@@ -90,13 +93,25 @@ static void stream_copy(char *dst, const char *src, size_t n) {
 #endif
 
 #define SCATTER_CHUNK 4096
+#define SCATTER_COLS 5
+static Py_ssize_t scatter_check(Py_ssize_t rows, Py_ssize_t row_elems, const int64_t *table, Py_ssize_t entries) {
+    for (Py_ssize_t k = 0; k < entries; k++) {
+        const int64_t *t = table + SCATTER_COLS * k;
+        if (t[0] < 0 || t[0] >= rows || t[1] < 0 || t[2] < 0 || t[1] > row_elems - t[2] || t[3] <= 0 ||
+            t[4] < t[3] || t[2] > (t[4] - t[3]) / 2 || (k > 0 && t[0] < t[-SCATTER_COLS])) {
+            return k;
+        }
+    }
+    return -1;
+}
+
 static void f32_to_bf16_scatter_rows(const char *src, Py_ssize_t src_stride, Py_ssize_t rows, Py_ssize_t row_elems,
                                      const int64_t *table, Py_ssize_t entries) {
     uint16_t scratch[SCATTER_CHUNK];
     Py_ssize_t e = 0;
     for (Py_ssize_t r = 0; r < rows && e < entries; r++) {
         Py_ssize_t end = e;
-        while (end < entries && table[4 * end] == r) {
+        while (end < entries && table[SCATTER_COLS * end] == r) {
             end++;
         }
         if (end == e) {
@@ -107,7 +122,7 @@ static void f32_to_bf16_scatter_rows(const char *src, Py_ssize_t src_stride, Py_
             Py_ssize_t c1 = c0 + SCATTER_CHUNK < row_elems ? c0 + SCATTER_CHUNK : row_elems;
             int cast = 0;
             for (Py_ssize_t k = e; k < end; k++) {
-                Py_ssize_t lo = table[4 * k + 1], hi = lo + table[4 * k + 2];
+                Py_ssize_t lo = table[SCATTER_COLS * k + 1], hi = lo + table[SCATTER_COLS * k + 2];
                 lo = lo > c0 ? lo : c0;
                 hi = hi < c1 ? hi : c1;
                 if (lo >= hi) {
@@ -117,7 +132,7 @@ static void f32_to_bf16_scatter_rows(const char *src, Py_ssize_t src_stride, Py_
                     f32_to_bf16_rows(row + 4 * c0, 0, (char *)scratch, 0, 1, c1 - c0);
                     cast = 1;
                 }
-                char *dst = (char *)(uintptr_t)table[4 * k + 3] + 2 * (lo - table[4 * k + 1]);
+                char *dst = (char *)(uintptr_t)table[SCATTER_COLS * k + 3] + 2 * (lo - table[SCATTER_COLS * k + 1]);
                 stream_copy(dst, (const char *)(scratch + (lo - c0)), (size_t)(2 * (hi - lo)));
             }
         }
@@ -136,6 +151,14 @@ static PyObject *py_f32_to_bf16_scatter(PyObject *self, PyObject *args) {
     if (rows < 0 || row_elems < 0 || entries < 0) {
         PyErr_Format(PyExc_ValueError, "rows=%zd, row_elems=%zd and entries=%zd must not be negative", rows, row_elems,
                      entries);
+        return NULL;
+    }
+    Py_ssize_t bad = scatter_check(rows, row_elems, (const int64_t *)(uintptr_t)table, entries);
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "f32_to_bf16_scatter: table entry %zd lies outside the band (%zd rows of %zd) or past the end "
+                     "of its destination buffer; nothing was written",
+                     bad, rows, row_elems);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
@@ -180,7 +203,8 @@ static PyMethodDef methods[] = {
      "bf16_to_f32(src, src_stride, dst, dst_stride, rows, cols): cast rows of bfloat16 at address src to float32."},
     {"f32_to_bf16_scatter", py_f32_to_bf16_scatter, METH_VARARGS,
      "f32_to_bf16_scatter(src, src_stride, rows, row_elems, table, entries): cast float32 rows to bfloat16 and "
-     "copy the columns of each int64 table entry (row, column, columns, address), sorted by row, to its address."},
+     "copy the columns of each int64 table entry (row, column, columns, address, end of the destination buffer), "
+     "sorted by row, to its address; an entry outside the band or past its end raises ValueError, nothing written."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -41,12 +41,14 @@ KERNELS: dict[tuple[str, str], _Kernel] = _kernels()
 
 
 def _scatter_f32_bf16(src: int, src_stride: int, rows: int, row_elems: int, table: np.ndarray) -> None:
-    assert _compiled is not None and table.dtype == np.int64 and table.flags.c_contiguous and table.shape[1:] == (4,)
+    assert _compiled is not None and table.dtype == np.int64 and table.flags.c_contiguous and table.shape[1:] == (5,)
     _compiled.f32_to_bf16_scatter(src, src_stride, rows, row_elems, table.ctypes.data, len(table))
 
 
 # (source dtype, cast chain) -> ``kernel(src address, row stride, rows, row elements, table)``: cast the rows and
-# copy each table entry's run to its address (see jreshard.views.program.Scatter).
+# copy each table entry's run to its address (see jreshard.views.program.Scatter). A table row is (band row, first
+# column, columns, destination address, end of the destination buffer); the kernel checks every row against the
+# band and the buffer's end before it writes anything.
 SCATTER: dict[tuple[str, tuple[str, ...]], Callable[[int, int, int, int, np.ndarray], None]] = (
     {} if _compiled is None else {("float32", ("bfloat16",)): _scatter_f32_bf16}
 )

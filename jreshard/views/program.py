@@ -335,7 +335,10 @@ def _run_scatter(
         if out.shape != shape or out.dtype.name != "bfloat16" or not (out.flags.c_contiguous and out.flags.writeable):
             return False
     bases = np.array([out.ctypes.data for out in outs], np.int64)
-    table = sc.table.copy()
-    table[:, 3] = bases[table[:, 3]] + sc.offsets
+    ends = bases + np.array([out.nbytes for out in outs], np.int64)  # sizes from the buffers themselves
+    table = np.empty((len(sc.table), 5), np.int64)
+    table[:, :3] = sc.table[:, :3]
+    table[:, 3] = bases[sc.table[:, 3]] + sc.offsets
+    table[:, 4] = ends[sc.table[:, 3]]
     kernel(band.ctypes.data, band.shape[-1] * band.itemsize, band.size // sc.row_elems, sc.row_elems, table)
     return True
