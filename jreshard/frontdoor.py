@@ -31,8 +31,63 @@ __all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "flatten", "prepare", "
 PyTree = Any
 
 
+def _format_type() -> Any:
+    from jax.experimental.layout import Format
+
+    return Format
+
+
+_FORMAT = _format_type()
+_SPACE = jax.memory.Space
+# Targets jax.device_put takes besides shardings, turned into one by :func:`_normalized`.
+_OTHER_TARGETS = (jax.Device, jax.sharding.PartitionSpec, _FORMAT, _SPACE)
+
+
 def _is_target_leaf(v: Any) -> bool:
-    return v is None or isinstance(v, (jax.sharding.Sharding, jax.ShapeDtypeStruct, jax.sharding.PartitionSpec))
+    return v is None or isinstance(v, (jax.sharding.Sharding, jax.ShapeDtypeStruct, *_OTHER_TARGETS))
+
+
+def _normalized(t: Any, leaf: Any, where: str) -> Any:
+    """A target of the other kinds ``jax.device_put`` takes, as the sharding it means there.
+
+    - a ``Device``: ``SingleDeviceSharding(device)``;
+    - a ``PartitionSpec``: ``NamedSharding`` over the mesh set by ``jax.set_mesh``;
+    - a ``Format``: its sharding, when its layout is ``None`` or the default (row-major) one;
+    - a ``jax.memory.Space``: the leaf's sharding in that memory.
+
+    Raises:
+      LayoutError: a PartitionSpec with no mesh set, a Format with another layout.
+    """
+    if isinstance(t, jax.Device):
+        return jax.sharding.SingleDeviceSharding(t)
+    if isinstance(t, jax.sharding.PartitionSpec):
+        mesh = jax.sharding.get_mesh()
+        if mesh.empty:
+            raise LayoutError(
+                f"{where} is the PartitionSpec {t}, which names no devices and no mesh is set; the fix is "
+                f"jax.sharding.NamedSharding(mesh, {t}), or the call under `with jax.set_mesh(mesh):`"
+            )
+        return jax.sharding.NamedSharding(mesh, t)
+    if isinstance(t, _FORMAT):
+        lay = t.layout
+        ndim = len(getattr(leaf, "shape", ()))
+        default = lay is None or (
+            getattr(lay, "major_to_minor", None) == tuple(range(ndim))
+            and not getattr(lay, "tiling", None)
+            and not getattr(lay, "sub_byte_element_size_in_bits", 0)
+        )
+        if not default:
+            raise LayoutError(
+                f"{where} is {t}: jreshard writes row-major shards only; the fix is Format(None, sharding) "
+                "or the sharding itself, then jax.device_put(result, format) for another layout"
+            )
+        return t.sharding
+    if isinstance(t, _SPACE):
+        if t is _SPACE.Any:
+            raise LayoutError(f"{where} is {t}, which names no memory; the fix is jax.memory.Space.Device or Host")
+        kind = "pinned_host" if t is _SPACE.Host else "device"
+        return leaf.sharding.with_memory_kind(kind)
+    return t
 
 
 def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any], Any, list[Any]]:
@@ -44,15 +99,42 @@ def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any],
     """
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if what == "target" and _is_target_leaf(target) and target is not None:
+        if isinstance(target, _OTHER_TARGETS):
+            if isinstance(target, _SPACE):  # the leaf's own sharding, in that memory
+                return leaves, treedef, [_normalized(target, leaf, "the target") for leaf in leaves]
+            target = _normalized(target, leaves[0] if leaves else None, "the target")
         return leaves, treedef, [target] * len(leaves)
     tree: Any = treedef  # (jax's stubs do not declare PyTreeDef.flatten_up_to)
     try:
         targets = tree.flatten_up_to(target)
     except (ValueError, TypeError) as err:
-        raise LayoutMismatchError(
-            f"{what} does not match the structure of x ({treedef}): {err}", src=treedef, dst=target, what="structure"
-        ) from None
+        targets = _prefix(x, target, treedef) if what == "target" else None
+        if targets is None:
+            raise LayoutMismatchError(
+                f"{what} does not match the structure of x ({treedef}): {err}",
+                src=treedef,
+                dst=target,
+                what="structure",
+            ) from None
+    if what == "target":
+        try:
+            for i, t in enumerate(targets):
+                if isinstance(t, _OTHER_TARGETS):
+                    targets[i] = _normalized(t, leaves[i], f"the target of leaf #{i}")
+        except LayoutError as err:  # name the leaf by its key path (the error path only)
+            raise LayoutError(_renamed(str(err), leaf_names(treedef, x))) from None
     return leaves, treedef, targets
+
+
+def _prefix(x: PyTree, target: PyTree, treedef: Any) -> list[Any] | None:
+    """``target`` as one target per leaf of ``x`` when it is a tree prefix of ``x`` (as ``jax.device_put``
+    takes it: each target leaf applies to the whole subtree below it), else ``None``."""
+    try:
+        full = jax.tree.broadcast(target, x, is_leaf=_is_target_leaf)
+        tree: Any = treedef
+        return list(tree.flatten_up_to(full))
+    except (ValueError, TypeError):
+        return None
 
 
 def leaf_names(treedef: Any, x: PyTree) -> tuple[str, ...]:

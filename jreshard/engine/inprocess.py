@@ -36,7 +36,7 @@ from jreshard._cache import cache
 from jreshard.engine import strided
 from jreshard.engine.copies import LocalProgram, addresses, lower_local
 from jreshard.engine.pool import ALIGN, BufferPool, default_pool
-from jreshard.engine.prepared import Kind, Mode, Prepared
+from jreshard.engine.prepared import Kind, Mode, Prepared, sharding_of
 from jreshard.errors import TransferError
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
@@ -105,7 +105,9 @@ def _batched_put() -> Any:
 
         fn = xc.batched_device_put
         aval = cache(max_size=4096)(core.ShapedArray)
-        return lambda shape, dtype, sharding, views, devices: fn(aval(shape, dtype), sharding, views, devices, True)
+        return lambda shape, dtype, sharding, views, devices, weak: fn(
+            aval(shape, dtype, weak), sharding, views, devices, True
+        )
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions: the public path
         return None
 
@@ -113,16 +115,28 @@ def _batched_put() -> Any:
 _PUT = _batched_put()
 
 
-def _make_array(shape: tuple[int, ...], dtype: Any, sharding: Any, views: list[np.ndarray], devices: Any) -> Any:
-    """A global array over host buffers ``views`` (one per device, in ``devices`` order), zero-copy on CPU."""
+def _make_array(
+    shape: tuple[int, ...], dtype: Any, sharding: Any, views: list[np.ndarray], devices: Any, weak_type: bool = False
+) -> Any:
+    """A global array over host buffers ``views`` (one per device, in ``devices`` order), zero-copy on CPU,
+    committed to ``sharding`` and weakly typed where the source was (as ``jax.device_put`` keeps it)."""
     global _PUT
     if _PUT is not None:
         try:
-            return _PUT(shape, dtype, sharding, views, devices)
+            return _PUT(shape, dtype, sharding, views, devices, weak_type)
         except Exception:  # pragma: no cover - another jax's private signature: the public path from now on
             _PUT = None
     shards = [jax.device_put(v, d) for v, d in zip(views, devices, strict=True)]
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
+def _kept(leaf: Any, target: Any) -> Any:
+    """A leaf that moves no byte: itself for a ``None`` target, else what ``jax.device_put`` gives for a
+    sharding it already has (the same buffers, committed, carrying the target's sharding object)."""
+    sharding = sharding_of(target)
+    if sharding is None or (leaf.sharding is sharding and getattr(leaf, "_committed", True)):
+        return leaf
+    return jax.device_put(leaf, sharding)
 
 
 def _padded(nbytes: int) -> int:
@@ -201,15 +215,18 @@ def _donate(arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool]
       before: their shard addresses (``addressable_data`` order).
       by_jax: whether jax allocated each one's memory.
     """
+    # One call per device assignment (in order: jit needs every argument on the same one) and sharding
+    # kind (jit cannot mix a GSPMDSharding with NamedShardings in one call).
     by_devices: dict[Any, list[int]] = {}
     for i, a in enumerate(arrays):
-        by_devices.setdefault(tuple(sorted(d.id for d in a.sharding.device_set)), []).append(i)
+        key = (tuple(d.id for d in a.sharding._device_assignment), type(a.sharding))
+        by_devices.setdefault(key, []).append(i)
     out: list[tuple[Any, tuple[int, ...]]] = [(None, ())] * len(arrays)
     for idx in by_devices.values():
         group = [arrays[i] for i in idx]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            moved = _identity(tuple(a.sharding for a in group))(*group)
+            moved = _identity(tuple((type(a.sharding), a.sharding) for a in group))(*group)
         jax.block_until_ready(moved)
         trust = [by_jax[i] and a.is_deleted() for i, a in zip(idx, group, strict=True)]
         sample = [k for k in range(len(idx)) if trust[k]]
@@ -226,8 +243,12 @@ def _read(a: Any) -> tuple[int, ...]:
 
 
 @cache(max_size=64)
-def _identity(shardings: tuple[Any, ...]) -> Any:
-    """An identity computation that takes its arguments' memory and keeps their exact shardings."""
+def _identity(kinds: tuple[tuple[type, Any], ...]) -> Any:
+    """An identity computation that takes its arguments' memory and keeps their exact shardings.
+
+    Keyed by ``(type, sharding)``: shardings of two kinds can compare equal, and the outputs must
+    keep each argument's own kind."""
+    shardings = tuple(s for _, s in kinds)
     return jax.jit(lambda *xs: xs, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
 
 
@@ -311,7 +332,7 @@ def run_local(
     out: list[Any] = [None] * len(leaves)
     for i, kind in enumerate(shape.kinds):
         if kind is Kind.KEEP:
-            out[i] = leaves[i] if prep.mode is Mode.TRANSFER or prep.targets[i] is None else prep.targets[i]
+            out[i] = _kept(leaves[i], prep.targets[i] if prep.mode is Mode.TRANSFER else None)
     if not shape.groups:
         return out
     with builder.timed(ReportPhase.PLAN):
@@ -357,8 +378,10 @@ def run_local(
                     continue
                 order = g.dst_order[j]
                 leaf = leaves[i]
-                sharding = shape.shardings[i]
-                out[i] = _make_array(tuple(leaf.shape), leaf.dtype, sharding, [v_g[j][k] for k in order], g.devices[j])
+                sharding = sharding_of(prep.targets[i])  # the caller's object (equal to the cached one)
+                out[i] = _make_array(
+                    tuple(leaf.shape), leaf.dtype, sharding, [v_g[j][k] for k in order], g.devices[j], leaf.weak_type
+                )
                 _remember(out[i], [rows[j][k] for k in order], by_jax=False)
         del src_ptr
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)

@@ -12,7 +12,7 @@ from typing import Any
 
 from jreshard.sharding.layout import Layout
 
-__all__ = ["Group", "Kind", "Mode", "Prepared", "Shape"]
+__all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "sharding_of"]
 
 
 class Mode(enum.Enum):
@@ -80,3 +80,12 @@ class Prepared:
     def on_gpus(self) -> bool:
         """Whether the leaves are on CUDA GPUs (the first leaf says: one call is on one platform)."""
         return any(d.platform in ("gpu", "cuda") for leaf in self.leaves[:1] for d in leaf.sharding.device_set)
+
+
+def sharding_of(target: Any) -> Any:
+    """The sharding object a checked target leaf names: itself, a ShapeDtypeStruct's or an array's
+    (``None`` for ``None``). Results carry this very object, as ``jax.device_put``'s do."""
+    if target is None:
+        return None
+    sharding = getattr(target, "sharding", None)
+    return target if sharding is None else sharding

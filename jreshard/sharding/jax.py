@@ -54,7 +54,16 @@ def describe_sharding(
         raise LayoutError(f"sharding={sharding!r} is not a jax.sharding.Sharding")
     if isinstance(sharding, jax.sharding.NamedSharding):
         mesh = sharding.mesh
-        spec = tuple(sharding.spec)
+        pspec = sharding.spec
+        if getattr(pspec, "unreduced", None):
+            # Unreduced axes hold partial sums, not copies: no box of the array lives anywhere
+            # (jax.device_put refuses them too).
+            raise LayoutError(
+                f"sharding {sharding} has unreduced axes {sorted(pspec.unreduced)}: its shards hold partial sums, "
+                "not parts of the array; the fix is to reduce them (jax.lax.psum) before moving the array"
+            )
+        # Reduced axes hold full copies (as replication does for the bytes); the partitions say the boxes.
+        spec = tuple(getattr(pspec, "partitions", pspec))
         if mesh.devices.size and all(e is None or isinstance(e, (str, tuple)) for e in spec):
             ranks = np.vectorize(rank_of, otypes=[np.int64])(np.asarray(mesh.devices))
             return MeshForm(ranks, tuple(mesh.axis_names), spec)
