@@ -125,11 +125,12 @@ def _run_repacked(
     for i in special:
         if plan[i] is None:  # a None target, or (transfer) already the target sharding
             out[i] = leaves[i] if mode is Mode.TRANSFER or targets[i] is None else targets[i]
-    owned = repack.exclusive_into(leaves, targets, moved) if mode is Mode.INTO else set()
+    why = repack.exclusive_into(leaves, targets, moved) if mode is Mode.INTO else {}
     for i, m in zip(moved, sub, strict=True):
-        out[i] = repack.decode(m, encs[i], plan[i].sharding, targets[i] if i in owned else None)  # type: ignore[arg-type,union-attr]
-        if mode is Mode.INTO and i not in owned:
-            builder.add_unowned(repack.storage_of(leaves[i]))
+        owned = mode is Mode.INTO and i not in why
+        out[i] = repack.decode(m, encs[i], plan[i].sharding, targets[i] if owned else None)  # type: ignore[arg-type,union-attr]
+        if i in why:
+            builder.add_unowned(repack.storage_of(leaves[i]), i, why[i])
     return out
 
 

@@ -234,25 +234,31 @@ def _pointers(a: Any) -> set[int]:
     return {int(s.data.unsafe_buffer_pointer()) for s in a.addressable_shards if s.data.size}
 
 
-def exclusive_into(leaves: Sequence[Any], targets: Sequence[Any], moved: Sequence[int]) -> set[int]:
-    """The moved leaves whose ``into`` array may be donated: live, and sharing no buffer with a source
-    leaf or with an ``into`` leaf claimed before it."""
+def exclusive_into(leaves: Sequence[Any], targets: Sequence[Any], moved: Sequence[int]) -> dict[int, Any]:
+    """For the moved leaves whose ``into`` array may not be donated, why (a
+    :class:`~jreshard.report.NotInPlace`): deleted, or sharing a buffer with a source leaf or with an
+    ``into`` leaf claimed before it. The others are donated to their decode."""
+    from jreshard.report import NotInPlace
+
     sources: set[int] = set()
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not leaf.is_deleted():
             sources |= _pointers(leaf)
     claimed: set[int] = set()
-    out = set()
+    why: dict[int, Any] = {}
     for i in moved:
         t = targets[i]
         if t.is_deleted():
+            why[i] = NotInPlace.DELETED
             continue
         ptrs = _pointers(t)
-        if ptrs & sources or ptrs & claimed:
-            continue
-        claimed |= ptrs
-        out.add(i)
-    return out
+        if ptrs & sources:
+            why[i] = NotInPlace.SHARES_A_SOURCE
+        elif ptrs & claimed:
+            why[i] = NotInPlace.SHARES_ANOTHER_INTO
+        else:
+            claimed |= ptrs
+    return why
 
 
 def storage_of(a: Any) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from jreshard.options import Backend
 from jreshard.sharding.topology import Link
 
-__all__ = ["ReportBuilder", "ReportPhase", "TransferReport"]
+__all__ = ["NotInPlace", "ReportBuilder", "ReportPhase", "TransferReport"]
 
 
 class ReportPhase(enum.Enum):
@@ -36,6 +36,18 @@ class ReportPhase(enum.Enum):
     UNPACK = "unpack"  # scattering staging buffers into destination shards, and local copies
     COPY = "copy"  # in one process: the direct copies from source shards into destination shards
     BUFFERS = "buffers"  # in one process: DLPack export, destination allocation, import, assembly
+
+
+class NotInPlace(enum.Enum):
+    """Why ``transfer_into`` wrote a leaf into fresh memory instead of over its ``into`` array."""
+
+    DELETED = "the into array was already deleted"
+    SHARES_A_SOURCE = "the into array shares memory with a source leaf"
+    SHARES_ANOTHER_INTO = "the into array shares memory with another into leaf"
+    NOT_HANDED_OVER = (
+        "jax could not hand the into array's memory over (memory jax did not allocate, such as a "
+        "transfer result's, or another reference to it such as a numpy view)"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,8 +69,9 @@ class TransferReport:
         can also exceed it).
       not_in_place_bytes: ``transfer_into`` destination bytes written into fresh buffers
         instead of in place, because the ``into`` leaf shared memory with a source leaf or
-        with another ``into`` leaf, or had been deleted (see the ownership rule in
-        ``transfer_into``).
+        with another ``into`` leaf, had been deleted, or jax could not hand its memory over
+        (see the ownership rule in ``transfer_into``).
+      not_in_place: per such leaf, ``(leaf index in x's flattened order, why)``.
       peak_staging_bytes: the most staging memory held at once.
       messages: point-to-point messages this process sent.
 
@@ -85,6 +98,7 @@ class TransferReport:
     messages: int = 0
     fresh_bytes: int = 0
     not_in_place_bytes: int = 0
+    not_in_place: tuple[tuple[int, NotInPlace], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend) or self.backend is Backend.AUTO:
@@ -171,6 +185,7 @@ class ReportBuilder:
         "_staging",
         "_start",
         "_unowned",
+        "_why",
     )
 
     def __init__(self, backend: Backend, reason: str = "", *, clock: Callable[[], float] = time.perf_counter):
@@ -185,6 +200,7 @@ class ReportBuilder:
         self._messages = 0
         self._fresh = 0
         self._unowned = 0
+        self._why: list[tuple[int, NotInPlace]] = []
 
     def choose(self, backend: Backend, reason: str) -> None:
         """Record the backend once it is picked (a builder starts before the choice is made)."""
@@ -212,9 +228,12 @@ class ReportBuilder:
         """Count destination bytes allocated new (not reused from a pool)."""
         self._fresh += int(nbytes)
 
-    def add_unowned(self, nbytes: int) -> None:
-        """Count ``transfer_into`` bytes written to fresh buffers because ``into`` was not exclusively owned."""
+    def add_unowned(self, nbytes: int, leaf: int = -1, why: NotInPlace | None = None) -> None:
+        """Count ``transfer_into`` bytes written to fresh buffers because ``into`` was not exclusively owned
+        (leaf ``leaf`` of x, for the reason ``why``)."""
         self._unowned += int(nbytes)
+        if why is not None:
+            self._why.append((int(leaf), why))
 
     def staging(self, delta: int) -> None:
         """Staging memory grew (``delta > 0``) or shrank; the peak is kept."""
@@ -242,4 +261,5 @@ class ReportBuilder:
             messages=self._messages,
             fresh_bytes=self._fresh,
             not_in_place_bytes=self._unowned,
+            not_in_place=tuple(sorted(self._why, key=lambda w: w[0])),
         )

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
@@ -22,6 +22,11 @@ INFER = NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
 
 def _host(a):
     return np.asarray(jax.device_get(a))
+
+
+def _copy(a):
+    """The values of ``a`` in host memory of their own (``np.asarray`` of a CPU array is a view)."""
+    return np.concatenate([np.array(s.data, copy=True).ravel() for s in a.addressable_shards])
 
 
 def _deleted(a) -> bool:
@@ -128,11 +133,29 @@ def test_non_default_memory_layout_is_refused_before_any_write():
     assert not into.is_deleted() and _host(into).max() == 0.0
 
 
+def _gspmd(s: NamedSharding):
+    from jax._src.sharding_impls import GSPMDSharding  # no public constructor in jax 0.10
+
+    return GSPMDSharding(list(s.mesh.devices.flat), s._to_xla_hlo_sharding(2))
+
+
+# Device sets and sharding kinds an into leaf may have, mixed within one pytree.
+_INTO_SHARDINGS = [
+    TRAIN,
+    INFER,
+    _gspmd(INFER),
+    SingleDeviceSharding(DEVS[5]),
+    NamedSharding(Mesh(DEVS[::-1][:4], ("r",)), P(None, "r")),
+    NamedSharding(Mesh(DEVS[2:6], ("o",)), P("o")),
+]
+
+
 @st.composite
 def _aliasing(draw):
     n = draw(st.integers(1, 4))
     kinds = [draw(st.sampled_from(["fresh", "same_as_x", "dup", "third", "deleted"])) for _ in range(n)]
-    return n, kinds
+    where = [draw(st.integers(0, len(_INTO_SHARDINGS) - 1)) for _ in range(n)]
+    return n, kinds, where
 
 
 @settings(max_examples=25, deadline=None)
@@ -140,13 +163,13 @@ def _aliasing(draw):
 def test_random_aliasing_never_changes_a_live_array(case, seed, as_views):
     """Random pytrees with random aliasing between x, into and third arrays: every live array that is
     not a returned leaf holds exactly its old bytes afterwards (x given as arrays, or as views of them)."""
-    n, kinds = case
+    n, kinds, where = case
     rng = np.random.default_rng(seed)
-    sh = [TRAIN, INFER][seed % 2]
     x = [jax.device_put(jnp.asarray(rng.integers(0, 99, (8, 8)), jnp.float32), TRAIN) for _ in range(n)]
-    third = jax.device_put(jnp.full((8, 8), -1.0), sh)
+    third = jax.device_put(jnp.full((8, 8), -1.0), _INTO_SHARDINGS[where[0]])
     into = []
     for i, k in enumerate(kinds):
+        sh = _INTO_SHARDINGS[where[i]]
         if k == "same_as_x":
             into.append(x[(i + 1) % n] if sh == TRAIN else jax.device_put(jnp.zeros((8, 8)), sh))
         elif k == "dup" and into:
@@ -160,12 +183,37 @@ def test_random_aliasing_never_changes_a_live_array(case, seed, as_views):
         else:
             into.append(jax.device_put(jnp.zeros((8, 8)), sh))
     live = [a for a in (*x, third, *into) if not a.is_deleted()]
-    before = {id(a): _host(a) for a in live}
+    before = {id(a): _copy(a) for a in live}  # copies: a NumPy view would keep jax from handing memory over
+    ptrs = [None if a.is_deleted() else [s.data.unsafe_buffer_pointer() for s in a.addressable_shards] for a in into]
+    exclusive = [k == "fresh" for k in kinds]  # held by this list alone: must be written in place
     out = jreshard.transfer_into([views.as_view(a) for a in x] if as_views else x, into)
-    for o, a in zip(out, x, strict=True):
+    for o, a, t in zip(out, x, into, strict=True):
         np.testing.assert_array_equal(_host(o), _host(a))
+        assert o.sharding == t.sharding
+    for o, p, ex in zip(out, ptrs, exclusive, strict=True):
+        if ex:
+            assert [s.data.unsafe_buffer_pointer() for s in o.addressable_shards] == p
     returned = {id(o) for o in out}
     for a in live:
         if id(a) in returned or a.is_deleted():  # consumed: raises on use, never a silent change
             continue
-        np.testing.assert_array_equal(_host(a), before[id(a)])
+        np.testing.assert_array_equal(_copy(a), before[id(a)])
+
+
+def test_transfer_into_says_which_leaves_were_not_in_place_and_why():
+    from jreshard.report import NotInPlace
+
+    devs = np.array(jax.devices())
+    a = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+    b = NamedSharding(Mesh(devs[4:], ("y",)), P("y"))
+    x = {"p": jax.device_put(jnp.arange(8.0), a), "q": jax.device_put(jnp.arange(8.0) + 1, a)}
+    fresh = jreshard.transfer(x["q"], b)  # memory from jreshard's pool: jax cannot take it over
+    into = {"p": jax.device_put(jnp.zeros(8), b), "q": fresh}
+    before = [s.data.unsafe_buffer_pointer() for s in into["p"].addressable_shards]
+    out, rep = jreshard.transfer_into(x, into, report=True)
+    assert [s.data.unsafe_buffer_pointer() for s in out["p"].addressable_shards] == before  # held once: in place
+    assert rep.not_in_place == ((1, NotInPlace.NOT_HANDED_OVER),) and rep.not_in_place_bytes == 32
+    again, rep2 = jreshard.transfer_into(x, out, report=True)  # the refit loop's steady state
+    assert rep2.not_in_place == () and rep2.not_in_place_bytes == 0
+    shared = jreshard.transfer_into({"p": x["p"], "q": x["q"]}, {"p": x["q"], "q": again["q"]}, report=True)[1]
+    assert shared.not_in_place == ((0, NotInPlace.SHARES_A_SOURCE),)

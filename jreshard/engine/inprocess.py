@@ -39,7 +39,7 @@ from jreshard.engine.pool import ALIGN, BufferPool, default_pool
 from jreshard.engine.prepared import Kind, Mode, Prepared, sharding_of
 from jreshard.errors import TransferError
 from jreshard.options import Options
-from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.report import NotInPlace, ReportBuilder, ReportPhase
 from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
@@ -252,28 +252,34 @@ def _identity(kinds: tuple[tuple[type, Any], ...]) -> Any:
     return jax.jit(lambda *xs: xs, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
 
 
-def _claim_into(prep: Prepared, src_ptrs: set[int]) -> dict[int, tuple[tuple[int, ...], bool] | None]:
+def _claim_into(
+    prep: Prepared, src_ptrs: set[int]
+) -> tuple[dict[int, tuple[tuple[int, ...], bool]], dict[int, NotInPlace]]:
     """For each moved leaf, the addresses of its ``into`` array (and whether jax allocated them) when it
-    may be written in place, else None.
+    may be written in place; for the others, why not.
 
     Not when it is deleted, shares a buffer with any source leaf, or shares one with an
     ``into`` leaf claimed before it (the same array twice).
     """
     claimed: set[int] = set()
-    own: dict[int, tuple[tuple[int, ...], bool] | None] = {}
+    own: dict[int, tuple[tuple[int, ...], bool]] = {}
+    why: dict[int, NotInPlace] = {}
     for g in prep.shape.groups:
         for i in g.leaves:
             t = prep.targets[i]
             if t.is_deleted():
-                own[i] = None
+                why[i] = NotInPlace.DELETED
                 continue
             addrs, by_jax = _addresses_of(t)
             ptrs = set(addrs) - {0}
-            ok = not (ptrs & src_ptrs) and not (ptrs & claimed)
-            own[i] = (addrs, by_jax) if ok else None
-            if ok:
+            if ptrs & src_ptrs:
+                why[i] = NotInPlace.SHARES_A_SOURCE
+            elif ptrs & claimed:
+                why[i] = NotInPlace.SHARES_ANOTHER_INTO
+            else:
+                own[i] = (addrs, by_jax)
                 claimed |= ptrs
-    return own
+    return own, why
 
 
 def _into_destinations(
@@ -282,18 +288,22 @@ def _into_destinations(
     """The destination shards of ``transfer_into``, per group: ``(addresses, fresh views, donated)``.
 
     ``into`` leaves owned exclusively are donated (their memory taken over, ``donated[leaf] =
-    (new array, addresses)``); the others get fresh shards from the pool, counted as not in place.
+    (new array, addresses)``); the others get fresh shards from the pool. Both a leaf that was
+    not donated and one whose donation jax answered with a copy (memory it did not allocate,
+    or another reference to it) are counted as not in place, with the reason.
     """
     leaves, shape = prep.leaves, prep.shape
     every_src = {int(v) for p in src_ptr for v in p.ravel().tolist()} - {0}
     for i, kind in enumerate(shape.kinds):  # kept leaves are sources an into leaf may name too
         if kind is Kind.KEEP and leaves[i].size:
             every_src |= _raw_pointers(_arrays(leaves[i]))
-    own = _claim_into(prep, every_src)
-    mine = [i for g in shape.groups for i in g.leaves if own[i] is not None]
-    claims = [c for c in (own[i] for i in mine) if c is not None]
-    taken = _donate([prep.targets[i] for i in mine], [c[0] for c in claims], [c[1] for c in claims])
+    own, why = _claim_into(prep, every_src)
+    mine = [i for g in shape.groups for i in g.leaves if i in own]
+    taken = _donate([prep.targets[i] for i in mine], [own[i][0] for i in mine], [own[i][1] for i in mine])
     donated = dict(zip(mine, taken, strict=True))
+    for i in mine:
+        if donated[i][1] != own[i][0]:  # jax copied: the result is in fresh memory, not into's
+            builder.add_unowned(_storage(donated[i][0]), i, NotInPlace.NOT_HANDED_OVER)
     dst_ptr: list[np.ndarray] = []
     views: list[list[list[np.ndarray]]] = []
     for g in shape.groups:
@@ -312,10 +322,15 @@ def _into_destinations(
                 one_p, one_v = _fresh(g.dst, 1, pool)
                 p[j] = one_p[0]
                 v_g.append(one_v[0])
-                builder.add_unowned(sum(x.nbytes for x in one_v[0]))
+                builder.add_unowned(sum(x.nbytes for x in one_v[0]), i, why[i])
         dst_ptr.append(p)
         views.append(v_g)
     return dst_ptr, views, donated
+
+
+def _storage(a: Any) -> int:
+    """Bytes of ``a``'s addressable shards."""
+    return sum(storage_bytes(np.dtype(s.dtype), s.size) for s in _arrays(a))
 
 
 def run_local(
