@@ -104,9 +104,8 @@ def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any],
                 return leaves, treedef, [_normalized(target, leaf, "the target") for leaf in leaves]
             target = _normalized(target, leaves[0] if leaves else None, "the target")
         return leaves, treedef, [target] * len(leaves)
-    tree: Any = treedef  # (jax's stubs do not declare PyTreeDef.flatten_up_to)
     try:
-        targets = tree.flatten_up_to(target)
+        targets = _up_to(treedef, target)
     except (ValueError, TypeError) as err:
         targets = _prefix(x, target, treedef) if what == "target" else None
         if targets is None:
@@ -124,6 +123,12 @@ def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any],
         except LayoutError as err:  # name the leaf by its key path (the error path only)
             raise LayoutError(_renamed(str(err), leaf_names(treedef, x))) from None
     return leaves, treedef, targets
+
+
+def _up_to(treedef: Any, target: PyTree) -> list[Any]:
+    """``target`` flattened up to ``x``'s structure: the one flattening of a call's target tree."""
+    tree: Any = treedef  # (jax's stubs do not declare PyTreeDef.flatten_up_to)
+    return list(tree.flatten_up_to(target))
 
 
 def _prefix(x: PyTree, target: PyTree, treedef: Any) -> list[Any] | None:

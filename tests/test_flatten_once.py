@@ -1,0 +1,153 @@
+"""One front door: each transfer / transfer_into call flattens ``x`` once and ``target`` once, whatever route runs it.
+
+Every jax.tree_util / jax.tree flattening function is wrapped to count the calls whose tree is ``x`` or
+``target`` (by identity); the target's flattening up to ``x``'s structure goes through
+``jreshard.frontdoor._up_to``, counted the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jreshard
+from jreshard import frontdoor, routes
+from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.recording import RecordingComm
+from jreshard.options import Backend
+from jreshard.routes import BackendChoice
+from jreshard.sharding.topology import Topology
+
+DEVS = np.array(jax.devices())
+SRC = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x"))
+DST = NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))
+_FLATTENERS = ["tree_flatten", "tree_leaves", "tree_flatten_with_path", "tree_leaves_with_path", "tree_structure"]
+_TREE = ["flatten", "leaves", "flatten_with_path", "leaves_with_path", "structure", "map", "broadcast"]
+
+
+class _Seen:
+    """Flattenings of the watched trees (by identity, only while they are watched: ids are reused)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.watched: dict[int, object] = {}
+
+    def watch(self, *trees: object) -> None:
+        self.counts.clear()
+        self.watched = {id(t): t for t in trees}
+
+    def update(self, ids) -> None:
+        self.counts.update(i for i in ids if i in self.watched)
+
+    def __call__(self, tree: object) -> int:
+        return self.counts[id(tree)]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """``counted.watch(x, target)`` before a call; ``counted(tree)`` after it: how many times a flattening
+    function saw ``tree`` during the call."""
+    seen = _Seen()
+
+    def wrap(fn):
+        def counting(tree, *args, **kwargs):
+            seen.update([id(tree)])
+            return fn(tree, *args, **kwargs)
+
+        return counting
+
+    for name in _FLATTENERS:
+        monkeypatch.setattr(jax.tree_util, name, wrap(getattr(jax.tree_util, name)))
+    monkeypatch.setattr(jax.tree_util, "tree_map", _map_counter(jax.tree_util.tree_map, seen))
+    for name in _TREE:
+        fn = getattr(jax.tree, name)
+        monkeypatch.setattr(jax.tree, name, _map_counter(fn, seen) if name == "map" else wrap(fn))
+    monkeypatch.setattr(
+        frontdoor,
+        "_up_to",
+        lambda treedef, target, f=frontdoor._up_to: (seen.update([id(target)]), f(treedef, target))[1],
+    )
+    return seen
+
+
+def _map_counter(fn, seen):
+    def counting(f, tree, *rest, **kwargs):
+        seen.update([id(t) for t in (tree, *rest)])
+        return fn(f, tree, *rest, **kwargs)
+
+    return counting
+
+
+def _tree(seed=0):
+    rng = np.random.default_rng(seed)
+    host = {"a": rng.standard_normal((8, 8)).astype(np.float32), "b": [rng.integers(0, 9, (8, 4)).astype(np.int32)]}
+    return jax.tree.map(lambda v: jax.device_put(v, SRC), host)
+
+
+def test_the_counter_counts():
+    seen = _Seen()
+    x, y = {"a": 1}, {"a": 2}
+    seen.watch(x)
+    _map_counter(jax.tree_util.tree_map, seen)(lambda v, w: v, x, y)
+    assert (seen(x), seen(y)) == (1, 0)
+
+
+@pytest.mark.parametrize("mode", ["transfer", "transfer_into"])
+def test_local_route_flattens_x_and_target_once(counted, mode):
+    x = _tree()
+    target = {"a": DST, "b": [DST]}
+    if mode == "transfer":
+        counted.watch(x, target)
+        out = jreshard.transfer(x, target)
+    else:
+        target = jax.tree.map(lambda v: jax.device_put(jnp.zeros(v.shape, v.dtype), DST), x)
+        counted.watch(x, target)
+        out = jreshard.transfer_into(x, target)
+    np.testing.assert_array_equal(np.asarray(out["a"]), np.asarray(x["a"]))
+    assert (counted(x), counted(target)) == (1, 1)
+
+
+def test_mpi_route_flattens_x_and_target_once(counted):
+    pytest.importorskip("mpi4py.MPI")
+    x = _tree(1)
+    target = {"a": DST, "b": [DST]}
+    counted.watch(x, target)
+    out = jreshard.transfer(x, target, options=jreshard.Options(backend="mpi"))
+    np.testing.assert_array_equal(np.asarray(out["b"][0]), np.asarray(x["b"][0]))
+    assert (counted(x), counted(target)) == (1, 1)
+
+
+def test_nccl_route_flattens_x_and_target_once(counted, monkeypatch):
+    """The NCCL route with its transport twinned by a recording one over host buffers (no GPU here)."""
+    comms = []
+
+    class Twin(RecordingComm):
+        def buffers(self, *, timeout_s: float) -> CpuBuffers:
+            return _Buffers()
+
+    class _Buffers(CpuBuffers):
+        def release(self) -> None:
+            pass
+
+    def twin(devs, single_process, options):
+        comms.append(Twin(ranks=sorted(devs), topology=Topology.uniform(range(8), domain_size=4)))
+        return comms[-1]
+
+    monkeypatch.setattr(routes, "_nccl_comm", twin)
+    monkeypatch.setattr(
+        routes, "route", lambda leaves, targets, options: (BackendChoice(backend=Backend.NCCL, reason="test"), True)
+    )
+    monkeypatch.setattr(jreshard.api, "route", routes.route)
+    x = _tree(2)
+    target = {"a": DST, "b": [DST]}
+    counted.watch(x, target)
+    out = jreshard.transfer(x, target)
+    np.testing.assert_array_equal(np.asarray(out["a"]), np.asarray(x["a"]))
+    assert comms and comms[0].records  # the engine ran over the twin
+    assert (counted(x), counted(target)) == (1, 1)
