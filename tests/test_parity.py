@@ -70,8 +70,9 @@ def _read_bits(a: jax.Array, what: str, diff: list[str]) -> Any:
         return None
 
 
-def differences(res: Any, ref: jax.Array, x: Any = None, identity: bool = True) -> list[str]:
-    """Every property in which ``res`` differs from device_put's ``ref`` (``x``: the source, for identity)."""
+def differences(res: Any, ref: jax.Array, x: Any = None, identity: bool = True, target: Any = None) -> list[str]:
+    """Every property in which ``res`` differs from device_put's ``ref`` (``x``: the source, for identity;
+    ``target``: the leaf's target, whose sharding object device_put returns as it is)."""
     if not isinstance(res, jax.Array):
         return [f"result is {type(res).__name__}, not a jax.Array"]
     diff = []
@@ -85,6 +86,8 @@ def differences(res: Any, ref: jax.Array, x: Any = None, identity: bool = True) 
         diff.append(f"committed {res._committed} != {ref._committed}")
     if type(res.sharding) is not type(ref.sharding) or res.sharding != ref.sharding:
         diff.append(f"sharding {res.sharding} != {ref.sharding}")
+    elif isinstance(target, jax.sharding.Sharding) and ref.sharding is target and res.sharding is not target:
+        diff.append("sharding object: device_put returns the target's, the result carries another (equal) one")
     got_all = _read_bits(res, "the result", diff)
     want_all = _read_bits(ref, "device_put's result", diff)
     if not diff and got_all is not None and want_all is not None:
@@ -103,14 +106,17 @@ def differences(res: Any, ref: jax.Array, x: Any = None, identity: bool = True) 
     return diff
 
 
-def assert_parity(res: Any, ref: Any, x: Any = None, identity: bool = True) -> None:
+def assert_parity(res: Any, ref: Any, x: Any = None, identity: bool = True, target: Any = None) -> None:
+    """``res`` against device_put's ``ref``, leaf by leaf (``target``: one target for every leaf, or a list of
+    one per leaf)."""
     ref_leaves, ref_tree = jax.tree_util.tree_flatten(ref)
     res_leaves, res_tree = jax.tree_util.tree_flatten(res)
     assert res_tree == ref_tree, f"structure {res_tree} != {ref_tree}"
     x_leaves = jax.tree_util.tree_leaves(x) if x is not None else [None] * len(ref_leaves)
+    targets = target if isinstance(target, list) else [target] * len(ref_leaves)
     problems = []
-    for i, (r, e, s) in enumerate(zip(res_leaves, ref_leaves, x_leaves, strict=True)):
-        problems += [f"leaf {i}: {d}" for d in differences(r, e, s, identity)]
+    for i, (r, e, s, t) in enumerate(zip(res_leaves, ref_leaves, x_leaves, targets, strict=True)):
+        problems += [f"leaf {i}: {d}" for d in differences(r, e, s, identity, t)]
     assert not problems, "; ".join(problems)
 
 
@@ -128,7 +134,7 @@ def check_into(x: Any, into_leaves: list[jax.Array], treedef: Any) -> None:
     into_leaves.clear()
     res = jreshard.transfer_into(x, into)
     del into
-    assert_parity(res, ref, identity=False)
+    assert_parity(res, ref, identity=False, target=shardings)
     after = [pointers(a) for a in jax.tree_util.tree_leaves(res)]
     moved = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if b != a]
     assert not moved, f"in-place: leaves {moved} are not over into's buffers"
@@ -162,8 +168,8 @@ def _id(case: Any) -> str:
 def test_transfer_pair(src: str, dst: str, origin: str) -> None:
     x = source(src)
     ref = jax.device_put(x, sharding(dst))
-    assert ref.sharding == sharding(dst)
-    assert_parity(jreshard.transfer(x, sharding(dst)), ref, x)
+    assert ref.sharding is sharding(dst)
+    assert_parity(jreshard.transfer(x, sharding(dst)), ref, x, target=sharding(dst))
 
 
 @pytest.mark.parametrize("src,dst,origin", PAIRS, ids=[f"{s}->{d}" for s, d, _ in PAIRS])
@@ -184,10 +190,13 @@ def test_transfer_dtype(dtype: str, src: str, dst: str) -> None:
     every dtype (without x64, 64-bit host values arrive as what device_put makes of them)."""
     x = source(src, dtype)
     ref = jax.device_put(x, sharding(dst))
-    assert_parity(jreshard.transfer(x, sharding(dst)), ref, x)
+    assert_parity(jreshard.transfer(x, sharding(dst)), ref, x, target=sharding(dst))
 
 
-@pytest.mark.parametrize("dtype,src,dst", DTYPE_CASES, ids=[_id(c) for c in DTYPE_CASES])
+INTO_DTYPE_CASES = [(d, *DTYPE_PAIRS[0]) for d in DTYPES]
+
+
+@pytest.mark.parametrize("dtype,src,dst", INTO_DTYPE_CASES, ids=[_id(c) for c in INTO_DTYPE_CASES])
 def test_transfer_into_dtype(dtype: str, src: str, dst: str) -> None:
     x = source(src, dtype)
     into = [fresh(dst, dtype)]
@@ -207,7 +216,7 @@ def test_transfer_keys(impl: str, src: str, dst: str) -> None:
     x = _key_source(impl, src)
     ref = jax.device_put(x, sharding(dst))
     assert _is_key(ref)
-    assert_parity(jreshard.transfer(x, sharding(dst)), ref, x)
+    assert_parity(jreshard.transfer(x, sharding(dst)), ref, x, target=sharding(dst))
 
 
 @pytest.mark.parametrize("impl,src,dst", KEY_CASES, ids=[_id(c) for c in KEY_CASES])
@@ -313,7 +322,7 @@ def test_transfer_source(case: str) -> None:
     build_x, build_t, _origin = SOURCE_CASES[case]
     x, t = build_x(), build_t()
     ref = jax.device_put(x, t)
-    assert_parity(jreshard.transfer(x, t), ref, x)
+    assert_parity(jreshard.transfer(x, t), ref, x, target=t)
 
 
 INTO_SOURCE_CASES = [c for c in SOURCE_CASES if "->device" not in c]
@@ -504,9 +513,10 @@ def test_transfer_target(case: str) -> None:
     build_x, build_t, build_ref_t, ctx, _origin = TARGET_CASES[case]
     x = build_x()
     with ctx() if ctx else contextlib.nullcontext():
-        ref = jax.device_put(x, build_ref_t())
-        res = jreshard.transfer(x, build_t())
-    assert_parity(res, ref, x)
+        ref_t, t = build_ref_t(), build_t()
+        ref = jax.device_put(x, ref_t)
+        res = jreshard.transfer(x, t)
+    assert_parity(res, ref, x, target=t)
 
 
 # --------------------------------------------------------------------------------------------- pytrees
@@ -535,11 +545,15 @@ def _tree_target() -> dict[str, Any]:
     }
 
 
+def _per_leaf(x: Any, t: Any) -> list[Any]:
+    return jax.tree_util.tree_structure(x).flatten_up_to(t)
+
+
 def test_transfer_tree_full() -> None:
     """api_test APITest.test_device_put_sharding_tree, over mixed device sets, sharding kinds and dtypes."""
     x, t = _tree_x(), _tree_target()
     ref = jax.device_put(x, t)
-    assert_parity(jreshard.transfer(x, t), ref, x)
+    assert_parity(jreshard.transfer(x, t), ref, x, target=_per_leaf(x, t))
 
 
 def test_transfer_tree_prefix() -> None:
@@ -547,7 +561,8 @@ def test_transfer_tree_prefix() -> None:
     x = {"a": source("ns_first4"), "b": (source("single5"), source("gspmd_yx"), jnp.ones(SHAPE, jnp.int32))}
     t = {"a": sharding("ns2d_xy"), "b": sharding("ns_mid4_cols")}
     ref = jax.device_put(x, t)
-    assert_parity(jreshard.transfer(x, t), ref, x)
+    per_leaf = [t["a"], t["b"], t["b"], t["b"]]
+    assert_parity(jreshard.transfer(x, t), ref, x, target=per_leaf)
 
 
 def test_transfer_tree_prefix_tuple() -> None:
