@@ -353,6 +353,32 @@ def test_transfer_into_weak_into() -> None:
     check_into(x, into, jax.tree_util.tree_structure(0))
 
 
+HOST_CASES: dict[str, tuple[Any, Any, str]] = {
+    "numpy_array->ns2d_xy": (
+        lambda: host_values("int32", SHAPE, 0),
+        lambda: sharding("ns2d_xy"),
+        "memories_test DevicePutTest.test_device_put_numpy_array",
+    ),
+    "numpy_scalar->single1": (lambda: np.float32(8), lambda: sharding("single1"), "memories_test numpy_scalar"),
+    "python_float->single1": (lambda: 3.0, lambda: sharding("single1"), "memories_test test_device_put_python_scalar"),
+    "python_int->ns1d_rep": (lambda: 8, lambda: sharding("ns1d_rep"), "memories_test test_device_put_python_int"),
+    "list_of_numpy->device": (
+        lambda: [host_values("float32", SHAPE, 1), (host_values("float32", SHAPE, 2),)],
+        lambda: devs()[2],
+        "api_test APITest.test_device_put_and_get",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOST_CASES))
+def test_transfer_host_value(case: str) -> None:
+    """Host values (numpy arrays, numpy and Python scalars), which device_put places: the same result."""
+    build_x, build_t, _origin = HOST_CASES[case]
+    x, t = build_x(), build_t()
+    ref = jax.device_put(x, t)
+    assert_parity(jreshard.transfer(x, t), ref, target=t)
+
+
 # ----------------------------------------------------------------------------------------- target kinds
 
 
@@ -649,6 +675,15 @@ def test_transfer_into_over_a_transfer_into_result() -> None:
     into = [first]
     del first
     check_into(source("ns_first4", "float32", seed=12), into, jax.tree_util.tree_structure(0))
+
+
+def test_transfer_into_x_itself() -> None:
+    """``into`` is ``x`` (device_put(x, x.sharding) is x): the values of x, never written over its own buffers."""
+    x = source("ns2d_yx", "float32", seed=13)
+    host = bits(x)
+    res = jreshard.transfer_into(x, x)
+    assert_parity(res, jax.device_put(x, x.sharding), identity=False)
+    assert np.array_equal(bits(x), host), "x changed"
 
 
 def test_transfer_into_same_sharding() -> None:
