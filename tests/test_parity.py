@@ -845,3 +845,31 @@ def test_into_refused(case: str) -> None:
     assert jax_err is not None, "device_put accepted it: the case is wrong"
     ours = _raised(lambda: jreshard.transfer_into(x, into))
     assert ours is not None, f"jreshard.transfer_into accepted what device_put refuses ({type(jax_err).__name__})"
+
+
+# ------------------------------------------------------------------------------ the comparison itself
+
+
+def test_comparison_sees_every_property() -> None:
+    """``differences`` flags each property alone: a flipped bit, one replica's bits, weak_type, committedness,
+    the sharding, the sharding object and identity."""
+    host = host_values("float32", SHAPE, 0)
+    a = jax.device_put(host, sharding("ns2d_xy"))
+    flipped = host.copy()
+    flipped.view(np.uint32)[3, 1] ^= 1
+    assert differences(jax.device_put(flipped, sharding("ns2d_xy")), a)[0] == "value bits differ"
+    rep = sharding("ns_first2_rep")
+    parts = [jax.device_put(host, d) for d in rep.mesh.devices.flat]
+    odd = [parts[0], jax.device_put(flipped, rep.mesh.devices.flat[1])]
+    good = jax.make_array_from_single_device_arrays(SHAPE, rep, parts)
+    bad = jax.make_array_from_single_device_arrays(SHAPE, rep, odd)
+    assert differences(bad, good) == ["shard value bits differ on device 1"]
+    assert differences(jnp.asarray(1.0), jnp.asarray(np.float32(1.0))) == ["weak_type True != False"]
+    u = jnp.arange(4)
+    assert differences(u, jax.device_put(u, devs()[0])) == ["committed False != True"]
+    assert differences(a, jax.device_put(host, sharding("ns2d_yx")))[0].startswith("sharding ")
+    other = NamedSharding(sharding("ns2d_xy").mesh, P("x", "y"))
+    assert differences(jax.device_put(host, other), a, target=sharding("ns2d_xy")) == [
+        "sharding object: device_put returns the target's, the result carries another (equal) one"
+    ]
+    assert differences(a, jax.device_put(a, sharding("ns2d_xy"), may_alias=False), x=a)[0].startswith("identity")
