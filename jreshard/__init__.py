@@ -60,8 +60,6 @@ def __dir__() -> list[str]:
     return sorted([*__all__, "__version__"])
 
 
-Transfer = Move  # the old name of Move, kept so that code using it keeps working
-
 __version__ = "0.1.0"
 
 # Every public name, in the order of the API reference (docs/api.md); a test checks that each one is there.
@@ -87,7 +85,6 @@ __all__ = [
     "RankProgram",
     "Message",
     "Move",
-    "Transfer",
     "baselines",
     "cost",
     "views",

@@ -37,10 +37,9 @@ from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
 from jreshard.routes import route, run_engine, target_shardings
 from jreshard.sharding.topology import Topology
+from jreshard.types import PyTree
 
 __all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]
-
-PyTree = Any
 
 
 def _run(

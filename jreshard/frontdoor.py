@@ -25,10 +25,9 @@ from jreshard.errors import IndivisibleError, LayoutError, LayoutMismatchError, 
 from jreshard.options import Options
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
+from jreshard.types import PyTree
 
 __all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "flatten", "prepare", "target_sharding"]
-
-PyTree = Any
 
 
 def _format_type() -> Any:
@@ -107,14 +106,15 @@ def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any],
     try:
         targets = _up_to(treedef, target)
     except (ValueError, TypeError) as err:
-        targets = _prefix(x, target, treedef) if what == "target" else None
-        if targets is None:
+        prefix = _prefix(x, target, treedef) if what == "target" else None
+        if prefix is None:
             raise LayoutMismatchError(
                 f"{what} does not match the structure of x ({treedef}): {err}",
                 src=treedef,
                 dst=target,
                 what="structure",
             ) from None
+        targets = prefix
     if what == "target":
         try:
             for i, t in enumerate(targets):

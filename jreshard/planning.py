@@ -18,10 +18,9 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
+from jreshard.types import PyTree
 
 __all__ = ["PyTree", "flat_direct", "gather_broadcast", "layout_pairs", "plan"]
-
-PyTree = Any  # a Layout, a list of Layouts, or a pytree of jax arrays, ShapeDtypeStructs or shardings
 
 
 def _is_layout_seq(x: Any) -> bool:

@@ -23,6 +23,7 @@ _LAYERS = [
     ("jreshard._cache", BASE),
     ("jreshard.errors", BASE),
     ("jreshard.options", BASE),
+    ("jreshard.types", BASE),
     ("jreshard.sharding", SHARDING),
     ("jreshard.report", SHARDING),
     ("jreshard.planning", SHARDING),

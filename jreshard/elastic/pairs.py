@@ -188,10 +188,17 @@ def run_pair(pair: Pair, process: int, channels: Mapping[int, Channel], *, shard
     Returns:
       ``{(tensor, rank): new single-device array}`` on a destination (fresh buffers), ``{}`` on a source.
     """
-    from jreshard.engine.driver import run_plan
+    from jreshard.engine.driver import run_schedule, schedule_local
 
     source = process < pair.n_src
     remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}
     comm = SocketComm(pair.ranks(process), remote)
-    out, _ = run_plan(pair.plan, comm, shards if source else {}, {} if source else shards, options=options)
+    # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
+    # the other side's processes by mail over the same connections (relays off, as the plan was made).
+    options = dataclasses.replace(options, relays=False)
+    tensors = pair.plan.tensors
+    layouts = [(t.src, t.dst) for t in tensors]
+    _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
+    sources, targets = (shards, {}) if source else ({}, shards)
+    out, _ = run_schedule(tensors, sched, comm, sources, targets, options=options)
     return out

@@ -1,10 +1,10 @@
 """Pair-paced rounds: the schedule each process builds for the ranks it drives, from their programs.
 
-The front door across processes (:func:`jreshard.routes.transfer_multiprocess`) runs
-these: no process builds the whole plan or every rank's schedule. (The global
+Every message-passing path runs these (``transfer`` across processes, ``RefitGroup``, the
+elastic pairs): no process builds the whole plan or every rank's schedule. (The global
 schedule of :mod:`jreshard.schedule.steps` places every chunk of every rank by first
-fit over all ranks' staging, so every process needs every rank's program; a
-``RefitGroup``, which holds the whole plan, still runs it.) Here a process needs only
+fit over all ranks' staging, so every process needs every rank's program; it stays as the
+oracle the tests check against.) Here a process needs only
 the programs of its own ranks (:func:`jreshard.sharding.planner.rank_programs`) and a
 few integers from their peers, exchanged through a ``mail`` function (over the transport:
 :func:`jreshard.engine.mail.comm_mail`) under tags of their own (from :data:`MAIL_TAG`):

@@ -246,10 +246,6 @@ class Layout:
         """Distinct boxes (sorted) and the ranks (ascending) that hold each."""
         return _replica_groups(self)
 
-    def with_ranks(self, mapping: Mapping[int, int]) -> Layout:
-        """The same boxes with every rank renamed by ``mapping``."""
-        return Layout(self.shape, self.dtype, tuple(mapping[r] for r in self.ranks), self.boxes)
-
     # ----- JSON ---------------------------------------------------------
     def to_json(self) -> str:
         """Serialize; ``Layout.from_json(lay.to_json()) == lay``."""

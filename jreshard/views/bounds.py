@@ -14,7 +14,7 @@ For tests and small tensors: it builds id arrays of the views' full shapes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 from jreshard.views.algebra import Cast, Concat, Index, Leaf, Stack, Transpose, View
-from jreshard.views.casts import cast, wire_cut
+from jreshard.views.casts import wire_cut
 
 __all__ = ["brute_force_network_bound", "evaluate"]
 
@@ -108,11 +108,6 @@ def brute_force_network_bound(
         for e, wire in need:
             total += numpy_dtype(wire[-1] if wire else layouts[int(leaf_of(e))].dtype).itemsize
     return total
-
-
-def reference_values(view: View, values: Mapping[int, np.ndarray]) -> np.ndarray:
-    """``view`` evaluated on ``values[id(leaf)]`` with ``jnp.astype``-exact casts."""
-    return evaluate(view, lambda leaf: values[id(leaf)], cast)
 
 
 def box_network_bound(

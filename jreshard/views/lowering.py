@@ -127,9 +127,6 @@ class LeafLowering:
     local_bytes: int
     loads: tuple[tuple[int, Link, bool, int], ...] = ()  # (rank, link, sending?, bytes), one row per rank and link
 
-    def load_map(self) -> dict[tuple[int, Link, bool], int]:
-        return {(r, lk, out): n for r, lk, out, n in self.loads}
-
 
 class _Domains:
     """Per fast-link domain and wire key, the source boxes already received and by whom."""
