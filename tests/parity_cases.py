@@ -21,7 +21,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 SHAPE = (8, 4)
-X64 = bool(jax.config.jax_enable_x64)
+X64 = bool(jax.config.jax_enable_x64)  # the suite's setting (off by default: 64-bit values become 32-bit)
+WIDE = ["int64", "uint64", "float64", "complex128"]
 
 
 def devs() -> np.ndarray:
@@ -205,7 +206,7 @@ def host_values(dtype_name: str, shape: tuple[int, ...], seed: int) -> np.ndarra
         return rng.integers(lo, hi, size=shape).astype(dt)
     if dtype_name == "float4_e2m1fn":
         return rng.integers(0, 16, size=shape).astype(np.uint8).view(ml_dtypes.float4_e2m1fn)
-    if dt.itemsize >= 8 and not X64:
+    if dt.itemsize >= 8 and not jax.config.jax_enable_x64:  # read at the call: jax.enable_x64 may be on
         base = rng.integers(-1000, 1000, size=shape)
         if dt.kind in "fc":
             return (base / 8).astype(dt) + (1j * (base / 4) if dt.kind == "c" else 0)

@@ -29,6 +29,8 @@ from tests.parity_cases import (
     KEY_IMPLS,
     PAIRS,
     SHAPE,
+    WIDE,
+    X64,
     devs,
     host_values,
     keys,
@@ -201,6 +203,33 @@ def test_transfer_into_dtype(dtype: str, src: str, dst: str) -> None:
     x = source(src, dtype)
     into = [fresh(dst, dtype)]
     check_into(x, into, jax.tree_util.tree_structure(0))
+
+
+X64_CASES = [(d, s, t) for d in WIDE for s, t in DTYPE_PAIRS]
+
+
+@pytest.mark.parametrize("dtype,src,dst", X64_CASES, ids=[_id(c) for c in X64_CASES])
+def test_transfer_dtype_x64(dtype: str, src: str, dst: str) -> None:
+    """The 64-bit dtypes as 64-bit values, under ``jax.enable_x64(True)`` (the suite runs with x64 off)."""
+    with jax.enable_x64(True):
+        x = source(src, dtype)
+        assert np.dtype(x.dtype).itemsize == np.dtype(dtype).itemsize
+        ref = jax.device_put(x, sharding(dst))
+        assert_parity(jreshard.transfer(x, sharding(dst)), ref, x, target=sharding(dst))
+
+
+@pytest.mark.parametrize("dtype", WIDE)
+def test_transfer_into_dtype_x64(dtype: str) -> None:
+    with jax.enable_x64(True):
+        x = source(DTYPE_PAIRS[0][0], dtype)
+        into = [fresh(DTYPE_PAIRS[0][1], dtype)]
+        check_into(x, into, jax.tree_util.tree_structure(0))
+
+
+def test_x64_setting_as_device_put_has_it() -> None:
+    """Without x64, device_put narrows 64-bit host values to 32 bits: the dtype cases above compare that."""
+    x = source("single0", "int64")
+    assert X64 or x.dtype == np.int32
 
 
 KEY_CASES = [(impl, s, t) for impl in KEY_IMPLS for s, t in [("ns1d_x", "single1"), ("ns_first4", "gspmd_last4")]]
