@@ -101,6 +101,19 @@ def peer_mail_process(
     return outs, ins, sent, recv, got["seconds"], got["peak_mib"]
 
 
+def answer_mail(want: dict, outs: dict, ins: dict, sent: dict, received: dict) -> dict:
+    """The peers' answers to one round of ``rank``'s scheduling mail, from :func:`peer_mail`'s tables."""
+    got = {}
+    for (a, b, tag), n in want.items():
+        if tag == COUNT_IN:  # receiver a: how many it receives from, where b is among them, its bytes
+            got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b), received[a]], np.int64)
+        elif tag == COUNT_OUT:
+            got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b), sent[a]], np.int64)
+        else:
+            got[(a, b, tag)] = np.arange(n, dtype=np.int64) + (tag - ROUNDS)
+    return got
+
+
 def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -> dict:
     """Time one process's rank-local schedule for ``rank``; ``peers`` is :func:`peer_mail_process`'s answer."""
     outs, ins, sent, received, setup_s, setup_mib = peers
@@ -108,15 +121,7 @@ def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -
     opts = Options()
 
     def answer(want: dict) -> dict:
-        got = {}
-        for (a, b, tag), n in want.items():
-            if tag == COUNT_IN:  # receiver a: how many it receives from, where b is among them, its bytes
-                got[(a, b, tag)] = np.array([len(ins[a]), ins[a].index(b), received[a]], np.int64)
-            elif tag == COUNT_OUT:
-                got[(a, b, tag)] = np.array([len(outs[a]), outs[a].index(b), sent[a]], np.int64)
-            else:
-                got[(a, b, tag)] = np.arange(n, dtype=np.int64) + (tag - ROUNDS)
-        return got
+        return answer_mail(want, outs, ins, sent, received)
 
     def build():
         programs = rank_programs(r.pairs, [rank], topo, names=r.names)

@@ -76,3 +76,16 @@ def test_peer_mail_skips_local_landings():
         assert got_outs == {p: outs.get(p, []) for p in peers}, rank
         assert got_ins == {p: ins.get(p, []) for p in peers}, rank
         _same_bytes(plan, sent, received, peers)
+
+
+def test_engine_bench_runs_every_round_of_the_schedule(capsys):
+    """benchmarks/engine_bench.py at a small scale: the null transport sees every round of the rank's
+    schedule as one exchange and every chunk the schedule names, and the printout says so."""
+    import engine_bench
+
+    sched, _, _, _ = engine_bench.schedule_of("llama3-70b", 16, 16 + 8 + 3)
+    steps = sched.steps[16 + 8 + 3]
+    want_ops = sum(len(steps[k].sends) + len(steps[k].recvs) for k in range(sched.rounds) if k in steps)
+    engine_bench.main(["--model", "llama3-70b", "--ranks", "16", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert f"operations {want_ops}," in out and "us per round" in out and "predicted refit" in out
