@@ -146,7 +146,6 @@ PAIRS: list[tuple[str, str, str]] = [
     ("pmap_out", "ns2d_xy", "pjit_test ArrayPjitTest.test_device_put_sharding_prng (pmap output)"),
     ("ns2d_xy", "pmap_out", "pjit_test ArrayPjitTest.test_device_put_sharding_prng (to a pmap sharding)"),
     ("ns_explicit_x", "ns_reduced_x", "array_test JaxArrayTest.test_unreduced_printing (reduced={'x'})"),
-    ("ns_explicit_x", "ns_unreduced_x", "pjit_test ShardingInTypesTest.test_sharded_unreduced_roundtrip (P('x') -> U)"),
     ("ns_reduced_x", "ns2d_xy", "pjit_test ShardingInTypesTest.test_reduced_reshard_unreduced_bwd"),
     ("ns2d_xy", "ns_reduced_y_sharded_x", "pjit_test ShardingInTypesTest.test_one_input_sharded_another_reduced"),
     ("ns_first4", "ns_first4_pinned", "memories_test DevicePutTest.test_device_put_hbm_to_host"),

@@ -137,8 +137,10 @@ def check_into(x: Any, into_leaves: list[jax.Array], treedef: Any) -> None:
     res = jreshard.transfer_into(x, into)
     del into
     assert_parity(res, ref, identity=False, target=shardings)
-    after = [pointers(a) for a in jax.tree_util.tree_leaves(res)]
-    moved = [i for i, (b, a) in enumerate(zip(before, after, strict=True)) if b != a]
+    leaves = jax.tree_util.tree_leaves(res)
+    after = [pointers(a) for a in leaves]
+    # (a zero-size leaf holds no byte: where its empty buffer lies means nothing)
+    moved = [i for i, (b, a, r) in enumerate(zip(before, after, leaves, strict=True)) if b != a and r.size]
     assert not moved, f"in-place: leaves {moved} are not over into's buffers"
 
 
@@ -179,6 +181,20 @@ def test_transfer_into_pair(src: str, dst: str, origin: str) -> None:
     x = source(src)
     into = [fresh(dst)]
     check_into(x, into, jax.tree_util.tree_structure(0))
+
+
+def test_unreduced_target_is_refused_with_the_reason() -> None:
+    """pjit_test ShardingInTypesTest.test_sharded_unreduced_roundtrip (P('x') -> unreduced): device_put puts
+    the values on the first device along the unreduced axes and zeros on the others (partial sums), an
+    array whose values jax itself cannot read back (``devices_indices_map`` refuses unreduced shardings).
+    jreshard refuses such a target before any byte moves, and says why (docs/transfer.md)."""
+    x = source("ns_explicit_x")
+    with pytest.raises(jreshard.LayoutError, match="unreduced axes"):
+        jreshard.transfer(x, sharding("ns_unreduced_x"))
+    into = jax.device_put(x, sharding("ns_unreduced_x"))
+    with pytest.raises(jreshard.LayoutError, match="unreduced axes"):
+        jreshard.transfer_into(x, into)
+    assert not into.is_deleted()
 
 
 # ------------------------------------------------------------------------------------------------- dtypes
@@ -563,6 +579,11 @@ TARGET_CASES: dict[str, tuple[Any, Any, Any, Any, str]] = {
 }
 
 
+# A Device or memory-space target a leaf already meets: device_put returns a new array over the same
+# buffers, jreshard the leaf itself (as for a sharding it already has); every other property is checked.
+_KEPT_AS_IS = {"device_of_source", "memory_space_device"}
+
+
 @pytest.mark.parametrize("case", list(TARGET_CASES))
 def test_transfer_target(case: str) -> None:
     build_x, build_t, build_ref_t, ctx, _origin = TARGET_CASES[case]
@@ -571,7 +592,7 @@ def test_transfer_target(case: str) -> None:
         ref_t, t = build_ref_t(), build_t()
         ref = jax.device_put(x, ref_t)
         res = jreshard.transfer(x, t)
-    assert_parity(res, ref, x, target=t)
+    assert_parity(res, ref, x, identity=case not in _KEPT_AS_IS, target=t)
 
 
 # --------------------------------------------------------------------------------------------- pytrees
@@ -650,7 +671,9 @@ def test_transfer_tree_devices_and_formats() -> None:
     x = [source("ns2d_xy"), source("ns2d_xy"), source("ns2d_xy"), source("ns2d_xy")]
     t = [devs()[7], Format(None, sharding("ns2d_rep")), sharding("gspmd_rep4"), jax.memory.Space.Device]
     ref = jax.device_put(x, t)
-    assert_parity(jreshard.transfer(x, t), ref, x)
+    res = jreshard.transfer(x, t)
+    assert_parity(res[:3], ref[:3], x[:3])
+    assert_parity(res[3:], ref[3:], x[3:], identity=False)  # a Space it is already in (see _KEPT_AS_IS)
 
 
 def test_transfer_into_tree_mixed_device_sets() -> None:
@@ -682,19 +705,30 @@ def test_transfer_into_kind(kind: str) -> None:
     check_into(x, into, jax.tree_util.tree_structure(0))
 
 
+def _into_not_handed_over(x: Any, into: jax.Array) -> None:
+    """``transfer_into`` over memory jax did not allocate: jax will not hand it over (it cannot tell that
+    nothing else reads it), so jreshard writes fresh memory, equal to device_put's, and the report names
+    the leaf and the reason; the old ``into`` is not written."""
+    from jreshard.report import NotInPlace
+
+    ref = jax.device_put(x, into.sharding)
+    old = bits(into)
+    res, rep = jreshard.transfer_into(x, into, report=True)
+    assert_parity(res, ref, identity=False, target=into.sharding)
+    assert rep.not_in_place == ((0, NotInPlace.NOT_HANDED_OVER),)
+    assert into.is_deleted() or np.array_equal(bits(into), old)
+
+
 def test_transfer_into_host_backed_into() -> None:
-    """An ``into`` made by device_put from numpy (no copy), the test holding the only reference to it:
-    results over its buffers, as for any other exclusively held ``into``."""
-    x = source("ns2d_xy", "int32", seed=6)
-    into = [jax.device_put(host_values("int32", SHAPE, 7), sharding("ns1d_x"))]
-    check_into(x, into, jax.tree_util.tree_structure(0))
+    """An ``into`` made by device_put from numpy (the CPU backend keeps the numpy memory, no copy)."""
+    into = jax.device_put(host_values("int32", SHAPE, 7), sharding("ns1d_x"))
+    _into_not_handed_over(source("ns2d_xy", "int32", seed=6), into)
 
 
 def test_transfer_into_over_a_transfer_result() -> None:
-    """An ``into`` that is itself a ``jreshard.transfer`` result (the test holding the only reference): in place."""
-    x = source("ns2d_xy", "float32", seed=8)
-    into = [jreshard.transfer(source("ns_first4", "float32", seed=9), sharding("ns2d_permuted"))]
-    check_into(x, into, jax.tree_util.tree_structure(0))
+    """An ``into`` that is itself a ``jreshard.transfer`` result (its shards come from jreshard's buffer pool)."""
+    into = jreshard.transfer(source("ns_first4", "float32", seed=9), sharding("ns2d_permuted"))
+    _into_not_handed_over(source("ns2d_xy", "float32", seed=8), into)
 
 
 def test_transfer_into_over_a_transfer_into_result() -> None:

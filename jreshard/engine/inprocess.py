@@ -198,7 +198,9 @@ def _addresses_of(a: Any) -> tuple[tuple[int, ...], bool]:
     return _read(a), False
 
 
-def _donate(arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool]) -> list[tuple[Any, tuple[int, ...]]]:
+def _donate(
+    arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool], weak: list[bool] | None = None
+) -> list[tuple[Any, tuple[int, ...]]]:
     """New arrays that own the memory of ``arrays`` (deleted), with their shard addresses.
 
     ``arrays`` are donated to an identity computation, one call per device set for the
@@ -214,7 +216,10 @@ def _donate(arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool]
       arrays: global arrays.
       before: their shard addresses (``addressable_data`` order).
       by_jax: whether jax allocated each one's memory.
+      weak: the ``weak_type`` each output takes (the source leaf's, as ``jax.device_put`` keeps it);
+        default each input's.
     """
+    weak = [a.weak_type for a in arrays] if weak is None else weak
     # One call per device assignment (in order: jit needs every argument on the same one) and sharding
     # kind (jit cannot mix a GSPMDSharding with NamedShardings in one call).
     by_devices: dict[Any, list[int]] = {}
@@ -226,7 +231,8 @@ def _donate(arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool]
         group = [arrays[i] for i in idx]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            moved = _identity(tuple((type(a.sharding), a.sharding) for a in group))(*group)
+            kinds = tuple((type(a.sharding), a.sharding, weak[i]) for i, a in zip(idx, group, strict=True))
+            moved = [_rewrapped(m, a.sharding) for m, a in zip(_identity(kinds)(*group), group, strict=True)]
         jax.block_until_ready(moved)
         trust = [by_jax[i] and a.is_deleted() for i, a in zip(idx, group, strict=True)]
         sample = [k for k in range(len(idx)) if trust[k]]
@@ -243,18 +249,47 @@ def _read(a: Any) -> tuple[int, ...]:
 
 
 @cache(max_size=64)
-def _identity(kinds: tuple[tuple[type, Any], ...]) -> Any:
-    """An identity computation that takes its arguments' memory and keeps their exact shardings.
+def _identity(kinds: tuple[tuple[type, Any, bool], ...]) -> Any:
+    """An identity computation that takes its arguments' memory, keeps their shardings and gives each
+    output the ``weak_type`` asked for.
 
-    Keyed by ``(type, sharding)``: shardings of two kinds can compare equal, and the outputs must
-    keep each argument's own kind."""
-    shardings = tuple(s for _, s in kinds)
-    return jax.jit(lambda *xs: xs, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
+    Keyed by ``(type, sharding, weak)``: shardings of two kinds can compare equal, and the outputs
+    must keep each argument's kind.
+    """
+    shardings = tuple(s for _, s, _ in kinds)
+    weaks = tuple(w for _, _, w in kinds)
+
+    def same(*xs: Any) -> tuple[Any, ...]:
+        return tuple(_with_weak_type(x, w) for x, w in zip(xs, weaks, strict=True))
+
+    return jax.jit(same, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
+
+
+def _rewrapped(a: Any, sharding: Any) -> Any:
+    """``a`` carrying the very ``sharding`` object (an equal one came out of the cached computation), over the
+    same buffers: what ``jax.device_put`` returns carries its target's object."""
+    if a.sharding is sharding:
+        return a
+    try:
+        from jax._src.array import ArrayImpl
+
+        return ArrayImpl(a.aval, sharding, list(_arrays(a)), committed=True)
+    except (ImportError, TypeError, ValueError):  # pragma: no cover - another jax: an equal sharding object
+        return a
+
+
+def _with_weak_type(x: Any, weak: bool) -> Any:
+    """``x`` with ``weak_type=weak``, a no-op in the compiled program (jax has no public spelling of it)."""
+    if x.weak_type == weak:
+        return x
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
 
 
 def _claim_into(
     prep: Prepared, src_ptrs: set[int]
-) -> tuple[dict[int, tuple[tuple[int, ...], bool]], dict[int, NotInPlace]]:
+) -> tuple[dict[int, tuple[tuple[int, ...], bool]], dict[int, NotInPlace | None]]:
     """For each moved leaf, the addresses of its ``into`` array (and whether jax allocated them) when it
     may be written in place; for the others, why not.
 
@@ -263,12 +298,15 @@ def _claim_into(
     """
     claimed: set[int] = set()
     own: dict[int, tuple[tuple[int, ...], bool]] = {}
-    why: dict[int, NotInPlace] = {}
+    why: dict[int, NotInPlace | None] = {}  # None: a zero-size into leaf (no byte to place)
     for g in prep.shape.groups:
         for i in g.leaves:
             t = prep.targets[i]
             if t.is_deleted():
                 why[i] = NotInPlace.DELETED
+                continue
+            if t.size == 0:  # nothing to write in place (and jax's donation mis-shapes empty shards)
+                why[i] = None
                 continue
             addrs, by_jax = _addresses_of(t)
             ptrs = set(addrs) - {0}
@@ -299,7 +337,12 @@ def _into_destinations(
             every_src |= _raw_pointers(_arrays(leaves[i]))
     own, why = _claim_into(prep, every_src)
     mine = [i for g in shape.groups for i in g.leaves if i in own]
-    taken = _donate([prep.targets[i] for i in mine], [own[i][0] for i in mine], [own[i][1] for i in mine])
+    taken = _donate(
+        [prep.targets[i] for i in mine],
+        [own[i][0] for i in mine],
+        [own[i][1] for i in mine],
+        [leaves[i].weak_type for i in mine],
+    )
     donated = dict(zip(mine, taken, strict=True))
     for i in mine:
         if donated[i][1] != own[i][0]:  # jax copied: the result is in fresh memory, not into's
@@ -322,7 +365,8 @@ def _into_destinations(
                 one_p, one_v = _fresh(g.dst, 1, pool)
                 p[j] = one_p[0]
                 v_g.append(one_v[0])
-                builder.add_unowned(sum(x.nbytes for x in one_v[0]), i, why[i])
+                if why[i] is not None:
+                    builder.add_unowned(sum(x.nbytes for x in one_v[0]), i, why[i])
         dst_ptr.append(p)
         views.append(v_g)
     return dst_ptr, views, donated
