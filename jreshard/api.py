@@ -17,6 +17,9 @@ saying why, never falling back to another.
 - ``nccl``: the same engine over ``NcclComm``, in one process with GPUs or across
   the processes of a ``jax.distributed`` cluster (through
   :func:`jreshard.multi.transfer_multiprocess`). Not run on GPU.
+- ``xla``: the plan compiled into one jitted ``shard_map`` of ``ppermute``s over the devices
+  (:mod:`jreshard.xla`), in one process or across the processes of a ``jax.distributed``
+  cluster (every process calls). Only when asked for. Not run on GPU or TPU.
 
 All the work that depends only on shapes, dtypes and shardings is cached
 (:mod:`jreshard.frontdoor`): the second transfer of the same pytree spends no time
@@ -84,8 +87,13 @@ def _run(
     with builder.timed(ReportPhase.PLAN):
         choice, single_process = _route(x, target, mode, options)
         builder.choose(choice.backend, choice.reason)
-        if choice.backend is Backend.LOCAL or single_process:
+        if choice.backend is Backend.LOCAL or (single_process and choice.backend is not Backend.XLA):
             prep = prepare(x, target, mode, topology, options)
+    if choice.backend is Backend.XLA:
+        from jreshard.xla.run import run_xla
+
+        result = run_xla(x, target, mode, topology, options, builder)
+        return (result, builder.build()) if report else result
     if mode is Mode.INTO and choice.backend is not Backend.LOCAL:
         raise BackendUnavailableError(
             f"transfer_into runs in one process with backend 'local', but {choice.reason} picked backend "
