@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jreshard.xla.lanes import from_lanes, to_lanes
+from jreshard.xla.lanes import from_lanes, lane_bytes, to_lanes
 from jreshard.xla.plan_program import SRC, Copy, Pack, Received, XlaPlan
 
 __all__ = ["AXIS", "Compiled", "compile_program", "stacked_shape"]
@@ -64,7 +64,8 @@ class Compiled:
       mesh: the 1-D mesh of its devices.
       donate: per tensor, whether its destination blocks are a donated input.
       dtypes: per tensor, its jax dtype.
-      executable: the compiled function: ``executable(*sources, *donated destinations) -> destinations``.
+      executable: the jitted function, compiled for these inputs:
+        ``executable(*sources, *donated destinations) -> destinations``.
       compile_s: seconds spent tracing, lowering and compiling it.
       hlo: the lowered program's text (StableHLO), for tests that count its collectives.
     """
@@ -83,11 +84,12 @@ class Compiled:
 
 
 def _read(x: jax.Array, lo: tuple[int, ...], hi: tuple[int, ...]) -> jax.Array:
-    return jax.lax.slice(x, lo, hi) if lo else x
+    """Box ``lo..hi`` of a lane block (its last dimension, the lanes, whole)."""
+    return jax.lax.slice(x, (*lo, 0), (*hi, x.shape[-1]))
 
 
 def _write(x: jax.Array, value: jax.Array, lo: tuple[int, ...]) -> jax.Array:
-    return jax.lax.dynamic_update_slice(x, value, lo) if lo else value
+    return jax.lax.dynamic_update_slice(x, value, (*lo, 0))
 
 
 def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int]) -> Any:
@@ -97,7 +99,7 @@ def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int]) -> Any
             lanes = []
             for p in parts:
                 block = src[p.tensor] if p.side == SRC else dst[p.tensor]
-                lanes.append(to_lanes(_read(block, p.lo, p.hi))[p.start : p.stop])
+                lanes.append(_read(block, p.lo, p.hi).reshape(-1)[p.start : p.stop])
             used = sum(p.stop - p.start for p in parts)
             if used < length:
                 lanes.append(jnp.zeros(length - used, jnp.uint8))
@@ -107,7 +109,7 @@ def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int]) -> Any
     return branch
 
 
-def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy], dtypes: Sequence[Any]) -> Any:
+def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy]) -> Any:
     def branch(src: tuple, dst: tuple, bufs: tuple) -> tuple:
         before = dst
         out = list(dst)
@@ -118,7 +120,8 @@ def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy], dtypes:
             parts = [bufs[k][off : off + nb] for k, off, nb in r.segments]
             lanes = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
             shape = tuple(h - lo for lo, h in zip(r.lo, r.hi, strict=True))
-            out[r.tensor] = _write(out[r.tensor], from_lanes(lanes, shape, dtypes[r.tensor]), r.lo)
+            value = lanes.reshape((*shape, out[r.tensor].shape[-1]))
+            out[r.tensor] = _write(out[r.tensor], value, r.lo)
         return tuple(out)
 
     return branch
@@ -138,16 +141,16 @@ def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> A
     ntens = len(plan.src)
 
     def body(*args: jax.Array) -> tuple:
-        src = tuple(a.reshape(()) if not plan.src_block[t] else a for t, a in enumerate(args[:ntens]))
+        # Every shard as uint8 lanes (lanes.to_lanes), once: all slicing and writing is of lanes.
+        src = tuple(to_lanes(a.reshape(plan.src_block[t])) for t, a in enumerate(args[:ntens]))
         given = iter(args[ntens:])
         dst = []
         for t in range(ntens):
             shape = plan.dst_block[t]
             if donate[t]:
-                a = next(given)
-                dst.append(a.reshape(()) if not shape else a)
+                dst.append(to_lanes(next(given).reshape(shape)))
             else:
-                dst.append(jnp.zeros(shape, dtypes[t]))
+                dst.append(jnp.zeros((*shape, lane_bytes(dtypes[t])), jnp.uint8))
         index = jax.lax.axis_index(AXIS)
         cur = tuple(dst)
         for st in plan.stages:
@@ -160,8 +163,9 @@ def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> A
                 )
             keys = list(zip(st.received, st.copies, strict=True))
             if any(r or c for r, c in keys):
-                cur = _switch(index, keys, lambda key: _unpack_branch(key[0], key[1], dtypes), src, cur, bufs)
-        return tuple(c.reshape((1,)) if not plan.dst_block[t] else c for t, c in enumerate(cur))
+                cur = _switch(index, keys, lambda key: _unpack_branch(key[0], key[1]), src, cur, bufs)
+        out = (from_lanes(c, dtypes[t]) for t, c in enumerate(cur))
+        return tuple(c.reshape((1,)) if not plan.dst_block[t] else c for t, c in zip(range(ntens), out, strict=True))
 
     return body
 
@@ -180,15 +184,13 @@ def compile_program(plan: XlaPlan, devices: Sequence[Any], dtypes: Sequence[Any]
     dtypes, donate = tuple(jnp.dtype(d) for d in dtypes), tuple(bool(d) for d in donate)
     n = len(devices)
     sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-    ins = [
-        jax.ShapeDtypeStruct(stacked_shape(b, n), d, sharding=sharding)
-        for b, d in zip(plan.src_block, dtypes, strict=True)
-    ]
-    outs = [
-        jax.ShapeDtypeStruct(stacked_shape(b, n), d, sharding=sharding)
-        for b, d, dn in zip(plan.dst_block, dtypes, donate, strict=True)
-        if dn
-    ]
+
+    def spec(block: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        shape = stacked_shape(block, n)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    ins = [spec(b, d) for b, d in zip(plan.src_block, dtypes, strict=True)]
+    outs = [spec(b, d) for b, d, dn in zip(plan.dst_block, dtypes, donate, strict=True) if dn]
     nin = len(ins) + len(outs)
     fn = jax.shard_map(
         _body(plan, donate, dtypes),
@@ -199,7 +201,11 @@ def compile_program(plan: XlaPlan, devices: Sequence[Any], dtypes: Sequence[Any]
     )
     jitted = jax.jit(fn, donate_argnums=tuple(range(len(ins), nin)))
     lowered = jitted.lower(*ins, *outs)
-    executable = lowered.compile()
+    lowered.compile()  # jax keeps the executable: the first call of ``jitted`` compiles nothing
+    # The call goes through ``jitted``, not the compiled object: jax's dispatch accepts the arrays' own
+    # memory layouts (a sub-byte shard on CPU holds one value per byte, where a compiled program's
+    # default input layout packs two), which the compiled object's strict layout check refuses.
+    executable = jitted
     return Compiled(
         plan=plan,
         mesh=mesh,

@@ -71,35 +71,40 @@ def check_dtype(dtype: Any, where: str) -> None:
 
 
 def to_lanes(x: jax.Array) -> jax.Array:
-    """``x`` (any shape) as a flat ``uint8`` array of ``x.size * lane_bytes(x.dtype)`` lanes, C order."""
+    """``x`` as ``uint8`` lanes: shape ``(*x.shape, lane_bytes(x.dtype))``, element ``i``'s bytes in ``[..., :]``.
+
+    The program converts whole shards once and slices only lanes: a slice or an update of some
+    dtypes (float8 on XLA:CPU) may go through a wider float and change NaN payloads, a lane never.
+    """
     dt = x.dtype
     if dt == jnp.bool_:
-        u = x.astype(jnp.uint8)
-    elif jnp.issubdtype(dt, jnp.complexfloating):
+        return x.astype(jnp.uint8)[..., None]
+    if jnp.issubdtype(dt, jnp.complexfloating):
         parts = jnp.stack([jax.lax.real(x), jax.lax.imag(x)], axis=-1)
         u = jax.lax.bitcast_convert_type(parts, jnp.uint8)
-    elif _bits(dt) < 8:
-        u = jax.lax.bitcast_convert_type(x, _unsigned(_bits(dt))).astype(jnp.uint8)
-    else:
-        u = jax.lax.bitcast_convert_type(x, jnp.uint8)
-    return u.reshape(-1)
+        return u.reshape((*x.shape, lane_bytes(dt)))
+    if _bits(dt) < 8:
+        return jax.lax.bitcast_convert_type(x, _unsigned(_bits(dt))).astype(jnp.uint8)[..., None]
+    u = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return u if _bits(dt) > 8 else u[..., None]
 
 
-def from_lanes(u: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """The inverse of :func:`to_lanes`: ``math.prod(shape) * lane_bytes(dtype)`` lanes as ``dtype[shape]``."""
+def from_lanes(u: jax.Array, dtype: Any) -> jax.Array:
+    """The inverse of :func:`to_lanes`: lanes of shape ``(*shape, lane_bytes(dtype))`` as ``dtype[shape]``."""
     dt = jnp.dtype(dtype)
     k = lane_bytes(dt)
+    shape = u.shape[:-1]
     if dt == jnp.bool_:
-        return (u != 0).reshape(shape)
+        return u[..., 0] != 0
     if jnp.issubdtype(dt, jnp.complexfloating):
         part = jnp.float32 if dt == jnp.complex64 else jnp.float64
         f = jax.lax.bitcast_convert_type(u.reshape((*shape, 2, k // 2)), part)
         return jax.lax.complex(f[..., 0], f[..., 1])
     if _bits(dt) < 8:
-        return jax.lax.bitcast_convert_type(u.astype(_unsigned(_bits(dt))), dt).reshape(shape)
+        return jax.lax.bitcast_convert_type(u[..., 0].astype(_unsigned(_bits(dt))), dt)
     if k == 1:
-        return jax.lax.bitcast_convert_type(u, dt).reshape(shape)
-    return jax.lax.bitcast_convert_type(u.reshape((*shape, k)), dt)
+        return jax.lax.bitcast_convert_type(u[..., 0], dt)
+    return jax.lax.bitcast_convert_type(u, dt)
 
 
 def _unsigned(bits: int) -> Any:
