@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 __all__ = ["DTYPES", "LANE_DTYPES", "PAIRS", "X64_DTYPES", "Pair", "host_value", "same_bits", "same_values"]
 
