@@ -231,7 +231,7 @@ def run_xla(
             blocks = {s.device: s.data for s in outs[t].addressable_shards}
             order = _addressable_order(sh)
             arrays = [blocks[d] if plan.dst_block[t] else jnp.reshape(blocks[d], ()) for d in order]
-            result[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, sh, arrays)
+            result[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, sh, arrays, dtype=leaves[i].dtype)
             nbytes = sum(a.nbytes for a in arrays)
             if mode is Mode.INTO and not donate[t]:
                 builder.add_unowned(nbytes)
