@@ -22,17 +22,30 @@ program's network bytes are the plan's, by construction and by test.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
+
+import numpy as np
 
 from jreshard.errors import LayoutError, TransferError
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Message, Plan
+from jreshard.sharding.rows import Phase
 from jreshard.sharding.topology import Link
 from jreshard.xla.perms import Permutation, permutations
 
-__all__ = ["Copy", "Pack", "ProgramStats", "Received", "Stage", "XlaPlan", "xla_plan"]
+__all__ = [
+    "Copy",
+    "Pack",
+    "ProgramStats",
+    "Received",
+    "Stage",
+    "XlaPlan",
+    "message_sizes",
+    "stage_permutations",
+    "xla_plan",
+]
 
 SRC, DST = 0, 1  # which shard a piece is read from: the source shard, or the destination shard written so far
 
@@ -290,3 +303,49 @@ def _copy(tensor: int, side: int, box: Box, tensors: Sequence, rank: int) -> Cop
     slo, shi = _local(box, src_lay.box_of(rank))
     dlo, _ = _local(box, t.dst.box_of(rank))
     return Copy(tensor, side, slo, shi, dlo)
+
+
+def message_sizes(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per stage, the plan's messages between two different ranks as columns ``(src, dst, link, nbytes)``,
+    sorted by ``(src, dst)``: what :func:`xla_plan` cuts into permutations, from the plan's rows alone
+    (no rank program, no piece objects), for plans too large to build a program of.
+    """
+    weight = Counter(id(tp) for tp in plan.tensor_plans)  # stamped tensors share one TensorPlan
+    seen = {id(tp): tp for tp in plan.tensor_plans}
+    cols = []
+    for key, tp in seen.items():
+        m = ((tp.link != Link.LOCAL) | (tp.phase != Phase.LAND)) & (tp.src != tp.dst)
+        cols.append(
+            np.stack([tp.stage[m], tp.src[m], tp.dst[m], tp.link[m], tp.nbytes[m] * weight[key]], axis=1).astype(
+                np.int64
+            )
+        )
+    rows = np.concatenate(cols) if cols else np.zeros((0, 5), np.int64)
+    out = {}
+    for s in np.unique(rows[:, 0]).tolist():
+        r = rows[rows[:, 0] == s]
+        keys, inv = np.unique(r[:, 1:4], axis=0, return_inverse=True)
+        nbytes = np.bincount(inv.reshape(-1), weights=r[:, 4], minlength=len(keys)).astype(np.int64)
+        out[int(s)] = (keys[:, 0], keys[:, 1], keys[:, 2], nbytes)
+    return out
+
+
+def stage_permutations(plan: Plan) -> dict[int, tuple[list[Permutation], np.ndarray]]:
+    """Per stage, the permutations :func:`xla_plan` makes of the plan's messages, and the links of
+    those messages (``links[segment.message]``): the program's padding and ``ppermute`` count,
+    computed without building it.
+
+    Example:
+      >>> import jreshard
+      >>> from jreshard.sharding.layout import Layout
+      >>> src = Layout.from_mesh([0, 1], ("x",), ("x",), (8, 8), "float32")
+      >>> dst = Layout.from_mesh([2, 3], ("y",), (None, "y"), (8, 8), "float32")
+      >>> cut = stage_permutations(jreshard.plan(src, dst))
+      >>> [(s, len(perms), sum(p.payload_bytes for p in perms)) for s, (perms, _) in cut.items()]
+      [(0, 2, 256)]
+    """
+    cap = message_cap(plan.options.staging_bytes)
+    out = {}
+    for s, (src, dst, link, nbytes) in message_sizes(plan).items():
+        out[s] = (permutations(src.tolist(), dst.tolist(), nbytes.tolist(), cap=cap), link)
+    return out
