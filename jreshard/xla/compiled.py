@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jreshard.xla.lanes import from_lanes, lane_bytes, to_lanes
+from jreshard.xla.lanes import from_bytes, from_lanes, lane_dtype, to_bytes, to_lanes
 from jreshard.xla.plan_program import SRC, Copy, Pack, Received, XlaPlan
 
 __all__ = ["AXIS", "Compiled", "compile_program", "stacked_shape"]
@@ -84,26 +84,27 @@ class Compiled:
 
 
 def _read(x: jax.Array, lo: tuple[int, ...], hi: tuple[int, ...]) -> jax.Array:
-    """Box ``lo..hi`` of a lane block (its last dimension, the lanes, whole)."""
-    return jax.lax.slice(x, (*lo, 0), (*hi, x.shape[-1]))
+    """Box ``lo..hi`` of a lane block (a complex's trailing pair of lanes whole)."""
+    extra = x.shape[len(lo) :]
+    return jax.lax.slice(x, (*lo, *(0 for _ in extra)), (*hi, *extra))
 
 
 def _write(x: jax.Array, value: jax.Array, lo: tuple[int, ...]) -> jax.Array:
-    return jax.lax.dynamic_update_slice(x, value, (*lo, 0))
+    return jax.lax.dynamic_update_slice(x, value, (*lo, *(0 for _ in x.shape[len(lo) :])))
 
 
 def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int]) -> Any:
     def branch(src: tuple, dst: tuple) -> tuple:
         out = []
         for parts, length in zip(items, lengths, strict=True):
-            lanes = []
+            data = []
             for p in parts:
                 block = src[p.tensor] if p.side == SRC else dst[p.tensor]
-                lanes.append(_read(block, p.lo, p.hi).reshape(-1)[p.start : p.stop])
+                data.append(to_bytes(_read(block, p.lo, p.hi))[p.start : p.stop])
             used = sum(p.stop - p.start for p in parts)
             if used < length:
-                lanes.append(jnp.zeros(length - used, jnp.uint8))
-            out.append(jnp.concatenate(lanes) if len(lanes) > 1 else lanes[0])
+                data.append(jnp.zeros(length - used, jnp.uint8))
+            out.append(jnp.concatenate(data) if len(data) > 1 else data[0])
         return tuple(out)
 
     return branch
@@ -118,10 +119,11 @@ def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy]) -> Any:
             out[c.tensor] = _write(out[c.tensor], _read(block, c.src_lo, c.src_hi), c.dst_lo)
         for r in received:
             parts = [bufs[k][off : off + nb] for k, off, nb in r.segments]
-            lanes = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-            shape = tuple(h - lo for lo, h in zip(r.lo, r.hi, strict=True))
-            value = lanes.reshape((*shape, out[r.tensor].shape[-1]))
-            out[r.tensor] = _write(out[r.tensor], value, r.lo)
+            data = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+            target = out[r.tensor]
+            shape = tuple(h - lo for lo, h in zip(r.lo, r.hi, strict=True)) + target.shape[len(r.lo) :]
+            value = from_bytes(data, target.dtype).reshape(shape)
+            out[r.tensor] = _write(target, value, r.lo)
         return tuple(out)
 
     return branch
@@ -141,7 +143,7 @@ def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> A
     ntens = len(plan.src)
 
     def body(*args: jax.Array) -> tuple:
-        # Every shard as uint8 lanes (lanes.to_lanes), once: all slicing and writing is of lanes.
+        # Every shard as unsigned lanes (lanes.to_lanes), once: all slicing and writing is of lanes.
         src = tuple(to_lanes(a.reshape(plan.src_block[t])) for t, a in enumerate(args[:ntens]))
         given = iter(args[ntens:])
         dst = []
@@ -150,7 +152,8 @@ def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> A
             if donate[t]:
                 dst.append(to_lanes(next(given).reshape(shape)))
             else:
-                dst.append(jnp.zeros((*shape, lane_bytes(dtypes[t])), jnp.uint8))
+                pair = (2,) if jnp.issubdtype(dtypes[t], jnp.complexfloating) else ()
+                dst.append(jnp.zeros((*shape, *pair), lane_dtype(dtypes[t])))
         index = jax.lax.axis_index(AXIS)
         cur = tuple(dst)
         for st in plan.stages:
