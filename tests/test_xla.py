@@ -18,7 +18,8 @@ from jreshard.options import Backend
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
-from jreshard.xla.plan_program import xla_plan
+from jreshard.xla.perms import padding_bytes
+from jreshard.xla.plan_program import stage_permutations, xla_plan
 from jreshard.xla.run import program_for
 
 XLA = jreshard.Options(backend="xla")
@@ -112,6 +113,9 @@ def test_network_bytes_equal_the_plans_and_the_hlo_collectives():
         r"collective_permute.*?source_target_pairs = dense<(\[\[.*?\]\]|\[.*?\])>.*?tensor<(\d+)xui8>", compiled.hlo
     )
     assert len(permutes) == ps.permutations
+    cut = stage_permutations(plan_layouts([(src, dst)], topo, XLA))  # what the padding benchmark counts
+    assert sum(len(p) for p, _ in cut.values()) == ps.permutations
+    assert sum(padding_bytes(p) for p, _ in cut.values()) == ps.padding_bytes
     moved = sum(len(re.findall(r"\[\d+, \d+\]", pairs)) * int(n) for pairs, n in permutes)
     assert moved == ps.wire_bytes == stats.network_bytes + stats.fast_bytes + ps.padding_bytes
 
