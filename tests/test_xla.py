@@ -110,13 +110,14 @@ def test_network_bytes_equal_the_plans_and_the_hlo_collectives():
     assert rep.padding_bytes == ps.padding_bytes
     # The lowered program's collective_permutes move exactly the payload plus the padding.
     permutes = re.findall(
-        r"collective_permute.*?source_target_pairs = dense<(\[\[.*?\]\]|\[.*?\])>.*?tensor<(\d+)xui8>", compiled.hlo
+        r"collective_permute.*?source_target_pairs = dense<(\[\[.*?\]\]|\[.*?\])>.*?tensor<(\d+)xui(8|16|32|64)>",
+        compiled.hlo,
     )
     assert len(permutes) == ps.permutations
     cut = stage_permutations(plan_layouts([(src, dst)], topo, XLA))  # what the padding benchmark counts
     assert sum(len(p) for p, _ in cut.values()) == ps.permutations
     assert sum(padding_bytes(p) for p, _ in cut.values()) == ps.padding_bytes
-    moved = sum(len(re.findall(r"\[\d+, \d+\]", pairs)) * int(n) for pairs, n in permutes)
+    moved = sum(len(re.findall(r"\[\d+, \d+\]", pairs)) * int(n) * int(bits) // 8 for pairs, n, bits in permutes)
     assert moved == ps.wire_bytes == stats.network_bytes + stats.fast_bytes + ps.padding_bytes
 
 

@@ -93,24 +93,45 @@ def _write(x: jax.Array, value: jax.Array, lo: tuple[int, ...]) -> jax.Array:
     return jax.lax.dynamic_update_slice(x, value, (*lo, *(0 for _ in x.shape[len(lo) :])))
 
 
-def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int]) -> Any:
+def _wire_widths(stage: Any, lane_sizes: Sequence[int]) -> tuple[int, ...]:
+    """Per permutation of ``stage``, the lane width its buffer is sent in: the lanes of its pieces
+    when every piece has lanes of one width and every cut falls on a lane, else 1 (bytes). A buffer of
+    lanes is packed and unpacked without a byte view (``to_bytes``, elementwise ``uint8`` work)."""
+    widths: list[set[int]] = [set() for _ in stage.perms]
+    for per in stage.pack:
+        for k, parts in enumerate(per):
+            for p in parts:
+                w = lane_sizes[p.tensor]
+                widths[k].add(w if p.start % w == 0 and p.stop % w == 0 else 1)
+    out = []
+    for k, ws in enumerate(widths):
+        w = ws.pop() if len(ws) == 1 else 1
+        out.append(w if stage.perms[k].length % w == 0 else 1)
+    return tuple(out)
+
+
+_WIRE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int], widths: Sequence[int]) -> Any:
     def branch(src: tuple, dst: tuple) -> tuple:
         out = []
-        for parts, length in zip(items, lengths, strict=True):
+        for parts, length, w in zip(items, lengths, widths, strict=True):
             data = []
             for p in parts:
                 block = src[p.tensor] if p.side == SRC else dst[p.tensor]
-                data.append(to_bytes(_read(block, p.lo, p.hi))[p.start : p.stop])
+                lanes = _read(block, p.lo, p.hi).reshape(-1)
+                data.append(lanes[p.start // w : p.stop // w] if w > 1 else to_bytes(lanes)[p.start : p.stop])
             used = sum(p.stop - p.start for p in parts)
             if used < length:
-                data.append(jnp.zeros(length - used, jnp.uint8))
+                data.append(jnp.zeros((length - used) // w, _WIRE[w]))
             out.append(jnp.concatenate(data) if len(data) > 1 else data[0])
         return tuple(out)
 
     return branch
 
 
-def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy]) -> Any:
+def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy], widths: Sequence[int]) -> Any:
     def branch(src: tuple, dst: tuple, bufs: tuple) -> tuple:
         before = dst
         out = list(dst)
@@ -118,12 +139,15 @@ def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy]) -> Any:
             block = src[c.tensor] if c.side == SRC else before[c.tensor]
             out[c.tensor] = _write(out[c.tensor], _read(block, c.src_lo, c.src_hi), c.dst_lo)
         for r in received:
-            parts = [bufs[k][off : off + nb] for k, off, nb in r.segments]
-            data = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
             target = out[r.tensor]
+            parts = []
+            for k, off, nb in r.segments:
+                w = widths[k]
+                part = bufs[k][off // w : (off + nb) // w]
+                parts.append(part if w > 1 else from_bytes(part, target.dtype))
+            data = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
             shape = tuple(h - lo for lo, h in zip(r.lo, r.hi, strict=True)) + target.shape[len(r.lo) :]
-            value = from_bytes(data, target.dtype).reshape(shape)
-            out[r.tensor] = _write(target, value, r.lo)
+            out[r.tensor] = _write(target, data.reshape(shape), r.lo)
         return tuple(out)
 
     return branch
@@ -141,6 +165,7 @@ def _switch(index: jax.Array, keys: Sequence[Any], make: Any, *operands: Any) ->
 
 def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> Any:
     ntens = len(plan.src)
+    lane_sizes = [jnp.dtype(lane_dtype(d)).itemsize for d in dtypes]
 
     def body(*args: jax.Array) -> tuple:
         # Every shard as unsigned lanes (lanes.to_lanes), once: all slicing and writing is of lanes.
@@ -158,15 +183,18 @@ def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> A
         cur = tuple(dst)
         for st in plan.stages:
             lengths = tuple(p.length for p in st.perms)
+            widths = _wire_widths(st, lane_sizes)
             bufs: tuple = ()
             if st.perms:
-                bufs = _switch(index, st.pack, lambda items, lengths=lengths: _pack_branch(items, lengths), src, cur)
+                bufs = _switch(
+                    index, st.pack, lambda items, ln=lengths, ws=widths: _pack_branch(items, ln, ws), src, cur
+                )
                 bufs = tuple(
                     jax.lax.ppermute(b, AXIS, perm=list(pairs)) for b, pairs in zip(bufs, st.pairs, strict=True)
                 )
             keys = list(zip(st.received, st.copies, strict=True))
             if any(r or c for r, c in keys):
-                cur = _switch(index, keys, lambda key: _unpack_branch(key[0], key[1]), src, cur, bufs)
+                cur = _switch(index, keys, lambda key, ws=widths: _unpack_branch(key[0], key[1], ws), src, cur, bufs)
         out = (from_lanes(c, dtypes[t]) for t, c in enumerate(cur))
         return tuple(c.reshape((1,)) if not plan.dst_block[t] else c for t, c in zip(range(ntens), out, strict=True))
 
