@@ -264,7 +264,8 @@ def transfer_into(
       x: a ``jax.Array`` or a pytree of them.
       into: a matching pytree of ``jax.Array`` (or ``None`` leaves), the destinations.
       topology: as for :func:`transfer`.
-      options: as for :func:`transfer`; the backend must resolve to ``"local"``.
+      options: as for :func:`transfer`; the backend must resolve to ``"local"``, or be ``"xla"``
+        (the program donates the ``into`` shards, :mod:`jreshard.xla`; not run on GPU or TPU).
       report: also return a :class:`TransferReport`.
 
     Returns:
@@ -273,7 +274,7 @@ def transfer_into(
 
     Raises:
       LayoutMismatchError: structure, shape or dtype differ between ``x`` and ``into``;
-      BackendUnavailableError: the arrays span processes, or the backend is not local;
+      BackendUnavailableError: the arrays span processes, or the backend is neither local nor xla;
       and the errors of :func:`transfer`.
 
     Example:
