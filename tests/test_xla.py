@@ -152,3 +152,18 @@ def test_auto_keeps_the_direct_copies_in_one_process_and_says_why():
     b = NamedSharding(Mesh(np.array(DEVS[2:4]), ("x",)), P("x"))
     _, rep = jreshard.transfer(jax.device_put(jnp.ones(4), a), b, report=True)
     assert rep.backend is Backend.LOCAL and "xla" in rep.backend_reason
+
+
+def test_kept_leaves_zero_size_leaves_and_a_pytree_of_several_layouts():
+    a = NamedSharding(Mesh(np.array(DEVS[:4]), ("x",)), P("x"))
+    b = NamedSharding(Mesh(np.array(DEVS[4:]), ("y",)), P(None, "y"))
+    x = {
+        "same": jax.device_put(jnp.ones((4, 4)), a),
+        "none": jax.device_put(jnp.ones((4, 4)), a),
+        "empty": jax.device_put(jnp.zeros((0, 8), jnp.int8), a),
+        "moved": jax.device_put(jnp.arange(32, dtype=jnp.int32).reshape(4, 8), a),
+    }
+    out = jreshard.transfer(x, {"same": a, "none": None, "empty": b, "moved": b}, options=XLA)
+    assert out["same"] is x["same"] and out["none"] is x["none"]
+    assert out["empty"].shape == (0, 8) and out["empty"].sharding == b
+    assert np.array_equal(out["moved"], x["moved"]) and out["moved"].sharding == b
