@@ -1,4 +1,4 @@
-"""Permutations: a stage's messages cut into the rounds of one ``ppermute`` each (numpy only).
+"""Permutations: a stage's messages cut into the rounds of one ``ppermute`` each (numpy, no jax).
 
 ``jax.lax.ppermute`` sends one buffer of one shape from every sender of a permutation (a set of
 ``(sender, receiver)`` pairs in which no device sends twice or receives twice). A stage of a plan
@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+import numpy as np
 
 __all__ = ["Permutation", "Segment", "padding_bytes", "permutations"]
 
@@ -87,28 +89,32 @@ def permutations(
         raise ValueError(f"permutations: tol={tol} must be in [0, 1)")
     if any(a == b for a, b in zip(src, dst, strict=True)):
         raise ValueError("permutations: a message from a rank to itself is a local copy, not a permutation")
-    sent = [0] * len(nbytes)
-    left = {i for i, n in enumerate(nbytes) if n > 0}
+    src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    left = np.asarray(nbytes, np.int64).copy()  # bytes not yet placed, per message
     out: list[Permutation] = []
-    while left:
-        order = sorted(left, key=lambda i: (-min(nbytes[i] - sent[i], cap), src[i], dst[i]))
-        length = min(nbytes[order[0]] - sent[order[0]], cap)
+    active = np.flatnonzero(left > 0)
+    while len(active):
+        part = np.minimum(left[active], cap)
+        order = active[np.lexsort((dst_a[active], src_a[active], -part))]  # largest first, then (src, dst)
+        length = int(min(left[order[0]], cap))
+        floor = (1 - tol) * length
         busy_src: set[int] = set()
         busy_dst: set[int] = set()
         segs: list[Segment] = []
-        for i in order:
-            part = min(nbytes[i] - sent[i], length)
-            if part < (1 - tol) * length:
+        for i in order.tolist():
+            take = int(min(left[i], length))
+            if take < floor:
                 break  # sorted by remainder: every later one is smaller still
-            if src[i] in busy_src or dst[i] in busy_dst:
+            a, b = int(src_a[i]), int(dst_a[i])
+            if a in busy_src or b in busy_dst:
                 continue
-            busy_src.add(src[i])
-            busy_dst.add(dst[i])
-            segs.append(Segment(i, sent[i], sent[i] + part))
-            sent[i] += part
-            if sent[i] == nbytes[i]:
-                left.discard(i)
+            busy_src.add(a)
+            busy_dst.add(b)
+            start = int(nbytes[i]) - int(left[i])
+            segs.append(Segment(i, start, start + take))
+            left[i] -= take
         out.append(Permutation(length, tuple(segs)))
+        active = active[left[active] > 0]
     return out
 
 
