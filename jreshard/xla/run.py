@@ -190,6 +190,15 @@ def run_xla(
     )
     if not moved:
         return treedef.unflatten(result)
+    mine = {d.id for d in jax.local_devices()}
+    if not any(r in mine for s, d in pairs for r in (*s.ranks, *d.ranks)):
+        # None of this process's devices takes part (across processes): the program is not ours to run;
+        # every result has no addressable shard here. (Not tested: the cluster tests use every process.)
+        for i in moved:
+            result[i] = jax.make_array_from_single_device_arrays(
+                leaves[i].shape, shardings[i], [], dtype=leaves[i].dtype
+            )
+        return treedef.unflatten(result)
     compiled, fresh = program_for(pairs, topology, options, donate)
     if fresh:  # a cached program costs a lookup, counted with the plan
         builder.add_seconds(ReportPhase.COMPILE, compiled.compile_s)
