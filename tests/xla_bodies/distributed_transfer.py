@@ -84,6 +84,17 @@ def body(pid: int, nproc: int, port: int) -> dict:
         "local_bytes": rep.local_bytes,
         "padding_bytes": rep.padding_bytes,
     }
+    if nproc >= 4:
+        # Only the first two processes' devices take part: the others get results with no addressable shard.
+        sub = devs[: 2 * len(jax.local_devices())]
+        a = NamedSharding(Mesh(np.array(sub[:2]), ("x",)), P("x"))
+        b = NamedSharding(Mesh(np.array(sub[2:]), ("x",)), P(None, "x"))
+        v = host_value((4, 8), "float32", seed=9)
+        y = jax.make_array_from_callback(v.shape, a, lambda idx: v[idx], dtype=v.dtype)
+        z = jreshard.transfer(y, b, options=jreshard.Options(backend="xla"))
+        for s in z.addressable_shards:
+            assert same_bits(s.data, v[s.index]), s.device
+        result["subset_shards"] = len(z.addressable_shards)
     jax.distributed.shutdown()
     return result
 
