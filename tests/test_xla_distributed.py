@@ -80,5 +80,7 @@ def test_transfer_across_processes_bit_for_bit(nproc, tmp_path):
     n = nproc * devices
     assert sum(r["checked"] for r in got.values()) == n // 2 + n + n + n // 2
     assert sum(r["network_bytes"] for r in got.values()) > 0  # one domain per process: the processes' links
+    assert sum(r["into_in_place"] for r in got.values()) == n // 2  # every destination shard, in place
+    assert all(r["into_deleted"] in (True, None) for r in got.values())
     if nproc >= 4:  # a transfer among the first two processes' devices: the others take no part
         assert [got[i]["subset_shards"] for i in range(nproc)] == [0, 2] + [0] * (nproc - 2)

@@ -84,6 +84,16 @@ def body(pid: int, nproc: int, port: int) -> dict:
         "local_bytes": rep.local_bytes,
         "padding_bytes": rep.padding_bytes,
     }
+    # transfer_into across processes: every process donates its own destination shards.
+    shape, _, _, dst_sh = cases["rows->cols"]
+    into = jax.make_array_from_callback(shape, dst_sh, lambda idx: np.zeros(shape, np.float32)[idx], dtype=np.float32)
+    ptrs = {s.device: s.data.unsafe_buffer_pointer() for s in into.addressable_shards}
+    got = jreshard.transfer_into(x["rows->cols"], into, options=jreshard.Options(backend="xla"))
+    for s in got.addressable_shards:
+        assert same_bits(s.data, host["rows->cols"][s.index]), s.device
+        assert s.data.unsafe_buffer_pointer() == ptrs[s.device], s.device
+    result["into_in_place"] = len(got.addressable_shards)
+    result["into_deleted"] = into.is_deleted() if ptrs else None
     if nproc >= 4:
         # Only the first two processes' devices take part: the others get results with no addressable shard.
         sub = devs[: 2 * len(jax.local_devices())]
