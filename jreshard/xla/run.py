@@ -200,7 +200,7 @@ def run_xla(
             )
         return treedef.unflatten(result)
     compiled, fresh = program_for(pairs, topology, options, donate)
-    if fresh:  # a cached program costs a lookup, counted with the plan
+    if fresh:  # compiled by this call; a program from the cache adds no compile time
         builder.add_seconds(ReportPhase.COMPILE, compiled.compile_s)
     plan = compiled.plan
     here = {d for d in compiled.mesh.devices.flat if d.process_index == jax.process_index()}
