@@ -20,6 +20,11 @@ Cases, all measured in one run (these hosts are shared and noisy: read the ratio
   equal bit for bit. Run twice: with the compiled cast kernels (``jreshard.views.native``),
   and with numpy's casts alone, as where they were not built.
 
+The ``xla`` column is ``jreshard.transfer(..., options=Options(backend="xla"))`` (the plan compiled
+into one jitted ``shard_map`` of ``ppermute``s, ``jreshard.xla``) in the same run, for the cases
+named by ``--xla-cases`` (default ``tensor,refit``: a program of 1000 leaves takes minutes to
+compile on these hosts); its warm-up call compiles the program, which is printed apart.
+
 Every time is wall clock over ``--repeats`` calls after a warm-up call, each result
 freed before the next; the table prints the median and [min-max]. Every contender runs
 on new arrays over the same source buffers each call (:func:`rewrap`, done before the
@@ -295,7 +300,10 @@ def warm_bandwidth(nbytes: int = 256 * MiB, step: int = 8 * MiB, repeats: int = 
     return nbytes / _median(ts)
 
 
-def compare(name: str, x, target, repeats: int, leaves: int | None = None) -> dict:
+XLA = jreshard.Options(backend="xla")
+
+
+def compare(name: str, x, target, repeats: int, leaves: int | None = None, xla: bool = False) -> dict:
     """transfer, transfer_into and device_put on one case.
 
     Every call of every contender gets new source arrays (over the same shard buffers, made
@@ -318,8 +326,14 @@ def compare(name: str, x, target, repeats: int, leaves: int | None = None) -> di
     _, rep = jreshard.transfer(rewrap(x), target, report=True)
     held.clear()
     t_dp = timings(lambda xs: jax.device_put(xs, target), repeats, fresh(), floor_copy)
+    row = {"case": name, "bytes": nbytes, "transfer": t_tr, "into": t_in, "device_put": t_dp}
+    if xla:
+        t0 = time.perf_counter()
+        _, row["xla_report"] = jreshard.transfer(rewrap(x), target, options=XLA, report=True)
+        row["xla_first_s"] = time.perf_counter() - t0
+        row["xla"] = timings(lambda xs: jreshard.transfer(xs, target, options=XLA), repeats, fresh(), floor_copy)
     floor = floor_copy.seconds()
-    row = {"case": name, "bytes": nbytes, "transfer": t_tr, "into": t_in, "device_put": t_dp, "floor": floor}
+    row["floor"] = floor
     row["report"] = rep
     if leaves:
         row["per_leaf_us"] = {k: (np.median(row[k]) - floor) / leaves * 1e6 for k in ("transfer", "into")}
@@ -334,6 +348,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="3 repeats, 4 layers")
     ap.add_argument(
+        "--xla-cases", default="tensor,refit", help="cases that also run backend xla (leaves, tensor, refit)"
+    )
+    ap.add_argument(
         "--cases",
         default="leaves,tensor,refit,fused",
         help="comma-separated subset of: leaves, tensor, refit, fused (default all)",
@@ -347,10 +364,11 @@ def main() -> None:
     print(f"warm np.copyto bandwidth at the start (8 MiB calls): {bw / 1e9:.2f} GB/s")
     rows = []
     cases = set(args.cases.split(","))
+    xla_cases = set(args.xla_cases.split(",")) if args.xla_cases else set()
     first_row = None
     for n, side in ((1000, 128), (200, 128), (1000, 8)) if "leaves" in cases else ():
         x, t = leaves_case(n, side)
-        rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, leaves=n))
+        rows.append(compare(f"{n} leaves {side}x{side} f32", x, t, args.repeats, leaves=n, xla="leaves" in xla_cases))
         if (n, side) == (1000, 128):
             firsts, cached = [], []
             for _ in range(3):
@@ -366,13 +384,15 @@ def main() -> None:
         del x
     if "tensor" in cases:
         x, t = tensor_case(args.tensor_mib)
-        rows.append(compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats))
+        rows.append(
+            compare(f"tensor {args.tensor_mib} MiB TP4->TP2xDP2", x, t, args.repeats, xla="tensor" in xla_cases)
+        )
         del x
     if "refit" in cases:
         x, t = refit_case(args.layers, args.d_model)
         src_bytes = sum(a.nbytes for a in jax.tree.leaves(x))
         name = f"refit {len(jax.tree.leaves(x))} leaves {src_bytes / MiB:.0f} MiB"
-        rows.append(compare(name, x, t, args.repeats))
+        rows.append(compare(name, x, t, args.repeats, xla="refit" in xla_cases))
         del x
     if "fused" in cases:
         rows.append(compare_fused(2, args.d_model, args.repeats))
@@ -395,6 +415,8 @@ def main() -> None:
         "transfer / floor",
         "transfer_into / floor",
         "fixed us/leaf (tr, into)",
+        "xla",
+        "xla / floor",
     ]
     print("| " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * (len(cols) - 1))
@@ -412,6 +434,8 @@ def main() -> None:
             f"{med['transfer'] / r['floor']:.2f}x",
             f"{med['into'] / r['floor']:.2f}x",
             f"{per_leaf['transfer']:.0f}, {per_leaf['into']:.0f}" if per_leaf else "",
+            stats(r["xla"]) if "xla" in r else "not run",
+            f"{float(np.median(r['xla'])) / r['floor']:.2f}x" if "xla" in r else "",
         ]
         print("| " + " | ".join(cells) + " |")
     if first_row is not None:
@@ -429,6 +453,12 @@ def main() -> None:
     for r in rows:
         if "report" in r:
             print(f"  {r['case']}: {r['report'].summary()}")
+        if "xla_report" in r:
+            x = r["xla_report"]
+            print(
+                f"  {r['case']}, backend xla, first call {r['xla_first_s']:.2f} s (compile {x.compile_s:.2f} s, "
+                f"padding {x.padding_bytes} B): {x.summary()}"
+            )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ saying why, never falling back to another.
 - ``nccl``: the same engine over ``NcclComm``, in one process with GPUs or across
   the processes of a ``jax.distributed`` cluster (through
   :func:`jreshard.routes.transfer_multiprocess`). Not run on GPU.
+- ``xla``: the plan compiled into one jitted ``shard_map`` of ``ppermute``s over the devices
+  (:mod:`jreshard.xla`), in one process or across the processes of a ``jax.distributed``
+  cluster (every process calls). Only when asked for. Not run on GPU or TPU.
 
 All the work that depends only on shapes, dtypes and shardings is cached
 (:mod:`jreshard.frontdoor`): the second transfer of the same pytree spends no time
@@ -76,8 +79,15 @@ def _run_flat(
         choice, single_process = route(leaves, targets, options)
         builder.choose(choice.backend, choice.reason)
         prep = None
-        if choice.backend is Backend.LOCAL or single_process:
+        if choice.backend is Backend.LOCAL or (single_process and choice.backend is not Backend.XLA):
             prep = prepare(leaves, treedef, targets, mode, topology, options, x)
+    if choice.backend is Backend.XLA:
+        from jreshard.xla.run import run_xla
+
+        shardings = (
+            target_shardings(targets) if mode is Mode.TRANSFER else [getattr(t, "sharding", None) for t in targets]
+        )
+        return run_xla(leaves, targets, shardings, mode, topology, options, builder)
     if mode is Mode.INTO and choice.backend is not Backend.LOCAL:
         raise BackendUnavailableError(
             f"transfer_into runs in one process with backend 'local', but {choice.reason} picked backend "
@@ -260,7 +270,8 @@ def transfer_into(
       x: a ``jax.Array`` or a pytree of them.
       into: a matching pytree of ``jax.Array`` (or ``None`` leaves), the destinations.
       topology: as for :func:`transfer`.
-      options: as for :func:`transfer`; the backend must resolve to ``"local"``.
+      options: as for :func:`transfer`; the backend must resolve to ``"local"``, or be ``"xla"``
+        (the program donates the ``into`` shards, :mod:`jreshard.xla`; not run on GPU or TPU).
       report: also return a :class:`TransferReport`.
 
     Returns:
@@ -269,7 +280,7 @@ def transfer_into(
 
     Raises:
       LayoutMismatchError: structure, shape or dtype differ between ``x`` and ``into``;
-      BackendUnavailableError: the arrays span processes, or the backend is not local;
+      BackendUnavailableError: the arrays span processes, or the backend is neither local nor xla;
       and the errors of :func:`transfer`.
 
     Example:

@@ -23,6 +23,7 @@ from jreshard._cache import cache
 from jreshard.engine.prepared import Group, Kind, Mode, Prepared, Shape
 from jreshard.errors import IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
 from jreshard.options import Options
+from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 from jreshard.types import PyTree
@@ -353,17 +354,9 @@ def _shape(key: tuple) -> Shape:
         src_order, dst_order, devices = [], [], []
         for i in idx:
             src_sh, dst_sh = specs[i][2], specs[i][3]
-            src_order.append(tuple(s_slot[d.id] for d in _addressable_order(src_sh)))
-            devs = _addressable_order(dst_sh)
+            src_order.append(tuple(s_slot[d.id] for d in addressable_order(src_sh)))
+            devs = addressable_order(dst_sh)
             dst_order.append(tuple(d_slot[d.id] for d in devs))
             devices.append(list(devs))
         groups.append(Group(src, dst, tuple(idx), tuple(src_order), tuple(dst_order), tuple(devices)))
     return Shape(kinds=tuple(kinds), groups=tuple(groups), shardings=tuple(shardings))
-
-
-def _addressable_order(sharding: Any) -> tuple[Any, ...]:
-    """The devices of a sharding in the order jax lists an array's shards (``addressable_data``)."""
-    try:
-        return tuple(sharding._internal_device_list.addressable_device_list)
-    except AttributeError:  # pragma: no cover - another jax: the same order under its older name
-        return tuple(sharding._addressable_device_assignment)

@@ -15,6 +15,7 @@ class Backend(enum.Enum):
     LOCAL = "local"  # one process, every device addressable: direct copies
     MPI = "mpi"  # mpi4py (CPU buffers, or CUDA-aware MPI)
     NCCL = "nccl"  # cupy.cuda.nccl point-to-point
+    XLA = "xla"  # the plan compiled into one jitted shard_map of ppermutes (jreshard.xla); not run on GPU or TPU
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,7 +23,7 @@ class Options:
     """Settings of a transfer. Frozen and hashable: part of every plan cache key.
 
     Args:
-      backend: "auto", "local", "mpi" or "nccl" (or a :class:`Backend`).
+      backend: "auto", "local", "mpi", "nccl" or "xla" (or a :class:`Backend`).
       staging_bytes: the most staging memory one rank may hold at once.
       chunk_bytes: messages are cut into chunks of at most this many bytes;
         the fast-link fan-out of chunk k runs while chunk k+1 crosses the network.

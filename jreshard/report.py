@@ -34,8 +34,9 @@ class ReportPhase(enum.Enum):
     NETWORK = "network"  # point-to-point messages between domains (and their waits)
     FANOUT = "fanout"  # messages inside a fast-link domain
     UNPACK = "unpack"  # scattering staging buffers into destination shards, and local copies
-    COPY = "copy"  # in one process: the direct copies from source shards into destination shards
+    COPY = "copy"  # in one process: the direct copies from source shards into destination shards (xla: the program)
     BUFFERS = "buffers"  # in one process: DLPack export, destination allocation, import, assembly
+    COMPILE = "compile"  # backend xla: tracing, lowering and compiling the program (0 when it was cached)
 
 
 class NotInPlace(enum.Enum):
@@ -74,6 +75,9 @@ class TransferReport:
       not_in_place: per such leaf, ``(leaf index in x's flattened order, why)``.
       peak_staging_bytes: the most staging memory held at once.
       messages: point-to-point messages this process sent.
+      compile_s: backend xla: seconds compiling the program (0 when it came from the cache).
+      padding_bytes: backend xla: bytes this process's collectives sent beyond the payload (every pair
+        of a ``ppermute`` sends the length of its largest member); not counted in ``moved_bytes``.
 
     Example:
       >>> r = TransferReport(backend=Backend.LOCAL, local_bytes=2_000_000_000, total_s=1.0)
@@ -99,6 +103,8 @@ class TransferReport:
     fresh_bytes: int = 0
     not_in_place_bytes: int = 0
     not_in_place: tuple[tuple[int, NotInPlace], ...] = ()
+    compile_s: float = 0.0
+    padding_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend) or self.backend is Backend.AUTO:
@@ -111,11 +117,23 @@ class TransferReport:
             "messages",
             "fresh_bytes",
             "not_in_place_bytes",
+            "padding_bytes",
         ):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"TransferReport: {f}={v!r} must be an int >= 0")
-        for f in ("plan_s", "pack_s", "network_s", "fanout_s", "unpack_s", "copy_s", "buffers_s", "total_s"):
+        seconds = (
+            "plan_s",
+            "pack_s",
+            "network_s",
+            "fanout_s",
+            "unpack_s",
+            "copy_s",
+            "buffers_s",
+            "compile_s",
+            "total_s",
+        )
+        for f in seconds:
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"TransferReport: {f}={v!r} must be a number of seconds >= 0")
@@ -179,6 +197,7 @@ class ReportBuilder:
         "_clock",
         "_fresh",
         "_messages",
+        "_padding",
         "_peak",
         "_reason",
         "_seconds",
@@ -201,6 +220,7 @@ class ReportBuilder:
         self._fresh = 0
         self._unowned = 0
         self._why: list[tuple[int, NotInPlace]] = []
+        self._padding = 0
 
     def choose(self, backend: Backend, reason: str) -> None:
         """Record the backend once it is picked (a builder starts before the choice is made)."""
@@ -235,6 +255,10 @@ class ReportBuilder:
         if why is not None:
             self._why.append((int(leaf), why))
 
+    def add_padding(self, nbytes: int) -> None:
+        """Count bytes a collective sent beyond its payload (backend xla)."""
+        self._padding += int(nbytes)
+
     def staging(self, delta: int) -> None:
         """Staging memory grew (``delta > 0``) or shrank; the peak is kept."""
         self._staging += int(delta)
@@ -256,10 +280,12 @@ class ReportBuilder:
             unpack_s=s[ReportPhase.UNPACK],
             copy_s=s[ReportPhase.COPY],
             buffers_s=s[ReportPhase.BUFFERS],
+            compile_s=s[ReportPhase.COMPILE],
             total_s=max(self._clock() - self._start, 0.0),
             peak_staging_bytes=self._peak,
             messages=self._messages,
             fresh_bytes=self._fresh,
             not_in_place_bytes=self._unowned,
             not_in_place=tuple(sorted(self._why, key=lambda w: w[0])),
+            padding_bytes=self._padding,
         )

@@ -1,6 +1,6 @@
 """Backend selection: which transport runs a transfer, and why.
 
-``Options.backend`` is one of ``auto``, ``local``, ``mpi``, ``nccl``. An explicit
+``Options.backend`` is one of ``auto``, ``local``, ``mpi``, ``nccl``, ``xla``. An explicit
 choice is checked and either runs or raises :class:`BackendUnavailableError`
 naming what to install; it never falls back to another backend. ``auto`` picks:
 
@@ -8,6 +8,10 @@ naming what to install; it never falls back to another backend. ``auto`` picks:
    (a single-controller program, CPU devices, one host's GPUs: direct copies);
 2. ``nccl`` when the arrays are on CUDA GPUs and ``cupy.cuda.nccl`` imports;
 3. ``mpi`` when the arrays are on CPUs and ``mpi4py.MPI`` imports.
+
+``auto`` never picks ``xla`` (the plan compiled into one XLA program, :mod:`jreshard.xla`): on
+CPU in one process the direct copies were measured faster (``benchmarks/transfer_bench.py``),
+and it has not been run on GPU or TPU. ``xla`` runs only when asked for; it needs nothing but jax.
 
 Arrays on GPUs across processes without an importable NCCL raise rather than
 quietly running MPI: MPI on GPU buffers needs a CUDA-aware MPI, which only the
@@ -158,7 +162,7 @@ def select_backend(
     """Resolve ``requested`` (``Options.backend``) for arrays placed as ``placement``.
 
     Args:
-      requested: ``Backend.AUTO``/``LOCAL``/``MPI``/``NCCL`` or its name.
+      requested: ``Backend.AUTO``/``LOCAL``/``MPI``/``NCCL``/``XLA`` or its name.
       placement: the platforms of the devices and whether one process addresses them all.
       import_module: imports a module by name (``importlib.import_module``).
       find_spec: finds a module without importing it (``importlib.util.find_spec``);
@@ -205,10 +209,16 @@ def select_backend(
     if backend is Backend.MPI:
         _require_mpi(import_module, "")
         return BackendChoice(backend=Backend.MPI, reason=f"requested: {where}")
+    if backend is Backend.XLA:
+        return BackendChoice(backend=Backend.XLA, reason=f"requested: {where}; one XLA program over the devices")
 
     # AUTO
     if placement.single_process:
-        return BackendChoice(backend=Backend.LOCAL, reason=f"auto: every device is in this process ({where})")
+        return BackendChoice(
+            backend=Backend.LOCAL,
+            reason=f"auto: every device is in this process ({where}); direct copies, measured faster than "
+            "backend 'xla' on CPU (benchmarks/transfer_bench.py)",
+        )
     if placement.on_gpus:
         _require_nccl(
             import_module,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from jreshard.errors import LayoutError
 from jreshard.sharding.box import Box
 
-__all__ = ["MeshForm", "describe_sharding"]
+__all__ = ["MeshForm", "addressable_order", "describe_sharding"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -72,3 +73,11 @@ def describe_sharding(
     except ValueError as err:
         raise LayoutError(f"sharding {sharding} cannot hold a tensor of shape={shape}: {err}") from err
     return {rank_of(d): Box.from_slices(idx, shape) for d, idx in index_map.items()}
+
+
+def addressable_order(sharding: Any) -> tuple[Any, ...]:
+    """The devices of a sharding in the order jax lists an array's shards (``addressable_data``)."""
+    try:
+        return tuple(sharding._internal_device_list.addressable_device_list)
+    except AttributeError:  # pragma: no cover - another jax: the same order under its older name
+        return tuple(sharding._addressable_device_assignment)

@@ -26,10 +26,10 @@ from jreshard.engine.buffers import writable_view
 from jreshard.engine.inprocess import _addresses_of, _arrays, _donate, _fresh, _make_array, _read, _remember
 from jreshard.engine.pool import default_pool
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
-from jreshard.frontdoor import _addressable_order
 from jreshard.options import Backend
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.box import Box
+from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
 from jreshard.views.algebra import Leaf, View, as_view
@@ -203,7 +203,7 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
         ranks = sorted(r for (j, r) in wanted if j == i)
         if not ranks:
             continue
-        order = _addressable_order(leaf.source.sharding)
+        order = addressable_order(leaf.source.sharding)
         shards = {d.id: a for d, a in zip(order, _arrays(leaf.source), strict=True)}
         for r in ranks:
             if r not in shards:
@@ -274,7 +274,7 @@ def transfer(
 def _assemble(d: Layout, sharding: Any, shards: list[np.ndarray]) -> Any:
     """A global array over host shards (``d.ranks`` order), zero-copy on CPU."""
     slot = {r: k for k, r in enumerate(d.ranks)}
-    devs = _addressable_order(sharding)
+    devs = addressable_order(sharding)
     return _make_array(d.shape, d.np_dtype, sharding, [shards[slot[dev.id]] for dev in devs], list(devs))
 
 
