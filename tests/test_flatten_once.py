@@ -151,3 +151,12 @@ def test_nccl_route_flattens_x_and_target_once(counted, monkeypatch):
     np.testing.assert_array_equal(np.asarray(out["a"]), np.asarray(x["a"]))
     assert comms and comms[0].records  # the engine ran over the twin
     assert (counted(x), counted(target)) == (1, 1)
+
+
+def test_xla_route_flattens_x_and_target_once(counted):
+    x = _tree(3)
+    target = {"a": DST, "b": [DST]}
+    counted.watch(x, target)
+    out = jreshard.transfer(x, target, options=jreshard.Options(backend="xla"))
+    np.testing.assert_array_equal(np.asarray(out["b"][0]), np.asarray(x["b"][0]))
+    assert (counted(x), counted(target)) == (1, 1)
