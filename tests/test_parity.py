@@ -184,10 +184,11 @@ def test_transfer_into_pair(src: str, dst: str, origin: str) -> None:
 
 
 def test_unreduced_target_is_refused_with_the_reason() -> None:
-    """pjit_test ShardingInTypesTest.test_sharded_unreduced_roundtrip (P('x') -> unreduced): device_put puts
-    the values on the first device along the unreduced axes and zeros on the others (partial sums), an
-    array whose values jax itself cannot read back (``devices_indices_map`` refuses unreduced shardings).
-    jreshard refuses such a target before any byte moves, and says why (docs/transfer.md)."""
+    """pjit_test ShardingInTypesTest.test_sharded_unreduced_roundtrip (P('x') -> unreduced): device_put keeps
+    on each device the part of the array it held and zeros elsewhere (partial sums that add up to the array;
+    which ones depends on the source's layout), an array whose values jax itself cannot index
+    (``devices_indices_map`` refuses unreduced shardings). jreshard refuses such a target before any byte
+    moves, and says why (docs/transfer.md)."""
     x = source("ns_explicit_x")
     with pytest.raises(jreshard.LayoutError, match="unreduced axes"):
         jreshard.transfer(x, sharding("ns_unreduced_x"))
