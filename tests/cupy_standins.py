@@ -249,6 +249,7 @@ def fake_nvml(fabric: dict[str, object], *, versioned: bool = True):
         nvmlInit=lambda: log.append("init"),
         nvmlShutdown=lambda: log.append("shutdown"),
         nvmlDeviceGetHandleByPciBusId=lambda pciBusId: pciBusId,
+        nvmlDeviceGetCount=lambda: len(fabric),
         log=log,
     )
 

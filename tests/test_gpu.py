@@ -5,12 +5,18 @@ They skip cleanly without CuPy, without a CUDA device, when jax has no GPU
 backend (the suite defaults ``JAX_PLATFORMS`` to ``cpu``; ``benchmarks/gpu_check.py``
 runs them with ``JAX_PLATFORMS=cuda,cpu``), and (the NCCL test) when CuPy's NCCL
 did not load libnccl. Buffers are filled on the backend's stream, the one its
-kernels run on, so no fill races a kernel. Not run on GPU yet: written against
-the CuPy and jax documentation, and the calls checked against the installed
-modules by the contract tests.
+kernels run on, so no fill races a kernel. The NCCL communicators they make are
+destroyed when the module ends. Not run on GPU yet: written against the CuPy and
+jax documentation, and the calls checked against the installed modules by the
+contract tests.
+
+``JRESHARD_GPU_STANDIN=1`` (set by ``gpu_check.py --standin`` only) runs them against
+the numpy stand-ins of ``tests/cupy_numpy.py`` on jax's CPU devices, at smaller sizes.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -22,24 +28,36 @@ from jreshard.sharding.box import Box
 pytestmark = pytest.mark.gpu
 
 
+STANDIN = os.environ.get("JRESHARD_GPU_STANDIN") == "1"
+
+
 @pytest.fixture(scope="module")
 def env():
-    """``(cupy, jax, first GPU)``, or a skip saying what is missing."""
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as err:  # ImportError, or a CUDA error without a driver or device
-        pytest.skip(f"no usable CuPy/CUDA here ({type(err).__name__}: {err})")
-    if count < 1:
-        pytest.skip("CuPy sees no CUDA device")
+    """``(cupy, jax, first GPU)``, or a skip saying what is missing; destroys the NCCL
+    communicators the module's tests made when it ends (not at interpreter exit)."""
     import jax
 
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as err:
-        pytest.skip(f"jax has no GPU backend here ({err}); run with JAX_PLATFORMS=cuda,cpu")
-    return cupy, jax, gpus[0]
+    if STANDIN:
+        from cupy_numpy import install
+
+        cupy, device = install(), jax.devices()[0]
+    else:
+        try:
+            import cupy
+
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as err:  # ImportError, or a CUDA error without a driver or device
+            pytest.skip(f"no usable CuPy/CUDA here ({type(err).__name__}: {err})")
+        if count < 1:
+            pytest.skip("CuPy sees no CUDA device")
+        try:
+            device = jax.devices("gpu")[0]
+        except RuntimeError as err:
+            pytest.skip(f"jax has no GPU backend here ({err}); run with JAX_PLATFORMS=cuda,cpu")
+    yield cupy, jax, device
+    from jreshard.nccl.cupy_nccl import destroy_cached_communicators
+
+    destroy_cached_communicators()
 
 
 def upload(cupy, bufs, ordinal: int, host: np.ndarray):
@@ -114,11 +132,12 @@ def test_export_waits_for_a_pending_jax_computation(env, bufs):
             a = jnp.tanh(a @ a) * 0.5
         return a + 1.0
 
-    a = jax.device_put(np.eye(4096, dtype=np.float32) * 0.1, gpu)
+    n = 256 if STANDIN else 4096
+    a = jax.device_put(np.eye(n, dtype=np.float32) * 0.1, gpu)
     y = slow(a)  # dispatched, still running on the GPU
     view = bufs.export_source(y)  # must not block the host, and must order after `slow`
-    (stage,) = bufs.allocate([4096 * 4], gpu)
-    t = K.build_table([(0, (4096, 4096 * 4), Box((7, 0), (8, 4096 * 4)))])
+    (stage,) = bufs.allocate([n * 4], gpu)
+    t = K.build_table([(0, (n, n * 4), Box((7, 0), (8, n * 4)))])
     bufs.pack(t, [view], stage)  # on the export stream: after the computation
     bufs.synchronize()
     np.testing.assert_array_equal(cupy.asnumpy(stage), np.asarray(y)[7].view(np.uint8))
