@@ -343,24 +343,23 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
         cuda.note("fill", a.nbytes)
         return a
 
-    def asarray(obj, dtype=None):
-        if isinstance(obj, ndarray):
-            return obj
-        host = np.ascontiguousarray(obj, dtype=dtype)
+    def asarray(a, dtype=None):
+        if isinstance(a, ndarray):
+            return a
+        host = np.ascontiguousarray(a, dtype=dtype)
         a = empty(host.shape, host.dtype)
         a._a[...] = host
         cuda.note("upload", host.nbytes)
         return a
 
-    def arange(n, dtype=None):
-        host = np.arange(n, dtype=dtype)
-        return asarray(host)
+    def arange(start, stop=None, step=1, dtype=None):
+        return asarray(np.arange(start, stop, step, dtype=dtype))
 
     def asnumpy(a, stream=None):
         return a._a.copy() if isinstance(a, ndarray) else np.asarray(a)
 
-    def array_equal(a, b):
-        return ndarray.wrap(np.array(np.array_equal(asnumpy(a), asnumpy(b))), cuda.device)
+    def array_equal(a1, a2):
+        return ndarray.wrap(np.array(np.array_equal(asnumpy(a1), asnumpy(a2))), cuda.device)
 
     class _CpuView:
         def __init__(self, obj):

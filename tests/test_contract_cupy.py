@@ -305,3 +305,48 @@ def test_export_hands_cupy_a_legacy_capsule_it_reads(cupy, runtime):
     except runtime.CUDARuntimeError:
         return
     pytest.skip("CUDA works here: the gpu tests cover the real hand-over")
+
+
+def test_numpy_stand_in_matches_the_real_module(cupy, nccl):
+    """The byte-moving stand-in of ``tests/cupy_numpy.py`` (gpu_check --standin, the GPU design tests)
+    declares what the installed CuPy and NCCL declare, for every call jreshard and gpu_check make."""
+    from cupy_numpy import make_cupy
+
+    fake = make_cupy()
+    rt, frt = cupy.cuda.runtime, fake.cuda.runtime
+    pairs = {
+        "Stream": (fake.cuda.Stream.__init__, cupy.cuda.Stream.__init__),
+        "Stream.record": (fake.cuda.Stream.record, cupy.cuda.Stream.record),
+        "Stream.wait_event": (fake.cuda.Stream.wait_event, cupy.cuda.Stream.wait_event),
+        "Event": (fake.cuda.Event.__init__, cupy.cuda.Event.__init__),
+        "Event.record": (fake.cuda.Event.record, cupy.cuda.Event.record),
+        "get_current_stream": (fake.cuda.get_current_stream, cupy.cuda.get_current_stream),
+        "get_elapsed_time": (fake.cuda.get_elapsed_time, cupy.cuda.get_elapsed_time),
+        "UnownedMemory": (fake.cuda.UnownedMemory.__init__, cupy.cuda.UnownedMemory),
+        "MemoryPointer": (fake.cuda.MemoryPointer.__init__, cupy.cuda.MemoryPointer),
+        "copy_from_device_async": (
+            fake.cuda.MemoryPointer.copy_from_device_async,
+            cupy.cuda.MemoryPointer.copy_from_device_async,
+        ),
+        "ndarray.set": (fake.ndarray.set, cupy.ndarray.set),
+        "ndarray.get": (fake.ndarray.get, cupy.ndarray.get),
+        "ndarray.fill": (fake.ndarray.fill, cupy.ndarray.fill),
+        "from_dlpack": (fake.from_dlpack, cupy.from_dlpack),
+    }
+    for name in ("eventQuery", "memcpy2DAsync", "memcpyPeerAsync", "getDeviceProperties", "deviceGetPCIBusId",
+                 "deviceCanAccessPeer", "deviceEnablePeerAccess"):  # fmt: skip
+        pairs[name] = (getattr(frt, name), getattr(rt, name))
+    for name, (ours, real) in pairs.items():
+        assert params(ours) == [p for p in declared(real) if p != "*"], name
+    for name in ("send", "recv"):
+        ours, real = getattr(fake.cuda.nccl.NcclCommunicator, name), getattr(nccl.NcclCommunicator, name)
+        assert params(ours) == declared(real), name
+    for name in ("empty", "zeros", "asarray", "arange", "asnumpy", "array_equal"):  # plain Python functions
+        real = [p for p in inspect.signature(getattr(cupy, name)).parameters][:2]
+        assert params(getattr(fake, name))[:2] == real, name
+    assert params(fake.RawKernel.__init__)[:3] == declared(cupy.RawKernel)[:3]
+    first = fake.cuda.nccl.NcclCommunicator.__doc__.strip().split("\n")[0]
+    assert first == nccl.NcclCommunicator.__doc__.lstrip().split("\n")[0]
+    assert fake.cuda.nccl.NCCL_UINT8 == nccl.NCCL_UINT8 and frt.memcpyDeviceToDevice == rt.memcpyDeviceToDevice
+    assert cupy.cuda.Stream.null.ptr == fake.cuda.Stream.null.ptr == 0  # the legacy default stream
+    assert len(fake.cuda.nccl.get_unique_id()) == len(nccl.get_unique_id()) == 128
