@@ -98,7 +98,7 @@ def _run(
         leaves = run_local(prep, topology, options, builder)
         result = prep.treedef.unflatten(leaves)
     else:
-        result = _engine(x, target, choice, single_process, topology, options, builder)
+        result = _engine(x, target, choice, single_process, topology, options, builder, mode)
     return (result, builder.build()) if report else result
 
 
@@ -151,31 +151,43 @@ def _engine(
     topology: Topology | None,
     options: Options,
     builder: ReportBuilder,
+    mode: Mode = Mode.TRANSFER,
 ) -> Any:
     """The message-passing engine: MPI across processes, NCCL, or GPUs in one process (not run on GPU)."""
     from jreshard.multi import transfer_multiprocess
 
     if choice.backend is Backend.MPI:
         return transfer_multiprocess(x, target, topology=topology, options=options, report=builder)
-    if choice.backend is Backend.LOCAL:  # GPUs in one process: the engine over local copies
+    if choice.backend is Backend.LOCAL:  # GPUs in one process: the engine over stream-ordered local copies
         from jreshard.nccl.gpu_buffers import CupyBuffers
-        from jreshard.nccl.local import LocalComm
+        from jreshard.nccl.gpu_local import CupyLocalComm
 
-        ranks = sorted({d.id for leaf in jax.tree_util.tree_leaves(x) for d in leaf.sharding.device_set})
-        return transfer_multiprocess(
-            x,
-            target,
-            topology=topology,
-            options=options,
-            transport=LocalComm(ranks),
-            buffers=CupyBuffers(),
-            report=builder,
-        )
+        ranks = sorted({d.id for leaf in jax.tree_util.tree_leaves((x, target)) for d in _device_set(leaf)})
+        buffers = CupyBuffers(timeout_s=options.timeout_s)
+        try:
+            return transfer_multiprocess(
+                x,
+                target,
+                topology=topology,
+                options=options,
+                transport=CupyLocalComm(ranks, buffers),
+                buffers=buffers,
+                report=builder,
+                into=mode is Mode.INTO,
+            )
+        finally:
+            buffers.release()
     from jreshard.nccl.nccl_route import nccl_in_process, nccl_multiprocess
 
     if not single_process:
         return nccl_multiprocess(x, target, topology, options, builder)
     return nccl_in_process(x, target, topology, options, builder)
+
+
+def _device_set(leaf: Any) -> Any:
+    """The devices of an array, a ``ShapeDtypeStruct`` with a sharding, or a sharding (else none)."""
+    sharding = leaf.sharding if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct) else leaf
+    return sharding.device_set if isinstance(sharding, jax.sharding.Sharding) else ()
 
 
 def transfer(
@@ -250,7 +262,8 @@ def transfer_into(
     (``not_in_place_bytes``). Nothing in ``x`` ever changes. A ``None`` leaf in
     ``into`` returns that leaf of ``x`` itself. On any error raised before the copy,
     ``into`` is untouched: every check runs before the first byte is written. On GPUs in
-    one process (not run on GPU) the engine writes new arrays and leaves ``into`` as it is.
+    one process (not run on GPU) the engine writes into the donated ``into`` memory the
+    same way, through DLPack views of the donated arrays.
 
     Args:
       x: a ``jax.Array`` or a pytree of them.

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import sys
-import threading
 import time
 import types
 from collections import defaultdict, deque
@@ -72,7 +71,6 @@ class NumpyCuda:
         self.ndev = ndev
         self.log: list[tuple] = []
         self.device = 0
-        self.kernel_threads: list[int] = []
         self._ptr = itertools.count(1001)
         self._stack: list[Any] = []
         cuda = self
@@ -104,7 +102,7 @@ class NumpyCuda:
                 return event
 
             def wait_event(self, event):
-                cuda.log.append(("wait_event", self.ptr, event.stream_ptr))
+                cuda.log.append(("wait_event", self.ptr, event.stream_ptr, event.ptr))
 
             def synchronize(self):
                 cuda.log.append(("synchronize", self.ptr))
@@ -163,8 +161,6 @@ class NumpyCuda:
         s = stream if stream is not None else self.get_current_stream()
         ptr = s if isinstance(s, int) else s.ptr
         self.log.append((what, ptr, *rest))
-        if what in ("launch", "upload", "memcpy", "send", "recv", "set", "get", "fill"):
-            self.kernel_threads.append(threading.get_ident())
 
 
 class Memory:
@@ -373,7 +369,9 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
 
     def from_dlpack(array, *, device=None, copy=None):
         dev = array.__dlpack_device__()[1]
-        return ndarray.wrap(np.from_dlpack(_CpuView(array)), dev, array)
+        a = np.from_dlpack(_CpuView(array))  # read-only when the producer is jax; CuPy's views are writable
+        writable = _raw(a.ctypes.data, a.nbytes).view(a.dtype).reshape(a.shape)
+        return ndarray.wrap(writable, dev, (array, a))
 
     runtime = types.ModuleType("cupy.cuda.runtime")
     runtime.CUDARuntimeError = CUDARuntimeError
@@ -398,7 +396,11 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
         cuda.note("memcpy", size, stream=stream)
         _raw(dst, size)[:] = _raw(src, size)
 
-    runtime.memcpy2DAsync, runtime.memcpyPeerAsync = memcpy2DAsync, memcpyPeerAsync
+    def memcpyAsync(dst, src, size, kind, stream):
+        cuda.note("memcpy", size, stream=stream)
+        _raw(dst, size)[:] = _raw(src, size)
+
+    runtime.memcpy2DAsync, runtime.memcpyPeerAsync, runtime.memcpyAsync = memcpy2DAsync, memcpyPeerAsync, memcpyAsync
 
     cuda_mod = types.ModuleType("cupy.cuda")
     for name in ("Stream", "Event", "Device", "get_current_stream", "get_elapsed_time"):
@@ -502,6 +504,8 @@ def install(ndev: int = 1) -> types.ModuleType:
     from jax._src import array as jax_array
 
     cp = make_cupy(NumpyCuda(ndev))
+    names = ("cupy", "cupy.cuda", "cupy.cuda.runtime", "cupy.cuda.nccl", "pynvml")
+    _UNDO.append(({n: sys.modules.get(n) for n in names}, jax_array.ArrayImpl.__dlpack__, jax.dlpack.from_dlpack))
     sys.modules.update({"cupy": cp, "cupy.cuda": cp.cuda, "cupy.cuda.runtime": cp.cuda.runtime,
                         "cupy.cuda.nccl": cp.cuda.nccl, "pynvml": make_pynvml()})  # fmt: skip
 
@@ -521,7 +525,7 @@ def install(ndev: int = 1) -> types.ModuleType:
             return self.obj.__dlpack__(stream=None)
 
         def __dlpack_device__(self):
-            return (1, 0)
+            return (1, self.obj.__dlpack_device__()[1])  # CPU device i stands for GPU i
 
     def cpu_from_dlpack(external_array, *args, **kwargs):
         dev = getattr(external_array, "__dlpack_device__", None)
@@ -531,3 +535,21 @@ def install(ndev: int = 1) -> types.ModuleType:
 
     jax.dlpack.from_dlpack = cpu_from_dlpack
     return cp
+
+
+_UNDO: list[tuple[dict[str, Any], Any, Any]] = []
+
+
+def uninstall() -> None:
+    """Undo the last :func:`install`: the modules and jax's DLPack calls as they were."""
+    import jax.dlpack
+    from jax._src import array as jax_array
+
+    modules, dlpack, from_dlpack = _UNDO.pop()
+    for name, mod in modules.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+    jax_array.ArrayImpl.__dlpack__ = dlpack
+    jax.dlpack.from_dlpack = from_dlpack

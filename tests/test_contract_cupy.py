@@ -173,6 +173,7 @@ def test_every_runtime_call_reaches_cuda(cupy, runtime):
         "memGetInfo": runtime.memGetInfo,
         "memcpyPeerAsync": lambda: runtime.memcpyPeerAsync(4096, 1, 8192, 0, 64, 0),
         "memcpy2DAsync": lambda: runtime.memcpy2DAsync(4096, 64, 8192, 128, 64, 4, runtime.memcpyDeviceToDevice, 0),
+        "memcpyAsync": lambda: runtime.memcpyAsync(4096, 8192, 64, runtime.memcpyDeviceToDevice, 0),
         "deviceCanAccessPeer": lambda: runtime.deviceCanAccessPeer(0, 1),
         "deviceEnablePeerAccess": lambda: runtime.deviceEnablePeerAccess(1),
         "deviceGetPCIBusId": lambda: runtime.deviceGetPCIBusId(0),
@@ -254,6 +255,8 @@ def test_kernel_source_compiles_with_nvrtc_and_keeps_loads_in_flight(cupy):
     first_store = next(i for i in v4 if lines[i].startswith("st."))
     assert sum(1 for i in v4 if i < first_store) >= CK.UNROLL
     assert "ld.shared" in ptx  # the row is looked up once per block and shared
+    # __launch_bounds__(THREADS, MIN_BLOCKS): the compiler holds registers to fit MIN_BLOCKS blocks a multiprocessor
+    assert re.search(rf"\.maxntid {CK.THREADS}, 1, 1", ptx) and re.search(rf"\.minnctapersm {CK.MIN_BLOCKS}\b", ptx)
 
 
 def test_launch_tables_are_what_the_kernel_reads(cupy):
@@ -279,6 +282,7 @@ def test_the_cupy_signatures_jreshard_and_gpu_check_call_with(cupy, nccl):
         cupy.from_dlpack: ["array", "*", "device", "copy"],
         cupy.cuda.runtime.getDeviceProperties: ["device"],
         cupy.cuda.runtime.memcpyPeerAsync: ["dst", "dstDevice", "src", "srcDevice", "size", "stream"],
+        cupy.cuda.runtime.memcpyAsync: ["dst", "src", "size", "kind", "stream"],
         cupy.cuda.runtime.deviceCanAccessPeer: ["device", "peerDevice"],
         cupy.cuda.runtime.deviceEnablePeerAccess: ["peerDevice"],
     }
@@ -333,8 +337,8 @@ def test_numpy_stand_in_matches_the_real_module(cupy, nccl):
         "ndarray.fill": (fake.ndarray.fill, cupy.ndarray.fill),
         "from_dlpack": (fake.from_dlpack, cupy.from_dlpack),
     }
-    for name in ("eventQuery", "memcpy2DAsync", "memcpyPeerAsync", "getDeviceProperties", "deviceGetPCIBusId",
-                 "deviceCanAccessPeer", "deviceEnablePeerAccess"):  # fmt: skip
+    for name in ("eventQuery", "memcpy2DAsync", "memcpyPeerAsync", "memcpyAsync", "getDeviceProperties",
+                 "deviceGetPCIBusId", "deviceCanAccessPeer", "deviceEnablePeerAccess"):  # fmt: skip
         pairs[name] = (getattr(frt, name), getattr(rt, name))
     for name, (ours, real) in pairs.items():
         assert params(ours) == [p for p in declared(real) if p != "*"], name
