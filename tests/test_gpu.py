@@ -226,3 +226,21 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     np.testing.assert_array_equal(np.asarray(y1), host[:, :512])
     np.testing.assert_array_equal(np.asarray(y2), host[:, 512:])
     bufs.release()
+
+
+def test_transfer_into_writes_into_the_donated_into_memory(env):
+    """On GPUs in one process ``transfer_into`` writes into ``into``'s own memory: the results have
+    its buffer pointers and ``into`` is consumed (under the stand-in, jax's CPU path does the same)."""
+    _, jax, gpu = env
+    import jax.numpy as jnp
+
+    import jreshard
+
+    x = {"big": jax.device_put(jnp.arange(256 * 1024, dtype=jnp.float32).reshape(256, 1024), gpu),
+         "small": jax.device_put(jnp.arange(64, dtype=jnp.bfloat16), gpu)}  # fmt: skip
+    into = {k: jax.device_put(jnp.zeros_like(v), gpu) for k, v in x.items()}
+    before = {k: v.unsafe_buffer_pointer() for k, v in into.items()}
+    out = jreshard.transfer_into(x, into)
+    for k in x:
+        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(x[k]))
+        assert out[k].unsafe_buffer_pointer() == before[k] and into[k].is_deleted()
