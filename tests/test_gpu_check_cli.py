@@ -134,6 +134,10 @@ def test_every_stage_passes_in_one_run_against_the_numpy_stand_ins(tmp_path):
     assert re.fullmatch(
         r"\d+ passed in [\d.]+s", summaries["pytest"]
     )  # test_gpu.py against the stand-ins, none skipped
+    (mem,) = [r for r in recs if r["check"] == "memory with jax started"]
+    assert mem["stage"] == "prealloc" and mem["preallocate"] == "true"  # that stage alone runs with XLA's default
+    (versions,) = [r for r in recs if r["check"] == "versions"]
+    assert versions["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     destroyed = [r["count"] for r in recs if r["check"] == "communicators destroyed"]
     assert destroyed == [1, 1]  # the nccl stage's and the engine's communicators, at the end of each stage
     table = proc.stdout[proc.stdout.index("| stage |") :].splitlines()
