@@ -125,8 +125,8 @@ class EndTimed:
         return getattr(self._bufs, name)
 
     def synchronize(self) -> None:
-        with self._cp.cuda.Device(self._o):
-            self.end = self._bufs.stream(self._o).record()
+        with self._cp.cuda.Device(self._o):  # after the pack and unpack streams too
+            self.end = self._bufs.streams.join(self._o).record()
         self._bufs.synchronize()
 
 
@@ -190,7 +190,7 @@ def kernel(emit, quick):
     bufs = CupyBuffers()
     table = K.build_table([(0, (64, 4096), Box((3, 16), (60, 3000)))])
     host = np.random.default_rng(0).integers(0, 256, 64 * 4096, dtype=np.uint8)
-    with cp.cuda.Device(o), bufs.stream(o):
+    with cp.cuda.Device(o), bufs.streams.pack(o):  # where the pack runs
         src = cp.asarray(host)
         out = cp.zeros(K.table_bytes(table), cp.uint8)
     t0 = time.perf_counter()
@@ -275,7 +275,7 @@ def kernel_cases(emit, quick):
             taken.append((b, box))
             pieces.append((b, K.byte_shape(shapes[b], itemsize), K.byte_box(box, itemsize)))
         table = K.build_table(pieces)
-        with cp.cuda.Device(o), bufs.stream(o):
+        with cp.cuda.Device(o), bufs.streams.pack(o):  # where the pack runs
             dev = [cp.asarray(h) for h in hosts]
             stage = cp.zeros(K.table_bytes(table), cp.uint8)
         want = np.zeros(K.table_bytes(table), np.uint8)

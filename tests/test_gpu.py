@@ -5,8 +5,9 @@ They skip cleanly without CuPy, without a CUDA device, when jax has no GPU
 backend (the suite defaults ``JAX_PLATFORMS`` to ``cpu``; ``benchmarks/gpu_check.py``
 runs them with ``JAX_PLATFORMS=cuda,cpu``), and (the NCCL test) when CuPy's NCCL
 did not load libnccl. Buffers are filled on the backend's stream, the one its
-kernels run on, so no fill races a kernel. The NCCL communicators they make are
-destroyed when the module ends. Not run on GPU yet: written against the CuPy and
+kernels run on (the pack stream for what packs read; a staging fill that an unpack
+reads may go on the comm stream, which unpacks wait for), so no fill races a kernel.
+The NCCL communicators they make are destroyed when the module ends. Not run on GPU yet: written against the CuPy and
 jax documentation, and the calls checked against the installed modules by the
 contract tests.
 
@@ -61,14 +62,14 @@ def env():
 
 
 def upload(cupy, bufs, ordinal: int, host: np.ndarray):
-    """``host`` copied to GPU ``ordinal`` on the backend's stream there (ordered before its kernels)."""
-    with cupy.cuda.Device(ordinal), bufs.stream(ordinal):
+    """``host`` copied to GPU ``ordinal`` on the backend's pack stream there (ordered before its packs)."""
+    with cupy.cuda.Device(ordinal), bufs.streams.pack(ordinal):
         return cupy.asarray(host)
 
 
 def zeros_on(cupy, bufs, ordinal: int, n: int):
-    """``n`` zero bytes on GPU ``ordinal``, written on the backend's stream there."""
-    with cupy.cuda.Device(ordinal), bufs.stream(ordinal):
+    """``n`` zero bytes on GPU ``ordinal``, written on the backend's pack stream there."""
+    with cupy.cuda.Device(ordinal), bufs.streams.pack(ordinal):
         return cupy.zeros(n, cupy.uint8)
 
 
@@ -114,8 +115,8 @@ def test_round_trip_through_cupy_bytes_keeps_dtype_and_aliases(env, bufs, dtype)
     src = bufs.export_source(x)
     (dst,) = bufs.allocate([x.nbytes], gpu)
     assert dst.data.ptr % 256 == 0
-    with cupy.cuda.Device(gpu.local_hardware_id), bufs.stream(gpu.local_hardware_id):
-        dst[:] = src
+    with cupy.cuda.Device(gpu.local_hardware_id), bufs.streams.pack(gpu.local_hardware_id):
+        dst[:] = src  # on the pack stream, which the export made wait for device_put
     y = bufs.import_shard(dst, x.shape, np.dtype(dtype), gpu)
     assert y.dtype == np.dtype(dtype) and y.devices() == {gpu}
     assert y.unsafe_buffer_pointer() == dst.data.ptr  # imported without a copy

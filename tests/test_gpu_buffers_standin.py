@@ -111,8 +111,8 @@ def test_run_plan_stages_each_rank_on_its_own_device():
 
 
 def test_gpu_tests_fill_buffers_on_the_stream_their_kernels_use():
-    """The GPU tests upload and zero on CupyBuffers' stream, not the legacy default stream
-    (which a non-blocking stream does not wait for)."""
+    """The GPU tests upload and zero on CupyBuffers' pack stream, where the packs that read them
+    run, not the legacy default stream (which a non-blocking stream does not wait for)."""
     from test_gpu import upload, zeros_on
 
     cp = fake_cupy()
@@ -120,7 +120,8 @@ def test_gpu_tests_fill_buffers_on_the_stream_their_kernels_use():
     upload(cp, bufs, 2, np.zeros(16, np.uint8))
     zeros_on(cp, bufs, 2, 8)
     fills = [e for e in cp.cuda.log if e[0] in ("asarray", "zeros")]
-    assert fills == [("asarray", 16, 2, bufs.stream(2).ptr), ("zeros", 8, 2, bufs.stream(2).ptr)]
+    pack = bufs.streams.pack(2).ptr
+    assert fills == [("asarray", 16, 2, pack), ("zeros", 8, 2, pack)]
 
 
 def test_gpu_nccl_test_skips_when_cupy_has_no_libnccl(monkeypatch):

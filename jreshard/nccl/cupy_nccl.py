@@ -236,8 +236,8 @@ class NcclComm(Communicator):
         self._abort()
 
     def stream(self, rank: int) -> Any:
-        """The CuPy stream NCCL uses for local ``rank``'s device: pack and unpack on it
-        to order them with the messages without extra events."""
+        """The CuPy stream NCCL uses for local ``rank``'s device (the comm stream of
+        :meth:`buffers`, whose packs and unpacks run on streams of their own)."""
         return self._local[self._device_key[rank]].stream
 
     def nccl_rank(self, rank: int) -> int:

@@ -17,13 +17,14 @@ Only staging comes from CuPy's pool, and :meth:`CupyBuffers.release` hands it ba
 Stream-correct DLPack, both ways:
 
 - *Export.* A source shard is exported with ``shard.__dlpack__(stream=s)``, where
-  ``s`` is this backend's stream on the shard's GPU: JAX makes ``s`` wait for the
-  computation that produces the shard, without blocking the host, and every kernel
-  that reads the view runs on ``s``.
+  ``s`` is the pack stream on the shard's GPU: JAX makes ``s`` wait for the
+  computation that produces the shard, without blocking the host; the kernels that
+  read the view run on ``s``, and sends from it on the comm stream, which waits for
+  ``s`` at each fence.
 - *Import.* A destination buffer is handed to ``jax.dlpack.from_dlpack`` through a
   holder whose ``__dlpack__(stream=j)`` exports the CuPy array with ``stream=j``
-  from inside ``with s:``, so JAX's stream ``j`` waits for the kernels on ``s``
-  that filled it.
+  from inside ``with c:``, where the comm stream ``c`` has first waited for the pack
+  and unpack streams, so JAX's stream ``j`` waits for everything that filled it.
 
 Dtypes travel as bytes: the DLPack capsule is re-typed to an unsigned integer of
 the same width before CuPy reads it, and back to the real DLPack type (bfloat16,
