@@ -26,6 +26,7 @@ import itertools
 import sys
 import time
 import types
+import weakref
 from collections import defaultdict, deque
 from typing import Any
 
@@ -70,6 +71,7 @@ class NumpyCuda:
     def __init__(self, ndev: int = 1):
         self.ndev = ndev
         self.log: list[tuple] = []
+        self.order = StreamOrder()
         self.device = 0
         self._ptr = itertools.count(1001)
         self._stack: list[Any] = []
@@ -103,9 +105,11 @@ class NumpyCuda:
 
             def wait_event(self, event):
                 cuda.log.append(("wait_event", self.ptr, event.stream_ptr, event.ptr))
+                cuda.order.wait(self.ptr, event.ptr)
 
             def synchronize(self):
                 cuda.log.append(("synchronize", self.ptr))
+                cuda.order.host_waits(cuda.order._of(self.ptr))
 
             @property
             def done(self):
@@ -122,9 +126,11 @@ class NumpyCuda:
                 self.stream_ptr = s.ptr
                 self.t = time.perf_counter()
                 cuda.log.append(("record", s.ptr, self.ptr))
+                cuda.order.record(s.ptr, self.ptr)
 
             def synchronize(self):
                 cuda.log.append(("event_synchronize", self.stream_ptr))
+                cuda.order.host_waits(cuda.order.events.get(self.ptr, {}))
 
             @property
             def done(self):
@@ -146,6 +152,8 @@ class NumpyCuda:
 
             def synchronize(self):
                 cuda.log.append(("device_synchronize", self.id))
+                for clock in list(cuda.order.clock.values()):
+                    cuda.order.host_waits(clock)
 
         Stream.null = Stream(null=True)
         self.Stream, self.Event, self.Device = Stream, Event, Device
@@ -157,10 +165,96 @@ class NumpyCuda:
     def get_elapsed_time(self, start_event, end_event):
         return 1e3 * (end_event.t - start_event.t)
 
-    def note(self, what: str, *rest: Any, stream: Any = None) -> None:
+    def note(self, what: str, *rest: Any, stream: Any = None, reads: Any = (), writes: Any = ()) -> None:
+        """Log an operation issued on ``stream`` (default: the current one) and check its memory
+        accesses (``reads``/``writes``: ``(address, nbytes)`` runs or arrays of byte addresses)
+        against every earlier one it conflicts with: CUDA must order it after them."""
         s = stream if stream is not None else self.get_current_stream()
         ptr = s if isinstance(s, int) else s.ptr
         self.log.append((what, ptr, *rest))
+        self.order.issue(ptr, f"{what} {rest[:2]}", reads, writes)
+
+
+HOST = -1  # the host, as a stream of its own in the order below
+
+
+def _runs(access: Any) -> tuple[np.ndarray, np.ndarray]:
+    """An access as sorted, disjoint byte runs ``(starts, ends)``: from ``(address, nbytes)``, or from
+    ``(unit addresses, width)`` (each unit ``width`` bytes)."""
+    if not isinstance(access[0], np.ndarray):
+        addr, n = int(access[0]), int(access[1])
+        return (np.array([addr]), np.array([addr + n])) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    units, width = access
+    if len(units) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    st = np.unique(units.astype(np.int64))
+    en = st + int(width)
+    brk = np.nonzero(st[1:] > en[:-1])[0] + 1  # a new run where a unit starts past the last one's end
+    starts = st[np.concatenate([[0], brk])]
+    ends = np.maximum.reduceat(en, np.concatenate([[0], brk]))
+    return starts, ends
+
+
+def _overlap(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    (ast, aen), (bst, ben) = a, b
+    if not len(ast) or not len(bst) or ast[0] >= ben[-1] or bst[0] >= aen[-1]:
+        return False
+    j = np.searchsorted(bst, aen, side="left") - 1  # the last run of b starting before each run of a ends
+    ok = j >= 0
+    return bool(np.any(ben[j[ok]] > ast[ok]))
+
+
+class StreamOrder:
+    """What CUDA orders before what, as vector clocks: streams run their work in issue order, an
+    event wait orders a stream after what was recorded, and the host's syncs order later work after
+    what it waited for. Every access that conflicts with an earlier one (either writes, same bytes)
+    must be ordered after it; :attr:`races` lists those that were not."""
+
+    def __init__(self) -> None:
+        self.clock: dict[int, dict[int, int]] = {}
+        self.events: dict[int, dict[int, int]] = {}
+        self.accesses: list[tuple[tuple, bool, int, int, str]] = []
+        self.races: list[str] = []
+        self._n = itertools.count()
+
+    def _of(self, stream: int) -> dict[int, int]:
+        return self.clock.setdefault(stream, {})
+
+    def issue(self, stream: int, what: str, reads: Any, writes: Any) -> None:
+        c = self._of(stream)
+        for k, v in self._of(HOST).items():  # work issued after the host saw something finish
+            c[k] = max(c.get(k, -1), v)
+        i = next(self._n)
+        new = [(_runs(a), False) for a in reads] + [(_runs(a), True) for a in writes]
+        new = [(r, w) for r, w in new if len(r[0])]
+        for runs, write in new:
+            for old, owrite, ostream, oi, owhat in self.accesses:
+                if (write or owrite) and ostream != stream and c.get(ostream, -1) < oi and _overlap(runs, old):
+                    self.races.append(f"{what} on stream {stream} is not ordered after {owhat} on stream {ostream}")
+        c[stream] = i
+        self.accesses.extend((runs, write, stream, i, what) for runs, write in new)
+        if len(self.accesses) > 4096:  # keep the newest; an access ordered before every stream is settled
+            self.accesses = self.accesses[-2048:]
+
+    def record(self, stream: int, event: int) -> None:
+        c = self._of(stream)
+        for k, v in self._of(HOST).items():
+            c[k] = max(c.get(k, -1), v)
+        self.events[event] = dict(c)
+
+    def wait(self, stream: int, event: int) -> None:
+        c = self._of(stream)
+        for k, v in self.events.get(event, {}).items():
+            c[k] = max(c.get(k, -1), v)
+
+    def host_waits(self, clock: dict[int, int]) -> None:
+        h = self._of(HOST)
+        for k, v in clock.items():
+            h[k] = max(h.get(k, -1), v)
+
+    def forget(self, lo: int, hi: int) -> None:
+        """Memory at ``[lo, hi)`` was freed: its history ends."""
+        self.accesses = [a for a in self.accesses if not _overlap(a[0], (np.array([lo]), np.array([hi])))]
 
 
 class Memory:
@@ -178,7 +272,7 @@ class MemoryPointer:
         self.device_id = mem.device_id
 
     def copy_from_device_async(self, src, size, stream=None):
-        _CUDA.note("memcpy", size, stream=stream)
+        _CUDA.note("memcpy", size, stream=stream, reads=[(src.ptr, size)], writes=[(self.ptr, size)])
         _raw(self.ptr, size)[:] = _raw(src.ptr, size)
 
 
@@ -250,22 +344,26 @@ class ndarray:  # the name of cupy.ndarray
         return self._same(self._a[key])
 
     def __setitem__(self, key, value):
-        _CUDA.note("fill", int(np.asarray(self._a[key]).size))
+        view = self._a[key]
+        reads = [_bytes_of(value._a)] if isinstance(value, ndarray) else []
+        _CUDA.note("fill", int(np.asarray(view).size), reads=reads, writes=[_bytes_of(view)])
         self._a[key] = value._a if isinstance(value, ndarray) else value
 
     def __ne__(self, other):
         return self._same(self._a != (other._a if isinstance(other, ndarray) else other))
 
     def fill(self, value):
-        _CUDA.note("fill", self._a.nbytes)
+        _CUDA.note("fill", self._a.nbytes, writes=[_bytes_of(self._a)])
         self._a.fill(value)
 
     def set(self, arr, stream=None):
-        _CUDA.note("set", int(arr.nbytes), stream=stream)
+        _CUDA.note("set", int(arr.nbytes), stream=stream, writes=[_bytes_of(self._a)])
         self._a[...] = np.asarray(arr).reshape(self._a.shape)
 
     def get(self, stream=None, order="C", out=None, blocking=True):
-        _CUDA.note("get", int(self._a.nbytes), stream=stream)
+        _CUDA.note("get", int(self._a.nbytes), stream=stream, reads=[_bytes_of(self._a)])
+        s = stream if stream is not None else _CUDA.get_current_stream()
+        _CUDA.order.host_waits(_CUDA.order._of(s.ptr))  # a blocking copy to the host
         return self._a.copy()
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
@@ -293,13 +391,16 @@ class RawKernel:
         self.code, self.name, self.options = code, name, tuple(options)
 
     def __call__(self, grid, block, args, **kwargs):
-        _CUDA.note("launch", self.name, tuple(grid), tuple(block))
         if self.name != "jreshard_copy":
+            _CUDA.note("launch", self.name, tuple(grid), tuple(block))
             return
         table, nrows = args
         lt = table._a.reshape(-1, CK.LAUNCH_COLUMNS)[: int(nrows)]
         assert int(grid[0]) == CK.grid_size(lt) and int(block[0]) == CK.THREADS, (grid, block)
         src, dst, width = CK.unit_addresses(lt)
+        reads = [_bytes_of(table._a)] + [_units(src[width == w], int(w)) for w in np.unique(width)]
+        writes = [_units(dst[width == w], int(w)) for w in np.unique(width)]
+        _CUDA.note("launch", self.name, tuple(grid), tuple(block), reads=reads, writes=writes)
         if len(src) == 0:
             return
         lo = int(min(src.min(), dst.min()))
@@ -313,9 +414,25 @@ class RawKernel:
             mem[d.reshape(-1)] = mem[s.reshape(-1)]
 
 
+def _bytes_of(a: np.ndarray) -> Any:
+    """The bytes a numpy view covers: one run when contiguous, else every byte's address."""
+    if a.size == 0:
+        return (0, 0)
+    if a.flags.c_contiguous:
+        return (a.ctypes.data, a.nbytes)
+    idx = np.indices(a.shape).reshape(a.ndim, -1)
+    return (a.ctypes.data + (idx * np.array(a.strides)[:, None]).sum(axis=0), a.itemsize)
+
+
+def _units(addresses: np.ndarray, width: int) -> tuple[np.ndarray, int]:
+    return (addresses, width)
+
+
 def _alloc(nbytes: int, device: int) -> np.ndarray:
     raw = np.empty(int(nbytes) + ALIGN, np.uint8)
     off = (-raw.ctypes.data) % ALIGN
+    lo = raw.ctypes.data
+    weakref.finalize(raw, _CUDA.order.forget, lo, lo + raw.nbytes)
     return raw[off : off + int(nbytes)]
 
 
@@ -336,7 +453,7 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
     def zeros(shape, dtype=np.uint8):
         a = empty(shape, dtype)
         a._a.fill(0)
-        cuda.note("fill", a.nbytes)
+        cuda.note("fill", a.nbytes, writes=[_bytes_of(a._a)])
         return a
 
     def asarray(a, dtype=None):
@@ -345,14 +462,19 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
         host = np.ascontiguousarray(a, dtype=dtype)
         a = empty(host.shape, host.dtype)
         a._a[...] = host
-        cuda.note("upload", host.nbytes)
+        cuda.note("upload", host.nbytes, writes=[_bytes_of(a._a)])
         return a
 
     def arange(start, stop=None, step=1, dtype=None):
         return asarray(np.arange(start, stop, step, dtype=dtype))
 
     def asnumpy(a, stream=None):
-        return a._a.copy() if isinstance(a, ndarray) else np.asarray(a)
+        if not isinstance(a, ndarray):
+            return np.asarray(a)
+        s = stream if stream is not None else cuda.get_current_stream()
+        cuda.note("get", a.nbytes, stream=s, reads=[_bytes_of(a._a)])
+        cuda.order.host_waits(cuda.order._of(s.ptr))  # CuPy synchronizes the stream it copied on
+        return a._a.copy()
 
     def array_equal(a1, a2):
         return ndarray.wrap(np.array(np.array_equal(asnumpy(a1), asnumpy(a2))), cuda.device)
@@ -371,12 +493,18 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
         dev = array.__dlpack_device__()[1]
         a = np.from_dlpack(_CpuView(array))  # read-only when the producer is jax; CuPy's views are writable
         writable = _raw(a.ctypes.data, a.nbytes).view(a.dtype).reshape(a.shape)
+        weakref.finalize(a, cuda.order.forget, a.ctypes.data, a.ctypes.data + a.nbytes)  # jax may reuse it
         return ndarray.wrap(writable, dev, (array, a))
 
     runtime = types.ModuleType("cupy.cuda.runtime")
     runtime.CUDARuntimeError = CUDARuntimeError
     runtime.memcpyDeviceToDevice = 3
-    runtime.eventQuery = lambda event: 0
+
+    def eventQuery(event):
+        cuda.order.host_waits(cuda.order.events.get(int(event), {}))  # done: the host saw it finish
+        return 0
+
+    runtime.eventQuery = eventQuery
     runtime.getDevice = lambda: cuda.device
     runtime.getDeviceCount = lambda: cuda.ndev
     runtime.memGetInfo = lambda: (64 << 30, 80 << 30)
@@ -388,16 +516,19 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
     runtime.deviceEnablePeerAccess = lambda peerDevice: None
 
     def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
-        cuda.note("memcpy", width * height, stream=stream)
+        rows = np.arange(int(height), dtype=np.int64)
+        reads = [(src + rows * spitch, int(width))]
+        writes = [(dst + rows * dpitch, int(width))]
+        cuda.note("memcpy", width * height, stream=stream, reads=reads, writes=writes)
         for r in range(int(height)):
             _raw(dst + r * dpitch, width)[:] = _raw(src + r * spitch, width)
 
     def memcpyPeerAsync(dst, dstDevice, src, srcDevice, size, stream):
-        cuda.note("memcpy", size, stream=stream)
+        cuda.note("memcpy", size, stream=stream, reads=[(src, size)], writes=[(dst, size)])
         _raw(dst, size)[:] = _raw(src, size)
 
     def memcpyAsync(dst, src, size, kind, stream):
-        cuda.note("memcpy", size, stream=stream)
+        cuda.note("memcpy", size, stream=stream, reads=[(src, size)], writes=[(dst, size)])
         _raw(dst, size)[:] = _raw(src, size)
 
     runtime.memcpy2DAsync, runtime.memcpyPeerAsync, runtime.memcpyAsync = memcpy2DAsync, memcpyPeerAsync, memcpyAsync
@@ -457,13 +588,13 @@ def make_nccl(cuda: NumpyCuda) -> types.ModuleType:
             cuda.log.append(("nccl_init", rank))
 
         def send(self, sendbuf, count, datatype, peer, stream):
-            cuda.note("send", peer, count, stream=stream)
+            cuda.note("send", peer, count, stream=stream, reads=[(sendbuf, count)])
             key = (self.uid, self.rank, int(peer))
             sends[key].append((int(sendbuf), int(count)))
             match(key)
 
         def recv(self, recvbuf, count, datatype, peer, stream):
-            cuda.note("recv", peer, count, stream=stream)
+            cuda.note("recv", peer, count, stream=stream, writes=[(recvbuf, count)])
             key = (self.uid, int(peer), self.rank)
             recvs[key].append((int(recvbuf), int(count)))
             match(key)

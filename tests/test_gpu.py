@@ -59,6 +59,8 @@ def env():
     from jreshard.nccl.cupy_nccl import destroy_cached_communicators
 
     destroy_cached_communicators()
+    if STANDIN:  # the stand-in's check of stream order: no access raced one it conflicts with
+        assert cupy.cuda.standin.order.races == []
 
 
 def upload(cupy, bufs, ordinal: int, host: np.ndarray):

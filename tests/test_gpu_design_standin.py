@@ -11,7 +11,10 @@ on which stream and in what order, and that the bytes land.
 - final waits poll no slower than every 100 µs;
 - ``transfer_into`` on GPUs writes into the donated ``into`` memory; ``transfer``'s results
   come from XLA allocations, small leaves sharing one block per device;
-- a few contiguous runs are plain copies, not a kernel.
+- a few contiguous runs are plain copies, not a kernel;
+- and, in every test, each memory access is ordered (by streams, events and host waits) after
+  the earlier accesses it conflicts with: the stand-in's ``StreamOrder`` finds the races a GPU
+  would have.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def cp():
     cp = make_cupy()
     yield cp
     destroy_cached_communicators()
+    assert cp.cuda.standin.order.races == []  # every access ordered after those it conflicts with
 
 
 @pytest.fixture
@@ -57,6 +61,7 @@ def installed():
     yield cp
     destroy_cached_communicators()
     uninstall()
+    assert cp.cuda.standin.order.races == []
 
 
 def run_split(cp, namespace: str, *, repeat: int = 1):
@@ -87,16 +92,17 @@ def run_split(cp, namespace: str, *, repeat: int = 1):
     srcs = {(0, r): cp.asarray(np.ascontiguousarray(part(b)).reshape(-1).view(np.uint8)) for r, b in SRC_BOXES.items()}
     dsts = {(0, r): cp.zeros(part(b).nbytes, cp.uint8) for r, b in DST_BOXES.items()}
     sched = build_schedule(plan, half)
-    cp.cuda.standin.log.clear()  # what the test set up above ran on the legacy default stream
+    cp.cuda.Device(0).synchronize()  # the set-up above ran on the legacy default stream
+    cp.cuda.standin.log.clear()
     stats = [
         execute(None, comm, Shards(src=srcs, dst=dsts), options=opts, backend=bufs, schedule=sched)
         for _ in range(repeat)
     ]
-    for (_, r), d in dsts.items():
-        np.testing.assert_array_equal(cp.asnumpy(d).view(np.float32).reshape(part(DST_BOXES[r]).shape),
-                                      part(DST_BOXES[r]))  # fmt: skip
     ops = [e for e in cp.cuda.standin.log if e[0] not in ("stream", "groupStart", "groupEnd", "nccl_init")]
     assert len(ops) > 50 and [e for e in ops if e[1] == 0] == []  # nothing on the legacy default stream
+    for (_, r), d in dsts.items():  # (the test's own copies to the host are on the legacy stream)
+        np.testing.assert_array_equal(cp.asnumpy(d).view(np.float32).reshape(part(DST_BOXES[r]).shape),
+                                      part(DST_BOXES[r]))  # fmt: skip
     peak = stats[0].peak_staging_bytes
     assert all(v == 2 * sched.staging.get(r, 0) <= opts.staging_bytes for r, v in peak.items())  # two arenas
     return stats, bufs
@@ -305,9 +311,11 @@ def test_a_few_contiguous_runs_are_plain_copies(cp):
     host = np.arange(4 * 64, dtype=np.uint8)
     src = cp.asarray(host)
     stage = cp.zeros(64, cp.uint8)
+    cp.cuda.Device(0).synchronize()
     table = K.build_table([(0, (4, 64), Box((1, 0), (1 + 1, 32))), (0, (4, 64), Box((3, 0), (4, 32)))])
     cp.cuda.standin.log.clear()
     bufs.pack(table, [src], stage)
+    bufs.synchronize()
     names = [e[0] for e in cp.cuda.standin.log]
     assert "launch" not in names and names.count("memcpy") == 2
     np.testing.assert_array_equal(cp.asnumpy(stage), np.concatenate([host[64:96], host[192:224]]))

@@ -1,11 +1,12 @@
 """CupyLocalComm: message passing between the GPUs of one process as stream-ordered copies. Not run on GPU.
 
 The engine's path for GPUs in one process (``backend="local"`` on GPUs). A send and its
-receive become one ``cudaMemcpyAsync`` (``cudaMemcpyPeerAsync`` between two GPUs) on the
-receiving GPU's comm stream of the :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` in use,
-after an event of the sending GPU's comm stream, so copies are ordered with the packs and
-unpacks exactly as NCCL's sends and receives are (the buffers' ``fence``), without a host
-wait and without the legacy default stream.
+receive become one ``cudaMemcpyAsync`` on the GPU's comm stream of the
+:class:`~jreshard.nccl.gpu_buffers.CupyBuffers` in use; between two GPUs, one
+``cudaMemcpyPeerAsync`` on the sender's comm stream, after an event of the receiver's and
+followed by one the receiver's waits for. Copies are so ordered with the packs and unpacks
+of both GPUs exactly as NCCL's sends and receives are (the buffers' ``fence``), without a
+host wait and without the legacy default stream.
 """
 
 from __future__ import annotations
@@ -67,12 +68,19 @@ class CupyLocalComm(Communicator):
         cp = self._buffers.cupy
         rt = cp.cuda.runtime
         for so, sp, ro, rp, n in pairs:
-            stream = self._buffers.stream(ro)
-            with cp.cuda.Device(ro):
-                if so == ro:
-                    rt.memcpyAsync(rp, sp, n, rt.memcpyDeviceToDevice, stream.ptr)
-                    continue
+            here = self._buffers.stream(so)
+            if so == ro:
                 with cp.cuda.Device(so):
-                    event = self._buffers.stream(so).record()
-                stream.wait_event(event)
-                rt.memcpyPeerAsync(rp, ro, sp, so, n, stream.ptr)
+                    rt.memcpyAsync(rp, sp, n, rt.memcpyDeviceToDevice, here.ptr)
+                continue
+            # Between two GPUs: on the sender's comm stream (which releases the sender's staging, as
+            # NCCL's send does), after the receiver's (which ordered the receiving side), and back.
+            there = self._buffers.stream(ro)
+            with cp.cuda.Device(ro):
+                ready = there.record()
+            with cp.cuda.Device(so):
+                here.wait_event(ready)
+                rt.memcpyPeerAsync(rp, ro, sp, so, n, here.ptr)
+                done = here.record()
+            with cp.cuda.Device(ro):
+                there.wait_event(done)
