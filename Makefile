@@ -1,5 +1,7 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv
 # from scratch when it is missing. `make docs` builds the documentation site into site/.
+# `make test` also checks that the GPU machine's package set runs benchmarks/gpu_check.py
+# (tools/check_gpu_packages.py; its environment is cached in .cache/).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,6 +21,7 @@ test: $(STAMP)
 	$(BIN)/ruff format --check jreshard tests benchmarks examples tools
 	$(BIN)/python -m mypy jreshard
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -q
+	$(BIN)/python tools/check_gpu_packages.py
 	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
 
 docs: $(STAMP)
@@ -36,4 +39,4 @@ bench: $(STAMP)
 	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/plan_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis site
+	rm -rf $(VENV) .pytest_cache .hypothesis site .cache

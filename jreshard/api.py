@@ -99,7 +99,8 @@ def _run_flat(
 
         return run_local(prep, topology, options, builder)
     shardings = list(prep.shape.shardings) if prep is not None else target_shardings(targets)
-    return run_engine(leaves, shardings, choice, single_process, topology, options, builder)
+    into = targets if mode is Mode.INTO else None
+    return run_engine(leaves, shardings, choice, single_process, topology, options, builder, into)
 
 
 def _run_repacked(
@@ -264,7 +265,8 @@ def transfer_into(
     (``not_in_place_bytes``). Nothing in ``x`` ever changes. A ``None`` leaf in
     ``into`` returns that leaf of ``x`` itself. On any error raised before the copy,
     ``into`` is untouched: every check runs before the first byte is written. On GPUs in
-    one process (not run on GPU) the engine writes new arrays and leaves ``into`` as it is.
+    one process (not run on GPU) the engine writes into the donated ``into`` memory the
+    same way, through DLPack views of the donated arrays.
 
     Args:
       x: a ``jax.Array`` or a pytree of them.

@@ -282,9 +282,11 @@ def run_engine(
     topology: Topology | None,
     options: Options,
     builder: ReportBuilder,
+    into: Sequence[Any] | None = None,
 ) -> list[Any]:
     """Build the message-passing transport ``choice`` names and run the flat leaves through the engine:
-    MPI across processes, NCCL, or local copies between GPUs in one process (not run on GPU).
+    MPI across processes, NCCL, or stream-ordered local copies between GPUs in one process (not run
+    on GPU). ``into``: per leaf, the array ``transfer_into`` writes into (GPUs in one process).
 
     Returns the result leaves (the caller unflattens them).
     """
@@ -292,7 +294,14 @@ def run_engine(
 
     def run(transport: Any, buffers: Any = None) -> list[Any]:
         out, _, _ = run_leaves(
-            leaves, shardings, topology=topology, options=options, transport=transport, buffers=buffers, report=builder
+            leaves,
+            shardings,
+            topology=topology,
+            options=options,
+            transport=transport,
+            buffers=buffers,
+            report=builder,
+            into=into,
         )
         return out
 
@@ -303,11 +312,15 @@ def run_engine(
         return run(cluster_comm(import_mpi().COMM_WORLD))
     devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
     devs.update({d.id: d for s in shardings if s is not None for d in s.device_set})
-    if choice.backend is Backend.LOCAL:  # GPUs in one process: the engine over local copies
-        from jreshard.engine.loopback import LocalComm
+    if choice.backend is Backend.LOCAL:  # GPUs in one process: the engine over stream-ordered local copies
         from jreshard.nccl.gpu_buffers import CupyBuffers
+        from jreshard.nccl.gpu_local import CupyLocalComm
 
-        return run(LocalComm(sorted(devs)), CupyBuffers())
+        gpu = CupyBuffers(timeout_s=options.timeout_s)
+        try:
+            return run(CupyLocalComm(sorted(devs), gpu), gpu)
+        finally:
+            gpu.release()
     comm = _nccl_comm(devs, single_process, options)
     buffers = comm.buffers(timeout_s=options.timeout_s)  # stream-ordered: one host wait, at the end
     try:
@@ -356,6 +369,7 @@ def transfer_multiprocess(
     buffers: Any = None,
     report: ReportBuilder | None = None,
     details: bool = False,
+    into: bool = False,
 ) -> Any:
     """``jreshard.transfer`` through the message-passing engine: every process of the cluster calls it.
 
@@ -378,6 +392,8 @@ def transfer_multiprocess(
       details: return ``(result, stats, programs)`` instead of the result alone: what the engine
         did for this process's ranks, and their programs ``{rank: RankProgram}``. No process
         builds the whole plan; ``jreshard.plan`` gives it.
+      into: ``target``'s leaves are arrays to write into (``transfer_into``, one process): each
+        one owned exclusively is donated and written in place, the others get fresh buffers.
 
     Raises:
       TransferTimeoutError: a peer process did not answer within ``options.timeout_s``.
@@ -392,7 +408,7 @@ def transfer_multiprocess(
 
         MPI = import_mpi()
         transport = cluster_comm(MPI.COMM_WORLD if comm is None else comm)
-    leaves, treedef, targets = flatten(x, target)
+    leaves, treedef, targets = flatten(x, target, "into" if into else "target")
     out, stats, programs = run_leaves(
         leaves,
         target_shardings(targets),
@@ -401,6 +417,7 @@ def transfer_multiprocess(
         transport=transport,
         buffers=buffers,
         report=report,
+        into=targets if into else None,
     )
     result = jax.tree_util.tree_unflatten(treedef, out)
     return (result, stats, programs) if details else result

@@ -107,8 +107,16 @@ class RecordingCuda:
             return cuda.event_status
 
         self.Stream, self.Device, self.Event = Stream, Device, Event
+
+        def memcpy_async(dst, src, size, kind, stream):
+            cuda.log.append(("memcpy", dst, src, size, stream))
+
         self.runtime = types.SimpleNamespace(
-            eventQuery=event_query, CUDARuntimeError=CUDARuntimeError, getDevice=lambda: cuda.device
+            eventQuery=event_query,
+            CUDARuntimeError=CUDARuntimeError,
+            getDevice=lambda: cuda.device,
+            memcpyAsync=memcpy_async,
+            memcpyDeviceToDevice=3,
         )
         self.current: dict[int, object] = {}
         self.stack: list = []
@@ -249,6 +257,7 @@ def fake_nvml(fabric: dict[str, object], *, versioned: bool = True):
         nvmlInit=lambda: log.append("init"),
         nvmlShutdown=lambda: log.append("shutdown"),
         nvmlDeviceGetHandleByPciBusId=lambda pciBusId: pciBusId,
+        nvmlDeviceGetCount=lambda: len(fabric),
         log=log,
     )
 

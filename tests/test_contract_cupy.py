@@ -173,6 +173,7 @@ def test_every_runtime_call_reaches_cuda(cupy, runtime):
         "memGetInfo": runtime.memGetInfo,
         "memcpyPeerAsync": lambda: runtime.memcpyPeerAsync(4096, 1, 8192, 0, 64, 0),
         "memcpy2DAsync": lambda: runtime.memcpy2DAsync(4096, 64, 8192, 128, 64, 4, runtime.memcpyDeviceToDevice, 0),
+        "memcpyAsync": lambda: runtime.memcpyAsync(4096, 8192, 64, runtime.memcpyDeviceToDevice, 0),
         "deviceCanAccessPeer": lambda: runtime.deviceCanAccessPeer(0, 1),
         "deviceEnablePeerAccess": lambda: runtime.deviceEnablePeerAccess(1),
         "deviceGetPCIBusId": lambda: runtime.deviceGetPCIBusId(0),
@@ -254,6 +255,8 @@ def test_kernel_source_compiles_with_nvrtc_and_keeps_loads_in_flight(cupy):
     first_store = next(i for i in v4 if lines[i].startswith("st."))
     assert sum(1 for i in v4 if i < first_store) >= CK.UNROLL
     assert "ld.shared" in ptx  # the row is looked up once per block and shared
+    # __launch_bounds__(THREADS, MIN_BLOCKS): the compiler holds registers to fit MIN_BLOCKS blocks a multiprocessor
+    assert re.search(rf"\.maxntid {CK.THREADS}, 1, 1", ptx) and re.search(rf"\.minnctapersm {CK.MIN_BLOCKS}\b", ptx)
 
 
 def test_launch_tables_are_what_the_kernel_reads(cupy):
@@ -279,6 +282,7 @@ def test_the_cupy_signatures_jreshard_and_gpu_check_call_with(cupy, nccl):
         cupy.from_dlpack: ["array", "*", "device", "copy"],
         cupy.cuda.runtime.getDeviceProperties: ["device"],
         cupy.cuda.runtime.memcpyPeerAsync: ["dst", "dstDevice", "src", "srcDevice", "size", "stream"],
+        cupy.cuda.runtime.memcpyAsync: ["dst", "src", "size", "kind", "stream"],
         cupy.cuda.runtime.deviceCanAccessPeer: ["device", "peerDevice"],
         cupy.cuda.runtime.deviceEnablePeerAccess: ["peerDevice"],
     }
@@ -305,3 +309,48 @@ def test_export_hands_cupy_a_legacy_capsule_it_reads(cupy, runtime):
     except runtime.CUDARuntimeError:
         return
     pytest.skip("CUDA works here: the gpu tests cover the real hand-over")
+
+
+def test_numpy_stand_in_matches_the_real_module(cupy, nccl):
+    """The byte-moving stand-in of ``tests/cupy_numpy.py`` (gpu_check --standin, the GPU design tests)
+    declares what the installed CuPy and NCCL declare, for every call jreshard and gpu_check make."""
+    from cupy_numpy import make_cupy
+
+    fake = make_cupy()
+    rt, frt = cupy.cuda.runtime, fake.cuda.runtime
+    pairs = {
+        "Stream": (fake.cuda.Stream.__init__, cupy.cuda.Stream.__init__),
+        "Stream.record": (fake.cuda.Stream.record, cupy.cuda.Stream.record),
+        "Stream.wait_event": (fake.cuda.Stream.wait_event, cupy.cuda.Stream.wait_event),
+        "Event": (fake.cuda.Event.__init__, cupy.cuda.Event.__init__),
+        "Event.record": (fake.cuda.Event.record, cupy.cuda.Event.record),
+        "get_current_stream": (fake.cuda.get_current_stream, cupy.cuda.get_current_stream),
+        "get_elapsed_time": (fake.cuda.get_elapsed_time, cupy.cuda.get_elapsed_time),
+        "UnownedMemory": (fake.cuda.UnownedMemory.__init__, cupy.cuda.UnownedMemory),
+        "MemoryPointer": (fake.cuda.MemoryPointer.__init__, cupy.cuda.MemoryPointer),
+        "copy_from_device_async": (
+            fake.cuda.MemoryPointer.copy_from_device_async,
+            cupy.cuda.MemoryPointer.copy_from_device_async,
+        ),
+        "ndarray.set": (fake.ndarray.set, cupy.ndarray.set),
+        "ndarray.get": (fake.ndarray.get, cupy.ndarray.get),
+        "ndarray.fill": (fake.ndarray.fill, cupy.ndarray.fill),
+        "from_dlpack": (fake.from_dlpack, cupy.from_dlpack),
+    }
+    for name in ("eventQuery", "memcpy2DAsync", "memcpyPeerAsync", "memcpyAsync", "getDeviceProperties",
+                 "deviceGetPCIBusId", "deviceCanAccessPeer", "deviceEnablePeerAccess"):  # fmt: skip
+        pairs[name] = (getattr(frt, name), getattr(rt, name))
+    for name, (ours, real) in pairs.items():
+        assert params(ours) == [p for p in declared(real) if p != "*"], name
+    for name in ("send", "recv"):
+        ours, real = getattr(fake.cuda.nccl.NcclCommunicator, name), getattr(nccl.NcclCommunicator, name)
+        assert params(ours) == declared(real), name
+    for name in ("empty", "zeros", "asarray", "arange", "asnumpy", "array_equal"):  # plain Python functions
+        real = [p for p in inspect.signature(getattr(cupy, name)).parameters][:2]
+        assert params(getattr(fake, name))[:2] == real, name
+    assert params(fake.RawKernel.__init__)[:3] == declared(cupy.RawKernel)[:3]
+    first = fake.cuda.nccl.NcclCommunicator.__doc__.strip().split("\n")[0]
+    assert first == nccl.NcclCommunicator.__doc__.lstrip().split("\n")[0]
+    assert fake.cuda.nccl.NCCL_UINT8 == nccl.NCCL_UINT8 and frt.memcpyDeviceToDevice == rt.memcpyDeviceToDevice
+    assert cupy.cuda.Stream.null.ptr == fake.cuda.Stream.null.ptr == 0  # the legacy default stream
+    assert len(fake.cuda.nccl.get_unique_id()) == len(nccl.get_unique_id()) == 128

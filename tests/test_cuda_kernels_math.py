@@ -172,6 +172,7 @@ struct uint2 { unsigned int x, y; };
 #define __restrict__
 #define __shared__ static
 #define __syncthreads() ((void)0)
+#define __launch_bounds__(threads, blocks)
 """
 DRIVER = r"""
 extern "C" void run(const long long* table, int nrows, unsigned int blocks) {

@@ -5,12 +5,19 @@ They skip cleanly without CuPy, without a CUDA device, when jax has no GPU
 backend (the suite defaults ``JAX_PLATFORMS`` to ``cpu``; ``benchmarks/gpu_check.py``
 runs them with ``JAX_PLATFORMS=cuda,cpu``), and (the NCCL test) when CuPy's NCCL
 did not load libnccl. Buffers are filled on the backend's stream, the one its
-kernels run on, so no fill races a kernel. Not run on GPU yet: written against
-the CuPy and jax documentation, and the calls checked against the installed
-modules by the contract tests.
+kernels run on (the pack stream for what packs read; a staging fill that an unpack
+reads may go on the comm stream, which unpacks wait for), so no fill races a kernel.
+The NCCL communicators they make are destroyed when the module ends. Not run on GPU yet: written against the CuPy and
+jax documentation, and the calls checked against the installed modules by the
+contract tests.
+
+``JRESHARD_GPU_STANDIN=1`` (set by ``gpu_check.py --standin`` only) runs them against
+the numpy stand-ins of ``tests/cupy_numpy.py`` on jax's CPU devices, at smaller sizes.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -22,35 +29,49 @@ from jreshard.sharding.box import Box
 pytestmark = pytest.mark.gpu
 
 
+STANDIN = os.environ.get("JRESHARD_GPU_STANDIN") == "1"
+
+
 @pytest.fixture(scope="module")
 def env():
-    """``(cupy, jax, first GPU)``, or a skip saying what is missing."""
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as err:  # ImportError, or a CUDA error without a driver or device
-        pytest.skip(f"no usable CuPy/CUDA here ({type(err).__name__}: {err})")
-    if count < 1:
-        pytest.skip("CuPy sees no CUDA device")
+    """``(cupy, jax, first GPU)``, or a skip saying what is missing; destroys the NCCL
+    communicators the module's tests made when it ends (not at interpreter exit)."""
     import jax
 
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as err:
-        pytest.skip(f"jax has no GPU backend here ({err}); run with JAX_PLATFORMS=cuda,cpu")
-    return cupy, jax, gpus[0]
+    if STANDIN:
+        from cupy_numpy import install
+
+        cupy, device = install(), jax.devices()[0]
+    else:
+        try:
+            import cupy
+
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as err:  # ImportError, or a CUDA error without a driver or device
+            pytest.skip(f"no usable CuPy/CUDA here ({type(err).__name__}: {err})")
+        if count < 1:
+            pytest.skip("CuPy sees no CUDA device")
+        try:
+            device = jax.devices("gpu")[0]
+        except RuntimeError as err:
+            pytest.skip(f"jax has no GPU backend here ({err}); run with JAX_PLATFORMS=cuda,cpu")
+    yield cupy, jax, device
+    from jreshard.nccl.cupy_nccl import destroy_cached_communicators
+
+    destroy_cached_communicators()
+    if STANDIN:  # the stand-in's check of stream order: no access raced one it conflicts with
+        assert cupy.cuda.standin.order.races == []
 
 
 def upload(cupy, bufs, ordinal: int, host: np.ndarray):
-    """``host`` copied to GPU ``ordinal`` on the backend's stream there (ordered before its kernels)."""
-    with cupy.cuda.Device(ordinal), bufs.stream(ordinal):
+    """``host`` copied to GPU ``ordinal`` on the backend's pack stream there (ordered before its packs)."""
+    with cupy.cuda.Device(ordinal), bufs.streams.pack(ordinal):
         return cupy.asarray(host)
 
 
 def zeros_on(cupy, bufs, ordinal: int, n: int):
-    """``n`` zero bytes on GPU ``ordinal``, written on the backend's stream there."""
-    with cupy.cuda.Device(ordinal), bufs.stream(ordinal):
+    """``n`` zero bytes on GPU ``ordinal``, written on the backend's pack stream there."""
+    with cupy.cuda.Device(ordinal), bufs.streams.pack(ordinal):
         return cupy.zeros(n, cupy.uint8)
 
 
@@ -96,8 +117,8 @@ def test_round_trip_through_cupy_bytes_keeps_dtype_and_aliases(env, bufs, dtype)
     src = bufs.export_source(x)
     (dst,) = bufs.allocate([x.nbytes], gpu)
     assert dst.data.ptr % 256 == 0
-    with cupy.cuda.Device(gpu.local_hardware_id), bufs.stream(gpu.local_hardware_id):
-        dst[:] = src
+    with cupy.cuda.Device(gpu.local_hardware_id), bufs.streams.pack(gpu.local_hardware_id):
+        dst[:] = src  # on the pack stream, which the export made wait for device_put
     y = bufs.import_shard(dst, x.shape, np.dtype(dtype), gpu)
     assert y.dtype == np.dtype(dtype) and y.devices() == {gpu}
     assert y.unsafe_buffer_pointer() == dst.data.ptr  # imported without a copy
@@ -114,11 +135,12 @@ def test_export_waits_for_a_pending_jax_computation(env, bufs):
             a = jnp.tanh(a @ a) * 0.5
         return a + 1.0
 
-    a = jax.device_put(np.eye(4096, dtype=np.float32) * 0.1, gpu)
+    n = 256 if STANDIN else 4096
+    a = jax.device_put(np.eye(n, dtype=np.float32) * 0.1, gpu)
     y = slow(a)  # dispatched, still running on the GPU
     view = bufs.export_source(y)  # must not block the host, and must order after `slow`
-    (stage,) = bufs.allocate([4096 * 4], gpu)
-    t = K.build_table([(0, (4096, 4096 * 4), Box((7, 0), (8, 4096 * 4)))])
+    (stage,) = bufs.allocate([n * 4], gpu)
+    t = K.build_table([(0, (n, n * 4), Box((7, 0), (8, n * 4)))])
     bufs.pack(t, [view], stage)  # on the export stream: after the computation
     bufs.synchronize()
     np.testing.assert_array_equal(cupy.asnumpy(stage), np.asarray(y)[7].view(np.uint8))
@@ -207,3 +229,21 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     np.testing.assert_array_equal(np.asarray(y1), host[:, :512])
     np.testing.assert_array_equal(np.asarray(y2), host[:, 512:])
     bufs.release()
+
+
+def test_transfer_into_writes_into_the_donated_into_memory(env):
+    """On GPUs in one process ``transfer_into`` writes into ``into``'s own memory: the results have
+    its buffer pointers and ``into`` is consumed (under the stand-in, jax's CPU path does the same)."""
+    _, jax, gpu = env
+    import jax.numpy as jnp
+
+    import jreshard
+
+    x = {"big": jax.device_put(jnp.arange(256 * 1024, dtype=jnp.float32).reshape(256, 1024), gpu),
+         "small": jax.device_put(jnp.arange(64, dtype=jnp.bfloat16), gpu)}  # fmt: skip
+    into = {k: jax.device_put(jnp.zeros_like(v), gpu) for k, v in x.items()}
+    before = {k: v.unsafe_buffer_pointer() for k, v in into.items()}
+    out = jreshard.transfer_into(x, into)
+    for k in x:
+        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(x[k]))
+        assert out[k].unsafe_buffer_pointer() == before[k] and into[k].is_deleted()

@@ -51,12 +51,10 @@ def test_import_exports_on_the_buffers_gpu_whatever_device_is_current():
     assert array.seen == [(1, s1, 77)] and cuda.device == 0
 
 
-def test_staging_and_buffers_land_on_the_named_gpu():
+def test_staging_lands_on_the_named_gpu():
     cp = fake_cupy()
     bufs = CupyBuffers(cupy=cp)
-    assert bufs.staging(1000, gpu(3)).device.id == 3
-    a, b = bufs.allocate([10, 300], gpu(2))
-    assert (a.device.id, b.device.id) == (2, 2) and cp.cuda.device == 0
+    assert bufs.staging(1000, gpu(3)).device.id == 3 and cp.cuda.device == 0
     with cp.cuda.Device(5):
         assert bufs.staging(8).device.id == 5  # no device: the current one
 
@@ -113,8 +111,8 @@ def test_run_plan_stages_each_rank_on_its_own_device():
 
 
 def test_gpu_tests_fill_buffers_on_the_stream_their_kernels_use():
-    """The GPU tests upload and zero on CupyBuffers' stream, not the legacy default stream
-    (which a non-blocking stream does not wait for)."""
+    """The GPU tests upload and zero on CupyBuffers' pack stream, where the packs that read them
+    run, not the legacy default stream (which a non-blocking stream does not wait for)."""
     from test_gpu import upload, zeros_on
 
     cp = fake_cupy()
@@ -122,7 +120,8 @@ def test_gpu_tests_fill_buffers_on_the_stream_their_kernels_use():
     upload(cp, bufs, 2, np.zeros(16, np.uint8))
     zeros_on(cp, bufs, 2, 8)
     fills = [e for e in cp.cuda.log if e[0] in ("asarray", "zeros")]
-    assert fills == [("asarray", 16, 2, bufs.stream(2).ptr), ("zeros", 8, 2, bufs.stream(2).ptr)]
+    pack = bufs.streams.pack(2).ptr
+    assert fills == [("asarray", 16, 2, pack), ("zeros", 8, 2, pack)]
 
 
 def test_gpu_nccl_test_skips_when_cupy_has_no_libnccl(monkeypatch):
@@ -168,7 +167,9 @@ def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
     np.testing.assert_array_equal(d2.view(np.float32).reshape(32, 32), host[:, 32:])
 
 
-def test_pack_runs_on_the_staging_gpu_stream_and_unpack_waits_for_the_current_stream(monkeypatch):
+def test_pack_and_unpack_run_on_their_own_streams_of_the_staging_gpu(monkeypatch):
+    """Pack on GPU 1's pack stream; unpack on its unpack stream, after an event of the comm stream
+    (where the receives land); the current stream is never used."""
     from jreshard.nccl import cuda_kernels as CK
     from jreshard.schedule import kernels as K
 
@@ -179,15 +180,15 @@ def test_pack_runs_on_the_staging_gpu_stream_and_unpack_waits_for_the_current_st
     with cp.cuda.Device(1):
         src = cp.empty(256)
     table = K.build_table([(0, (4, 64), Box((1, 16), (3, 48)))])
-    s1 = bufs.stream(1).ptr
     cp.cuda.log.clear()
     bufs.pack(table, [src], staging)
     bufs.unpack(table, staging, [src])
+    pack, unpack, comm = bufs.streams.pack(1).ptr, bufs.streams.unpack(1).ptr, bufs.stream(1).ptr
     launches = [e for e in cp.cuda.log if e[0] == "launch"]
-    assert [(e[2], e[3]) for e in launches] == [(1, s1), (1, s1)]  # GPU 1, its backend stream
+    assert [(e[2], e[3]) for e in launches] == [(1, pack), (1, unpack)]
     log = [e for e in cp.cuda.log if e[0] in ("record", "wait_event", "launch")]
-    current = cp.cuda.current[1].ptr
-    assert log[1:] == [("record", current), ("wait_event", s1, current), launches[1]]
+    assert log == [launches[0], ("record", comm), ("wait_event", unpack, comm), launches[1], ("record", unpack)]
+    assert cp.cuda.current.get(1) is None  # no stream is left current on GPU 1
 
 
 def test_mail_goes_up_and_down_on_the_buffers_gpu_and_stream():

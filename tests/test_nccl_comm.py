@@ -325,15 +325,15 @@ def test_after_buffers_an_exchange_does_not_wait_and_synchronize_does_once():
     assert len(calls(nccl.log, "eventQuery")) == 2 and not calls(nccl.log, "abort")  # one event per GPU, done
 
 
-def test_fence_orders_through_events_without_a_host_wait():
+def test_fence_orders_the_pack_stream_before_the_comm_stream_through_events_without_a_host_wait():
     _, nccl, cuda, bufs = deferred()
+    p0, p1 = bufs.streams.pack(0).ptr, bufs.streams.pack(1).ptr  # as a pack on each GPU makes them
     nccl.log.clear()
     bufs.fence()
     s0, s1 = bufs.stream(0).ptr, bufs.stream(1).ptr
     waits = calls(nccl.log, "wait_event")
-    assert [w[2] for w in waits] == [s0, s1]  # each GPU's current stream waits on the backend's stream
-    assert [w[1] for w in waits] == [cuda.current[0].ptr, cuda.current[1].ptr]
-    assert not calls(nccl.log, "synchronize", "eventQuery")
+    assert [(w[1], w[2]) for w in waits] == [(s0, p0), (s1, p1)]  # each comm stream waits on its pack stream
+    assert not calls(nccl.log, "synchronize", "eventQuery") and not cuda.current  # no current stream touched
 
 
 def test_final_wait_is_bounded_and_aborts():
@@ -396,9 +396,11 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
     stats = execute(plan, comm, shards, options=opts, backend=bufs)
     assert stats.rounds > 1
     s = comm.stream(0).ptr
+    kernels = {bufs.streams.pack(0).ptr, bufs.streams.unpack(0).ptr}
     log = [e for e in cuda.log if e[0] in ("launch", "send", "recv", "groupStart", "groupEnd", "eventQuery")]
-    assert {(e[2], e[3]) for e in log if e[0] == "launch"} == {(0, s)}  # kernels: GPU 0, the NCCL stream
-    assert {e[6] for e in log if e[0] in ("send", "recv")} == {s}  # NCCL: the same stream
+    assert {(e[2], e[3]) for e in log if e[0] == "launch"} == {(0, bufs.streams.pack(0).ptr)}  # GPU 0, packs
+    assert bufs.streams.pack(0).ptr in kernels
+    assert {e[6] for e in log if e[0] in ("send", "recv")} == {s}  # NCCL: its own stream
     names = [e[0] for e in log]
     assert names.count("groupStart") == stats.rounds and names[-1] == "eventQuery"
     assert "eventQuery" not in names[: len(names) - names[::-1].index("groupEnd")]  # no host wait per exchange

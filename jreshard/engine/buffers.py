@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -203,7 +203,17 @@ class BufferBackend(abc.ABC):
     Buffers are 1-D uint8 arrays (numpy on CPU, CuPy on GPU); byte movements are
     descriptor tables (``kernels.py``). Final implementations: :class:`CpuBuffers`
     here, and a CuPy one for GPUs.
+
+    ``staging_buffers`` is how many staging arenas a rank wants the engine to alternate
+    between by round (2: double-buffered, so a round's pack overlaps the round before it on
+    the wire); the engine gives one where two would not fit ``Options.staging_bytes``.
     """
+
+    staging_buffers: int = 1
+
+    def prepare(self, jobs: Iterable[tuple[str, np.ndarray, Sequence[Any], Any]]) -> None:  # noqa: B027
+        """Before a schedule's first round: every ``("pack" | "unpack", table, buffers, staging)`` it
+        will run, lazily (default: nothing to prepare, and ``jobs`` is not read)."""
 
     @abc.abstractmethod
     def export_source(self, shard: Any) -> Any:

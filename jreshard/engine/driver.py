@@ -29,8 +29,11 @@ This module imports no transport: the caller hands it one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from jreshard.engine.buffers import BufferBackend, CpuBuffers
 from jreshard.engine.comm import Communicator
@@ -93,6 +96,7 @@ def run_schedule(
     options: Options,
     backend: BufferBackend | None = None,
     report: ReportBuilder | None = None,
+    given: Mapping[tuple[int, int], Any] | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """Run ``schedule`` (rounds of this process's ranks) and return the new destination shards.
 
@@ -101,17 +105,27 @@ def run_schedule(
       schedule: the rounds, from :func:`~jreshard.schedule.pairsched.pair_schedule` or
         :func:`~jreshard.schedule.steps.build_schedule`.
       comm, sources, targets, options, backend, report: as for :func:`run_plan`.
+      given: destination buffers to write into instead of new ones (``transfer_into``);
+        those keys come back as the buffers themselves, not imported arrays.
     """
+    given = given or {}
     backend = backend or CpuBuffers()
     src = {k: backend.export_source(a) for k, a in sources.items()}
-    dst, meta = {}, {}
+    dst: dict[tuple[int, int], Any] = {}
+    meta: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
     devices: dict[int, Any] = {}
+    by_device: dict[Any, list[tuple[int, int]]] = {}
     for (t, r), device in targets.items():
         lay = tensors[t].dst
         box = lay.box_of(r)
-        (dst[(t, r)],) = backend.allocate([storage_bytes(lay.np_dtype, box.volume)], device)
         meta[(t, r)] = (box.shape, lay.np_dtype, device)
         devices[r] = device
+        by_device.setdefault(device, []).append((t, r))
+    for device, keys in by_device.items():  # one block per device for all its destination shards
+        keys = [k for k in keys if k not in given]
+        sizes = [storage_bytes(meta[k][1], int(np.prod(meta[k][0]))) for k in keys]
+        dst.update(zip(keys, backend.allocate(sizes, device) if keys else [], strict=True))
+    dst.update({k: v for k, v in given.items() if k in targets})
     for (_, r), a in sources.items():
         devices.setdefault(r, next(iter(a.devices())))
     stats = execute(
@@ -124,7 +138,7 @@ def run_schedule(
         report=report,
         schedule=schedule,
     )
-    out = {k: backend.import_shard(dst[k], *meta[k]) for k in dst}
+    out = {k: dst[k] if k in given else backend.import_shard(dst[k], *meta[k]) for k in dst}
     return out, stats
 
 
@@ -145,6 +159,7 @@ def run_leaves(
     transport: Communicator,
     buffers: BufferBackend | None = None,
     report: ReportBuilder | None = None,
+    into: Sequence[Any] | None = None,
 ) -> tuple[list[Any], ExecStats, dict[int, RankProgram]]:
     """Move flat leaves to their target shardings through the message-passing engine: every process of
     the cluster calls it with the same leaves and shardings.
@@ -162,6 +177,11 @@ def run_leaves(
         that take part.
       buffers: the buffer operations (default numpy on CPU; ``CupyBuffers`` on GPUs).
       report: a report builder the engine adds its phases, bytes and messages to.
+      into: per leaf, the array to write into (``transfer_into``, one process), or ``None``: each one
+        owned exclusively (not deleted, not sharing a buffer with a source or another target) is
+        donated to an identity computation, the engine writes into the donated memory through
+        ``buffers.writable_view``, and the result leaf is the donated output; the others get
+        fresh buffers.
 
     Returns:
       ``(result leaves, stats, programs)``: the moved leaves (see the module docstring for
@@ -175,11 +195,19 @@ def run_leaves(
     import jax
 
     options = options or Options()
+    planned = options  # the schedule's options: two arenas a rank must fit options.staging_bytes together
+    if buffers is not None and buffers.staging_buffers > 1:
+        n = buffers.staging_buffers
+        planned = dataclasses.replace(
+            options,
+            staging_bytes=options.staging_bytes // n,
+            chunk_bytes=min(options.chunk_bytes, options.staging_bytes // n),
+        )
     moved = [i for i, s in enumerate(shardings) if s is not None]
     pairs, names, devices = layout_pairs([leaves[i] for i in moved], [shardings[i] for i in moved])
     topology = topology or Topology.from_devices(devices)
     where = {d.id: d for d in jax.local_devices()}
-    tensors, programs, sched = schedule_local(pairs, names, topology, options, transport, buffers, where)
+    tensors, programs, sched = schedule_local(pairs, names, topology, planned, transport, buffers, where)
     sources, targets = {}, {}
     me = jax.process_index()
     for t, i in enumerate(moved):
@@ -190,15 +218,62 @@ def run_leaves(
         for d in shardings[i].device_set:
             if d.process_index == me:
                 targets[(t, d.id)] = d
+    owned = _donated_targets(leaves, into, moved) if into is not None else {}
+    backend = buffers or CpuBuffers()
+    given = {
+        (t, sh.device.id): backend.writable_view(sh.data)
+        for t, i in enumerate(moved)
+        if i in owned
+        for sh in owned[i].addressable_shards
+        if (t, sh.device.id) in targets
+    }
     shards, stats = run_schedule(
-        tensors, sched, transport, sources, targets, options=options, backend=buffers, report=report
+        tensors, sched, transport, sources, targets, options=options, backend=backend, report=report, given=given
     )
     out = list(leaves)
     for t, i in enumerate(moved):
+        if i in owned:  # written in place: the donated output is the result
+            out[i] = owned[i]
+            continue
         a, sharding = leaves[i], shardings[i]
         mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
         out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine)
     return out, stats, programs
+
+
+def _donated_targets(x_leaves: Sequence[Any], tgt: Sequence[Any], moved: Sequence[int]) -> dict[int, Any]:
+    """``{leaf: donated output}`` for the target arrays that only the caller holds: each is donated to
+    an identity computation (one per device set), so the output owns its memory and the target is
+    deleted, as ``jax.jit(..., donate_argnums=...)`` does. A target that is deleted, shares a buffer
+    with a source leaf, or appears twice is left alone (it gets fresh buffers)."""
+    import warnings
+
+    import jax
+
+    src_ptrs = {sh.data.unsafe_buffer_pointer() for a in x_leaves for sh in a.addressable_shards}
+    seen: set[int] = set()
+    mine: list[int] = []
+    for i in moved:
+        t = tgt[i]
+        if not isinstance(t, jax.Array) or t.is_deleted():
+            continue
+        ptrs = {sh.data.unsafe_buffer_pointer() for sh in t.addressable_shards}
+        if ptrs & (src_ptrs | seen):
+            continue
+        seen |= ptrs
+        mine.append(i)
+    groups: dict[Any, list[int]] = {}
+    for i in mine:
+        groups.setdefault(frozenset(tgt[i].sharding.device_set), []).append(i)
+    out: dict[int, Any] = {}
+    for idx in groups.values():
+        arrays = [tgt[i] for i in idx]
+        ident = jax.jit(lambda *xs: xs, donate_argnums=tuple(range(len(arrays))),
+                        out_shardings=tuple(a.sharding for a in arrays))  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            out.update(zip(idx, ident(*arrays), strict=True))
+    return out
 
 
 def schedule_local(

@@ -11,7 +11,8 @@ stages forward bytes the sender received, which it holds in its destination shar
 (a forwarded piece always lies inside the forwarding rank's destination box).
 Receivers write into their destination shard. A chunk that is one contiguous run
 of its shard is sent or received in place; the others are packed into, or
-unpacked from, the rank's staging arena with one descriptor table per round.
+unpacked from, the rank's staging arena with one descriptor table per round; a backend
+that asks for two arenas (``BufferBackend.staging_buffers``) gets them alternated by round.
 Local copies (``RankProgram.local``) run first, straight from the source shard.
 
 **Report.** Given a :class:`~jreshard.report.ReportBuilder`, :func:`execute` adds
@@ -167,9 +168,10 @@ def execute(
         backend.fence()
     rep.add_bytes(Link.LOCAL, local_bytes)
     devices = devices or {}
-    arenas = {r: backend.staging(sched.staging.get(r, 0), devices.get(r)) for r in ranks}
-    held = sum(sched.staging.get(r, 0) for r in ranks)
+    arenas = {r: _arenas(backend, sched.staging.get(r, 0), devices.get(r), options.staging_bytes) for r in ranks}
+    held = sum(len(a) * sched.staging.get(r, 0) for r, a in arenas.items())
     rep.staging(held)
+    backend.prepare(_jobs(sched, ranks, bufs, arenas))  # e.g. the GPU's launch tables, once per schedule
     rounds_run = 0
     if sched.groups is None:  # a global schedule: rounds over max_group_ops operations run as groups
         cuts = group_rounds(sched, options.max_group_ops).group_of
@@ -186,21 +188,22 @@ def execute(
                 step = sched.steps.get(r, {}).get(rnd)
                 if step is None:
                     continue
+                arena = arenas[r][rnd % len(arenas[r])]
                 if len(step.pack):
-                    backend.pack(step.pack, bufs[r], arenas[r])
+                    backend.pack(step.pack, bufs[r], arena)
                 for w in step.sends:
-                    sends.append(SendOp(r, w.peer, w.tag, _region(w, bufs[r], arenas[r])))
+                    sends.append(SendOp(r, w.peer, w.tag, _region(w, bufs[r], arena)))
                     sent[w.link] += w.nbytes
                     key = (r, w.peer, w.tag >> TAG_CHUNK_BITS)
                     first = key not in messages
                     messages.add(key)
                     rep.add_bytes(w.link, w.nbytes, messages=int(first))
                     network = network or w.link is Link.NETWORK
-                recvs.extend(RecvOp(w.peer, r, w.tag, _region(w, bufs[r], arenas[r])) for w in step.recvs)
+                recvs.extend(RecvOp(w.peer, r, w.tag, _region(w, bufs[r], arena)) for w in step.recvs)
                 network = network or any(w.link is Link.NETWORK for w in step.recvs)
                 chunks += len(step.sends)
                 if len(step.unpack):
-                    todo.append((step.unpack, arenas[r], bufs[r]))
+                    todo.append((step.unpack, arena, bufs[r]))
             if not sends and not recvs:
                 continue
             backend.fence()  # ordered before the sends; no host wait where the backend can avoid one
@@ -218,8 +221,22 @@ def execute(
         local_bytes=local_bytes,
         chunks=chunks,
         rounds=rounds_run,
-        peak_staging_bytes={r: sched.staging.get(r, 0) for r in ranks},
+        peak_staging_bytes={r: len(arenas[r]) * sched.staging.get(r, 0) for r in ranks},
     )
+
+
+def _arenas(backend: BufferBackend, nbytes: int, device: Any, bound: int) -> list[Any]:
+    """A rank's staging arenas: ``backend.staging_buffers`` of them where they fit ``bound`` together, else one."""
+    n = backend.staging_buffers if backend.staging_buffers * nbytes <= bound else 1
+    return [backend.staging(nbytes, device) for _ in range(n)]
+
+
+def _jobs(sched: Schedule, ranks: tuple[int, ...], bufs: dict[int, list], arenas: dict[int, list]):
+    """Every pack and unpack of the ranks' rounds, with the buffers and arena each will use (lazily)."""
+    for r in ranks:
+        for rnd, step in sched.steps.get(r, {}).items():
+            arena = arenas[r][rnd % len(arenas[r])]
+            yield from (("pack", step.pack, bufs[r], arena), ("unpack", step.unpack, bufs[r], arena))
 
 
 def _region(w: Wire, bufs: list, arena) -> object:

@@ -61,12 +61,15 @@ __all__ = [
     "UNROLL",
     "copy_launch",
     "launch",
+    "launch_uploaded",
     "pack_launch",
     "unit_addresses",
     "unpack_launch",
+    "upload",
 ]
 
 THREADS, UNROLL = 256, 4
+MIN_BLOCKS = 4  # __launch_bounds__(THREADS, MIN_BLOCKS): the kernel is held to 64 registers a thread
 TILE_UNITS = THREADS * UNROLL
 MAX_BLOCKS = (1 << 31) - 1  # gridDim.x
 SRC, DST, UNITS, WIDTH, NDIM, TILE, LUNITS = range(7)
@@ -89,6 +92,7 @@ CUDA_SOURCE = r"""
 #define JR_MAXD 8
 #define JR_THREADS 256
 #define JR_UNROLL 4
+#define JR_MIN_BLOCKS 4
 
 /* The row whose first tile is the last one <= b: a binary search, once per block. */
 __device__ __forceinline__ int jr_find_row(const long long* __restrict__ table, const int nrows, const long long b) {
@@ -178,7 +182,9 @@ __device__ __forceinline__ void jr_tile(const long long* __restrict__ row, const
     if (ok[k]) *reinterpret_cast<T*>(d[k]) = v[k];
 }
 
-extern "C" __global__ void jreshard_copy(const long long* __restrict__ table, const int nrows) {
+/* At most 64 registers a thread, so 4 blocks of 256 threads share a multiprocessor (50% occupancy). */
+extern "C" __global__ void __launch_bounds__(JR_THREADS, JR_MIN_BLOCKS)
+jreshard_copy(const long long* __restrict__ table, const int nrows) {
   __shared__ int jr_row;
   const long long b = blockIdx.x;
   if (threadIdx.x == 0) jr_row = jr_find_row(table, nrows, b);
@@ -353,6 +359,28 @@ def _kernel(cupy: Any) -> Any:
     return _KERNELS[dev]
 
 
+def upload(launch_tables: Sequence[np.ndarray], stream: Any, cupy: Any) -> list[tuple[Any, int, int]]:
+    """Every launch table in one host-to-device copy on ``stream``: ``(device rows, rows, blocks)``
+    per table, for :func:`launch_uploaded`. Not run on GPU."""
+    tables = [np.ascontiguousarray(t, dtype=np.int64).reshape(-1, LAUNCH_COLUMNS) for t in launch_tables]
+    if not tables:
+        return []
+    with stream:
+        dev = cupy.asarray(np.concatenate(tables))
+    out, pos = [], 0
+    for t in tables:
+        out.append((dev[pos : pos + len(t)], len(t), grid_size(t)))
+        pos += len(t)
+    return out
+
+
+def launch_uploaded(table: Any, rows: int, blocks: int, stream: Any, cupy: Any) -> None:
+    """Run a launch table already on the device (from :func:`upload`) on ``stream``. Not run on GPU."""
+    if rows:
+        with stream:
+            _kernel(cupy)((blocks,), (THREADS,), (table, np.int32(rows)))
+
+
 def launch(launch_table: np.ndarray, stream: Any, cupy: Any = None) -> None:
     """Run one launch table on ``stream`` (a CuPy stream of the current device). Not run on GPU.
 
@@ -364,6 +392,5 @@ def launch(launch_table: np.ndarray, stream: Any, cupy: Any = None) -> None:
         return
     if cupy is None:
         cupy = importlib.import_module("cupy")
-    with stream:
-        table = cupy.asarray(np.ascontiguousarray(launch_table))
-        _kernel(cupy)((grid_size(launch_table),), (THREADS,), (table, np.int32(len(launch_table))))
+    ((table, rows, blocks),) = upload([launch_table], stream, cupy)
+    launch_uploaded(table, rows, blocks, stream, cupy)

@@ -60,7 +60,9 @@ from jreshard.nccl.rendezvous import Rendezvous
 
 __all__ = ["NcclComm", "destroy_cached_communicators", "device_pointer", "uid_from_bytes", "uid_to_bytes"]
 
-_POLL_MIN_S, _POLL_MAX_S = 50e-6, 5e-3
+# Host waits poll at most every 100 µs: backing off further (it was 5 ms) added up to that much to
+# every wait, and so to every time measured around one; NCCL progresses on the GPU, not on this thread.
+_POLL_MIN_S, _POLL_MAX_S = 20e-6, 100e-6
 
 
 @dataclasses.dataclass(slots=True)
@@ -204,9 +206,10 @@ class NcclComm(Communicator):
         """A :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` on this communicator's streams,
         and from now on exchanges that do not wait on the host. Not run on GPU.
 
-        Pack, send/receive and unpack then run in one stream's order per GPU; the one host
-        wait is the buffers' ``synchronize()`` at the end of a refit, which polls NCCL's
-        errors while it waits and aborts every communicator past ``timeout_s``.
+        Sends and receives then run on this communicator's stream per GPU, packs and unpacks on
+        the buffers' own streams, ordered by events; the one host wait is the buffers'
+        ``synchronize()`` at the end of a refit, which polls NCCL's errors while it waits and
+        aborts every communicator past ``timeout_s``.
         """
         from jreshard.nccl.gpu_buffers import CupyBuffers
 
@@ -233,8 +236,8 @@ class NcclComm(Communicator):
         self._abort()
 
     def stream(self, rank: int) -> Any:
-        """The CuPy stream NCCL uses for local ``rank``'s device: pack and unpack on it
-        to order them with the messages without extra events."""
+        """The CuPy stream NCCL uses for local ``rank``'s device (the comm stream of
+        :meth:`buffers`, whose packs and unpacks run on streams of their own)."""
         return self._local[self._device_key[rank]].stream
 
     def nccl_rank(self, rank: int) -> int:
@@ -245,7 +248,10 @@ class NcclComm(Communicator):
         """Post every send and receive in one NCCL group and wait for all. Not run on GPU.
 
         Each device's NCCL stream first waits on that device's current CuPy stream,
-        so buffers packed there (or fenced into it) are complete before NCCL reads them.
+        so buffers packed there are complete before NCCL reads them; after
+        :meth:`buffers`, the buffers' ``fence()`` orders their streams before NCCL's
+        instead, and the current stream (the legacy default one, unless another was
+        entered) is not touched.
         On return every receive has landed (the host waited on an event after the
         group), except after :meth:`buffers`: then the receives are ordered on the
         NCCL streams, which the buffers' kernels share, and the buffers'
@@ -264,10 +270,11 @@ class NcclComm(Communicator):
         nccl, cuda = self._nccl, self._cuda
         deadline = time.monotonic() + timeout_s
         used = sorted({k for k, *_ in issued})
-        for k in used:
-            loc = self._local[k]
-            with cuda.Device(loc.ordinal):
-                loc.stream.wait_event(cuda.get_current_stream().record())
+        if not self._deferred:  # else the buffers ordered everything on this stream (fence), not the current one
+            for k in used:
+                loc = self._local[k]
+                with cuda.Device(loc.ordinal):
+                    loc.stream.wait_event(cuda.get_current_stream().record())
         # groupEnd blocks while NCCL connects to the peers: a watchdog aborts the
         # communicators at the deadline, which makes it return with an error.
         with Watchdog(timeout_s, self._abort) as dog:

@@ -2,24 +2,35 @@
 
 The GPU :class:`~jreshard.engine.buffers.BufferBackend`. Buffers are 1-D ``uint8``
 CuPy arrays; pack, unpack and copy are one ``RawKernel`` launch per descriptor
-table (:mod:`jreshard.nccl.cuda_kernels`).
+table (:mod:`jreshard.nccl.cuda_kernels`), or plain ``cudaMemcpyAsync`` calls when
+a table is a few contiguous runs. The launch tables of a whole schedule are built
+and uploaded once (:meth:`CupyBuffers.prepare`, which the engine calls before its
+first round). Pack, send/receive and unpack run on three streams per GPU linked by
+events, with double-buffered staging (:mod:`jreshard.nccl.gpu_streams`); none is the
+legacy default stream.
+
+Destination shards are allocated through XLA (one jitted allocation per device and
+call, viewed by CuPy), so they count against XLA's memory, not beside it: with XLA's
+default preallocation (75% of the GPU) the results fit where jax would put them.
+Only staging comes from CuPy's pool, and :meth:`CupyBuffers.release` hands it back.
 
 Stream-correct DLPack, both ways:
 
 - *Export.* A source shard is exported with ``shard.__dlpack__(stream=s)``, where
-  ``s`` is this backend's stream on the shard's GPU: JAX makes ``s`` wait for the
-  computation that produces the shard, without blocking the host, and every kernel
-  that reads the view runs on ``s``.
+  ``s`` is the pack stream on the shard's GPU: JAX makes ``s`` wait for the
+  computation that produces the shard, without blocking the host; the kernels that
+  read the view run on ``s``, and sends from it on the comm stream, which waits for
+  ``s`` at each fence.
 - *Import.* A destination buffer is handed to ``jax.dlpack.from_dlpack`` through a
   holder whose ``__dlpack__(stream=j)`` exports the CuPy array with ``stream=j``
-  from inside ``with s:``, so JAX's stream ``j`` waits for the kernels on ``s``
-  that filled it.
+  from inside ``with c:``, where the comm stream ``c`` has first waited for the pack
+  and unpack streams, so JAX's stream ``j`` waits for everything that filled it.
 
 Dtypes travel as bytes: the DLPack capsule is re-typed to an unsigned integer of
 the same width before CuPy reads it, and back to the real DLPack type (bfloat16,
 float8_*) before JAX reads it, so bf16 and fp8 need no dtype support in CuPy.
-Destination buffers are CuPy allocations carved at 256-byte boundaries, which
-JAX imports without a copy.
+Destination buffers are carved at 256-byte boundaries of an XLA allocation, which
+JAX imports again without a copy.
 
 The exported views keep the JAX source buffers alive (and not donatable):
 :meth:`CupyBuffers.release` drops them; call it when a refit ends.
@@ -29,7 +40,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,12 +49,17 @@ from jreshard.engine.buffers import KDLCUDA, BufferBackend, Capsule, dlpack_type
 from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl.gpu_dlpack import Typed
+from jreshard.nccl.gpu_streams import GpuStreams
 from jreshard.nccl.nccl_support import event_done
 from jreshard.schedule import kernels as K
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
 
 GPU_ALIGN = 256  # bytes: the alignment of every destination and staging buffer
+# The final wait polls every 20 µs, backing off to at most 100 µs (not more: it is the refit's end).
+POLL_MIN_S, POLL_MAX_S = 20e-6, 100e-6
+SMALL_BYTES = 1 << 20  # destination buffers under this share one XLA block per device and call
+MAX_PLAIN_COPIES = 4  # a table of at most this many contiguous runs is copied with cudaMemcpyAsync
 _UINT = 1
 
 
@@ -64,19 +80,19 @@ def _ordinal(device: Any) -> int:
 class CupyBuffers(BufferBackend):
     """CuPy buffers on jax CUDA devices (final). Not run on GPU.
 
-    Stream order, no host waits until the end: :meth:`fence` (before each exchange)
-    makes each GPU's current stream, which ``NcclComm`` waits on, wait for this
-    backend's stream with an event; only :meth:`synchronize` (the end of a refit)
-    blocks the host, polling events for at most ``timeout_s``, raising a CUDA
-    error as one, and asking ``watcher`` (``NcclComm.buffers()`` passes the
-    communicator) for NCCL errors while it waits and to abort at the deadline.
-    Staging and destination blocks are allocated on this backend's stream, so
-    CuPy's pool only hands them out again in that stream's order.
+    Stream order, no host waits until the end. On each GPU, packs and local copies run
+    on a pack stream, sends and receives on the comm stream (``NcclComm``'s, with
+    :meth:`NcclComm.buffers`), unpacks on an unpack stream; :meth:`fence` (before each
+    exchange) and the staging arenas' events order them (:mod:`jreshard.nccl.gpu_streams`),
+    and the engine alternates two staging arenas by round (:attr:`staging_buffers`), so
+    round ``k + 1`` packs while round ``k`` is on the wire. Only :meth:`synchronize`
+    (the end of a refit) blocks the host, polling events every 20-100 µs for at most
+    ``timeout_s``, raising a CUDA error as one, and asking ``watcher`` (``NcclComm.buffers()``
+    passes the communicator) for NCCL errors while it waits and to abort at the deadline.
 
     Args:
-      streams: ``{CUDA ordinal: CuPy stream}`` to run on (pass ``NcclComm.stream(rank)``
-        so kernels and NCCL share one stream per GPU, or use ``NcclComm.buffers()``);
-        others are made as needed.
+      streams: ``{CUDA ordinal: CuPy stream}`` to use as comm streams (``NcclComm.stream(rank)``,
+        or use ``NcclComm.buffers()``); others are made as needed.
       cupy: the ``cupy`` module (imported when not given).
       timeout_s: how long :meth:`synchronize` may wait.
       watcher: polled while :meth:`synchronize` waits (``check_errors()``) and aborted
@@ -86,7 +102,9 @@ class CupyBuffers(BufferBackend):
       BackendUnavailableError: CuPy does not import.
     """
 
-    __slots__ = ("_cp", "_peers", "_streams", "_timeout_s", "_views", "_watcher")
+    __slots__ = ("_cp", "_peers", "_s", "_tables", "_timeout_s", "_views", "_watcher", "uploads")
+
+    staging_buffers = 2  # double-buffered staging: the engine alternates two arenas by round
 
     def __init__(
         self,
@@ -104,68 +122,107 @@ class CupyBuffers(BufferBackend):
                     f"CupyBuffers: cupy does not import ({type(err).__name__}: {err}); the fix is {cuda_extra()}"
                 ) from err
         self._cp = cupy
-        self._streams: dict[int, Any] = dict(streams or {})
+        self._s = GpuStreams(cupy, dict(streams or {}))
         self._views: list[Any] = []
         self._peers: set[tuple[int, int]] = set()
         self._timeout_s = float(timeout_s)
         self._watcher = watcher
+        self._tables: dict[tuple, tuple[Any, int, int]] = {}  # prepared launch tables on the device
+        self.uploads = 0  # host-to-device copies of launch tables (one per GPU per prepared schedule)
 
     def stream(self, ordinal: int) -> Any:
-        """This backend's stream on GPU ``ordinal``."""
-        if ordinal not in self._streams:
-            with self._cp.cuda.Device(ordinal):
-                self._streams[ordinal] = self._cp.cuda.Stream(non_blocking=True)
-        return self._streams[ordinal]
+        """The comm stream on GPU ``ordinal``: NCCL's, and where JAX waits before reading a result."""
+        return self._s.comm(ordinal)
+
+    @property
+    def cupy(self) -> Any:
+        """The ``cupy`` module in use (or its stand-in)."""
+        return self._cp
+
+    @property
+    def streams(self) -> GpuStreams:
+        """The comm, pack and unpack streams of every GPU in use."""
+        return self._s
 
     # ----- DLPack ----------------------------------------------------------
+    def _view(self, array: Any, o: int, stream: Any) -> Any:
+        """A 1-D uint8 CuPy view of a single-device jax array, ``stream`` ordered after its producer."""
+        cp = self._cp
+        bits = array.dtype.itemsize * 8
+        if bits > 64:
+            raise TransferError(f"CupyBuffers: dtype {array.dtype} ({bits} bits) has no unsigned integer of its width")
+        with cp.cuda.Device(o), stream:
+            capsule = retype_capsule(array.__dlpack__(stream=stream.ptr), _UINT, bits)
+            return cp.from_dlpack(Capsule(capsule, o, KDLCUDA)).reshape(-1).view(cp.uint8)
+
     def export_source(self, shard: Any) -> Any:
-        """A zero-copy 1-D uint8 CuPy view of a single-device jax array, ordered after
-        the computation that produces it (on this backend's stream). Not run on GPU."""
+        """A zero-copy 1-D uint8 CuPy view of a single-device jax array, ordered after the
+        computation that produces it (on the pack stream, which orders the comm stream
+        at each fence). Not run on GPU."""
         cp = self._cp
         (device,) = shard.devices()
         o = _ordinal(device)
         if shard.size == 0:
-            with cp.cuda.Device(o):
+            with cp.cuda.Device(o), self._s.pack(o):
                 return cp.zeros(0, cp.uint8)
-        bits = shard.dtype.itemsize * 8
-        if bits > 64:
-            raise TransferError(f"CupyBuffers: dtype {shard.dtype} ({bits} bits) has no unsigned integer of its width")
-        s = self.stream(o)
-        with cp.cuda.Device(o), s:
-            capsule = retype_capsule(shard.__dlpack__(stream=s.ptr), _UINT, bits)
-            view = cp.from_dlpack(Capsule(capsule, o, KDLCUDA)).reshape(-1).view(cp.uint8)
+        view = self._view(shard, o, self._s.pack(o))
         self._views.append(view)
         return view
 
     def writable_view(self, array: Any) -> Any:
-        """A writable 1-D uint8 view of a donated single-device jax array. Not run on GPU.
-
-        Waits for the array to be ready (host-side); the caller keeps ``array`` alive.
-        """
+        """A writable 1-D uint8 view of a donated single-device jax array, ordered after its
+        producer on the pack stream (no host wait). Not run on GPU. The caller keeps ``array`` alive."""
         cp = self._cp
         (device,) = array.devices()
         o = _ordinal(device)
-        nbytes = array.size * array.dtype.itemsize
-        with cp.cuda.Device(o):
-            if nbytes == 0:
+        if array.size == 0:
+            with cp.cuda.Device(o), self._s.pack(o):
                 return cp.zeros(0, cp.uint8)
-            array.block_until_ready()
-            mem = cp.cuda.UnownedMemory(array.unsafe_buffer_pointer(), nbytes, array, o)
-            view = cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+        view = self._view(array, o, self._s.pack(o))
         self._views.append(view)
         return view
 
     def allocate(self, sizes: Sequence[int], device: Any) -> list[Any]:
-        """Uninitialised uint8 buffers on ``device``, each starting at a 256-byte boundary of one
-        CuPy allocation (CuPy's pool hands out 512-byte-aligned blocks). Not run on GPU."""
-        starts, pos = [], 0
-        for n in sizes:
-            starts.append(pos)
-            pos += -(-int(n) // GPU_ALIGN) * GPU_ALIGN
-        block = self._empty(max(pos, 1), _ordinal(device), "destination buffers")
-        if block.data.ptr % GPU_ALIGN:
-            raise TransferError(f"CupyBuffers: CuPy returned {block.data.ptr:#x}, not {GPU_ALIGN}-byte aligned")
-        return [block[s : s + int(n)] for s, n in zip(starts, sizes, strict=True)]
+        """Uninitialised uint8 buffers on ``device`` that XLA allocates (jitted ``zeros`` on the
+        device), so XLA's preallocated memory holds them: the buffers under ``SMALL_BYTES``
+        share one block (one allocation and one DLPack view for many small leaves), each
+        larger one has its own; every buffer starts at a 256-byte boundary. Not run on GPU.
+
+        Raises:
+          TransferError: XLA has no room.
+        """
+        out: list[Any] = [None] * len(sizes)
+        small = [i for i, n in enumerate(sizes) if int(n) < SMALL_BYTES]
+        groups = [small] if small else []
+        groups += [[i] for i, n in enumerate(sizes) if int(n) >= SMALL_BYTES]
+        for idx in groups:
+            starts, pos = [], 0
+            for i in idx:
+                starts.append(pos)
+                pos += -(-int(sizes[i]) // GPU_ALIGN) * GPU_ALIGN
+            block = self._xla_block(pos, device)
+            for i, st in zip(idx, starts, strict=True):
+                out[i] = block[st : st + int(sizes[i])]
+        return out
+
+    def _xla_block(self, nbytes: int, device: Any) -> Any:
+        """A CuPy view of ``nbytes`` (rounded up) that XLA allocated on ``device``; the view holds the jax array."""
+        import jax.numpy as jnp
+
+        total = max(int(nbytes), GPU_ALIGN) + GPU_ALIGN  # room to start at a 256-byte boundary
+        total = -(-total // (1 << 20)) * (1 << 20) if total > (1 << 20) else total  # fewer shapes to compile
+        o = _ordinal(device)
+        try:
+            block = jnp.zeros((total,), jnp.uint8, device=device)
+        except Exception as err:  # XlaRuntimeError: RESOURCE_EXHAUSTED
+            if "RESOURCE_EXHAUSTED" not in str(err) and "out of memory" not in str(err).lower():
+                raise
+            free, whole = self._memory(o)
+            raise TransferError(
+                _no_room("destination buffers", total, o, free, whole), destination_intact=True
+            ) from err
+        view = self._view(block, o, self._s.pack(o))  # ordered after XLA's zeros on the pack stream
+        return view[(-int(view.data.ptr)) % GPU_ALIGN :]
 
     def import_shard(self, buffer: Any, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
         """A jax array on ``device`` aliasing ``buffer``, after the kernels that wrote it. Not run on GPU.
@@ -182,23 +239,32 @@ class CupyBuffers(BufferBackend):
         code, bits = dlpack_type(dtype)
         o = _ordinal(device)
         typed = buffer.view(self._cp.dtype(f"uint{bits}")).reshape(shape)
-        out = jax.dlpack.from_dlpack(Typed(typed, code, bits, self.stream(o), o, self._cp.cuda))
+        out = jax.dlpack.from_dlpack(Typed(typed, code, bits, self._s.join(o), o, self._cp.cuda))
         if out.dtype != dtype:
             raise TransferError(f"CupyBuffers.import_shard: asked jax for {dtype} and got {out.dtype}")
         return out
 
     def release(self) -> int:
         """Drop every exported DLPack view (so the jax buffers behind them can be donated
-        again) and hand CuPy's cached free blocks (the staging of the refit) back to the
-        driver, so XLA can use them; returns how many views. The engine must hold no
-        views or staging of its own by then. Not run on GPU."""
+        again), the prepared launch tables, and hand CuPy's cached free blocks (the staging
+        of the refit) back to the driver, so XLA can use them; returns how many views. The
+        engine must hold no views or staging of its own by then. Not run on GPU."""
         n = len(self._views)
         self._views.clear()
+        self._tables.clear()
+        self._s.reset()
         self._cp.get_default_memory_pool().free_all_blocks()
         return n
 
+    def _memory(self, ordinal: int) -> tuple[int, int]:
+        cp = self._cp
+        with cp.cuda.Device(ordinal):
+            free, total = cp.cuda.runtime.memGetInfo()
+        return free + cp.get_default_memory_pool().free_bytes(), total
+
     def _empty(self, nbytes: int, ordinal: int, what: str) -> Any:
-        """``nbytes`` uninitialised bytes on GPU ``ordinal``, or an error that says how to make room.
+        """``nbytes`` uninitialised bytes from CuPy's pool on GPU ``ordinal`` (staging, mail), or an
+        error that says how to make room.
 
         CuPy allocates outside XLA's allocator, and XLA preallocates 75% of each GPU's
         memory by default; the check counts what the device has free plus what CuPy's
@@ -208,11 +274,10 @@ class CupyBuffers(BufferBackend):
           TransferError: too little GPU memory (nothing was written).
         """
         cp = self._cp
-        with cp.cuda.Device(ordinal), self.stream(ordinal):  # the pool reuses the block in this stream's order
-            free, total = cp.cuda.runtime.memGetInfo()
-            free += cp.get_default_memory_pool().free_bytes()
-            if nbytes > free:
-                raise TransferError(_no_room(what, nbytes, ordinal, free, total), destination_intact=True)
+        free, total = self._memory(ordinal)
+        if nbytes > free:
+            raise TransferError(_no_room(what, nbytes, ordinal, free, total), destination_intact=True)
+        with cp.cuda.Device(ordinal), self._s.comm(ordinal):  # the pool reuses the block in this stream's order
             try:
                 return cp.empty(nbytes, cp.uint8)
             except cp.cuda.memory.OutOfMemoryError as err:
@@ -230,51 +295,111 @@ class CupyBuffers(BufferBackend):
         return self._empty(max(int(nbytes), 0), o, "staging")
 
     def upload(self, data: np.ndarray, device: Any) -> Any:
-        """``data`` (host uint8) copied into a new buffer on ``device``, on this backend's stream
+        """``data`` (host uint8) copied into a new buffer on ``device``, on the comm stream
         (the mail of the rank-local schedule: a few integers). Not run on GPU."""
         o = _ordinal(device)
         buf = self._empty(int(data.size), o, "scheduling mail")
         if data.size:
             with self._cp.cuda.Device(o):
-                buf.set(np.ascontiguousarray(data, np.uint8), stream=self.stream(o))
+                buf.set(np.ascontiguousarray(data, np.uint8), stream=self._s.comm(o))
         return buf
 
     def download(self, buffer: Any) -> np.ndarray:
-        """``buffer``'s bytes on the host, copied on this backend's stream after what it ordered
+        """``buffer``'s bytes on the host, copied on the comm stream after what it ordered
         there (with ``NcclComm.buffers()``, the receives). Not run on GPU."""
         o = buffer.device.id
         with self._cp.cuda.Device(o):
-            return np.asarray(buffer.get(stream=self.stream(o)))
+            return np.asarray(buffer.get(stream=self._s.comm(o)))
 
     @staticmethod
     def _pointers(buffers: Sequence[Any]) -> list[int]:
         return [0 if b is None else int(b.data.ptr) for b in buffers]
 
+    @staticmethod
+    def _key(kind: str, table: np.ndarray, pointers: Sequence[int], staging: int) -> tuple:
+        return (kind, table.__array_interface__["data"][0], table.shape, tuple(pointers), staging)
+
+    def _launch_table(self, kind: str, table: np.ndarray, pointers: list[int], staging: int) -> np.ndarray:
+        if kind == "pack":
+            return CK.pack_launch(table, pointers, staging)
+        return CK.unpack_launch(table, staging, pointers)
+
+    def prepare(self, jobs: Iterable[tuple[str, np.ndarray, Sequence[Any], Any]]) -> None:
+        """Build the launch tables of every ``("pack" | "unpack", table, buffers, staging)`` of a
+        schedule and upload them in one copy per GPU, before the first round; :meth:`pack` and
+        :meth:`unpack` then launch them with no host work but the launch. Not run on GPU."""
+        by_gpu: dict[int, list[tuple[tuple, np.ndarray]]] = {}
+        for kind, table, buffers, staging in jobs:
+            if len(table) == 0 or _plain(table, table):
+                continue
+            ptrs = self._pointers(buffers)
+            key = self._key(kind, table, ptrs, int(staging.data.ptr))
+            if key not in self._tables:
+                lt = self._launch_table(kind, table, ptrs, int(staging.data.ptr))
+                by_gpu.setdefault(staging.device.id, []).append((key, lt))
+        for o, items in sorted(by_gpu.items()):
+            with self._cp.cuda.Device(o):
+                done = CK.upload([lt for _, lt in items], self._s.pack(o), self._cp)
+            self.uploads += 1
+            self._tables.update({key: d for (key, _), d in zip(items, done, strict=True)})
+
+    def _run(self, kind: str, table: np.ndarray, buffers: Sequence[Any], staging: Any, stream: Any) -> None:
+        ptrs = self._pointers(buffers)
+        key = self._key(kind, table, ptrs, int(staging.data.ptr))
+        found = self._tables.get(key)
+        if found is None:  # not prepared: built and uploaded now
+            self.uploads += 1
+            CK.launch(self._launch_table(kind, table, ptrs, int(staging.data.ptr)), stream, self._cp)
+        else:
+            CK.launch_uploaded(*found, stream, self._cp)
+
+    def _memcpy(self, pairs: Sequence[tuple[int, int, int]], stream: Any) -> None:
+        rt = self._cp.cuda.runtime
+        for dst, src, n in pairs:
+            rt.memcpyAsync(dst, src, n, rt.memcpyDeviceToDevice, stream.ptr)
+
     def pack(self, table: np.ndarray, buffers: Sequence[Any], staging: Any) -> None:
-        """One kernel launch gathering ``table``'s pieces into ``staging``. Not run on GPU."""
+        """One kernel launch (or a few ``cudaMemcpyAsync`` for contiguous runs) gathering ``table``'s
+        pieces into ``staging``, on the pack stream. Not run on GPU."""
         if len(table) == 0:
             return
         o = staging.device.id
+        arena = int(staging.data.ptr)
+        reads_received = bool(np.any(table[:, K.BUF] % 2 == 1))  # a destination shard: bytes forwarded
         with self._cp.cuda.Device(o):
-            CK.launch(CK.pack_launch(table, self._pointers(buffers), staging.data.ptr), self.stream(o), self._cp)
+            s = self._s.before_pack(o, arena, reads_received)
+            if _plain(table, table):
+                src = _addresses(table, self._pointers(buffers))
+                self._memcpy(
+                    [(arena + int(r[K.STAGE]), a, int(r[K.NBYTES])) for r, a in zip(table, src, strict=True)], s
+                )
+            else:
+                self._run("pack", table, buffers, staging, s)
+            self._s.after_pack(o, arena)
 
     def unpack(self, table: np.ndarray, staging: Any, buffers: Sequence[Any]) -> None:
-        """One kernel launch scattering ``staging`` into ``table``'s pieces, after the work on the
-        device's current stream (where a communicator that copies there, like ``LocalComm``,
-        put the bytes; an event, no host wait). Not run on GPU."""
+        """One kernel launch (or a few ``cudaMemcpyAsync``) scattering ``staging`` into ``table``'s
+        pieces, on the unpack stream after this round's receives (an event, no host wait). Not run on GPU."""
         if len(table) == 0:
             return
         o = staging.device.id
+        arena = int(staging.data.ptr)
         with self._cp.cuda.Device(o):
-            current = self._cp.cuda.get_current_stream()
-            if current is not self.stream(o):
-                self.stream(o).wait_event(current.record())
-            CK.launch(CK.unpack_launch(table, staging.data.ptr, self._pointers(buffers)), self.stream(o), self._cp)
+            s = self._s.before_unpack(o, arena)
+            if _plain(table, table):
+                dst = _addresses(table, self._pointers(buffers))
+                self._memcpy(
+                    [(a, arena + int(r[K.STAGE]), int(r[K.NBYTES])) for r, a in zip(table, dst, strict=True)], s
+                )
+            else:
+                self._run("unpack", table, buffers, staging, s)
+            self._s.after_unpack(o, arena)
 
     def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
-        """Piece ``i`` of ``src_table`` into piece ``i`` of ``dst_table``: one kernel on the
-        destination GPU, reading other GPUs through peer access where the hardware allows it,
-        else pack there, ``cudaMemcpyPeerAsync``, unpack here. Not run on GPU."""
+        """Piece ``i`` of ``src_table`` into piece ``i`` of ``dst_table``, on the destination GPU's
+        pack stream: ``cudaMemcpyAsync`` for a few contiguous runs, else one kernel reading other
+        GPUs through peer access where the hardware allows it, else pack there,
+        ``cudaMemcpyPeerAsync``, unpack here. Not run on GPU."""
         if len(src_table) == 0:
             return
         cp = self._cp
@@ -287,10 +412,20 @@ class CupyBuffers(BufferBackend):
                 continue
             if s != d:
                 with cp.cuda.Device(s):
-                    event = self.stream(s).record()
-                self.stream(d).wait_event(event)
+                    event = self._s.pack(s).record()
+                self._s.pack(d).wait_event(event)
             with cp.cuda.Device(d):
-                CK.launch(CK.copy_launch(st, self._pointers(src), dt, self._pointers(dst)), self.stream(d), cp)
+                stream = self._s.before_pack(d, None, False)
+                if _plain(st, dt):
+                    pairs = zip(
+                        _addresses(dt, self._pointers(dst)),
+                        _addresses(st, self._pointers(src)),
+                        st[:, K.NBYTES],
+                        strict=True,
+                    )
+                    self._memcpy([(int(a), int(b), int(n)) for a, b, n in pairs], stream)
+                else:
+                    CK.launch(CK.copy_launch(st, self._pointers(src), dt, self._pointers(dst)), stream, cp)
 
     def _peer(self, d: int, s: int) -> bool:
         """Whether GPU ``d`` can read GPU ``s``'s memory, enabling peer access once."""
@@ -316,28 +451,29 @@ class CupyBuffers(BufferBackend):
         st[:, K.STAGE] = stage
         dt[:, K.STAGE] = stage
         total = int(nbytes.sum())
-        with cp.cuda.Device(s):
+        ps, pd = self._s.pack(s), self._s.pack(d)
+        with cp.cuda.Device(s), ps:
             here = cp.empty(total, cp.uint8)
-            self.pack(st, src, here)
-            event = self.stream(s).record()
-        with cp.cuda.Device(d):
+            CK.launch(CK.pack_launch(st, self._pointers(src), here.data.ptr), ps, cp)
+            event = ps.record()
+        with cp.cuda.Device(d), pd:
             there = cp.empty(total, cp.uint8)
-            self.stream(d).wait_event(event)
-            cp.cuda.runtime.memcpyPeerAsync(there.data.ptr, d, here.data.ptr, s, total, self.stream(d).ptr)
-            self.unpack(dt, there, dst)
-        self.stream(d).synchronize()  # ``here`` may be freed once the peer copy has run
+            pd.wait_event(event)
+            cp.cuda.runtime.memcpyPeerAsync(there.data.ptr, d, here.data.ptr, s, total, pd.ptr)
+            CK.launch(CK.unpack_launch(dt, there.data.ptr, self._pointers(dst)), pd, cp)
+        pd.synchronize()  # ``here`` may be freed once the peer copy has run
 
     def fence(self) -> None:
-        """Order everything issued on this backend's streams before what is issued next on each
-        GPU's current stream (where ``NcclComm`` takes its start), without a host wait. Not run on GPU."""
-        cp = self._cp
-        for o, s in sorted(self._streams.items()):
-            with cp.cuda.Device(o):
-                cp.cuda.get_current_stream().wait_event(s.record())
+        """Order the packs and unpacks issued so far before the next exchange on each GPU's comm
+        stream, and release the staging arenas of the exchanges before it (events, no host
+        wait). Not run on GPU."""
+        self._s.fence()
 
     def synchronize(self) -> None:
-        """Wait on the host, at most ``timeout_s``, for every kernel issued on this backend's
-        streams (with ``NcclComm.buffers()``: every send and receive too). Not run on GPU.
+        """Wait on the host, at most ``timeout_s``, for every kernel and copy issued on this
+        backend's streams (with ``NcclComm.buffers()``: every send and receive too). Not run on GPU.
+
+        Polls every 20 µs, backing off to 100 µs at most.
 
         Raises:
           TransferError: CUDA reported an error on a stream (e.g. an illegal address).
@@ -346,23 +482,24 @@ class CupyBuffers(BufferBackend):
         """
         cp = self._cp
         events = {}
-        for o, s in sorted(self._streams.items()):
+        for o in self._s.ordinals():
             with cp.cuda.Device(o):
-                events[o] = s.record()
+                for i, s in enumerate(self._s.streams(o)):
+                    events[(o, i)] = s.record()
         deadline = time.monotonic() + self._timeout_s
-        pause = 50e-6
+        pause = POLL_MIN_S
         while events:
-            for o in sorted(events):
+            for key in sorted(events):
                 try:
-                    done = event_done(events[o], cp.cuda.runtime)
+                    done = event_done(events[key], cp.cuda.runtime)
                 except cp.cuda.runtime.CUDARuntimeError as err:
                     if self._watcher is not None:
                         self._watcher.abort()
                     raise TransferError(
-                        f"CupyBuffers: CUDA reported {err} on GPU {o}", destination_intact=False
+                        f"CupyBuffers: CUDA reported {err} on GPU {key[0]}", destination_intact=False
                     ) from err
                 if done:
-                    del events[o]
+                    del events[key]
             if not events:
                 return
             if self._watcher is not None:
@@ -371,9 +508,21 @@ class CupyBuffers(BufferBackend):
                 if self._watcher is not None:
                     self._watcher.abort()
                 raise TransferTimeoutError(
-                    f"CupyBuffers: the work on GPUs {sorted(events)} did not finish within timeout_s={self._timeout_s}"
-                    + ("; communicators aborted" if self._watcher is not None else ""),
+                    f"CupyBuffers: the work on GPUs {sorted({o for o, _ in events})} did not finish within "
+                    f"timeout_s={self._timeout_s}" + ("; communicators aborted" if self._watcher is not None else ""),
                     destination_intact=False,
                 )
             time.sleep(pause)
-            pause = min(2 * pause, 5e-3)
+            pause = min(2 * pause, POLL_MAX_S)
+
+
+def _plain(src_table: np.ndarray, dst_table: np.ndarray) -> bool:
+    """Whether a table is a few contiguous runs on both sides: cheaper as ``cudaMemcpyAsync`` calls."""
+    return len(src_table) <= MAX_PLAIN_COPIES and bool(
+        np.all(src_table[:, K.NDIM] == 1) and np.all(dst_table[:, K.NDIM] == 1)
+    )
+
+
+def _addresses(table: np.ndarray, pointers: Sequence[int]) -> list[int]:
+    """The address of each row's first byte in its buffer."""
+    return [int(pointers[int(r[K.BUF])]) + int(r[K.OFF]) for r in table]

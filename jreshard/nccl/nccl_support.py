@@ -17,7 +17,8 @@ non-blocking mode, so ``ncclCommInitRank`` and ``ncclGroupEnd`` are blocking cal
 :func:`run_bounded` runs one in a daemon thread and stops waiting for it after
 ``timeout_s``; :class:`Watchdog` aborts communicators from another thread when a
 deadline passes, which is how a blocked ``groupEnd`` or stream wait returns (with an
-error). What is bounded, and what is not, is listed in ``docs/gpu.md``. Not run on GPU.
+error): one watchdog thread per process serves every exchange, so rounds start no
+threads. What is bounded, and what is not, is listed in ``docs/gpu.md``. Not run on GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import importlib
 import platform
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -189,11 +191,56 @@ def run_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:
     return box["value"]
 
 
+class _Deadlines:
+    """One daemon thread per process that runs the callbacks of expired :class:`Watchdog` s.
+
+    Arming a watchdog creates no thread (the one thread starts with the first watchdog and
+    serves every later one), so a transfer's rounds start none.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._armed: dict[int, Watchdog] = {}
+        self._thread: threading.Thread | None = None
+        self.threads_started = 0
+
+    def arm(self, dog: Watchdog) -> None:
+        with self._cv:
+            self._armed[id(dog)] = dog
+            if self._thread is None or not self._thread.is_alive():  # none yet, or lost in a fork
+                self._thread = threading.Thread(target=self._run, name="jreshard: NCCL watchdog", daemon=True)
+                self._thread.start()
+                self.threads_started += 1
+            self._cv.notify()
+
+    def disarm(self, dog: Watchdog) -> None:
+        with self._cv:
+            self._armed.pop(id(dog), None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                now = time.monotonic()
+                due = [d for d in self._armed.values() if d.deadline <= now]
+                for d in due:
+                    del self._armed[id(d)]
+                if not due:
+                    nxt = min((d.deadline for d in self._armed.values()), default=None)
+                    self._cv.wait(None if nxt is None else nxt - now)
+                    continue
+            for d in due:  # outside the lock: an abort may take a while
+                d._expire()
+
+
+DEADLINES = _Deadlines()
+
+
 class Watchdog:
-    """Calls ``on_expiry`` from a timer thread unless cancelled before ``timeout_s``.
+    """Calls ``on_expiry`` from the process's watchdog thread unless cancelled before ``timeout_s``.
 
     Used as a context manager around a blocking NCCL call: ``fired`` says whether
     it expired (the call then returned because the communicators were aborted).
+    Entering one starts no thread: one thread per process serves them all.
 
     Example:
       >>> hits = []
@@ -203,24 +250,25 @@ class Watchdog:
       (False, [])
     """
 
-    __slots__ = ("_fn", "_timer", "fired")
+    __slots__ = ("_fn", "_timeout_s", "deadline", "fired")
 
     def __init__(self, timeout_s: float, on_expiry: Callable[[], None]):
         self._fn = on_expiry
+        self._timeout_s = max(float(timeout_s), 0.0)
+        self.deadline = float("inf")
         self.fired = False
-        self._timer = threading.Timer(max(float(timeout_s), 0.0), self._expire)
-        self._timer.daemon = True
 
     def _expire(self) -> None:
         self.fired = True
         self._fn()
 
     def __enter__(self) -> Watchdog:
-        self._timer.start()
+        self.deadline = time.monotonic() + self._timeout_s
+        DEADLINES.arm(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
+        DEADLINES.disarm(self)
 
 
 def import_cupy(name: str) -> ModuleType:

@@ -60,6 +60,7 @@ __all__ = [
     "build_copy_tables",
     "build_table",
     "byte_box",
+    "byte_shape",
     "copy_cpu",
     "pack_cpu",
     "table_bytes",
@@ -82,6 +83,16 @@ def byte_box(box: Box, itemsize: int) -> Box:
     if box.ndim == 0:
         return Box((0,), (itemsize,))
     return Box((*box.lo[:-1], box.lo[-1] * itemsize), (*box.hi[:-1], box.hi[-1] * itemsize))
+
+
+def byte_shape(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """A C-ordered shard's shape seen as bytes: the last extent times ``itemsize`` (rank 0: ``(itemsize,)``).
+
+    >>> byte_shape((4, 6), 2), byte_shape((), 8)
+    ((4, 12), (8,))
+    """
+    shape = tuple(int(n) for n in shape)
+    return (*shape[:-1], shape[-1] * itemsize) if shape else (int(itemsize),)
 
 
 def _c_strides(outer: Sequence[int]) -> list[int]:
