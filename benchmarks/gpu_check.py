@@ -74,7 +74,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="nccl", full_s=40, quick_s=30),
     Stage(name="transfer", full_s=60, quick_s=30),
     Stage(name="prealloc", full_s=25, quick_s=25, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}),
-    # <- the xla backend's stage goes here (benchmarks/gpu_xla_stage.py), before pytest
+    Stage(name="xla", full_s=35, quick_s=30),  # backend xla's program on the GPU (benchmarks/gpu_xla_stage.py)
     Stage(name="pytest", full_s=75, quick_s=60),
 )
 

@@ -599,6 +599,21 @@ def pytest_gpu(emit, quick, limit: float = 75.0):
 
 # The stage functions by name; gpu_check.STAGES gives their order and limits. One more stage
 # (the xla backend's, from benchmarks/gpu_xla_stage.py) is added here and in gpu_check.STAGES.
+def xla(emit, quick):
+    """Backend xla's program on the GPU (benchmarks/gpu_xla_stage.py), and the stage's summary line."""
+    from gpu_xla_stage import xla_stage  # (benchmarks/ is on sys.path: this file's folder)
+
+    seen: list[str] = []
+
+    def counted(check, status, **data):
+        seen.append(status)
+        emit(check, status, **data)
+
+    xla_stage(counted, quick)
+    failed = seen.count("FAILED")
+    emit("summary", "FAILED" if failed else "ok", text=f"{len(seen) - failed} of {len(seen)} xla checks ok")
+
+
 STAGES: dict[str, Callable[..., None]] = {
     "versions": versions,
     "nvml": nvml,
@@ -610,6 +625,7 @@ STAGES: dict[str, Callable[..., None]] = {
     "nccl": nccl,
     "transfer": transfer,
     "prealloc": prealloc,
+    "xla": xla,
     "pytest": pytest_gpu,
 }
 
