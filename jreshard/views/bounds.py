@@ -36,6 +36,7 @@ def evaluate(
 
     Example:
       >>> from jreshard.views import concat
+      >>> from jreshard.views.casts import cast
       >>> a, b = Leaf(np.arange(4.0).reshape(2, 2)), Leaf(10 + np.arange(4.0).reshape(2, 2))
       >>> evaluate(concat([a, b], axis=1, groups=2), lambda x: x.source, cast).tolist()
       [[0.0, 10.0, 1.0, 11.0], [2.0, 12.0, 3.0, 13.0]]
