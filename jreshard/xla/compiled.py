@@ -231,7 +231,8 @@ def compile_program(plan: XlaPlan, devices: Sequence[Any], dtypes: Sequence[Any]
         check_vma=False,
     )
     jitted = jax.jit(fn, donate_argnums=tuple(range(len(ins), nin)))
-    lowered = jitted.lower(*ins, *outs)
+    with jax.set_mesh(mesh):  # the program's own mesh, whatever mesh the caller has set
+        lowered = jitted.lower(*ins, *outs)
     lowered.compile()  # jax keeps the executable: the first call of ``jitted`` compiles nothing
     # The call goes through ``jitted``, not the compiled object: jax's dispatch accepts the arrays' own
     # memory layouts (a sub-byte shard on CPU holds one value per byte, where a compiled program's

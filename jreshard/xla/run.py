@@ -121,6 +121,9 @@ def _targets(leaves: list[Any], targets: list[Any], shardings: list[Any], mode: 
         kind = getattr(sh, "memory_kind", None)
         if kind not in (None, "device"):
             raise LayoutError(f"the target of leaf #{i} has memory_kind={kind!r}; backend 'xla' writes device memory")
+        kind = getattr(leaf.sharding, "memory_kind", None)
+        if kind not in (None, "device"):
+            raise LayoutError(f"{where} is in memory_kind={kind!r}; backend 'xla' reads device memory")
         check_dtype(leaf.dtype, where)
         out.append(sh)
     return out
@@ -240,7 +243,8 @@ def run_xla(
                 make = spare(plan.dst_block[t], leaves[i].dtype, False)
                 ins.append(_stack(blocks, plan.dst_block[t], compiled, make))
     with builder.timed(ReportPhase.COPY):
-        outs = compiled.executable(*ins)
+        with jax.set_mesh(compiled.mesh):  # the program's own mesh, whatever mesh the caller has set
+            outs = compiled.executable(*ins)
         del ins
         spares.clear()
         jax.block_until_ready(outs)
