@@ -33,6 +33,7 @@ import jax
 from jreshard.errors import BackendUnavailableError
 from jreshard.frontdoor import Mode, Prepared, prepare
 from jreshard.nccl.backend import BackendChoice, Placement, select_backend
+from jreshard.normalize import normalize
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
 from jreshard.sharding.topology import Topology
@@ -80,6 +81,8 @@ def _run(
     Topology.check_arg(topology)
     if _has_views(x):
         return _run_views(x, target, mode, topology, options, report)
+    if mode is Mode.TRANSFER:  # array targets, casts, host data and host memory: what device_put takes
+        x, target = normalize(x, target)
     builder = ReportBuilder(Backend.LOCAL)
     with builder.timed(ReportPhase.PLAN):
         choice, single_process = _route(x, target, mode, options)
