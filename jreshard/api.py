@@ -189,10 +189,13 @@ def transfer(
     Args:
       x: a ``jax.Array`` or a pytree of them.
       target: a ``jax.sharding.Sharding`` (for every leaf) or a pytree matching ``x``
-        whose leaves are shardings, ``jax.ShapeDtypeStruct``s with a sharding (of the
-        leaf's shape and dtype), or ``None`` (keep that leaf where it is). Sources must be
-        ``jax.Array``s (``jax.device_put`` places host data first); it runs outside
-        ``jax.jit``.
+        whose leaves are shardings, ``jax.ShapeDtypeStruct``s or ``jax.Array``s with a
+        sharding (of the leaf's shape; of another dtype, the leaf is cast to it), or ``None``
+        (keep that leaf where it is). Sources are ``jax.Array``s, numpy arrays or scalars
+        (placed by ``jax.device_put``); leaves in or to ``pinned_host`` / ``unpinned_host``
+        memory move with ``jax.device_put`` in this process (:mod:`jreshard.normalize`). It
+        runs outside ``jax.jit``, and under any ``jax.transfer_guard`` that allows
+        ``jax.device_put`` between the same devices.
       topology: ranks and domains (default: ``Topology.from_devices``, rank = ``device.id``);
         part of the cache key.
       options: ``jreshard.Options``; ``backend`` picks the transport (module docstring).
@@ -211,9 +214,10 @@ def transfer(
       ``.clear()`` gives it back).
 
     Raises:
-      LayoutMismatchError: ``target`` does not match the structure of ``x``.
-      LayoutError: a leaf is not a jax.Array, was deleted or donated, or a target is not a
-        sharding; IndivisibleError: a target cannot hold the leaf's shape.
+      LayoutMismatchError: ``target`` does not match the structure of ``x``, or an array or
+        ShapeDtypeStruct target has another shape.
+      LayoutError: a leaf is neither an array nor a scalar, was deleted or donated, or a target
+        is not a sharding; IndivisibleError: a target cannot hold the leaf's shape.
       TopologyError: a target uses devices that do not exist.
       BackendUnavailableError: ``options.backend`` cannot run these arrays (the message says why).
 
