@@ -53,7 +53,7 @@ def _both(a, b):
 
 @pytest.mark.parametrize("guard", list(_guards()))
 @pytest.mark.parametrize("pair", list(PAIRS))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.bool_])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e5m2, jnp.int8, jnp.bool_])
 def test_transfer_runs_wherever_device_put_does(guard, pair, dtype):
     src, dst = PAIRS[pair]
     x = jax.device_put((jnp.arange(64) % 7).reshape(8, 8).astype(dtype), src)

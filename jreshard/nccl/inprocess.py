@@ -98,11 +98,15 @@ def _has_empty(layout: Any) -> bool:
     return any(b.volume == 0 for b in layout.boxes)
 
 
+# The dtypes numpy itself exports through DLPack (ml_dtypes' bfloat16 and float8 are not among them).
+_NUMPY_DLPACK = frozenset(np.dtype(t) for t in "?bhilqBHILQefdFD")
+
+
 def _capsule(view: np.ndarray, device_id: int | None = None) -> Any:
     """The DLPack capsule of a pool buffer (numpy exports bfloat16 and float8 as unsigned integers of
     their width: the capsule is re-typed), reporting ``device_id`` where given."""
     dtype = view.dtype
-    if dtype.kind in "biufc" and device_id is None:
+    if dtype in _NUMPY_DLPACK and device_id is None:
         return view.__dlpack__()
     code, bits = dlpack_type(dtype)
     return retype_capsule(view.view(np.dtype(f"uint{bits}")).__dlpack__(), code, bits, device_id)
