@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py jreshard/views/_casts.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,cuda12]'
+	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]'
 	$(BIN)/python -c "from jreshard.views import native; assert native.available(), 'the compiled casts were not built'"
 	touch $(STAMP)
 

@@ -36,6 +36,7 @@ import jax
 from jreshard import repack
 from jreshard.errors import BackendUnavailableError
 from jreshard.frontdoor import Mode, flatten, prepare
+from jreshard.normalize import normalize
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
 from jreshard.routes import route, run_engine, target_shardings
@@ -54,8 +55,10 @@ def _run(
     leaves, treedef, targets = flatten(x, target, mode.value if mode is Mode.INTO else "target")
     if _has_views(leaves):
         return _run_views(x, target, mode, topology, options, report, leaves, targets)
+    if mode is Mode.TRANSFER:  # array targets, casts, host data and host memory: what device_put takes
+        leaves, targets = normalize(leaves, treedef, targets, x, target)
     builder = ReportBuilder(Backend.LOCAL)
-    encs = repack.encodings(leaves)
+    encs = repack.encodings(leaves, targets if mode is Mode.INTO else None)
     if encs is None:
         out = _run_flat(leaves, treedef, targets, mode, topology, options, builder, x)
     else:
@@ -201,10 +204,13 @@ def transfer(
     Args:
       x: a ``jax.Array`` or a pytree of them.
       target: a ``jax.sharding.Sharding`` (for every leaf) or a pytree matching ``x``
-        whose leaves are shardings, ``jax.ShapeDtypeStruct``s with a sharding (of the
-        leaf's shape and dtype), or ``None`` (keep that leaf where it is). Sources must be
-        ``jax.Array``s (``jax.device_put`` places host data first); it runs outside
-        ``jax.jit``.
+        whose leaves are shardings, ``jax.ShapeDtypeStruct``s or ``jax.Array``s with a
+        sharding (of the leaf's shape; of another dtype, the leaf is cast to it), or ``None``
+        (keep that leaf where it is). Sources are ``jax.Array``s, numpy arrays or scalars
+        (placed by ``jax.device_put``); leaves in or to ``pinned_host`` / ``unpinned_host``
+        memory move with ``jax.device_put`` in this process (:mod:`jreshard.normalize`). It
+        runs outside ``jax.jit``, and under any ``jax.transfer_guard`` that allows
+        ``jax.device_put`` between the same devices.
       topology: ranks and domains (default: ``Topology.from_devices``, rank = ``device.id``);
         part of the cache key.
       options: ``jreshard.Options``; ``backend`` picks the transport (module docstring).
@@ -223,9 +229,10 @@ def transfer(
       ``.clear()`` gives it back).
 
     Raises:
-      LayoutMismatchError: ``target`` does not match the structure of ``x``.
-      LayoutError: a leaf is not a jax.Array, was deleted or donated, or a target is not a
-        sharding; IndivisibleError: a target cannot hold the leaf's shape.
+      LayoutMismatchError: ``target`` does not match the structure of ``x``, or an array or
+        ShapeDtypeStruct target has another shape.
+      LayoutError: a leaf is neither an array nor a scalar, was deleted or donated, or a target
+        is not a sharding; IndivisibleError: a target cannot hold the leaf's shape.
       TopologyError: a target uses devices that do not exist.
       BackendUnavailableError: ``options.backend`` cannot run these arrays (the message says why).
 

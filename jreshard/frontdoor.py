@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jreshard._cache import cache
+from jreshard.describe import describe
 from jreshard.engine.prepared import Group, Kind, Mode, Prepared, Shape
 from jreshard.errors import IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
 from jreshard.options import Options
@@ -44,7 +45,7 @@ _OTHER_TARGETS = (jax.Device, jax.sharding.PartitionSpec, _FORMAT, _SPACE)
 
 
 def _is_target_leaf(v: Any) -> bool:
-    return v is None or isinstance(v, (jax.sharding.Sharding, jax.ShapeDtypeStruct, *_OTHER_TARGETS))
+    return v is None or isinstance(v, (jax.sharding.Sharding, jax.ShapeDtypeStruct, jax.Array, *_OTHER_TARGETS))
 
 
 def _normalized(t: Any, leaf: Any, where: str) -> Any:
@@ -106,11 +107,13 @@ def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any],
         return leaves, treedef, [target] * len(leaves)
     try:
         targets = _up_to(treedef, target)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError):
         prefix = _prefix(x, target, treedef) if what == "target" else None
         if prefix is None:
+            # (flatten_up_to's own message prints the values: the structures say what differs.)
+            theirs = jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf)
             raise LayoutMismatchError(
-                f"{what} does not match the structure of x ({treedef}): {err}",
+                f"{what} has structure {theirs}, which does not match the structure of x ({treedef})",
                 src=treedef,
                 dst=target,
                 what="structure",
@@ -150,7 +153,7 @@ def leaf_names(treedef: Any, x: PyTree) -> tuple[str, ...]:
 
 
 def target_sharding(t: Any, where: str) -> Any:
-    """The sharding a target leaf asks for (a Sharding, or a ShapeDtypeStruct's), or ``None``.
+    """The sharding a target leaf asks for (a Sharding, or a ShapeDtypeStruct's or jax.Array's), or ``None``.
 
     Raises:
       LayoutError: a PartitionSpec (no mesh), a ShapeDtypeStruct without a sharding, or
@@ -158,6 +161,8 @@ def target_sharding(t: Any, where: str) -> Any:
     """
     if t is None or isinstance(t, jax.sharding.Sharding):
         return t
+    if isinstance(t, jax.Array) and not isinstance(t, jax.core.Tracer):
+        return t.sharding
     if isinstance(t, jax.sharding.PartitionSpec):
         raise LayoutError(
             f"{where} is the PartitionSpec {t}, which names no devices; the fix is "
@@ -167,7 +172,9 @@ def target_sharding(t: Any, where: str) -> Any:
         if t.sharding is None:
             raise LayoutError(f"{where} is {t} with no sharding; the fix is jax.ShapeDtypeStruct(..., sharding=...)")
         return t.sharding
-    raise LayoutError(f"{where} is {t!r} ({type(t).__name__}); expected a jax Sharding, a ShapeDtypeStruct or None")
+    raise LayoutError(
+        f"{where} is {describe(t)}; expected a jax Sharding, a ShapeDtypeStruct, a jax.Array (its sharding) or None"
+    )
 
 
 def _check_leaf(leaf: Any, where: str) -> None:
@@ -178,8 +185,8 @@ def _check_leaf(leaf: Any, where: str) -> None:
         )
     if not isinstance(leaf, jax.Array):
         raise LayoutError(
-            f"{where} is {type(leaf).__name__} {np.shape(leaf)}, not a jax.Array; jreshard moves arrays that "
-            "are already on devices: the fix is jax.device_put(value, sharding) for host data"
+            f"{where} is {type(leaf).__name__} {np.shape(leaf)}, not a jax.Array; transfer takes jax arrays, numpy "
+            "arrays and scalars, transfer_into jax arrays: the fix is jax.device_put(value, sharding) for host data"
         )
     if leaf.is_deleted():
         raise LayoutError(f"{where} has been deleted or donated; the fix is to pass a live array")
@@ -292,7 +299,7 @@ def prepare(
                 sh = t
             else:
                 sh = target_sharding(t, f"the target of leaf #{i}")
-                if isinstance(t, jax.ShapeDtypeStruct) and (t.shape != dims or t.dtype != dtype):
+                if isinstance(t, (jax.ShapeDtypeStruct, jax.Array)) and (t.shape != dims or t.dtype != dtype):
                     raise LayoutMismatchError(
                         f"leaf #{i} is {dtype}{list(dims)} but its target is {t}; casting needs jreshard.views.astype",
                         src=(dims, dtype),
@@ -328,14 +335,14 @@ def _shape(key: tuple) -> Shape:
     by_pair: dict[tuple[Layout, Layout], list[int]] = {}
     for i, (shape, dtype, src_sh, dst_sh) in enumerate(specs):
         where = f"leaf #{i}"
-        _check_sharding(src_sh, f"{where} of x")
-        kind = getattr(src_sh, "memory_kind", None)
-        if kind not in (None, "device"):
-            raise LayoutError(f"{where} of x lives in memory_kind={kind!r}; jreshard reads device memory only")
         if dst_sh is None or (mode is Mode.TRANSFER and dst_sh == src_sh):
             kinds.append(Kind.KEEP)
             shardings.append(None)
             continue
+        kind = getattr(src_sh, "memory_kind", None)
+        if kind not in (None, "device"):
+            raise LayoutError(f"{where} of x lives in memory_kind={kind!r}; jreshard reads device memory only")
+        _check_sharding(src_sh, f"{where} of x")
         _check_sharding(dst_sh, where)
         try:
             src = Layout.from_sharding(src_sh, shape, dtype)

@@ -59,7 +59,8 @@ class Encoding:
 
     Attributes:
       dtype: the leaf's dtype.
-      kind: ``"packed"`` (sub-byte) or ``"key"`` (a typed PRNG key array).
+      kind: ``"packed"`` (sub-byte), ``"key"`` (a typed PRNG key array) or ``"memory"`` (an array in,
+        or written into, host memory: moved through device memory).
       trailing: the extra trailing dimensions of the encoded array (a key's data shape).
     """
 
@@ -103,9 +104,11 @@ def encoded_sharding(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> An
     A packed leaf keeps its sharding. A key array's data has trailing dimensions, unsplit; the
     sharding jax gives ``key_data`` of a key array with this sharding is read from a traced call.
     """
-    if enc.kind == "packed":
-        return sharding
-    return _key_data_sharding(enc, sharding, shape)
+    if enc.kind == "key":
+        return _key_data_sharding(enc, sharding, shape)
+    if enc.kind == "memory":
+        return sharding.with_memory_kind("device")
+    return sharding
 
 
 @cache(max_size=1024)
@@ -135,7 +138,12 @@ def _encoder(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> Any:
 
 @cache(max_size=1024)
 def _decoder(enc: Encoding, sharding: Any, donate: bool) -> Any:
-    if enc.kind == "key":
+    if enc.kind == "memory":
+
+        def dec(d: Any, *_: Any) -> Any:
+            return jax.device_put(d, sharding)
+
+    elif enc.kind == "key":
         impl = _impl_name(enc.dtype)
 
         def dec(d: Any, *_: Any) -> Any:
@@ -156,6 +164,9 @@ def _decoder(enc: Encoding, sharding: Any, donate: bool) -> Any:
 
 def encode(leaf: Any, enc: Encoding) -> Any:
     """``leaf`` as an array the engine moves byte for byte, on the same devices."""
+    if enc.kind == "memory":
+        kind = getattr(leaf.sharding, "memory_kind", None)
+        return leaf if kind in (None, "device") else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
     return _encoder(enc, leaf.sharding, tuple(leaf.shape))(leaf)
 
 
@@ -172,9 +183,22 @@ def _encoding_of_dtype(dtype: Any) -> Encoding | None:
     return encoding_of(dtype)
 
 
-def encodings(leaves: Sequence[Any]) -> list[Encoding | None] | None:
-    """Per leaf its :class:`Encoding` (``None``: moved as it is); ``None`` when no leaf needs one."""
+def _host_memory(a: Any) -> bool:
+    return isinstance(a, jax.Array) and getattr(a.sharding, "memory_kind", None) not in (None, "device")
+
+
+def encodings(leaves: Sequence[Any], into: Sequence[Any] | None = None) -> list[Encoding | None] | None:
+    """Per leaf its :class:`Encoding` (``None``: moved as it is); ``None`` when no leaf needs one.
+
+    With ``into`` (``transfer_into``'s arrays), a leaf read from or written into host memory
+    (``pinned_host``, ``unpinned_host``) moves through device memory and is placed into its ``into``
+    array by a jitted ``device_put`` that takes the ``into`` memory over (``transfer`` leaves of
+    host memory are ``jax.device_put``'s: :mod:`jreshard.normalize`).
+    """
     encs = [_encoding_of_dtype(leaf.dtype) if isinstance(leaf, jax.Array) else None for leaf in leaves]
+    for i, t in enumerate(into or ()):
+        if encs[i] is None and isinstance(leaves[i], jax.Array) and (_host_memory(t) or _host_memory(leaves[i])):
+            encs[i] = Encoding(leaves[i].dtype, "memory")
     return encs if any(e is not None for e in encs) else None
 
 

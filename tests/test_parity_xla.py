@@ -1,8 +1,8 @@
 """The parity suite's sharding pairs and dtypes with ``Options(backend="xla")``: the plan compiled into one
 XLA program gives what ``jax.device_put`` gives, as the direct copies do (tests/test_parity.py).
 
-Memory kinds other than device memory are refused by backend xla before any byte moves (it writes
-device memory only), and the suite checks that too.
+Leaves in or to host memory kinds move through device memory (``jax.device_put`` places them, or a
+jitted ``device_put`` into the ``into`` array), whatever the backend.
 """
 
 from __future__ import annotations
@@ -24,20 +24,15 @@ def _host_memory(*names: str) -> bool:
 @pytest.mark.parametrize("src,dst,origin", PAIRS, ids=[f"{s}->{d}" for s, d, _ in PAIRS])
 def test_transfer_pair(src: str, dst: str, origin: str) -> None:
     x = source(src)
-    if _host_memory(src, dst):
-        with pytest.raises(jreshard.LayoutError, match="memory_kind"):
-            jreshard.transfer(x, sharding(dst), options=XLA)
-        return
     out, rep = jreshard.transfer(x, sharding(dst), options=XLA, report=True)
-    assert rep.backend is jreshard.Backend.XLA or out is x
+    if not _host_memory(src, dst):  # (host memory is jax.device_put's, whatever the backend)
+        assert rep.backend is jreshard.Backend.XLA or out is x
     assert_parity(out, jax.device_put(x, sharding(dst)), x, target=sharding(dst))
 
 
 @pytest.mark.parametrize("src,dst,origin", PAIRS, ids=[f"{s}->{d}" for s, d, _ in PAIRS])
 def test_transfer_into_pair(src: str, dst: str, origin: str) -> None:
     x = source(src)
-    if _host_memory(src, dst):
-        return  # refused for transfer above; transfer_into refuses the same leaves
     into = fresh(dst)
     target = into.sharding
     ref = jax.device_put(x, target)

@@ -51,7 +51,16 @@ __all__ = [
 
 # DLPack DLDataTypeCode values.
 _INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
-_FLOAT8 = {"float8_e4m3fn": 10, "float8_e4m3fnuz": 11, "float8_e5m2": 12, "float8_e5m2fnuz": 13}
+_FLOAT8 = {
+    "float8_e3m4": 7,
+    "float8_e4m3": 8,
+    "float8_e4m3b11fnuz": 9,
+    "float8_e4m3fn": 10,
+    "float8_e4m3fnuz": 11,
+    "float8_e5m2": 12,
+    "float8_e5m2fnuz": 13,
+    "float8_e8m0fnu": 14,
+}  # DLPack 1.1 codes
 _KDLCPU = 1
 KDLCUDA = 2  # DLPack device type of a CUDA GPU
 

@@ -16,9 +16,10 @@ every leaf of the group at once:
    memory; otherwise fresh shards, counted in the report.
 3. **Copies.** Every stage's copy classes, for the whole group, as batched strided
    copies (:mod:`jreshard.engine.strided`).
-4. **Results.** Each destination array is made from its shards in one call
-   (zero-copy on CPU: jax keeps the numpy shard alive, and the pool takes the block
-   back when jax lets it go).
+4. **Results.** Each destination shard is imported through DLPack as memory its device
+   already holds (zero-copy, and no host-to-device transfer: every ``jax.transfer_guard``
+   setting allows it), and each global array is assembled from its shards in one call; the
+   pool takes the block back when jax lets it go.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import numpy as np
 
 from jreshard._cache import cache
 from jreshard.engine import strided
+from jreshard.engine.buffers import Capsule, dlpack_type, retype_capsule
 from jreshard.engine.copies import LocalProgram, addresses, lower_local
 from jreshard.engine.pool import ALIGN, BufferPool, default_pool
 from jreshard.engine.prepared import Kind, Mode, Prepared, sharding_of
@@ -97,37 +99,86 @@ def _has_empty(layout: Any) -> bool:
     return any(b.volume == 0 for b in layout.boxes)
 
 
-def _batched_put() -> Any:
-    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU)."""
+# The dtypes numpy itself exports through DLPack (ml_dtypes' bfloat16 and float8 are not among them).
+_NUMPY_DLPACK = frozenset(np.dtype(t) for t in "?bhilqBHILQefdFD")
+
+
+def _capsule(view: np.ndarray, device_id: int | None = None) -> Any:
+    """The DLPack capsule of a pool buffer (numpy exports bfloat16 and float8 as unsigned integers of
+    their width: the capsule is re-typed), reporting ``device_id`` where given."""
+    dtype = view.dtype
+    if dtype in _NUMPY_DLPACK and device_id is None:
+        return view.__dlpack__()
+    code, bits = dlpack_type(dtype)
+    return retype_capsule(view.view(np.dtype(f"uint{bits}")).__dlpack__(), code, bits, device_id)
+
+
+def _public_import(view: np.ndarray, device: Any) -> Any:
+    """``jax.dlpack.from_dlpack`` of a pool buffer onto ``device`` (zero-copy: the capsule names the device)."""
+    hw = device.local_hardware_id
+    return jax.dlpack.from_dlpack(Capsule(_capsule(view, hw), hw))
+
+
+def _public_assemble(shape: tuple[int, ...], dtype: Any, sharding: Any, shards: list[Any], weak: bool = False) -> Any:
+    out = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    return out if not weak else _rewrapped_weak(out)
+
+
+def _rewrapped_weak(a: Any) -> Any:  # pragma: no cover - other jax versions only
+    """``a`` weakly typed, through a jitted no-op (the public path has no constructor for it)."""
+    return jax.jit(lambda v: _with_weak_type(v, True), out_shardings=a.sharding)(a)
+
+
+def _dlpack_import() -> Any:
+    """jax's zero-copy import of a DLPack capsule onto a given device, as ``jax.dlpack.from_dlpack``
+    makes it, without that function's per-call checks and ``jnp.asarray`` (a quarter of its cost)."""
+    try:
+        from jax._src.lib import _jax, jaxlib_extension_version
+
+        fn = _jax.dlpack_managed_tensor_to_buffer
+    except (ImportError, AttributeError):  # pragma: no cover - other jax versions: the public path
+        return _public_import
+    if jaxlib_extension_version >= 467:
+        return lambda view, device: fn(_capsule(view), device, None, None, _KDLCPU)
+    return lambda view, device: fn(_capsule(view), device, None, None)  # pragma: no cover - an older jaxlib
+
+
+def _array_impl() -> Any:
+    """jax's constructor of a global array from single-device arrays, without the checks of
+    ``jax.make_array_from_single_device_arrays`` (the shards were made to fit the sharding)."""
     try:
         from jax._src import core
-        from jax._src.lib import xla_client as xc
-
-        fn = xc.batched_device_put
-        aval = cache(max_size=4096)(core.ShapedArray)
-        return lambda shape, dtype, sharding, views, devices, weak: fn(
-            aval(shape, dtype, weak), sharding, views, devices, True
-        )
-    except (ImportError, AttributeError):  # pragma: no cover - other jax versions: the public path
-        return None
+        from jax._src.array import ArrayImpl
+    except ImportError:  # pragma: no cover - other jax versions: the public path
+        return _public_assemble
+    aval = cache(max_size=4096)(core.ShapedArray)
+    return lambda shape, dtype, sharding, shards, weak=False: ArrayImpl(
+        aval(shape, dtype, weak), sharding, shards, committed=True, _skip_checks=True
+    )
 
 
-_PUT = _batched_put()
+_KDLCPU = 1  # DLPack's device type of host memory
+_IMPORT = _dlpack_import()
+_ASSEMBLE = _array_impl()
 
 
 def _make_array(
     shape: tuple[int, ...], dtype: Any, sharding: Any, views: list[np.ndarray], devices: Any, weak_type: bool = False
 ) -> Any:
-    """A global array over host buffers ``views`` (one per device, in ``devices`` order), zero-copy on CPU,
-    committed to ``sharding`` and weakly typed where the source was (as ``jax.device_put`` keeps it)."""
-    global _PUT
-    if _PUT is not None:
-        try:
-            return _PUT(shape, dtype, sharding, views, devices, weak_type)
-        except Exception:  # pragma: no cover - another jax's private signature: the public path from now on
-            _PUT = None
-    shards = [jax.device_put(v, d) for v, d in zip(views, devices, strict=True)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+    """A global array over pool buffers ``views`` (one per device, in ``devices`` order), zero-copy.
+
+    Each shard is imported through DLPack as memory its CPU device already holds, never put from
+    the host: no host-to-device transfer, so every ``jax.transfer_guard`` setting allows it. The array
+    is committed to ``sharding`` and weakly typed where the source was (as ``jax.device_put`` keeps it).
+
+    Raises:
+      TransferError: jax copied a buffer instead of aliasing it, or a dtype has no DLPack type (sub-byte).
+    """
+    shards = [_IMPORT(v, d) for v, d in zip(views, devices, strict=True)]
+    for v, d, a in zip(views, devices, shards, strict=True):
+        if v.size and a.unsafe_buffer_pointer() != v.ctypes.data:
+            raise TransferError(f"jax copied the {v.dtype}{list(v.shape)} result shard on {d} instead of aliasing it")
+    return _ASSEMBLE(shape, dtype, sharding, shards, weak_type)
 
 
 def _kept(leaf: Any, target: Any) -> Any:

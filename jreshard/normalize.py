@@ -1,0 +1,161 @@
+"""What ``jax.device_put`` takes, in the terms the front door takes: one pass before a ``transfer``.
+
+``transfer(x, target)`` accepts what ``jax.device_put(x, shardings)`` accepts and gives what it gives:
+
+- **Array targets.** A target leaf that is a ``jax.Array`` means its sharding; of another dtype, it
+  also means a cast to that dtype, as a ``jax.ShapeDtypeStruct`` target of another dtype does. The cast
+  is ``jnp.astype`` on the source devices, before the move (bit-exact, and the narrower dtype is what
+  crosses the links in the usual trainer-float32 to rollout-bfloat16 direction).
+- **Host sources.** numpy arrays, numpy scalars and Python scalars are placed by ``jax.device_put``
+  itself (one call for all of them; with a ``None`` target, on the default device, uncommitted, as
+  ``jax.device_put(value)``): these bytes start on the host, so the transfer guard's host-to-device
+  setting applies to them exactly as to ``device_put``.
+- **Host memory kinds.** A leaf that lives in, or is sent to, ``pinned_host`` or ``unpinned_host``
+  memory is moved by ``jax.device_put`` in this process (jreshard plans device memory only).
+
+Everything else is returned untouched; nothing is flattened again (the front door flattened once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jreshard.describe import describe
+from jreshard.errors import LayoutMismatchError, TopologyError
+from jreshard.frontdoor import _renamed, leaf_names
+from jreshard.types import PyTree
+
+__all__ = ["normalize"]
+
+
+_HOST_SCALARS = (bool, int, float, complex, np.generic)
+_DEVICE_KINDS = (None, "device")
+
+
+def _is_host(leaf: Any) -> bool:
+    return isinstance(leaf, (np.ndarray, *_HOST_SCALARS)) and not isinstance(leaf, jax.Array)
+
+
+def _on_device(leaf: Any) -> bool:
+    """A concrete jax array (a tracer is one too, but the front door refuses it by name)."""
+    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+
+
+def _memory_kind(sharding: Any) -> Any:
+    return getattr(sharding, "memory_kind", None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Leaf:
+    """What one leaf needs before the front door: a cast to ``dtype`` and a sharding to ask for."""
+
+    sharding: Any
+    dtype: Any  # None: no cast
+
+
+def _wanted(i: int, leaf: Any, t: Any) -> _Leaf | None:
+    """The target of leaf ``i`` when it needs this pass (an array target, a cast), else None.
+
+    Raises:
+      LayoutMismatchError: an array or ShapeDtypeStruct target of another shape.
+    """
+    if _on_device(t):
+        sharding, shape, dtype = t.sharding, t.shape, t.dtype
+    elif isinstance(t, jax.ShapeDtypeStruct) and t.sharding is not None:
+        sharding, shape, dtype = t.sharding, t.shape, t.dtype
+    else:
+        return None
+    here_shape, here_dtype = np.shape(leaf), _dtype_of(leaf)
+    if tuple(shape) != tuple(here_shape):
+        raise LayoutMismatchError(
+            f"leaf #{i} is {here_dtype}{list(here_shape)} but its target is {describe(t)}: a target of "
+            "another shape cannot hold it",
+            src=(tuple(here_shape), here_dtype),
+            dst=(tuple(shape), dtype),
+            what="shape",
+        )
+    return _Leaf(sharding, None if dtype == here_dtype else dtype)
+
+
+def _dtype_of(leaf: Any) -> Any:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None:
+        return np.dtype(dtype)
+    return jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)  # a Python scalar, as device_put types it
+
+
+def normalize(
+    leaves: list[Any], treedef: Any, targets: list[Any], x: PyTree, target: PyTree
+) -> tuple[list[Any], list[Any]]:
+    """A call's flat leaves and targets (the front door's :func:`~jreshard.frontdoor.flatten` of ``x`` and
+    ``target``) with every leaf in the front door's terms (module docstring); nothing is flattened again.
+
+    Host and host-memory leaves come back already placed (``jax.device_put``) with target ``None``;
+    a cast leaf comes back cast, with its target's sharding; an array target becomes its sharding.
+    ``x`` and ``target`` are read only to name a leaf in an error, and to see a single target.
+
+    Raises:
+      LayoutMismatchError: an array or ShapeDtypeStruct target has another shape.
+      TopologyError: a host-memory leaf or target on devices this process cannot address.
+    """
+    if isinstance(target, jax.sharding.Sharding) and _memory_kind(target) in _DEVICE_KINDS:
+        if all(_on_device(v) and _memory_kind(v.sharding) in _DEVICE_KINDS for v in leaves):
+            return leaves, targets  # the common case: device arrays to one device sharding
+    new_leaves, new_targets = list(leaves), list(targets)
+    put: list[int] = []
+    uncommitted: list[int] = []
+    casts: dict[int, Any] = {}
+    changed = False
+    try:
+        for i, (leaf, t) in enumerate(zip(leaves, targets, strict=True)):
+            want = _wanted(i, leaf, t)
+            sharding = want.sharding if want is not None else t
+            if want is not None:
+                changed = True
+                new_targets[i] = sharding
+                if want.dtype is not None:
+                    casts[i] = want.dtype
+            on_host = _is_host(leaf)
+            host_memory = _on_device(leaf) and _memory_kind(leaf.sharding) not in _DEVICE_KINDS
+            to_host = isinstance(sharding, jax.sharding.Sharding) and _memory_kind(sharding) not in _DEVICE_KINDS
+            if on_host and sharding is None:  # as device_put(value): on the default device, uncommitted
+                uncommitted.append(i)
+                changed = True
+            elif (on_host or host_memory or to_host) and isinstance(sharding, jax.sharding.Sharding):
+                _check_addressable(i, leaf, sharding)
+                put.append(i)
+                changed = True  # (any other target, the front door names)
+    except LayoutMismatchError as err:
+        message = _renamed(str(err), leaf_names(treedef, x))
+        raise LayoutMismatchError(message, src=err.src, dst=err.dst, what=err.what) from None
+    except TopologyError as err:
+        raise TopologyError(_renamed(str(err), leaf_names(treedef, x))) from None
+    if not changed:
+        return leaves, targets
+    if put:
+        placed = jax.device_put([leaves[i] for i in put], [new_targets[i] for i in put])
+        for i, a in zip(put, placed, strict=True):
+            new_leaves[i], new_targets[i] = a, None
+    if uncommitted:
+        for i, a in zip(uncommitted, jax.device_put([leaves[i] for i in uncommitted]), strict=True):
+            new_leaves[i] = a
+    for i, dtype in casts.items():
+        new_leaves[i] = new_leaves[i].astype(dtype)
+    return new_leaves, new_targets
+
+
+def _check_addressable(i: int, leaf: Any, sharding: Any) -> None:
+    """Raises TopologyError when a leaf moved by ``jax.device_put`` here has devices of another process."""
+    devices = set(sharding.device_set)
+    if _on_device(leaf):
+        devices |= set(leaf.sharding.device_set)
+    others = sorted(d.id for d in devices if d.process_index != jax.process_index())
+    if others:
+        raise TopologyError(
+            f"leaf #{i} is {describe(leaf)} with target {sharding}: host memory and host data move in one "
+            f"process, and devices {others} belong to other processes; the fix is a target in device memory"
+        )

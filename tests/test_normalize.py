@@ -1,0 +1,97 @@
+"""transfer takes what jax.device_put takes: array targets (casting when their dtype differs), numpy and
+scalar sources, host memory kinds in one process; its messages show shapes, dtypes and shardings, not data.
+Every result is checked against jax.device_put's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _device_put_oracle import assert_same_as_device_put
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jreshard
+
+DEVS = np.array(jax.devices())
+TRAIN = NamedSharding(Mesh(DEVS[:4], ("fsdp",)), P("fsdp"))
+INFER = NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+INFER_1D = NamedSharding(INFER.mesh, P("tp"))
+
+
+def _params():
+    return {
+        "w": jax.device_put(jnp.arange(64.0).reshape(8, 8), TRAIN),
+        "b": jax.device_put(jnp.arange(8, dtype=jnp.int32), TRAIN),
+    }
+
+
+def test_array_targets_mean_their_sharding():
+    x = _params()
+    rollout = {"w": jax.device_put(jnp.zeros((8, 8)), INFER), "b": jax.device_put(jnp.zeros(8, jnp.int32), INFER_1D)}
+    out = jreshard.transfer(x, rollout)
+    assert_same_as_device_put(out, jax.device_put(x, {k: v.sharding for k, v in rollout.items()}))
+    rollout["w"].delete()  # a deleted array still names its sharding
+    assert_same_as_device_put(jreshard.transfer(x["w"], rollout["w"]), jax.device_put(x["w"], INFER))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.int8])
+def test_array_and_shape_dtype_struct_targets_of_another_dtype_cast(dtype):
+    x = _params()
+    want = jax.device_put(x["w"].astype(dtype), INFER)
+    out = jreshard.transfer(x, {"w": jax.device_put(jnp.zeros((8, 8), dtype), INFER), "b": INFER_1D})
+    assert_same_as_device_put(out["w"], want)
+    assert_same_as_device_put(out["b"], jax.device_put(x["b"], INFER_1D))
+    sds = jreshard.transfer(x["w"], jax.ShapeDtypeStruct((8, 8), dtype, sharding=INFER))
+    assert_same_as_device_put(sds, want)
+
+
+def test_a_target_of_another_shape_is_refused_with_shapes_not_data():
+    x = _params()
+    big = jax.device_put(jnp.zeros((64, 64)), INFER)
+    with pytest.raises(jreshard.LayoutMismatchError, match=r"leaf \['w'\] is float32\[8, 8\].*float32\[64, 64\]") as e:
+        jreshard.transfer(x, {"w": big, "b": INFER_1D})
+    assert e.value.what == "shape" and "0." not in str(e.value) and len(str(e.value)) < 400
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.arange(16, dtype=np.float32).reshape(4, 4), np.arange(4, dtype=np.int64), np.float32(2.5), 3.0, 7, True],
+    ids=["ndarray", "int64", "np_scalar", "float", "int", "bool"],
+)
+def test_numpy_and_python_scalar_sources_are_placed_as_device_put_places_them(value):
+    sharding = INFER if np.ndim(value) == 2 else NamedSharding(INFER.mesh, P())
+    out = jreshard.transfer({"v": value, "w": _params()["w"]}, {"v": sharding, "w": INFER})
+    assert_same_as_device_put(out["v"], jax.device_put(value, sharding))
+
+
+def test_a_host_source_with_a_none_target_lands_as_device_put_without_a_device():
+    value = np.ones(3)
+    out = jreshard.transfer({"v": value, "w": _params()["w"]}, {"v": None, "w": INFER})
+    assert_same_as_device_put(out["v"], jax.device_put(value))
+    assert not out["v"].committed
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_host_memory_kinds_move_in_one_process(kind):
+    x = _params()
+    to_host = jreshard.transfer(x, {"w": INFER.with_memory_kind(kind), "b": INFER_1D.with_memory_kind(kind)})
+    assert_same_as_device_put(
+        to_host, jax.device_put(x, {"w": INFER.with_memory_kind(kind), "b": INFER_1D.with_memory_kind(kind)})
+    )
+    assert {v.sharding.memory_kind for v in jax.tree.leaves(to_host)} == {kind}
+    back = jreshard.transfer(to_host, TRAIN)  # (rank-agnostic: P("fsdp") shards the first axis)
+    assert_same_as_device_put(back, jax.device_put(to_host, TRAIN))
+    mixed = jreshard.transfer(x, {"w": INFER.with_memory_kind(kind), "b": INFER_1D})
+    assert mixed["w"].sharding.memory_kind == kind and mixed["b"].sharding.memory_kind == "device"
+    assert_same_as_device_put(mixed["b"], jax.device_put(x["b"], INFER_1D))
+
+
+def test_messages_show_shapes_and_dtypes_never_the_array():
+    x = _params()
+    with pytest.raises(jreshard.LayoutError, match=r"\['w'\] is ndarray float64\[64, 64\]; expected a jax Sharding"):
+        jreshard.transfer(x, {"w": np.zeros((64, 64)), "b": INFER_1D})
+    with pytest.raises(jreshard.LayoutMismatchError, match=r"structure PyTreeDef\(\{'w': \*\}\)") as e:
+        jreshard.transfer(x, {"w": x["w"]})
+    assert "Array(" not in str(e.value) and "0." not in str(e.value)
