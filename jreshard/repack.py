@@ -173,9 +173,10 @@ def encode(leaf: Any, enc: Encoding) -> Any:
 def decode(moved: Any, enc: Encoding, sharding: Any, into: Any = None) -> Any:
     """The leaf back from its moved encoding, with ``sharding``; over ``into``'s memory when given
     (``into`` is donated: XLA writes the result where it was)."""
-    if into is None:
-        return _decoder(enc, sharding, False)(moved)
-    return _decoder(enc, sharding, True)(moved, into)
+    from jreshard.engine.inprocess import _rewrapped
+
+    out = _decoder(enc, sharding, False)(moved) if into is None else _decoder(enc, sharding, True)(moved, into)
+    return _rewrapped(out, sharding)  # (the cached decoder was made for an equal sharding object)
 
 
 @cache(max_size=256)

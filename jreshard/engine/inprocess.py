@@ -323,10 +323,11 @@ def _rewrapped(a: Any, sharding: Any) -> Any:
         return a
     try:
         from jax._src.array import ArrayImpl
-
-        return ArrayImpl(a.aval, sharding, list(_arrays(a)), committed=True)
-    except (ImportError, TypeError, ValueError):  # pragma: no cover - another jax: an equal sharding object
+    except ImportError:  # pragma: no cover - another jax: an equal sharding object
         return a
+    if type(a) is not ArrayImpl:  # a key array (its own class): it keeps the equal object
+        return a
+    return ArrayImpl(a.aval, sharding, list(_arrays(a)), committed=True)
 
 
 def _with_weak_type(x: Any, weak: bool) -> Any:
