@@ -389,6 +389,7 @@ def test_public_assembly_path_gives_the_same_results(monkeypatch):
     public calls (``jax.dlpack.from_dlpack``, ``jax.make_array_from_single_device_arrays``), equal."""
     import jreshard.engine.inprocess as inprocess
 
+    monkeypatch.setattr(inprocess, "_PUT", None)  # no batched put either: the DLPack path, through public calls
     monkeypatch.setattr(inprocess, "_IMPORT", inprocess._public_import)
     monkeypatch.setattr(inprocess, "_ASSEMBLE", inprocess._public_assemble)
     s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))
