@@ -7,16 +7,22 @@ devices needs no messages at all (:mod:`jreshard.engine.inprocess`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.errors import PeerError
 
-__all__ = ["LocalComm", "match_and_copy"]
+__all__ = ["LocalComm", "match", "match_and_copy"]
 
 
-def match_and_copy(sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[SendOp, RecvOp]]:
-    """Match every send to the receive with its ``(src, dst, tag)``, in listed order, and copy its bytes.
+def match(
+    sends: Sequence[SendOp], recvs: Sequence[RecvOp], size: Callable[[Any], int] = len
+) -> list[tuple[SendOp, RecvOp]]:
+    """Match every send to the receive with its ``(src, dst, tag)``, in listed order.
+
+    Args:
+      size: a buffer's size in bytes (``len`` of a 1-D uint8 buffer by default).
 
     Raises:
       PeerError: a send or receive has no partner, or partners differ in size.
@@ -28,16 +34,26 @@ def match_and_copy(sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tup
     for s in sends:
         queue = waiting.get((s.src, s.dst, s.tag))
         if not queue:
-            raise PeerError(f"send {s.src}->{s.dst} tag {s.tag} ({len(s.buffer)} B) has no matching receive")
+            raise PeerError(f"send {s.src}->{s.dst} tag {s.tag} ({size(s.buffer)} B) has no matching receive")
         r = queue.pop(0)
-        if len(r.buffer) != len(s.buffer):
+        if size(r.buffer) != size(s.buffer):
             raise PeerError(
-                f"send {s.src}->{s.dst} tag {s.tag} has {len(s.buffer)} B but its receive expects {len(r.buffer)} B"
+                f"send {s.src}->{s.dst} tag {s.tag} has {size(s.buffer)} B but its receive expects {size(r.buffer)} B"
             )
         pairs.append((s, r))
     left = [k for k, q in waiting.items() if q]
     if left:
         raise PeerError(f"receives {left[:8]} (src, dst, tag) have no matching send in this group")
+    return pairs
+
+
+def match_and_copy(sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[SendOp, RecvOp]]:
+    """:func:`match` every send to its receive, and copy its bytes.
+
+    Raises:
+      PeerError: a send or receive has no partner, or partners differ in size.
+    """
+    pairs = match(sends, recvs)
     for s, r in pairs:
         r.buffer[...] = s.buffer
     return pairs

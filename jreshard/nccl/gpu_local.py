@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.loopback import match
 from jreshard.errors import PeerError
 from jreshard.nccl.nccl_support import device_pointer
 
@@ -49,22 +50,10 @@ class CupyLocalComm(Communicator):
         outside = sorted(({s.src for s in sends} | {r.dst for r in recvs}) - set(self._ranks))
         if outside:
             raise PeerError(f"CupyLocalComm over ranks {self._ranks} was given ops of ranks {outside}")
-        waiting: dict[tuple[int, int, int], list[RecvOp]] = {}
-        for r in recvs:
-            waiting.setdefault((r.src, r.dst, r.tag), []).append(r)
         pairs = []
-        for s in sends:
-            queue = waiting.get((s.src, s.dst, s.tag))
-            if not queue:
-                raise PeerError(f"send {s.src}->{s.dst} tag {s.tag} has no matching receive")
-            r = queue.pop(0)
-            (sp, sn), (rp, rn) = device_pointer(s.buffer), device_pointer(r.buffer)
-            if sn != rn:
-                raise PeerError(f"send {s.src}->{s.dst} tag {s.tag} has {sn} B but its receive expects {rn} B")
-            pairs.append((s.buffer.device.id, sp, r.buffer.device.id, rp, sn))
-        left = [k for k, q in waiting.items() if q]
-        if left:
-            raise PeerError(f"receives {left[:8]} (src, dst, tag) have no matching send in this group")
+        for s, r in match(sends, recvs, size=lambda b: device_pointer(b)[1]):
+            (sp, n), (rp, _) = device_pointer(s.buffer), device_pointer(r.buffer)
+            pairs.append((s.buffer.device.id, sp, r.buffer.device.id, rp, n))
         cp = self._buffers.cupy
         rt = cp.cuda.runtime
         for so, sp, ro, rp, n in pairs:
