@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_bench_local import answer_mail, peer_mail_process
 
 from jreshard.engine.buffers import BufferBackend
-from jreshard.engine.comm import Communicator, RecvOp, SendOp
-from jreshard.engine.rounds import Shards, execute
+from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
+from jreshard.engine.rounds import Shards, compile_rounds, execute
 from jreshard.models import refit, refit_topology
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
@@ -87,7 +87,11 @@ class NullBuffers(BufferBackend):
 
 
 class NullComm(Communicator):
-    """Completes every exchange at once and moves nothing; counts the operations it was given (final)."""
+    """Completes every exchange at once and moves nothing; counts the operations it was given.
+
+    It takes the round loop's rows as they come (as a transport that posts from a base pointer and an
+    offset does); :class:`SlicingNullComm` takes them through the default adapter instead.
+    """
 
     def __init__(self, ranks: Sequence[int]):
         self._ranks = tuple(ranks)
@@ -101,6 +105,17 @@ class NullComm(Communicator):
     def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
         self.exchanges += 1
         self.ops += len(sends) + len(recvs)
+
+    def exchange_rows(self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float):
+        self.exchanges += 1
+        self.ops += len(sends) + len(recvs)
+
+
+class SlicingNullComm(NullComm):
+    """:class:`NullComm` behind :meth:`Communicator.exchange_rows`'s default: a slice and an operation object
+    per chunk, what a transport that takes buffer objects pays (MPI, the loopback ones) (final)."""
+
+    exchange_rows = Communicator.exchange_rows
 
 
 def schedule_of(name: str, n: int, rank: int) -> tuple[Any, list[TensorSpec], Any, Any]:
@@ -130,27 +145,30 @@ def main(argv: list[str] | None = None) -> None:
     rank = n + n // 2 + 3  # plan_bench.py's destination rank
     sched, tensors, r, topo = schedule_of(args.model, n, rank)
     shards = Shards(src={}, dst={(t, rank): _NULL for t, spec in enumerate(tensors) if rank in spec.dst.ranks})
-    times, stats, comm = [], None, None
-    for _ in range(args.repeat):
-        comm = NullComm([rank])
-        t0 = time.perf_counter()
-        stats = execute(
-            None,
-            comm,
-            shards,
-            options=Options(),
-            backend=NullBuffers(),
-            report=ReportBuilder(Backend.MPI),
-            schedule=sched,
-        )
-        times.append(time.perf_counter() - t0)
-    assert stats is not None and comm is not None
+    t0 = time.perf_counter()
+    compile_rounds(sched, (rank,), (1,), Options().max_group_ops)  # once per schedule, then cached
+    compile_s = time.perf_counter() - t0
+
+    def timed(kind: type[NullComm]) -> tuple[list[float], Any, NullComm]:
+        times, stats, comm = [], None, kind([rank])
+        for _ in range(args.repeat):
+            comm = kind([rank])
+            t0 = time.perf_counter()
+            stats = execute(
+                sched, comm, shards, options=Options(), backend=NullBuffers(), report=ReportBuilder(Backend.MPI)
+            )
+            times.append(time.perf_counter() - t0)
+        return times, stats, comm
+
+    times, stats, comm = timed(NullComm)
+    sliced, _, _ = timed(SlicingNullComm)
+    assert stats is not None
     med = statistics.median(times)
     per_round = med / max(stats.rounds, 1)
     if args.profile:
         from plan_bench_local import profile
 
-        run = lambda: execute(None, NullComm([rank]), shards, options=Options(), backend=NullBuffers(), schedule=sched)  # noqa: E731
+        run = lambda: execute(sched, NullComm([rank]), shards, options=Options(), backend=NullBuffers())  # noqa: E731
         for what, share in profile(run, top=12):
             print(f"   {share * 100:5.1f}%  {what}")
     predicted = simulate_layouts(r.pairs, topo, Options(), r.names).prediction.seconds
@@ -162,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"   host time {med * 1e3:.1f} ms median of {args.repeat} "
         f"(range {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms) = {per_round * 1e6:.1f} us per round"
+    )
+    sl = statistics.median(sliced)
+    print(
+        f"   compiling the rounds (once per schedule, cached): {compile_s * 1e3:.1f} ms; with the default adapter's "
+        f"slices and operation objects (MPI, loopback transports): {sl * 1e3:.1f} ms "
+        f"(range {min(sliced) * 1e3:.1f}-{max(sliced) * 1e3:.1f} ms) = "
+        f"{sl / max(stats.rounds, 1) * 1e6:.1f} us per round"
     )
     print(
         f"   predicted refit (cost model, not measured): {predicted * 1e3:.1f} ms; the engine's host time is "

@@ -235,6 +235,11 @@ class ReportBuilder:
         finally:
             self._seconds[phase] += self._clock() - t0
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The builder's clock, for a caller that times phases itself (then :meth:`add_seconds`)."""
+        return self._clock
+
     def add_seconds(self, phase: ReportPhase, seconds: float) -> None:
         """Add seconds measured elsewhere (a CUDA event pair, say) to ``phase``."""
         self._seconds[phase] += float(seconds)

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from jreshard.engine.comm import RecvOp, SendOp
 from jreshard.engine.loopback import LocalComm
 from jreshard.engine.recording import RecordingComm
-from jreshard.engine.rounds import Shards, build_schedule, chunk_pieces, execute
+from jreshard.engine.rounds import Shards, execute
 from jreshard.errors import PeerError, TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.schedule import kernels
-from jreshard.schedule.steps import STAGE_ALIGN, STAGING
+from jreshard.schedule.steps import STAGE_ALIGN, STAGING, build_schedule, chunk_pieces
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
@@ -46,7 +46,7 @@ def _run(pairs, topo, options, seed=0):
     globals_ = [_global(s, seed + t) for t, (s, _) in enumerate(pairs)]
     shards = _shards(pairs, globals_)
     comm = RecordingComm(ranks=topo.ranks, topology=topo)
-    stats = execute(plan, comm, shards, options=options)
+    stats = execute(build_schedule(plan, options), comm, shards, options=options)
     for t, ((_, d), g) in enumerate(zip(pairs, globals_, strict=True)):
         for r, b in zip(d.ranks, d.boxes, strict=True):
             got = shards.dst[(t, r)].view(d.np_dtype).reshape(b.shape)
@@ -192,7 +192,12 @@ def test_missing_buffers_raise_before_writing():
     shards = _shards([(src, dst)], [_global(src, 0)])
     del shards.src[(0, 1)]
     with pytest.raises(TransferError, match="source shard of tensor 0 on rank 1") as info:
-        execute(plan, RecordingComm(ranks=range(4), topology=topo), shards)
+        execute(
+            build_schedule(plan, plan.options),
+            RecordingComm(ranks=range(4), topology=topo),
+            shards,
+            options=plan.options,
+        )
     assert info.value.destination_intact
     assert all((b == SENTINEL).all() for b in shards.dst.values())
 
@@ -227,7 +232,7 @@ def test_execute_fills_the_report_and_staged_chunks_start_16_byte_aligned():
     shards = _shards([(src, dst)], [_global(src, 1)])
     comm = RecordingComm(ranks=topo.ranks, topology=topo)
     builder = ReportBuilder(Backend.LOCAL, "test")
-    stats = execute(plan, comm, shards, options=opts, report=builder)
+    stats = execute(build_schedule(plan, opts), comm, shards, options=opts, report=builder)
     rep = builder.build()
     s = plan.stats()
     assert (rep.network_bytes, rep.fast_bytes, rep.local_bytes) == (s.network_bytes, s.fast_bytes, s.local_bytes)

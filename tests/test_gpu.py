@@ -193,6 +193,7 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.rendezvous import KeyValueRendezvous
     from jreshard.options import Options
+    from jreshard.schedule.steps import build_schedule
     from jreshard.sharding.layout import Layout
     from jreshard.sharding.planner import plan_layouts
     from jreshard.sharding.topology import Topology
@@ -218,7 +219,7 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     d1, d2 = bufs.allocate([256 * 512 * 4, 256 * 512 * 4], gpu)
     with cupy.cuda.Device(o):
         execute(
-            plan,
+            build_schedule(plan, opts),
             comm,
             Shards(src={(0, 0): bufs.export_source(x)}, dst={(0, 1): d1, (0, 2): d2}),
             options=opts,

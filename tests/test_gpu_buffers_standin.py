@@ -150,6 +150,7 @@ class CountingBuffers(CpuBuffers):
 
 def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
     from jreshard.engine.rounds import Shards, execute
+    from jreshard.schedule.steps import build_schedule
 
     shape = (32, 64)
     src = Layout.from_boxes(shape, "float32", {0: Box((0, 0), shape)})
@@ -159,8 +160,9 @@ def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
     host = np.arange(32 * 64, dtype=np.float32).reshape(shape)
     d1, d2 = np.zeros(32 * 32 * 4, np.uint8), np.zeros(32 * 32 * 4, np.uint8)
     backend = CountingBuffers()
-    stats = execute(plan, LocalComm([0, 1, 2]), Shards(src={(0, 0): host.reshape(-1).view(np.uint8)},
-                    dst={(0, 1): d1, (0, 2): d2}), backend=backend)  # fmt: skip
+    stats = execute(build_schedule(plan, plan.options), LocalComm([0, 1, 2]),
+                    Shards(src={(0, 0): host.reshape(-1).view(np.uint8)}, dst={(0, 1): d1, (0, 2): d2}),
+                    options=plan.options, backend=backend)  # fmt: skip
     assert stats.rounds > 1
     assert backend.calls.count("synchronize") == 1 and backend.calls[-1] == "synchronize"
     assert backend.calls.count("fence") == stats.rounds + 1  # after the local copies, before each exchange

@@ -27,7 +27,8 @@ def _run_recording(n: int, max_ops: int):
     plan, pairs, globals_ = engine_groups.case(n)
     comm = RecordingComm(ranks=plan.topology.ranks, topology=plan.topology)
     shards = engine_groups.shards_for(pairs, globals_, set(plan.topology.ranks))
-    stats = execute(plan, comm, shards, options=Options(max_group_ops=max_ops, **OPTS))
+    opts = Options(max_group_ops=max_ops, **OPTS)
+    stats = execute(build_schedule(plan, opts), comm, shards, options=opts)
     assert engine_groups.check(pairs, globals_, shards) > 0
     return plan, comm, stats
 

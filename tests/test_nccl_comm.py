@@ -155,6 +155,36 @@ def test_exchange_order_group_and_stream_sync():
     assert not calls(nccl.log, "abort")
 
 
+def test_rows_post_the_same_calls_as_ops_at_base_pointer_plus_offset():
+    def inside(exchange):
+        comm, nccl, _ = make({0: 0, 1: 1}, namespace=f"rows{len(seen)}")
+        nccl.log.clear()
+        exchange(comm)
+        log = [e for e in nccl.log if e[0] != "stream"]
+        seen.append([e[:5] for e in log[log.index(("groupStart",)) + 1 : log.index(("groupEnd",))]])
+
+    seen: list[list[tuple]] = []
+    bases = [Buf(0x1000, 256), Buf(0x2000, 64)]
+    inside(
+        lambda c: c.exchange(
+            [SendOp(1, 3, 5, Buf(0x1010, 64)), SendOp(0, 2, 9, Buf(0x2000, 32))],
+            [RecvOp(3, 0, 2, Buf(0x2020, 8))],
+            timeout_s=5.0,
+        )
+    )
+    inside(lambda c: c.exchange_rows([(1, 3, 5, 0, 0x10, 64), (0, 2, 9, 1, 0, 32)], [(3, 0, 2, 1, 0x20, 8)], bases,
+                                     timeout_s=5.0))  # fmt: skip
+    assert seen[0] == seen[1] == [("send", 0, 2, 0x2000, 32), ("send", 1, 3, 0x1010, 64), ("recv", 0, 3, 0x2020, 8)]
+
+
+def test_a_row_past_its_buffer_is_refused_before_any_nccl_call():
+    comm, nccl, _ = make({0: 0})
+    n = len(nccl.log)
+    with pytest.raises(ValueError, match=r"bytes 60\.\.68 of a buffer of 64"):
+        comm.exchange_rows([(0, 1, 0, 0, 60, 8)], [], [Buf(0x100, 64)], timeout_s=1.0)
+    assert len(nccl.log) == n
+
+
 def test_exchange_of_nothing_calls_nothing():
     comm, nccl, _ = make({0: 0})
     n = len(nccl.log)
@@ -366,6 +396,7 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
     from jreshard.engine.rounds import Shards, execute
     from jreshard.nccl import cuda_kernels as CK
     from jreshard.options import Options
+    from jreshard.schedule.steps import build_schedule
     from jreshard.sharding.box import Box
     from jreshard.sharding.layout import Layout
     from jreshard.sharding.planner import plan_layouts
@@ -393,7 +424,7 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
         dst={(0, 1): FakeDeviceArray(half, 0, 2 << 30), (0, 2): FakeDeviceArray(half, 0, 3 << 30)},
     )
     cuda.log.clear()
-    stats = execute(plan, comm, shards, options=opts, backend=bufs)
+    stats = execute(build_schedule(plan, opts), comm, shards, options=opts, backend=bufs)
     assert stats.rounds > 1
     s = comm.stream(0).ptr
     kernels = {bufs.streams.pack(0).ptr, bufs.streams.unpack(0).ptr}

@@ -105,7 +105,6 @@ def _global(lay: Layout, seed: int) -> np.ndarray:
 
 
 def run_and_check(pairs, topo, options, sched):
-    plan = plan_layouts(pairs, topo, options)  # only for execute's signature: the schedule is given
     values = [_global(s, t) for t, (s, _) in enumerate(pairs)]
     src, dst = {}, {}
     for t, ((s, d), g) in enumerate(zip(pairs, values, strict=True)):
@@ -113,7 +112,7 @@ def run_and_check(pairs, topo, options, sched):
             src[(t, r)] = np.ascontiguousarray(g[b.slices()]).reshape(-1).view(np.uint8)
         for r, b in zip(d.ranks, d.boxes, strict=True):
             dst[(t, r)] = np.full(b.volume * d.itemsize, 0xA5, np.uint8)
-    execute(plan, LocalComm(topo.ranks), Shards(src=src, dst=dst), options=options, schedule=sched)
+    execute(sched, LocalComm(topo.ranks), Shards(src=src, dst=dst), options=options)
     for t, ((_, d), g) in enumerate(zip(pairs, values, strict=True)):
         for r, b in zip(d.ranks, d.boxes, strict=True):
             want = np.ascontiguousarray(g[b.slices()]).reshape(-1).view(np.uint8)

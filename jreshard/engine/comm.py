@@ -19,7 +19,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Communicator", "RecvOp", "SendOp"]
+__all__ = ["Communicator", "RecvOp", "Row", "SendOp"]
+
+Row = tuple[int, int, int, int, int, int]
+"""One operation of :meth:`Communicator.exchange_rows`: ``(src, dst, tag, buffer, offset, nbytes)``."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,6 +67,21 @@ class Communicator(abc.ABC):
             the message names the peers still outstanding.
           PeerError: the transport reported a failure.
         """
+
+    def exchange_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
+    ) -> None:
+        """:meth:`exchange` with each operation given as a row ``(src, dst, tag, buffer, offset, nbytes)``:
+        its bytes are ``buffers[buffer][offset : offset + nbytes]``.
+
+        The engine's round loop calls this, so a transport that can post a message from a base
+        pointer and an offset (NCCL) makes no slice per chunk. Default: the slices, then :meth:`exchange`.
+        """
+        self.exchange(
+            [SendOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in sends],
+            [RecvOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in recvs],
+            timeout_s=timeout_s,
+        )
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release transport resources (default: nothing to release)."""

@@ -129,14 +129,7 @@ def run_schedule(
     for (_, r), a in sources.items():
         devices.setdefault(r, next(iter(a.devices())))
     stats = execute(
-        None,
-        comm,
-        Shards(src=src, dst=dst),
-        options=options,
-        backend=backend,
-        devices=devices,
-        report=report,
-        schedule=schedule,
+        schedule, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
     )
     out = {k: dst[k] if k in given else backend.import_shard(dst[k], *meta[k]) for k in dst}
     return out, stats

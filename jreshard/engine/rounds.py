@@ -1,10 +1,14 @@
-"""The engine: run the ranks' parts of a :class:`~jreshard.sharding.plan.Plan` over a Communicator.
+"""The engine's round loop: run a schedule's rounds for this process's ranks over a Communicator.
 
 Every transport (in-process, MPI, NCCL) drives this same code; only the
 :class:`~jreshard.engine.comm.Communicator` and the
 :class:`~jreshard.engine.buffers.BufferBackend` differ. What runs when is decided
-by the schedule (:mod:`jreshard.schedule.steps`: chunks, rounds, staging layout),
-built once per plan and cached; this module interprets it.
+by the schedule (:mod:`jreshard.schedule`: chunks, rounds, staging layout), built
+once per plan, or per rank by the pair-paced scheduler, and cached. This module
+compiles it once for the ranks of one process (:func:`compile_rounds`: per round, the
+descriptor tables and the exchange groups as rows of plain integers, with every
+count the report needs summed ahead) and runs it: per round, the packs, one
+:meth:`~jreshard.engine.comm.Communicator.exchange_rows` call per group, the unpacks.
 
 **Buffers.** Stage-0 chunks are read from the sender's source shard; later
 stages forward bytes the sender received, which it holds in its destination shard
@@ -29,49 +33,25 @@ as fan-out time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+import itertools
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from jreshard.engine.buffers import BufferBackend, CpuBuffers
-from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.comm import Communicator, Row
 from jreshard.errors import TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.schedule import kernels
 from jreshard.schedule.groups import group_rounds
-from jreshard.schedule.ranksteps import RankSteps
-from jreshard.schedule.steps import (
-    DST,
-    SRC,
-    STAGING,
-    TAG_CHUNK_BITS,
-    Schedule,
-    Step,
-    Wire,
-    buffer_index,
-    build_schedule,
-    chunk_pieces,
-    tag_of,
-)
-from jreshard.sharding.plan import Plan
+from jreshard.schedule.ranksteps import RankColumns, RankSteps, WireColumns
+from jreshard.schedule.steps import SRC, STAGING, TAG_CHUNK_BITS, Schedule, Step, Wire
 from jreshard.sharding.topology import Link
 
-__all__ = [
-    "DST",
-    "SRC",
-    "ExecStats",
-    "Schedule",
-    "Shards",
-    "Step",
-    "Wire",
-    "buffer_index",
-    "build_schedule",
-    "chunk_pieces",
-    "exchange_groups",
-    "execute",
-    "split_ops",
-    "tag_of",
-]
+__all__ = ["ExecStats", "RoundProgram", "Shards", "compile_rounds", "execute"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,116 +93,258 @@ class ExecStats:
 
 
 def execute(
-    plan: Plan | None,
+    schedule: Schedule,
     comm: Communicator,
     shards: Shards,
     *,
-    options: Options | None = None,
+    options: Options,
     backend: BufferBackend | None = None,
     devices: Mapping[int, Any] | None = None,
     report: ReportBuilder | None = None,
-    schedule: Schedule | None = None,
 ) -> ExecStats:
-    """Run the parts of ``plan`` that belong to ``comm.local_ranks``.
+    """Run the rounds of ``schedule`` that belong to ``comm.local_ranks``.
 
     Args:
-      plan: the whole plan (every process holds the same one); None when ``schedule`` and
-        ``options`` are given.
+      schedule: the rounds, from :func:`~jreshard.schedule.steps.build_schedule` (a whole plan's) or
+        :mod:`jreshard.schedule.pairsched` (this process's ranks alone).
       comm: the transport; its ``local_ranks`` are the ranks this process runs.
       shards: the local ranks' source and destination shard buffers.
-      options: chunking, staging and timeout (default: the plan's).
+      options: staging bound, ``max_group_ops`` and ``timeout_s``.
       backend: buffer operations (default :class:`CpuBuffers`).
       devices: ``{rank: jax device}`` of the local ranks, so each staging arena is
         allocated on its rank's device (default: the backend's current device).
       report: where to add phase times, bytes per link, messages and staging.
-      schedule: the rounds to run (default: ``build_schedule(plan, options)``), e.g. one
-        built for this process's ranks alone by :mod:`jreshard.schedule.pairsched`.
 
     Returns:
       What was moved, and the peak staging of each local rank.
 
     Raises:
-      TransferError: a shard the plan reads or writes is missing (nothing was written);
+      TransferError: a shard the schedule reads or writes is missing (nothing was written);
         TransferTimeoutError / PeerError from the communicator.
     """
-    if plan is None:
-        if schedule is None or options is None:
-            raise ValueError("execute: without a plan, give both schedule and options")
-        sched = schedule
-    else:
-        options = options or plan.options
-        sched = schedule or build_schedule(plan, options)
     backend = backend or CpuBuffers()
     ranks = tuple(comm.local_ranks)
-    bufs = {r: shards.of_rank(r, sched.ntensors) for r in ranks}
-    _check_buffers(sched, ranks, bufs, shards)
-    rep = report or ReportBuilder(Backend.LOCAL)  # a throwaway one keeps the loop free of branches
-    sent = dict.fromkeys(Link, 0)
-    local_bytes = chunks = 0
-    with rep.timed(ReportPhase.UNPACK):
-        for r in ranks:
-            if r in sched.local:
-                keys, st, dt = sched.local[r]
-                backend.copy(st, [shards.src[k] for k in keys], dt, bufs[r])
-                local_bytes += kernels.table_bytes(dt)
-        backend.fence()
-    rep.add_bytes(Link.LOCAL, local_bytes)
     devices = devices or {}
-    arenas = {r: _arenas(backend, sched.staging.get(r, 0), devices.get(r), options.staging_bytes) for r in ranks}
-    held = sum(len(a) * sched.staging.get(r, 0) for r, a in arenas.items())
+    arenas = {r: _arenas(backend, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes) for r in ranks}
+    prog = compile_rounds(schedule, ranks, tuple(len(arenas[r]) for r in ranks), options.max_group_ops)
+    bufs = {r: shards.of_rank(r, schedule.ntensors) for r in ranks}
+    _check_buffers(schedule, prog, ranks, bufs, shards)
+    rep = report or ReportBuilder(Backend.LOCAL)  # a throwaway one keeps the loop free of branches
+    clock = rep.clock
+    t0 = clock()
+    local_bytes = 0
+    for r in ranks:
+        if r in schedule.local:
+            keys, st, dt = schedule.local[r]
+            backend.copy(st, [shards.src[k] for k in keys], dt, bufs[r])
+            local_bytes += kernels.table_bytes(dt)
+    backend.fence()
+    unpack_s = clock() - t0
+    held = sum(len(a) * schedule.staging.get(r, 0) for r, a in arenas.items())
     rep.staging(held)
-    backend.prepare(_jobs(sched, ranks, bufs, arenas))  # e.g. the GPU's launch tables, once per schedule
-    rounds_run = 0
-    if sched.groups is None:  # a global schedule: rounds over max_group_ops operations run as groups
-        cuts = group_rounds(sched, options.max_group_ops).group_of
-    else:  # a rank-local one carries its own cut, agreed with the peers
-        cuts = sched.groups
-    messages: set[tuple[int, int, int]] = set()  # (rank, peer, stage) of the messages sent
-    for rnd in range(sched.rounds):
-        sends: list[SendOp] = []
-        recvs: list[RecvOp] = []
-        todo = []
-        network = False
-        with rep.timed(ReportPhase.PACK):
-            for r in ranks:
-                step = sched.steps.get(r, {}).get(rnd)
-                if step is None:
-                    continue
-                arena = arenas[r][rnd % len(arenas[r])]
-                if len(step.pack):
-                    backend.pack(step.pack, bufs[r], arena)
-                for w in step.sends:
-                    sends.append(SendOp(r, w.peer, w.tag, _region(w, bufs[r], arena)))
-                    sent[w.link] += w.nbytes
-                    key = (r, w.peer, w.tag >> TAG_CHUNK_BITS)
-                    first = key not in messages
-                    messages.add(key)
-                    rep.add_bytes(w.link, w.nbytes, messages=int(first))
-                    network = network or w.link is Link.NETWORK
-                recvs.extend(RecvOp(w.peer, r, w.tag, _region(w, bufs[r], arena)) for w in step.recvs)
-                network = network or any(w.link is Link.NETWORK for w in step.recvs)
-                chunks += len(step.sends)
-                if len(step.unpack):
-                    todo.append((step.unpack, arena, bufs[r]))
-            if not sends and not recvs:
-                continue
-            backend.fence()  # ordered before the sends; no host wait where the backend can avoid one
-        with rep.timed(ReportPhase.NETWORK if network else ReportPhase.FANOUT):
-            exchange_groups(comm, sends, recvs, cuts.get(rnd), timeout_s=options.timeout_s)
-        rounds_run += 1
-        with rep.timed(ReportPhase.UNPACK):
-            for table, arena, b in todo:
-                backend.unpack(table, arena, b)
-    with rep.timed(ReportPhase.UNPACK):
-        backend.synchronize()
+    # One list of every buffer an operation can name: each local rank's shard buffers, then its arenas.
+    bases: list[Any] = []
+    for r in ranks:
+        bases += bufs[r]
+        bases += arenas[r]
+    backend.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
+    pack, unpack, fence, exchange = backend.pack, backend.unpack, backend.fence, comm.exchange_rows
+    timeout_s = options.timeout_s
+    pack_s = network_s = fanout_s = 0.0
+    t3 = clock()
+    for packs, groups, unpacks, network in prog.rounds:
+        for table, b, arena in packs:
+            pack(table, bufs[b], bases[arena])
+        fence()  # ordered before the sends; no host wait where the backend can avoid one
+        t1 = clock()
+        for sends, recvs in groups:
+            exchange(sends, recvs, bases, timeout_s=timeout_s)
+        t2 = clock()
+        for table, b, arena in unpacks:
+            unpack(table, bases[arena], bufs[b])
+        pack_s += t1 - t3
+        if network:
+            network_s += t2 - t1
+        else:
+            fanout_s += t2 - t1
+        t3 = clock()
+        unpack_s += t3 - t2
+    backend.synchronize()
+    unpack_s += clock() - t3
+    rep.add_seconds(ReportPhase.PACK, pack_s)
+    rep.add_seconds(ReportPhase.NETWORK, network_s)
+    rep.add_seconds(ReportPhase.FANOUT, fanout_s)
+    rep.add_seconds(ReportPhase.UNPACK, unpack_s)
+    rep.add_bytes(Link.LOCAL, local_bytes)
+    for link in Link:
+        rep.add_bytes(link, prog.sent_bytes[link], messages=prog.messages[link])
     rep.staging(-held)
     return ExecStats(
-        sent_bytes=sent,
+        sent_bytes=dict(prog.sent_bytes),
         local_bytes=local_bytes,
-        chunks=chunks,
-        rounds=rounds_run,
-        peak_staging_bytes={r: len(arenas[r]) * sched.staging.get(r, 0) for r in ranks},
+        chunks=prog.chunks,
+        rounds=len(prog.rounds),
+        peak_staging_bytes={r: len(arenas[r]) * schedule.staging.get(r, 0) for r in ranks},
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoundProgram:
+    """A schedule's rounds for the ranks of one process, as the round loop reads them (final).
+
+    Built once per schedule, ranks and arena count (:func:`compile_rounds`, cached), so a refit's
+    rounds cost the engine a loop over prepared tuples: no step, wire or operation object is made,
+    and no report bookkeeping runs per chunk.
+
+    Attributes:
+      rounds: per round this process takes part in, in order, ``(packs, groups, unpacks, network)``:
+        ``packs`` and ``unpacks`` are ``(table, rank, arena)`` (``arena`` an index into the loop's list of
+        buffers), ``groups`` the round's exchange groups as ``(sends, recvs)`` rows, ``network`` whether
+        any of its chunks crosses the network (its exchange is then network time, else fan-out time).
+      sent_bytes: bytes sent by link kind, over all rounds.
+      messages: messages sent by link kind, as a plan counts them (all a rank sends one peer at one stage).
+      chunks: chunk messages sent.
+      needs: per local rank, the shard buffer indices the rounds and local copies read or write.
+    """
+
+    rounds: tuple[tuple[tuple, tuple, tuple, bool], ...]
+    sent_bytes: Mapping[Link, int]
+    messages: Mapping[Link, int]
+    chunks: int
+    needs: Mapping[int, frozenset[int]]
+
+
+def compile_rounds(
+    schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int
+) -> RoundProgram:
+    """The rounds of ``ranks`` (each with ``arenas[i]`` staging arenas, alternated by round), cut into
+    exchange groups (by the schedule's own cut, else of at most ``max_group_ops`` operations per rank)."""
+    by_schedule = _compiled.setdefault(schedule, {})
+    key = (ranks, arenas, max_group_ops if schedule.groups is None else 0)
+    prog = by_schedule.get(key)
+    if prog is None:
+        prog = by_schedule[key] = _compile(schedule, ranks, arenas, max_group_ops)
+    return prog
+
+
+_compiled: weakref.WeakKeyDictionary[Schedule, dict[tuple, RoundProgram]] = weakref.WeakKeyDictionary()
+
+
+def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int) -> RoundProgram:
+    cuts = group_rounds(schedule, max_group_ops).group_of if schedule.groups is None else schedule.groups
+    nbuf = 2 * schedule.ntensors
+    per_round: dict[int, list] = {}
+    sent = dict.fromkeys(Link, 0)
+    messages = dict.fromkeys(Link, 0)
+    chunks = 0
+    needs: dict[int, frozenset[int]] = {}
+    at = 0
+    for i, r in enumerate(ranks):
+        steps = schedule.steps.get(r, {})
+        cols = steps.columns if isinstance(steps, RankSteps) else _columns(steps)
+        rank = _RankRows(cols, r, at, nbuf, arenas[i])
+        at += nbuf + arenas[i]
+        for link in Link:
+            sent[link] += rank.sent[link]
+            messages[link] += rank.messages[link]
+        chunks += len(cols.sends[0])
+        need = rank.needs
+        if r in schedule.local:
+            need |= set(np.unique(schedule.local[r][2][:, kernels.BUF]).tolist())
+        needs[r] = frozenset(need)
+        pack_at, unpack_at = cols.pack_at.tolist(), cols.unpack_at.tolist()
+        send_at, recv_at, send_rows, recv_rows = rank.send_at, rank.recv_at, rank.send_rows, rank.recv_rows
+        for j, rnd in enumerate(cols.rounds.tolist()):
+            slot = per_round.get(rnd)
+            if slot is None:
+                slot = per_round[rnd] = [[], [], [], [], False]
+            arena = rank.arena(rnd)
+            if pack_at[j + 1] > pack_at[j]:
+                slot[0].append((cols.pack[pack_at[j] : pack_at[j + 1]], r, arena))
+            if unpack_at[j + 1] > unpack_at[j]:
+                slot[3].append((cols.unpack[unpack_at[j] : unpack_at[j + 1]], r, arena))
+            slot[1] += send_rows[send_at[j] : send_at[j + 1]]
+            slot[2] += recv_rows[recv_at[j] : recv_at[j + 1]]
+            slot[4] = slot[4] or rank.network[j]
+    rounds = []
+    for rnd in sorted(per_round):
+        packs, sends, recvs, unpacks, network = per_round[rnd]
+        if not sends and not recvs:
+            continue
+        groups = tuple((tuple(s), tuple(v)) for s, v in _cut(sends, recvs, cuts.get(rnd)))
+        rounds.append((tuple(packs), groups, tuple(unpacks), network))
+    return RoundProgram(rounds=tuple(rounds), sent_bytes=sent, messages=messages, chunks=chunks, needs=needs)
+
+
+class _RankRows:
+    """One rank's wires as rows of the round loop, with the counts the report needs (all rounds at once)."""
+
+    def __init__(self, cols: RankColumns, rank: int, base: int, nbuf: int, arenas: int):
+        self._staging, self._arenas = base + nbuf, arenas
+        self.send_at, self.recv_at = cols.send_at.tolist(), cols.recv_at.tolist()
+        self.send_rows = self._rows(cols, cols.sends, cols.send_at, rank, base, True)
+        self.recv_rows = self._rows(cols, cols.recvs, cols.recv_at, rank, base, False)
+        peer, tag, link, nbytes, _, _ = cols.sends
+        self.sent = {k: int(nbytes[link == k].sum()) for k in Link}
+        # A message is all the rank sends one peer at one stage: count each (peer, stage) once, at its first chunk.
+        _, first = np.unique(peer * (1 << 32) + (tag >> TAG_CHUNK_BITS), return_index=True)
+        self.messages = {k: int((link[first] == k).sum()) for k in Link}
+        network = np.zeros(len(cols.rounds), bool)
+        for (_, _, lk, _, _, _), where in ((cols.sends, cols.send_at), (cols.recvs, cols.recv_at)):
+            ahead = np.concatenate([[0], np.cumsum(lk == Link.NETWORK)])
+            network |= ahead[where[1:]] > ahead[where[:-1]]
+        self.network = network.tolist()
+        need = set(np.unique(cols.pack[:, kernels.BUF]).tolist()) | set(np.unique(cols.unpack[:, kernels.BUF]).tolist())
+        for c in (cols.sends, cols.recvs):
+            need.update(np.unique(c[4][c[4] != STAGING]).tolist())
+        self.needs = need
+
+    def arena(self, rnd: int) -> int:
+        return self._staging + rnd % self._arenas
+
+    def _rows(self, cols: RankColumns, wires, at: np.ndarray, rank: int, base: int, send: bool) -> list[Row]:
+        peer, tag, _, nbytes, buf, offset = wires
+        rnd = np.repeat(cols.rounds, np.diff(at))
+        slot = np.where(buf == STAGING, self._staging + rnd % self._arenas, base + buf)
+        me = itertools.repeat(rank, len(peer))
+        ends = (me, peer.tolist()) if send else (peer.tolist(), me)
+        return list(zip(*ends, tag.tolist(), slot.tolist(), offset.tolist(), nbytes.tolist(), strict=True))
+
+
+def _columns(steps: Mapping[int, Step]) -> RankColumns:
+    """:class:`RankColumns` of steps held as :class:`Step` values (a whole plan's schedule)."""
+    rounds = sorted(steps)
+    by = [steps[r] for r in rounds]
+
+    def wires(pick: Callable[[Step], Sequence[Wire]]) -> tuple[WireColumns, np.ndarray]:
+        ws = [w for st in by for w in pick(st)]
+        cols = tuple(np.array([getattr(w, f) for w in ws], np.int64) for f in _WIRE_FIELDS)
+        return cols, np.concatenate([[0], np.cumsum([len(pick(st)) for st in by])]).astype(np.int64)  # type: ignore[return-value]
+
+    def tables(pick: Callable[[Step], np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        ts = [pick(st) for st in by]
+        at = np.concatenate([[0], np.cumsum([len(t) for t in ts])]).astype(np.int64)
+        width = next((t.shape[1] for t in ts if t.ndim == 2), kernels.COLUMNS)
+        return (np.concatenate(ts) if ts else np.zeros((0, width), np.int64)), at
+
+    (sends, send_at), (recvs, recv_at) = wires(lambda st: st.sends), wires(lambda st: st.recvs)
+    (pack, pack_at), (unpack, unpack_at) = tables(lambda st: st.pack), tables(lambda st: st.unpack)
+    return RankColumns(np.array(rounds, np.int64), sends, recvs, send_at, recv_at, pack, unpack, pack_at, unpack_at)
+
+
+_WIRE_FIELDS = ("peer", "tag", "link", "nbytes", "buf", "offset")
+
+
+def _cut(sends: list[Row], recvs: list[Row], cut: Mapping[tuple[int, int, int], int] | None) -> list[tuple[list, list]]:
+    """One round's rows, group by group in order (groups this process has no part in are skipped)."""
+    if cut is None:
+        return [(sends, recvs)]
+    by: dict[int, tuple[list[Row], list[Row]]] = {}
+    for row in sends:
+        by.setdefault(cut[row[:3]], ([], []))[0].append(row)
+    for row in recvs:
+        by.setdefault(cut[row[:3]], ([], []))[1].append(row)
+    return [by[g] for g in sorted(by)]
 
 
 def _arenas(backend: BufferBackend, nbytes: int, device: Any, bound: int) -> list[Any]:
@@ -231,71 +353,31 @@ def _arenas(backend: BufferBackend, nbytes: int, device: Any, bound: int) -> lis
     return [backend.staging(nbytes, device) for _ in range(n)]
 
 
-def _jobs(sched: Schedule, ranks: tuple[int, ...], bufs: dict[int, list], arenas: dict[int, list]):
-    """Every pack and unpack of the ranks' rounds, with the buffers and arena each will use (lazily)."""
-    for r in ranks:
-        for rnd, step in sched.steps.get(r, {}).items():
-            arena = arenas[r][rnd % len(arenas[r])]
-            yield from (("pack", step.pack, bufs[r], arena), ("unpack", step.unpack, bufs[r], arena))
+def _jobs(prog: RoundProgram, bufs: dict[int, list], bases: list[Any]):
+    """Every pack and unpack of the compiled rounds, with the buffers and arena each will use (lazily)."""
+    for packs, _, unpacks, _ in prog.rounds:
+        yield from (("pack", table, bufs[r], bases[arena]) for table, r, arena in packs)
+        yield from (("unpack", table, bufs[r], bases[arena]) for table, r, arena in unpacks)
 
 
-def _region(w: Wire, bufs: list, arena) -> object:
-    base = arena if w.buf == STAGING else bufs[w.buf]
-    return base[w.offset : w.offset + w.nbytes]
-
-
-def _check_buffers(sched: Schedule, ranks: tuple[int, ...], bufs: dict[int, list], shards: Shards) -> None:
+def _check_buffers(
+    schedule: Schedule, prog: RoundProgram, ranks: tuple[int, ...], bufs: dict[int, list], shards: Shards
+) -> None:
     missing: list[str] = []
     for r in ranks:
-        by_round = sched.steps.get(r, {})
-        if isinstance(by_round, RankSteps):  # steps held as tables: read them, make no Step
-            need = set(by_round.buffers())
-        else:
-            need = set()
-            for step in by_round.values():
-                need.update(int(b) for b in step.pack[:, kernels.BUF])
-                need.update(int(b) for b in step.unpack[:, kernels.BUF])
-                need.update(w.buf for w in (*step.sends, *step.recvs) if w.buf != STAGING)
-        if r in sched.local:
-            keys, _, dt = sched.local[r]
-            need.update(int(b) for b in dt[:, kernels.BUF])
-            missing += [f"source shard of tensor {t} on rank {h}" for t, h in keys if (t, h) not in shards.src]
-        for b in sorted(need):
+        for b in sorted(prog.needs[r]):
             if bufs[r][b] is None:
                 missing.append(f"{'source' if b % 2 == SRC else 'destination'} shard of tensor {b // 2} on rank {r}")
+    missing += [
+        f"source shard of tensor {t} on rank {h}"
+        for r in ranks
+        if r in schedule.local
+        for t, h in schedule.local[r][0]
+        if (t, h) not in shards.src
+    ]
     if missing:
         raise TransferError(
-            f"execute: the plan needs buffers this process was not given: {missing[:8]}"
+            f"execute: the schedule needs buffers this process was not given: {missing[:8]}"
             + (f" ... {len(missing)} in all" if len(missing) > 8 else ""),
             destination_intact=True,
         )
-
-
-def split_ops(
-    sends: Sequence[SendOp], recvs: Sequence[RecvOp], cut: Mapping[tuple[int, int, int], int] | None
-) -> Iterator[tuple[list[SendOp], list[RecvOp]]]:
-    """This process's operations of one round, group by group in order (groups it has no part in are skipped)."""
-    if cut is None:
-        if sends or recvs:
-            yield list(sends), list(recvs)
-        return
-    by: dict[int, tuple[list[SendOp], list[RecvOp]]] = {}
-    for s in sends:
-        by.setdefault(cut[(s.src, s.dst, s.tag)], ([], []))[0].append(s)
-    for r in recvs:
-        by.setdefault(cut[(r.src, r.dst, r.tag)], ([], []))[1].append(r)
-    for g in sorted(by):
-        yield by[g]
-
-
-def exchange_groups(
-    comm: Communicator,
-    sends: Sequence[SendOp],
-    recvs: Sequence[RecvOp],
-    cut: Mapping[tuple[int, int, int], int] | None,
-    *,
-    timeout_s: float,
-) -> None:
-    """Run one round's operations as its groups, one :meth:`Communicator.exchange` each."""
-    for s, r in split_ops(sends, recvs, cut):
-        comm.exchange(s, r, timeout_s=timeout_s)

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl.nccl_support import (
     Watchdog,
@@ -264,7 +264,32 @@ class NcclComm(Communicator):
             of this process was aborted.
           PeerError: NCCL reported an error; every communicator was aborted.
         """
-        issued = self._validate(sends, recvs)
+        self._post(self._validate(sends, recvs), timeout_s)
+
+    def exchange_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
+    ) -> None:
+        """:meth:`exchange` of rows ``(src, dst, tag, buffer, offset, nbytes)``: each message is posted at
+        ``buffers[buffer]``'s device pointer plus ``offset``, with no slice made. Not run on GPU.
+
+        Raises:
+          ValueError: as :meth:`exchange`, or a row that runs past its buffer's end.
+        """
+        bases: dict[int, tuple[int, int]] = {}
+        ops = []
+        for rows, is_send in ((sends, True), (recvs, False)):
+            for src, dst, tag, b, off, n in rows:
+                if b not in bases:
+                    bases[b] = device_pointer(buffers[b])
+                ptr, size = bases[b]
+                if off < 0 or n < 0 or off + n > size:
+                    raise ValueError(
+                        f"NcclComm: the message {src}->{dst} tag {tag} is bytes {off}..{off + n} of a buffer of {size}"
+                    )
+                ops.append((src, dst, tag, is_send, ptr + off, n))
+        self._post(self._issue(ops), timeout_s)
+
+    def _post(self, issued: list[tuple], timeout_s: float) -> None:
         if not issued:
             return
         nccl, cuda = self._nccl, self._cuda
@@ -307,13 +332,17 @@ class NcclComm(Communicator):
             self._wait(issued, used, deadline, timeout_s)
 
     def _validate(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple]:
-        """``(device key, is_send, peer device key, pointer, nbytes, op)`` in issue order."""
+        ops = [(op.src, op.dst, op.tag, True, *device_pointer(op.buffer)) for op in sends]
+        ops += [(op.src, op.dst, op.tag, False, *device_pointer(op.buffer)) for op in recvs]
+        return self._issue(ops)
+
+    def _issue(self, ops: Sequence[tuple[int, int, int, bool, int, int]]) -> list[tuple]:
+        """``(device key, is_send, peer device key, pointer, nbytes, (src, dst))`` in issue order, from
+        ``(src, dst, tag, is_send, pointer, nbytes)``."""
         local = set(self._local_ranks)
         rows: list[tuple[tuple[int, int, int, int], tuple]] = []
-        ops: itertools.chain[tuple[SendOp | RecvOp, int, int, bool]] = itertools.chain(
-            ((s, s.src, s.dst, True) for s in sends), ((r, r.dst, r.src, False) for r in recvs)
-        )
-        for op, mine, peer, is_send in ops:
+        for src, dst, tag, is_send, ptr, n in ops:
+            mine, peer = (src, dst) if is_send else (dst, src)
             if mine not in local:
                 what = "sends from" if is_send else "receives at"
                 raise ValueError(
@@ -321,10 +350,9 @@ class NcclComm(Communicator):
                 )
             if peer not in self._device_key:
                 raise ValueError(f"NcclComm: peer rank {peer} is not in this communicator's devices")
-            ptr, n = device_pointer(op.buffer)
             # Sends first, then receives; each sorted by the key both sides share.
-            key = (0 if is_send else 1, op.src, op.dst, op.tag)
-            rows.append((key, (self._device_key[mine], is_send, self._device_key[peer], ptr, n, op)))
+            key = (0 if is_send else 1, src, dst, tag)
+            rows.append((key, (self._device_key[mine], is_send, self._device_key[peer], ptr, n, (src, dst))))
         rows.sort(key=lambda row: row[0])
         return [r for _, r in rows]
 
@@ -374,8 +402,8 @@ class NcclComm(Communicator):
 
     @staticmethod
     def _peers(issued: list[tuple], keys: set[int]) -> str:
-        sends = sorted({op.dst for k, s, _, _, _, op in issued if k in keys and s})
-        recvs = sorted({op.src for k, s, _, _, _, op in issued if k in keys and not s})
+        sends = sorted({pair[1] for k, s, _, _, _, pair in issued if k in keys and s})
+        recvs = sorted({pair[0] for k, s, _, _, _, pair in issued if k in keys and not s})
         return f"sends to ranks {sends} and receives from ranks {recvs}"
 
     def _abort(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,10 +21,24 @@ from jreshard.schedule import kernels
 from jreshard.schedule.steps import STAGING, Step, Wire
 from jreshard.sharding.topology import Link
 
-__all__ = ["RankSteps", "WireColumns"]
+__all__ = ["RankColumns", "RankSteps", "WireColumns"]
 
 _LINKS = tuple(Link)
 WireColumns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # peer..offset
+
+
+class RankColumns(NamedTuple):
+    """:class:`RankSteps`' tables: its arguments, each an array (see there)."""
+
+    rounds: np.ndarray
+    sends: WireColumns
+    recvs: WireColumns
+    send_at: np.ndarray
+    recv_at: np.ndarray
+    pack: np.ndarray
+    unpack: np.ndarray
+    pack_at: np.ndarray
+    unpack_at: np.ndarray
 
 
 class RankSteps(Mapping[int, Step]):
@@ -77,6 +92,13 @@ class RankSteps(Mapping[int, Step]):
             _wires(self._sends, s[i], s[i + 1]),
             _wires(self._recvs, v[i], v[i + 1]),
         )
+
+    @property
+    def columns(self) -> RankColumns:
+        """The tables themselves (read-only numpy arrays), for a reader that takes every round at once."""
+        s, v, p, u = (np.asarray(a, np.int64) for a in self._at)
+        return RankColumns(np.asarray(self._rounds, np.int64), self._sends, self._recvs, s, v, self._pack,
+                           self._unpack, p, u)  # fmt: skip
 
     def buffers(self) -> set[int]:
         """Every shard buffer index the rank's steps read or write (not the staging arena)."""

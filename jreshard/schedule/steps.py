@@ -103,7 +103,7 @@ class Step:
     recvs: tuple[Wire, ...]
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Schedule:
     """Every rank's rounds (see the module docstring), built once per plan and chunking.
 

@@ -89,6 +89,7 @@ def body() -> dict:
     from jreshard.engine.rounds import execute
     from jreshard.mpi.comm import MpiComm
     from jreshard.options import Options
+    from jreshard.schedule.steps import build_schedule
 
     class Counting(Communicator):
         """Delegates to MpiComm and logs every exchange's (sends, receives) per local rank."""
@@ -113,7 +114,7 @@ def body() -> dict:
     max_ops = int(os.environ.get("JRESHARD_MAX_GROUP_OPS", str(Options().max_group_ops)))
     opts = Options(chunk_bytes=64, staging_bytes=4096, timeout_s=60, max_group_ops=max_ops)
     shards = shards_for(pairs, globals_, set(comm.local_ranks))
-    stats = execute(plan, comm, shards, options=opts)
+    stats = execute(build_schedule(plan, opts), comm, shards, options=opts)
     checked = check(pairs, globals_, shards)
     comm.inner.close()
     return {

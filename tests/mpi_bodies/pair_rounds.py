@@ -35,7 +35,7 @@ def body() -> dict:
     programs = rank_programs(pairs, comm.local_ranks, topo, opts)
     sched = pair_schedule(tensors, programs, opts, comm_mail(comm, opts.timeout_s))
     shards = shards_for(pairs, globals_, set(comm.local_ranks))
-    stats = execute(None, comm, shards, options=opts, schedule=sched)
+    stats = execute(sched, comm, shards, options=opts)
     checked = check(pairs, globals_, shards)
     comm.close()
     return {
