@@ -164,27 +164,36 @@ def _header(case: _Case) -> None:
     )
 
 
-EXACT_GROUPS_MAX_CHUNKS = 4000  # above this many chunk messages, building the engine's schedule takes minutes
+EXACT_GROUPS_MAX_CHUNKS = 4000  # above this many chunk messages, scheduling every rank in one process takes long
 
 
 def _print_ops(plan: Any, options: Any, per_rank: bool) -> None:
     """Send and receive operations and exchange groups: per fast-link domain (min-max over its ranks),
     or for every rank with ``per_rank``."""
-    from jreshard.schedule.groups import group_rounds, plan_op_counts
+    from jreshard.schedule.groups import plan_op_counts
 
     counts = plan_op_counts(plan, options.chunk_bytes)
     total = sum(s for s, _ in counts.values())
     exact = total <= EXACT_GROUPS_MAX_CHUNKS
-    if exact:
-        from jreshard.schedule.steps import build_schedule
+    if exact:  # the rounds each process would run for these ranks, as the engine compiles them
+        from jreshard.engine.driver import schedule_local
+        from jreshard.engine.loopback import LocalComm
+        from jreshard.engine.rounds import compile_rounds
 
-        sched = build_schedule(plan, options)
-        rg = group_rounds(sched, options.max_group_ops)
-        groups = {r: rg.rank_groups(sched, r) for r in counts}
+        pairs, names = [(t.src, t.dst) for t in plan.tensors], [t.name for t in plan.tensors]
+        _, _, sched = schedule_local(pairs, names, plan.topology, options, LocalComm(plan.topology.ranks))
+        groups = {}
+        for r in counts:
+            rounds = compile_rounds(sched, (r,), (1,), options.max_group_ops).rounds
+            groups[r] = sum(len(g) for _, g, _, _ in rounds)
+            counts[r] = (
+                sum(len(s) for _, g, _, _ in rounds for s, _ in g),
+                sum(len(v) for _, g, _, _ in rounds for _, v in g),
+            )
         note = (
-            "groups: the exchange groups of the whole plan's schedule (one per round, more where a round holds"
-            "\n  more ops); transfers and RefitGroups across processes schedule each process's ranks on their own"
-            "\n  (pair-paced rounds), with chunks that may be smaller"
+            "groups: the exchange groups of the engine's rounds (pair-paced, each process scheduling its own"
+            "\n  ranks; one group per round, more where a round holds more ops); sends and receives are their"
+            "\n  chunks, which may be smaller than chunk_bytes"
         )
     else:
         groups = {r: -(-(s + v) // options.max_group_ops) for r, (s, v) in counts.items()}

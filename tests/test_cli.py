@@ -176,7 +176,7 @@ def test_system_config_and_hf_config(capsys, tmp_path):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "trainer   ranks 0-7: TP2 CP1 EP1 ETP1 PP2 (DP2, expert DP4; Megatron)" in out
-    assert "inference ranks 8-11" in out and "groups: the exchange groups of the whole plan's schedule" in out
+    assert "inference ranks 8-11" in out and "groups: the exchange groups of the engine's rounds" in out
     assert "model_type='gpt2'" in _error_after(capsys, tmp_path, sysfile)
 
 
