@@ -52,7 +52,7 @@ class _Null:
 _NULL = _Null()
 
 
-class NullBuffers(BufferBackend):
+class NullBuffers(BufferBackend[_Null]):
     """Buffers that move no byte: the engine's host work alone remains (final)."""
 
     def export_source(self, shard: Any) -> Any:

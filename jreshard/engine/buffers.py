@@ -28,13 +28,20 @@ import abc
 import ctypes
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import numpy as np
 
 from jreshard.engine.pool import ALIGN, BufferPool, default_pool
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
+from jreshard.types import Device
+
+if TYPE_CHECKING:
+    import jax
+
+B = TypeVar("B")
+"""The buffer type of a :class:`BufferBackend`: a contiguous 1-D uint8 array."""
 
 __all__ = [
     "ALIGN",
@@ -206,10 +213,10 @@ def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, devi
     return out
 
 
-class BufferBackend(abc.ABC):
+class BufferBackend(abc.ABC, Generic[B]):
     """Where shard and staging buffers live and how bytes move inside one rank (abstract).
 
-    Buffers are 1-D uint8 arrays (numpy on CPU, CuPy on GPU); byte movements are
+    Generic in the buffer type ``B``: 1-D uint8 arrays (numpy on CPU, CuPy on GPU); byte movements are
     descriptor tables (``kernels.py``). Final implementations: :class:`CpuBuffers`
     here, and a CuPy one for GPUs.
 
@@ -220,28 +227,28 @@ class BufferBackend(abc.ABC):
 
     staging_buffers: int = 1
 
-    def prepare(self, jobs: Iterable[tuple[str, np.ndarray, Sequence[Any], Any]]) -> None:  # noqa: B027
+    def prepare(self, jobs: Iterable[tuple[str, np.ndarray, Sequence[B | None], B]]) -> None:
         """Before a schedule's first round: every ``("pack" | "unpack", table, buffers, staging)`` it
         will run, lazily (default: nothing to prepare, and ``jobs`` is not read)."""
 
     @abc.abstractmethod
-    def export_source(self, shard: Any) -> Any:
+    def export_source(self, shard: jax.Array) -> B:
         """A zero-copy, read-only 1-D uint8 view of one single-device jax array."""
 
     @abc.abstractmethod
-    def writable_view(self, array: Any) -> Any:
+    def writable_view(self, array: jax.Array) -> B:
         """A zero-copy, writable 1-D uint8 view of a donated single-device jax array."""
 
     @abc.abstractmethod
-    def allocate(self, sizes: Sequence[int], device: Any) -> list[Any]:
+    def allocate(self, sizes: Sequence[int], device: Device) -> list[B]:
         """Uninitialised, ``ALIGN``-aligned 1-D uint8 buffers of ``sizes`` bytes on ``device``."""
 
     @abc.abstractmethod
-    def import_shard(self, buffer: Any, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+    def import_shard(self, buffer: B, shape: Sequence[int], dtype: np.dtype, device: Device) -> jax.Array:
         """A jax array on ``device`` aliasing ``buffer`` (from :meth:`allocate`), zero-copy."""
 
     @abc.abstractmethod
-    def staging(self, nbytes: int, device: Any = None) -> Any:
+    def staging(self, nbytes: int, device: Device | None = None) -> B:
         """A 1-D uint8 staging buffer of ``nbytes`` on ``device`` (a jax device; ``None``: the current one).
 
         A process that drives several GPUs needs one arena per GPU, so the engine
@@ -249,24 +256,26 @@ class BufferBackend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def pack(self, table: np.ndarray, buffers: Sequence[Any], staging: Any) -> None:
+    def pack(self, table: np.ndarray, buffers: Sequence[B | None], staging: B) -> None:
         """Gather the pieces of ``table`` into ``staging``."""
 
     @abc.abstractmethod
-    def unpack(self, table: np.ndarray, staging: Any, buffers: Sequence[Any]) -> None:
+    def unpack(self, table: np.ndarray, staging: B, buffers: Sequence[B | None]) -> None:
         """Scatter ``staging`` into the pieces of ``table``."""
 
     @abc.abstractmethod
-    def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
+    def copy(
+        self, src_table: np.ndarray, src: Sequence[B | None], dst_table: np.ndarray, dst: Sequence[B | None]
+    ) -> None:
         """Copy piece ``i`` of ``src_table`` into piece ``i`` of ``dst_table``."""
 
     @abc.abstractmethod
-    def upload(self, data: np.ndarray, device: Any) -> Any:
+    def upload(self, data: np.ndarray, device: Device | None) -> B:
         """A 1-D uint8 buffer on ``device`` holding the host bytes ``data`` (a few integers: the
         scheduling mail), ready for the next exchange after :meth:`fence`."""
 
     @abc.abstractmethod
-    def download(self, buffer: Any) -> np.ndarray:
+    def download(self, buffer: B) -> np.ndarray:
         """The bytes of ``buffer`` (from :meth:`upload` or :meth:`staging`) as a host uint8 array,
         after everything issued so far has landed (call :meth:`synchronize` first)."""
 
@@ -280,7 +289,7 @@ class BufferBackend(abc.ABC):
         self.synchronize()
 
 
-class CpuBuffers(BufferBackend):
+class CpuBuffers(BufferBackend[np.ndarray]):
     """numpy buffers on jax CPU devices (final).
 
     Args:
@@ -328,11 +337,11 @@ class CpuBuffers(BufferBackend):
     def download(self, buffer: np.ndarray) -> np.ndarray:
         return buffer
 
-    def pack(self, table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
-        kernels.pack_cpu(table, buffers, staging)
+    def pack(self, table: np.ndarray, buffers: Sequence[np.ndarray | None], staging: np.ndarray) -> None:
+        kernels.pack_cpu(table, cast(Sequence[np.ndarray], buffers), staging)  # the rows name no missing shard
 
-    def unpack(self, table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
-        kernels.unpack_cpu(table, staging, buffers)
+    def unpack(self, table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray | None]) -> None:
+        kernels.unpack_cpu(table, staging, cast(Sequence[np.ndarray], buffers))
 
     def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
         kernels.copy_cpu(src_table, src, dst_table, dst)

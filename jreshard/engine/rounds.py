@@ -50,6 +50,7 @@ from jreshard.schedule.groups import group_rounds
 from jreshard.schedule.ranksteps import RankColumns, RankSteps, WireColumns
 from jreshard.schedule.steps import SRC, STAGING, TAG_CHUNK_BITS, Schedule, Step, Wire
 from jreshard.sharding.topology import Link
+from jreshard.types import Device, ShardKey
 
 __all__ = ["ExecStats", "RoundProgram", "Shards", "compile_rounds", "execute"]
 
@@ -62,11 +63,11 @@ class Shards:
     read again when a rank forwards what it received).
     """
 
-    src: Mapping[tuple[int, int], object]
-    dst: Mapping[tuple[int, int], object]
+    src: Mapping[ShardKey, Any]
+    dst: Mapping[ShardKey, Any]
 
-    def of_rank(self, rank: int, ntensors: int) -> list[object]:
-        out: list[object] = [None] * (2 * ntensors)
+    def of_rank(self, rank: int, ntensors: int) -> list[Any]:
+        out: list[Any] = [None] * (2 * ntensors)
         for t in range(ntensors):
             out[2 * t] = self.src.get((t, rank))
             out[2 * t + 1] = self.dst.get((t, rank))
@@ -98,8 +99,8 @@ def execute(
     shards: Shards,
     *,
     options: Options,
-    backend: BufferBackend | None = None,
-    devices: Mapping[int, Any] | None = None,
+    backend: BufferBackend[Any] | None = None,
+    devices: Mapping[int, Device] | None = None,
     report: ReportBuilder | None = None,
 ) -> ExecStats:
     """Run the rounds of ``schedule`` that belong to ``comm.local_ranks``.
@@ -122,7 +123,8 @@ def execute(
       TransferError: a shard the schedule reads or writes is missing (nothing was written);
         TransferTimeoutError / PeerError from the communicator.
     """
-    backend = backend or CpuBuffers()
+    if backend is None:
+        backend = CpuBuffers()
     ranks = tuple(comm.local_ranks)
     devices = devices or {}
     arenas = {r: _arenas(backend, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes) for r in ranks}
@@ -347,7 +349,7 @@ def _cut(sends: list[Row], recvs: list[Row], cut: Mapping[tuple[int, int, int], 
     return [by[g] for g in sorted(by)]
 
 
-def _arenas(backend: BufferBackend, nbytes: int, device: Any, bound: int) -> list[Any]:
+def _arenas(backend: BufferBackend[Any], nbytes: int, device: Device | None, bound: int) -> list[Any]:
     """A rank's staging arenas: ``backend.staging_buffers`` of them where they fit ``bound`` together, else one."""
     n = backend.staging_buffers if backend.staging_buffers * nbytes <= bound else 1
     return [backend.staging(nbytes, device) for _ in range(n)]

@@ -67,10 +67,9 @@ import numpy as np
 
 from jreshard.api import transfer
 from jreshard.errors import BackendUnavailableError
+from jreshard.types import PyTree
 
 __all__ = ["install", "installed", "reshard_pytree", "uninstall"]
-
-PyTree = Any
 
 # Tunix's own function while this module's is installed (empty: not installed).
 _ORIGINAL: list[Any] = []

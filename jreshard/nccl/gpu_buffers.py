@@ -41,7 +41,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -77,7 +77,11 @@ def _ordinal(device: Any) -> int:
     return int(device.local_hardware_id)
 
 
-class CupyBuffers(BufferBackend):
+CupyArray: TypeAlias = Any
+"""A contiguous 1-D uint8 ``cupy.ndarray`` (CuPy ships no type information)."""
+
+
+class CupyBuffers(BufferBackend[CupyArray]):
     """CuPy buffers on jax CUDA devices (final). Not run on GPU.
 
     Stream order, no host waits until the end. On each GPU, packs and local copies run

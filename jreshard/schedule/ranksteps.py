@@ -1,12 +1,11 @@
-"""One rank's steps held as tables: a :class:`~jreshard.schedule.steps.Step` is made when its round is read.
+"""One rank's steps held as tables: numpy columns in round order, a ``Step`` made only when asked.
 
-A rank-local schedule (:mod:`jreshard.schedule.pairsched`) of a large refit has tens of
-thousands of rounds and hundreds of thousands of chunks per rank. :class:`RankSteps`
-keeps their wires and descriptor rows as numpy columns, in round order, and is the
-``schedule.steps[rank]`` mapping: reading ``steps[rank][round]`` builds that round's
-:class:`Step` (its ``Wire`` values and views of its descriptor rows), so the engine
-makes each step when it reaches the round, and nothing is made for a whole refit up
-front.
+A rank-local schedule (:mod:`jreshard.schedule.pairsched`) of a large refit has thousands of
+rounds and tens of thousands of chunks per rank. :class:`RankSteps` keeps their wires and
+descriptor rows as numpy columns, in round order, and is the ``schedule.steps[rank]``
+mapping. The engine reads the columns whole (:attr:`RankSteps.columns`) when it compiles
+its rounds; reading ``steps[rank][round]`` builds that round's :class:`Step` (its ``Wire``
+values and views of its descriptor rows), for tests and tools that look at one round.
 """
 
 from __future__ import annotations

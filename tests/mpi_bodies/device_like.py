@@ -20,7 +20,7 @@ class HostMemoryOnTheWire(AssertionError):
     pass
 
 
-class DeviceLikeBuffers(BufferBackend):
+class DeviceLikeBuffers(BufferBackend[np.ndarray]):
     """Host buffers behind a backend that is not CpuBuffers; every buffer it gives out is recorded."""
 
     def __init__(self) -> None:
