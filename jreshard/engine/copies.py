@@ -5,12 +5,12 @@ In one process every rank's shards are addressable, so each move of the plan
 copy: from the sender's source shard when its source box holds the move, else
 from the sender's destination shard (a fan-out or relay of bytes that landed at an
 earlier stage), into the receiver's destination shard. Stages run in order. The
-result is a :class:`LocalProgram`: per stage, copy classes
+result is a :class:`CopyLowering`: per stage, copy classes
 (:class:`~jreshard.engine.strided.CopyClass`) with the slots and byte offsets of each
 piece, independent of where the buffers are. A call then turns slots into
 addresses for a whole batch of leaves with one numpy expression per class.
 
-The program depends only on the layout pair, the topology and the planning
+The lowering depends only on the layout pair, the topology and the planning
 options, so leaves that share a layout pair share it, and it is cached.
 """
 
@@ -26,7 +26,7 @@ from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.topology import Link
 
-__all__ = ["FROM_DST", "FROM_SRC", "ClassRows", "LocalProgram", "addresses", "geometry", "lower_local"]
+__all__ = ["FROM_DST", "FROM_SRC", "ClassRows", "CopyLowering", "addresses", "geometry", "lower_local"]
 
 FROM_SRC, FROM_DST = 0, 1  # where a move reads: the sender's source shard, or its destination shard
 
@@ -53,7 +53,7 @@ class ClassRows:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class LocalProgram:
+class CopyLowering:
     """Every copy of one layout pair, stage by stage.
 
     Attributes:
@@ -104,7 +104,7 @@ def geometry(extent: Sequence[int], itemsize: int, src_strides: Sequence[int], d
     )
 
 
-def lower_local(plan: Plan) -> LocalProgram:
+def lower_local(plan: Plan) -> CopyLowering:
     """The in-process copies of a plan of one tensor (see the module docstring).
 
     Raises:
@@ -155,7 +155,7 @@ def lower_local(plan: Plan) -> LocalProgram:
         for col in cols:
             col.setflags(write=False)
         by_stage.setdefault(stage, []).append(ClassRows(cls, kind, *cols))
-    return LocalProgram(
+    return CopyLowering(
         stages=tuple(tuple(by_stage[s]) for s in sorted(by_stage)),
         link_bytes=tuple(sorted(links.items())),
         moves=len(tp),

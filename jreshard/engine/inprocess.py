@@ -36,7 +36,7 @@ import numpy as np
 from jreshard._cache import cache
 from jreshard.engine import strided
 from jreshard.engine.buffers import Capsule, dlpack_type, retype_capsule
-from jreshard.engine.copies import LocalProgram, addresses, lower_local
+from jreshard.engine.copies import CopyLowering, addresses, lower_local
 from jreshard.engine.pool import ALIGN, BufferPool, default_pool
 from jreshard.engine.prepared import Kind, Mode, Prepared, sharding_of
 from jreshard.errors import TransferError
@@ -47,12 +47,12 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 
-__all__ = ["program_of", "run_local"]
+__all__ = ["lowering_of", "run_local"]
 
 
 @cache(max_size=1024)
-def program_of(src: Any, dst: Any, topology: Topology | None, options: Options) -> LocalProgram:
-    """The lowered in-process program of one layout pair (cached)."""
+def lowering_of(src: Any, dst: Any, topology: Topology | None, options: Options) -> CopyLowering:
+    """The copies of one layout pair, lowered from its plan (cached)."""
     topo = topology or _host_topology(tuple(sorted(set(src.ranks) | set(dst.ranks))))
     return lower_local(plan_layouts([(src, dst)], topo, options))
 
@@ -481,7 +481,7 @@ def run_local(
     if not shape.groups:
         return out
     with builder.timed(ReportPhase.PLAN):
-        programs = [program_of(g.src, g.dst, topology, options) for g in shape.groups]
+        lowerings = [lowering_of(g.src, g.dst, topology, options) for g in shape.groups]
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
         jax.block_until_ready([leaves[i] for g in shape.groups for i in g.leaves])
@@ -499,8 +499,8 @@ def run_local(
     bounds = _buffers(prep, src_shards, views, donated) if strided.checking_bounds() else None
     with builder.timed(ReportPhase.COPY):
         try:
-            for prog, sp, dp in zip(programs, src_ptr, dst_ptr, strict=True):
-                for stage in prog.stages:
+            for low, sp, dp in zip(lowerings, src_ptr, dst_ptr, strict=True):
+                for stage in low.stages:
                     work = [(rows.cls, *addresses(rows, sp, dp)) for rows in stage]
                     strided.copy_classes(work, threads=options.copy_threads, bounds=bounds)
         except Exception as err:
@@ -512,8 +512,8 @@ def run_local(
                 ) from err
             raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
     with builder.timed(ReportPhase.BUFFERS):
-        for g, prog, v_g, dp in zip(shape.groups, programs, views, dst_ptr, strict=True):
-            for link, nb in prog.link_bytes:
+        for g, low, v_g, dp in zip(shape.groups, lowerings, views, dst_ptr, strict=True):
+            for link, nb in low.link_bytes:
                 builder.add_bytes(link, nb * len(g.leaves))
             rows = dp.tolist()
             for j, i in enumerate(g.leaves):

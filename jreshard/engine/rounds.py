@@ -52,7 +52,7 @@ from jreshard.schedule.steps import SRC, STAGING, TAG_CHUNK_BITS, Schedule, Step
 from jreshard.sharding.topology import Link
 from jreshard.types import Device, ShardKey
 
-__all__ = ["ExecStats", "RoundProgram", "Shards", "compile_rounds", "execute"]
+__all__ = ["ExecStats", "CompiledRounds", "Shards", "compile_rounds", "execute"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,7 +191,7 @@ def execute(
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class RoundProgram:
+class CompiledRounds:
     """A schedule's rounds for the ranks of one process, as the round loop reads them (final).
 
     Built once per schedule, ranks and arena count (:func:`compile_rounds`, cached), so a refit's
@@ -218,7 +218,7 @@ class RoundProgram:
 
 def compile_rounds(
     schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int
-) -> RoundProgram:
+) -> CompiledRounds:
     """The rounds of ``ranks`` (each with ``arenas[i]`` staging arenas, alternated by round), cut into
     exchange groups (by the schedule's own cut, else of at most ``max_group_ops`` operations per rank)."""
     by_schedule = _compiled.setdefault(schedule, {})
@@ -229,10 +229,10 @@ def compile_rounds(
     return prog
 
 
-_compiled: weakref.WeakKeyDictionary[Schedule, dict[tuple, RoundProgram]] = weakref.WeakKeyDictionary()
+_compiled: weakref.WeakKeyDictionary[Schedule, dict[tuple, CompiledRounds]] = weakref.WeakKeyDictionary()
 
 
-def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int) -> RoundProgram:
+def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int) -> CompiledRounds:
     cuts = group_rounds(schedule, max_group_ops).group_of if schedule.groups is None else schedule.groups
     nbuf = 2 * schedule.ntensors
     per_round: dict[int, list] = {}
@@ -275,7 +275,7 @@ def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...]
             continue
         groups = tuple((tuple(s), tuple(v)) for s, v in _cut(sends, recvs, cuts.get(rnd)))
         rounds.append((tuple(packs), groups, tuple(unpacks), network))
-    return RoundProgram(rounds=tuple(rounds), sent_bytes=sent, messages=messages, chunks=chunks, needs=needs)
+    return CompiledRounds(rounds=tuple(rounds), sent_bytes=sent, messages=messages, chunks=chunks, needs=needs)
 
 
 class _RankRows:
@@ -355,7 +355,7 @@ def _arenas(backend: BufferBackend[Any], nbytes: int, device: Device | None, bou
     return [backend.staging(nbytes, device) for _ in range(n)]
 
 
-def _jobs(prog: RoundProgram, bufs: dict[int, list], bases: list[Any]):
+def _jobs(prog: CompiledRounds, bufs: dict[int, list], bases: list[Any]):
     """Every pack and unpack of the compiled rounds, with the buffers and arena each will use (lazily)."""
     for packs, _, unpacks, _ in prog.rounds:
         yield from (("pack", table, bufs[r], bases[arena]) for table, r, arena in packs)
@@ -363,7 +363,7 @@ def _jobs(prog: RoundProgram, bufs: dict[int, list], bases: list[Any]):
 
 
 def _check_buffers(
-    schedule: Schedule, prog: RoundProgram, ranks: tuple[int, ...], bufs: dict[int, list], shards: Shards
+    schedule: Schedule, prog: CompiledRounds, ranks: tuple[int, ...], bufs: dict[int, list], shards: Shards
 ) -> None:
     missing: list[str] = []
     for r in ranks:
