@@ -136,3 +136,4 @@ def test_views_across_processes(tmp_path, procs, devices):
     (moved,) = {r["expect_moved"] for r in got.values()}
     assert sum(r["network"] + r["fast"] + r["local"] for r in got.values()) == moved
     assert sum(r["messages"] for r in got.values()) > 0
+    assert all(0 < r["peak_staging"] <= 256 * devices for r in got.values())  # the bound, per rank
