@@ -122,3 +122,82 @@ def test_block_fp8_on_the_engine(rows, part):
     low, _, vs = _check(quant, dst, topo, options=Options(chunk_bytes=32, staging_bytes=256))
     assert all(t.at_sender for t in low.tasks) == (rows == 8)
     assert bool(vs.encode) == (rows == 8)
+
+
+def _transposed_fused():
+    devs = _devs()
+    fsdp = NamedSharding(Mesh(devs[:4], ("f",)), P("f"))
+    a = jax.device_put(jnp.arange(8 * 12, dtype=jnp.float32).reshape(8, 12), fsdp)
+    b = jax.device_put(-jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4), fsdp)
+    fused = views.transpose(views.concat([a, b, b], axis=1, groups=2))  # (20, 8): fused, GQA repeat, transposed
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P("tp", None))
+    return fused, dst
+
+
+def test_the_gpu_launch_of_a_views_pack_table_matches_numpy():
+    """The GPU pack kernel's launch of a views schedule's rows (a transpose: byte rows whose strides do not
+    decrease), replayed in numpy (not run on GPU), writes the same staging as the CPU pack."""
+    import ctypes
+
+    from jreshard.nccl import cuda_kernels as CK
+    from jreshard.schedule import kernels as K
+
+    fused, dst = _transposed_fused()
+    topo = Topology.uniform(range(8), domain_size=4)
+    low, _, _, vs = _run(fused, dst, topo, options=Options(chunk_bytes=64, staging_bytes=256))
+    leaves = fused.leaves()
+    src = {
+        (i, s.device.id): np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8)
+        for i, leaf in enumerate(leaves)
+        for s in leaf.source.addressable_shards
+    }
+    checked = 0
+    for r, steps in vs.schedule.steps.items():
+        bufs = [src.get((t // 2, r)) if t % 2 == 0 else None for t in range(2 * vs.schedule.ntensors)]
+        for step in steps.values():
+            if not len(step.pack) or any(bufs[int(b)] is None for b in step.pack[:, K.BUF]):
+                continue
+            assert not np.any(step.pack[:, K.CAST])
+            n = int((step.pack[:, K.STAGE] + step.pack[:, K.NBYTES]).max())
+            want, got = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+            K.pack_cpu(step.pack, bufs, want)
+            ptrs = [0 if b is None else b.ctypes.data for b in bufs]
+            for s, d, w in zip(*CK.unit_addresses(CK.pack_launch(step.pack, ptrs, got.ctypes.data)), strict=True):
+                ctypes.memmove(int(d), int(s), int(w))
+            np.testing.assert_array_equal(got, want)
+            checked += 1
+    assert checked > 0 and any(p.axes != tuple(range(len(p.axes))) for p in low.pieces)
+
+
+def test_views_over_a_device_memory_transport_twin():
+    """transfer_cluster over a transport that takes only its backend's (device) memory, as NCCL does: fused,
+    repeated and transposed views move bit-exact in small chunks, at most 2 operations a group; a cast is
+    refused before any byte moves (the GPU backend has no cast kernel)."""
+    import sys
+
+    from mpi_launch import BODIES
+
+    sys.path.insert(0, str(BODIES))
+    from device_like import DeviceLikeBuffers, DeviceOnlyComm
+
+    from jreshard.errors import BackendUnavailableError
+    from jreshard.views.cluster import transfer_cluster
+
+    fused, dst = _transposed_fused()
+    topo = Topology.uniform(range(8), domain_size=4)
+    options = Options(chunk_bytes=32, staging_bytes=128, max_group_ops=2)
+    buffers = DeviceLikeBuffers()
+    rec = RecordingComm(range(8), topo)
+    out = transfer_cluster(
+        fused, dst, topology=topo, options=options, transport=DeviceOnlyComm(rec, buffers), buffers=buffers
+    )
+    ref = views.transfer(fused, dst, topology=topo)
+    for a, b in zip(out.addressable_shards, ref.addressable_shards, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    _assert_groups(rec, 2)
+    cast = views.astype(fused, jnp.bfloat16)
+    buffers = DeviceLikeBuffers()
+    with pytest.raises(BackendUnavailableError, match="no cast kernels"):
+        transfer_cluster(
+            cast, dst, topology=topo, options=options, transport=DeviceOnlyComm(rec, buffers), buffers=buffers
+        )

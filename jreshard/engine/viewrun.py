@@ -11,8 +11,11 @@ jobs around the rounds that block FP8 needs, on the host in numpy
   destination buffer (``Tile``) into its shard.
 
 Every cast and permutation runs inside the backend's pack, unpack and copy of the
-descriptor tables. Quantisation needs host buffers: a backend whose buffers are not
-numpy arrays (GPU) takes views without block FP8 leaves.
+descriptor tables. The CPU backend casts there (numpy, the compiled float32 <-> bfloat16
+kernels); the GPU backend has no cast kernel yet and quantisation needs host buffers, so
+a backend whose buffers are not numpy arrays takes views without casts or block FP8
+leaves (fused, stacked, sliced and transposed ones: byte rows), and is refused the rest
+before any byte moves.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.errors import BackendUnavailableError
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.schedule import kernels
 from jreshard.schedule.viewsched import ViewSchedule
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
@@ -41,6 +45,18 @@ __all__ = ["run_view_schedule"]
 def _typed(buf: np.ndarray, offset: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """A typed view of ``buf`` from byte ``offset`` (numpy checks it fits the buffer)."""
     return np.ndarray(shape, numpy_dtype(dtype), buffer=buf, offset=offset)
+
+
+def _casts_on(vs: ViewSchedule, ranks: set[int]) -> bool:
+    """Whether a descriptor row of these ranks casts (the ``CAST`` column)."""
+    sched = vs.schedule
+    for r in ranks:
+        tables = [t for step in sched.steps.get(r, {}).values() for t in (step.pack, step.unpack)]
+        if r in sched.local:
+            tables.append(sched.local[r][1])
+        if any(len(t) and np.any(t[:, kernels.CAST]) for t in tables):
+            return True
+    return False
 
 
 def run_view_schedule(
@@ -72,7 +88,7 @@ def run_view_schedule(
       report: where the engine adds phases, bytes per link, messages and staging.
 
     Raises:
-      BackendUnavailableError: block FP8 leaves on a backend without host buffers.
+      BackendUnavailableError: block FP8 leaves, or casts, on a backend without host buffers (GPU).
       TransferError: a buffer the schedule needs is missing (nothing was written).
     """
     backend = backend or CpuBuffers()
@@ -82,6 +98,12 @@ def run_view_schedule(
         raise BackendUnavailableError(
             f"views: block FP8 leaves are quantised in host memory, and backend {type(backend).__name__} keeps "
             "its buffers elsewhere. The fix is to quantise on the trainer's devices (jnp), then transfer"
+        )
+    if not isinstance(backend, CpuBuffers) and _casts_on(vs, mine):
+        raise BackendUnavailableError(
+            f"views: this schedule casts while packing and unpacking, and backend {type(backend).__name__} has no "
+            "cast kernels yet (casts run in the CPU backend's pack and unpack). The fix is to cast on the trainer's "
+            "devices (x.astype) and transfer the cast arrays, or to run the views on CPU devices"
         )
     devices = devices or {}
     src: dict[tuple[int, int], Any] = dict(sources)

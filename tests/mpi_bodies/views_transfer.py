@@ -64,6 +64,14 @@ def body() -> dict:
             a, b = np.asarray(s.data), ref[s.index]
             assert np.array_equal(a.view(f"uint{8 * a.dtype.itemsize}"), b.view(f"uint{8 * b.dtype.itemsize}")), name
             checked += 1
+    # a ShapeDtypeStruct target of another dtype is an astype, across processes too
+    sds = jax.ShapeDtypeStruct(g["q"].shape, jnp.bfloat16, sharding=server)
+    cast = jreshard.transfer(x["q"], sds, options=small)
+    ref_cast = np.asarray(jnp.asarray(g["q"]).astype(jnp.bfloat16))
+    assert cast.dtype == jnp.bfloat16 and cast.sharding == server
+    for s in cast.addressable_shards:
+        assert np.array_equal(np.asarray(s.data).view(np.uint16), ref_cast[s.index].view(np.uint16)), "sds cast"
+        checked += 1
     try:
         jreshard.transfer_into({"qkv": qkv}, {"qkv": out["qkv"]})
         refused = ""
