@@ -57,13 +57,19 @@ def _run(view, dst, topo, options=None, comm=None):
     return low, typed, stats, vs
 
 
-def _check(view, dst, topo, **kw):
+def _check(view, dst, topo, *, bound=False, **kw):
     low, outs, stats, vs = _run(view, dst, topo, **kw)
     ref = views.transfer(view, dst, topology=topo)
     for s in ref.addressable_shards:
         np.testing.assert_array_equal(_bits(outs[s.device.id]), _bits(s.data))
     assert vs.bytes_by_link[Link.NETWORK] == stats.sent_bytes[Link.NETWORK] == low.network_bytes
     assert stats.sent_bytes[Link.FAST] == low.fast_bytes
+    if bound:  # the network bytes the engine sent equal the brute-force bound in the wire dtype
+        leaves = view.leaves()
+        lays = [Layout.from_sharding(lf.source.sharding, lf.shape, lf.dtype) for lf in leaves]
+        dst_lay = Layout.from_sharding(dst, view.shape, view.dtype)
+        want = views.brute_force_network_bound([view], leaves, lays, [dst_lay], topo)
+        assert stats.sent_bytes[Link.NETWORK] == want > 0
     return low, stats, vs
 
 
@@ -91,7 +97,7 @@ def test_fused_gqa_cast_forwards_through_via_ranks_in_small_chunks():
     topo = Topology.uniform(range(8), domain_size=4)
     options = Options(chunk_bytes=16, staging_bytes=64, max_group_ops=2)
     rec = RecordingComm(range(8), topo)
-    low, stats, _ = _check(fused, dst, topo, options=options, comm=rec)
+    low, stats, _ = _check(fused, dst, topo, bound=True, options=options, comm=rec)
     assert any(p.via is not None for p in low.pieces)
     assert 0 < max(stats.peak_staging_bytes.values()) <= 64
     _assert_groups(rec, 2)
