@@ -40,7 +40,6 @@ _LAYERS = [
     ("jreshard", TOP),
     # the views' own executors sit above the engine until views run on it
     ("jreshard.views.execute", TOP),
-    ("jreshard.views.remote", TOP),
     ("jreshard.views.cluster", TOP),
 ]
 _TRANSPORTS = ("jreshard.mpi", "jreshard.nccl", "jreshard.nixl", "jreshard.xla")
@@ -128,8 +127,6 @@ def posters() -> set[str]:
 
 
 def test_only_the_engine_posts_sends_and_receives():
-    # Transports implement exchange(); they do not post on their own. The views' second runtime and
-    # the elastic pairs' socket transport are the places left to move onto the engine.
-    allowed = {"views/remote.py"}
-    found = posters() - allowed
+    # Transports implement exchange(); they do not post on their own.
+    found = posters()
     assert not found, f"sends and receives posted outside jreshard/engine: {sorted(found)}"

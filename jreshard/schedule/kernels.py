@@ -16,7 +16,22 @@ column     meaning
 ``NDIM``   used dimensions, ``1 <= NDIM <= MAX_DIMS``
 ``SHAPE``  ``MAX_DIMS`` columns from ``SHAPE0``: the extents, outermost first; unused columns are 1
 ``STRIDE`` ``MAX_DIMS`` columns from ``STRIDE0``: the byte strides in the shard buffer; unused are 0
+``CAST``   0: the row moves bytes. Otherwise a cast row (a view's cast, :func:`chain_code`): the row
+           moves elements, ``SHAPE`` counts elements, ``STRIDE`` stays in bytes, and the elements are
+           cast on the way; ``NBYTES`` is what the row takes in staging (a copy row: in its own buffer)
 =========  ===================================================================
+
+A byte row's strides need not decrease: a view's transpose is a byte row whose
+extents run in the destination's axis order over the source's strides (the last
+extent is the item, stride 1), so staging always holds a piece in the order its
+receiver writes it.
+
+**Cast rows.** ``CAST`` packs a cast chain in 4-bit codes, lowest first: the dtype
+the row reads, then each dtype it casts to (:data:`CAST_DTYPES`, code ``1 + index``).
+A pack row reads elements of the first dtype from its buffer and stages the last;
+an unpack row reads the first from staging and writes the last into its buffer; a
+copy pair reads the first and writes the last. Casts have ``jnp.astype``'s bits
+(:func:`jreshard.views.casts.cast_into`, the compiled float32 <-> bfloat16 kernels where built).
 
 Dimensions of extent 1 are dropped and adjacent dimensions that are contiguous
 with each other are merged, so the innermost used dimension always has stride 1
@@ -46,9 +61,13 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from jreshard.sharding.box import Box
+from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.views.casts import CAST_DTYPES, cast_into
 
 __all__ = [
     "BUF",
+    "CAST",
+    "CAST_DTYPES",
     "COLUMNS",
     "MAX_DIMS",
     "NBYTES",
@@ -58,6 +77,9 @@ __all__ = [
     "STAGE",
     "STRIDE0",
     "build_copy_tables",
+    "chain_code",
+    "chain_of",
+    "element_rows",
     "build_table",
     "byte_box",
     "byte_shape",
@@ -71,7 +93,37 @@ MAX_DIMS = 8
 BUF, OFF, STAGE, NBYTES, NDIM = 0, 1, 2, 3, 4
 SHAPE0 = 5
 STRIDE0 = SHAPE0 + MAX_DIMS
-COLUMNS = STRIDE0 + MAX_DIMS
+CAST = STRIDE0 + MAX_DIMS
+COLUMNS = CAST + 1
+
+_CHAIN_MAX = 15  # 4-bit codes in a 63-bit column
+
+
+def chain_code(chain: Sequence[str]) -> int:
+    """The ``CAST`` column of a cast chain: the dtype read, then each dtype cast to (at least two).
+
+    >>> chain_code(("float32", "bfloat16")), chain_of(chain_code(("float32", "bfloat16")))
+    (33, ('float32', 'bfloat16'))
+
+    Raises:
+      ValueError: a chain of fewer than two dtypes, of more than 15, or a dtype outside :data:`CAST_DTYPES`.
+    """
+    chain = tuple(chain)
+    if not 2 <= len(chain) <= _CHAIN_MAX or any(d not in CAST_DTYPES for d in chain):
+        raise ValueError(
+            f"chain_code: chain={chain} must hold 2 to {_CHAIN_MAX} dtypes of {CAST_DTYPES} (the dtype read first)"
+        )
+    return sum((1 + CAST_DTYPES.index(d)) << (4 * k) for k, d in enumerate(chain))
+
+
+def chain_of(code: int) -> tuple[str, ...]:
+    """The cast chain a ``CAST`` column holds (:func:`chain_code`); ``()`` for a byte row."""
+    out = []
+    code = int(code)
+    while code:
+        out.append(CAST_DTYPES[(code & 15) - 1])
+        code >>= 4
+    return tuple(out)
 
 
 def byte_box(box: Box, itemsize: int) -> Box:
@@ -209,6 +261,65 @@ def build_copy_tables(
     return src, dst
 
 
+def element_rows(
+    ends: Sequence[tuple[int, int, Sequence[int], int]],
+    extents: Sequence[int],
+    chain: Sequence[str] = (),
+    *,
+    stage: int = 0,
+    staged_itemsize: int | None = None,
+) -> list[np.ndarray]:
+    """Descriptor rows, one ``(1, COLUMNS)`` array per end, for an element box with any byte strides
+    (a view's piece): one end for a pack or unpack row (staging is the other, in C order over
+    ``extents``), two for a copy pair (axes are merged only where both ends are contiguous).
+
+    Args:
+      ends: per end ``(buffer index, byte offset of the first element, byte strides per axis, itemsize)``.
+      extents: per axis, in the order staging holds the elements (a piece's destination order).
+      chain: ``()`` (move bytes) or a cast chain (:func:`chain_code`), the dtype read first.
+      stage: the rows' offset in staging.
+      staged_itemsize: bytes of an element in staging (default: the first end's itemsize); a copy
+        row's ``NBYTES`` counts its own end.
+
+    Example (a transposed ``(2, 3)`` float32 shard read column by column):
+      >>> (row,) = element_rows([(0, 0, (4, 12), 4)], (3, 2))
+      >>> shard = np.arange(6, dtype=np.float32).view(np.uint8)
+      >>> staging = np.zeros(24, np.uint8)
+      >>> pack_cpu(row, [shard], staging)
+      >>> staging.view(np.float32).tolist()
+      [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]
+
+    Raises:
+      ValueError: a cast row whose strides are not whole items, or more than ``MAX_DIMS`` dimensions.
+    """
+    outs = [np.zeros((1, COLUMNS), np.int64) for _ in ends]
+    if not chain:  # bytes: the item is the innermost extent
+        item = ends[0][3]
+        dims = _merge((*extents, item), [(*e[2], 1) for e in ends])
+        for k, (out, (buf, off, _, _)) in enumerate(zip(outs, ends, strict=True)):
+            _fill(out[0], buf, off, stage, dims, k)
+    else:
+        for _, off, strides, item in ends:
+            if any(st % item for st in strides) or off % item:
+                raise ValueError(f"element_rows: strides {tuple(strides)} are not whole items of {item} bytes")
+        dims = _merge(extents, [tuple(st // e[3] for st in e[2]) for e in ends])
+        staged = ends[0][3] if staged_itemsize is None else staged_itemsize
+        for k, (out, (buf, off, _, item)) in enumerate(zip(outs, ends, strict=True)):
+            _fill(
+                out[0],
+                buf,
+                off,
+                stage,
+                [(n, tuple(x * e[3] for x, e in zip(st, ends, strict=True))) for n, st in dims],
+                k,
+            )
+            out[0, NBYTES] *= staged if len(ends) == 1 else item
+            out[0, CAST] = chain_code(chain)
+    for out in outs:
+        out.setflags(write=False)
+    return outs
+
+
 def table_bytes(table: np.ndarray) -> int:
     """Total bytes the table describes."""
     return int(table[:, NBYTES].sum())
@@ -227,15 +338,45 @@ def _stage_view(row: np.ndarray, staging: np.ndarray) -> np.ndarray:
     return staging[s : s + int(row[NBYTES])].reshape(tuple(int(v) for v in row[SHAPE0 : SHAPE0 + nd]))
 
 
+def _typed(row: np.ndarray, buf: np.ndarray, dtype: str) -> np.ndarray:
+    """The elements of a cast row in its buffer, typed (numpy checks the box lies inside the buffer)."""
+    nd = int(row[NDIM])
+    try:
+        return np.ndarray(
+            tuple(int(v) for v in row[SHAPE0 : SHAPE0 + nd]),
+            numpy_dtype(dtype),
+            buffer=buf,
+            offset=int(row[OFF]),
+            strides=tuple(int(v) for v in row[STRIDE0 : STRIDE0 + nd]),
+        )
+    except TypeError as err:
+        raise ValueError(f"a descriptor row leaves its buffer of {buf.nbytes} bytes: {err}") from None
+
+
+def _typed_stage(row: np.ndarray, staging: np.ndarray, dtype: str) -> np.ndarray:
+    nd, s = int(row[NDIM]), int(row[STAGE])
+    region = staging[s : s + int(row[NBYTES])]
+    return region.view(numpy_dtype(dtype)).reshape(tuple(int(v) for v in row[SHAPE0 : SHAPE0 + nd]))
+
+
 def pack_cpu(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
-    """Copy every piece of ``table`` out of ``buffers`` (1-D uint8) into ``staging`` (1-D uint8)."""
+    """Copy every piece of ``table`` out of ``buffers`` (1-D uint8) into ``staging`` (1-D uint8),
+    casting the cast rows' elements on the way."""
     for row in table:
+        if row[CAST]:
+            chain = chain_of(row[CAST])
+            cast_into(_typed_stage(row, staging, chain[-1]), _typed(row, buffers[int(row[BUF])], chain[0]), chain[1:])
+            continue
         np.copyto(_stage_view(row, staging), _view(row, buffers[int(row[BUF])], False))
 
 
 def unpack_cpu(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
-    """Copy every piece of ``table`` out of ``staging`` into its place in ``buffers``."""
+    """Copy every piece of ``table`` out of ``staging`` into its place in ``buffers``, casting the cast rows."""
     for row in table:
+        if row[CAST]:
+            chain = chain_of(row[CAST])
+            cast_into(_typed(row, buffers[int(row[BUF])], chain[-1]), _typed_stage(row, staging, chain[0]), chain[1:])
+            continue
         np.copyto(_view(row, buffers[int(row[BUF])], True), _stage_view(row, staging))
 
 
@@ -245,4 +386,9 @@ def copy_cpu(
     """Copy piece ``i`` of ``src_table`` straight into piece ``i`` of ``dst_table`` (no
     staging); the tables come from :func:`build_copy_tables`."""
     for s, d in zip(src_table, dst_table, strict=True):
+        if s[CAST]:
+            chain = chain_of(s[CAST])
+            out = _typed(d, dst_buffers[int(d[BUF])], chain[-1])
+            cast_into(out, _typed(s, src_buffers[int(s[BUF])], chain[0]), chain[1:])
+            continue
         np.copyto(_view(d, dst_buffers[int(d[BUF])], True), _view(s, src_buffers[int(s[BUF])], False))

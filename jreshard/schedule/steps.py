@@ -62,6 +62,7 @@ __all__ = [
     "buffer_index",
     "build_schedule",
     "chunk_pieces",
+    "first_fit",
     "tag_of",
 ]
 
@@ -212,7 +213,9 @@ def _in_place(chunk: list[tuple[int, Box]], rank: int, side: int, shapes: _Shape
     return buffer_index(t, side), sum(a * s for a, s in zip(rel.lo, strides, strict=True))
 
 
-def _first_fit(use: dict[int, list[int]], a: int, na: int, b: int, nb: int, lb: int, cap: int) -> int:
+def first_fit(use: dict[int, list[int]], a: int, na: int, b: int, nb: int, lb: int, cap: int) -> int:
+    """The first round from ``lb`` where rank ``a`` has ``na`` and rank ``b`` has ``nb`` staging bytes left
+    of ``cap`` (``use[rank][round]``: what each already holds); it takes them there."""
     ua, ub = use.setdefault(a, []), use.setdefault(b, [])
     r = lb
     while True:
@@ -255,7 +258,7 @@ def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: in
             send_ip = _in_place(chunk, m.src, side, shapes)
             recv_ip = _in_place(chunk, m.dst, DST, shapes)
             na, nb = (0 if send_ip else padded(n)), (0 if recv_ip else padded(n))
-            rnd = _first_fit(use, m.src, na, m.dst, nb, lb, staging_bytes)
+            rnd = first_fit(use, m.src, na, m.dst, nb, lb, staging_bytes)
             prev, nrounds = rnd, max(nrounds, rnd + 1)
             for t, bb in chunk:
                 got.setdefault((m.dst, t), []).append((bb, m.stage, rnd))

@@ -3,33 +3,50 @@
 The views name global arrays whose shards live in several processes (a
 ``jax.distributed`` cluster over MPI, as for :func:`jreshard.routes.transfer_multiprocess`).
 Every process checks the call and lowers the views the same way (no communication),
-then runs the pieces that touch its devices (:func:`jreshard.views.remote.run_pieces`):
-copies inside the process, messages over MPI between processes, in the wire dtype,
-each network byte once. Each process gets the global result arrays with its own
-target shards filled (none: an array with no addressable shards), exactly as
-``transfer_multiprocess`` returns them.
+schedules the lowering as the engine's rounds (:func:`jreshard.schedule.viewsched.view_schedule`)
+and runs its own ranks of them through the one round loop
+(:func:`jreshard.engine.viewrun.run_view_schedule`) over the transport: chunks of at most
+``Options.chunk_bytes`` in the wire dtype, cast while packing and unpacking, within
+``staging_bytes``, groups of at most ``max_group_ops``, each network byte once. Each process
+gets the global result arrays with its own target shards filled (none: an array with no
+addressable shards), exactly as ``transfer_multiprocess`` returns them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
-import numpy as np
-
-from jreshard.engine.buffers import CpuBuffers, export_source
+from jreshard._cache import register_clear
+from jreshard.engine.buffers import BufferBackend, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
+from jreshard.engine.viewrun import run_view_schedule
 from jreshard.mpi.cluster import cluster_comm
 from jreshard.mpi.comm import import_mpi
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
-from jreshard.sharding.topology import Link, Topology
-from jreshard.views.execute import _front, _lowerings, _np_dtype
+from jreshard.schedule.viewsched import ViewSchedule, view_schedule
+from jreshard.sharding.dtypes import storage_bytes
+from jreshard.sharding.topology import Topology
+from jreshard.views.execute import _front, lower_views
 from jreshard.views.quant import _Quant
-from jreshard.views.remote import run_pieces
 
 __all__ = ["transfer_cluster"]
+
+
+_SCHEDULES: dict[tuple, ViewSchedule] = {}  # by the lowering's key and the chunking options
+register_clear(_SCHEDULES.clear)
+
+
+def _schedule(
+    key: tuple, lowerings: Any, layouts: Any, dsts: Any, topology: Any, options: Options, quant: Any
+) -> ViewSchedule:
+    got = _SCHEDULES.get(key)
+    if got is None:
+        if len(_SCHEDULES) > 64:
+            _SCHEDULES.clear()
+        got = _SCHEDULES[key] = view_schedule(lowerings, layouts, dsts, topology, options, quant)
+    return got
 
 
 def transfer_cluster(
@@ -39,6 +56,7 @@ def transfer_cluster(
     topology: Topology | None = None,
     options: Options | None = None,
     transport: Communicator | None = None,
+    buffers: BufferBackend | None = None,
     report: ReportBuilder | None = None,
 ) -> Any:
     """Materialise a pytree of views across the processes of the cluster (every process calls this).
@@ -47,8 +65,11 @@ def transfer_cluster(
       x: views (and arrays) over global arrays.
       target: shardings or ``ShapeDtypeStruct`` s, as for :func:`jreshard.views.transfer`.
       topology: the fast-link domains (default: one per process).
-      options: ``timeout_s`` bounds every wait on a peer.
-      transport: the communicator between device ranks (default MPI over ``MPI.COMM_WORLD``).
+      options: ``chunk_bytes``, ``staging_bytes`` and ``max_group_ops`` bound what each rank posts and holds;
+        ``timeout_s`` bounds every wait on a peer.
+      transport: the communicator between device ranks (default MPI over ``MPI.COMM_WORLD``; any
+        transport the engine runs over: ``NcclComm`` with ``buffers=CupyBuffers``, ``LocalComm`` in one process).
+      buffers: the buffer operations (default numpy on CPU).
       report: where the phases, bytes this process sent and messages go.
 
     Returns:
@@ -60,64 +81,52 @@ def transfer_cluster(
     """
     options = options or Options()
     builder = report or ReportBuilder(Backend.MPI)
+    backend = buffers or CpuBuffers()
     with builder.timed(ReportPhase.PLAN):
         treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
-        lowerings, _ = _lowerings(views, srcs, layouts, dsts, topology)
+        key, lowerings, topo = lower_views(views, srcs, layouts, dsts, topology)
+        quant = tuple((v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in views)
+        sched_opts = (options.chunk_bytes, options.staging_bytes)
+        vs = _schedule((key, sched_opts), lowerings, tuple(layouts), tuple(dsts), topo, options, quant)
     if transport is None:
         transport = cluster_comm(import_mpi().COMM_WORLD)
     mine = set(transport.local_ranks)
     with builder.timed(ReportPhase.BUFFERS):
-        src, boxes = {}, {}
+        src = {}
+        devices: dict[int, Any] = {}
         for i, leaf in enumerate(srcs):
             for s in leaf.source.addressable_shards:
                 r = s.device.id
                 if r in mine and r in layouts[i].ranks:
-                    box = layouts[i].box_of(r)
-                    src[(i, r)] = export_source(s.data).view(layouts[i].np_dtype).reshape(box.shape)
-                    boxes[(i, r)] = box
-        cpu = CpuBuffers()
-        outs: dict[tuple[int, int, int], np.ndarray] = {}
-        regions: dict[tuple[int, int], Any] = {}  # aligned raw buffers of this process's target shards
-        for t, (d, low, sh) in enumerate(zip(dsts, lowerings, shardings, strict=True)):
+                    src[(i, r)] = backend.export_source(s.data)
+                    devices[r] = s.device
+        dst = {}
+        for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
             for dev in sh.device_set:
                 if dev.id in mine:
-                    shape = d.box_of(dev.id).shape
-                    (regions[(t, dev.id)],) = cpu.allocate([int(np.prod(shape)) * d.np_dtype.itemsize], dev)
-                    outs[(t, dev.id, -1)] = regions[(t, dev.id)].view(d.np_dtype).reshape(shape)
-            for k, task in enumerate(low.tasks):
-                if task.dst_rank in mine and not task.at_sender:
-                    quant = views[t]
-                    assert isinstance(quant, _Quant)
-                    outs[(t, task.dst_rank, k)] = np.empty(task.hull.shape, _np_dtype(quant.x.dtype))
-    process_of = {d.id: d.process_index for d in jax.devices()}
-    with builder.timed(ReportPhase.NETWORK):
-        quants = {t: v for t, v in enumerate(views) if isinstance(v, _Quant)}
-        stats = run_pieces(
-            lowerings,
-            transport,
-            process_of,
-            src,
-            boxes,
-            lambda t, r, k: outs[(t, r, k)],
-            quants=quants,
-            timeout_s=options.timeout_s,
-        )
-    with builder.timed(ReportPhase.UNPACK):
-        for t, low in enumerate(lowerings):
-            for k, task in enumerate(low.tasks):
-                if task.dst_rank in mine and not task.at_sender:  # at the sender: quantised before sending
-                    quant = views[t]
-                    assert isinstance(quant, _Quant)
-                    outs[(t, task.dst_rank, -1)][...] = quant.compute(outs[(t, task.dst_rank, k)], task.hull, task.box)
+                    nbytes = storage_bytes(d.np_dtype, d.box_of(dev.id).volume)
+                    (dst[(t, dev.id)],) = backend.allocate([nbytes], dev)
+                    devices[dev.id] = dev
+    run_view_schedule(
+        vs,
+        views,
+        layouts,
+        dsts,
+        transport,
+        src,
+        dst,
+        options=options,
+        backend=backend,
+        devices=devices,
+        report=builder,
+    )
     with builder.timed(ReportPhase.BUFFERS):
         out = []
         for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
             here = {
-                dev: cpu.import_shard(regions[(t, dev.id)], d.box_of(dev.id).shape, d.np_dtype, dev)
+                dev: backend.import_shard(dst[(t, dev.id)], d.box_of(dev.id).shape, d.np_dtype, dev)
                 for dev in sh.device_set
                 if dev.id in mine
             }
             out.append(assemble(d.shape, d.np_dtype, sh, here))
-    for link in (Link.NETWORK, Link.FAST, Link.LOCAL):
-        builder.add_bytes(link, stats.bytes_by_link[link], messages=stats.messages if link is Link.NETWORK else 0)
     return treedef.unflatten(out)

@@ -42,6 +42,8 @@ __all__ = ["transfer", "transfer_into"]
 
 _CACHE: dict[tuple, tuple[list[LeafLowering], Program]] = {}
 register_clear(_CACHE.clear)
+_LOWERED: dict[tuple, list[LeafLowering]] = {}
+register_clear(_LOWERED.clear)
 
 
 def _is_view(x: Any) -> bool:
@@ -113,20 +115,33 @@ def _check_cpu(named: list[tuple[str, Any]], what: str) -> None:
             )
 
 
-def _lowerings(
+def lower_views(
     views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None
-) -> tuple[list[LeafLowering], Program]:
-    """The lowering of every leaf and the program that runs it, cached by the views' composition and layouts."""
+) -> tuple[tuple, list[LeafLowering], Topology]:
+    """``(key, lowerings, topology)``: the lowering of every leaf (cached by ``key``: the views' composition,
+    the layouts and the topology; default one fast-link domain per process)."""
     pos = {id(leaf.source): i for i, leaf in enumerate(srcs)}
     if topology is None:
         devices = {d for leaf in srcs for d in leaf.source.sharding.device_set}
         topology = Topology.from_devices(sorted(devices | _devices(dsts), key=lambda d: d.id))  # type: ignore[attr-defined]
     key = (tuple(v.signature(lambda leaf: pos[id(leaf.source)]) for v in views), tuple(layouts), tuple(dsts), topology)
+    got = _LOWERED.get(key)
+    if got is None:
+        if len(_LOWERED) > 256:
+            _LOWERED.clear()
+        got = _LOWERED[key] = lower_tree(views, srcs, layouts, dsts, topology)
+    return key, got, topology
+
+
+def _lowerings(
+    views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None
+) -> tuple[list[LeafLowering], Program]:
+    """The lowering of every leaf and the program that runs it in one process, cached as the lowering is."""
+    key, lowerings, _ = lower_views(views, srcs, layouts, dsts, topology)
     got = _CACHE.get(key)
     if got is None:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        lowerings = lower_tree(views, srcs, layouts, dsts, topology)
         wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
         boxes = {k: layouts[k[0]].box_of(k[1]) for k in wanted}
         shapes = {(t, r): d.box_of(r).shape for t, d in enumerate(dsts) for r in d.ranks}

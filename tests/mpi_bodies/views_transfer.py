@@ -2,8 +2,9 @@
 
 float32 q, k, v over FSDP on every device of the cluster, fused into a bfloat16 qkv (TP-grouped, k and v
 repeated as for GQA) on a TP x DP mesh of every device in another order, plus a block-FP8 quantised
-matrix. Each addressable target shard must equal the same composition done with numpy on the global
-arrays; each process reports the bytes it sent and the lowering's bytes.
+matrix, in chunks of 48 bytes, 256 bytes of staging a rank and at most 2 operations a group. Each
+addressable target shard must equal the same composition done with numpy on the global arrays; each
+process reports the bytes it sent, the staging it held and the lowering's bytes.
 """
 
 import numpy as np
@@ -40,7 +41,9 @@ def body() -> dict:
     wa, sa = views.quantize_fp8(x["a"], block=(16 // n, 8))
     tree = {"qkv": qkv, "w": w8, "s": s8, "q": x["q"], "wa": wa, "sa": sa}
     target = dict.fromkeys(tree, server)
-    out, rep = jreshard.transfer(tree, target, report=True, options=jreshard.Options(timeout_s=60))
+    # small chunks, a small staging bound and at most 2 operations a group: the engine's rounds bound all three
+    small = jreshard.Options(timeout_s=60, chunk_bytes=48, staging_bytes=256, max_group_ops=2)
+    out, rep = jreshard.transfer(tree, target, report=True, options=small)
 
     def grouped(parts):
         return np.concatenate([np.split(p, tp, axis=1)[i] for i in range(tp) for p in parts], axis=1)
@@ -61,6 +64,14 @@ def body() -> dict:
             a, b = np.asarray(s.data), ref[s.index]
             assert np.array_equal(a.view(f"uint{8 * a.dtype.itemsize}"), b.view(f"uint{8 * b.dtype.itemsize}")), name
             checked += 1
+    # a ShapeDtypeStruct target of another dtype is an astype, across processes too
+    sds = jax.ShapeDtypeStruct(g["q"].shape, jnp.bfloat16, sharding=server)
+    cast = jreshard.transfer(x["q"], sds, options=small)
+    ref_cast = np.asarray(jnp.asarray(g["q"]).astype(jnp.bfloat16))
+    assert cast.dtype == jnp.bfloat16 and cast.sharding == server
+    for s in cast.addressable_shards:
+        assert np.array_equal(np.asarray(s.data).view(np.uint16), ref_cast[s.index].view(np.uint16)), "sds cast"
+        checked += 1
     try:
         jreshard.transfer_into({"qkv": qkv}, {"qkv": out["qkv"]})
         refused = ""
@@ -79,6 +90,7 @@ def body() -> dict:
         "fast": rep.fast_bytes,
         "local": rep.local_bytes,
         "messages": rep.messages,
+        "peak_staging": rep.peak_staging_bytes,
         "backend": rep.backend.value,
         "expect_network": sum(lw.network_bytes for lw in low),
         "expect_moved": sum(lw.network_bytes + lw.fast_bytes + lw.local_bytes for lw in low),

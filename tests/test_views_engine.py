@@ -1,0 +1,209 @@
+"""Views on the engine: a lowering's pieces scheduled as the engine's rounds (:mod:`jreshard.schedule.viewsched`)
+and run by the one round loop, every rank its own "process" over LocalComm, so every piece that crosses ranks
+travels as chunks of messages (packed and cast into staging in the wire dtype, forwarded by ``via`` ranks).
+The destination shards equal the in-process executor's bit for bit; the bytes per link equal the lowering's;
+with small chunks and ``max_group_ops=2`` no group holds more than 2 operations and no rank more staging
+than the bound (from the recording transport)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_views_properties import _bits, compositions, shardings
+
+from jreshard import Layout, Options, Topology, views
+from jreshard.engine.buffers import aligned_empty
+from jreshard.engine.loopback import LocalComm
+from jreshard.engine.recording import RecordingComm
+from jreshard.engine.viewrun import run_view_schedule
+from jreshard.options import Backend
+from jreshard.report import ReportBuilder
+from jreshard.schedule.viewsched import view_schedule
+from jreshard.sharding.topology import Link
+from jreshard.views.lowering import lower_tree
+from jreshard.views.quant import _Quant
+
+
+def _run(view, dst, topo, options=None, comm=None):
+    """Lower, schedule and run ``view`` into ``dst`` on the engine; returns (lowering, shards, stats, schedule)."""
+    options = options or Options()
+    leaves = view.leaves()
+    layouts = [Layout.from_sharding(leaf.source.sharding, leaf.shape, leaf.dtype) for leaf in leaves]
+    dst_lay = Layout.from_sharding(dst, view.shape, view.dtype)
+    (low,) = lower_tree([view], leaves, layouts, [dst_lay], topo)
+    quant = [(view.part, view.block, view.x.dtype)] if isinstance(view, _Quant) else [None]
+    vs = view_schedule([low], layouts, [dst_lay], topo, options, quant)
+    src = {}
+    for i, leaf in enumerate(leaves):
+        for s in leaf.source.addressable_shards:
+            a = np.ascontiguousarray(np.asarray(s.data))
+            src[(i, s.device.id)] = a.reshape(-1).view(np.uint8)
+    outs = {}
+    for r in dst_lay.ranks:
+        nbytes = dst_lay.box_of(r).volume * dst_lay.np_dtype.itemsize
+        outs[(0, r)] = aligned_empty(nbytes)
+        outs[(0, r)][:] = 0xA5  # every byte must be written
+    comm = comm or LocalComm(range(8))
+    stats = run_view_schedule(
+        vs, [view], layouts, [dst_lay], comm, src, outs, options=options, report=ReportBuilder(Backend.LOCAL)
+    )
+    typed = {r: outs[(0, r)].view(dst_lay.np_dtype).reshape(dst_lay.box_of(r).shape) for r in dst_lay.ranks}
+    return low, typed, stats, vs
+
+
+def _check(view, dst, topo, *, bound=False, **kw):
+    low, outs, stats, vs = _run(view, dst, topo, **kw)
+    ref = views.transfer(view, dst, topology=topo)
+    for s in ref.addressable_shards:
+        np.testing.assert_array_equal(_bits(outs[s.device.id]), _bits(s.data))
+    assert vs.bytes_by_link[Link.NETWORK] == stats.sent_bytes[Link.NETWORK] == low.network_bytes
+    assert stats.sent_bytes[Link.FAST] == low.fast_bytes
+    if bound:  # the network bytes the engine sent equal the brute-force bound in the wire dtype
+        leaves = view.leaves()
+        lays = [Layout.from_sharding(lf.source.sharding, lf.shape, lf.dtype) for lf in leaves]
+        dst_lay = Layout.from_sharding(dst, view.shape, view.dtype)
+        want = views.brute_force_network_bound([view], leaves, lays, [dst_lay], topo)
+        assert stats.sent_bytes[Link.NETWORK] == want > 0
+    return low, stats, vs
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_compositions_on_the_engine_equal_the_in_process_result(data):
+    view, _ = data.draw(compositions())
+    dst = data.draw(shardings(view.shape))
+    topo = Topology.uniform(range(8), domain_size=data.draw(st.sampled_from([1, 2, 4, 8])))
+    chunk = data.draw(st.sampled_from([16, 40, 1 << 20]))
+    _check(view, dst, topo, options=Options(chunk_bytes=chunk, staging_bytes=max(64, 2 * chunk)))
+
+
+def _devs():
+    return np.array(jax.devices())
+
+
+def test_fused_gqa_cast_forwards_through_via_ranks_in_small_chunks():
+    devs = _devs()
+    fsdp = NamedSharding(Mesh(devs[:4], ("f",)), P("f"))
+    x = jax.device_put(jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 7, fsdp)
+    k = jax.device_put(jnp.ones((8, 4), jnp.float32) * 3.3, fsdp)
+    fused = views.astype(views.concat([x, k, k], axis=1, groups=2), jnp.bfloat16)  # k repeated: GQA
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    topo = Topology.uniform(range(8), domain_size=4)
+    options = Options(chunk_bytes=16, staging_bytes=64, max_group_ops=2)
+    rec = RecordingComm(range(8), topo)
+    low, stats, _ = _check(fused, dst, topo, bound=True, options=options, comm=rec)
+    assert any(p.via is not None for p in low.pieces)
+    assert 0 < max(stats.peak_staging_bytes.values()) <= 64
+    _assert_groups(rec, 2)
+    assert max(r.nbytes for r in rec.records) <= 16
+    assert rec.bytes_by_link()[Link.NETWORK] == low.network_bytes
+
+
+def _assert_groups(rec, most):
+    """No rank posts more than ``most`` operations in one group (a send and a receive are one each)."""
+    per: dict = {}
+    for r in rec.records:
+        for rank in {r.sender, r.receiver}:
+            per[(r.group, rank)] = per.get((r.group, rank), 0) + (2 if r.sender == r.receiver else 1)
+    assert per and max(per.values()) <= most, max(per.values())
+
+
+@pytest.mark.parametrize("rows", [8, 4])  # 8-row blocks in 8-row source shards: quantised at the sender
+@pytest.mark.parametrize("part", [0, 1])
+def test_block_fp8_on_the_engine(rows, part):
+    devs = _devs()
+    x = jax.device_put(
+        jnp.sin(jnp.arange(32 * 16, dtype=jnp.float32).reshape(32, 16)) * 300,
+        NamedSharding(Mesh(devs[: 32 // rows], ("f",)), P("f")),
+    )
+    quant = views.quantize_fp8(x, block=(8, 8))[part]
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    topo = Topology.uniform(range(8), domain_size=4)
+    low, _, vs = _check(quant, dst, topo, options=Options(chunk_bytes=32, staging_bytes=256))
+    assert all(t.at_sender for t in low.tasks) == (rows == 8)
+    assert bool(vs.encode) == (rows == 8)
+
+
+def _transposed_fused():
+    devs = _devs()
+    fsdp = NamedSharding(Mesh(devs[:4], ("f",)), P("f"))
+    a = jax.device_put(jnp.arange(8 * 12, dtype=jnp.float32).reshape(8, 12), fsdp)
+    b = jax.device_put(-jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4), fsdp)
+    fused = views.transpose(views.concat([a, b, b], axis=1, groups=2))  # (20, 8): fused, GQA repeat, transposed
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P("tp", None))
+    return fused, dst
+
+
+def test_the_gpu_launch_of_a_views_pack_table_matches_numpy():
+    """The GPU pack kernel's launch of a views schedule's rows (a transpose: byte rows whose strides do not
+    decrease), replayed in numpy (not run on GPU), writes the same staging as the CPU pack."""
+    import ctypes
+
+    from jreshard.nccl import cuda_kernels as CK
+    from jreshard.schedule import kernels as K
+
+    fused, dst = _transposed_fused()
+    topo = Topology.uniform(range(8), domain_size=4)
+    low, _, _, vs = _run(fused, dst, topo, options=Options(chunk_bytes=64, staging_bytes=256))
+    leaves = fused.leaves()
+    src = {
+        (i, s.device.id): np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8)
+        for i, leaf in enumerate(leaves)
+        for s in leaf.source.addressable_shards
+    }
+    checked = 0
+    for r, steps in vs.schedule.steps.items():
+        bufs = [src.get((t // 2, r)) if t % 2 == 0 else None for t in range(2 * vs.schedule.ntensors)]
+        for step in steps.values():
+            if not len(step.pack) or any(bufs[int(b)] is None for b in step.pack[:, K.BUF]):
+                continue
+            assert not np.any(step.pack[:, K.CAST])
+            n = int((step.pack[:, K.STAGE] + step.pack[:, K.NBYTES]).max())
+            want, got = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+            K.pack_cpu(step.pack, bufs, want)
+            ptrs = [0 if b is None else b.ctypes.data for b in bufs]
+            for s, d, w in zip(*CK.unit_addresses(CK.pack_launch(step.pack, ptrs, got.ctypes.data)), strict=True):
+                ctypes.memmove(int(d), int(s), int(w))
+            np.testing.assert_array_equal(got, want)
+            checked += 1
+    assert checked > 0 and any(p.axes != tuple(range(len(p.axes))) for p in low.pieces)
+
+
+def test_views_over_a_device_memory_transport_twin():
+    """transfer_cluster over a transport that takes only its backend's (device) memory, as NCCL does: fused,
+    repeated and transposed views move bit-exact in small chunks, at most 2 operations a group; a cast is
+    refused before any byte moves (the GPU backend has no cast kernel)."""
+    import sys
+
+    from mpi_launch import BODIES
+
+    sys.path.insert(0, str(BODIES))
+    from device_like import DeviceLikeBuffers, DeviceOnlyComm
+
+    from jreshard.errors import BackendUnavailableError
+    from jreshard.views.cluster import transfer_cluster
+
+    fused, dst = _transposed_fused()
+    topo = Topology.uniform(range(8), domain_size=4)
+    options = Options(chunk_bytes=32, staging_bytes=128, max_group_ops=2)
+    buffers = DeviceLikeBuffers()
+    rec = RecordingComm(range(8), topo)
+    out = transfer_cluster(
+        fused, dst, topology=topo, options=options, transport=DeviceOnlyComm(rec, buffers), buffers=buffers
+    )
+    ref = views.transfer(fused, dst, topology=topo)
+    for a, b in zip(out.addressable_shards, ref.addressable_shards, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+    _assert_groups(rec, 2)
+    cast = views.astype(fused, jnp.bfloat16)
+    buffers = DeviceLikeBuffers()
+    with pytest.raises(BackendUnavailableError, match="no cast kernels"):
+        transfer_cluster(
+            cast, dst, topology=topo, options=options, transport=DeviceOnlyComm(rec, buffers), buffers=buffers
+        )
