@@ -1,7 +1,8 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv
 # from scratch when it is missing. `make docs` builds the documentation site into site/.
 # `make test` also checks that the GPU machine's package set runs benchmarks/gpu_check.py
-# (tools/check_gpu_packages.py; its environment is cached in .cache/).
+# (tools/check_gpu_packages.py; its environment is cached in .cache/). The tests run on two
+# workers (pytest-xdist), one per core of the CI machine, a test file to a worker.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m mypy jreshard
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -q
 	$(BIN)/python tools/check_gpu_packages.py
-	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q
+	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
