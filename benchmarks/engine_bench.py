@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_bench_local import answer_mail, peer_mail_process
 
-from jreshard.engine.buffers import BufferBackend
+from jreshard.engine.buffers import Buffers
 from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
 from jreshard.engine.rounds import Shards, compile_rounds, execute
 from jreshard.models import refit, refit_topology
@@ -52,7 +52,7 @@ class _Null:
 _NULL = _Null()
 
 
-class NullBuffers(BufferBackend[_Null]):
+class NullBuffers(Buffers[_Null]):
     """Buffers that move no byte: the engine's host work alone remains (final)."""
 
     def export_source(self, shard: Any) -> Any:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
             comm = kind([rank])
             t0 = time.perf_counter()
             stats = execute(
-                sched, comm, shards, options=Options(), backend=NullBuffers(), report=ReportBuilder(Backend.MPI)
+                sched, comm, shards, options=Options(), buffers=NullBuffers(), report=ReportBuilder(Backend.MPI)
             )
             times.append(time.perf_counter() - t0)
         return times, stats, comm
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile:
         from plan_bench_local import profile
 
-        run = lambda: execute(sched, NullComm([rank]), shards, options=Options(), backend=NullBuffers())  # noqa: E731
+        run = lambda: execute(sched, NullComm([rank]), shards, options=Options(), buffers=NullBuffers())  # noqa: E731
         for what, share in profile(run, top=12):
             print(f"   {share * 100:5.1f}%  {what}")
     predicted = simulate_layouts(r.pairs, topo, Options(), r.names).prediction.seconds

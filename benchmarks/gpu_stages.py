@@ -517,7 +517,7 @@ def engine_split(emit, x, g, o, nbytes, shape) -> tuple[bool, float]:
     for _ in range(3):
         with cp.cuda.Device(o):
             start = bufs.stream(o).record()
-        execute(build_schedule(plan, opts), comm, shards, options=opts, backend=timed, devices={0: g, 1: g, 2: g})
+        execute(build_schedule(plan, opts), comm, shards, options=opts, buffers=timed, devices={0: g, 1: g, 2: g})
         times.append(cp.cuda.get_elapsed_time(start, timed.end) / 1e3)
     y = bufs.import_shard(d2, (shape[0], half), np.dtype("float32"), g)
     ok = bool(np.array_equal(np.asarray(y[:64]), np.asarray(x[:64, half:])))

@@ -223,7 +223,7 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
             comm,
             Shards(src={(0, 0): bufs.export_source(x)}, dst={(0, 1): d1, (0, 2): d2}),
             options=opts,
-            backend=bufs,
+            buffers=bufs,
         )
     y1 = bufs.import_shard(d1, (256, 512), np.dtype("float32"), gpu)
     y2 = bufs.import_shard(d2, (256, 512), np.dtype("float32"), gpu)

@@ -103,7 +103,7 @@ def test_run_plan_stages_each_rank_on_its_own_device():
         LocalComm([d.id for d in devs]),
         {(0, devs[0].id): jax.device_put(host, devs[0])},
         {(0, devs[1].id): devs[1], (0, devs[2].id): devs[2]},
-        backend=backend,
+        buffers=backend,
     )
     np.testing.assert_array_equal(np.asarray(out[(0, devs[2].id)]), host[:, 32:])
     assert any(n > 0 for n, _ in backend.asked)  # the plan packs through staging
@@ -162,7 +162,7 @@ def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
     backend = CountingBuffers()
     stats = execute(build_schedule(plan, plan.options), LocalComm([0, 1, 2]),
                     Shards(src={(0, 0): host.reshape(-1).view(np.uint8)}, dst={(0, 1): d1, (0, 2): d2}),
-                    options=plan.options, backend=backend)  # fmt: skip
+                    options=plan.options, buffers=backend)  # fmt: skip
     assert stats.rounds > 1
     assert backend.calls.count("synchronize") == 1 and backend.calls[-1] == "synchronize"
     assert backend.calls.count("fence") == stats.rounds + 1  # after the local copies, before each exchange

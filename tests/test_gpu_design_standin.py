@@ -94,7 +94,7 @@ def run_split(cp, namespace: str, *, repeat: int = 1):
     sched = build_schedule(plan, half)
     cp.cuda.Device(0).synchronize()  # the set-up above ran on the legacy default stream
     cp.cuda.standin.log.clear()
-    stats = [execute(sched, comm, Shards(src=srcs, dst=dsts), options=opts, backend=bufs) for _ in range(repeat)]
+    stats = [execute(sched, comm, Shards(src=srcs, dst=dsts), options=opts, buffers=bufs) for _ in range(repeat)]
     ops = [e for e in cp.cuda.standin.log if e[0] not in ("stream", "groupStart", "groupEnd", "nccl_init")]
     assert len(ops) > 50 and [e for e in ops if e[1] == 0] == []  # nothing on the legacy default stream
     for (_, r), d in dsts.items():  # (the test's own copies to the host are on the legacy stream)

@@ -424,7 +424,7 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
         dst={(0, 1): FakeDeviceArray(half, 0, 2 << 30), (0, 2): FakeDeviceArray(half, 0, 3 << 30)},
     )
     cuda.log.clear()
-    stats = execute(build_schedule(plan, opts), comm, shards, options=opts, backend=bufs)
+    stats = execute(build_schedule(plan, opts), comm, shards, options=opts, buffers=bufs)
     assert stats.rounds > 1
     s = comm.stream(0).ptr
     kernels = {bufs.streams.pack(0).ptr, bufs.streams.unpack(0).ptr}

@@ -1,7 +1,7 @@
 """Shard buffers: zero-copy DLPack export and import between jax shards and byte buffers.
 
 The engine sees every shard as a contiguous 1-D ``uint8`` buffer (see
-``kernels.py``). A :class:`BufferBackend` says where such buffers live and how bytes
+``kernels.py``). A :class:`Buffers` says where such buffers live and how bytes
 move between them inside one rank; :class:`CpuBuffers` is the numpy one. A GPU
 backend (CuPy buffers, a CUDA kernel per descriptor table) implements the same
 methods, and the engine and ``api.py`` never look past them.
@@ -41,12 +41,12 @@ if TYPE_CHECKING:
     import jax
 
 B = TypeVar("B")
-"""The buffer type of a :class:`BufferBackend`: a contiguous 1-D uint8 array."""
+"""The buffer type of a :class:`Buffers`: a contiguous 1-D uint8 array."""
 
 __all__ = [
     "ALIGN",
     "KDLCUDA",
-    "BufferBackend",
+    "Buffers",
     "Capsule",
     "CpuBuffers",
     "aligned_empty",
@@ -213,7 +213,7 @@ def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, devi
     return out
 
 
-class BufferBackend(abc.ABC, Generic[B]):
+class Buffers(abc.ABC, Generic[B]):
     """Where shard and staging buffers live and how bytes move inside one rank (abstract).
 
     Generic in the buffer type ``B``: 1-D uint8 arrays (numpy on CPU, CuPy on GPU); byte movements are
@@ -289,7 +289,7 @@ class BufferBackend(abc.ABC, Generic[B]):
         self.synchronize()
 
 
-class CpuBuffers(BufferBackend[np.ndarray]):
+class CpuBuffers(Buffers[np.ndarray]):
     """numpy buffers on jax CPU devices (final).
 
     Args:

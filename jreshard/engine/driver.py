@@ -11,7 +11,7 @@ engine (:func:`jreshard.engine.rounds.execute`) over the transport it is given (
 :mod:`jreshard.routes`: MPI, NCCL, or local copies). A device's
 rank is its ``device.id``, which is unique in a jax cluster.
 
-**Device buffers.** The scheduling mail travels in the ``buffers`` backend's memory, as
+**Device buffers.** The scheduling mail travels in the ``buffers``' memory, as
 the chunks do (:func:`jreshard.engine.mail.comm_mail`): on GPUs, a few integers per
 peer go through small device buffers over NCCL (not run on GPU); on CPU, in host memory
 with no copy. So every transport takes the same rank-local path.
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.mail import comm_mail
 from jreshard.engine.rounds import ExecStats, Shards, execute
@@ -60,7 +60,7 @@ def run_plan(
     targets: Mapping[tuple[int, int], Any],
     *,
     options: Options | None = None,
-    backend: BufferBackend | None = None,
+    buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """Run this process's ranks of ``plan`` on its global schedule and return the new destination shards.
@@ -74,7 +74,7 @@ def run_plan(
       sources: ``{(tensor, rank): single-device jax array}``, the source shards held here.
       targets: ``{(tensor, rank): jax device}``, the destination shards to make here.
       options: chunking, staging, timeout.
-      backend: buffer operations (default numpy on CPU).
+      buffers: buffer operations (default numpy on CPU).
       report: where the engine adds its phases, bytes per link and messages.
 
     Returns:
@@ -83,7 +83,7 @@ def run_plan(
     """
     options = options or plan.options
     sched = build_schedule(plan, options)
-    return run_schedule(plan.tensors, sched, comm, sources, targets, options=options, backend=backend, report=report)
+    return run_schedule(plan.tensors, sched, comm, sources, targets, options=options, buffers=buffers, report=report)
 
 
 def run_schedule(
@@ -94,7 +94,7 @@ def run_schedule(
     targets: Mapping[tuple[int, int], Any],
     *,
     options: Options,
-    backend: BufferBackend | None = None,
+    buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
     given: Mapping[tuple[int, int], Any] | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
@@ -104,13 +104,13 @@ def run_schedule(
       tensors: the tensors the schedule moves (their destination layouts size the new shards).
       schedule: the rounds, from :func:`~jreshard.schedule.pairsched.pair_schedule` or
         :func:`~jreshard.schedule.steps.build_schedule`.
-      comm, sources, targets, options, backend, report: as for :func:`run_plan`.
+      comm, sources, targets, options, buffers, report: as for :func:`run_plan`.
       given: destination buffers to write into instead of new ones (``transfer_into``);
         those keys come back as the buffers themselves, not imported arrays.
     """
     given = given or {}
-    backend = backend or CpuBuffers()
-    src = {k: backend.export_source(a) for k, a in sources.items()}
+    buffers = buffers or CpuBuffers()
+    src = {k: buffers.export_source(a) for k, a in sources.items()}
     dst: dict[tuple[int, int], Any] = {}
     meta: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
     devices: dict[int, Any] = {}
@@ -124,14 +124,14 @@ def run_schedule(
     for device, keys in by_device.items():  # one block per device for all its destination shards
         keys = [k for k in keys if k not in given]
         sizes = [storage_bytes(meta[k][1], int(np.prod(meta[k][0]))) for k in keys]
-        dst.update(zip(keys, backend.allocate(sizes, device) if keys else [], strict=True))
+        dst.update(zip(keys, buffers.allocate(sizes, device) if keys else [], strict=True))
     dst.update({k: v for k, v in given.items() if k in targets})
     for (_, r), a in sources.items():
         devices.setdefault(r, next(iter(a.devices())))
     stats = execute(
-        schedule, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
+        schedule, comm, Shards(src=src, dst=dst), options=options, buffers=buffers, devices=devices, report=report
     )
-    out = {k: dst[k] if k in given else backend.import_shard(dst[k], *meta[k]) for k in dst}
+    out = {k: dst[k] if k in given else buffers.import_shard(dst[k], *meta[k]) for k in dst}
     return out, stats
 
 
@@ -150,7 +150,7 @@ def run_leaves(
     topology: Topology | None = None,
     options: Options | None = None,
     transport: Communicator,
-    buffers: BufferBackend | None = None,
+    buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
     into: Sequence[Any] | None = None,
 ) -> tuple[list[Any], ExecStats, dict[int, RankProgram]]:
@@ -212,16 +212,16 @@ def run_leaves(
             if d.process_index == me:
                 targets[(t, d.id)] = d
     owned = _donated_targets(leaves, into, moved) if into is not None else {}
-    backend = buffers or CpuBuffers()
+    buffers = buffers or CpuBuffers()
     given = {
-        (t, sh.device.id): backend.writable_view(sh.data)
+        (t, sh.device.id): buffers.writable_view(sh.data)
         for t, i in enumerate(moved)
         if i in owned
         for sh in owned[i].addressable_shards
         if (t, sh.device.id) in targets
     }
     shards, stats = run_schedule(
-        tensors, sched, transport, sources, targets, options=options, backend=backend, report=report, given=given
+        tensors, sched, transport, sources, targets, options=options, buffers=buffers, report=report, given=given
     )
     out = list(leaves)
     for t, i in enumerate(moved):
@@ -275,7 +275,7 @@ def schedule_local(
     topology: Topology,
     options: Options,
     comm: Communicator,
-    buffers: BufferBackend | None = None,
+    buffers: Buffers | None = None,
     devices: Mapping[int, Any] | None = None,
 ) -> tuple[list[TensorSpec], dict[int, RankProgram], Schedule]:
     """The tensors, the programs of ``comm``'s local ranks and their pair-paced rounds (agreed with the

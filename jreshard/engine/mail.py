@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.schedule.pairsched import Key, Mail
 
@@ -24,7 +24,7 @@ def comm_mail(
     comm: Communicator,
     timeout_s: float,
     *,
-    buffers: BufferBackend | None = None,
+    buffers: Buffers | None = None,
     devices: Mapping[int, Any] | None = None,
 ) -> Mail:
     """A mail function over ``comm``: one exchange per call, int64 payloads as bytes (tags as given).
@@ -35,7 +35,7 @@ def comm_mail(
     back to the host after the exchange. With host buffers (the default,
     :class:`~jreshard.engine.buffers.CpuBuffers`) nothing is copied.
     """
-    backend = buffers if buffers is not None else CpuBuffers()
+    buffers = buffers if buffers is not None else CpuBuffers()
     where = dict(devices or {})
 
     def mail(out: Mapping[Key, np.ndarray], want: Mapping[Key, int]) -> dict:
@@ -46,7 +46,7 @@ def comm_mail(
             keys = list(run)
             host = np.concatenate([np.ascontiguousarray(out[k], np.int64).view(np.uint8) for k in keys])
             held.append(host)
-            buf, pos = backend.upload(host, where.get(r)), 0
+            buf, pos = buffers.upload(host, where.get(r)), 0
             for a, b, tag in keys:
                 n = 8 * out[(a, b, tag)].size
                 sends.append(SendOp(a, b, tag, buf[pos : pos + n]))
@@ -55,20 +55,20 @@ def comm_mail(
         for r, run in itertools.groupby(sorted(want, key=lambda k: (k[1], k)), key=lambda k: k[1]):
             keys = list(run)
             sizes = [8 * want[k] for k in keys]
-            buf = backend.staging(sum(sizes), where.get(r))
+            buf = buffers.staging(sum(sizes), where.get(r))
             starts = np.cumsum([0, *sizes[:-1]]).tolist()
             recvs.extend(
                 RecvOp(a, b, tag, buf[p : p + n]) for (a, b, tag), p, n in zip(keys, starts, sizes, strict=True)
             )
             inboxes.append((buf, keys, starts, sizes))
         if sends or recvs:
-            backend.fence()
+            buffers.fence()
             comm.exchange(sends, recvs, timeout_s=timeout_s)
-            backend.synchronize()
+            buffers.synchronize()
         del held
         got = {}
         for buf, keys, starts, sizes in inboxes:
-            host = backend.download(buf)
+            host = buffers.download(buf)
             for k, p, n in zip(keys, starts, sizes, strict=True):
                 got[k] = host[p : p + n].view(np.int64).copy()
         return got

@@ -2,7 +2,7 @@
 
 Every transport (in-process, MPI, NCCL) drives this same code; only the
 :class:`~jreshard.engine.comm.Communicator` and the
-:class:`~jreshard.engine.buffers.BufferBackend` differ. What runs when is decided
+:class:`~jreshard.engine.buffers.Buffers` differ. What runs when is decided
 by the schedule (:mod:`jreshard.schedule`: chunks, rounds, staging layout), built
 once per plan, or per rank by the pair-paced scheduler, and cached. This module
 compiles it once for the ranks of one process (:func:`compile_rounds`: per round, the
@@ -15,8 +15,8 @@ stages forward bytes the sender received, which it holds in its destination shar
 (a forwarded piece always lies inside the forwarding rank's destination box).
 Receivers write into their destination shard. A chunk that is one contiguous run
 of its shard is sent or received in place; the others are packed into, or
-unpacked from, the rank's staging arena with one descriptor table per round; a backend
-that asks for two arenas (``BufferBackend.staging_buffers``) gets them alternated by round.
+unpacked from, the rank's staging arena with one descriptor table per round; buffers
+that ask for two arenas (``Buffers.staging_buffers``) get them alternated by round.
 Local copies (``RankProgram.local``) run first, straight from the source shard.
 
 **Report.** Given a :class:`~jreshard.report.ReportBuilder`, :func:`execute` adds
@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator, Row
 from jreshard.errors import TransferError
 from jreshard.options import Backend, Options
@@ -99,7 +99,7 @@ def execute(
     shards: Shards,
     *,
     options: Options,
-    backend: BufferBackend[Any] | None = None,
+    buffers: Buffers[Any] | None = None,
     devices: Mapping[int, Device] | None = None,
     report: ReportBuilder | None = None,
 ) -> ExecStats:
@@ -111,9 +111,9 @@ def execute(
       comm: the transport; its ``local_ranks`` are the ranks this process runs.
       shards: the local ranks' source and destination shard buffers.
       options: staging bound, ``max_group_ops`` and ``timeout_s``.
-      backend: buffer operations (default :class:`CpuBuffers`).
+      buffers: buffer operations (default :class:`CpuBuffers`).
       devices: ``{rank: jax device}`` of the local ranks, so each staging arena is
-        allocated on its rank's device (default: the backend's current device).
+        allocated on its rank's device (default: the buffers' current device).
       report: where to add phase times, bytes per link, messages and staging.
 
     Returns:
@@ -123,11 +123,11 @@ def execute(
       TransferError: a shard the schedule reads or writes is missing (nothing was written);
         TransferTimeoutError / PeerError from the communicator.
     """
-    if backend is None:
-        backend = CpuBuffers()
+    if buffers is None:
+        buffers = CpuBuffers()
     ranks = tuple(comm.local_ranks)
     devices = devices or {}
-    arenas = {r: _arenas(backend, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes) for r in ranks}
+    arenas = {r: _arenas(buffers, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes) for r in ranks}
     prog = compile_rounds(schedule, ranks, tuple(len(arenas[r]) for r in ranks), options.max_group_ops)
     bufs = {r: shards.of_rank(r, schedule.ntensors) for r in ranks}
     _check_buffers(schedule, prog, ranks, bufs, shards)
@@ -138,9 +138,9 @@ def execute(
     for r in ranks:
         if r in schedule.local:
             keys, st, dt = schedule.local[r]
-            backend.copy(st, [shards.src[k] for k in keys], dt, bufs[r])
+            buffers.copy(st, [shards.src[k] for k in keys], dt, bufs[r])
             local_bytes += kernels.table_bytes(dt)
-    backend.fence()
+    buffers.fence()
     unpack_s = clock() - t0
     held = sum(len(a) * schedule.staging.get(r, 0) for r, a in arenas.items())
     rep.staging(held)
@@ -149,15 +149,15 @@ def execute(
     for r in ranks:
         bases += bufs[r]
         bases += arenas[r]
-    backend.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
-    pack, unpack, fence, exchange = backend.pack, backend.unpack, backend.fence, comm.exchange_rows
+    buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
+    pack, unpack, fence, exchange = buffers.pack, buffers.unpack, buffers.fence, comm.exchange_rows
     timeout_s = options.timeout_s
     pack_s = network_s = fanout_s = 0.0
     t3 = clock()
     for packs, groups, unpacks, network in prog.rounds:
         for table, b, arena in packs:
             pack(table, bufs[b], bases[arena])
-        fence()  # ordered before the sends; no host wait where the backend can avoid one
+        fence()  # ordered before the sends; no host wait where the buffers can avoid one
         t1 = clock()
         for sends, recvs in groups:
             exchange(sends, recvs, bases, timeout_s=timeout_s)
@@ -171,7 +171,7 @@ def execute(
             fanout_s += t2 - t1
         t3 = clock()
         unpack_s += t3 - t2
-    backend.synchronize()
+    buffers.synchronize()
     unpack_s += clock() - t3
     rep.add_seconds(ReportPhase.PACK, pack_s)
     rep.add_seconds(ReportPhase.NETWORK, network_s)
@@ -349,10 +349,10 @@ def _cut(sends: list[Row], recvs: list[Row], cut: Mapping[tuple[int, int, int], 
     return [by[g] for g in sorted(by)]
 
 
-def _arenas(backend: BufferBackend[Any], nbytes: int, device: Device | None, bound: int) -> list[Any]:
-    """A rank's staging arenas: ``backend.staging_buffers`` of them where they fit ``bound`` together, else one."""
-    n = backend.staging_buffers if backend.staging_buffers * nbytes <= bound else 1
-    return [backend.staging(nbytes, device) for _ in range(n)]
+def _arenas(buffers: Buffers[Any], nbytes: int, device: Device | None, bound: int) -> list[Any]:
+    """A rank's staging arenas: ``buffers.staging_buffers`` of them where they fit ``bound`` together, else one."""
+    n = buffers.staging_buffers if buffers.staging_buffers * nbytes <= bound else 1
+    return [buffers.staging(nbytes, device) for _ in range(n)]
 
 
 def _jobs(prog: CompiledRounds, bufs: dict[int, list], bases: list[Any]):

@@ -10,11 +10,11 @@ jobs around the rounds that block FP8 needs, on the host in numpy
 - after them, each receiver quantises the tiles of whole blocks that landed in its auxiliary
   destination buffer (``Tile``) into its shard.
 
-Every cast and permutation runs inside the backend's pack, unpack and copy of the
-descriptor tables. The CPU backend casts there (numpy, the compiled float32 <-> bfloat16
-kernels); the GPU backend has no cast kernel yet and quantisation needs host buffers, so
-a backend whose buffers are not numpy arrays takes views without casts or block FP8
-leaves (fused, stacked, sliced and transposed ones: byte rows), and is refused the rest
+Every cast and permutation runs inside the buffers' pack, unpack and copy of the
+descriptor tables. The CPU buffers cast there (numpy, the compiled float32 <-> bfloat16
+kernels); the GPU buffers have no cast kernel yet and quantisation needs host buffers, so
+buffers that are not numpy arrays take views without casts or block FP8
+leaves (fused, stacked, sliced and transposed ones: byte rows), and are refused the rest
 before any byte moves.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.errors import BackendUnavailableError
@@ -69,7 +69,7 @@ def run_view_schedule(
     targets: Mapping[tuple[int, int], Any],
     *,
     options: Options,
-    backend: BufferBackend | None = None,
+    buffers: Buffers | None = None,
     devices: Mapping[int, Any] | None = None,
     report: ReportBuilder | None = None,
 ) -> ExecStats:
@@ -83,26 +83,26 @@ def run_view_schedule(
       sources: ``{(source leaf, rank): 1-D uint8 buffer}`` of this process's source shards.
       targets: ``{(destination leaf, rank): 1-D uint8 buffer}`` this process's destination shards, written.
       options: chunking, staging, ``timeout_s`` and ``max_group_ops``.
-      backend: buffer operations (default numpy on CPU).
+      buffers: buffer operations (default numpy on CPU).
       devices: ``{rank: jax device}`` for the staging arenas.
       report: where the engine adds phases, bytes per link, messages and staging.
 
     Raises:
-      BackendUnavailableError: block FP8 leaves, or casts, on a backend without host buffers (GPU).
+      BackendUnavailableError: block FP8 leaves, or casts, on buffers that are not in host memory (GPU).
       TransferError: a buffer the schedule needs is missing (nothing was written).
     """
-    backend = backend or CpuBuffers()
+    buffers = buffers or CpuBuffers()
     mine = set(comm.local_ranks)
     quant_jobs = any(r in mine for r in (*vs.encode, *vs.tiles))
-    if quant_jobs and not isinstance(backend, CpuBuffers):
+    if quant_jobs and not isinstance(buffers, CpuBuffers):
         raise BackendUnavailableError(
-            f"views: block FP8 leaves are quantised in host memory, and backend {type(backend).__name__} keeps "
+            f"views: block FP8 leaves are quantised in host memory, and buffers {type(buffers).__name__} keeps "
             "its buffers elsewhere. The fix is to quantise on the trainer's devices (jnp), then transfer"
         )
-    if not isinstance(backend, CpuBuffers) and _casts_on(vs, mine):
+    if not isinstance(buffers, CpuBuffers) and _casts_on(vs, mine):
         raise BackendUnavailableError(
-            f"views: this schedule casts while packing and unpacking, and backend {type(backend).__name__} has no "
-            "cast kernels yet (casts run in the CPU backend's pack and unpack). The fix is to cast on the trainer's "
+            f"views: this schedule casts while packing and unpacking, and buffers {type(buffers).__name__} has no "
+            "cast kernels yet (casts run in the CPU buffers' pack and unpack). The fix is to cast on the trainer's "
             "devices (x.astype) and transfer the cast arrays, or to run the views on CPU devices"
         )
     devices = devices or {}
@@ -110,10 +110,10 @@ def run_view_schedule(
     dst: dict[tuple[int, int], Any] = dict(targets)
     for r, n in vs.aux_src.items():
         if r in mine:
-            (src[(vs.aux, r)],) = backend.allocate([n], devices.get(r))
+            (src[(vs.aux, r)],) = buffers.allocate([n], devices.get(r))
     for r, n in vs.aux_dst.items():
         if r in mine:
-            (dst[(vs.aux, r)],) = backend.allocate([n], devices.get(r))
+            (dst[(vs.aux, r)],) = buffers.allocate([n], devices.get(r))
     rep = report or ReportBuilder(options.backend)
     with rep.timed(ReportPhase.PACK):
         for r, jobs in vs.encode.items():
@@ -133,7 +133,7 @@ def run_view_schedule(
                 out = quant.compute(tile, e.hull, e.box)
                 _typed(src[(vs.aux, r)], e.offset, out.shape, quant.dtype)[...] = out
     stats = execute(
-        vs.schedule, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
+        vs.schedule, comm, Shards(src=src, dst=dst), options=options, buffers=buffers, devices=devices, report=report
     )
     with rep.timed(ReportPhase.UNPACK):
         for r, tiles in vs.tiles.items():

@@ -1,6 +1,6 @@
 """CupyBuffers: shard, staging and destination buffers on CUDA GPUs. Not run on GPU.
 
-The GPU :class:`~jreshard.engine.buffers.BufferBackend`. Buffers are 1-D ``uint8``
+The GPU :class:`~jreshard.engine.buffers.Buffers`. Buffers are 1-D ``uint8``
 CuPy arrays; pack, unpack and copy are one ``RawKernel`` launch per descriptor
 table (:mod:`jreshard.nccl.cuda_kernels`), or plain ``cudaMemcpyAsync`` calls when
 a table is a few contiguous runs. The launch tables of a whole schedule are built
@@ -45,7 +45,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from jreshard.engine.buffers import KDLCUDA, BufferBackend, Capsule, dlpack_type, retype_capsule
+from jreshard.engine.buffers import KDLCUDA, Buffers, Capsule, dlpack_type, retype_capsule
 from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl.gpu_dlpack import Typed
@@ -81,7 +81,7 @@ CupyArray: TypeAlias = Any
 """A contiguous 1-D uint8 ``cupy.ndarray`` (CuPy ships no type information)."""
 
 
-class CupyBuffers(BufferBackend[CupyArray]):
+class CupyBuffers(Buffers[CupyArray]):
     """CuPy buffers on jax CUDA devices (final). Not run on GPU.
 
     Stream order, no host waits until the end. On each GPU, packs and local copies run

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from jreshard._cache import register_clear
-from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
 from jreshard.engine.viewrun import run_view_schedule
@@ -56,7 +56,7 @@ def transfer_cluster(
     topology: Topology | None = None,
     options: Options | None = None,
     transport: Communicator | None = None,
-    buffers: BufferBackend | None = None,
+    buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
 ) -> Any:
     """Materialise a pytree of views across the processes of the cluster (every process calls this).
@@ -116,7 +116,7 @@ def transfer_cluster(
         src,
         dst,
         options=options,
-        backend=backend,
+        buffers=backend,
         devices=devices,
         report=builder,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jreshard.engine.buffers import BufferBackend, CpuBuffers
+from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.schedule.pairsched import MAIL_TAG
 
@@ -20,7 +20,7 @@ class HostMemoryOnTheWire(AssertionError):
     pass
 
 
-class DeviceLikeBuffers(BufferBackend[np.ndarray]):
+class DeviceLikeBuffers(Buffers[np.ndarray]):
     """Host buffers behind a backend that is not CpuBuffers; every buffer it gives out is recorded."""
 
     def __init__(self) -> None:
