@@ -133,14 +133,7 @@ def run_view_schedule(
                 out = quant.compute(tile, e.hull, e.box)
                 _typed(src[(vs.aux, r)], e.offset, out.shape, quant.dtype)[...] = out
     stats = execute(
-        None,
-        comm,
-        Shards(src=src, dst=dst),
-        options=options,
-        backend=backend,
-        devices=devices,
-        report=report,
-        schedule=vs.schedule,
+        vs.schedule, comm, Shards(src=src, dst=dst), options=options, backend=backend, devices=devices, report=report
     )
     with rep.timed(ReportPhase.UNPACK):
         for r, tiles in vs.tiles.items():
