@@ -42,7 +42,8 @@ def param(name: str, shape: Sequence[int], dtype: Any) -> Leaf:
 
     Args:
       name: the source leaf's key path, ``jax.tree_util.keystr(path)`` (``"['layers'][0]['q']"``).
-      shape, dtype: the shape and dtype the source side declares for it (checked when the group forms).
+      shape: the shape the source side declares for it (checked when the group forms).
+      dtype: the dtype the source side declares for it (checked likewise).
 
     Raises:
       TypeError: ``name`` is not a string; ValueError: a negative extent in ``shape``.
