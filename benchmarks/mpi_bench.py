@@ -3,7 +3,11 @@
 Run: ``.venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/mpi_bench.py`` (JAX_PLATFORMS=cpu,
 JAX_NUM_CPU_DEVICES=1 are set here). Declared topology: the 4 source processes are one domain, the
 4 destination processes another. Cases: one float32 tensor TP4 -> TP2 x DP2, and a refit-like
-pytree (FSDP -> TP x DP). Wall time is the slowest process's, median [min-max] of ``REPEATS`` calls after a warm-up;
+pytree (FSDP -> TP x DP), and a fused float32 -> bfloat16 ``qkv`` (the server's recipe:
+``astype(concat([q, k, v], axis=1, groups=2), bfloat16)`` from float32 q, k, v TP4 into bfloat16 TP2 x DP2),
+timed in the same run as the plain TP4 -> TP2 x DP2 case and compared per destination byte (the bytes
+of every destination shard, replicas included). Wall time is the slowest process's, median [min-max]
+of ``REPEATS`` calls after a warm-up;
 bytes on the wire are what the processes sent to another process (jreshard: network + fast-link
 bytes of the plan; baseline: Gatherv sends to the root + the root's Bcast payload per receiver).
 """
@@ -20,11 +24,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
+from jreshard import views
 from jreshard.engine.buffers import export_source
 from jreshard.mpi.baseline import GatherBroadcast
 from jreshard.mpi.cluster import initialize
 from jreshard.options import Options
 from jreshard.refit import RefitGroup
+from jreshard.sharding.topology import Link
 
 REPEATS = 5
 world = MPI.COMM_WORLD
@@ -65,6 +71,49 @@ def slowest(seconds):
     return world.allreduce(seconds, op=MPI.MAX)
 
 
+def destination_bytes(tree) -> int:
+    """The bytes of every destination shard of ``tree`` (ShapeDtypeStructs of the destination side)."""
+    total = 0
+    for s in tree.values():
+        shard = s.sharding.shard_shape(s.shape)
+        total += int(np.prod(shard)) * np.dtype(s.dtype).itemsize * len(s.sharding.device_set)
+    return world.bcast(total if role == "destination" else None, root=4)
+
+
+def timed(group, arrays, like) -> list[float]:
+    times = []
+    for rep in range(REPEATS + 1):
+        world.Barrier()
+        t0 = time.perf_counter()
+        if role == "source":
+            group.push(arrays, version=rep)
+        else:
+            group.pull(like=like)
+        dt = slowest(time.perf_counter() - t0)
+        if rep:
+            times.append(dt)
+    return times
+
+
+def fused_case():
+    """float32 q, k, v (TP4) -> one bfloat16 qkv (TP2 x DP2) made by the server's recipe."""
+    n = 4096
+    shapes = {"q": (n, n), "k": (n, n // 4), "v": (n, n // 4)}
+    if role == "source":
+        tp = NamedSharding(jax.sharding.Mesh(np.array(devs), ("tp",)), P(None, "tp"))
+        sds = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=tp) for k, s in shapes.items()}
+        arrays = {
+            k: jax.make_array_from_callback(s, tp, lambda i, s=s: np.full(s, 1.7, np.float32)[i])
+            for k, s in shapes.items()
+        }
+        return sds, arrays, None, None
+    tp = NamedSharding(jax.sharding.Mesh(np.array(devs).reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    src = {k: views.param(f"['{k}']", s, np.float32) for k, s in shapes.items()}
+    qkv = views.astype(views.concat([src["q"], src["k"], src["v"]], axis=1, groups=2), "bfloat16")
+    like = {"qkv": jax.ShapeDtypeStruct(qkv.shape, jax.numpy.bfloat16, sharding=tp)}
+    return like, None, like, {"qkv": qkv}
+
+
 rows = []
 for name, sds in cases():
     arrays = None
@@ -75,17 +124,9 @@ for name, sds in cases():
         }
     opts = Options(timeout_s=120, chunk_bytes=8 << 20, staging_bytes=64 << 20)
     group = RefitGroup(role, sds, domain=0 if role == "source" else 1, options=opts)
-    j_times = []
-    for rep in range(REPEATS + 1):
-        world.Barrier()
-        t0 = time.perf_counter()
-        if role == "source":
-            group.push(arrays, version=rep)
-        else:
-            group.pull(like=sds)
-        dt = slowest(time.perf_counter() - t0)
-        if rep:
-            j_times.append(dt)
+    j_times = timed(group, arrays, sds)
+    if not rows:  # the plain TP4 -> TP2 x DP2 case: the reference for the fused case, per destination byte
+        plain = (destination_bytes(sds), j_times)
     st = group.plan.stats()
     j_bytes = st.network_bytes + st.fast_bytes
     # Baseline over the same processes, same global layouts (group ranks), MPI collectives.
@@ -112,6 +153,12 @@ for name, sds in cases():
     rows.append((name, j_bytes, j_times, b_bytes, b_times))
     group.close()
 
+decl, arrays, like, recipe = fused_case()
+group = RefitGroup(role, decl, domain=0 if role == "source" else 1, options=opts, recipe=recipe)
+fused = (destination_bytes(like if role == "destination" else {}), timed(group, arrays, like))
+fused_wire = world.allreduce(group.sent_bytes.get(Link.NETWORK, 0) + group.sent_bytes.get(Link.FAST, 0))
+group.close()
+
 
 def _stats(ts: list[float]) -> str:
     return f"{np.median(ts):.3f} [{min(ts):.3f}-{max(ts):.3f}]"
@@ -128,3 +175,15 @@ if me == 0:
     for name, jb, jt, bb, bt in rows:
         ratio = np.median(bt) / np.median(jt)
         print(f"| {name} | {jb / 1e6:.1f} | {_stats(jt)} | {bb / 1e6:.1f} | {_stats(bt)} | {ratio:.2f}x |")
+    print()
+    print("| case (same run) | destination MB | jreshard wire MB | s, median [min-max] | ns per destination byte |")
+    print("|---|---:|---:|---:|---:|")
+    per = {}
+    for name, (nbytes, ts), wire in (
+        ("plain float32 TP4 -> TP2 x DP2", plain, rows[0][1]),
+        ("fused qkv float32 -> bfloat16 TP4 -> TP2 x DP2", fused, fused_wire),
+    ):
+        per[name] = np.median(ts) / nbytes
+        print(f"| {name} | {nbytes / 1e6:.1f} | {wire / 1e6:.1f} | {_stats(ts)} | {per[name] * 1e9:.3f} |")
+    a, b = per.values()
+    print(f"fused / plain time per destination byte: {b / a:.2f}x (target <= 1.2x)")

@@ -22,6 +22,18 @@ ranks it drives (their programs, no whole plan) and, at the first refit, agrees
 their rounds with its peers in a few small messages; the schedule is kept for
 every later refit. ``group.plan`` builds the whole plan only when read.
 
+Casts and fused parameters. The destination's declaration may differ from the
+source's: a leaf of another dtype is a cast (float32 trainer, bfloat16 server: the
+bits of ``x.astype(bfloat16)``), and a ``recipe`` (a pytree with the structure of
+the destination's parameters, each leaf a view over :func:`jreshard.views.param`
+leaves naming the trainer's parameters, or ``None``) says how the server's tensors
+are made from the trainer's: fused ``qkv`` with repeated key/value heads, ``gate_up``,
+stacked experts, block FP8. Both declarations are checked against each other (names,
+shapes, dtypes, every parameter a recipe reads) before any byte moves. Such a group
+lowers its views once on every process (:mod:`jreshard.views.lowering`, the whole
+lowering: every rank's pieces) and runs its ranks of them through the same round
+loop, casting while packing and unpacking in the CPU backend.
+
 A refit. ``push(params, version)`` on every source process and ``pull(...)`` on
 every destination process: (1) a *begin* vote (each side's local checks, the
 version), (2) the data, through the shared engine over :class:`MpiComm`, into
@@ -44,15 +56,26 @@ from collections.abc import Sequence
 from typing import Any
 
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
-from jreshard.errors import LayoutMismatchError, PeerError, TransferError
+from jreshard.engine.rounds import ExecStats
+from jreshard.errors import BackendUnavailableError, LayoutMismatchError, PeerError, TransferError
 from jreshard.mpi.comm import MpiComm, import_mpi
 from jreshard.mpi.control import Control
 from jreshard.options import Options
-from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, problems, validate
+from jreshard.refit_decl import (
+    GroupViews,
+    declare_local,
+    group_layouts,
+    group_views,
+    leaf_differences,
+    needs_views,
+    problems,
+    validate,
+)
 from jreshard.schedule.steps import Schedule
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.rows import TensorSpec
-from jreshard.sharding.topology import Topology
+from jreshard.sharding.topology import Link, Topology
+from jreshard.views.lowering import LeafLowering
 
 __all__ = ["RefitGroup", "Role"]
 
@@ -76,6 +99,12 @@ class RefitGroup:
       domain: this process's fast-link domain id (default: its own).
       options: chunking, staging and ``timeout_s`` (every wait on a peer).
       links: link speeds for the plan's topology (``Topology.from_domains`` keywords).
+      recipe: a destination's views of the source's parameters (module docstring): a pytree with the
+        structure of ``params``, each leaf a view over :func:`jreshard.views.param` leaves or ``None``
+        (the source leaf of that name, cast to this leaf's dtype).
+
+    Attributes:
+      sent_bytes: the bytes this process's ranks sent in the last refit, by link (empty before one).
 
     Raises:
       LayoutMismatchError: the declarations disagree (same message on every process).
@@ -92,6 +121,7 @@ class RefitGroup:
         domain: int | None = None,
         options: Options | None = None,
         links: dict[str, float] | None = None,
+        recipe: Any = None,
     ):
         import jax
 
@@ -100,12 +130,14 @@ class RefitGroup:
         self.options = options or Options()
         comm = MPI.COMM_WORLD if comm is None else comm
         self._devices = list(jax.local_devices() if devices is None else devices)
-        mine = declare_local(self.role.value, params, self._devices, domain)
+        if recipe is not None and self.role is not Role.DESTINATION:
+            raise ValueError("RefitGroup: recipe= is the destination's (how its tensors are made); a source has none")
+        mine = declare_local(self.role.value, params, self._devices, domain, recipe)
         self._control = Control(comm, describe=self._describe)
         self._roles: dict[int, str] = {}
         decls = self._control.allgather(mine, timeout_s=self.options.timeout_s)
         self._roles = {p: d["role"] for p, d in decls.items()}
-        errors = validate(decls)
+        errors = validate(decls, views=True)
         if errors:
             self._control.close()
             raise LayoutMismatchError(
@@ -113,12 +145,24 @@ class RefitGroup:
                 "both sides; no weights moved):\n  " + "\n  ".join(errors),
                 what="declaration",
             )
-        self.names, pairs, domains, rank_process, bases = group_layouts(decls)
+        self._views: GroupViews | None = group_views(decls) if needs_views(decls) else None
+        if self._views is None:
+            self.names, pairs, domains, rank_process, bases = group_layouts(decls)
+            side = self.names
+        else:
+            gv = self._views
+            self.names, pairs, domains = list(gv.src_names), [], gv.domains
+            rank_process, bases = gv.rank_process, gv.base
+            side = list(gv.src_names if self.role is Role.SOURCE else gv.dst_names)
         self._base = bases[self._control.rank]
-        self._index = {n: t for t, n in enumerate(self.names)}
+        self._index = {n: t for t, n in enumerate(side)}
         self.topology = Topology.from_domains(domains, devices={r: r for r in domains}, **(links or {}))
         self._pairs = pairs
-        self._tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(self.names, pairs, strict=True)]
+        self._tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(self.names if pairs else [], pairs, strict=True)]
+        self._src_layouts = [s for s, _ in pairs] if self._views is None else list(self._views.layouts)
+        self._lowerings = None if self._views is None else self._lower(self._views)
+        self._view_schedule: Any = None
+        self.sent_bytes: dict[Link, int] = {}
         self._plan: Plan | None = None
         self._schedule: Schedule | None = None  # this process's ranks only, agreed with peers at the first refit
         self._comm = MpiComm(comm, rank_process)
@@ -173,6 +217,27 @@ class RefitGroup:
         merged = inter.Merge(high=role is Role.DESTINATION)
         return cls(role, params, comm=merged, **kwargs)
 
+    def _lower(self, gv: GroupViews) -> list[LeafLowering]:
+        """The group's views lowered to pieces (the same on every process: it raises on all or none)."""
+        from jreshard.errors import JReshardError
+        from jreshard.views.lowering import lower_tree
+
+        try:
+            return lower_tree(gv.views, gv.leaves, gv.layouts, gv.dsts, self.topology)
+        except JReshardError as err:
+            self._control.close()
+            raise LayoutMismatchError(
+                f"RefitGroup: the declared views cannot be lowered (on every process; no weights moved): {err}",
+                what="declaration",
+            ) from None
+
+    @property
+    def lowerings(self) -> list[LeafLowering]:
+        """Per destination leaf, its pieces and bytes by link (a group that moves views; else ``ValueError``)."""
+        if self._lowerings is None:
+            raise ValueError("RefitGroup.lowerings: this group moves plain arrays; read group.plan instead")
+        return self._lowerings
+
     @property
     def plan(self) -> Plan:
         """The whole plan of the group (every rank's moves), built when first read and kept.
@@ -181,6 +246,11 @@ class RefitGroup:
         agreeing on rounds with its peers at the first refit. Read it for statistics
         (``group.plan.stats()``) or pictures.
         """
+        if self._views is not None:
+            raise ValueError(
+                "RefitGroup.plan: this group moves views (a cast or a recipe), lowered to pieces, not planned "
+                "as layout pairs; read group.lowerings for their bytes"
+            )
         if self._plan is None:
             from jreshard.sharding.planner import plan_layouts
 
@@ -211,10 +281,18 @@ class RefitGroup:
         err = ""
         shards: dict = {}
         try:
-            if self._schedule is None:
-                _, _, self._schedule = schedule_local(self._pairs, self.names, self.topology, self.options, self._comm)
-            shards, _ = run_schedule(self._tensors, self._schedule, self._comm, sources, targets, options=self.options)
-        except (TransferError, ValueError) as e:  # ValueError: the options cannot schedule this process's ranks
+            if self._views is not None:
+                shards, stats = self._move_views(self._views, sources, targets)
+            else:
+                if self._schedule is None:
+                    _, _, self._schedule = schedule_local(
+                        self._pairs, self.names, self.topology, self.options, self._comm
+                    )
+                shards, stats = run_schedule(
+                    self._tensors, self._schedule, self._comm, sources, targets, options=self.options
+                )
+            self.sent_bytes = dict(stats.sent_bytes)
+        except (TransferError, ValueError, BackendUnavailableError) as e:  # ValueError: options that cannot schedule
             err = f"{type(e).__name__}: {e}"
             self._broken = err
         failed: list[str] = [f"{self._describe(self._control.rank)}: {err}"] if err else []
@@ -240,6 +318,47 @@ class RefitGroup:
             )
         return shards
 
+    def _move_views(self, gv: GroupViews, sources: dict, targets: dict) -> tuple[dict, ExecStats]:
+        """This process's ranks of the group's views through the round loop (the schedule built at the first
+        refit and kept): ``({(destination leaf, rank): new shard}, stats)``."""
+        from jreshard.engine.buffers import CpuBuffers
+        from jreshard.engine.viewrun import run_view_schedule
+        from jreshard.schedule.viewsched import view_schedule
+        from jreshard.sharding.dtypes import storage_bytes
+        from jreshard.views.quant import _Quant
+
+        if self._view_schedule is None:
+            quant = [(v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in gv.views]
+            self._view_schedule = view_schedule(self.lowerings, gv.layouts, gv.dsts, self.topology, self.options, quant)
+        backend = CpuBuffers()
+        src = {k: backend.export_source(a) for k, a in sources.items()}
+        devices = {r: next(iter(a.devices())) for (_, r), a in sources.items()}
+        devices |= {r: d for (_, r), d in targets.items()}
+        by_device: dict[Any, list[tuple[int, int]]] = {}
+        for k, device in targets.items():
+            by_device.setdefault(device, []).append(k)
+        dst: dict[tuple[int, int], Any] = {}
+        for device, keys in by_device.items():  # one block per device for all its destination shards
+            sizes = [storage_bytes(gv.dsts[t].np_dtype, gv.dsts[t].box_of(r).volume) for t, r in keys]
+            dst.update(zip(keys, backend.allocate(sizes, device), strict=True))
+        stats = run_view_schedule(
+            self._view_schedule,
+            gv.views,
+            gv.layouts,
+            gv.dsts,
+            self._comm,
+            src,
+            dst,
+            options=self.options,
+            buffers=backend,
+            devices=devices,
+        )
+        out = {
+            (t, r): backend.import_shard(buf, gv.dsts[t].box_of(r).shape, gv.dsts[t].np_dtype, targets[(t, r)])
+            for (t, r), buf in dst.items()
+        }
+        return out, stats
+
     def push(self, params: Any, *, version: int) -> None:
         """Send ``params`` (matching the declaration) as ``version`` to the destination side.
 
@@ -259,7 +378,7 @@ class RefitGroup:
         for t, a in self._indexed(params):
             for sh in a.addressable_shards:
                 r = self._rank_of(sh.device)
-                if r is not None and r in self._tensors[t].src.ranks:
+                if r is not None and r in self._src_layouts[t].ranks:
                     sources[(t, r)] = sh.data
         self._run(sources, {})
         self.version = int(version)

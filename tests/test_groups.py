@@ -138,3 +138,32 @@ def test_op_counts_from_the_plan_equal_the_schedule():
         for chunk in (64, 1000):
             sched = build_schedule(plan, Options(chunk_bytes=chunk, staging_bytes=4096))
             assert plan_op_counts(plan, chunk) == rank_op_counts(sched)
+
+
+def test_a_message_a_rank_sends_itself_counts_as_two_operations():
+    """A rank forwarding to itself (an element a fused view uses twice) posts a send and a receive: with
+    max_ops=2 that message shares its group with nothing else of that rank; with max_ops=1 it is alone."""
+    import numpy as np
+
+    from jreshard.schedule.steps import STAGING, Schedule, Step, Wire
+    from jreshard.sharding.topology import Link
+
+    empty = np.zeros((0, 8), np.int64)
+
+    def wire(peer, tag):
+        return Wire(peer, tag, Link.FAST, 8, STAGING, 0)
+
+    steps = {  # rank 1 sends rank 0 one message and itself one
+        0: {0: Step(empty, empty, (), (wire(1, 3),))},
+        1: {0: Step(empty, empty, (wire(0, 3), wire(1, 4)), (wire(1, 4),))},
+    }
+    sched = Schedule(rounds=1, steps=steps, local={}, staging={0: 8, 1: 8}, ntensors=1)
+    for max_ops in (1, 2):
+        cut = group_rounds(sched, max_ops).group_of[0]
+        load: collections.Counter = collections.Counter()
+        for (src, dst, _), g in cut.items():
+            load[(g, src)] += 1
+            load[(g, dst)] += 1
+        assert max(load.values()) <= max(max_ops, 2), (max_ops, cut)
+        if max_ops <= 2:  # the self-message is alone in its group for rank 1
+            assert load[(cut[(1, 1, 4)], 1)] == 2, (max_ops, cut)

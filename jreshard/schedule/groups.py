@@ -11,7 +11,8 @@ small shards could post thousands of operations at once.
 
 - each message (one send and its receive) lies in exactly one group, the same at
   both ends, so every group is a complete, matched exchange;
-- no rank has more than ``max_group_ops`` operations (sends plus receives) in a group;
+- no rank has more than ``max_group_ops`` operations (sends plus receives) in a group (a
+  message a rank sends itself is two, so with ``max_group_ops=1`` it is alone in its group);
 - the messages between one ordered pair of ranks keep their tag order across the
   groups (a later chunk never lands in an earlier group).
 
@@ -72,14 +73,16 @@ def _first_fit(msgs: Sequence[tuple[int, int, int]], max_ops: int) -> tuple[dict
     out: dict[tuple[int, int, int], int] = {}
     for src, dst, tag in msgs:
         g = last.get((src, dst), 0)
+        need = {src: 2} if src == dst else {src: 1, dst: 1}  # a message a rank sends itself: a send and a receive
         while True:
             if g == len(load):
                 load.append(collections.Counter())
-            if load[g][src] < max_ops and load[g][dst] < max_ops:
+            # an empty group takes any message (a self-message is 2 operations even when max_ops is 1)
+            if all(load[g][r] == 0 or load[g][r] + n <= max_ops for r, n in need.items()):
                 break
             g += 1
-        load[g][src] += 1
-        load[g][dst] += 1
+        for r, n in need.items():
+            load[g][r] += n
         last[(src, dst)] = g
         out[(src, dst, tag)] = g
     return out, len(load)

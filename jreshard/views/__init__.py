@@ -37,6 +37,7 @@ from jreshard.views.bounds import brute_force_network_bound as brute_force_netwo
 from jreshard.views.lowering import LeafLowering as LeafLowering
 from jreshard.views.lowering import Piece as Piece
 from jreshard.views.lowering import lower_tree as lower_tree
+from jreshard.views.named import param as param
 from jreshard.views.quant import QuantScales as QuantScales
 from jreshard.views.quant import QuantWeights as QuantWeights
 from jreshard.views.quant import quantize_fp8_reference as quantize_fp8_reference
@@ -54,6 +55,7 @@ __all__ = [
     "concat",
     "has_views",
     "lower_tree",
+    "param",
     "quantize_fp8",
     "quantize_fp8_reference",
     "stack",
