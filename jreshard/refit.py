@@ -63,6 +63,7 @@ from jreshard.mpi.control import Control
 from jreshard.options import Options
 from jreshard.refit_decl import (
     GroupViews,
+    declare_leaves,
     declare_local,
     group_layouts,
     group_views,
@@ -371,11 +372,14 @@ class RefitGroup:
 
         if self.role is not Role.SOURCE:
             raise ValueError(f"RefitGroup.push: this process is a {self.role.value}; call pull()")
+        import jax
+
         self._check_usable()
-        error = self._local_check(params)
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]  # the one flattening of the call
+        error = self._local_check(flat)
         self._begin({"role": "source", "error": error, "version": int(version)}, self.options.timeout_s)
         sources = {}
-        for t, a in self._indexed(params):
+        for t, a in self._indexed(flat):
             for sh in a.addressable_shards:
                 r = self._rank_of(sh.device)
                 if r is not None and r in self._src_layouts[t].ranks:
@@ -407,10 +411,11 @@ class RefitGroup:
         if tree is None:
             raise ValueError("RefitGroup.pull: pass into=<current params> or like=<abstract tree>")
         self._check_usable()
-        error = self._local_check(tree)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)  # the one flattening of the call
+        error = self._local_check(flat)
         vote = {"role": "destination", "error": error, "version": None}
         version = self._begin(vote, timeout_s or self.options.timeout_s)
-        leaves = self._indexed(tree)
+        leaves = self._indexed(flat)
         targets = {}
         for t, a in leaves:
             for d in a.sharding.addressable_devices:
@@ -423,14 +428,14 @@ class RefitGroup:
             mine = {d: shards[(t, self._rank_of(d))] for d in a.sharding.addressable_devices}
             out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine))
         self.version = version
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), out), version
+        return jax.tree_util.tree_unflatten(treedef, out), version
 
-    def _indexed(self, tree: Any) -> list[tuple[int, Any]]:
-        """``(plan tensor index, leaf)`` in the tree's own leaf order (tensors are matched by name)."""
+    def _indexed(self, flat: Sequence[tuple[Any, Any]]) -> list[tuple[int, Any]]:
+        """``(plan tensor index, leaf)`` of a flattened tree's ``(key path, leaf)`` pairs, in its own leaf
+        order (tensors are matched by name)."""
         import jax
 
-        leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-        return [(self._index[jax.tree_util.keystr(p) or "x"], a) for p, a in leaves]
+        return [(self._index[jax.tree_util.keystr(p) or "x"], a) for p, a in flat]
 
     def _rank_of(self, device: Any) -> int | None:
         try:
@@ -438,9 +443,9 @@ class RefitGroup:
         except ValueError:
             return None
 
-    def _local_check(self, tree: Any) -> str:
+    def _local_check(self, flat: Sequence[tuple[Any, Any]]) -> str:
         try:
-            now = declare_local(self.role.value, tree, self._devices, self._decl["domain"])
+            now = declare_leaves(self.role.value, flat, self._devices, self._decl["domain"])
         except (ValueError, TypeError) as err:
             return f"{type(err).__name__}: {err}"
         if now["errors"]:

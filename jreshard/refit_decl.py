@@ -24,6 +24,7 @@ from jreshard.sharding.layout import Layout
 
 __all__ = [
     "GroupViews",
+    "declare_leaves",
     "declare_local",
     "group_layouts",
     "group_views",
@@ -47,12 +48,21 @@ def declare_local(role: str, params: Any, devices: Sequence[Any], domain: int | 
     """
     import jax
 
+    decl = declare_leaves(role, jax.tree_util.tree_flatten_with_path(params)[0], devices, domain)
+    if recipe is not None:
+        decl["recipe"] = _recipe(params, recipe, decl["errors"])
+    return decl
+
+
+def declare_leaves(role: str, leaves: Sequence[tuple[Any, Any]], devices: Sequence[Any], domain: int | None) -> dict:
+    """:func:`declare_local` of a tree already flattened: ``leaves`` are its ``(key path, leaf)`` pairs."""
+    import jax
+
     local = list(jax.local_devices())
     errors: list[str] = []
     for d in devices:
         if d not in local:
             errors.append(f"declares device {d!r} that it does not have (its devices: {[str(x) for x in local]})")
-    leaves, _ = jax.tree_util.tree_flatten_with_path(params)
     out = []
     for path, leaf in leaves:
         name = jax.tree_util.keystr(path) or "x"
@@ -72,10 +82,7 @@ def declare_local(role: str, params: Any, devices: Sequence[Any], domain: int | 
             b = lay.box_of(d.id)
             boxes.append([devices.index(d), list(b.lo), list(b.hi)])
         out.append([name, list(shape), dtype_name(leaf.dtype), boxes])
-    decl = {"role": role, "ndev": len(devices), "domain": domain, "params": out, "errors": errors}
-    if recipe is not None:
-        decl["recipe"] = _recipe(params, recipe, errors)
-    return decl
+    return {"role": role, "ndev": len(devices), "domain": domain, "params": out, "errors": errors}
 
 
 def _up_to(treedef: Any, tree: Any) -> list[Any]:

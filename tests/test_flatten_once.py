@@ -160,3 +160,21 @@ def test_xla_route_flattens_x_and_target_once(counted):
     out = jreshard.transfer(x, target, options=jreshard.Options(backend="xla"))
     np.testing.assert_array_equal(np.asarray(out["b"][0]), np.asarray(x["b"][0]))
     assert (counted(x), counted(target)) == (1, 1)
+
+
+def test_refit_group_push_and_pull_flatten_their_tree_once(tmp_path):
+    """Two programs under one MPMD mpiexec; each process counts the flattenings of the tree it hands
+    ``push`` or ``pull`` (``tests/mpi_bodies/refit_flatten_body.py``)."""
+    from mpi_launch import launch, need_mpi, program, results
+
+    need_mpi()
+    launch(
+        [program(1, "refit_flatten_body.py", "source"), program(1, "refit_flatten_body.py", "destination")],
+        tmp_path,
+        devices=2,
+        timeout_s=120,
+    )
+    got = results(tmp_path, "flatten-source") | results(tmp_path, "flatten-destination")
+    assert len(got) == 2 and all("error" not in r for r in got.values()), got
+    assert sorted(r["flattenings"] for r in got.values()) == [1, 1]
+    assert [r["value"] for r in got.values() if r["value"] is not None] == [3.0]
