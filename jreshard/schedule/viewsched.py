@@ -64,7 +64,7 @@ from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
-from jreshard.views.lowering import LeafLowering, Piece
+from jreshard.views.lowering import LeafLowering, ViewPiece
 
 __all__ = ["Encode", "Tile", "ViewSchedule", "chunk_elements", "view_schedule"]
 
@@ -76,7 +76,7 @@ class Encode:
 
     rank: int
     leaf: int
-    piece: Piece
+    piece: ViewPiece
     hull: Box
     box: Box
     offset: int
@@ -132,7 +132,7 @@ class _End:
 
 @dataclasses.dataclass(slots=True)
 class _Job:
-    piece: Piece
+    piece: ViewPiece
     extents: tuple[int, ...]
     wire_item: int
     stage: int
@@ -180,7 +180,7 @@ class _Builder:
         table[rank] = at + nbytes
         return at
 
-    def source_end(self, p: Piece) -> _End:
+    def source_end(self, p: ViewPiece) -> _End:
         lay = self.layouts[p.leaf]
         shard = lay.box_of(p.src_rank)
         item = numpy_dtype(p.src_dtype).itemsize
@@ -191,7 +191,7 @@ class _Builder:
             p.src_rank, buffer_index(p.leaf, SRC), off, tuple(st[a] if a >= 0 else 0 for a in p.axes), item, chain
         )
 
-    def dest_end(self, p: Piece, t: int) -> _End:
+    def dest_end(self, p: ViewPiece, t: int) -> _End:
         shape = self.dsts[t].box_of(p.dst_rank).shape
         item = numpy_dtype(p.dst_dtype).itemsize
         st = _c_strides(shape, item)
@@ -221,7 +221,7 @@ class _Builder:
                     jobs.append(self._plain(p, self.source_end(p), [w]))
         return jobs
 
-    def _plain(self, p: Piece, read: _End, writes: list[_End]) -> _Job:
+    def _plain(self, p: ViewPiece, read: _End, writes: list[_End]) -> _Job:
         return _Job(
             p, p.dst_box.shape, numpy_dtype(p.wire_dtype).itemsize, 0, p.src_rank, p.dst_rank, p.link, read, writes
         )
@@ -291,7 +291,7 @@ class _Builder:
                     continue
             j.link = self.topo.link(p.src_rank, p.dst_rank)  # not forwardable: from the source rank
 
-    def _holder(self, land: _Job, p: Piece, at: int) -> _End:
+    def _holder(self, land: _Job, p: ViewPiece, at: int) -> _End:
         """Where ``at`` holds the wire bytes of ``p``'s source elements, which landing ``land`` brought."""
         lp, w = land.piece, land.writes[0]
         if w.chain:  # the landing casts them on arrival: keep its wire bytes in a relay region too

@@ -35,7 +35,7 @@ from jreshard.views.algebra import View as View
 from jreshard.views.algebra import as_view as as_view
 from jreshard.views.bounds import brute_force_network_bound as brute_force_network_bound
 from jreshard.views.lowering import LeafLowering as LeafLowering
-from jreshard.views.lowering import Piece as Piece
+from jreshard.views.lowering import ViewPiece as ViewPiece
 from jreshard.views.lowering import lower_tree as lower_tree
 from jreshard.views.named import param as param
 from jreshard.views.quant import QuantScales as QuantScales
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LeafLowering",
-    "Piece",
+    "ViewPiece",
     "View",
     "brute_force_network_bound",
     "astype",

@@ -34,7 +34,7 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.casts import cast_into
-from jreshard.views.lowering import LeafLowering, Piece, QuantTask, lower_tree
+from jreshard.views.lowering import LeafLowering, QuantTask, ViewPiece, lower_tree
 from jreshard.views.program import Program, compile_program, run_task, task_elements
 from jreshard.views.quant import _Quant
 
@@ -200,7 +200,7 @@ def _np_dtype(name: str) -> np.dtype:
     return numpy_dtype(name)
 
 
-def _copy_piece(p: Piece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:
+def _copy_piece(p: ViewPiece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:
     """Copy piece ``p`` into ``out`` with its casts."""
     s = src[(p.leaf, p.src_rank)]
     o = src_box[(p.leaf, p.src_rank)].lo

@@ -29,11 +29,11 @@ from jreshard.views.algebra import Leaf, Mapped, View
 from jreshard.views.casts import wire_cut
 from jreshard.views.quant import _Quant, blocks_in
 
-__all__ = ["LeafLowering", "Piece", "QuantTask", "lower", "lower_tree", "subtract"]
+__all__ = ["LeafLowering", "ViewPiece", "QuantTask", "lower", "lower_tree", "subtract"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Piece:
+class ViewPiece:
     """One copy: a box of a source shard into a box of a destination shard (or of a quantisation tile).
 
     Attributes:
@@ -112,7 +112,7 @@ class QuantTask:
     dst_rank: int
     hull: Box
     box: Box
-    pieces: tuple[Piece, ...]
+    pieces: tuple[ViewPiece, ...]
     at_sender: bool
 
 
@@ -120,7 +120,7 @@ class QuantTask:
 class LeafLowering:
     """Everything one destination leaf needs: its pieces (or quantisation tasks) and their bytes."""
 
-    pieces: tuple[Piece, ...]
+    pieces: tuple[ViewPiece, ...]
     tasks: tuple[QuantTask, ...]
     network_bytes: int
     fast_bytes: int
@@ -184,7 +184,7 @@ def lower(
     index = {id(leaf.source): i for i, leaf in enumerate(leaves)}
     state = _Domains() if _state is None else _state
     order = sorted(dst.ranks, key=lambda r: (topology.domain_of(r), r))
-    pieces: list[Piece] = []
+    pieces: list[ViewPiece] = []
     tasks: list[QuantTask] = []
     cache: dict[Box, list[Mapped]] = {}
     quant = view if isinstance(view, _Quant) else None
@@ -231,7 +231,7 @@ def _global(local: Box, outer: Box) -> Box:
     )
 
 
-def _count(p: Piece, nbytes: int, net: int, fast: int, local: int, loads: dict) -> tuple[int, int, int]:
+def _count(p: ViewPiece, nbytes: int, net: int, fast: int, local: int, loads: dict) -> tuple[int, int, int]:
     if p.link is not Link.LOCAL:
         sender = p.via if p.via is not None else p.src_rank
         for key in ((sender, p.link, True), (p.dst_rank, p.link, False)):
@@ -262,13 +262,13 @@ def _pieces(
     replicas: tuple[int, ...],
     blocked_from: int,
     content: tuple = (),
-) -> list[Piece]:
+) -> list[ViewPiece]:
     """The pieces that fill ``regions`` on rank ``r`` (boxes local to ``origin``); ``replicas``: the
     ranks of ``r``'s domain with the same destination box, ascending (``r`` among them). New bytes are
     striped along source axes that view axes below ``blocked_from`` run along (so quantisation blocks stay whole).
     ``content`` names what the bytes on the wire are beyond their source elements and wire dtype (a quantised
     output's part and block): bytes that entered the domain are shared only between pieces of the same content."""
-    out: list[Piece] = []
+    out: list[ViewPiece] = []
     g = topo.domain_of(r)
     for m in regions:
         i = index[id(m.leaf.source)]
@@ -343,7 +343,7 @@ def _piece(
     recv: tuple[str, ...],
     link: Link,
     via: int | None,
-) -> Piece:
+) -> ViewPiece:
     lo, hi = list(m.box.lo), list(m.box.hi)  # Mapped.restrict_src, inlined: this runs per piece
     for d, a in enumerate(m.axes):
         if a >= 0:
@@ -352,7 +352,7 @@ def _piece(
     local = _box(
         tuple(x - o for x, o in zip(lo, origin, strict=True)), tuple(x - o for x, o in zip(hi, origin, strict=True))
     )
-    return Piece(i, src, part, r, local, m.axes, dtype, send, recv, link, via)
+    return ViewPiece(i, src, part, r, local, m.axes, dtype, send, recv, link, via)
 
 
 def _box(lo: tuple[int, ...], hi: tuple[int, ...]) -> Box:

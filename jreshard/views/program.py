@@ -32,7 +32,7 @@ import jreshard.views.native as native
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.views.casts import cast_into
-from jreshard.views.lowering import LeafLowering, Piece
+from jreshard.views.lowering import LeafLowering, ViewPiece
 
 __all__ = [
     "BLOCK_BYTES",
@@ -133,7 +133,8 @@ def compile_program(
 
     Example:
       >>> from jreshard.sharding.topology import Link
-      >>> p = Piece(0, 0, Box((0, 0), (4, 8)), 1, Box((0, 0), (4, 8)), (0, 1), "float32", ("bfloat16",), (), Link.LOCAL)
+      >>> box = Box((0, 0), (4, 8))
+      >>> p = ViewPiece(0, 0, box, 1, box, (0, 1), "float32", ("bfloat16",), (), Link.LOCAL)
       >>> low = LeafLowering((p,), (), 0, 0, 64)
       >>> prog = compile_program([low], {(0, 0): Box((0, 0), (4, 8))}, block_bytes=32)
       >>> [type(t).__name__ for t in prog.tasks], prog.wire_bytes
@@ -141,7 +142,7 @@ def compile_program(
     """
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
     jobs: dict[tuple[int, int], list[tuple[tuple[int, int], Copy]]] = {}
-    narrowed: dict[tuple[int, int, tuple[str, ...]], list[tuple[int, Piece]]] = {}
+    narrowed: dict[tuple[int, int, tuple[str, ...]], list[tuple[int, ViewPiece]]] = {}
     wire = 0
     for t, low in enumerate(lowerings):
         for p in low.pieces:
@@ -167,12 +168,12 @@ def task_elements(task: Block | ShardJob) -> int:
     return sum(math.prod(c.shape) for _, c in task.copies)
 
 
-def _direct(t: int, p: Piece, src_boxes: Mapping[tuple[int, int], Box]) -> tuple[tuple[int, int], Copy]:
+def _direct(t: int, p: ViewPiece, src_boxes: Mapping[tuple[int, int], Box]) -> tuple[tuple[int, int], Copy]:
     key = (p.leaf, p.src_rank)
     return key, _copy(t, p, p.src_box.relative_to(src_boxes[key]), p.sender_casts + p.receiver_casts)
 
 
-def _copy(t: int, p: Piece, rel: Box, casts: tuple[str, ...]) -> Copy:
+def _copy(t: int, p: ViewPiece, rel: Box, casts: tuple[str, ...]) -> Copy:
     order = p.source_order
     moved = [a for a in order if rel.shape[a] != 1]  # axes of extent 1 may go anywhere: the order is the same
     perm = None if moved == sorted(moved) else order
@@ -211,7 +212,7 @@ def _bands(hull: Box, dtype: str, block_bytes: int) -> list[Box]:
 
 
 def _block(
-    group: list[tuple[int, Piece]],
+    group: list[tuple[int, ViewPiece]],
     rows: Box,
     src_boxes: Mapping[tuple[int, int], Box],
     dst_shapes: Mapping[tuple[int, int], tuple[int, ...]] | None,
@@ -282,7 +283,7 @@ def _run_starts(index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
     return starts.ravel()
 
 
-def _restrict(p: Piece, band: Box) -> Piece | None:
+def _restrict(p: ViewPiece, band: Box) -> ViewPiece | None:
     """The part of piece ``p`` whose source elements lie in ``band``."""
     src = intersect(p.src_box, band)
     if src is None or src.volume == 0:
