@@ -21,6 +21,9 @@ _NAMES = ["base", "sharding", "schedule", "engine", "transport", "top"]
 # (module prefix, layer): the longest matching prefix decides.
 _LAYERS = [
     ("jreshard._cache", BASE),
+    # the shared secret and the authenticated control connections every cross-program transport uses
+    ("jreshard.auth", BASE),
+    ("jreshard.channel", BASE),
     ("jreshard.errors", BASE),
     ("jreshard.options", BASE),
     ("jreshard.types", BASE),
@@ -128,8 +131,8 @@ def posters() -> set[str]:
 
 
 def test_only_the_engine_posts_sends_and_receives():
-    # Transports implement exchange(); they do not post on their own. The views' second runtime and
-    # the elastic pairs' socket transport are the places left to move onto the engine.
+    # Transports implement exchange() (NixlComm's WRITEs, MpiComm's Isend/Irecv); they do not build
+    # operations of their own. The views' second runtime is the place left to move onto the engine.
     allowed = {"views/remote.py"}
     found = posters() - allowed
     assert not found, f"sends and receives posted outside jreshard/engine: {sorted(found)}"
