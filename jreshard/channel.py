@@ -332,7 +332,8 @@ class Channel:
 
         Raises:
           AuthenticationError: the peer failed the handshake (the connection is closed and logged).
-          PeerError: the peer sent a frame over ``max_frame_bytes``, of an unknown kind, or not JSON.
+          PeerError: the peer sent a frame over ``max_frame_bytes``, of an unknown kind, or not JSON
+            (the connection is closed).
         """
         if not self.authenticated and not self._authenticate():
             return
@@ -340,10 +341,10 @@ class Channel:
             if len(self._rbuf) >= _HEADER.size:
                 kind, nbytes = _HEADER.unpack_from(self._rbuf)
                 if kind != _CONTROL:
-                    self.eof = True
+                    self.close()
                     raise PeerError(f"{self.peer} sent a frame of unknown kind {kind}: not a jreshard peer")
                 if nbytes > self.max_frame_bytes:
-                    self.eof = True
+                    self.close()
                     raise PeerError(
                         f"{self.peer} sent a frame that claims {nbytes} bytes, over max_frame_bytes="
                         f"{self.max_frame_bytes}: refused"
@@ -356,7 +357,7 @@ class Channel:
                     except ValueError:
                         msg = None
                     if not isinstance(msg, dict):
-                        self.eof = True
+                        self.close()
                         raise PeerError(f"{self.peer} sent a control frame that is not a JSON object")
                     self.inbox.append(msg)
                     continue
