@@ -32,7 +32,7 @@ import time
 from jreshard import auth
 from jreshard.errors import AuthenticationError, PeerError, TransferTimeoutError
 
-__all__ = ["MAX_FRAME_BYTES", "Channel", "connect", "listen", "parse_address"]
+__all__ = ["MAX_FRAME_BYTES", "TRANSPORT_OPS", "Channel", "connect", "format_address", "listen", "parse_address"]
 
 log = logging.getLogger("jreshard.channel")
 
@@ -40,6 +40,7 @@ _HEADER = struct.Struct("!BQ")  # kind, nbytes
 _CONTROL = 1
 _READ = 1 << 20
 MAX_FRAME_BYTES = 64 << 20  # a declaration of tens of thousands of leaves fits; 2^60 does not
+TRANSPORT_OPS = "nixl."  # the ops of the data transport's messages on a shared connection
 
 
 def parse_address(address: str, *, timeout_s: float) -> tuple[str, int]:
@@ -372,6 +373,18 @@ class Channel:
             (out if m.get("op") in accept else keep).append(m)
         self.inbox = keep
         return out
+
+    def pop(self, *, leave: str = TRANSPORT_OPS) -> dict | None:
+        """The first inbox message whose ``op`` does not start with ``leave``, removed; ``None`` if none.
+
+        Messages of the transport that shares this connection (ops ``nixl.*``) stay for it, whatever
+        order they arrived in.
+        """
+        for i, m in enumerate(self.inbox):
+            if not str(m.get("op", "")).startswith(leave):
+                del self.inbox[i]
+                return m
+        return None
 
     def recv_control(self, *, timeout_s: float) -> dict:
         """The next control message, waiting up to ``timeout_s``.

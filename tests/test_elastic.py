@@ -22,6 +22,7 @@ import pytest
 BODIES = Path(__file__).parent / "elastic_bodies"
 ROOT = Path(__file__).parent.parent
 TIMEOUT_S = 10.0  # the bodies' Options(timeout_s=...)
+SECRET = "elastic-tests-shared-key-0123456789"  # every program's $JRESHARD_SECRET
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,6 +33,7 @@ class Program:
     def __init__(self, *args: str, folder: Path = BODIES, env: dict[str, str] | None = None):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))} | (env or {})
         env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1"} | env
+        env.setdefault("JRESHARD_SECRET", SECRET)
         env["PYTHONPATH"] = os.pathsep.join([str(BODIES), str(ROOT)])
         self.proc = subprocess.Popen(
             [sys.executable, str(folder / args[0]), *args[1:]],

@@ -16,9 +16,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.elastic.sockcomm import SocketComm
+from jreshard.channel import Channel
 from jreshard.elastic.types import CatchUp
-from jreshard.elastic.wire import Channel
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, validate
 
@@ -176,12 +175,16 @@ def target_devices(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: 
 
 
 def run_pair(pair: Pair, process: int, channels: Mapping[int, Channel], *, shards: Mapping, options: Options) -> dict:
-    """Run ``process``'s side of ``pair`` over its connections: the only call into the engine.
+    """Run ``process``'s side of ``pair`` over NIXL: the only call into the engine.
+
+    The bytes move as NIXL WRITEs (:class:`~jreshard.nixl.comm.NixlComm`, this process's shared
+    agent); the connections carry the agents' metadata and the receive descriptors.
 
     Args:
       pair: the plan every process computed.
       process: this process's number in the pair (sources first, then destinations).
-      channels: ``{process: connection}`` to the processes on the other side that it exchanges with.
+      channels: ``{process: authenticated connection}`` to the processes on the other side that it
+        exchanges with.
       shards: ``source_shards(...)`` on a source process, ``target_devices(...)`` on a destination.
       options: chunking, staging and ``timeout_s``.
 
@@ -189,10 +192,11 @@ def run_pair(pair: Pair, process: int, channels: Mapping[int, Channel], *, shard
       ``{(tensor, rank): new single-device array}`` on a destination (fresh buffers), ``{}`` on a source.
     """
     from jreshard.engine.driver import run_schedule, schedule_local
+    from jreshard.nixl import NixlAgent, NixlComm
 
     source = process < pair.n_src
     remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}
-    comm = SocketComm(pair.ranks(process), remote)
+    comm = NixlComm(NixlAgent.shared(), pair.ranks(process), remote, timeout_s=options.timeout_s)
     # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
     # the other side's processes by mail over the same connections (relays off, as the plan was made).
     options = dataclasses.replace(options, relays=False)

@@ -1,6 +1,7 @@
 """ElasticTrainer: serves versioned refits to inference replicas that join, leave and fail at any time.
 
-The trainer listens on ``127.0.0.1:port``. A replica connects, sends its
+The trainer listens on ``host:port`` (any interface). A replica connects, proves
+it holds the shared secret (and checks the trainer does; :mod:`jreshard.auth`), sends its
 declaration (names, shapes, dtypes, the boxes of its devices) and is checked
 against the trainer's; a mismatch is refused with every problem listed. Each
 replica has its own connection, so one replica joining, leaving or dying
@@ -8,7 +9,9 @@ touches no other. A background thread owns every socket: it admits joiners,
 serves their catch-up, notices leaves and deaths (a closed connection is seen
 at once), and runs the pushes handed to it by :meth:`ElasticTrainer.push`.
 
-A push is one refit per replica (trainer -> that replica, its own plan): a
+The bytes of every refit move over NIXL (one-sided WRITEs into the replica's
+registered buffers, :mod:`jreshard.nixl`); the connection carries only small
+control messages. A push is one refit per replica (trainer -> that replica, its own plan): a
 replica that fails or dies is dropped, named in the :class:`PushReport`, and
 the others complete the version. A replica that joins while a version is
 committed first catches up to it, from the trainer or from a replica that
@@ -25,10 +28,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jreshard.auth import resolve_secret
+from jreshard.channel import format_address, listen
 from jreshard.elastic.membership import Membership
 from jreshard.elastic.pairs import check_like, leaves_by_name
+from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
-from jreshard.elastic.wire import listen, stop_service
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local
@@ -42,22 +47,28 @@ class ElasticTrainer:
     Args:
       params: the parameter declaration: a pytree of ``jax.Array`` or
         ``jax.ShapeDtypeStruct`` with shardings on this process's devices.
-      port: the loopback port to listen on (0: a free one; see :attr:`address`).
-      address_file: if given, ``"127.0.0.1:PORT"`` is written there (atomically) for replicas to read.
+      host: the local address to listen on: an interface's address (``"10.0.0.1"``), ``"0.0.0.0"``
+        for every IPv4 interface, default loopback.
+      port: the port to listen on (0: a free one; see :attr:`address`).
+      address_file: if given, :attr:`address` is written there (atomically) for replicas to read.
       devices: the jax devices this process drives (default ``jax.local_devices()``).
-      options: chunking, staging, and ``timeout_s``: the longest this process waits on any replica.
+      options: chunking, staging, ``timeout_s`` (the longest this process waits on any replica) and
+        ``secret``, the key every replica must hold (default ``$JRESHARD_SECRET`` or
+        ``$JRESHARD_SECRET_FILE``).
       catch_up: where joiners take the latest version from (:class:`CatchUp`).
       links: link speeds for the cost model (``Topology.from_domains`` keywords).
 
     Raises:
-      ValueError: the declaration is malformed, or this is one process of several
-        (elastic refit runs one process per side).
+      ValueError: the declaration is malformed, no secret is set, ``host`` cannot be bound, or this
+        is one process of several (elastic refit runs one process per side).
+      BackendUnavailableError: NIXL is not installed.
     """
 
     def __init__(
         self,
         params: Any,
         *,
+        host: str = "127.0.0.1",
         port: int = 0,
         address_file: str | None = None,
         devices: Sequence[Any] | None = None,
@@ -77,21 +88,25 @@ class ElasticTrainer:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"ElasticTrainer: port={port!r} must be an int in [0, 65535] (0: any free port)")
         self.options = options or Options()
+        key = resolve_secret(self.options.secret, who="ElasticTrainer")
         self.catch_up = CatchUp(catch_up)
         self._links = dict(links or {})
         self._devices = list(jax.local_devices() if devices is None else devices)
         self._decl = declare_local("source", params, self._devices, None)
         if self._decl["errors"]:
             raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
-        self._listener = listen(port)
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        from jreshard.nixl import NixlAgent
+
+        NixlAgent.shared()  # NIXL present and its agent made before anyone connects
+        self._listener = listen(host, port)
+        self.address = format_address(host, self._listener.getsockname()[1])
         if address_file is not None:
             with open(address_file + ".tmp", "w") as f:
                 f.write(self.address)
             os.replace(address_file + ".tmp", address_file)
         self._wake_r, self._wake_w = socket.socketpair()
         self._m = Membership(
-            self._decl, self._devices, self.options, self.catch_up, self._links, self._listener, self._wake_r
+            self._decl, self._devices, self.options, self.catch_up, self._links, self._listener, self._wake_r, key
         )
         self._cv = self._m.cv
         self._jobs: collections.deque[tuple[Callable[[], Any], dict]] = collections.deque()

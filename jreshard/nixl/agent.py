@@ -22,12 +22,14 @@ from __future__ import annotations
 import base64
 import dataclasses
 import itertools
+import logging
 import os
 import secrets
 import socket
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -41,13 +43,21 @@ NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; 
 
 
 def import_nixl() -> Any:
-    """The ``nixl_cu12`` (or ``nixl_cu13``) module, or :class:`BackendUnavailableError` saying what to install."""
+    """The ``nixl_cu12`` (or ``nixl_cu13``) module, or :class:`BackendUnavailableError` saying what to install.
+
+    NIXL's Python logger prints every agent and backend it makes at INFO level on *stdout*; unless
+    ``NIXL_LOG_LEVEL`` says otherwise, its level is set to WARNING, so a program's stdout stays its own.
+    """
     errors = []
     for name in ("nixl_cu12", "nixl_cu13"):
         try:
-            return __import__(name)
+            module = __import__(name)
         except ImportError as err:
             errors.append(f"{name}: {err}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs each agent and backend at INFO on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
     raise BackendUnavailableError(
         "the NIXL transport needs NIXL: pip install --no-deps nixl-cu12 (or nixl-cu13; its torch requirement "
         f"is not needed) ({'; '.join(errors)})"
@@ -139,7 +149,7 @@ class NixlAgent:
         self._peers: weakref.WeakKeyDictionary[Channel, str] = weakref.WeakKeyDictionary()
         self._told: weakref.WeakKeyDictionary[Channel, set[tuple[str, int, int, int]]] = weakref.WeakKeyDictionary()
         self._notices: dict[int, str] = {}  # receive id -> the agent whose notification arrived
-        self._abandoned: set[int] = set()
+        self._abandoned: dict[int, Any] = {}  # receive id -> its buffer, kept alive for a late WRITE
         self._ids = itertools.count(1)
         self._pid = os.getpid()
         self.closed = False
@@ -285,17 +295,19 @@ class NixlAgent:
                     if m.startswith(NOTICE) and m[len(NOTICE) :].isdigit():
                         i = int(m[len(NOTICE) :])
                         if i in self._abandoned:
-                            self._abandoned.discard(i)
+                            del self._abandoned[i]  # the late WRITE landed: its buffer may go
                         else:
                             self._notices[i] = agent
             return {i: self._notices.pop(i) for i in ids if i in self._notices}
 
-    def abandon(self, ids: set[int]) -> None:
-        """Receives given up on (a failed exchange): their late notifications are dropped."""
+    def abandon(self, receives: Mapping[int, Any]) -> None:
+        """Receives given up on (a failed exchange), ``{id: buffer}``: their late notifications are
+        dropped, and each buffer is kept alive until its notification comes (a peer may still be
+        writing into it; its memory must not be reused meanwhile) or the agent closes."""
         with self._lock:
-            for i in ids:
+            for i, buffer in receives.items():
                 if self._notices.pop(i, None) is None:
-                    self._abandoned.add(i)
+                    self._abandoned[i] = buffer
 
     def close(self) -> None:
         """Release every registration and forget every peer."""
@@ -313,3 +325,4 @@ class NixlAgent:
                     except Exception:
                         pass
             self._peers.clear()
+            self._abandoned.clear()

@@ -18,11 +18,14 @@ failures). A group (:meth:`NixlComm.exchange`) runs as:
    notification arrives (NIXL delivers it after the written bytes). The group returns when all are.
 
 Failure. Every wait is bounded by ``timeout_s``: :class:`TransferTimeoutError` names the ranks that
-did not post (receivers) or did not write (senders). A peer whose connection closes is
-:class:`PeerError` at once; a transfer NIXL reports ``ERR``, a size disagreement (both sides are
-told), or a peer's ``nixl.fail`` is :class:`PeerError`. Either way the communicator is *broken*
-(fail-stop, like NCCL): the receives it gave up are abandoned (their late notifications are
-dropped) and other channels are untouched, so the caller drops that peer and goes on.
+did not post (receivers) or did not write (senders). A peer whose connection closes while it still
+owes this process a post or a write is :class:`PeerError` within a second (a sender that finished
+may close before its last notifications are delivered: they travel apart from the connection). A
+transfer NIXL reports ``ERR``, a size disagreement (both sides are told) or a peer's ``nixl.fail``
+is :class:`PeerError`. Either way the communicator is *broken* (fail-stop, like NCCL): the receives
+it gave up are abandoned (their buffers kept alive until a late WRITE's notification, so no write
+lands in reused memory) and other channels are untouched. The caller drops the failed peer's
+connection (descriptors it posted may still sit on it) and goes on with the others.
 
 Messages between two local ranks are copies (``match_and_copy``).
 """
@@ -44,6 +47,7 @@ from jreshard.nixl.agent import NOTICE, NixlAgent
 __all__ = ["NixlComm"]
 
 _MAX_SLEEP_S = 1e-3
+_NOTICE_GRACE_S = 1.0  # after a peer's connection closes, how long its last notifications may still take
 
 # A posted receive as the sender holds it: (id, address, nbytes, memory type, device).
 _Posted = tuple[int, int, int, str, int]
@@ -111,7 +115,7 @@ class NixlComm(Communicator):
             self._run(remote_sends, waiting, timeout_s)
         except (PeerError, TransferTimeoutError) as err:
             self.broken = str(err)
-            self._agent.abandon(set(waiting))
+            self._agent.abandon({i: r.buffer for i, r in waiting.items()})
             raise
 
     def _post(self, recvs: Sequence[RecvOp], waiting: dict[int, RecvOp]) -> None:
@@ -133,7 +137,8 @@ class NixlComm(Communicator):
             ch.flush()
 
     def _collect(self, ch: Channel) -> None:
-        """Read ``ch``: posted receives into the queues, a peer's failure raised."""
+        """Read ``ch``: posted receives into the queues, a peer's failure raised (a closed connection
+        is judged by the caller: a peer may close once it has written everything)."""
         ch.pump()
         for msg in ch.take({"nixl.post", "nixl.fail"}):
             if msg["op"] == "nixl.fail":
@@ -152,8 +157,6 @@ class NixlComm(Communicator):
                 if post[3] not in ("DRAM", "VRAM") or post[2] < 0:
                     raise PeerError(f"NixlComm: {ch.peer} sent a receive descriptor {e!r} of no known memory")
                 self._posted.setdefault(key, collections.deque()).append(post)
-        if ch.eof:
-            raise ch.closed_error()
 
     def _fail(self, ch: Channel, error: str) -> PeerError:
         try:
@@ -206,6 +209,7 @@ class NixlComm(Communicator):
         )
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
+        closed: dict[Channel, float] = {}  # when each closed connection was first seen with work left
         try:
             while True:
                 progress = False
@@ -243,13 +247,25 @@ class NixlComm(Communicator):
                         progress = True
                 if not unsent and not flying and not waiting:
                     return
+                now = time.monotonic()
+                for ch in channels:  # a peer that closed with messages outstanding is gone
+                    if ch.eof and self._outstanding(ch, unsent, waiting):
+                        # its last notifications may still be on their way (they travel apart from the
+                        # connection): give them _NOTICE_GRACE_S, then it is gone
+                        closed.setdefault(ch, now)
+                        if now - closed[ch] > min(_NOTICE_GRACE_S, timeout_s):
+                            raise ch.closed_error()
                 if progress:
                     sleep = 0.0
                     continue
                 if time.monotonic() > deadline:
                     raise self._timeout(list(unsent), flying, waiting, timeout_s)
                 if sleep:
-                    select.select(channels, [], [], sleep)
+                    live = [ch for ch in channels if not ch.eof]
+                    if live:
+                        select.select(live, [], [], sleep)
+                    else:
+                        time.sleep(sleep)
                 sleep = min(2 * sleep + 1e-5, _MAX_SLEEP_S)
         finally:
             for handle, _ in flying:  # a failed group: NIXL cancels what it can
@@ -257,6 +273,12 @@ class NixlComm(Communicator):
                     handle.release()
                 except Exception:
                     pass
+
+    def _outstanding(self, ch: Channel, unsent: Sequence[SendOp], waiting: dict[int, RecvOp]) -> bool:
+        """Whether ``ch``'s peer still has to post or to write (a WRITE in flight reports its own end)."""
+        return any(self._remote[s.dst] is ch for s in unsent) or any(
+            self._remote[r.src] is ch for r in waiting.values()
+        )
 
     def _timeout(
         self, unsent: list[SendOp], flying: list[tuple[Any, SendOp]], waiting: dict[int, RecvOp], timeout_s: float
