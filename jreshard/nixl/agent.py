@@ -132,7 +132,7 @@ class NixlAgent:
         nixl = import_nixl()
         self.name = name or f"jreshard-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         config = nixl.nixl_agent_config(
-            enable_prog_thread=True,
+            enable_prog_thread=False,  # progress is made by the polling waits; a spinning thread costs a core
             enable_listen_thread=False,  # metadata goes over authenticated channels only
             backends=list(backends),
             sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # several threads of a process use it
