@@ -30,13 +30,15 @@ pytestmark = pytest.mark.timeout(120)
 class Program:
     """One body in its own process group; its stdout is read line by line on a thread."""
 
-    def __init__(self, *args: str, folder: Path = BODIES, env: dict[str, str] | None = None):
+    def __init__(
+        self, *args: str, folder: Path = BODIES, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))} | (env or {})
         env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1"} | env
         env.setdefault("JRESHARD_SECRET", SECRET)
         env["PYTHONPATH"] = os.pathsep.join([str(BODIES), str(ROOT)])
         self.proc = subprocess.Popen(
-            [sys.executable, str(folder / args[0]), *args[1:]],
+            [*prefix, sys.executable, str(folder / args[0]), *args[1:]],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -96,8 +98,10 @@ class Program:
 def programs():
     started: list[Program] = []
 
-    def start(*args: str, folder: Path = BODIES, env: dict[str, str] | None = None) -> Program:
-        p = Program(*args, folder=folder, env=env)
+    def start(
+        *args: str, folder: Path = BODIES, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> Program:
+        p = Program(*args, folder=folder, env=env, prefix=prefix)
         started.append(p)
         return p
 
@@ -217,3 +221,63 @@ def test_a_replica_of_two_processes_serves_a_joiner(tmp_path, programs):
     rep2 = r2[0].wait_event("", timeout_s=30.0)
     assert "connection closed" in rep2["end"] and [v for v, _ in rep2["arrivals"]] == [1, 2, 3], rep2
     _exact(rep2, [1, 2, 3])
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+
+
+@pytest.fixture
+def namespaces():
+    """Two network namespaces joined by a veth pair: the trainer's (10.77.N.1) and the replicas' (10.77.N.2)."""
+    n = os.getpid() % 200 + 10
+    trainer_ns, replica_ns = f"jrt{os.getpid()}", f"jrr{os.getpid()}"
+    if _ip("netns", "add", trainer_ns).returncode != 0:
+        pytest.skip("ip netns cannot run here (needs root and network namespaces)")
+    try:
+        steps = [
+            ("netns", "add", replica_ns),
+            ("link", "add", f"jrva{n}", "type", "veth", "peer", "name", f"jrvb{n}"),
+            ("link", "set", f"jrva{n}", "netns", trainer_ns),
+            ("link", "set", f"jrvb{n}", "netns", replica_ns),
+            ("-n", trainer_ns, "addr", "add", f"10.77.{n}.1/24", "dev", f"jrva{n}"),
+            ("-n", replica_ns, "addr", "add", f"10.77.{n}.2/24", "dev", f"jrvb{n}"),
+            ("-n", trainer_ns, "link", "set", f"jrva{n}", "up"),
+            ("-n", replica_ns, "link", "set", f"jrvb{n}", "up"),
+            ("-n", trainer_ns, "link", "set", "lo", "up"),
+            ("-n", replica_ns, "link", "set", "lo", "up"),
+        ]
+        for step in steps:
+            done = _ip(*step)
+            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+        yield trainer_ns, replica_ns, f"10.77.{n}.1"
+    finally:
+        _ip("netns", "del", trainer_ns)  # deleting a namespace deletes its end of the veth pair
+        _ip("netns", "del", replica_ns)
+
+
+def test_trainer_and_replicas_in_two_network_namespaces(tmp_path, programs, namespaces):
+    """The kill scenario with the trainer and the replicas on two hosts' worth of network: real
+    non-loopback addresses over a veth pair, UCX limited to TCP so the weights cross it too."""
+    trainer_ns, replica_ns, trainer_ip = namespaces
+    address = str(tmp_path / "address")
+    net = {"UCX_TLS": "tcp,self"}
+    in_trainer, in_replicas = ("ip", "netns", "exec", trainer_ns), ("ip", "netns", "exec", replica_ns)
+    trainer = programs(
+        "trainer.py", address, "kill", "peer", env=net | {"JRESHARD_HOST": trainer_ip}, prefix=in_trainer
+    )
+    r1 = programs("replica.py", address, "r1", "ok", env=net, prefix=in_replicas)
+    victim = programs("replica.py", address, "r2", "kill:5", env=net, prefix=in_replicas)
+    trainer.wait_event("join-now")
+    assert victim.finish() == -signal.SIGKILL
+    r3 = programs("replica.py", address, "r3", "ok", env=net, prefix=in_replicas)
+    out = trainer.result()
+    assert Path(address).read_text().startswith(trainer_ip + ":")  # the replicas reached a non-loopback address
+    push5 = out["pushes"]["5"]
+    assert push5["committed"] == ["r1"] and "closed the connection" in push5["lost"]["r2"], push5
+    assert out["at5"] == ["r1", "r3"] and out["joined"]["r3"] == "replica 'r1'"  # a peer in the other namespace
+    reps = {r["name"]: r for r in (r1.result(), r3.result())}
+    _exact(reps["r1"], [1, 2, 3, 4, 5, 6])
+    _exact(reps["r3"], [5, 6])
+    assert reps["r3"]["arrivals"] == [[5, "replica 'r1'"], [6, "trainer"]]
+    assert sorted(out["pushes"]["6"]["committed"]) == ["r1", "r3"]

@@ -5,6 +5,7 @@ results as the last line.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -35,7 +36,8 @@ def main():
     address, scenario = sys.argv[1], sys.argv[2]
     catch_up = sys.argv[3] if len(sys.argv) > 3 else "auto"
     out = {"pushes": {}}
-    tr = ElasticTrainer(params(0), address_file=address, options=options(), catch_up=catch_up)
+    host = os.environ.get("JRESHARD_HOST", "127.0.0.1")  # the interface to listen on
+    tr = ElasticTrainer(params(0), host=host, address_file=address, options=options(), catch_up=catch_up)
     tr.wait(count=1 if scenario == "multi" else 2, timeout_s=STARTUP_S)
 
     def push(v, **kw):
