@@ -281,3 +281,34 @@ def test_trainer_and_replicas_in_two_network_namespaces(tmp_path, programs, name
     _exact(reps["r3"], [5, 6])
     assert reps["r3"]["arrivals"] == [[5, "replica 'r1'"], [6, "trainer"]]
     assert sorted(out["pushes"]["6"]["committed"]) == ["r1", "r3"]
+
+
+def test_a_trainer_of_two_processes_and_three_replicas(tmp_path, programs):
+    """Each trainer process serves its own shards: joins at versions 0 and 2, a catch-up from a peer,
+    a clean leave, a replica SIGKILLed in the middle of version 4; every committed version exact."""
+    import socket
+
+    with socket.socket() as s:  # a free loopback port for the trainer's jax coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = str(tmp_path / "address")
+    cluster = {"JAX_NUM_CPU_DEVICES": "1", "JRESHARD_COORDINATOR": f"127.0.0.1:{port}", "JRESHARD_PROCESSES": "2"}
+    trainer = [
+        programs("trainer.py", address, "big", "peer", env=cluster | {"JRESHARD_PROCESS": str(i)}) for i in (0, 1)
+    ]
+    r1, r2 = programs("replica.py", address, "r1", "ok"), programs("replica.py", address, "r2", "leave:2")
+    trainer[0].wait_event("join-now")
+    r3 = programs("replica.py", address, "r3", "kill:4")
+    out, follower = trainer[0].result(), trainer[1].result()
+    assert r3.finish() == -signal.SIGKILL
+    assert out["gone"] == {"r2": "left"}
+    assert out["at2"] == ["r1", "r3"] and out["joined"]["r3"] == "replica 'r1'"  # caught up from a peer
+    assert out["pushes"]["3"]["committed"] == ["r1", "r3"] or sorted(out["pushes"]["3"]["committed"]) == ["r1", "r3"]
+    push4 = out["pushes"]["4"]
+    assert push4["committed"] == ["r1"] and "r3" in push4["lost"], push4
+    assert out["pushes"]["5"]["committed"] == ["r1"]
+    assert follower["reports"]["4"] == {"committed": ["r1"], "lost": ["r3"]}  # process 1 got every report
+    reps = {r["name"]: r for r in (r1.result(), r2.result())}
+    _exact(reps["r1"], [1, 2, 3, 4, 5])
+    assert [v for v, _ in reps["r1"]["arrivals"]] == [1, 2, 3, 4, 5]
+    assert reps["r2"]["end"] == "left" and reps["r2"]["checked"][-1] == 2 and reps["r2"]["bad"] == []

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jreshard.channel import Channel
+from jreshard.elastic.followers import Followers
 from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
 from jreshard.errors import JReshardError, TransferError
@@ -77,6 +78,7 @@ class Membership:
       options, catch_up, links: as for :class:`ElasticTrainer`.
       listener: the listening socket; wake: a socket whose bytes only wake :meth:`poll`.
       key: the shared secret every connection proves it holds before its hello is read.
+      followers: the other processes of a trainer of several (``None``: one process).
     """
 
     def __init__(
@@ -89,10 +91,15 @@ class Membership:
         listener: socket.socket,
         wake: socket.socket,
         key: bytes,
+        *,
+        followers: Followers | None = None,
     ):
         self._decl, self._devices, self.options, self.catch_up = decl, list(devices), options, catch_up
         self._links = dict(links)
         self._listener, self._wake, self._key = listener, wake, key
+        self._followers = followers
+        self._decls = followers.decls if followers is not None else [decl]  # every trainer process's
+        self._out_version = 0  # the version _send moves (the followers are told it)
         self.cv = threading.Condition()
         self.members: dict[int, _Member] = {}
         self.gone: list[ReplicaInfo] = []
@@ -118,6 +125,12 @@ class Membership:
         for group, _ in self._forming.values():
             for ch, _ in group.values():
                 ch.close()
+        if self._followers is not None:
+            self._followers.goodbye()
+
+    def adopt(self, early: Sequence[tuple[Channel, float]]) -> None:
+        """Take over connections that arrived while the trainer's processes gathered."""
+        self._pending.extend(early)
 
     def poll(self, wait_s: float) -> None:
         """Admit joiners, read every replica's messages, notice closed connections."""
@@ -208,7 +221,7 @@ class Membership:
         try:
             decls = [h["decl"] for _, h in hellos]
             peer_addresses = [_peer_address(ch, h["peer_address"]) for ch, h in hellos]
-            problems = check_pair([self._decl], decls)
+            problems = check_pair(self._decls, decls)
             if [h.get("process", 0) for _, h in hellos] != list(range(len(hellos))):
                 problems.append(f"process numbers {[h.get('process') for _, h in hellos]} of replica {name!r}")
         except (KeyError, TypeError, ValueError, IndexError) as err:
@@ -228,6 +241,8 @@ class Membership:
             self.cv.notify_all()
         try:
             welcome = {"op": "welcome", "id": ident, "name": name, "decl": self._decl, "decls": decls, "version": v}
+            if self._followers is not None:  # the replica attaches to every trainer process
+                welcome |= {"trainer_decls": self._decls, "followers": self._followers.addresses[1:]}
             m.send(welcome, self.options.timeout_s)
         except JReshardError as err:
             self._drop(m, f"joining: {err}")
@@ -246,7 +261,7 @@ class Membership:
             for p in self.members.values()
             if p is not m and p.state is ReplicaState.READY and p.version == v and not forbid_peer
         }
-        trainer = self._decl if self._trainer_can_serve() else None
+        trainer = self._decls if self._trainer_can_serve() else None
         decls = {n: p.decls for n, p in peers.items()}
         chosen = choose_source(self.catch_up, trainer, decls, m.decls, self.options, self._links)
         try:
@@ -262,14 +277,19 @@ class Membership:
                 return
             m.via_peer = ""
             m.send({"op": "catchup", "version": v, "from": "trainer"}, self.options.timeout_s)
+            self._out_version = v
             self._send(m, leaves)
         except TransferError as err:
             self._drop(m, f"catching up to version {v}: {err}")
 
     def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> None:
-        pair = pair_plan([self._decl], m.decls, self.options, self._links)
+        """Refit ``m`` to ``self._out_version``: every follower its shards, this process its own."""
+        pair = pair_plan(self._decls, m.decls, self.options, self._links)
+        if self._followers is not None:
+            self._followers.dispatch(m.id, m.name, m.decls, self._out_version)
         shards = source_shards(pair, leaves, self._devices, 0)
-        run_pair(pair, 0, {1 + p: ch for p, ch in enumerate(m.channels)}, shards=shards, options=self.options)
+        chs = {pair.n_src + p: ch for p, ch in enumerate(m.channels)}
+        run_pair(pair, 0, chs, shards=shards, options=self.options)
 
     def _message(self, m: _Member, process: int, msg: dict) -> None:
         op = msg.get("op")
@@ -325,6 +345,7 @@ class Membership:
         for m in targets:
             try:
                 m.send({"op": "refit", "version": version}, self.options.timeout_s)
+                self._out_version = version
                 self._send(m, leaves)
             except TransferError as err:
                 self._drop(m, f"during version {version}: {err}")
@@ -347,4 +368,7 @@ class Membership:
                 self._drop(m, f"did not report version {version} within timeout_s={self.options.timeout_s}")
         lost = {m.name: m.error for m in targets if m.state is ReplicaState.GONE}
         done = tuple(m.name for m in targets if m.state is not ReplicaState.GONE)
-        return PushReport(version, done, lost, time.monotonic() - t0)
+        report = PushReport(version, done, lost, time.monotonic() - t0)
+        if self._followers is not None:
+            self._followers.pushed(report)
+        return report

@@ -119,7 +119,7 @@ _TIE = 0.01  # predicted times within 1% are a tie, and a tie goes to the peer (
 
 def choose_source(
     prefer: CatchUp,
-    trainer: Mapping[str, Any] | None,
+    trainer: Sequence[Mapping[str, Any]] | None,
     peers: Mapping[str, Sequence[Mapping[str, Any]]],
     joiner: Sequence[Mapping[str, Any]],
     options: Options,
@@ -129,7 +129,7 @@ def choose_source(
 
     Args:
       prefer: the trainer's :class:`CatchUp` setting.
-      trainer: the trainer's declaration, or ``None`` when its copy of the version is gone.
+      trainer: the trainer's declarations, one per process, or ``None`` when its copy of the version is gone.
       peers: ``{name: [declaration per process]}`` of the replicas that hold the version.
       joiner: the joiner's declarations, one per process.
       options, links: as for :func:`pair_plan`.
@@ -147,7 +147,7 @@ def choose_source(
         return None
     cost = {n: pair_plan(d, joiner, options, links).predicted_seconds() for n, d in peers.items()}
     best = min(cost, key=lambda n: cost[n])
-    mine = pair_plan([trainer], joiner, options, links).predicted_seconds()
+    mine = pair_plan(list(trainer), joiner, options, links).predicted_seconds()
     return best if cost[best] <= mine * (1 + _TIE) else None
 
 

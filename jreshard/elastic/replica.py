@@ -125,8 +125,21 @@ class ElasticReplica:
         self.id: int = msg["id"]
         self.name: str = msg["name"]
         self._trainer = ch
-        self._trainer_decl = msg["decl"]
+        self._trainer_decls: list[dict] = msg.get("trainer_decls") or [msg["decl"]]  # one per trainer process
         self._decls: list[dict] = msg["decls"]  # every process of this replica, in process order
+        self._sources = {0: ch}  # a connection to each trainer process (process 0's is the trainer's)
+        try:
+            for p, (host, port) in enumerate(msg.get("followers", []), start=1):
+                f = connect((str(host), int(port)), f"the trainer's process {p}", key=self._key, timeout_s=timeout)
+                self._sources[p] = f
+                f.send_control(
+                    {"op": "attach", "id": self.id, "name": self.name, "process": self._index}, timeout_s=timeout
+                )
+        except JReshardError:
+            for c in self._sources.values():
+                c.close()
+            self._listener.close()
+            raise
         self._staged: tuple[int, Any, list[tuple[str, Any]], Arrival] | None = None
         self._cv = threading.Condition()
         self._tree: Any = None
@@ -216,7 +229,8 @@ class ElasticReplica:
                 except JReshardError:
                     pass
                 self._set_gone("it left")
-            self._trainer.close()
+            for c in self._sources.values():
+                c.close()
             self._listener.close()
             for ch in [c for c, _ in pending] + [c for g, _ in fetches.values() for c in g.values()]:
                 ch.close()
@@ -248,7 +262,7 @@ class ElasticReplica:
                 elif op == "commit":
                     self._commit(version)
                 elif op in ("refit", "catchup") and msg.get("from") != "peer":
-                    self._receive({0: ch}, [self._trainer_decl], version, "trainer")
+                    self._receive(self._sources, self._trainer_decls, version, "trainer")
                 elif op == "catchup":
                     try:
                         self._fetch(msg, version, f"replica {msg['peer']!r}")
