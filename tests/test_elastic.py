@@ -257,30 +257,31 @@ def namespaces():
 
 
 def test_trainer_and_replicas_in_two_network_namespaces(tmp_path, programs, namespaces):
-    """The kill scenario with the trainer and the replicas on two hosts' worth of network: real
-    non-loopback addresses over a veth pair, UCX limited to TCP so the weights cross it too."""
+    """The 2-process trainer scenario below with the trainer's processes in one network namespace and
+    the replicas in another, joined by a veth pair: real non-loopback addresses, UCX limited to TCP
+    so the weights cross the pair too (and the peer catch-up stays among the replicas)."""
+    import socket
+
     trainer_ns, replica_ns, trainer_ip = namespaces
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # the trainer's jax coordinator, inside its namespace
     address = str(tmp_path / "address")
     net = {"UCX_TLS": "tcp,self"}
     in_trainer, in_replicas = ("ip", "netns", "exec", trainer_ns), ("ip", "netns", "exec", replica_ns)
-    trainer = programs(
-        "trainer.py", address, "kill", "peer", env=net | {"JRESHARD_HOST": trainer_ip}, prefix=in_trainer
-    )
+    cluster = net | {"JAX_NUM_CPU_DEVICES": "1", "JRESHARD_COORDINATOR": f"127.0.0.1:{port}", "JRESHARD_PROCESSES": "2"}
+    cluster["JRESHARD_HOST"] = trainer_ip
+    trainer = [
+        programs("trainer.py", address, "big", "peer", env=cluster | {"JRESHARD_PROCESS": str(i)}, prefix=in_trainer)
+        for i in (0, 1)
+    ]
     r1 = programs("replica.py", address, "r1", "ok", env=net, prefix=in_replicas)
-    victim = programs("replica.py", address, "r2", "kill:5", env=net, prefix=in_replicas)
-    trainer.wait_event("join-now")
-    assert victim.finish() == -signal.SIGKILL
-    r3 = programs("replica.py", address, "r3", "ok", env=net, prefix=in_replicas)
-    out = trainer.result()
+    r2 = programs("replica.py", address, "r2", "leave:2", env=net, prefix=in_replicas)
+    trainer[0].wait_event("join-now")
+    r3 = programs("replica.py", address, "r3", "kill:4", env=net, prefix=in_replicas)
+    out, follower = trainer[0].result(), trainer[1].result()
     assert Path(address).read_text().startswith(trainer_ip + ":")  # the replicas reached a non-loopback address
-    push5 = out["pushes"]["5"]
-    assert push5["committed"] == ["r1"] and "closed the connection" in push5["lost"]["r2"], push5
-    assert out["at5"] == ["r1", "r3"] and out["joined"]["r3"] == "replica 'r1'"  # a peer in the other namespace
-    reps = {r["name"]: r for r in (r1.result(), r3.result())}
-    _exact(reps["r1"], [1, 2, 3, 4, 5, 6])
-    _exact(reps["r3"], [5, 6])
-    assert reps["r3"]["arrivals"] == [[5, "replica 'r1'"], [6, "trainer"]]
-    assert sorted(out["pushes"]["6"]["committed"]) == ["r1", "r3"]
+    _check_big(out, follower, r1, r2, r3)
 
 
 def test_a_trainer_of_two_processes_and_three_replicas(tmp_path, programs):
@@ -300,10 +301,14 @@ def test_a_trainer_of_two_processes_and_three_replicas(tmp_path, programs):
     trainer[0].wait_event("join-now")
     r3 = programs("replica.py", address, "r3", "kill:4")
     out, follower = trainer[0].result(), trainer[1].result()
+    _check_big(out, follower, r1, r2, r3)
+
+
+def _check_big(out: dict, follower: dict, r1: Program, r2: Program, r3: Program) -> None:
     assert r3.finish() == -signal.SIGKILL
     assert out["gone"] == {"r2": "left"}
     assert out["at2"] == ["r1", "r3"] and out["joined"]["r3"] == "replica 'r1'"  # caught up from a peer
-    assert out["pushes"]["3"]["committed"] == ["r1", "r3"] or sorted(out["pushes"]["3"]["committed"]) == ["r1", "r3"]
+    assert sorted(out["pushes"]["3"]["committed"]) == ["r1", "r3"]
     push4 = out["pushes"]["4"]
     assert push4["committed"] == ["r1"] and "r3" in push4["lost"], push4
     assert out["pushes"]["5"]["committed"] == ["r1"]

@@ -35,7 +35,8 @@ def params(version):
 
 
 def follow(address, scenario):
-    tr = ElasticTrainer(params(0), address_file=address, options=options(), catch_up="peer")
+    host = os.environ.get("JRESHARD_HOST", "127.0.0.1")  # the interface it serves its shards on
+    tr = ElasticTrainer(params(0), host=host, address_file=address, options=options(), catch_up="peer")
     reports = {}
     for v in {"big": (1, 2, 3, 4, 5)}[scenario]:
         r = tr.push(params(v), version=v)
