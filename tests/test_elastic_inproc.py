@@ -1,5 +1,7 @@
-"""Elastic refit inside one process (8 CPU devices split among a trainer and replicas, every byte over
-loopback sockets): the protocol's error paths, fast. The separate-program tests are in test_elastic.py."""
+"""Elastic refit inside one process (8 CPU devices split among a trainer and replicas, the control over
+authenticated loopback connections, every byte a NIXL WRITE of this process's agent to itself): the
+transport's and the protocol's error paths, the refusals, fast. The separate-program tests are in
+test_elastic.py."""
 
 from __future__ import annotations
 

@@ -218,3 +218,40 @@ def test_a_buffer_allocation_is_registered_once_and_released_when_it_dies():
     finally:
         agent.close()
     assert agent.registered_bytes == 0
+
+
+def test_a_process_group_forms_past_garbage_gathers_and_sees_a_closed_peer_at_once():
+    from jreshard.nixl.group import ProcessGroup
+
+    port = listen("127.0.0.1", 0)
+    where = port.getsockname()[:2]
+    port.close()
+    address = f"{where[0]}:{where[1]}"
+    groups: dict = {}
+
+    def join(role: str) -> None:
+        groups[role] = ProcessGroup.join(role, address, index=0, count=1, key=KEY, timeout_s=10.0)
+
+    source = threading.Thread(target=join, args=("source",))
+    source.start()
+    time.sleep(0.2)
+    raw = socket.create_connection(where)  # garbage first: refused, the rendezvous goes on
+    raw.sendall(b"\x00" * 100)
+    join("destination")
+    source.join()
+    src, dst = groups["source"], groups["destination"]
+    assert (src.rank, dst.rank, src.roles) == (0, 1, {0: "source", 1: "destination"})
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.setdefault("src", src.allgather({"v": 1}, timeout_s=5.0)))
+    t.start()
+    assert dst.allgather({"v": 2}, timeout_s=5.0) == {0: {"v": 1}, 1: {"v": 2}}
+    t.join()
+    assert got["src"] == {0: {"v": 1}, 1: {"v": 2}}
+    src.notify_closed()
+    src.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=r"process 0 \(source\) closed the group"):
+        dst.allgather({"v": 3}, timeout_s=30.0)
+    assert time.monotonic() - t0 < 1.0
+    dst.close()
+    raw.close()

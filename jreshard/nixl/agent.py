@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -259,8 +260,6 @@ class NixlAgent:
                     f"timeout_s={timeout_s}"
                 )
             if waiting:
-                import select
-
                 select.select(waiting, [], [], 0.01)
 
     def _meet(self, ch: Channel, hello: dict) -> None:

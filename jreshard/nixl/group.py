@@ -88,9 +88,9 @@ class ProcessGroup:
           index, count: this process's index in its program and the program's process count.
           key: the shared secret.
           timeout_s: the deadline for the whole rendezvous.
-          host: the local address this process listens on for its peers (process 0 with a file
-            address, and every process's peer listener; ``"0.0.0.0"`` binds every interface and
-            peers are told the address they reached it from).
+          host: the local address to listen on: process 0's, when ``address`` is a file; every other
+            process's listener for its peers, where the default (loopback) and ``"0.0.0.0"`` mean
+            the interface that reaches process 0.
 
         Raises:
           TransferTimeoutError: not every process joined within ``timeout_s``.
