@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml setup.py jreshard/views/_casts.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]'
+	$(BIN)/python -m pip install -q --no-deps nixl-cu12
 	$(BIN)/python -c "from jreshard.views import native; assert native.available(), 'the compiled casts were not built'"
 	touch $(STAMP)
 

@@ -12,6 +12,7 @@ import typing as _typing
 from jreshard import baselines as baselines
 from jreshard import cost as cost
 from jreshard._cache import clear_caches as clear_caches
+from jreshard.errors import AuthenticationError as AuthenticationError
 from jreshard.errors import BackendUnavailableError as BackendUnavailableError
 from jreshard.errors import IndivisibleError as IndivisibleError
 from jreshard.errors import LayoutError as LayoutError
@@ -99,4 +100,5 @@ __all__ = [
     "TransferError",
     "TransferTimeoutError",
     "PeerError",
+    "AuthenticationError",
 ]

@@ -11,6 +11,7 @@ import importlib.util
 from collections.abc import Callable
 
 __all__ = [
+    "AuthenticationError",
     "BackendUnavailableError",
     "IndivisibleError",
     "JReshardError",
@@ -81,6 +82,10 @@ class TransferTimeoutError(TransferError):
 
 class PeerError(TransferError):
     """A peer reported a failure or disagreed on the declared layouts."""
+
+
+class AuthenticationError(PeerError):
+    """A connection did not prove it holds the shared secret (or this side has none to prove)."""
 
 
 def cuda_extra(find_spec: Callable[[str], object] = importlib.util.find_spec) -> str:

@@ -37,6 +37,11 @@ class Options:
       max_group_ops: the most send/recv operations one rank posts in one exchange
         group (one NCCL group); a round with more runs as several groups, cut the
         same way on every rank.
+      secret: the shared key that programs connecting over the network (elastic refit,
+        ``RefitGroup`` over NIXL) prove they hold before any declaration or byte moves
+        (HMAC-SHA256 challenge-response, :mod:`jreshard.auth`); at least 16 bytes. ``None``:
+        the ``JRESHARD_SECRET`` environment variable, or the file named by
+        ``JRESHARD_SECRET_FILE``. Never printed (not in the repr) and not part of a plan's key.
 
     Example:
       >>> Options(backend="mpi", chunk_bytes=1 << 20).backend
@@ -51,6 +56,7 @@ class Options:
     min_stripe_bytes: int = 64 << 10
     copy_threads: int | None = None
     max_group_ops: int = 2048
+    secret: bytes | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         b = self.backend
@@ -77,6 +83,9 @@ class Options:
             raise ValueError(f"Options: copy_threads={self.copy_threads!r} must be None or an int >= 1")
         if not isinstance(self.max_group_ops, int) or isinstance(self.max_group_ops, bool) or self.max_group_ops < 1:
             raise ValueError(f"Options: max_group_ops={self.max_group_ops!r} must be an int >= 1")
+        if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
+            shown = f"{len(self.secret)} bytes" if isinstance(self.secret, bytes) else type(self.secret).__name__
+            raise ValueError(f"Options: secret must be None or bytes of length >= 16 (got {shown})")
         if not isinstance(self.relays, bool):
             raise TypeError(f"Options: relays={self.relays!r} must be True or False")
         if (

@@ -9,7 +9,11 @@ with its role and its parameter declaration (a pytree of ``jax.Array`` or
 - two launches: ``RefitGroup.connect(role, params, address=path)``: the source
   side opens an MPI port and writes its name to the file ``path``; the
   destination side reads it and connects (``MPI.Open_port`` / ``Comm_accept``
-  / ``Comm_connect``).
+  / ``Comm_connect``);
+- two launches on any hosts, no MPI: ``RefitGroup.connect(role, params,
+  address="HOST:PORT" or path, transport="nixl")``: the processes meet over
+  authenticated TCP (the shared secret of ``Options.secret`` / ``$JRESHARD_SECRET``)
+  and the weights move as NIXL WRITEs (:mod:`jreshard.nixl`).
 
 Each process declares the boxes of the devices it drives (``devices``, default
 ``jax.local_devices()``); ranks are numbered sources first, then destinations,
@@ -123,18 +127,23 @@ class RefitGroup:
         options: Options | None = None,
         links: dict[str, float] | None = None,
         recipe: Any = None,
+        _group: Any = None,
     ):
         import jax
 
-        MPI = import_mpi()
         self.role = Role(role)
         self.options = options or Options()
-        comm = MPI.COMM_WORLD if comm is None else comm
         self._devices = list(jax.local_devices() if devices is None else devices)
         if recipe is not None and self.role is not Role.DESTINATION:
             raise ValueError("RefitGroup: recipe= is the destination's (how its tensors are made); a source has none")
         mine = declare_local(self.role.value, params, self._devices, domain, recipe)
-        self._control = Control(comm, describe=self._describe)
+        if _group is None:  # one MPI universe
+            MPI = import_mpi()
+            comm = MPI.COMM_WORLD if comm is None else comm
+            self._control: Any = Control(comm, describe=self._describe)
+        else:  # a jreshard.nixl.group.ProcessGroup made by connect(transport="nixl")
+            self._control = _group
+            _group.describe = self._describe
         self._roles: dict[int, str] = {}
         decls = self._control.allgather(mine, timeout_s=self.options.timeout_s)
         self._roles = {p: d["role"] for p, d in decls.items()}
@@ -166,21 +175,47 @@ class RefitGroup:
         self.sent_bytes: dict[Link, int] = {}
         self._plan: Plan | None = None
         self._schedule: Schedule | None = None  # this process's ranks only, agreed with peers at the first refit
-        self._comm = MpiComm(comm, rank_process)
+        if _group is None:
+            self._comm: Any = MpiComm(comm, rank_process)
+        else:
+            self._comm = _group.communicator(rank_process, timeout_s=self.options.timeout_s)
         self._decl = mine
         self.version: int | None = None
         self._broken: str | None = None
 
     @classmethod
-    def connect(cls, role: Role | str, params: Any, *, address: str, comm: Any = None, **kwargs: Any) -> RefitGroup:
-        """Form a group between two separate launches meeting at ``address`` (a file path both can reach).
+    def connect(
+        cls,
+        role: Role | str,
+        params: Any,
+        *,
+        address: str,
+        comm: Any = None,
+        transport: str = "mpi",
+        host: str = "127.0.0.1",
+        **kwargs: Any,
+    ) -> RefitGroup:
+        """Form a group between two separate launches meeting at ``address``.
 
-        The source side's process 0 opens an MPI port and writes its name to
-        ``address``; the destination side waits (up to ``options.timeout_s``)
-        for the file and connects. The two sides are merged into one
-        communicator, sources first. The source side waits in ``Comm_accept``
-        until the destination connects (MPI offers no timeout there).
+        ``transport="mpi"``: ``address`` is a file path both can reach. The source side's process 0
+        opens an MPI port and writes its name there; the destination side waits (up to
+        ``options.timeout_s``) for the file and connects. The two sides are merged into one
+        communicator, sources first. The source side waits in ``Comm_accept`` until the
+        destination connects (MPI offers no timeout there).
+
+        ``transport="nixl"``: no MPI. ``address`` is ``"HOST:PORT"`` (the source's process 0 binds
+        it, the others connect) or a file path (process 0 binds ``host`` and writes its address
+        there). Every process authenticates with the shared secret, then every pair of processes
+        is connected (:class:`~jreshard.nixl.group.ProcessGroup`); the weights move as NIXL WRITEs.
+        Each side's processes are its jax cluster (``jax.process_index()`` of
+        ``jax.process_count()``). Every wait, the source's included, is bounded by
+        ``options.timeout_s``; a peer that dies is seen within it, and the surviving side can
+        ``connect`` again with a new peer.
         """
+        if transport == "nixl":
+            return cls._connect_nixl(Role(role), params, address, host, **kwargs)
+        if transport != "mpi":
+            raise ValueError(f"RefitGroup.connect: transport={transport!r}; expected 'mpi' or 'nixl'")
         MPI = import_mpi()
         role = Role(role)
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -217,6 +252,30 @@ class RefitGroup:
             inter = comm.Connect(port, root=0)
         merged = inter.Merge(high=role is Role.DESTINATION)
         return cls(role, params, comm=merged, **kwargs)
+
+    @classmethod
+    def _connect_nixl(cls, role: Role, params: Any, address: str, host: str, **kwargs: Any) -> RefitGroup:
+        import jax
+
+        from jreshard.auth import resolve_secret
+        from jreshard.nixl.group import ProcessGroup
+
+        options = Options.of(kwargs.get("options"))
+        key = resolve_secret(options.secret, who="RefitGroup.connect")
+        group = ProcessGroup.join(
+            role.value,
+            address,
+            index=jax.process_index(),
+            count=jax.process_count(),
+            key=key,
+            timeout_s=options.timeout_s,
+            host=host,
+        )
+        try:
+            return cls(role, params, _group=group, **kwargs)
+        except BaseException:
+            group.close()
+            raise
 
     def _lower(self, gv: GroupViews) -> list[LeafLowering]:
         """The group's views lowered to pieces (the same on every process: it raises on all or none)."""
@@ -459,6 +518,6 @@ class RefitGroup:
         """Tell every other process this one left (a peer waiting on it raises at once), then release the
         communicators (kept, unfreed, when broken: a dead peer never answers)."""
         self._control.notify_closed()
-        if self._broken is None:
+        if self._broken is None or not isinstance(self._comm, MpiComm):  # sockets close at once, MPI may block
             self._comm.close()
             self._control.close()

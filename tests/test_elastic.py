@@ -22,6 +22,7 @@ import pytest
 BODIES = Path(__file__).parent / "elastic_bodies"
 ROOT = Path(__file__).parent.parent
 TIMEOUT_S = 10.0  # the bodies' Options(timeout_s=...)
+SECRET = "elastic-tests-shared-key-0123456789"  # every program's $JRESHARD_SECRET
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,12 +30,15 @@ pytestmark = pytest.mark.timeout(120)
 class Program:
     """One body in its own process group; its stdout is read line by line on a thread."""
 
-    def __init__(self, *args: str, folder: Path = BODIES, env: dict[str, str] | None = None):
+    def __init__(
+        self, *args: str, folder: Path = BODIES, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))} | (env or {})
         env = {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1"} | env
+        env.setdefault("JRESHARD_SECRET", SECRET)
         env["PYTHONPATH"] = os.pathsep.join([str(BODIES), str(ROOT)])
         self.proc = subprocess.Popen(
-            [sys.executable, str(folder / args[0]), *args[1:]],
+            [*prefix, sys.executable, str(folder / args[0]), *args[1:]],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -94,8 +98,10 @@ class Program:
 def programs():
     started: list[Program] = []
 
-    def start(*args: str, folder: Path = BODIES, env: dict[str, str] | None = None) -> Program:
-        p = Program(*args, folder=folder, env=env)
+    def start(
+        *args: str, folder: Path = BODIES, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+    ) -> Program:
+        p = Program(*args, folder=folder, env=env, prefix=prefix)
         started.append(p)
         return p
 
@@ -215,3 +221,99 @@ def test_a_replica_of_two_processes_serves_a_joiner(tmp_path, programs):
     rep2 = r2[0].wait_event("", timeout_s=30.0)
     assert "connection closed" in rep2["end"] and [v for v, _ in rep2["arrivals"]] == [1, 2, 3], rep2
     _exact(rep2, [1, 2, 3])
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=False)
+
+
+@pytest.fixture
+def namespaces():
+    """Two network namespaces joined by a veth pair: the trainer's (10.77.N.1) and the replicas' (10.77.N.2)."""
+    n = os.getpid() % 200 + 10
+    trainer_ns, replica_ns = f"jrt{os.getpid()}", f"jrr{os.getpid()}"
+    if _ip("netns", "add", trainer_ns).returncode != 0:
+        pytest.skip("ip netns cannot run here (needs root and network namespaces)")
+    try:
+        steps = [
+            ("netns", "add", replica_ns),
+            ("link", "add", f"jrva{n}", "type", "veth", "peer", "name", f"jrvb{n}"),
+            ("link", "set", f"jrva{n}", "netns", trainer_ns),
+            ("link", "set", f"jrvb{n}", "netns", replica_ns),
+            ("-n", trainer_ns, "addr", "add", f"10.77.{n}.1/24", "dev", f"jrva{n}"),
+            ("-n", replica_ns, "addr", "add", f"10.77.{n}.2/24", "dev", f"jrvb{n}"),
+            ("-n", trainer_ns, "link", "set", f"jrva{n}", "up"),
+            ("-n", replica_ns, "link", "set", f"jrvb{n}", "up"),
+            ("-n", trainer_ns, "link", "set", "lo", "up"),
+            ("-n", replica_ns, "link", "set", "lo", "up"),
+        ]
+        for step in steps:
+            done = _ip(*step)
+            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+        yield trainer_ns, replica_ns, f"10.77.{n}.1"
+    finally:
+        _ip("netns", "del", trainer_ns)  # deleting a namespace deletes its end of the veth pair
+        _ip("netns", "del", replica_ns)
+
+
+def test_trainer_and_replicas_in_two_network_namespaces(tmp_path, programs, namespaces):
+    """The 2-process trainer scenario below with the trainer's processes in one network namespace and
+    the replicas in another, joined by a veth pair: real non-loopback addresses, UCX limited to TCP
+    so the weights cross the pair too (and the peer catch-up stays among the replicas)."""
+    import socket
+
+    trainer_ns, replica_ns, trainer_ip = namespaces
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # the trainer's jax coordinator, inside its namespace
+    address = str(tmp_path / "address")
+    net = {"UCX_TLS": "tcp,self"}
+    in_trainer, in_replicas = ("ip", "netns", "exec", trainer_ns), ("ip", "netns", "exec", replica_ns)
+    cluster = net | {"JAX_NUM_CPU_DEVICES": "1", "JRESHARD_COORDINATOR": f"127.0.0.1:{port}", "JRESHARD_PROCESSES": "2"}
+    cluster["JRESHARD_HOST"] = trainer_ip
+    trainer = [
+        programs("trainer.py", address, "big", "peer", env=cluster | {"JRESHARD_PROCESS": str(i)}, prefix=in_trainer)
+        for i in (0, 1)
+    ]
+    r1 = programs("replica.py", address, "r1", "ok", env=net, prefix=in_replicas)
+    r2 = programs("replica.py", address, "r2", "leave:2", env=net, prefix=in_replicas)
+    trainer[0].wait_event("join-now")
+    r3 = programs("replica.py", address, "r3", "kill:4", env=net, prefix=in_replicas)
+    out, follower = trainer[0].result(), trainer[1].result()
+    assert Path(address).read_text().startswith(trainer_ip + ":")  # the replicas reached a non-loopback address
+    _check_big(out, follower, r1, r2, r3)
+
+
+def test_a_trainer_of_two_processes_and_three_replicas(tmp_path, programs):
+    """Each trainer process serves its own shards: joins at versions 0 and 2, a catch-up from a peer,
+    a clean leave, a replica SIGKILLed in the middle of version 4; every committed version exact."""
+    import socket
+
+    with socket.socket() as s:  # a free loopback port for the trainer's jax coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = str(tmp_path / "address")
+    cluster = {"JAX_NUM_CPU_DEVICES": "1", "JRESHARD_COORDINATOR": f"127.0.0.1:{port}", "JRESHARD_PROCESSES": "2"}
+    trainer = [
+        programs("trainer.py", address, "big", "peer", env=cluster | {"JRESHARD_PROCESS": str(i)}) for i in (0, 1)
+    ]
+    r1, r2 = programs("replica.py", address, "r1", "ok"), programs("replica.py", address, "r2", "leave:2")
+    trainer[0].wait_event("join-now")
+    r3 = programs("replica.py", address, "r3", "kill:4")
+    out, follower = trainer[0].result(), trainer[1].result()
+    _check_big(out, follower, r1, r2, r3)
+
+
+def _check_big(out: dict, follower: dict, r1: Program, r2: Program, r3: Program) -> None:
+    assert r3.finish() == -signal.SIGKILL
+    assert out["gone"] == {"r2": "left"}
+    assert out["at2"] == ["r1", "r3"] and out["joined"]["r3"] == "replica 'r1'"  # caught up from a peer
+    assert sorted(out["pushes"]["3"]["committed"]) == ["r1", "r3"]
+    push4 = out["pushes"]["4"]
+    assert push4["committed"] == ["r1"] and "r3" in push4["lost"], push4
+    assert out["pushes"]["5"]["committed"] == ["r1"]
+    assert follower["reports"]["4"] == {"committed": ["r1"], "lost": ["r3"]}  # process 1 got every report
+    reps = {r["name"]: r for r in (r1.result(), r2.result())}
+    _exact(reps["r1"], [1, 2, 3, 4, 5])
+    assert [v for v, _ in reps["r1"]["arrivals"]] == [1, 2, 3, 4, 5]
+    assert reps["r2"]["end"] == "left" and reps["r2"]["checked"][-1] == 2 and reps["r2"]["bad"] == []

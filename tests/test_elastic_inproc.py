@@ -1,9 +1,12 @@
-"""Elastic refit inside one process (8 CPU devices split among a trainer and replicas, every byte over
-loopback sockets): the protocol's error paths, fast. The separate-program tests are in test_elastic.py."""
+"""Elastic refit inside one process (8 CPU devices split among a trainer and replicas, the control over
+authenticated loopback connections, every byte a NIXL WRITE of this process's agent to itself): the
+transport's and the protocol's error paths, the refusals, fast. The separate-program tests are in
+test_elastic.py."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import jax
@@ -13,17 +16,18 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreshard import LayoutMismatchError, Options, PeerError, TransferTimeoutError
+from jreshard.channel import Channel, connect, parse_address
 from jreshard.elastic import CatchUp, ElasticReplica, ElasticTrainer, ReplicaState
 from jreshard.elastic import membership as membership_module
 from jreshard.elastic import replica as replica_module
-from jreshard.elastic.sockcomm import SocketComm
-from jreshard.elastic.wire import Channel, parse_address
 from jreshard.engine.comm import RecvOp, SendOp
+from jreshard.nixl import NixlAgent, NixlComm
 
 pytestmark = pytest.mark.timeout(60)
 D = jax.devices()
 SHAPES = {"a": (16, 8), "b": (8,)}
-OPTS = Options(timeout_s=5.0, chunk_bytes=64, staging_bytes=1024)
+KEY = b"elastic-test-key-0123456789"
+OPTS = Options(timeout_s=5.0, chunk_bytes=64, staging_bytes=1024, secret=KEY)
 
 
 def params(v: int) -> dict:
@@ -60,60 +64,65 @@ def exact(tree: dict, v: int) -> bool:
 
 
 # ---- the transport ------------------------------------------------------------------------------
-def test_closed_peer_is_noticed_at_once_and_a_silent_one_after_timeout():
+def _pair() -> tuple[Channel, Channel]:
     a, b = socket.socketpair()
-    left, right = Channel(a, "peer 'right'"), Channel(b, "peer 'left'")
+    return Channel(a, "peer 'right'"), Channel(b, "peer 'left'")
+
+
+def test_closed_peer_is_noticed_at_once_and_a_silent_one_after_timeout():
+    left, right = _pair()
+    agent = NixlAgent.shared()
     got = np.zeros(8, np.uint8)
-    comm = SocketComm([1], {0: right})
+    threading.Thread(target=lambda: NixlComm(agent, [0], {1: left}, timeout_s=5.0), daemon=True).start()
+    comm = NixlComm(agent, [1], {0: right}, timeout_s=5.0)
     t0 = time.monotonic()
-    with pytest.raises(TransferTimeoutError, match="peer 'left'"):
+    with pytest.raises(TransferTimeoutError, match=r"ranks \[0\] did not send \(peer 'left'\)"):
         comm.exchange([], [RecvOp(0, 1, 3, got)], timeout_s=0.3)
     assert 0.3 <= time.monotonic() - t0 < 2.0
-    right = Channel(b.dup(), "peer 'left'")
-    b.close()
+    with pytest.raises(PeerError, match="broken"):
+        comm.exchange([], [], timeout_s=1.0)
+    comm = NixlComm(agent, [1], {0: right}, timeout_s=5.0)  # introduced already: no second hello
     left.close()
     t0 = time.monotonic()
-    with pytest.raises(PeerError, match="peer 'left' closed the connection"):
-        SocketComm([1], {0: right}).exchange([], [RecvOp(0, 1, 3, got)], timeout_s=30.0)
+    with pytest.raises(PeerError, match=r"peer 'left'( closed the connection|: the connection broke)"):
+        comm.exchange([], [RecvOp(0, 1, 3, got)], timeout_s=30.0)
     assert time.monotonic() - t0 < 1.0
     right.close()
 
 
-def test_frames_before_their_receive_are_kept_and_sizes_checked():
-    a, b = socket.socketpair()
-    tx, rx = SocketComm([0], {1: Channel(a, "rx")}), SocketComm([1], {0: Channel(b, "tx")})
-    tx.exchange([SendOp(0, 1, 1, np.full(4, 1, np.uint8)), SendOp(0, 1, 2, np.full(4, 2, np.uint8))], [], timeout_s=1)
+def test_posts_before_their_send_are_kept_and_sizes_checked():
+    left, right = _pair()
+    agent = NixlAgent.shared()
+    made: dict = {}
+    t = threading.Thread(target=lambda: made.setdefault("tx", NixlComm(agent, [0], {1: left}, timeout_s=5.0)))
+    t.start()
+    rx = NixlComm(agent, [1], {0: right}, timeout_s=5.0)
+    t.join()
+    tx = made["tx"]
     first, second = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
-    rx.exchange([], [RecvOp(0, 1, 1, first)], timeout_s=1.0)
-    rx.exchange([], [RecvOp(0, 1, 2, second)], timeout_s=1.0)  # arrived during the first exchange
+    both = [RecvOp(0, 1, 1, first), RecvOp(0, 1, 2, second)]
+    done = threading.Thread(target=lambda: rx.exchange([], both, timeout_s=5))
+    done.start()
+    tx.exchange([SendOp(0, 1, 1, np.full(4, 1, np.uint8))], [], timeout_s=5.0)
+    tx.exchange([SendOp(0, 1, 2, np.full(4, 2, np.uint8))], [], timeout_s=5.0)  # posted during the first
+    done.join()
     assert first.tolist() == [1] * 4 and second.tolist() == [2] * 4
-    tx.exchange([SendOp(0, 1, 5, np.zeros(3, np.uint8))], [], timeout_s=1.0)
-    with pytest.raises(PeerError, match="3 bytes under tag 5, expected 4"):
-        rx.exchange([], [RecvOp(0, 1, 5, np.zeros(4, np.uint8))], timeout_s=1.0)
-    with pytest.raises(PeerError, match="broken"):
-        rx.exchange([], [], timeout_s=1.0)
-    a.close()
-    b.close()
+    errors: dict = {}
 
+    def receive():
+        try:
+            rx.exchange([], [RecvOp(0, 1, 5, np.zeros(4, np.uint8))], timeout_s=5.0)
+        except PeerError as err:
+            errors["rx"] = str(err)
 
-def test_a_refused_peer_connection_fails_at_once():
-    from jreshard.elastic.wire import listen, open_channel
-
-    port = listen(0)
-    address = port.getsockname()
-    port.close()  # nobody listens there any more
-    t0 = time.monotonic()
-    with pytest.raises(PeerError, match="replica 'x' refused the connection"):
-        open_channel(address, "replica 'x'", timeout_s=30.0, retry=False)
-    assert time.monotonic() - t0 < 1.0
-
-
-def test_addresses_are_loopback_only():
-    assert parse_address("localhost:9", timeout_s=1) == ("127.0.0.1", 9)
-    with pytest.raises(ValueError, match="loopback only"):
-        parse_address("10.0.0.2:9", timeout_s=1)
-    with pytest.raises(TransferTimeoutError, match="did not appear"):
-        parse_address("/nonexistent/address", timeout_s=0.1)
+    done = threading.Thread(target=receive)
+    done.start()
+    with pytest.raises(PeerError, match="3 bytes under tag 5, but the receive expects 4"):
+        tx.exchange([SendOp(0, 1, 5, np.zeros(3, np.uint8))], [], timeout_s=5.0)
+    done.join()
+    assert "peer 'left' failed the exchange" in errors["rx"]  # both sides are told
+    left.close()
+    right.close()
 
 
 # ---- membership ---------------------------------------------------------------------------------
@@ -221,7 +230,7 @@ def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeyp
 
     def half(self, m, leaves):  # the trainer's side stops after the first message of version 2
         calls = {"n": 0}
-        exchange = SocketComm.exchange
+        exchange = NixlComm.exchange
 
         def once(comm, sends, recvs, *, timeout_s):
             calls["n"] += 1
@@ -230,11 +239,11 @@ def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeyp
                 raise PeerError("stopped on purpose")
             return exchange(comm, sends, recvs, timeout_s=timeout_s)
 
-        monkeypatch.setattr(SocketComm, "exchange", once)
+        monkeypatch.setattr(NixlComm, "exchange", once)
         try:
             real(self, m, leaves)
         finally:
-            monkeypatch.setattr(SocketComm, "exchange", exchange)
+            monkeypatch.setattr(NixlComm, "exchange", exchange)
 
     monkeypatch.setattr(membership_module.Membership, "_send", half)
     report = trainer.push(params(2), version=2)
@@ -288,36 +297,81 @@ def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(monkeypatch)
     r2.leave()
 
 
-def test_constructor_arguments_are_checked():
+def test_constructor_arguments_are_checked(monkeypatch):
+    monkeypatch.delenv("JRESHARD_SECRET", raising=False)
+    monkeypatch.delenv("JRESHARD_SECRET_FILE", raising=False)
     with pytest.raises(TypeError, match=r"options=\{\} must be a jreshard.Options"):
         ElasticTrainer(params(0), devices=list(D[:2]), options={})
     with pytest.raises(ValueError, match="port=-1 must be an int"):
-        ElasticTrainer(params(0), devices=list(D[:2]), port=-1)
+        ElasticTrainer(params(0), devices=list(D[:2]), port=-1, options=OPTS)
     with pytest.raises(ValueError, match="'sometimes' is not a valid CatchUp"):
-        ElasticTrainer(params(0), devices=list(D[:2]), catch_up="sometimes")
+        ElasticTrainer(params(0), devices=list(D[:2]), catch_up="sometimes", options=OPTS)
     with pytest.raises(ValueError, match="name='' must be a non-empty str"):
-        ElasticReplica(like(1), "127.0.0.1:1", name="", devices=list(D[2:4]))
+        ElasticReplica(like(1), "127.0.0.1:1", name="", devices=list(D[2:4]), options=OPTS)
     with pytest.raises(ValueError, match="has a shard on"):
-        ElasticReplica(like(1), "127.0.0.1:1", devices=list(D[4:6]))
+        ElasticReplica(like(1), "127.0.0.1:1", devices=list(D[4:6]), options=OPTS)
+    with pytest.raises(ValueError, match="ElasticTrainer: connections between programs need a shared secret"):
+        ElasticTrainer(params(0), devices=list(D[:2]), options=Options(timeout_s=1.0))
+    with pytest.raises(ValueError, match="cannot bind 192"):
+        ElasticTrainer(params(0), devices=list(D[:2]), host="192.0.2.1", options=OPTS)
 
 
 def test_a_replica_whose_processes_do_not_all_join_is_refused_naming_them():
-    from jreshard.elastic.wire import open_channel
     from jreshard.refit_decl import declare_local
 
-    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=Options(timeout_s=0.5))
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=Options(timeout_s=0.5, secret=KEY))
     decl = declare_local("destination", like(1), list(D[2:4]), None)
-    ch = open_channel(parse_address(tr.address, timeout_s=1), "trainer", timeout_s=1)
-    hello = {"op": "hello", "name": "big", "decl": decl, "peer_port": 1, "process": 0, "processes": 2}
+    ch = connect(parse_address(tr.address, timeout_s=1), "trainer", key=KEY, timeout_s=1)
+    hello = {"op": "hello", "name": "big", "decl": decl, "peer_address": ["127.0.0.1", 1]}
+    hello |= {"process": 0, "processes": 2}
     ch.send_control(hello, timeout_s=1.0)
     t0 = time.monotonic()
     answer = ch.recv_control(timeout_s=5.0)
     assert answer["op"] == "reject" and 0.4 < time.monotonic() - t0 < 3.0
     assert answer["errors"] == ["only processes [0] of the 2 of replica 'big' joined within timeout_s"]
     ch.close()
-    bad = open_channel(parse_address(tr.address, timeout_s=1), "trainer", timeout_s=1)
-    bad.send_control({"op": "hello", "name": "odd", "decl": {"params": 3}, "peer_port": "x"}, timeout_s=1)
+    bad = connect(parse_address(tr.address, timeout_s=1), "trainer", key=KEY, timeout_s=1)
+    bad.send_control({"op": "hello", "name": "odd", "decl": {"params": 3}, "peer_address": "x"}, timeout_s=1)
     assert "a malformed hello" in bad.recv_control(timeout_s=5.0)["errors"][0]
     bad.close()
     assert tr.replicas() == {}
     tr.close()
+
+
+def test_wrong_keys_garbage_huge_frames_and_stalled_peers_are_refused_and_the_trainer_serves_on(caplog):
+    from jreshard.errors import AuthenticationError
+    from jreshard.refit_decl import declare_local
+
+    opts = Options(timeout_s=1.0, chunk_bytes=64, staging_bytes=1024, secret=KEY)
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=opts)
+    where = parse_address(tr.address, timeout_s=1)
+    with pytest.raises(AuthenticationError, match="different secrets"):  # a replica with the wrong key
+        ElasticReplica(like(1), tr.address, name="wrong", devices=list(D[2:4]), options=Options(secret=b"x" * 20))
+    garbage = socket.create_connection(where)  # 64 KiB of random bytes instead of a handshake
+    garbage.sendall(np.random.default_rng(1).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes())
+    silent = socket.create_connection(where)  # a client with no key: it says nothing
+    huge = connect(where, "the trainer", key=KEY, timeout_s=1.0)  # authenticated, then a 2^60-byte frame
+    huge.sock.sendall(b"\x01" + (1 << 60).to_bytes(8, "big"))
+    stalled = connect(where, "the trainer", key=KEY, timeout_s=1.0)  # joins, then stops mid-message
+    decl = declare_local("destination", like(2), list(D[4:6]), None)
+    hello = {"op": "hello", "name": "stalled", "decl": decl, "peer_address": ["127.0.0.1", 1]}
+    stalled.send_control(hello, timeout_s=1.0)
+    assert stalled.recv_control(timeout_s=5.0)["op"] == "welcome"
+    stalled.sock.sendall(b"\x01" + (100).to_bytes(8, "big") + b'{"op": "ni')  # 10 of 100 bytes, then silence
+    r1 = replica(tr, 1, "r1")
+    assert tr.wait(count=2, timeout_s=5.0) == ("r1", "stalled")
+    t0 = time.monotonic()
+    report = tr.push(params(1), version=1)
+    assert report.committed == ("r1",) and list(report.lost) == ["stalled"]
+    assert "timeout_s=1.0" in report.lost["stalled"] and time.monotonic() - t0 < 4.0
+    assert exact(r1.pull()[0], 1)
+    r2 = replica(tr, 2, "r2")  # still admitting and serving after all of them
+    assert tr.wait(version=1) == ("r1", "r2") and exact(r2.pull()[0], 1)
+    assert "wrong or missing key" in caplog.text and "garbage" in caplog.text
+    for s in (garbage, silent):
+        s.close()
+    huge.close()
+    stalled.close()
+    tr.close()
+    r1.leave()
+    r2.leave()

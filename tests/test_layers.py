@@ -21,6 +21,9 @@ _NAMES = ["base", "sharding", "schedule", "engine", "transport", "top"]
 # (module prefix, layer): the longest matching prefix decides.
 _LAYERS = [
     ("jreshard._cache", BASE),
+    # the shared secret and the authenticated control connections every cross-program transport uses
+    ("jreshard.auth", BASE),
+    ("jreshard.channel", BASE),
     ("jreshard.errors", BASE),
     ("jreshard.options", BASE),
     ("jreshard.types", BASE),
@@ -127,6 +130,7 @@ def posters() -> set[str]:
 
 
 def test_only_the_engine_posts_sends_and_receives():
-    # Transports implement exchange(); they do not post on their own.
+    # Transports implement exchange() (NixlComm's WRITEs, MpiComm's Isend/Irecv); they do not build
+    # operations of their own.
     found = posters()
     assert not found, f"sends and receives posted outside jreshard/engine: {sorted(found)}"

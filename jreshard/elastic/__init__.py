@@ -1,7 +1,8 @@
 """Elastic refit: inference replicas join, leave and fail while the trainer keeps pushing versions.
 
-One :class:`ElasticTrainer` process serves any number of :class:`ElasticReplica`
-processes, each over its own loopback connection; see ``docs/elastic.md``.
+One :class:`ElasticTrainer` (one process, or one in each process of the trainer's jax cluster)
+serves any number of :class:`ElasticReplica` processes on any hosts, each over its own
+authenticated connection, the weights over NIXL; see ``docs/elastic.md``.
 """
 
 from jreshard.elastic.replica import ElasticReplica as ElasticReplica

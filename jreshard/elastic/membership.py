@@ -14,13 +14,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jreshard.channel import Channel
+from jreshard.elastic.followers import Followers
 from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
-from jreshard.elastic.wire import Channel
 from jreshard.errors import JReshardError, TransferError
 from jreshard.options import Options
 
 __all__ = ["Membership"]
+
+_MAX_PENDING = 256  # connections not yet authenticated or not yet said hello; more are closed at once
+_ANY = ("0.0.0.0", "::", "")
 
 
 @dataclasses.dataclass(slots=True)
@@ -29,7 +33,7 @@ class _Member:  # mutable bookkeeping of the service thread; the public view is 
     name: str
     channels: list[Channel]  # one per process of the replica, in process order
     decls: list[dict]
-    peer_ports: list[int]
+    peer_addresses: list[tuple[str, int]]  # where each process serves catch-ups
     state: ReplicaState = ReplicaState.JOINING
     version: int | None = None
     caught_up_from: str = ""
@@ -44,6 +48,17 @@ class _Member:  # mutable bookkeeping of the service thread; the public view is 
     def send(self, msg: dict, timeout_s: float) -> None:
         for ch in self.channels:
             ch.send_control(msg, timeout_s=timeout_s)
+
+
+def _peer_address(ch: Channel, said: object) -> tuple[str, int]:
+    """Where a replica process serves catch-ups: the host it bound (the one its trainer connection
+    came from when it bound every interface) and its port."""
+    if not (isinstance(said, list) and len(said) == 2 and isinstance(said[0], str)):
+        raise ValueError(f"peer_address={said!r} must be [host, port]")
+    host, port = said[0], int(said[1])
+    if host in _ANY:
+        host = ch.sock.getpeername()[0]
+    return host, port
 
 
 def _alive(ch: Channel) -> bool:
@@ -62,6 +77,8 @@ class Membership:
       devices: the trainer's devices, in declaration order.
       options, catch_up, links: as for :class:`ElasticTrainer`.
       listener: the listening socket; wake: a socket whose bytes only wake :meth:`poll`.
+      key: the shared secret every connection proves it holds before its hello is read.
+      followers: the other processes of a trainer of several (``None``: one process).
     """
 
     def __init__(
@@ -73,10 +90,16 @@ class Membership:
         links: Mapping[str, float],
         listener: socket.socket,
         wake: socket.socket,
+        key: bytes,
+        *,
+        followers: Followers | None = None,
     ):
         self._decl, self._devices, self.options, self.catch_up = decl, list(devices), options, catch_up
         self._links = dict(links)
-        self._listener, self._wake = listener, wake
+        self._listener, self._wake, self._key = listener, wake, key
+        self._followers = followers
+        self._decls = followers.decls if followers is not None else [decl]  # every trainer process's
+        self._out_version = 0  # the version _send moves (the followers are told it)
         self.cv = threading.Condition()
         self.members: dict[int, _Member] = {}
         self.gone: list[ReplicaInfo] = []
@@ -102,6 +125,12 @@ class Membership:
         for group, _ in self._forming.values():
             for ch, _ in group.values():
                 ch.close()
+        if self._followers is not None:
+            self._followers.goodbye()
+
+    def adopt(self, early: Sequence[tuple[Channel, float]]) -> None:
+        """Take over connections that arrived while the trainer's processes gathered."""
+        self._pending.extend(early)
 
     def poll(self, wait_s: float) -> None:
         """Admit joiners, read every replica's messages, notice closed connections."""
@@ -111,13 +140,14 @@ class Membership:
         if self._wake in ready:
             self._wake.recv(4096)
         if self._listener in ready:
-            try:
-                sock, _ = self._listener.accept()
-                self._pending.append((Channel(sock, "a joining replica"), time.monotonic() + self.options.timeout_s))
-            except BlockingIOError:
-                pass
+            self._accept()
         for ch, deadline in list(self._pending):
-            ch.pump()
+            try:
+                ch.pump()  # the handshake first: nothing from an unauthenticated peer is read as a hello
+            except JReshardError:  # refused (the channel logged why) or a malformed frame: this one only
+                self._pending.remove((ch, deadline))
+                ch.close()
+                continue
             if ch.inbox or ch.eof or time.monotonic() > deadline:
                 self._pending.remove((ch, deadline))
                 if ch.inbox:
@@ -136,14 +166,28 @@ class Membership:
                     ch.pump()
                 except JReshardError as err:
                     self._drop(m, str(err))
-                while ch.inbox and m.state is not ReplicaState.GONE:
-                    msg = ch.inbox.popleft()
+                while m.state is not ReplicaState.GONE and (msg := ch.pop()) is not None:
                     try:
                         self._message(m, p, msg)
                     except (KeyError, TypeError, ValueError) as err:
                         self._drop(m, f"it sent a malformed message {msg!r} ({type(err).__name__}: {err})")
                 if ch.eof and m.state is not ReplicaState.GONE:
                     self._drop(m, ch.closed_error().args[0])
+
+    def _accept(self) -> None:
+        """Take every waiting connection; each starts with the trainer's challenge."""
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. out of file descriptors: try again at the next poll
+                return
+            if len(self._pending) >= _MAX_PENDING:
+                sock.close()
+                continue
+            ch = Channel.server(sock, "a joining replica", key=self._key)
+            self._pending.append((ch, time.monotonic() + self.options.timeout_s))
 
     def _hello(self, ch: Channel, hello: dict, deadline: float) -> None:
         """One process's hello: a replica of several processes is admitted when all of them said hello."""
@@ -176,12 +220,12 @@ class Membership:
         name = hellos[0][1].get("name") or f"replica-{ident}"
         try:
             decls = [h["decl"] for _, h in hellos]
-            peer_ports = [int(h["peer_port"]) for _, h in hellos]
-            problems = check_pair([self._decl], decls)
+            peer_addresses = [_peer_address(ch, h["peer_address"]) for ch, h in hellos]
+            problems = check_pair(self._decls, decls)
             if [h.get("process", 0) for _, h in hellos] != list(range(len(hellos))):
                 problems.append(f"process numbers {[h.get('process') for _, h in hellos]} of replica {name!r}")
         except (KeyError, TypeError, ValueError, IndexError) as err:
-            problems, peer_ports = [f"a malformed hello ({type(err).__name__}: {err}): not a jreshard replica?"], []
+            problems, peer_addresses = [f"a malformed hello ({type(err).__name__}: {err}): not a jreshard replica?"], []
         if name in taken:
             problems.append(f"the name {name!r} is taken by a live replica")
         if problems:
@@ -189,7 +233,7 @@ class Membership:
             return
         for p, (ch, _) in enumerate(hellos):
             ch.peer = f"replica {name!r}" + (f" (process {p})" if len(hellos) > 1 else "")
-        m = _Member(ident, name, [ch for ch, _ in hellos], decls, peer_ports)
+        m = _Member(ident, name, [ch for ch, _ in hellos], decls, peer_addresses)
         with self.cv:  # a member before its welcome: a wait that returns after the replica's join counts it
             v = None if self.committed is None else self.committed[0]
             m.state = ReplicaState.JOINING if v is not None else ReplicaState.READY
@@ -197,6 +241,8 @@ class Membership:
             self.cv.notify_all()
         try:
             welcome = {"op": "welcome", "id": ident, "name": name, "decl": self._decl, "decls": decls, "version": v}
+            if self._followers is not None:  # the replica attaches to every trainer process
+                welcome |= {"trainer_decls": self._decls, "followers": self._followers.addresses[1:]}
             m.send(welcome, self.options.timeout_s)
         except JReshardError as err:
             self._drop(m, f"joining: {err}")
@@ -215,14 +261,15 @@ class Membership:
             for p in self.members.values()
             if p is not m and p.state is ReplicaState.READY and p.version == v and not forbid_peer
         }
-        trainer = self._decl if self._trainer_can_serve() else None
+        trainer = self._decls if self._trainer_can_serve() else None
         decls = {n: p.decls for n, p in peers.items()}
         chosen = choose_source(self.catch_up, trainer, decls, m.decls, self.options, self._links)
         try:
             if chosen is not None:
                 p = peers[chosen]
                 m.via_peer = p.name
-                msg = {"op": "catchup", "version": v, "from": "peer", "peer": p.name, "ports": p.peer_ports}
+                addresses = [list(a) for a in p.peer_addresses]
+                msg = {"op": "catchup", "version": v, "from": "peer", "peer": p.name, "addresses": addresses}
                 m.send(msg | {"decls": p.decls}, self.options.timeout_s)
                 return
             if not self._trainer_can_serve():
@@ -230,14 +277,19 @@ class Membership:
                 return
             m.via_peer = ""
             m.send({"op": "catchup", "version": v, "from": "trainer"}, self.options.timeout_s)
+            self._out_version = v
             self._send(m, leaves)
         except TransferError as err:
             self._drop(m, f"catching up to version {v}: {err}")
 
     def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> None:
-        pair = pair_plan([self._decl], m.decls, self.options, self._links)
+        """Refit ``m`` to ``self._out_version``: every follower its shards, this process its own."""
+        pair = pair_plan(self._decls, m.decls, self.options, self._links)
+        if self._followers is not None:
+            self._followers.dispatch(m.id, m.name, m.decls, self._out_version)
         shards = source_shards(pair, leaves, self._devices, 0)
-        run_pair(pair, 0, {1 + p: ch for p, ch in enumerate(m.channels)}, shards=shards, options=self.options)
+        chs = {pair.n_src + p: ch for p, ch in enumerate(m.channels)}
+        run_pair(pair, 0, chs, shards=shards, options=self.options)
 
     def _message(self, m: _Member, process: int, msg: dict) -> None:
         op = msg.get("op")
@@ -293,6 +345,7 @@ class Membership:
         for m in targets:
             try:
                 m.send({"op": "refit", "version": version}, self.options.timeout_s)
+                self._out_version = version
                 self._send(m, leaves)
             except TransferError as err:
                 self._drop(m, f"during version {version}: {err}")
@@ -315,4 +368,7 @@ class Membership:
                 self._drop(m, f"did not report version {version} within timeout_s={self.options.timeout_s}")
         lost = {m.name: m.error for m in targets if m.state is ReplicaState.GONE}
         done = tuple(m.name for m in targets if m.state is not ReplicaState.GONE)
-        return PushReport(version, done, lost, time.monotonic() - t0)
+        report = PushReport(version, done, lost, time.monotonic() - t0)
+        if self._followers is not None:
+            self._followers.pushed(report)
+        return report

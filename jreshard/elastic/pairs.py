@@ -16,9 +16,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.elastic.sockcomm import SocketComm
+from jreshard.channel import Channel
 from jreshard.elastic.types import CatchUp
-from jreshard.elastic.wire import Channel
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local, group_layouts, leaf_differences, validate
 
@@ -120,7 +119,7 @@ _TIE = 0.01  # predicted times within 1% are a tie, and a tie goes to the peer (
 
 def choose_source(
     prefer: CatchUp,
-    trainer: Mapping[str, Any] | None,
+    trainer: Sequence[Mapping[str, Any]] | None,
     peers: Mapping[str, Sequence[Mapping[str, Any]]],
     joiner: Sequence[Mapping[str, Any]],
     options: Options,
@@ -130,7 +129,7 @@ def choose_source(
 
     Args:
       prefer: the trainer's :class:`CatchUp` setting.
-      trainer: the trainer's declaration, or ``None`` when its copy of the version is gone.
+      trainer: the trainer's declarations, one per process, or ``None`` when its copy of the version is gone.
       peers: ``{name: [declaration per process]}`` of the replicas that hold the version.
       joiner: the joiner's declarations, one per process.
       options, links: as for :func:`pair_plan`.
@@ -148,7 +147,7 @@ def choose_source(
         return None
     cost = {n: pair_plan(d, joiner, options, links).predicted_seconds() for n, d in peers.items()}
     best = min(cost, key=lambda n: cost[n])
-    mine = pair_plan([trainer], joiner, options, links).predicted_seconds()
+    mine = pair_plan(list(trainer), joiner, options, links).predicted_seconds()
     return best if cost[best] <= mine * (1 + _TIE) else None
 
 
@@ -176,12 +175,16 @@ def target_devices(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: 
 
 
 def run_pair(pair: Pair, process: int, channels: Mapping[int, Channel], *, shards: Mapping, options: Options) -> dict:
-    """Run ``process``'s side of ``pair`` over its connections: the only call into the engine.
+    """Run ``process``'s side of ``pair`` over NIXL: the only call into the engine.
+
+    The bytes move as NIXL WRITEs (:class:`~jreshard.nixl.comm.NixlComm`, this process's shared
+    agent); the connections carry the agents' metadata and the receive descriptors.
 
     Args:
       pair: the plan every process computed.
       process: this process's number in the pair (sources first, then destinations).
-      channels: ``{process: connection}`` to the processes on the other side that it exchanges with.
+      channels: ``{process: authenticated connection}`` to the processes on the other side that it
+        exchanges with.
       shards: ``source_shards(...)`` on a source process, ``target_devices(...)`` on a destination.
       options: chunking, staging and ``timeout_s``.
 
@@ -189,10 +192,11 @@ def run_pair(pair: Pair, process: int, channels: Mapping[int, Channel], *, shard
       ``{(tensor, rank): new single-device array}`` on a destination (fresh buffers), ``{}`` on a source.
     """
     from jreshard.engine.driver import run_schedule, schedule_local
+    from jreshard.nixl import NixlAgent, NixlComm
 
     source = process < pair.n_src
     remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}
-    comm = SocketComm(pair.ranks(process), remote)
+    comm = NixlComm(NixlAgent.shared(), pair.ranks(process), remote, timeout_s=options.timeout_s)
     # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
     # the other side's processes by mail over the same connections (relays off, as the plan was made).
     options = dataclasses.replace(options, relays=False)

@@ -6,8 +6,11 @@ and has its own connection to the trainer, which admits the replica once
 every process has said hello and drops all of it when one process goes.
 
 In each process a background thread owns the sockets: the connection to the
-trainer (pushes and catch-ups arrive there), and a loopback listener where the
-processes of a joining replica fetch the version this one holds. Each version
+trainer (pushes and catch-ups arrive there), and a listener where the
+processes of a joining replica fetch the version this one holds. Every
+connection, to the trainer and between replicas, is authenticated both ways
+with the shared secret before anything is read (:mod:`jreshard.auth`); the
+bytes of every version move over NIXL (:mod:`jreshard.nixl`). Each version
 lands in fresh buffers, is *staged*, and is *committed* (swapped in under a
 lock) only when the trainer says every process of the replica staged it, so
 :meth:`ElasticReplica.pull` never returns a half-updated tree, in any process.
@@ -24,9 +27,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jreshard.auth import resolve_secret
+from jreshard.channel import Channel, connect, listen, parse_address
 from jreshard.elastic.pairs import check_like, leaves_by_name, pair_plan, run_pair, source_shards, target_devices
+from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import Arrival
-from jreshard.elastic.wire import Channel, listen, open_channel, parse_address, stop_service
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local, problems
@@ -40,16 +45,21 @@ class ElasticReplica:
     Args:
       like: this replica's declaration: a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with
         shardings over the replica's mesh. Pulled trees have its structure and shardings.
-      address: ``"127.0.0.1:PORT"`` (``ElasticTrainer.address``), or a file that holds it.
+      address: ``"HOST:PORT"`` of the trainer (``ElasticTrainer.address``), or a file that holds it.
       name: a name unique among live replicas (default: ``replica-<id>``, given by the trainer);
         required, and the same in every process, when the replica has several processes.
       devices: the jax devices this process drives (default ``jax.local_devices()``).
-      options: chunking, staging, and ``timeout_s`` (connecting, every wait on a peer).
+      options: chunking, staging, ``timeout_s`` (connecting, every wait on a peer) and ``secret``
+        (default ``$JRESHARD_SECRET`` or ``$JRESHARD_SECRET_FILE``): the trainer's key.
       links: link speeds for the cost model (as the trainer's).
+      host: the local address where this process serves catch-ups to joining replicas (default:
+        the address of the interface that reaches the trainer).
 
     Raises:
       LayoutMismatchError: the trainer refused the declaration (every problem listed).
+      AuthenticationError: the trainer refused this side's key, or did not prove it holds it.
       TransferTimeoutError: no trainer answered within ``timeout_s``.
+      ValueError: no secret is set.
     """
 
     def __init__(
@@ -61,8 +71,11 @@ class ElasticReplica:
         devices: Sequence[Any] | None = None,
         options: Options | None = None,
         links: dict[str, float] | None = None,
+        host: str | None = None,
     ):
         import jax
+
+        from jreshard.nixl import NixlAgent
 
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
@@ -74,6 +87,7 @@ class ElasticReplica:
                 f"ElasticReplica: this replica has {self._processes} processes; pass the same name=... in each"
             )
         self.options = options or Options()
+        self._key = resolve_secret(self.options.secret, who="ElasticReplica")
         timeout = self.options.timeout_s
         self._links = dict(links or {})
         self._devices = list(jax.local_devices() if devices is None else devices)
@@ -82,11 +96,17 @@ class ElasticReplica:
             raise ValueError("ElasticReplica: " + "; ".join(self._decl["errors"]))
         self._like = leaves_by_name(like)
         self._treedef = jax.tree_util.tree_structure(like)
-        self._listener = listen(0)
-        ch = open_channel(parse_address(address, timeout_s=timeout), "the trainer", timeout_s=timeout)
+        NixlAgent.shared()
+        ch = connect(parse_address(address, timeout_s=timeout), "the trainer", key=self._key, timeout_s=timeout)
+        try:
+            bind = ch.sock.getsockname()[0] if host is None else host
+            self._listener = listen(bind, 0)
+        except ValueError:
+            ch.close()
+            raise
         try:
             port = self._listener.getsockname()[1]
-            hello = {"op": "hello", "name": name, "decl": self._decl, "peer_port": port}
+            hello = {"op": "hello", "name": name, "decl": self._decl, "peer_address": [bind, port]}
             ch.send_control(hello | {"process": self._index, "processes": self._processes}, timeout_s=timeout)
             msg = ch.recv_control(timeout_s=timeout)
         except JReshardError:
@@ -105,8 +125,21 @@ class ElasticReplica:
         self.id: int = msg["id"]
         self.name: str = msg["name"]
         self._trainer = ch
-        self._trainer_decl = msg["decl"]
+        self._trainer_decls: list[dict] = msg.get("trainer_decls") or [msg["decl"]]  # one per trainer process
         self._decls: list[dict] = msg["decls"]  # every process of this replica, in process order
+        self._sources = {0: ch}  # a connection to each trainer process (process 0's is the trainer's)
+        try:
+            for p, (host, port) in enumerate(msg.get("followers", []), start=1):
+                f = connect((str(host), int(port)), f"the trainer's process {p}", key=self._key, timeout_s=timeout)
+                self._sources[p] = f
+                f.send_control(
+                    {"op": "attach", "id": self.id, "name": self.name, "process": self._index}, timeout_s=timeout
+                )
+        except JReshardError:
+            for c in self._sources.values():
+                c.close()
+            self._listener.close()
+            raise
         self._staged: tuple[int, Any, list[tuple[str, Any]], Arrival] | None = None
         self._cv = threading.Condition()
         self._tree: Any = None
@@ -177,9 +210,11 @@ class ElasticReplica:
                 if self._listener in ready:
                     try:
                         sock, _ = self._listener.accept()
-                        pending.append((Channel(sock, "a joining peer"), time.monotonic() + self.options.timeout_s))
-                    except BlockingIOError:
-                        pass
+                    except OSError:  # nothing waiting after all, or out of descriptors: the next poll
+                        sock = None
+                    if sock is not None:
+                        ch = Channel.server(sock, "a joining peer", key=self._key)
+                        pending.append((ch, time.monotonic() + self.options.timeout_s))
                 self._peers(pending, fetches)
                 if live:
                     self._from_trainer()
@@ -194,7 +229,8 @@ class ElasticReplica:
                 except JReshardError:
                     pass
                 self._set_gone("it left")
-            self._trainer.close()
+            for c in self._sources.values():
+                c.close()
             self._listener.close()
             for ch in [c for c, _ in pending] + [c for g, _ in fetches.values() for c in g.values()]:
                 ch.close()
@@ -213,8 +249,7 @@ class ElasticReplica:
         except JReshardError as err:
             self._set_gone(f"the connection to the trainer broke ({err})")
             return
-        while ch.inbox and self._gone is None:
-            msg = ch.inbox.popleft()
+        while self._gone is None and (msg := ch.pop()) is not None:
             op, v = msg.get("op"), msg.get("version")
             if op in ("refit", "catchup") and not isinstance(v, int):
                 self._set_gone(f"the trainer sent a malformed message {msg!r}: not a jreshard trainer?")
@@ -227,7 +262,7 @@ class ElasticReplica:
                 elif op == "commit":
                     self._commit(version)
                 elif op in ("refit", "catchup") and msg.get("from") != "peer":
-                    self._receive({0: ch}, [self._trainer_decl], version, "trainer")
+                    self._receive(self._sources, self._trainer_decls, version, "trainer")
                 elif op == "catchup":
                     try:
                         self._fetch(msg, version, f"replica {msg['peer']!r}")
@@ -248,8 +283,9 @@ class ElasticReplica:
         timeout = self.options.timeout_s
         peers: dict[int, Channel] = {}
         try:
-            for i, port in enumerate(msg["ports"]):
-                peers[i] = open_channel(("127.0.0.1", int(port)), source, timeout_s=timeout, retry=False)
+            for i, (host, port) in enumerate(msg["addresses"]):
+                where = (str(host), int(port))
+                peers[i] = connect(where, source, key=self._key, timeout_s=timeout, retry=False)
             fetch = {"op": "fetch", "name": self.name, "decls": self._decls, "version": version}
             for ch in peers.values():
                 ch.send_control(fetch | {"process": self._index}, timeout_s=timeout)
@@ -303,9 +339,9 @@ class ElasticReplica:
         now = time.monotonic()
         for ch, deadline in list(pending):
             try:
-                ch.pump()
+                ch.pump()  # the handshake first (a refusal is logged by the channel)
             except JReshardError:
-                ch.eof = True
+                ch.close()
             if not (ch.inbox or ch.eof or now > deadline):
                 continue
             pending.remove((ch, deadline))

@@ -1,12 +1,19 @@
 """ElasticTrainer: serves versioned refits to inference replicas that join, leave and fail at any time.
 
-The trainer listens on ``127.0.0.1:port``. A replica connects, sends its
+The trainer listens on ``host:port`` (any interface). A replica connects, proves
+it holds the shared secret (and checks the trainer does; :mod:`jreshard.auth`), sends its
 declaration (names, shapes, dtypes, the boxes of its devices) and is checked
 against the trainer's; a mismatch is refused with every problem listed. Each
 replica has its own connection, so one replica joining, leaving or dying
 touches no other. A background thread owns every socket: it admits joiners,
 serves their catch-up, notices leaves and deaths (a closed connection is seen
 at once), and runs the pushes handed to it by :meth:`ElasticTrainer.push`.
+
+The bytes of every refit move over NIXL (one-sided WRITEs into the replica's
+registered buffers, :mod:`jreshard.nixl`); the connection carries only small
+control messages. A trainer may be several processes (one jax cluster): every process makes an
+``ElasticTrainer`` and calls ``push``; process 0 leads membership and every
+other process serves its own shards to each replica (:mod:`.followers`).
 
 A push is one refit per replica (trainer -> that replica, its own plan): a
 replica that fails or dies is dropped, named in the :class:`PushReport`, and
@@ -22,13 +29,17 @@ import collections
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jreshard.auth import resolve_secret
+from jreshard.channel import Channel, format_address, listen, parse_address
+from jreshard.elastic.followers import Followers, FollowerService, gather_followers
 from jreshard.elastic.membership import Membership
 from jreshard.elastic.pairs import check_like, leaves_by_name
+from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
-from jreshard.elastic.wire import listen, stop_service
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.options import Options
 from jreshard.refit_decl import declare_local
@@ -42,22 +53,27 @@ class ElasticTrainer:
     Args:
       params: the parameter declaration: a pytree of ``jax.Array`` or
         ``jax.ShapeDtypeStruct`` with shardings on this process's devices.
-      port: the loopback port to listen on (0: a free one; see :attr:`address`).
-      address_file: if given, ``"127.0.0.1:PORT"`` is written there (atomically) for replicas to read.
+      host: the local address to listen on: an interface's address (``"10.0.0.1"``), ``"0.0.0.0"``
+        for every IPv4 interface, default loopback.
+      port: the port to listen on (0: a free one; see :attr:`address`).
+      address_file: if given, :attr:`address` is written there (atomically) for replicas to read.
       devices: the jax devices this process drives (default ``jax.local_devices()``).
-      options: chunking, staging, and ``timeout_s``: the longest this process waits on any replica.
+      options: chunking, staging, ``timeout_s`` (the longest this process waits on any replica) and
+        ``secret``, the key every replica must hold (default ``$JRESHARD_SECRET`` or
+        ``$JRESHARD_SECRET_FILE``).
       catch_up: where joiners take the latest version from (:class:`CatchUp`).
       links: link speeds for the cost model (``Topology.from_domains`` keywords).
 
     Raises:
-      ValueError: the declaration is malformed, or this is one process of several
-        (elastic refit runs one process per side).
+      ValueError: the declaration is malformed, no secret is set, or ``host`` cannot be bound.
+      BackendUnavailableError: NIXL is not installed.
     """
 
     def __init__(
         self,
         params: Any,
         *,
+        host: str = "127.0.0.1",
         port: int = 0,
         address_file: str | None = None,
         devices: Sequence[Any] | None = None,
@@ -67,47 +83,141 @@ class ElasticTrainer:
     ):
         import jax
 
-        if jax.process_count() > 1:
-            raise ValueError(
-                f"ElasticTrainer: this jax cluster has {jax.process_count()} processes; elastic refit runs one "
-                "process per side (use RefitGroup for multi-process sides)"
-            )
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticTrainer: options={options!r} must be a jreshard.Options")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"ElasticTrainer: port={port!r} must be an int in [0, 65535] (0: any free port)")
         self.options = options or Options()
+        key = resolve_secret(self.options.secret, who="ElasticTrainer")
         self.catch_up = CatchUp(catch_up)
         self._links = dict(links or {})
         self._devices = list(jax.local_devices() if devices is None else devices)
         self._decl = declare_local("source", params, self._devices, None)
         if self._decl["errors"]:
             raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
-        self._listener = listen(port)
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        from jreshard.nixl import NixlAgent
+
+        NixlAgent.shared()  # NIXL present and its agent made before anyone connects
+        self._process, processes = jax.process_index(), jax.process_count()
+        self._follower: FollowerService | None = None
+        self._stop = False
+        self._fatal = "it was closed"
+        if self._process > 0:  # a follower: serves its shards; process 0 leads membership
+            self._start_follower(host, port, address_file, key)
+            return
+        self._listener = listen(host, port)
+        self.address = format_address(host, self._listener.getsockname()[1])
         if address_file is not None:
             with open(address_file + ".tmp", "w") as f:
                 f.write(self.address)
             os.replace(address_file + ".tmp", address_file)
+        followers: Followers | None = None
+        early: list[tuple[Channel, float]] = []
+        if processes > 1:
+            try:
+                followers, early = gather_followers(self._listener, self._decl, processes, key, self.options)
+            except BaseException:
+                self._listener.close()
+                raise
         self._wake_r, self._wake_w = socket.socketpair()
         self._m = Membership(
-            self._decl, self._devices, self.options, self.catch_up, self._links, self._listener, self._wake_r
+            self._decl,
+            self._devices,
+            self.options,
+            self.catch_up,
+            self._links,
+            self._listener,
+            self._wake_r,
+            key,
+            followers=followers,
         )
+        self._m.adopt(early)
         self._cv = self._m.cv
         self._jobs: collections.deque[tuple[Callable[[], Any], dict]] = collections.deque()
-        self._stop = False
-        self._fatal = "it was closed"
         self._thread = threading.Thread(target=self._serve, name="jreshard-elastic-trainer", daemon=True)
         self._thread.start()
+
+    def _start_follower(self, host: str, port: int, address_file: str | None, key: bytes) -> None:
+        """This process is not process 0: join process 0 and serve this process's shards."""
+        if address_file is not None:
+            leader = parse_address(address_file, timeout_s=self.options.timeout_s)
+        elif port:
+            leader = (host, port)
+        else:
+            raise ValueError(
+                "ElasticTrainer: a trainer of several processes needs address_file=... (or port=...) in every "
+                "process, so they find process 0"
+            )
+        self._follower = f = FollowerService(
+            leader, self._process, self._decl, self._devices, host, key, self.options, self._links
+        )
+        self.address = format_address(*leader)
+        self._cv = f.cv
+        deadline = time.monotonic() + self.options.timeout_s
+        while f.trainer_decls is None:
+            f._leader.pump()
+            msg = f._leader.pop()
+            if msg is not None and msg.get("op") == "trainer":
+                f.trainer_decls = list(msg["decls"])
+            elif f._leader.eof or time.monotonic() > deadline:
+                f.close()
+                raise TransferTimeoutError(f"ElasticTrainer: process 0 did not answer within {self.options.timeout_s}")
+            else:
+                time.sleep(0.005)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._follow, name="jreshard-elastic-follower", daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        f = self._follower
+        assert f is not None
+        try:
+            while True:
+                with self._cv:
+                    if self._stop or f.gone is not None:
+                        break
+                f.poll(0.02)
+        finally:
+            with self._cv:
+                self._stop = True
+                f.gone = f.gone or "it was closed"
+                self._cv.notify_all()
+            f.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _follower_push(self, f: FollowerService, version: int, leaves: list, block: bool) -> PushReport | None:
+        with self._cv:
+            if f.gone is not None:
+                raise PeerError(f"ElasticTrainer.push: this trainer process stopped serving ({f.gone})")
+            last = max([*f.trees, *f.reports, -1])
+            if version <= last:
+                raise ValueError(f"ElasticTrainer.push: version={version} must be greater than {last}")
+            f.trees[version] = leaves
+        if not block:
+            return None
+        with self._cv:
+            self._cv.wait_for(lambda: version in f.reports or f.gone is not None)
+            if version in f.reports:
+                return f.reports[version]
+        raise PeerError(f"ElasticTrainer.push: version {version} did not complete ({f.gone})")
 
     @property
     def version(self) -> int | None:
         """The latest version pushed (``None`` before the first push)."""
+        if self._follower is not None:
+            with self._cv:
+                return max(self._follower.reports, default=None)
         with self._cv:
             return self._m.version
 
     def replicas(self, *, include_gone: bool = False) -> dict[str, ReplicaInfo]:
-        """``{name: ReplicaInfo}`` of the live replicas (and, with ``include_gone``, the departed)."""
+        """``{name: ReplicaInfo}`` of the live replicas (and, with ``include_gone``, the departed).
+
+        Raises:
+          ValueError: on a process other than process 0 (it leads membership).
+        """
+        self._leader_only("replicas")
         with self._cv:
             live = {m.name: m.info() for m in self._m.members.values()}
             gone = {i.name: i for i in self._m.gone} if include_gone else {}
@@ -130,6 +240,8 @@ class ElasticTrainer:
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"ElasticTrainer.push: version={version!r} must be an int")
         check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push")
+        if self._follower is not None:
+            return self._follower_push(self._follower, version, leaves_by_name(params), block)
         with self._cv:
             if self._stop:
                 raise PeerError(f"ElasticTrainer.push: the trainer stopped serving ({self._fatal})")
@@ -160,6 +272,7 @@ class ElasticTrainer:
         Raises:
           TransferTimeoutError: not reached in time; the message names the replicas and their versions.
         """
+        self._leader_only("wait")
         if count is not None and (not isinstance(count, int) or count < 1):
             raise ValueError(f"ElasticTrainer.wait: count={count!r} must be None (all) or an int >= 1")
         timeout = self.options.timeout_s if timeout_s is None else timeout_s
@@ -187,8 +300,17 @@ class ElasticTrainer:
                 )
             return tuple(sorted(at()))
 
+    def _leader_only(self, what: str) -> None:
+        if self._follower is not None:
+            raise ValueError(
+                f"ElasticTrainer.{what}: this is process {self._process} of the trainer; membership is led by "
+                "process 0: ask it there"
+            )
+
     def close(self) -> None:
-        """Tell every replica the trainer is done (their pulls return what they hold, then raise) and stop."""
+        """Tell every replica the trainer is done (their pulls return what they hold, then raise) and stop.
+
+        On process 0 of a trainer of several processes this also ends the others' service."""
         stop_service(self._cv, self, self.options.timeout_s)
 
     def __enter__(self) -> ElasticTrainer:

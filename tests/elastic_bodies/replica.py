@@ -19,14 +19,14 @@ from jax.sharding import PartitionSpec as P
 
 from jreshard.elastic import ElasticReplica
 from jreshard.elastic import replica as replica_module
-from jreshard.elastic.sockcomm import SocketComm
 from jreshard.errors import PeerError
+from jreshard.nixl import NixlComm
 
 
 def arm_kill(version):
     """SIGKILL this process at its second data exchange of ``version`` (some bytes in, some not)."""
     state = {"v": None, "calls": 0}
-    receive, exchange = replica_module.ElasticReplica._receive, SocketComm.exchange
+    receive, exchange = replica_module.ElasticReplica._receive, NixlComm.exchange
 
     def watched_receive(self, ch, decl, v, source):
         state["v"], state["calls"] = v, 0
@@ -40,7 +40,7 @@ def arm_kill(version):
         return exchange(self, sends, recvs, timeout_s=timeout_s)
 
     replica_module.ElasticReplica._receive = watched_receive
-    SocketComm.exchange = deadly_exchange
+    NixlComm.exchange = deadly_exchange
 
 
 def main():

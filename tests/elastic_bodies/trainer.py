@@ -5,6 +5,7 @@ results as the last line.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -24,18 +25,41 @@ def say(**event):
 
 
 def params(version):
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
-    return {
-        k: jax.device_put(value(k, s, version), NamedSharding(mesh, P("fsdp") if s[0] % 2 == 0 else P()))
-        for k, s in SHAPES.items()
-    }
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))  # every process's devices
+    out = {}
+    for k, s in SHAPES.items():
+        full = value(k, s, version)
+        sharding = NamedSharding(mesh, P("fsdp") if s[0] % 2 == 0 else P())
+        out[k] = jax.make_array_from_callback(s, sharding, lambda i, full=full: full[i])
+    return out
+
+
+def follow(address, scenario):
+    host = os.environ.get("JRESHARD_HOST", "127.0.0.1")  # the interface it serves its shards on
+    tr = ElasticTrainer(params(0), host=host, address_file=address, options=options(), catch_up="peer")
+    reports = {}
+    for v in {"big": (1, 2, 3, 4, 5)}[scenario]:
+        r = tr.push(params(v), version=v)
+        reports[v] = {"committed": sorted(r.committed), "lost": sorted(r.lost)}
+    tr.close()
+    say(event="done", process=jax.process_index(), reports=reports)
 
 
 def main():
     address, scenario = sys.argv[1], sys.argv[2]
+    if "JRESHARD_COORDINATOR" in os.environ:  # one process of a trainer of several: one jax cluster
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JRESHARD_COORDINATOR"],
+            num_processes=int(os.environ["JRESHARD_PROCESSES"]),
+            process_id=int(os.environ["JRESHARD_PROCESS"]),
+        )
+    if jax.process_index() > 0:  # a follower: the same pushes; membership is process 0's
+        follow(address, scenario)
+        return
     catch_up = sys.argv[3] if len(sys.argv) > 3 else "auto"
     out = {"pushes": {}}
-    tr = ElasticTrainer(params(0), address_file=address, options=options(), catch_up=catch_up)
+    host = os.environ.get("JRESHARD_HOST", "127.0.0.1")  # the interface to listen on
+    tr = ElasticTrainer(params(0), host=host, address_file=address, options=options(), catch_up=catch_up)
     tr.wait(count=1 if scenario == "multi" else 2, timeout_s=STARTUP_S)
 
     def push(v, **kw):
@@ -77,6 +101,19 @@ def main():
         push(4, block=False)
         out["any1_4"] = tr.wait(version=4, count=1)
         out["all4"] = tr.wait(version=4)
+    elif scenario == "big":  # a trainer of 2 processes; r1 stays, r2 leaves after 2, r3 joins at 2 and dies in 4
+        push(1)
+        push(2)
+        t0 = time.monotonic()
+        while "r2" in tr.replicas() and time.monotonic() - t0 < STARTUP_S:
+            time.sleep(0.01)
+        out["gone"] = {n: i.error for n, i in tr.replicas(include_gone=True).items() if i.error}
+        say(event="join-now")
+        out["at2"] = tr.wait(version=2, count=2, timeout_s=STARTUP_S)
+        out["joined"] = {n: i.caught_up_from for n, i in tr.replicas().items()}
+        push(3)
+        push(4)
+        push(5)
     elif scenario == "multi":  # r2 is two processes; r3 joins and catches up from it
         push(1)
         push(2)

@@ -1,0 +1,413 @@
+"""Authenticated, bounded control connections between jreshard programs over TCP (no jax, no MPI).
+
+A :class:`Channel` carries small JSON objects (a hello, a declaration, a vote, a version, the
+descriptors of the NIXL transport) between two processes on any hosts. Weights never travel on it:
+they move over a transfer engine (:mod:`jreshard.nixl`).
+
+- **Authenticated.** Before anything else, both ends prove they hold the shared secret
+  (:mod:`jreshard.auth`). The client side does it in :func:`connect`; the server side in
+  :meth:`Channel.pump`, without blocking, so a server thread that owns many connections keeps
+  serving while a slow, silent or hostile client is refused (its deadline is the caller's).
+- **Bounded.** Every frame is ``kind (1 byte), nbytes (8 bytes)`` then ``nbytes`` of UTF-8 JSON,
+  and a header claiming more than ``max_frame_bytes`` is refused before anything is allocated for
+  it; before authentication only the fixed-size handshake is read.
+- **Deadlines.** Sockets are non-blocking; every wait is a ``select`` with a deadline, so a silent
+  peer becomes :class:`TransferTimeoutError`, and one that closed or died (the kernel closes a
+  killed process's sockets) :class:`PeerError` at once.
+
+Addresses are ``"HOST:PORT"`` (``"[v6]:PORT"``) on any interface, or a file that holds one.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import select
+import socket
+import struct
+import time
+
+from jreshard import auth
+from jreshard.errors import AuthenticationError, PeerError, TransferTimeoutError
+
+__all__ = ["MAX_FRAME_BYTES", "TRANSPORT_OPS", "Channel", "connect", "format_address", "listen", "parse_address"]
+
+log = logging.getLogger("jreshard.channel")
+
+_HEADER = struct.Struct("!BQ")  # kind, nbytes
+_CONTROL = 1
+_READ = 1 << 20
+MAX_FRAME_BYTES = 64 << 20  # a declaration of tens of thousands of leaves fits; 2^60 does not
+TRANSPORT_OPS = "nixl."  # the ops of the data transport's messages on a shared connection
+
+
+def parse_address(address: str, *, timeout_s: float) -> tuple[str, int]:
+    """``"HOST:PORT"`` (or ``"[v6]:PORT"``), or the path of a file holding it (waited for up to ``timeout_s``).
+
+    Example:
+      >>> parse_address("10.0.0.2:5000", timeout_s=1.0), parse_address("[::1]:7", timeout_s=1.0)
+      (('10.0.0.2', 5000), ('::1', 7))
+    """
+    if not isinstance(address, str):
+        raise TypeError(f"address={address!r} must be a str: 'HOST:PORT' or a file path holding it")
+    text = address
+    if _split(text) is None or os.path.sep in text:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(address):
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"address file {address!r} did not appear within timeout_s={timeout_s}")
+            time.sleep(0.02)
+        with open(address) as f:
+            text = f.read().strip()
+    parsed = _split(text)
+    if parsed is None:
+        raise ValueError(f"address={text!r} must be 'HOST:PORT' (or '[IPv6]:PORT')")
+    return parsed
+
+
+def _split(text: str) -> tuple[str, int] | None:
+    host, sep, port = text.rpartition(":")
+    if not (sep and host and port.isdigit() and int(port) <= 65535):
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """``"HOST:PORT"``, with brackets around an IPv6 host."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A non-blocking listening socket bound to ``host:port`` (``port`` 0: any free port).
+
+    ``host`` is any local address: ``"0.0.0.0"`` every IPv4 interface, ``"::"`` every IPv6 one.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as err:
+        s.close()
+        raise ValueError(f"listen: cannot bind {format_address(host, port)} ({err})") from err
+    s.listen(128)
+    s.setblocking(False)
+    return s
+
+
+def connect(
+    address: tuple[str, int], peer: str, *, key: bytes, timeout_s: float, retry: bool = True, **kw: int
+) -> Channel:
+    """Connect to ``address`` and authenticate both ways (the client side of :mod:`jreshard.auth`).
+
+    Args:
+      address: ``(host, port)``.
+      peer: names the peer in errors (``"the trainer"``).
+      key: the shared secret.
+      timeout_s: the deadline for connecting and authenticating.
+      retry: keep trying a refused connection until ``timeout_s`` (the listener may not be up
+        yet); without, a refused connection (nobody listens: the peer is gone) raises at once.
+      kw: ``max_frame_bytes`` for the channel.
+
+    Raises:
+      AuthenticationError: the peer refused this side's proof, or did not prove it holds the key.
+      PeerError: without ``retry``, nobody listens at ``address``.
+      TransferTimeoutError: no connection or no answer within ``timeout_s``.
+    """
+    host, port = address
+    where = format_address(host, port)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection(address, timeout=max(0.05, deadline - time.monotonic()))
+            break
+        except OSError as err:
+            if not retry and isinstance(err, ConnectionRefusedError):
+                raise PeerError(f"{peer} refused the connection at {where}: it is gone") from err
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"could not connect to {peer} at {where} within timeout_s={timeout_s}: {err}"
+                ) from err
+            time.sleep(0.05)
+    try:
+        hello = _read_exact(sock, auth.CHALLENGE_BYTES, deadline, peer, where)
+        reply = auth.answer(key, hello)
+        if reply is None:
+            raise AuthenticationError(f"{peer} at {where} did not open with a jreshard challenge: not a jreshard peer")
+        message, nonce = reply
+        sock.sendall(message)
+        server_proof = _read_exact(sock, auth.PROOF_BYTES, deadline, peer, where)
+        if not auth.check_proof(key, nonce, hello[len(auth.MAGIC) :], server_proof):
+            raise AuthenticationError(
+                f"{peer} at {where} did not prove it holds the shared secret: refused (a process posing as a peer?)"
+            )
+    except BaseException:
+        sock.close()
+        raise
+    return Channel(sock, peer, **kw)
+
+
+def _read_exact(sock: socket.socket, n: int, deadline: float, peer: str, where: str) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"{peer} at {where} did not complete authentication within the timeout")
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(n - len(out))
+        except TimeoutError:
+            continue
+        except OSError as err:
+            chunk = b""
+            log.debug("reading from %s: %s", where, err)
+        if not chunk:
+            raise AuthenticationError(
+                f"{peer} at {where} closed the connection during authentication: the two sides hold different "
+                "secrets (or it is not a jreshard peer)"
+            )
+        out += chunk
+    return bytes(out)
+
+
+class Channel:
+    """One authenticated connection to one peer process: JSON control frames (final).
+
+    Args:
+      sock: a connected TCP socket whose peer is authenticated (:func:`connect`, or
+        :meth:`Channel.server` until its :attr:`authenticated`; a ``socketpair`` in tests).
+      peer: names the peer in error messages (``"replica 'r1'"``).
+      max_frame_bytes: the largest frame accepted; a header claiming more is refused.
+
+    Example:
+      >>> import socket
+      >>> a, b = socket.socketpair()
+      >>> x, y = Channel(a, "x"), Channel(b, "y")
+      >>> x.send_control({"op": "hello"}, timeout_s=1.0)
+      >>> y.recv_control(timeout_s=1.0)
+      {'op': 'hello'}
+      >>> x.close(); y.recv_control(timeout_s=1.0)
+      Traceback (most recent call last):
+      ...
+      jreshard.errors.PeerError: y closed the connection (it left, or its process exited or was killed)
+      >>> y.close()
+    """
+
+    def __init__(self, sock: socket.socket, peer: str, *, max_frame_bytes: int = MAX_FRAME_BYTES):
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.peer = peer
+        self.max_frame_bytes = int(max_frame_bytes)
+        self.inbox: collections.deque[dict] = collections.deque()
+        self.eof = False
+        self.authenticated = True
+        self._rbuf = bytearray()
+        self._out: collections.deque[memoryview] = collections.deque()
+        self._key = b""
+        self._nonce = b""
+
+    @classmethod
+    def server(cls, sock: socket.socket, peer: str, *, key: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> Channel:
+        """The server end of a just-accepted connection: it sends its challenge now, and :meth:`pump`
+        checks the answer (nothing else is read or delivered until the peer is authenticated)."""
+        ch = cls(sock, peer, max_frame_bytes=max_frame_bytes)
+        ch.authenticated = False
+        ch._key = key
+        message, ch._nonce = auth.challenge()
+        ch._out.append(memoryview(message))
+        try:
+            ch.flush()
+        except PeerError:
+            pass  # pump() reports the closed connection
+        return ch
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def closed_error(self) -> PeerError:
+        return PeerError(f"{self.peer} closed the connection (it left, or its process exited or was killed)")
+
+    def where(self) -> str:
+        """The peer's ``HOST:PORT`` (``"?"`` when the socket has none)."""
+        try:
+            name = self.sock.getpeername()
+        except OSError:
+            return "?"
+        return format_address(name[0], name[1]) if isinstance(name, tuple) else str(name or "?")
+
+    # sending -------------------------------------------------------------------------------------
+    def queue_control(self, obj: dict) -> None:
+        body = json.dumps(obj).encode()
+        if len(body) > self.max_frame_bytes:
+            raise ValueError(
+                f"Channel to {self.peer}: a message of {len(body)} bytes exceeds max_frame_bytes={self.max_frame_bytes}"
+            )
+        self._out.append(memoryview(_HEADER.pack(_CONTROL, len(body)) + body))
+
+    @property
+    def sending(self) -> bool:
+        return bool(self._out)
+
+    def flush(self) -> None:
+        """Write what the kernel takes now, without blocking."""
+        while self._out:
+            head = self._out[0]
+            try:
+                n = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                self.eof = True
+                raise PeerError(f"{self.peer}: the connection broke while sending ({err})") from err
+            if n == len(head):
+                self._out.popleft()
+            else:
+                self._out[0] = head[n:]
+                return
+
+    def send_control(self, obj: dict, *, timeout_s: float) -> None:
+        """Send one control message; wait (up to ``timeout_s``) until the kernel took it."""
+        self.queue_control(obj)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.flush()
+            if not self._out:
+                return
+            if self.eof:
+                raise self.closed_error()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(f"{self.peer} took no message within timeout_s={timeout_s}")
+            select.select([], [self.sock], [], min(left, 0.05))
+
+    # receiving -----------------------------------------------------------------------------------
+    def _read_some(self, limit: int = _READ) -> bool:
+        try:
+            chunk = self.sock.recv(limit)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.eof = True
+            return False
+        self._rbuf += chunk
+        return True
+
+    def _refuse(self, why: str) -> AuthenticationError:
+        where = self.where()
+        log.warning("refused a connection from %s (%s): %s", where, self.peer, why)
+        self.close()
+        return AuthenticationError(f"refused {self.peer} at {where}: {why}")
+
+    def _authenticate(self) -> bool:
+        """Read the client's answer (fixed size, nothing more); True once the peer is authenticated."""
+        need = auth.ANSWER_BYTES - len(self._rbuf)
+        if need > 0 and not self.eof:
+            self._read_some(need)
+        got = bytes(self._rbuf[: auth.ANSWER_BYTES])
+        if got[: len(auth.MAGIC)] != auth.MAGIC[: len(got)]:
+            raise self._refuse("it did not answer with the jreshard handshake (garbage, or not a jreshard peer)")
+        if len(got) < auth.ANSWER_BYTES:
+            if self.eof:
+                raise self._refuse("it closed the connection during authentication")
+            return False
+        nonce = auth.check_answer(self._key, self._nonce, got)
+        if nonce is None:
+            raise self._refuse("it did not prove it holds the shared secret (wrong or missing key)")
+        del self._rbuf[: auth.ANSWER_BYTES]
+        self._out.append(memoryview(auth.proof(self._key, self._nonce, nonce)))
+        self.authenticated, self._key, self._nonce = True, b"", b""
+        self.flush()
+        return True
+
+    def pump(self) -> None:
+        """Read what is available now: the handshake first (server side), then control frames into
+        :attr:`inbox`.
+
+        Raises:
+          AuthenticationError: the peer failed the handshake (the connection is closed and logged).
+          PeerError: the peer sent a frame over ``max_frame_bytes``, of an unknown kind, or not JSON
+            (the connection is closed).
+        """
+        if not self.authenticated and not self._authenticate():
+            return
+        while True:
+            if len(self._rbuf) >= _HEADER.size:
+                kind, nbytes = _HEADER.unpack_from(self._rbuf)
+                if kind != _CONTROL:
+                    self.close()
+                    raise PeerError(f"{self.peer} sent a frame of unknown kind {kind}: not a jreshard peer")
+                if nbytes > self.max_frame_bytes:
+                    self.close()
+                    raise PeerError(
+                        f"{self.peer} sent a frame that claims {nbytes} bytes, over max_frame_bytes="
+                        f"{self.max_frame_bytes}: refused"
+                    )
+                if len(self._rbuf) >= _HEADER.size + nbytes:
+                    body = bytes(self._rbuf[_HEADER.size : _HEADER.size + nbytes])
+                    del self._rbuf[: _HEADER.size + nbytes]
+                    try:
+                        msg = json.loads(body)
+                    except ValueError:
+                        msg = None
+                    if not isinstance(msg, dict):
+                        self.close()
+                        raise PeerError(f"{self.peer} sent a control frame that is not a JSON object")
+                    self.inbox.append(msg)
+                    continue
+            if self.eof or not self._read_some():
+                return
+
+    def take(self, accept: set[str]) -> list[dict]:
+        """Remove and return, in arrival order, the inbox messages whose ``op`` is in ``accept``."""
+        keep: collections.deque[dict] = collections.deque()
+        out: list[dict] = []
+        for m in self.inbox:
+            (out if m.get("op") in accept else keep).append(m)
+        self.inbox = keep
+        return out
+
+    def pop(self, *, leave: str = TRANSPORT_OPS) -> dict | None:
+        """The first inbox message whose ``op`` does not start with ``leave``, removed; ``None`` if none.
+
+        Messages of the transport that shares this connection (ops ``nixl.*``) stay for it, whatever
+        order they arrived in.
+        """
+        for i, m in enumerate(self.inbox):
+            if not str(m.get("op", "")).startswith(leave):
+                del self.inbox[i]
+                return m
+        return None
+
+    def recv_control(self, *, timeout_s: float) -> dict:
+        """The next control message, waiting up to ``timeout_s``.
+
+        Raises:
+          PeerError: the peer closed the connection (noticed at once).
+          TransferTimeoutError: nothing arrived in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.pump()
+            if self.inbox:
+                return self.inbox.popleft()
+            if self.eof:
+                raise self.closed_error()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferTimeoutError(f"no message from {self.peer} within timeout_s={timeout_s}")
+            select.select([self.sock], [], [], min(left, 0.05))
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:  # pragma: no cover - already closed
+            pass
+        self.eof = True

@@ -1,0 +1,327 @@
+"""NixlAgent: one process's NIXL agent, the memory it registered, the peers it knows, the notices it got.
+
+**Registrations.** A buffer handed to the transport (a destination shard, a staging arena, a source
+shard's DLPack view) is a view of some allocation, its *root* (the numpy or CuPy array that owns the
+memory). The root is registered once, whole, and the registration is cached by
+``(memory type, device, address, size)``; every later buffer inside it reuses the registration
+(the engine's buffer pool hands the same blocks out again). When a root is garbage collected its
+registration is released at the next call (a ``weakref.finalize`` queues it; NIXL is not called
+from the collector), and :meth:`NixlAgent.close` releases all of them.
+
+**Peers.** The agent's metadata (its UCX addresses) is introduced to a peer over an authenticated
+:class:`~jreshard.channel.Channel` (never through NIXL's own listener, which authenticates nothing);
+a registration a peer has not yet seen travels as partial metadata with the descriptors that use
+it. The remote keys of registered memory are therefore only ever sent to authenticated peers.
+
+**Memory types.** Host buffers (numpy) are ``DRAM``; a buffer with ``__cuda_array_interface__`` (CuPy)
+is ``VRAM`` on its device (not run on GPU).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import itertools
+import logging
+import os
+import secrets
+import select
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from jreshard.channel import Channel
+from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
+
+__all__ = ["NixlAgent", "Region", "import_nixl"]
+
+NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows
+
+
+def import_nixl() -> Any:
+    """The ``nixl_cu12`` (or ``nixl_cu13``) module, or :class:`BackendUnavailableError` saying what to install.
+
+    NIXL's Python logger prints every agent and backend it makes at INFO level on *stdout*; unless
+    ``NIXL_LOG_LEVEL`` says otherwise, its level is set to WARNING, so a program's stdout stays its own.
+    """
+    errors = []
+    for name in ("nixl_cu12", "nixl_cu13"):
+        try:
+            module = __import__(name)
+        except ImportError as err:
+            errors.append(f"{name}: {err}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs each agent and backend at INFO on stdout
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
+    raise BackendUnavailableError(
+        "the NIXL transport needs NIXL: pip install --no-deps nixl-cu12 (or nixl-cu13; its torch requirement "
+        f"is not needed) ({'; '.join(errors)})"
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Region:
+    """A buffer inside registered memory: what a transfer descriptor names."""
+
+    mem: str  # "DRAM" or "VRAM"
+    device: int
+    address: int
+    nbytes: int
+    key: tuple[str, int, int, int]  # the registration it lies in
+
+
+class _Registration:
+    __slots__ = ("descs", "key", "live", "partial", "root")
+
+    def __init__(self, key: tuple[str, int, int, int], descs: Any, root: Any, partial: str):
+        self.key, self.descs, self.partial = key, descs, partial
+        self.root = weakref.ref(root)
+        self.live = True
+
+
+def _describe(buffer: Any) -> tuple[str, int, int, int, Any, int, int]:
+    """``(mem, device, address, nbytes, root, root address, root nbytes)`` of a 1-D uint8 buffer."""
+    cai = getattr(buffer, "__cuda_array_interface__", None)
+    if cai is not None:  # CuPy: VRAM (not run on GPU)
+        addr = int(cai["data"][0])
+        device = int(buffer.device.id)
+        mem = "VRAM"
+    else:
+        arr = buffer if isinstance(buffer, np.ndarray) else np.asarray(buffer)
+        addr = int(arr.ctypes.data) if arr.nbytes else 0
+        device = 0
+        mem = "DRAM"
+        buffer = arr
+    nbytes = int(buffer.nbytes)
+    root = buffer
+    while getattr(root, "base", None) is not None and type(root.base) is type(root):
+        root = root.base
+    if root is not buffer and root.flags.c_contiguous:
+        rcai = getattr(root, "__cuda_array_interface__", None)
+        raddr = int(rcai["data"][0]) if rcai is not None else int(root.ctypes.data)
+        rbytes = int(root.nbytes)
+        if raddr <= addr and addr + nbytes <= raddr + rbytes:
+            return mem, device, addr, nbytes, root, raddr, rbytes
+    return mem, device, addr, nbytes, buffer, addr, nbytes
+
+
+class NixlAgent:
+    """One NIXL agent (UCX backend) for this process: registrations, peers, notifications (final).
+
+    Args:
+      name: the agent's name, unique among every agent it meets (default: host, pid and a random
+        suffix).
+      backends: the NIXL backends to create (default UCX).
+
+    Raises:
+      BackendUnavailableError: NIXL is not installed, or has none of ``backends``.
+
+    Use :meth:`shared` for the one agent of a process that every transfer in it reuses (making an
+    agent costs 0.2-0.5 s).
+    """
+
+    _shared: NixlAgent | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, name: str | None = None, *, backends: tuple[str, ...] = ("UCX",)):
+        nixl = import_nixl()
+        self.name = name or f"jreshard-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        config = nixl.nixl_agent_config(
+            enable_prog_thread=False,  # progress is made by the polling waits; a spinning thread costs a core
+            enable_listen_thread=False,  # metadata goes over authenticated channels only
+            backends=list(backends),
+            sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # several threads of a process use it
+        )
+        self._agent = nixl.nixl_agent(self.name, config)
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise BackendUnavailableError(
+                f"NixlAgent: NIXL has no {missing} backend here (plugins: {self._agent.get_plugin_list()})"
+            )
+        self._lock = threading.RLock()
+        self._regs: dict[tuple[str, int, int, int], _Registration] = {}
+        self._dead: list[_Registration] = []
+        self._peers: weakref.WeakKeyDictionary[Channel, str] = weakref.WeakKeyDictionary()
+        self._told: weakref.WeakKeyDictionary[Channel, set[tuple[str, int, int, int]]] = weakref.WeakKeyDictionary()
+        self._notices: dict[int, str] = {}  # receive id -> the agent whose notification arrived
+        self._abandoned: dict[int, Any] = {}  # receive id -> its buffer, kept alive for a late WRITE
+        self._ids = itertools.count(1)
+        self._pid = os.getpid()
+        self.closed = False
+
+    @classmethod
+    def shared(cls) -> NixlAgent:
+        """This process's agent, made at the first call (a forked child makes its own)."""
+        with cls._shared_lock:
+            agent = cls._shared
+            if agent is None or agent._pid != os.getpid() or agent.closed:
+                agent = cls._shared = cls()
+            return agent
+
+    @property
+    def nixl(self) -> Any:
+        """The ``nixl_agent`` (for the communicator)."""
+        return self._agent
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of memory registered now."""
+        with self._lock:
+            self._release_dead()
+            return sum(k[3] for k in self._regs)
+
+    # ---- registrations --------------------------------------------------------------------------
+    def region(self, buffer: Any) -> Region:
+        """Where ``buffer`` (contiguous 1-D uint8) lies in registered memory, registering its root if needed."""
+        mem, device, addr, nbytes, root, raddr, rbytes = _describe(buffer)
+        key = (mem, device, raddr, rbytes)
+        with self._lock:
+            self._release_dead()
+            reg = self._regs.get(key)
+            if reg is not None and reg.root() is not root:  # an older root at the same place: replace it
+                self._deregister(reg)
+                reg = None
+            if reg is None and rbytes:
+                descs = self._agent.register_memory([(raddr, rbytes, device, "")], mem)
+                partial = self._agent.get_partial_agent_metadata(descs, inc_conn_info=False)
+                reg = _Registration(key, descs, root, base64.b64encode(partial).decode())
+                self._regs[key] = reg
+                weakref.finalize(root, self._dead.append, reg)
+        return Region(mem, device, addr, nbytes, key)
+
+    def _deregister(self, reg: _Registration) -> None:
+        if not reg.live:
+            return
+        reg.live = False
+        if self._regs.get(reg.key) is reg:
+            del self._regs[reg.key]
+        for told in self._told.values():
+            told.discard(reg.key)
+        self._agent.deregister_memory(reg.descs)
+
+    def _release_dead(self) -> None:
+        while self._dead:
+            self._deregister(self._dead.pop())
+
+    def unannounced(self, channel: Channel, keys: set[tuple[str, int, int, int]]) -> list[str]:
+        """The partial metadata (base64) of the registrations among ``keys`` that the peer on ``channel``
+        has not been sent yet; they count as sent from now on."""
+        with self._lock:
+            told = self._told.setdefault(channel, set())
+            out = [self._regs[k].partial for k in sorted(keys - told) if k in self._regs]
+            told |= keys
+            return out
+
+    def load(self, channel: Channel, metadata: list[str]) -> None:
+        """Load partial metadata a peer sent with its descriptors."""
+        if self._peers.get(channel) == self.name:
+            return  # a loopback peer: this agent knows its own registrations
+        with self._lock:
+            for md in metadata:
+                try:
+                    self._agent.add_remote_agent(base64.b64decode(md, validate=True))
+                except Exception as err:  # nixl raises its own exception types
+                    raise PeerError(f"{channel.peer} sent NIXL metadata that does not load ({err})") from err
+
+    # ---- peers ----------------------------------------------------------------------------------
+    def introduce(self, channels: list[Channel], *, timeout_s: float) -> None:
+        """Exchange agent metadata with the peer on each channel not yet introduced (both sides call it).
+
+        Raises:
+          PeerError: a peer closed, or sent metadata that does not load.
+          TransferTimeoutError: a peer did not introduce itself within ``timeout_s``.
+        """
+        new = [ch for ch in dict.fromkeys(channels) if ch not in self._peers]
+        if not new:
+            return
+        md = base64.b64encode(self._agent.get_agent_metadata()).decode()
+        for ch in new:
+            ch.send_control({"op": "nixl.hello", "agent": self.name, "md": md}, timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        waiting = list(new)
+        while waiting:
+            for ch in list(waiting):
+                ch.pump()
+                got = ch.take({"nixl.hello"})
+                if got:
+                    self._meet(ch, got[-1])
+                    waiting.remove(ch)
+                elif ch.eof:
+                    raise ch.closed_error()
+            if waiting and time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"NixlAgent: {', '.join(ch.peer for ch in waiting)} did not introduce its NIXL agent within "
+                    f"timeout_s={timeout_s}"
+                )
+            if waiting:
+                select.select(waiting, [], [], 0.01)
+
+    def _meet(self, ch: Channel, hello: dict) -> None:
+        name, md = hello.get("agent"), hello.get("md")
+        if not isinstance(name, str) or not isinstance(md, str):
+            raise PeerError(f"{ch.peer} sent a malformed NIXL introduction")
+        with self._lock:
+            if name != self.name:
+                try:
+                    loaded = self._agent.add_remote_agent(base64.b64decode(md, validate=True))
+                except Exception as err:  # nixl raises its own exception types
+                    raise PeerError(f"{ch.peer}: its NIXL metadata does not load ({err})") from err
+                if loaded.decode() != name:
+                    raise PeerError(f"{ch.peer} introduced agent {name!r} but its metadata names {loaded!r}")
+            self._peers[ch] = name
+            self._told[ch] = set()
+
+    def peer(self, channel: Channel) -> str:
+        """The agent name of the peer on ``channel`` (introduced)."""
+        return self._peers[channel]
+
+    # ---- notifications --------------------------------------------------------------------------
+    def new_id(self) -> int:
+        """A receive id unique in this agent (its notification names it)."""
+        return next(self._ids)
+
+    def arrived(self, ids: set[int]) -> dict[int, str]:
+        """Which of ``ids`` have been notified (``{id: sending agent}``), removed from the store."""
+        with self._lock:
+            for agent, msgs in self._agent.get_new_notifs().items():
+                for m in msgs:
+                    if m.startswith(NOTICE) and m[len(NOTICE) :].isdigit():
+                        i = int(m[len(NOTICE) :])
+                        if i in self._abandoned:
+                            del self._abandoned[i]  # the late WRITE landed: its buffer may go
+                        else:
+                            self._notices[i] = agent
+            return {i: self._notices.pop(i) for i in ids if i in self._notices}
+
+    def abandon(self, receives: Mapping[int, Any]) -> None:
+        """Receives given up on (a failed exchange), ``{id: buffer}``: their late notifications are
+        dropped, and each buffer is kept alive until its notification comes (a peer may still be
+        writing into it; its memory must not be reused meanwhile) or the agent closes."""
+        with self._lock:
+            for i, buffer in receives.items():
+                if self._notices.pop(i, None) is None:
+                    self._abandoned[i] = buffer
+
+    def close(self) -> None:
+        """Release every registration and forget every peer."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._release_dead()
+            for reg in list(self._regs.values()):
+                self._deregister(reg)
+            for name in set(self._peers.values()):
+                if name != self.name:
+                    try:
+                        self._agent.remove_remote_agent(name)
+                    except Exception:
+                        pass
+            self._peers.clear()
+            self._abandoned.clear()

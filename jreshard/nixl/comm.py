@@ -1,0 +1,300 @@
+"""NixlComm: the engine's :class:`Communicator` over NIXL, one-sided WRITEs with a notification each.
+
+One process drives its ``local_ranks`` through one :class:`~jreshard.nixl.agent.NixlAgent`; every
+other rank is reached through the authenticated :class:`~jreshard.channel.Channel` of the process
+that drives it, which carries only small control messages (agent metadata, receive descriptors,
+failures). A group (:meth:`NixlComm.exchange`) runs as:
+
+1. **Receivers post.** Each remote receive's buffer is located in registered memory (its root
+   registered once, cached) and given a receive id; the descriptors ``(src, dst, tag, id, address,
+   nbytes, memory type, device)`` go to the sending process in one ``nixl.post`` message per peer,
+   with the partial metadata of registrations that peer has not seen.
+2. **Senders WRITE.** A send is matched to the posted receives of its ``(src, dst, tag)`` in the
+   order both sides listed them (the Communicator's matching rule; posts that arrive before the
+   send's group are kept, as MPI keeps unexpected messages), sizes are checked, and one WRITE from
+   the registered send buffer into the posted address is started, notifying ``jreshard:<id>``
+   (a zero-byte message is a notification alone).
+3. **Completion.** A send is done when NIXL reports its transfer ``DONE``; a receive when its
+   notification arrives (NIXL delivers it after the written bytes). The group returns when all are.
+
+Failure. Every wait is bounded by ``timeout_s``: :class:`TransferTimeoutError` names the ranks that
+did not post (receivers) or did not write (senders). A peer whose connection closes while it still
+owes this process a post or a write is :class:`PeerError` within a second (a sender that finished
+may close before its last notifications are delivered: they travel apart from the connection). A
+transfer NIXL reports ``ERR``, a size disagreement (both sides are told) or a peer's ``nixl.fail``
+is :class:`PeerError`. Either way the communicator is *broken* (fail-stop, like NCCL): the receives
+it gave up are abandoned (their buffers kept alive until a late WRITE's notification, so no write
+lands in reused memory) and other channels are untouched. The caller drops the failed peer's
+connection (descriptors it posted may still sit on it) and goes on with the others.
+
+Messages between two local ranks are copies (``match_and_copy``).
+"""
+
+from __future__ import annotations
+
+import collections
+import select
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jreshard.channel import Channel
+from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.loopback import match_and_copy
+from jreshard.errors import PeerError, TransferTimeoutError
+from jreshard.nixl.agent import NOTICE, NixlAgent
+
+__all__ = ["NixlComm"]
+
+_MAX_SLEEP_S = 1e-3
+_NOTICE_GRACE_S = 1.0  # after a peer's connection closes, how long its last notifications may still take
+
+# A posted receive as the sender holds it: (id, address, nbytes, memory type, device).
+_Posted = tuple[int, int, int, str, int]
+
+
+def _short(xs: Sequence[int]) -> str:
+    xs = sorted(set(xs))
+    return str(xs) if len(xs) <= 12 else f"{xs[:10]} ... ({len(xs)} in all)"
+
+
+class NixlComm(Communicator):
+    """Grouped point-to-point messages as NIXL WRITEs between processes (final).
+
+    Args:
+      agent: this process's agent (:meth:`NixlAgent.shared`).
+      local: the ranks this process drives.
+      remote: ``{rank: channel of the process that drives it}`` for every other rank; each
+        channel's peer is authenticated.
+      timeout_s: the deadline for introducing the agents on channels that are new to ``agent``.
+
+    Raises:
+      ValueError: a rank is both local and remote.
+      PeerError, TransferTimeoutError: a peer did not introduce its agent.
+    """
+
+    def __init__(self, agent: NixlAgent, local: Sequence[int], remote: Mapping[int, Channel], *, timeout_s: float):
+        self._local = tuple(sorted(int(r) for r in local))
+        clash = sorted(set(self._local) & set(remote))
+        if clash:
+            raise ValueError(f"NixlComm: ranks {clash} are both local and remote")
+        self._agent = agent
+        self._remote = dict(remote)
+        self.broken: str | None = None
+        self._posted: dict[tuple[int, int, int], collections.deque[_Posted]] = {}  # posts not yet written to
+        agent.introduce(list(dict.fromkeys(self._remote.values())), timeout_s=timeout_s)
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return self._local
+
+    def _channel(self, rank: int, what: str) -> Channel:
+        try:
+            return self._remote[rank]
+        except KeyError:
+            raise ValueError(f"NixlComm.exchange: {what} rank {rank} is neither local nor reachable") from None
+
+    def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
+        if self.broken is not None:
+            raise PeerError(f"NixlComm is broken since an earlier failure ({self.broken})", destination_intact=True)
+        mine = set(self._local)
+        for s in sends:
+            if s.src not in mine:
+                raise ValueError(f"NixlComm.exchange: send from rank {s.src}, which this process does not drive")
+        for r in recvs:
+            if r.dst not in mine:
+                raise ValueError(f"NixlComm.exchange: receive at rank {r.dst}, which this process does not drive")
+        match_and_copy([s for s in sends if s.dst in mine], [r for r in recvs if r.src in mine])
+        remote_sends = [s for s in sends if s.dst not in mine]
+        remote_recvs = [r for r in recvs if r.src not in mine]
+        if not remote_sends and not remote_recvs:
+            return
+        waiting: dict[int, RecvOp] = {}
+        try:
+            self._post(remote_recvs, waiting)
+            self._run(remote_sends, waiting, timeout_s)
+        except (PeerError, TransferTimeoutError) as err:
+            self.broken = str(err)
+            self._agent.abandon({i: r.buffer for i, r in waiting.items()})
+            raise
+
+    def _post(self, recvs: Sequence[RecvOp], waiting: dict[int, RecvOp]) -> None:
+        """Send each peer the descriptors of the receives it writes into."""
+        by: dict[Channel, list[list[Any]]] = {}
+        keys: dict[Channel, set[tuple[str, int, int, int]]] = {}
+        for r in recvs:
+            ch = self._channel(r.src, "source")
+            region = self._agent.region(r.buffer)
+            i = self._agent.new_id()
+            waiting[i] = r
+            by.setdefault(ch, []).append(
+                [r.src, r.dst, r.tag, i, region.address, region.nbytes, region.mem, region.device]
+            )
+            keys.setdefault(ch, set()).add(region.key)
+        for ch, entries in by.items():
+            md = self._agent.unannounced(ch, keys[ch])
+            ch.queue_control({"op": "nixl.post", "md": md, "recvs": entries})
+            ch.flush()
+
+    def _collect(self, ch: Channel) -> None:
+        """Read ``ch``: posted receives into the queues, a peer's failure raised (a closed connection
+        is judged by the caller: a peer may close once it has written everything)."""
+        ch.pump()
+        for msg in ch.take({"nixl.post", "nixl.fail"}):
+            if msg["op"] == "nixl.fail":
+                raise PeerError(f"NixlComm: {ch.peer} failed the exchange: {msg.get('error', '?')}")
+            md, entries = msg.get("md", []), msg.get("recvs")
+            if not isinstance(md, list) or not isinstance(entries, list):
+                raise PeerError(f"NixlComm: {ch.peer} sent a malformed post")
+            self._agent.load(ch, [str(m) for m in md])
+            for e in entries:
+                try:
+                    src, dst, tag, i, addr, n, mem, dev = e
+                    post = (int(i), int(addr), int(n), str(mem), int(dev))
+                    key = (int(src), int(dst), int(tag))
+                except (TypeError, ValueError) as err:
+                    raise PeerError(f"NixlComm: {ch.peer} sent a malformed receive descriptor {e!r}") from err
+                if post[3] not in ("DRAM", "VRAM") or post[2] < 0:
+                    raise PeerError(f"NixlComm: {ch.peer} sent a receive descriptor {e!r} of no known memory")
+                self._posted.setdefault(key, collections.deque()).append(post)
+
+    def _fail(self, ch: Channel, error: str) -> PeerError:
+        try:
+            ch.send_control({"op": "nixl.fail", "error": error}, timeout_s=1.0)
+        except (PeerError, TransferTimeoutError):
+            pass
+        return PeerError(f"NixlComm.exchange: {error}")
+
+    def _start(self, s: SendOp, post: _Posted, ch: Channel) -> Any:
+        """Start the WRITE of ``s`` into ``post``; the transfer handle, or ``None`` when already done."""
+        i, addr, n, mem, dev = post
+        nbytes = int(s.buffer.nbytes)
+        if n != nbytes:
+            raise self._fail(
+                ch,
+                f"rank {s.src} sends rank {s.dst} {nbytes} bytes under tag {s.tag}, but the receive expects {n}: "
+                "the two sides planned differently",
+            )
+        agent = self._agent.nixl
+        peer = self._agent.peer(ch)
+        notice = NOTICE + str(i).encode()
+        if nbytes == 0:
+            agent.send_notif(peer, notice)
+            return None
+        local = self._agent.region(s.buffer)
+        try:
+            handle = agent.initialize_xfer(
+                "WRITE",
+                agent.get_xfer_descs([(local.address, nbytes, local.device)], local.mem),
+                agent.get_xfer_descs([(addr, n, dev)], mem),
+                peer,
+                notice,
+            )
+            state = agent.transfer(handle)
+        except Exception as err:  # nixl raises its own exception types
+            raise self._fail(ch, f"NIXL refused the WRITE {s.src}->{s.dst} tag {s.tag} to {ch.peer}: {err}") from err
+        if state == "ERR":
+            handle.release()
+            raise self._fail(ch, f"NIXL reported an error posting the WRITE {s.src}->{s.dst} tag {s.tag}")
+        return handle
+
+    def _run(self, sends: Sequence[SendOp], waiting: dict[int, RecvOp], timeout_s: float) -> None:
+        agent = self._agent.nixl
+        unsent = collections.deque(sends)
+        flying: list[tuple[Any, SendOp]] = []
+        channels = list(
+            dict.fromkeys(
+                [self._channel(s.dst, "destination") for s in sends] + [self._remote[r.src] for r in waiting.values()]
+            )
+        )
+        deadline = time.monotonic() + timeout_s
+        sleep = 0.0
+        closed: dict[Channel, float] = {}  # when each closed connection was first seen with work left
+        try:
+            while True:
+                progress = False
+                for ch in channels:
+                    self._collect(ch)
+                    ch.flush()
+                blocked = []
+                while unsent:  # start every send whose receive is posted, in listed order per key
+                    s = unsent.popleft()
+                    queue = self._posted.get((s.src, s.dst, s.tag))
+                    if not queue:
+                        blocked.append(s)
+                        continue
+                    handle = self._start(s, queue.popleft(), self._remote[s.dst])
+                    if handle is not None:
+                        flying.append((handle, s))
+                    progress = True
+                unsent.extend(blocked)
+                still = []
+                for handle, s in flying:
+                    state = agent.check_xfer_state(handle)
+                    if state == "PROC":
+                        still.append((handle, s))
+                        continue
+                    handle.release()
+                    progress = True
+                    if state != "DONE":
+                        raise self._fail(
+                            self._remote[s.dst], f"NIXL reported the WRITE {s.src}->{s.dst} tag {s.tag} failed"
+                        )
+                flying = still
+                if waiting:
+                    for i in self._agent.arrived(set(waiting)):
+                        del waiting[i]
+                        progress = True
+                if not unsent and not flying and not waiting:
+                    return
+                now = time.monotonic()
+                for ch in channels:  # a peer that closed with messages outstanding is gone
+                    if ch.eof and self._outstanding(ch, unsent, waiting):
+                        # its last notifications may still be on their way (they travel apart from the
+                        # connection): give them _NOTICE_GRACE_S, then it is gone
+                        closed.setdefault(ch, now)
+                        if now - closed[ch] > min(_NOTICE_GRACE_S, timeout_s):
+                            raise ch.closed_error()
+                if progress:
+                    sleep = 0.0
+                    continue
+                if time.monotonic() > deadline:
+                    raise self._timeout(list(unsent), flying, waiting, timeout_s)
+                if sleep:
+                    live = [ch for ch in channels if not ch.eof]
+                    if live:
+                        select.select(live, [], [], sleep)
+                    else:
+                        time.sleep(sleep)
+                sleep = min(2 * sleep + 1e-5, _MAX_SLEEP_S)
+        finally:
+            for handle, _ in flying:  # a failed group: NIXL cancels what it can
+                try:
+                    handle.release()
+                except Exception:
+                    pass
+
+    def _outstanding(self, ch: Channel, unsent: Sequence[SendOp], waiting: dict[int, RecvOp]) -> bool:
+        """Whether ``ch``'s peer still has to post or to write (a WRITE in flight reports its own end)."""
+        return any(self._remote[s.dst] is ch for s in unsent) or any(
+            self._remote[r.src] is ch for r in waiting.values()
+        )
+
+    def _timeout(
+        self, unsent: list[SendOp], flying: list[tuple[Any, SendOp]], waiting: dict[int, RecvOp], timeout_s: float
+    ) -> TransferTimeoutError:
+        parts = []
+        if waiting:
+            silent = sorted({r.src for r in waiting.values()})
+            peers = sorted({self._remote[r.src].peer for r in waiting.values()})
+            parts.append(f"ranks {_short(silent)} did not send ({', '.join(peers)})")
+        if unsent:
+            silent = sorted({s.dst for s in unsent})
+            peers = sorted({self._remote[s.dst].peer for s in unsent})
+            parts.append(f"ranks {_short(silent)} did not post their receives ({', '.join(peers)})")
+        if flying:
+            parts.append(f"{len(flying)} WRITEs to ranks {_short([s.dst for _, s in flying])} did not complete")
+        return TransferTimeoutError(
+            f"NixlComm.exchange: no answer within timeout_s={timeout_s}: {'; '.join(parts)}. A peer died or "
+            "stopped answering; this communicator is now broken"
+        )

@@ -1,0 +1,257 @@
+"""The NIXL transport and its authenticated control channel.
+
+The engine runs the MPI test's refit over NixlComm between two separate processes (bit-exact,
+bytes counted, a silent peer timed out); the channel refuses wrong keys, garbage and oversized
+frames; the agent registers each buffer's allocation once and releases it when it dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jreshard import auth
+from jreshard.channel import Channel, connect, listen, parse_address
+from jreshard.errors import AuthenticationError, PeerError, TransferTimeoutError
+
+pytest.importorskip("nixl_cu12", reason="the NIXL tests need nixl-cu12 (pip install --no-deps nixl-cu12)")
+
+ROOT = Path(__file__).parent.parent
+KEY = b"test-key-0123456789abcdef"
+pytestmark = pytest.mark.timeout(60)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    return env | {"PYTHONPATH": str(ROOT), "JRESHARD_SECRET": KEY.decode(), "OMP_NUM_THREADS": "1"}
+
+
+def test_the_engine_runs_the_mpi_refit_over_nixl_between_two_processes(tmp_path):
+    body = ROOT / "tests" / "nixl_bodies" / "engine_pair.py"
+    address = str(tmp_path / "address")
+    procs = [
+        subprocess.Popen([sys.executable, str(body), str(p), address], env=_env(), stdout=subprocess.PIPE, text=True)
+        for p in (0, 1)
+    ]
+    outs = [p.communicate(timeout=50)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = [json.loads(next(ln for ln in out.splitlines() if ln.startswith("{"))) for out in outs]
+    assert all(g["checked"] == got[0]["checked"] > 0 for g in got)
+    assert sum(g["sent"]["NETWORK"] for g in got) == got[0]["network"] > 0  # every planned byte, once
+    assert sum(g["sent"]["FAST"] for g in got) == got[0]["fast"] > 0
+    assert all(g["rounds"] > 1 for g in got)  # chunked and grouped as the MPI test is
+    err = got[1]["timed_out"]
+    assert err is not None and "timeout_s=1.0" in err and "ranks [0] did not send (process 0)" in err
+    assert 1.0 <= got[1]["elapsed"] < 3.0
+
+
+# ---- authentication -----------------------------------------------------------------------------
+def test_the_secret_comes_from_options_the_environment_or_a_file(tmp_path):
+    f = tmp_path / "key"
+    f.write_bytes(b"from-a-file-0123456789\n")
+    assert auth.resolve_secret(KEY, environ={"JRESHARD_SECRET": "other-key-0123456789"}) == KEY
+    assert auth.resolve_secret(None, environ={"JRESHARD_SECRET_FILE": str(f)}) == b"from-a-file-0123456789"
+    with pytest.raises(ValueError, match="need a shared secret; the fix is"):
+        auth.resolve_secret(None, environ={})
+    with pytest.raises(ValueError, match="has 5 bytes; it needs at least 16"):
+        auth.resolve_secret(None, environ={"JRESHARD_SECRET": "short"})
+    with pytest.raises(ValueError, match="cannot be read"):
+        auth.resolve_secret(None, environ={"JRESHARD_SECRET_FILE": str(tmp_path / "missing")})
+    from jreshard import Options
+
+    with pytest.raises(ValueError, match=r"secret must be None or bytes of length >= 16 \(got 3 bytes\)"):
+        Options(secret=b"abc")
+    assert "secret" not in repr(Options(secret=KEY)) and KEY.decode() not in repr(Options(secret=KEY))
+
+
+class _Server:
+    """Accepts connections and authenticates each with Channel.server; echoes every message back."""
+
+    def __init__(self, key: bytes = KEY, deadline_s: float = 0.5):
+        self.sock = listen("127.0.0.1", 0)
+        self.address = self.sock.getsockname()[:2]
+        self.key, self.deadline_s = key, deadline_s
+        self.refused: list[str] = []
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import select
+
+        pending: list[tuple[Channel, float]] = []
+        live: list[Channel] = []
+        while not self.stop:
+            select.select([self.sock, *(c for c, _ in pending), *live], [], [], 0.01)
+            try:
+                s, _ = self.sock.accept()
+                pending.append((Channel.server(s, "a client", key=self.key), time.monotonic() + self.deadline_s))
+            except BlockingIOError:
+                pass
+            for ch, deadline in list(pending):
+                try:
+                    ch.pump()
+                except PeerError as err:
+                    self.refused.append(str(err))
+                    pending.remove((ch, deadline))
+                    continue
+                if ch.authenticated:
+                    pending.remove((ch, deadline))
+                    live.append(ch)
+                elif time.monotonic() > deadline:
+                    self.refused.append("silent")
+                    pending.remove((ch, deadline))
+                    ch.close()
+            for ch in list(live):
+                try:
+                    ch.pump()
+                except PeerError as err:
+                    self.refused.append(str(err))
+                    live.remove(ch)
+                    ch.close()
+                    continue
+                while ch.inbox:
+                    ch.send_control(ch.inbox.popleft() | {"echo": True}, timeout_s=1.0)
+                if ch.eof:
+                    live.remove(ch)
+                    ch.close()
+        for ch in [c for c, _ in pending] + live:
+            ch.close()
+
+    def ask(self) -> dict:
+        ch = connect(self.address, "the server", key=KEY, timeout_s=5.0)
+        ch.send_control({"op": "ping"}, timeout_s=1.0)
+        try:
+            return ch.recv_control(timeout_s=5.0)
+        finally:
+            ch.close()
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_wrong_keys_garbage_silence_and_huge_frames_are_refused_and_the_server_serves_on(caplog):
+    server = _Server()
+    try:
+        assert server.ask() == {"op": "ping", "echo": True}
+        with pytest.raises(AuthenticationError, match="different secrets"):  # a client with a wrong key
+            connect(server.address, "the server", key=b"not-the-key-0123456789", timeout_s=5.0)
+        raw = socket.create_connection(server.address)  # 64 KiB of random bytes
+        raw.sendall(np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes())
+        silent = socket.create_connection(server.address)  # a client with no key says nothing
+        time.sleep(0.8)
+        assert server.ask()["echo"]
+        huge = connect(server.address, "the server", key=KEY, timeout_s=5.0)  # a frame claiming 2^60 bytes
+        huge.sock.sendall(b"\x01" + (1 << 60).to_bytes(8, "big"))
+        time.sleep(0.2)
+        assert server.ask()["echo"]
+        assert any("wrong or missing key" in r for r in server.refused)
+        assert any("garbage" in r for r in server.refused)
+        assert "silent" in server.refused
+        assert any("claims 1152921504606846976 bytes" in r for r in server.refused)
+        assert "refused a connection from 127.0.0.1" in caplog.text
+        for s in (raw, silent, huge):
+            s.close()
+    finally:
+        server.close()
+
+
+def test_a_server_without_the_key_cannot_pose_as_a_peer():
+    server = _Server(key=b"impostor-key-0123456789")
+    try:
+        with pytest.raises(AuthenticationError):
+            connect(server.address, "the server", key=KEY, timeout_s=5.0)
+    finally:
+        server.close()
+
+
+def test_a_listener_that_says_nothing_times_out_and_a_gone_one_is_refused_at_once():
+    quiet = listen("127.0.0.1", 0)
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="did not complete authentication"):
+        connect(quiet.getsockname()[:2], "the trainer", key=KEY, timeout_s=0.3)
+    assert time.monotonic() - t0 < 2.0
+    address = quiet.getsockname()[:2]
+    quiet.close()
+    with pytest.raises(PeerError, match="refused the connection"):
+        connect(address, "replica 'x'", key=KEY, timeout_s=30.0, retry=False)
+
+
+def test_addresses_name_any_host_and_listen_binds_what_is_given(tmp_path):
+    assert parse_address("10.1.2.3:9", timeout_s=1) == ("10.1.2.3", 9)
+    (tmp_path / "a").write_text("host:notaport")
+    with pytest.raises(ValueError, match="must be 'HOST:PORT'"):
+        parse_address(str(tmp_path / "a"), timeout_s=0.1)
+    with pytest.raises(TransferTimeoutError, match="did not appear"):
+        parse_address("/nonexistent/address", timeout_s=0.1)
+    s = listen("0.0.0.0", 0)
+    assert s.getsockname()[0] == "0.0.0.0"
+    s.close()
+    with pytest.raises(ValueError, match=r"cannot bind 192\.0\.2\.1"):
+        listen("192.0.2.1", 0)  # TEST-NET-1: no interface of this machine
+
+
+# ---- the agent ----------------------------------------------------------------------------------
+def test_a_buffer_allocation_is_registered_once_and_released_when_it_dies():
+    from jreshard.nixl import NixlAgent
+
+    agent = NixlAgent()
+    try:
+        block = np.zeros(1 << 16, np.uint8)
+        a, b = agent.region(block[:100]), agent.region(block[4096:8192])
+        assert a.key == b.key and b.address == block.ctypes.data + 4096 and b.nbytes == 4096
+        assert agent.registered_bytes == 1 << 16
+        del block, a, b
+        assert agent.registered_bytes == 0
+        agent.region(np.ones(10, np.uint8))
+    finally:
+        agent.close()
+    assert agent.registered_bytes == 0
+
+
+def test_a_process_group_forms_past_garbage_gathers_and_sees_a_closed_peer_at_once():
+    from jreshard.nixl.group import ProcessGroup
+
+    port = listen("127.0.0.1", 0)
+    where = port.getsockname()[:2]
+    port.close()
+    address = f"{where[0]}:{where[1]}"
+    groups: dict = {}
+
+    def join(role: str) -> None:
+        groups[role] = ProcessGroup.join(role, address, index=0, count=1, key=KEY, timeout_s=10.0)
+
+    source = threading.Thread(target=join, args=("source",))
+    source.start()
+    time.sleep(0.2)
+    raw = socket.create_connection(where)  # garbage first: refused, the rendezvous goes on
+    raw.sendall(b"\x00" * 100)
+    join("destination")
+    source.join()
+    src, dst = groups["source"], groups["destination"]
+    assert (src.rank, dst.rank, src.roles) == (0, 1, {0: "source", 1: "destination"})
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.setdefault("src", src.allgather({"v": 1}, timeout_s=5.0)))
+    t.start()
+    assert dst.allgather({"v": 2}, timeout_s=5.0) == {0: {"v": 1}, 1: {"v": 2}}
+    t.join()
+    assert got["src"] == {0: {"v": 1}, 1: {"v": 2}}
+    src.notify_closed()
+    src.close()
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match=r"process 0 \(source\) closed the group"):
+        dst.allgather({"v": 3}, timeout_s=30.0)
+    assert time.monotonic() - t0 < 1.0
+    dst.close()
+    raw.close()
