@@ -26,6 +26,7 @@ from jreshard.engine.rounds import execute
 from jreshard.errors import TransferTimeoutError
 from jreshard.nixl import NixlAgent, NixlComm
 from jreshard.options import Options
+from jreshard.schedule.steps import build_schedule
 
 
 def main() -> None:
@@ -54,7 +55,7 @@ def main() -> None:
     agent = NixlAgent.shared()
     comm = NixlComm(agent, ranks, {r: ch for r in range(8) if r % 2 != me}, timeout_s=20.0)
     shards = shards_for(pairs, globals_, set(ranks))
-    stats = execute(plan, comm, shards, options=options)
+    stats = execute(build_schedule(plan, options), comm, shards, options=options)
     checked = check(pairs, globals_, shards)
     # process 1 waits for a message process 0 never sends: a timeout naming rank 0
     err, elapsed = None, 0.0
