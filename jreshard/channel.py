@@ -28,11 +28,21 @@ import select
 import socket
 import struct
 import time
+from typing import Any
 
 from jreshard import auth
-from jreshard.errors import AuthenticationError, PeerError, TransferTimeoutError
+from jreshard.errors import AuthenticationError, JReshardError, PeerError, TransferTimeoutError
 
-__all__ = ["MAX_FRAME_BYTES", "TRANSPORT_OPS", "Channel", "connect", "format_address", "listen", "parse_address"]
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "TRANSPORT_OPS",
+    "Channel",
+    "accept_first",
+    "connect",
+    "format_address",
+    "listen",
+    "parse_address",
+]
 
 log = logging.getLogger("jreshard.channel")
 
@@ -149,6 +159,43 @@ def connect(
         sock.close()
         raise
     return Channel(sock, peer, **kw)
+
+
+def accept_first(
+    listener: socket.socket, pending: list[Channel], *, key: bytes, who: str, wait_s: float
+) -> list[tuple[Channel, dict]]:
+    """One turn of a listening loop: wait up to ``wait_s`` for activity, accept one connection (its
+    server end of the handshake, as ``who``), and read every channel of ``pending``.
+
+    Returns the channels whose first message arrived, each with that message, removed from
+    ``pending``. A channel that failed the handshake or sent garbage (logged and closed by
+    :meth:`Channel.pump`), or that closed before saying anything, is dropped from ``pending`` and
+    closed; the others stay in it.
+    """
+    waitables: list[Any] = [listener, *pending]
+    select.select(waitables, [], [], wait_s)
+    try:
+        sock, _ = listener.accept()
+        pending.append(Channel.server(sock, who, key=key))
+    except (BlockingIOError, InterruptedError):
+        pass
+    ready = []
+    for c in list(pending):
+        try:
+            c.pump()
+        except JReshardError:
+            pending.remove(c)
+            c.close()
+            continue
+        msg = c.pop()
+        if msg is None:
+            if c.eof:
+                pending.remove(c)
+                c.close()
+            continue
+        pending.remove(c)
+        ready.append((c, msg))
+    return ready
 
 
 def _read_exact(sock: socket.socket, n: int, deadline: float, peer: str, where: str) -> bytes:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jreshard.channel import Channel, connect, listen
+from jreshard.channel import Channel, accept_first, connect, listen
 from jreshard.elastic.pairs import pair_plan, run_pair, source_shards
 from jreshard.elastic.types import PushReport
 from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
@@ -99,28 +99,11 @@ def gather_followers(
                 f"ElasticTrainer: trainer processes {missing} did not join process 0 within timeout_s="
                 f"{options.timeout_s}"
             )
-        select.select([listener, *pending], [], [], min(left, 0.05))
-        try:
-            sock, _ = listener.accept()
-            pending.append(Channel.server(sock, "a joining process", key=key))
-        except (BlockingIOError, InterruptedError):
-            pass
-        for c in list(pending):
-            try:
-                c.pump()
-            except JReshardError:
-                pending.remove(c)
-                continue
-            if not c.inbox:
-                if c.eof:
-                    pending.remove(c)
-                continue
-            pending.remove(c)
-            msg = c.inbox[0]
+        for c, msg in accept_first(listener, pending, key=key, who="a joining process", wait_s=min(left, 0.05)):
             if msg.get("op") != "follower":  # a replica that came early: the membership admits it
+                c.inbox.appendleft(msg)
                 early.append((c, time.monotonic() + options.timeout_s))
                 continue
-            c.inbox.popleft()
             p = msg.get("process")
             data = msg.get("data")
             if not (isinstance(p, int) and 0 < p < count and isinstance(data, list) and len(data) == 2):

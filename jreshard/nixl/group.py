@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jreshard.channel import Channel, connect, format_address, listen, parse_address
-from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
+from jreshard.channel import Channel, accept_first, connect, format_address, listen, parse_address
+from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.nixl.agent import NixlAgent
 from jreshard.nixl.comm import NixlComm
 
@@ -149,25 +149,8 @@ class ProcessGroup:
                 raise TransferTimeoutError(
                     f"ProcessGroup: processes {missing} (role, index) did not join within timeout_s={timeout_s}"
                 )
-            select.select([listener, *pending], [], [], min(left, 0.05))
-            try:
-                sock, _ = listener.accept()
-                pending.append(Channel.server(sock, "a joining process", key=key))
-            except (BlockingIOError, InterruptedError):
-                pass
-            for c in list(pending):
-                try:
-                    c.pump()  # the handshake first; a refused client is logged and dropped
-                except JReshardError:
-                    pending.remove(c)
-                    c.close()
-                    continue
-                msg = c.pop()
-                if msg is None:
-                    if c.eof:
-                        pending.remove(c)
-                    continue
-                pending.remove(c)
+            # the handshake first; a refused client is logged and dropped
+            for c, msg in accept_first(listener, pending, key=key, who="a joining process", wait_s=min(left, 0.05)):
                 try:
                     who = (str(msg["role"]), int(msg["index"]))
                     count = int(msg["count"])
@@ -215,24 +198,7 @@ class ProcessGroup:
                         f"ProcessGroup: processes {missing} did not connect to process {me} within "
                         f"timeout_s={timeout_s}"
                     )
-                select.select([listener, *pending], [], [], min(left, 0.05))
-                try:
-                    sock, _ = listener.accept()
-                    pending.append(Channel.server(sock, "a peer process", key=key))
-                except (BlockingIOError, InterruptedError):
-                    pass
-                for c in list(pending):
-                    try:
-                        c.pump()
-                    except JReshardError:
-                        pending.remove(c)
-                        continue
-                    m = c.pop()
-                    if m is None:
-                        if c.eof:
-                            pending.remove(c)
-                        continue
-                    pending.remove(c)
+                for c, m in accept_first(listener, pending, key=key, who="a peer process", wait_s=min(left, 0.05)):
                     said = m.get("process")
                     if m.get("op") != "mesh" or not isinstance(said, int) or not me < said < len(table):
                         c.close()
