@@ -1,8 +1,10 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv
 # from scratch when it is missing. `make docs` builds the documentation site into site/.
 # `make test` also checks that the GPU machine's package set runs benchmarks/gpu_check.py
-# (tools/check_gpu_packages.py; its environment is cached in .cache/). The tests run on two
-# workers (pytest-xdist), one per core of the CI machine, a test file to a worker.
+# (tools/check_gpu_packages.py, in the background beside the other steps; its environment is
+# cached in .cache/, its output printed at the end). The tests run on two workers
+# (pytest-xdist, work stealing), one per core of the CI machine; tests/test_docs_site.py builds the docs
+# with `mkdocs build --strict`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,13 +20,17 @@ $(STAMP): pyproject.toml setup.py jreshard/views/_casts.c
 	$(BIN)/python -c "from jreshard.views import native; assert native.available(), 'the compiled casts were not built'"
 	touch $(STAMP)
 
+GPU_LOG := .cache/gpu-packages.log
+GPU_RC := .cache/gpu-packages.rc
+
 test: $(STAMP)
+	mkdir -p .cache && rm -f $(GPU_RC)
+	( $(BIN)/python tools/check_gpu_packages.py > $(GPU_LOG) 2>&1; echo $$? > $(GPU_RC) ) &
 	$(BIN)/ruff check jreshard tests benchmarks examples tools
 	$(BIN)/ruff format --check jreshard tests benchmarks examples tools
 	$(BIN)/python -m mypy jreshard
-	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict -q
-	$(BIN)/python tools/check_gpu_packages.py
-	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist worksteal
+	@while [ ! -f $(GPU_RC) ]; do sleep 1; done; cat $(GPU_LOG); exit $$(cat $(GPU_RC))
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
