@@ -172,7 +172,9 @@ def _id(case: Any) -> str:
 def test_transfer_pair(src: str, dst: str, origin: str) -> None:
     x = source(src)
     ref = jax.device_put(x, sharding(dst))
-    assert ref.sharding is sharding(dst)
+    # device_put returns the target's own object unless its caches hold an equal one from an earlier
+    # call (another test in this process): then the result must match what device_put gave.
+    assert ref.sharding == sharding(dst)
     assert_parity(jreshard.transfer(x, sharding(dst)), ref, x, target=sharding(dst))
 
 
