@@ -68,6 +68,15 @@ class RecordingComm(Communicator):
             self.records.append(Record(s.src, s.dst, len(s.buffer), link, s.tag, self.groups))
         self.groups += 1
 
+    def most_ops_in_a_group(self) -> int:
+        """The most operations one rank posted in one exchange group (a send and a receive are one each;
+        a message a rank sends itself is both); 0 when nothing was recorded."""
+        per: dict[tuple[int, int], int] = {}
+        for r in self.records:
+            for rank in {r.sender, r.receiver}:
+                per[(r.group, rank)] = per.get((r.group, rank), 0) + (2 if r.sender == r.receiver else 1)
+        return max(per.values(), default=0)
+
     def bytes_by_link(self) -> dict[Link, int]:
         """Bytes recorded per link kind."""
         out = dict.fromkeys(Link, 0)
