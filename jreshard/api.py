@@ -55,14 +55,18 @@ def _run(
     leaves, treedef, targets = flatten(x, target, mode.value if mode is Mode.INTO else "target")
     if _has_views(leaves):
         return _run_views(x, target, mode, topology, options, report, leaves, targets)
+    norm = None
     if mode is Mode.TRANSFER:  # array targets, casts, host data and host memory: what device_put takes
-        leaves, targets = normalize(leaves, treedef, targets, x, target)
+        norm = normalize(leaves, treedef, targets, x, target)
+        leaves, targets = norm.leaves, norm.targets
     builder = ReportBuilder(Backend.LOCAL)
     encs = repack.encodings(leaves, targets if mode is Mode.INTO else None)
     if encs is None:
         out = _run_flat(leaves, treedef, targets, mode, topology, options, builder, x)
     else:
         out = _run_repacked(leaves, treedef, targets, encs, mode, topology, options, builder, x)
+    if norm is not None:
+        out = norm.finish(out)
     result = treedef.unflatten(out)
     return (result, builder.build()) if report else result
 

@@ -3,9 +3,11 @@
 ``transfer(x, target)`` accepts what ``jax.device_put(x, shardings)`` accepts and gives what it gives:
 
 - **Array targets.** A target leaf that is a ``jax.Array`` means its sharding; of another dtype, it
-  also means a cast to that dtype, as a ``jax.ShapeDtypeStruct`` target of another dtype does. The cast
-  is ``jnp.astype`` on the source devices, before the move (bit-exact, and the narrower dtype is what
-  crosses the links in the usual trainer-float32 to rollout-bfloat16 direction).
+  also means a cast to that dtype, as a ``jax.ShapeDtypeStruct`` target of another dtype does: the same
+  as ``jreshard.views.astype``. The cast is ``jnp.astype`` (bit-exact) where the narrower dtype is:
+  on the source devices before the move when the target dtype is narrower (or as wide: the usual
+  trainer-float32 to rollout-bfloat16 direction), on the target devices after it when it is wider, so
+  the narrower dtype is what crosses the links either way.
 - **Host sources.** numpy arrays, numpy scalars and Python scalars are placed by ``jax.device_put``
   itself (one call for all of them; with a ``None`` target, on the default device, uncommitted, as
   ``jax.device_put(value)``): these bytes start on the host, so the transfer guard's host-to-device
@@ -29,7 +31,7 @@ from jreshard.errors import LayoutMismatchError, TopologyError
 from jreshard.frontdoor import _renamed, leaf_names
 from jreshard.types import PyTree
 
-__all__ = ["normalize"]
+__all__ = ["Normalized", "normalize"]
 
 
 _HOST_SCALARS = (bool, int, float, complex, np.generic)
@@ -88,15 +90,41 @@ def _dtype_of(leaf: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)  # a Python scalar, as device_put types it
 
 
-def normalize(
-    leaves: list[Any], treedef: Any, targets: list[Any], x: PyTree, target: PyTree
-) -> tuple[list[Any], list[Any]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Normalized:
+    """A call's leaves and targets in the front door's terms, and the casts left for after the move.
+
+    Attributes:
+      leaves, targets: what the front door takes.
+      after: ``{leaf index: dtype}``, the widening casts, run on the target devices by :meth:`finish`.
+    """
+
+    leaves: list[Any]
+    targets: list[Any]
+    after: dict[int, Any]
+
+    def finish(self, out: list[Any]) -> list[Any]:
+        """The result leaves with the widening casts applied (``jnp.astype`` where each result lives)."""
+        if not self.after:
+            return out
+        out = list(out)
+        for i, dtype in self.after.items():
+            out[i] = out[i].astype(dtype)
+        return out
+
+
+def _bits(dtype: Any) -> int:
+    return int(jax.dtypes.itemsize_bits(dtype))
+
+
+def normalize(leaves: list[Any], treedef: Any, targets: list[Any], x: PyTree, target: PyTree) -> Normalized:
     """A call's flat leaves and targets (the front door's :func:`~jreshard.frontdoor.flatten` of ``x`` and
     ``target``) with every leaf in the front door's terms (module docstring); nothing is flattened again.
 
     Host and host-memory leaves come back already placed (``jax.device_put``) with target ``None``;
-    a cast leaf comes back cast, with its target's sharding; an array target becomes its sharding.
-    ``x`` and ``target`` are read only to name a leaf in an error, and to see a single target.
+    a leaf cast to a narrower (or as wide) dtype comes back cast, with its target's sharding; one
+    cast to a wider dtype comes back as it is, its cast in ``after``; an array target becomes its
+    sharding. ``x`` and ``target`` are read only to name a leaf in an error, and to see a single target.
 
     Raises:
       LayoutMismatchError: an array or ShapeDtypeStruct target has another shape.
@@ -104,7 +132,7 @@ def normalize(
     """
     if isinstance(target, jax.sharding.Sharding) and _memory_kind(target) in _DEVICE_KINDS:
         if all(_on_device(v) and _memory_kind(v.sharding) in _DEVICE_KINDS for v in leaves):
-            return leaves, targets  # the common case: device arrays to one device sharding
+            return Normalized(leaves, targets, {})  # the common case: device arrays to one device sharding
     new_leaves, new_targets = list(leaves), list(targets)
     put: list[int] = []
     uncommitted: list[int] = []
@@ -135,7 +163,7 @@ def normalize(
     except TopologyError as err:
         raise TopologyError(_renamed(str(err), leaf_names(treedef, x))) from None
     if not changed:
-        return leaves, targets
+        return Normalized(leaves, targets, {})
     if put:
         placed = jax.device_put([leaves[i] for i in put], [new_targets[i] for i in put])
         for i, a in zip(put, placed, strict=True):
@@ -143,9 +171,14 @@ def normalize(
     if uncommitted:
         for i, a in zip(uncommitted, jax.device_put([leaves[i] for i in uncommitted]), strict=True):
             new_leaves[i] = a
+    after: dict[int, Any] = {}
     for i, dtype in casts.items():
-        new_leaves[i] = new_leaves[i].astype(dtype)
-    return new_leaves, new_targets
+        moves = new_targets[i] is not None and _on_device(new_leaves[i])  # else placed at its target already
+        if moves and _bits(dtype) > _bits(new_leaves[i].dtype):
+            after[i] = dtype  # widening: the narrower source dtype crosses the links
+        else:
+            new_leaves[i] = new_leaves[i].astype(dtype)
+    return Normalized(new_leaves, new_targets, after)
 
 
 def _check_addressable(i: int, leaf: Any, sharding: Any) -> None:

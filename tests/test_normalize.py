@@ -47,6 +47,21 @@ def test_array_and_shape_dtype_struct_targets_of_another_dtype_cast(dtype):
     assert_same_as_device_put(sds, want)
 
 
+@pytest.mark.parametrize(
+    ("src", "dst", "wire"),
+    [(jnp.float32, jnp.bfloat16, 2), (jnp.bfloat16, jnp.float32, 2), (jnp.int8, jnp.float32, 1)],
+    ids=["narrowing", "widening", "int8-to-float32"],
+)
+def test_a_cast_target_crosses_the_links_in_the_narrower_dtype(src, dst, wire):
+    x = jax.device_put((jnp.arange(64.0).reshape(8, 8) - 20.5).astype(src), TRAIN)
+    target = jax.ShapeDtypeStruct((8, 8), dst, sharding=INFER)
+    out, rep = jreshard.transfer(x, target, report=True)
+    assert_same_as_device_put(out, jax.device_put(x.astype(dst), INFER))
+    plain = jreshard.transfer(x.astype(dst), INFER, report=True)[1]
+    moved = rep.network_bytes + rep.fast_bytes + rep.local_bytes
+    assert moved > 0 and moved * np.dtype(dst).itemsize == wire * (plain.network_bytes + plain.fast_bytes + plain.local_bytes)
+
+
 def test_a_target_of_another_shape_is_refused_with_shapes_not_data():
     x = _params()
     big = jax.device_put(jnp.zeros((64, 64)), INFER)
