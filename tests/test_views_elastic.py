@@ -197,6 +197,74 @@ def test_a_recipe_that_is_not_shaped_like_the_tree_is_refused_before_connecting(
         assert trainer.replicas() == {}
 
 
+def test_with_the_trainers_copy_deleted_only_a_joiner_of_a_peers_form_is_served(monkeypatch):
+    from jreshard import PeerError
+
+    sent = Sent(monkeypatch)
+    with ElasticTrainer(params(0), devices=list(D[:4]), options=OPTS, catch_up=CatchUp.TRAINER) as trainer:
+        r1 = join(trainer, "r1", like())
+        trainer.wait(count=1)
+        p = params(1)
+        trainer.push(p, version=1)
+        for a in p.values():
+            a.delete()  # as a donating train step would
+        sent.take()
+        r2 = join(trainer, "r2", like())  # r1's form: served by r1 though the trainer prefers itself
+        tree, v = r2.pull()
+        assert v == 1 and check(tree, 1) == 6 * 4 and r2.arrivals[-1].source == "replica 'r1'"
+        assert sent.take() == [("replica", peer_bound())]
+        r3 = join(trainer, "r3", like(c=jnp.float32))  # no replica holds its tensors, the trainer's are gone
+        with pytest.raises(PeerError, match="the trainer's connection closed"):  # dropped: not a timeout
+            r3.pull(timeout_s=10.0)
+        why = trainer.replicas(include_gone=True)["r3"].error
+        assert why == "no live replica of its declaration holds version 1 and the trainer's copy was deleted (donated)"
+        assert sent.take() == [] and sorted(trainer.replicas()) == ["r1", "r2"]
+        report = trainer.push(params(2), version=2)
+        assert sorted(report.committed) == ["r1", "r2"]
+        for r in (r1, r2):
+            tree, v = r.pull(newer_than=1)
+            assert v == 2 and check(tree, 2) == 6 * 4
+            r.leave()
+
+
+def test_a_views_refit_that_breaks_midway_leaves_the_previous_version(monkeypatch):
+    from jreshard import PeerError
+    from jreshard.nixl import NixlComm
+
+    with ElasticTrainer(params(0), devices=list(D[:4]), options=OPTS) as trainer:
+        r1 = join(trainer, "r1", like())
+        trainer.wait(count=1)
+        trainer.push(params(1), version=1)
+        held, _ = r1.pull()
+        real = membership_module.Membership._send
+
+        def half(self, m, leaves):  # the trainer's side stops after its first exchanges of version 2
+            calls = {"n": 0}
+            exchange = NixlComm.exchange
+
+            def some(comm, sends, recvs, *, timeout_s):
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    m.channels[0].close()
+                    raise PeerError("stopped on purpose")
+                return exchange(comm, sends, recvs, timeout_s=timeout_s)
+
+            monkeypatch.setattr(NixlComm, "exchange", some)
+            try:
+                real(self, m, leaves)
+            finally:
+                monkeypatch.setattr(NixlComm, "exchange", exchange)
+
+        monkeypatch.setattr(membership_module.Membership, "_send", half)
+        report = trainer.push(params(2), version=2)
+        assert report.committed == () and "during version 2" in report.lost["r1"]
+        with pytest.raises(PeerError, match="r1"):
+            r1.pull(newer_than=1)
+        tree, v = r1.pull()
+        assert v == 1 and tree is held and check(tree, 1) == 6 * 4  # every shard still version 1's bits
+        r1.leave()
+
+
 def _decls(tree: dict, recipe=RECIPE) -> list[dict]:
     from jreshard.refit_decl import declare_local
 
