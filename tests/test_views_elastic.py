@@ -292,6 +292,23 @@ def test_the_catch_up_choice_takes_only_a_peer_of_the_joiners_form():
     assert from_trainer.views is not None and from_peer.views is None  # the peer's pair is plain arrays
     t, p = from_trainer.predicted_seconds(), from_peer.predicted_seconds()
     assert t > 0 and p > 0
+    # the views' prediction reads the schedule's chunks: the bytes the bound counts, at the network rate
+    from jreshard.cost import Port
+    from jreshard.refit_views import predict_group
+
+    pv = from_trainer.views
+    pred = predict_group(pv.schedule, pv.lowerings, from_trainer.topology, from_trainer.options)
+    assert pred.seconds == t and pred.bottleneck_port in (Port.NETWORK_SEND, Port.NETWORK_RECV)
+    rates = from_trainer.topology.links
+    wire = sum(
+        w.nbytes
+        for st in pv.schedule.schedule.steps.values()
+        for x in st.values()
+        for w in x.sends
+        if w.link is Link.NETWORK
+    )
+    assert wire == trainer_bound() == sum(low.network_bytes for low in pv.lowerings)
+    assert pred.busy_seconds >= wire / 4 / rates.network_bw  # at best spread over the 4 receiving NICs
     want = "q" if p <= t * 1.01 else None
     assert pairs_module.choose_source(CatchUp.AUTO, trainer, {"q": same}, same, OPTS, links) == want
     assert pairs_module.choose_source(CatchUp.AUTO, None, {"q": same}, same, OPTS, links) == "q"
