@@ -81,22 +81,27 @@ def _shifted(lay: Layout, by: int) -> Layout:
     return Layout.from_boxes(lay.shape, lay.dtype, {r + by: b for r, b in zip(lay.ranks, lay.boxes, strict=True)})
 
 
-def trainer_bound(**dtypes) -> int:
-    """Trainer (ranks 0-3: devices 0-3, one domain) -> a replica (ranks 4-7: devices 4-7, another domain)."""
-    topo = Topology.from_domains({r: r // 4 for r in range(8)})
+def _domains(processes: int) -> Topology:
+    """Ranks 0-3 the source (one domain: it holds nothing a replica needs), ranks 4-7 the replica, each of
+    its ``processes`` its own fast-link domain (as elastic plans a replica of several processes)."""
+    per = 4 // processes
+    return Topology.from_domains({r: 0 if r < 4 else 1 + (r - 4) // per for r in range(8)})
+
+
+def trainer_bound(processes: int = 1, **dtypes) -> int:
+    """Trainer (ranks 0-3: devices 0-3) -> a replica (ranks 4-7: devices 4-7)."""
     tree = {"w": PARAMS["w"], "c": views.astype(PARAMS["c"], dtypes.get("c", "bfloat16")), **build(views, PARAMS)}
     src = {f"['{n}']": Layout.from_sharding(FSDP, a.shape, "float32") for n, a in G.items()}
     dsts = {k: Layout.from_sharding(SHARDINGS[k], v.shape, v.dtype) for k, v in tree.items()}
-    return network_bound(tree, lambda lf: src[lf.source.name], dsts, topo)
+    return network_bound(tree, lambda lf: src[lf.source.name], dsts, _domains(processes))
 
 
-def peer_bound() -> int:
+def peer_bound(processes: int = 1) -> int:
     """A replica (its devices 4-7 as ranks 0-3) -> an identical one (ranks 4-7): its arrays, as they are."""
-    topo = Topology.from_domains({r: r // 4 for r in range(8)})
     want = refs(0)
     tree = {k: views.param(k, r.shape, r.dtype.name) for k, r in want.items()}
     lays = {k: Layout.from_sharding(SHARDINGS[k], r.shape, r.dtype.name) for k, r in want.items()}
-    return network_bound(tree, lambda lf: _shifted(lays[lf.source.name], -4), lays, topo)
+    return network_bound(tree, lambda lf: _shifted(lays[lf.source.name], -4), lays, _domains(processes))
 
 
 # ---- the bytes the engine sent --------------------------------------------------------------------
@@ -331,36 +336,43 @@ def programs():
         p.kill()
 
 
-@pytest.mark.timeout(240)
-def test_a_trainer_of_two_processes_and_two_replicas_with_views_between_programs(tmp_path, programs):
-    """A trainer of two processes (two devices each, FSDP over the four) and replicas that are programs of
-    their own (four devices, TP2 x DP2, the recipe and bfloat16 / FP8 like): r1 takes version 1 from both
-    trainer processes, r2 joins and copies version 1 from r1 as plain arrays, both take version 2; every
-    shard bit-exact, the network bytes of each sender (summed over the trainer's processes) the bound."""
+def _free_port() -> int:
     import socket
 
-    with socket.socket() as s:  # a free loopback port for the trainer's jax coordinator
+    with socket.socket() as s:  # a free loopback port for a jax coordinator
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_of_two_processes_and_replicas_of_one_and_two_with_views_between_programs(tmp_path, programs):
+    """A trainer of two processes (two devices each, FSDP over the four) and replicas that are programs of
+    their own (four devices, TP2 x DP2, the recipe and bfloat16 / FP8 like): r1 (one process) takes version 1
+    from both trainer processes; r2 (two processes, one DP row each) joins and copies version 1 from r1 as
+    plain arrays; both take version 2. Every shard bit-exact; the network bytes of each sender (summed over
+    the trainer's processes) the bound, each process of r2 its own fast-link domain."""
     address = str(tmp_path / "address")
-    cluster = {"JAX_NUM_CPU_DEVICES": "2", "JRESHARD_COORDINATOR": f"127.0.0.1:{port}", "JRESHARD_PROCESSES": "2"}
+    cluster = {"JAX_NUM_CPU_DEVICES": "2", "JRESHARD_COORDINATOR": f"127.0.0.1:{_free_port()}"}
+    cluster["JRESHARD_PROCESSES"] = "2"
     trainer = [programs("views.py", "trainer", address, env=cluster | {"JRESHARD_PROCESS": str(i)}) for i in (0, 1)]
-    four = {"JAX_NUM_CPU_DEVICES": "4"}
-    r1 = programs("views.py", "replica", address, "r1", env=four)
+    r1 = programs("views.py", "replica", address, "r1", env={"JAX_NUM_CPU_DEVICES": "4"})
     trainer[0].wait_event("join-now", timeout_s=180)
-    r2 = programs("views.py", "replica", address, "r2", env=four)
+    two = {"JAX_NUM_CPU_DEVICES": "2", "JRESHARD_COORDINATOR": f"127.0.0.1:{_free_port()}", "JRESHARD_PROCESSES": "2"}
+    r2 = [programs("views.py", "replica", address, "r2", env=two | {"JRESHARD_PROCESS": str(i)}) for i in (0, 1)]
     lead, follow = trainer[0].result(), trainer[1].result()
     assert lead["at1"] == ["r1", "r2"] and lead["joined"] == {"r1": "trainer", "r2": "replica 'r1'"}
     assert lead["committed1"] == ["r1"] and lead["committed2"] == ["r1", "r2"]
-    tb, pb = trainer_bound(), peer_bound()
-    assert lead["sent"]["1"] + follow["sent"]["1"] == tb > 0  # both trainer processes sent their shards
+    tb1, tb2 = trainer_bound(), trainer_bound(processes=2)
+    assert tb2 > tb1 > 0  # r2's two processes each take their own copy
+    assert lead["sent"]["1"] + follow["sent"]["1"] == tb1  # both trainer processes sent their shards
     assert lead["sent"]["1"] > 0 and follow["sent"]["1"] > 0
-    assert lead["sent"]["2"] + follow["sent"]["2"] == 2 * tb
-    reps = {r["name"]: r for r in (r1.result(), r2.result())}
-    for name, r in reps.items():
-        assert r["bad"] == [], (name, r["bad"])
-        assert r["checked"] == {"1": 6 * 4, "2": 6 * 4}, name
+    assert lead["sent"]["2"] + follow["sent"]["2"] == tb1 + tb2
+    one, (two0, two1) = r1.result(), (p.result() for p in r2)
+    assert [r["process"] for r in (one, two0, two1)] == [0, 0, 1]
+    for r, shards in ((one, 6 * 4), (two0, 6 * 2), (two1, 6 * 2)):
+        assert r["bad"] == [], (r["name"], r["bad"])
+        assert r["checked"] == {"1": shards, "2": shards}, r["name"]
         assert "the trainer closed" in r["end"]
-    assert reps["r1"]["arrivals"] == [[1, "trainer"], [2, "trainer"]]
-    assert reps["r2"]["arrivals"] == [[1, "replica 'r1'"], [2, "trainer"]]
-    assert reps["r1"]["served"] == pb and reps["r2"]["served"] == 0
+    assert one["arrivals"] == [[1, "trainer"], [2, "trainer"]]
+    assert two0["arrivals"] == two1["arrivals"] == [[1, "replica 'r1'"], [2, "trainer"]]
+    assert one["served"] == peer_bound(processes=2) > 0 and two0["served"] == two1["served"] == 0

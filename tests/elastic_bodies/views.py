@@ -1,12 +1,13 @@
 """The views matrix through elastic refit between separate programs: ``views.py trainer ADDRESS_FILE`` or
-``views.py replica ADDRESS_FILE NAME``.
+``views.py replica ADDRESS_FILE NAME`` (with the ``JRESHARD_*`` variables, one process of a replica of several).
 
 The trainer is two processes (one jax cluster: ``JRESHARD_COORDINATOR``, ``JRESHARD_PROCESSES``,
 ``JRESHARD_PROCESS``), its float32 parameters FSDP over their four devices (``views_cases.globals_()`` plus
 the version); process 0 waits for r1, pushes version 1, says ``join-now``, waits until two replicas hold
-version 1 (r2 catches up from r1), pushes version 2 and closes. A replica (one process, four devices)
-declares the server's bfloat16 / FP8 tree on a TP2 x DP2 mesh and the recipe of ``views_cases.build`` over
-``views.param`` leaves, and compares every shard of every version it holds bit for bit with numpy.
+version 1 (r2 catches up from r1), pushes version 2 and closes. A replica (four devices: one process,
+or two of two) declares the server's bfloat16 / FP8 tree on a TP2 x DP2 mesh and the recipe of
+``views_cases.build`` over ``views.param`` leaves, and compares every shard of every version it holds bit
+for bit with numpy.
 
 Each program prints the network bytes its ``run_pair`` sent (the engine's count), by version, as its
 last JSON line.
@@ -85,6 +86,12 @@ def trainer(address):
 
 
 def replica(address, name):
+    if "JRESHARD_COORDINATOR" in os.environ:  # one process of a replica of several: its own jax cluster
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JRESHARD_COORDINATOR"],
+            num_processes=int(os.environ["JRESHARD_PROCESSES"]),
+            process_id=int(os.environ["JRESHARD_PROCESS"]),
+        )
     count_sent(replica_module)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("dp", "tp"))
     shardings = {k: NamedSharding(mesh, P(*s)) for k, s in SPECS.items()}
@@ -109,7 +116,16 @@ def replica(address, name):
                 n += 1
         checked[version] = n
     arrivals = [[a.version, a.source] for a in rep.arrivals]
-    say(event="done", name=name, checked=checked, bad=bad, arrivals=arrivals, served=sum(SENT), end=why)
+    say(
+        event="done",
+        name=name,
+        process=jax.process_index(),
+        checked=checked,
+        bad=bad,
+        arrivals=arrivals,
+        served=sum(SENT),
+        end=why,
+    )
 
 
 if __name__ == "__main__":
