@@ -34,7 +34,7 @@ leaves naming the trainer's parameters, or ``None``) says how the server's tenso
 are made from the trainer's: fused ``qkv`` with repeated key/value heads, ``gate_up``,
 stacked experts, block FP8. Both declarations are checked against each other (names,
 shapes, dtypes, every parameter a recipe reads) before any byte moves. Such a group
-lowers its views once on every process (:mod:`jreshard.views.lowering`, the whole
+lowers its views once on every process (:mod:`jreshard.refit_views`: the whole
 lowering: every rank's pieces) and runs its ranks of them through the same round
 loop, casting while packing and unpacking in the CPU backend.
 
@@ -76,6 +76,7 @@ from jreshard.refit_decl import (
     problems,
     validate,
 )
+from jreshard.refit_views import lower_group, run_group, schedule_group
 from jreshard.schedule.steps import Schedule
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.rows import TensorSpec
@@ -280,10 +281,9 @@ class RefitGroup:
     def _lower(self, gv: GroupViews) -> list[LeafLowering]:
         """The group's views lowered to pieces (the same on every process: it raises on all or none)."""
         from jreshard.errors import JReshardError
-        from jreshard.views.lowering import lower_tree
 
         try:
-            return lower_tree(gv.views, gv.leaves, gv.layouts, gv.dsts, self.topology)
+            return lower_group(gv, self.topology)
         except JReshardError as err:
             self._control.close()
             raise LayoutMismatchError(
@@ -381,43 +381,9 @@ class RefitGroup:
     def _move_views(self, gv: GroupViews, sources: dict, targets: dict) -> tuple[dict, ExecStats]:
         """This process's ranks of the group's views through the round loop (the schedule built at the first
         refit and kept): ``({(destination leaf, rank): new shard}, stats)``."""
-        from jreshard.engine.buffers import CpuBuffers
-        from jreshard.engine.viewrun import run_view_schedule
-        from jreshard.schedule.viewsched import view_schedule
-        from jreshard.sharding.dtypes import storage_bytes
-        from jreshard.views.quant import _Quant
-
         if self._view_schedule is None:
-            quant = [(v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in gv.views]
-            self._view_schedule = view_schedule(self.lowerings, gv.layouts, gv.dsts, self.topology, self.options, quant)
-        backend = CpuBuffers()
-        src = {k: backend.export_source(a) for k, a in sources.items()}
-        devices = {r: next(iter(a.devices())) for (_, r), a in sources.items()}
-        devices |= {r: d for (_, r), d in targets.items()}
-        by_device: dict[Any, list[tuple[int, int]]] = {}
-        for k, device in targets.items():
-            by_device.setdefault(device, []).append(k)
-        dst: dict[tuple[int, int], Any] = {}
-        for device, keys in by_device.items():  # one block per device for all its destination shards
-            sizes = [storage_bytes(gv.dsts[t].np_dtype, gv.dsts[t].box_of(r).volume) for t, r in keys]
-            dst.update(zip(keys, backend.allocate(sizes, device), strict=True))
-        stats = run_view_schedule(
-            self._view_schedule,
-            gv.views,
-            gv.layouts,
-            gv.dsts,
-            self._comm,
-            src,
-            dst,
-            options=self.options,
-            buffers=backend,
-            devices=devices,
-        )
-        out = {
-            (t, r): backend.import_shard(buf, gv.dsts[t].box_of(r).shape, gv.dsts[t].np_dtype, targets[(t, r)])
-            for (t, r), buf in dst.items()
-        }
-        return out, stats
+            self._view_schedule = schedule_group(gv, self.lowerings, self.topology, self.options)
+        return run_group(gv, self._view_schedule, self._comm, sources, targets, options=self.options)
 
     def push(self, params: Any, *, version: int) -> None:
         """Send ``params`` (matching the declaration) as ``version`` to the destination side.

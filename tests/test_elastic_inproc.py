@@ -130,7 +130,7 @@ def test_a_mismatched_declaration_is_refused_naming_each_field(trainer):
     with pytest.raises(LayoutMismatchError, match=r"\(1 problem;") as err:
         ElasticReplica(like(1, b=((8,), np.int32)), trainer.address, devices=list(D[2:4]), options=OPTS)
     assert "(1 problems" not in str(err.value)
-    assert "parameter ['b']: source dtype float32 != destination dtype int32" in str(err.value)
+    assert "parameter ['b']: source dtype float32 cannot be cast to destination dtype int32" in str(err.value)
     with pytest.raises(LayoutMismatchError, match=r"\(2 problems;") as err:
         ElasticReplica(
             like(1, a=((16, 4), np.float32), b=((8,), np.int32)), trainer.address, devices=list(D[2:4]), options=OPTS

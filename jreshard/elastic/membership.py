@@ -224,6 +224,11 @@ class Membership:
             problems = check_pair(self._decls, decls)
             if [h.get("process", 0) for _, h in hellos] != list(range(len(hellos))):
                 problems.append(f"process numbers {[h.get('process') for _, h in hellos]} of replica {name!r}")
+            if not problems:  # planned (views lowered and scheduled) before the welcome; cached for every refit
+                try:
+                    pair_plan(self._decls, decls, self.options, self._links)
+                except (JReshardError, ValueError) as err:
+                    problems.append(f"the declared layouts cannot be planned: {type(err).__name__}: {err}")
         except (KeyError, TypeError, ValueError, IndexError) as err:
             problems, peer_addresses = [f"a malformed hello ({type(err).__name__}: {err}): not a jreshard replica?"], []
         if name in taken:
@@ -273,7 +278,11 @@ class Membership:
                 m.send(msg | {"decls": p.decls}, self.options.timeout_s)
                 return
             if not self._trainer_can_serve():
-                self._drop(m, f"no live replica holds version {v} and the trainer's copy was deleted (donated)")
+                self._drop(
+                    m,
+                    f"no live replica of its declaration holds version {v} and the trainer's copy was deleted "
+                    "(donated)",
+                )
                 return
             m.via_peer = ""
             m.send({"op": "catchup", "version": v, "from": "trainer"}, self.options.timeout_s)

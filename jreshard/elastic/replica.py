@@ -29,7 +29,15 @@ from typing import Any
 
 from jreshard.auth import resolve_secret
 from jreshard.channel import Channel, connect, listen, parse_address
-from jreshard.elastic.pairs import check_like, leaves_by_name, pair_plan, run_pair, source_shards, target_devices
+from jreshard.elastic.pairs import (
+    check_like,
+    leaves_by_name,
+    pair_plan,
+    run_pair,
+    same_form,
+    source_shards,
+    target_devices,
+)
 from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import Arrival
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
@@ -44,7 +52,9 @@ class ElasticReplica:
 
     Args:
       like: this replica's declaration: a pytree of ``jax.ShapeDtypeStruct`` (or arrays) with
-        shardings over the replica's mesh. Pulled trees have its structure and shardings.
+        shardings over the replica's mesh. Pulled trees have its structure, dtypes and shardings. A
+        leaf's dtype may differ from the trainer's (a cast: float32 trainer, bfloat16 replica, the bits
+        of ``x.astype(bfloat16)``, cast where the wire is narrower).
       address: ``"HOST:PORT"`` of the trainer (``ElasticTrainer.address``), or a file that holds it.
       name: a name unique among live replicas (default: ``replica-<id>``, given by the trainer);
         required, and the same in every process, when the replica has several processes.
@@ -54,12 +64,18 @@ class ElasticReplica:
       links: link speeds for the cost model (as the trainer's).
       host: the local address where this process serves catch-ups to joining replicas (default:
         the address of the interface that reaches the trainer).
+      recipe: how this replica's tensors are made from the trainer's, as a :class:`jreshard.RefitGroup`
+        destination's: a pytree with the structure of ``like``, each leaf a view over
+        :func:`jreshard.views.param` leaves naming the trainer's parameters (fused ``qkv`` with
+        repeated key/value heads, stacked experts, block FP8) or ``None`` (the trainer's leaf of that
+        name, cast to this leaf's dtype). The same in every process of the replica.
 
     Raises:
-      LayoutMismatchError: the trainer refused the declaration (every problem listed).
+      LayoutMismatchError: the trainer refused the declaration (every problem listed: names, shapes,
+        dtypes that cannot cast, parameters a recipe reads that the trainer does not declare).
       AuthenticationError: the trainer refused this side's key, or did not prove it holds it.
       TransferTimeoutError: no trainer answered within ``timeout_s``.
-      ValueError: no secret is set.
+      ValueError: no secret is set, or ``recipe`` does not have the structure of ``like``.
     """
 
     def __init__(
@@ -72,6 +88,7 @@ class ElasticReplica:
         options: Options | None = None,
         links: dict[str, float] | None = None,
         host: str | None = None,
+        recipe: Any = None,
     ):
         import jax
 
@@ -91,7 +108,7 @@ class ElasticReplica:
         timeout = self.options.timeout_s
         self._links = dict(links or {})
         self._devices = list(jax.local_devices() if devices is None else devices)
-        self._decl = declare_local("destination", like, self._devices, None)
+        self._decl = declare_local("destination", like, self._devices, None, recipe)
         if self._decl["errors"]:
             raise ValueError("ElasticReplica: " + "; ".join(self._decl["errors"]))
         self._like = leaves_by_name(like)
@@ -262,7 +279,7 @@ class ElasticReplica:
                 elif op == "commit":
                     self._commit(version)
                 elif op in ("refit", "catchup") and msg.get("from") != "peer":
-                    self._receive(self._sources, self._trainer_decls, version, "trainer")
+                    self._receive(self._sources, self._trainer_decls, version, "trainer", peer=False)
                 elif op == "catchup":
                     try:
                         self._fetch(msg, version, f"replica {msg['peer']!r}")
@@ -281,6 +298,8 @@ class ElasticReplica:
     def _fetch(self, msg: dict, version: int, source: str) -> None:
         """Catch up from the peer replica named in ``msg`` (a connection to each of its processes)."""
         timeout = self.options.timeout_s
+        if not same_form(msg["decls"], self._decls):  # the trainer then serves it
+            raise PeerError(f"{source} holds other tensors than this replica declares (another like or recipe)")
         peers: dict[int, Channel] = {}
         try:
             for i, (host, port) in enumerate(msg["addresses"]):
@@ -293,20 +312,21 @@ class ElasticReplica:
                 answer = ch.recv_control(timeout_s=timeout)
                 if answer.get("op") != "serving":
                     raise PeerError(f"{source} did not serve version {version}: {answer.get('error', answer)}")
-            self._receive(peers, msg["decls"], version, source)
+            self._receive(peers, msg["decls"], version, source, peer=True)
         finally:
             for ch in peers.values():
                 ch.close()
 
-    def _receive(self, chs: dict[int, Channel], src_decls: list, version: int, source: str) -> None:
-        """Run this process's destination side of a refit from ``src_decls``; stage it and say so."""
+    def _receive(self, chs: dict[int, Channel], src_decls: list, version: int, source: str, *, peer: bool) -> None:
+        """Run this process's destination side of a refit from ``src_decls`` (the trainer's, or a peer's of
+        this replica's form: ``peer``); stage it and say so."""
         import jax
 
         t0 = time.monotonic()
-        pair = pair_plan(src_decls, self._decls, self.options, self._links)
+        pair = pair_plan(src_decls, self._decls, self.options, self._links, peer=peer)
         targets = target_devices(pair, self._like, self._devices, self._index)
-        shards = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options)
-        index = {n: t for t, n in enumerate(pair.names)}
+        shards, _ = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options)
+        index = {n: t for t, n in enumerate(pair.dst_names)}
         base = pair.bases[pair.n_src + self._index]
         leaves, nbytes = [], 0
         for name, a in self._like:
@@ -371,14 +391,17 @@ class ElasticReplica:
                 ch.peer = f"replica {msg.get('name')!r}"
             with self._cv:
                 version, held = self._version, self._held
-            if version != msg.get("version"):
+            refused = f"it holds version {version}" if version != msg.get("version") else ""
+            if not refused and not same_form(self._decls, msg["decls"]):
+                refused = "it holds other tensors than the joiner declares (another like or recipe)"
+            if refused:
                 for ch in group.values():
-                    ch.send_control({"op": "refuse", "error": f"it holds version {version}"}, timeout_s=timeout)
+                    ch.send_control({"op": "refuse", "error": refused}, timeout_s=timeout)
                 return
             check_like(self._tree, self._decl, "destination", self._devices, f"replica {self.name!r}")
             for ch in group.values():
                 ch.send_control({"op": "serving", "version": version}, timeout_s=timeout)
-            pair = pair_plan(self._decls, msg["decls"], self.options, self._links)
+            pair = pair_plan(self._decls, msg["decls"], self.options, self._links, peer=True)
             chs = {pair.n_src + j: ch for j, ch in group.items()}
             shards = source_shards(pair, held, self._devices, self._index)
             run_pair(pair, self._index, chs, shards=shards, options=self.options)

@@ -28,9 +28,9 @@ def arm_kill(version):
     state = {"v": None, "calls": 0}
     receive, exchange = replica_module.ElasticReplica._receive, NixlComm.exchange
 
-    def watched_receive(self, ch, decl, v, source):
+    def watched_receive(self, ch, decl, v, source, **kw):
         state["v"], state["calls"] = v, 0
-        return receive(self, ch, decl, v, source)
+        return receive(self, ch, decl, v, source, **kw)
 
     def deadly_exchange(self, sends, recvs, *, timeout_s):
         if state["v"] == version and recvs:
