@@ -63,6 +63,7 @@ __all__ = [
     "copy_launch",
     "element_addresses",
     "grid_size",
+    "itemsizes",
     "launch",
     "launch_uploaded",
     "pack_launch",
@@ -283,12 +284,14 @@ jreshard_cast(const long long* __restrict__ table, const int nrows) {
 
 
 def split(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(byte rows, cast rows)`` of a descriptor table, each in table order."""
+    """``(byte rows, cast rows)`` of a descriptor table, each in table order (``table`` itself when no row casts)."""
     cast = table[:, K.CAST] != 0
+    if not cast.any():
+        return table, table[:0]
     return table[~cast], table[cast]
 
 
-def _chains(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def itemsizes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row, the itemsize of the dtype read and of the dtype written (the chain's first and last codes).
 
     Raises:
@@ -353,7 +356,7 @@ def pack_launch(table: np.ndarray, pointers: Sequence[int], staging: int) -> np.
       >>> int(lt[CK.SRC]), int(lt[CK.DST]), int(lt[CK.UNITS]), K.chain_of(lt[CHAIN])
       (4100, 8192, 2, ('float32', 'bfloat16'))
     """
-    _, last = _chains(table)
+    _, last = itemsizes(table)
     return _build(
         _addresses(table, pointers), _strides(table), staging + table[:, K.STAGE], _c_strides(table, last), table
     )
@@ -362,7 +365,7 @@ def pack_launch(table: np.ndarray, pointers: Sequence[int], staging: int) -> np.
 def unpack_launch(table: np.ndarray, staging: int, pointers: Sequence[int]) -> np.ndarray:
     """The cast launch table that unpacks staging at ``staging`` (the chain's first dtype, C order) into
     ``table``'s cast rows in buffers at ``pointers``."""
-    first, _ = _chains(table)
+    first, _ = itemsizes(table)
     return _build(
         staging + table[:, K.STAGE], _c_strides(table, first), _addresses(table, pointers), _strides(table), table
     )
@@ -375,7 +378,7 @@ def copy_launch(
     of ``kernels.element_rows`` copy pairs: equal extents, the chain in both)."""
     if len(src_table) != len(dst_table):
         raise ValueError(f"cuda_casts.copy_launch: {len(src_table)} source rows and {len(dst_table)} destination rows")
-    _chains(src_table)
+    itemsizes(src_table)
     return _build(
         _addresses(src_table, src_pointers),
         _strides(src_table),
@@ -425,7 +428,7 @@ def element_addresses(launch_table: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     return s, d, rows[bi]
 
 
-def byte_rows(table: np.ndarray, itemsize: Sequence[int]) -> np.ndarray:
+def byte_rows(table: np.ndarray, itemsize: Sequence[int] | np.ndarray) -> np.ndarray:
     """Cast rows as the byte rows that move the same elements unchanged, items of ``itemsize[i]`` bytes
     for row ``i`` (the staging offsets kept): the destination half of a cast copy staged elsewhere."""
     rows = []
