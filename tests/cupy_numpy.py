@@ -281,6 +281,14 @@ class MemoryPointer:
         _raw(self.ptr, size)[:] = _raw(src.ptr, size)
 
 
+class _Held:
+    """The memory of ``a`` seen through ``__array_interface__``, so a numpy array of it keeps ``owner`` alive."""
+
+    def __init__(self, a: np.ndarray, owner: Any):
+        self.__array_interface__ = a.__array_interface__
+        self.owner = owner
+
+
 class ndarray:  # the name of cupy.ndarray
     """``cupy.ndarray`` over host memory: ``ndarray(shape, dtype, memptr)``."""
 
@@ -372,7 +380,8 @@ class ndarray:  # the name of cupy.ndarray
         return self._a.copy()
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        return self._a.__dlpack__()
+        # As CuPy's capsule does, the export keeps this array (and the memory it views) alive.
+        return np.asarray(_Held(self._a, self)).__dlpack__()
 
     def __dlpack_device__(self):
         return (2, self._device)
