@@ -105,3 +105,57 @@ def test_copies_cast_on_one_gpu_and_between_two(cp, peer):
     np.testing.assert_array_equal(cp.asnumpy(dst), want)
     assert "jreshard_cast" in launches(cp)
     assert ("memcpy" in [e[0] for e in cp.cuda.standin.log]) == (not peer)  # the peer copy of the staged bytes
+
+
+def test_the_views_matrix_through_cupy_buffers_on_the_numpy_standin():
+    """Every case of the views acceptance matrix through ``CupyBuffers`` itself (casts by the cast kernel's
+    launches, block FP8 through its ``download``/``upload``) and in-process GPU copies, on jax's CPU devices
+    standing in for 8 GPUs: bit-exact, every access stream-ordered."""
+    import sys
+
+    import jax
+    from cupy_numpy import install, uninstall
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from mpi_launch import BODIES
+
+    from jreshard import Options, Topology, views
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.views.cluster import transfer_cluster
+
+    sys.path.insert(0, str(BODIES))
+    from views_cases import SPECS, bits, build, globals_, references
+
+    cp = install(ndev=8)
+    try:
+        devs = np.array(jax.devices())
+        fsdp = NamedSharding(jax.sharding.Mesh(devs[:4], ("f",)), P("f"))
+        server = jax.sharding.Mesh(devs[4:].reshape(2, 2), ("dp", "tp"))
+        target = {k: NamedSharding(server, P(*s)) for k, s in SPECS.items()}
+        g = globals_()
+        x = {n: jax.device_put(a, fsdp) for n, a in g.items()}
+        tree = {"w": x["w"], "c": views.astype(x["c"], "bfloat16"), **build(views, x)}
+        bufs = CupyBuffers(cupy=cp, timeout_s=10.0)
+        cp.cuda.standin.log.clear()
+        out = transfer_cluster(
+            tree,
+            target,
+            topology=Topology.uniform(range(8), domain_size=4),
+            options=Options(chunk_bytes=32, staging_bytes=128, max_group_ops=2),
+            transport=CupyLocalComm([d.id for d in devs], bufs),
+            buffers=bufs,
+        )
+        refs = references(g)
+        checked = 0
+        for name, ref in refs.items():
+            assert out[name].dtype == ref.dtype and out[name].sharding == target[name], name
+            for s in out[name].addressable_shards:
+                np.testing.assert_array_equal(bits(np.asarray(s.data)), bits(ref[s.index]), err_msg=name)
+                checked += 1
+        assert checked == 6 * 4
+        assert "jreshard_cast" in [e[2] for e in cp.cuda.standin.log if e[0] == "launch"]
+        bufs.release()
+    finally:
+        uninstall()
+    assert cp.cuda.standin.order.races == []
