@@ -303,9 +303,10 @@ class CupyBuffers(Buffers[CupyArray]):
 
     def upload(self, data: np.ndarray, device: Any) -> Any:
         """``data`` (host uint8) copied into a new buffer on ``device``, on the comm stream
-        (the mail of the rank-local schedule: a few integers). Not run on GPU."""
+        (the mail of the rank-local schedule, a few integers; a view's block-FP8 bytes
+        quantised on the host, :mod:`jreshard.engine.viewrun`). Not run on GPU."""
         o = _ordinal(device)
-        buf = self._empty(int(data.size), o, "scheduling mail")
+        buf = self._empty(int(data.size), o, "uploaded host bytes")
         if data.size:
             with self._cp.cuda.Device(o):
                 buf.set(np.ascontiguousarray(data, np.uint8), stream=self._s.comm(o))
@@ -313,7 +314,9 @@ class CupyBuffers(Buffers[CupyArray]):
 
     def download(self, buffer: Any) -> np.ndarray:
         """``buffer``'s bytes on the host, copied on the comm stream after what it ordered
-        there (with ``NcclComm.buffers()``, the receives). Not run on GPU."""
+        there (with ``NcclComm.buffers()``, the receives); a buffer other streams wrote
+        (a source shard's producer, an unpack) is read after :meth:`synchronize`, as the
+        block-FP8 jobs of :mod:`jreshard.engine.viewrun` do. Not run on GPU."""
         o = buffer.device.id
         with self._cp.cuda.Device(o):
             return np.asarray(buffer.get(stream=self._s.comm(o)))
