@@ -15,15 +15,15 @@ descriptor tables: numpy on CPU (the compiled float32 <-> bfloat16 kernels where
 the CUDA cast kernel on GPUs (:mod:`jreshard.nccl.cuda_casts`).
 
 The quantisation jobs are a host round trip through the :class:`~jreshard.engine.buffers.Buffers`
-interface, the same on every backend: wait for the buffers (:meth:`Buffers.synchronize`),
-:meth:`~Buffers.download` the bytes a job reads (the span of the source box, or the tile
-buffer), quantise in numpy, :meth:`~Buffers.upload` the result (the auxiliary source buffer
+interface, the same on every backend: wait for the buffers (:meth:`~jreshard.engine.buffers.Buffers.synchronize`),
+:meth:`~jreshard.engine.buffers.Buffers.download` the bytes a job reads (the span of the source box, or the tile
+buffer), quantise in numpy, :meth:`~jreshard.engine.buffers.Buffers.upload` the result (the auxiliary source buffer
 itself; a destination shard through one byte copy from the uploaded bytes), and wait again
 before the uploaded bytes are read or dropped. On CPU buffers a download is the buffer
-itself and an upload is the host array, so no byte is copied twice but the shard's. The
+itself and an upload is the host array, so the only extra copy is of the tiles' shards. The
 bytes on the wire are the same on every backend: the encoded blocks and the tiles' elements.
-On GPUs this round trip is not run on GPU, and it is a host round trip, not a kernel: it
-costs a device-to-host and a host-to-device copy of each quantised leaf's shards.
+Not run on GPU; there it is a host round trip, not a kernel: each job's input crosses to the
+host and its output back.
 """
 
 from __future__ import annotations

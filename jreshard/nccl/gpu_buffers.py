@@ -330,10 +330,9 @@ class CupyBuffers(Buffers[CupyArray]):
         return (kind, kernel, table.__array_interface__["data"][0], table.shape, tuple(pointers), staging)
 
     @staticmethod
-    def _launches(table: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        """The parts of a table that launch a kernel: ``("copy", byte rows)`` unless they are a few
-        contiguous runs (``cudaMemcpyAsync``), ``("cast", cast rows)``."""
-        byte, cast = CC.split(table)
+    def _launches(byte: np.ndarray, cast: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """The parts of a table (:func:`cuda_casts.split`) that launch a kernel: ``("copy", byte rows)``
+        unless they are a few contiguous runs (``cudaMemcpyAsync``), ``("cast", cast rows)``."""
         out = [("copy", byte)] if len(byte) and not _plain(byte, byte) else []
         return out + ([("cast", cast)] if len(cast) else [])
 
@@ -354,7 +353,7 @@ class CupyBuffers(Buffers[CupyArray]):
                 continue
             ptrs = self._pointers(buffers)
             arena = int(staging.data.ptr)
-            for kernel, part in self._launches(table):
+            for kernel, part in self._launches(*CC.split(table)):
                 key = self._key(kind, kernel, table, ptrs, arena)
                 if key not in self._tables:
                     lt = self._launch_table(kind, kernel, part, ptrs, arena)
@@ -370,12 +369,12 @@ class CupyBuffers(Buffers[CupyArray]):
         the byte kernel), then its cast rows (the cast kernel)."""
         ptrs = self._pointers(buffers)
         arena = int(staging.data.ptr)
-        byte, _ = CC.split(table)
+        byte, cast = CC.split(table)
         if len(byte) and _plain(byte, byte):
             at = _addresses(byte, ptrs)
             runs = [(arena + int(r[K.STAGE]), a, int(r[K.NBYTES])) for r, a in zip(byte, at, strict=True)]
             self._memcpy(runs if kind == "pack" else [(a, st, n) for st, a, n in runs], stream)
-        for kernel, part in self._launches(table):
+        for kernel, part in self._launches(byte, cast):
             found = self._tables.get(self._key(kind, kernel, table, ptrs, arena))
             m = CK if kernel == "copy" else CC
             if found is None:  # not prepared: built and uploaded now
