@@ -4,7 +4,8 @@
 "Device memory" is host memory: every array is a numpy array at a 512-byte aligned address,
 and ``data.ptr`` is that address, so the launch tables jreshard builds from pointers are real
 addresses. The pack/unpack/copy kernel runs its numpy model (``cuda_kernels.unit_addresses``:
-every unit each block and thread would copy) over those addresses; NCCL sends and receives
+every unit each block and thread would copy) over those addresses, and the cast kernel its own
+(``cuda_casts.element_addresses``, values cast by ``views.casts``); NCCL sends and receives
 are matched in issue order per (sender, receiver) and copy the bytes when both are posted.
 Work runs when it is issued, so stream order always holds here; what the stand-in checks is
 *which* stream each operation was issued on and in what order: every operation is appended
@@ -32,7 +33,11 @@ from typing import Any
 
 import numpy as np
 
+from jreshard.nccl import cuda_casts as CC
 from jreshard.nccl import cuda_kernels as CK
+from jreshard.schedule import kernels as K
+from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.views.casts import cast_chain
 
 ALIGN = 512  # CuPy's pool hands out 512-byte aligned blocks
 NCCL_VERSION = 23203
@@ -276,6 +281,14 @@ class MemoryPointer:
         _raw(self.ptr, size)[:] = _raw(src.ptr, size)
 
 
+class _Held:
+    """The memory of ``a`` seen through ``__array_interface__``, so a numpy array of it keeps ``owner`` alive."""
+
+    def __init__(self, a: np.ndarray, owner: Any):
+        self.__array_interface__ = a.__array_interface__
+        self.owner = owner
+
+
 class ndarray:  # the name of cupy.ndarray
     """``cupy.ndarray`` over host memory: ``ndarray(shape, dtype, memptr)``."""
 
@@ -367,7 +380,8 @@ class ndarray:  # the name of cupy.ndarray
         return self._a.copy()
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        return self._a.__dlpack__()
+        # As CuPy's capsule does, the export keeps this array (and the memory it views) alive.
+        return np.asarray(_Held(self._a, self)).__dlpack__()
 
     def __dlpack_device__(self):
         return (2, self._device)
@@ -385,12 +399,17 @@ class _Pool:
 
 
 class RawKernel:
-    """``cupy.RawKernel``: ``jreshard_copy`` runs the kernel's numpy model over real addresses; ``spin`` waits."""
+    """``cupy.RawKernel``: ``jreshard_copy`` and ``jreshard_cast`` run their kernel's numpy model over real
+    addresses (the cast kernel's values from ``views.casts``, which its C source matches bit for bit:
+    ``tests/test_cuda_casts.py``); ``spin`` waits."""
 
     def __init__(self, code, name, options=(), backend="nvrtc", translate_cucomplex=False, **kwargs):
         self.code, self.name, self.options = code, name, tuple(options)
 
     def __call__(self, grid, block, args, **kwargs):
+        if self.name == "jreshard_cast":
+            self._cast(grid, block, args)
+            return
         if self.name != "jreshard_copy":
             _CUDA.note("launch", self.name, tuple(grid), tuple(block))
             return
@@ -412,6 +431,29 @@ class RawKernel:
             s = (src[sel] - lo)[:, None] + off
             d = (dst[sel] - lo)[:, None] + off
             mem[d.reshape(-1)] = mem[s.reshape(-1)]
+
+    def _cast(self, grid, block, args) -> None:
+        table, nrows = args
+        lt = table._a.reshape(-1, CK.LAUNCH_COLUMNS)[: int(nrows)]
+        assert int(grid[0]) == CC.grid_size(lt) and int(block[0]) == CK.THREADS, (grid, block)
+        src, dst, row = CC.element_addresses(lt)
+        chains = lt[row, CC.CHAIN]
+        parts = []
+        for code in np.unique(chains):
+            chain = K.chain_of(code)
+            a, b = (int(numpy_dtype(chain[i]).itemsize) for i in (0, -1))
+            parts.append((chain, chains == code, a, b))
+        reads = [_bytes_of(table._a)] + [_units(src[sel], a) for _, sel, a, _ in parts]
+        writes = [_units(dst[sel], b) for _, sel, _, b in parts]
+        _CUDA.note("launch", self.name, tuple(grid), tuple(block), reads=reads, writes=writes)
+        if len(src) == 0:
+            return
+        lo = int(min(src.min(), dst.min()))
+        mem = _raw(lo, int(max(src.max(), dst.max())) + 4 - lo)
+        for chain, sel, a, b in parts:
+            x = np.ascontiguousarray(mem[(src[sel] - lo)[:, None] + np.arange(a)]).view(numpy_dtype(chain[0]))
+            y = np.ascontiguousarray(cast_chain(x.reshape(-1), chain[1:]))
+            mem[(dst[sel] - lo)[:, None] + np.arange(b)] = y.view(np.uint8).reshape(-1, b)
 
 
 def _bytes_of(a: np.ndarray) -> Any:

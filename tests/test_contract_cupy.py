@@ -5,7 +5,7 @@ order jreshard uses, as far as a machine without a GPU allows: the call must rea
 the library and fail there (an ``NcclError`` or ``CUDARuntimeError``), never with a
 ``TypeError`` from the binding. The stand-ins of ``tests/cupy_standins.py`` are
 compared with the real modules' signatures and constants in the same run, and the
-CUDA source of the pack/unpack kernel is compiled to PTX by NVRTC for sm_90.
+CUDA sources of the pack/unpack kernel and of the cast kernel are compiled to PTX by NVRTC for sm_90.
 
 Everything skips, with the reason, where CuPy (or its NCCL, or NVRTC) is not installed.
 """
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from cupy_standins import CUDARuntimeError, NcclError, RecordingCuda, RecordingNccl
 
+from jreshard.nccl import cuda_casts as CC
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl.cupy_nccl import NcclComm, device_pointer
 from jreshard.nccl.nccl_support import event_done, uid_argument, uid_to_bytes
@@ -244,6 +245,15 @@ def test_gpu_check_spin_kernel_compiles(cupy):
     from gpu_stages import SPIN_SOURCE
 
     assert ".entry spin" in ptx_of(SPIN_SOURCE, "spin.cu")
+
+
+def test_cast_kernel_source_compiles_with_nvrtc(cupy):
+    ptx = ptx_of(CC.CAST_SOURCE, "jreshard_cast.cu")
+    assert ".entry jreshard_cast" in ptx
+    assert re.search(rf"\.maxntid {CK.THREADS}, 1, 1", ptx)
+    assert "ld.shared" in ptx  # the row is looked up once per block and shared
+    # the conversions are integer code: no float arithmetic whose flush-to-zero or rounding flags could change a bit
+    assert not re.search(r"\b(cvt|add|mul|fma|div)\.(rn|rz|rm|rp|ftz)?\.?f(16|32|64)\b", ptx)
 
 
 def test_kernel_source_compiles_with_nvrtc_and_keeps_loads_in_flight(cupy):

@@ -168,8 +168,8 @@ def test_the_gpu_launch_of_a_views_pack_table_matches_numpy():
 
 def test_views_over_a_device_memory_transport_twin():
     """transfer_cluster over a transport that takes only its backend's (device) memory, as NCCL does: fused,
-    repeated and transposed views move bit-exact in small chunks, at most 2 operations a group; a cast is
-    refused before any byte moves (the GPU backend has no cast kernel)."""
+    repeated and transposed views move bit-exact in small chunks, at most 2 operations a group, uncast and
+    cast to bfloat16 (the cast rows through the GPU cast kernel's launch tables and index math)."""
     import sys
 
     from mpi_launch import BODIES
@@ -177,7 +177,6 @@ def test_views_over_a_device_memory_transport_twin():
     sys.path.insert(0, str(BODIES))
     from device_like import DeviceLikeBuffers, DeviceOnlyComm
 
-    from jreshard.errors import BackendUnavailableError
     from jreshard.views.cluster import transfer_cluster
 
     fused, dst = _transposed_fused()
@@ -192,9 +191,14 @@ def test_views_over_a_device_memory_transport_twin():
     for a, b in zip(out.addressable_shards, ref.addressable_shards, strict=True):
         np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
     assert 0 < rec.most_ops_in_a_group() <= 2
+    assert buffers.cast_launches == 0  # float32 all the way: byte rows only
     cast = views.astype(fused, jnp.bfloat16)
     buffers = DeviceLikeBuffers()
-    with pytest.raises(BackendUnavailableError, match="no cast kernels"):
-        transfer_cluster(
-            cast, dst, topology=topo, options=options, transport=DeviceOnlyComm(rec, buffers), buffers=buffers
-        )
+    rec = RecordingComm(range(8), topo)
+    out = transfer_cluster(
+        cast, dst, topology=topo, options=options, transport=DeviceOnlyComm(rec, buffers), buffers=buffers
+    )
+    ref = views.transfer(cast, dst, topology=topo)
+    for a, b in zip(out.addressable_shards, ref.addressable_shards, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.data).view(np.uint16), np.asarray(b.data).view(np.uint16))
+    assert 0 < rec.most_ops_in_a_group() <= 2 and buffers.cast_launches > 0

@@ -11,11 +11,19 @@ jobs around the rounds that block FP8 needs, on the host in numpy
   destination buffer (``Tile``) into its shard.
 
 Every cast and permutation runs inside the buffers' pack, unpack and copy of the
-descriptor tables. The CPU buffers cast there (numpy, the compiled float32 <-> bfloat16
-kernels); the GPU buffers have no cast kernel yet and quantisation needs host buffers, so
-buffers that are not numpy arrays take views without casts or block FP8
-leaves (fused, stacked, sliced and transposed ones: byte rows), and are refused the rest
-before any byte moves.
+descriptor tables: numpy on CPU (the compiled float32 <-> bfloat16 kernels where built),
+the CUDA cast kernel on GPUs (:mod:`jreshard.nccl.cuda_casts`).
+
+The quantisation jobs are a host round trip through the :class:`~jreshard.engine.buffers.Buffers`
+interface, the same on every backend: wait for the buffers (:meth:`~jreshard.engine.buffers.Buffers.synchronize`),
+:meth:`~jreshard.engine.buffers.Buffers.download` the bytes a job reads (the span of the source box, or the tile
+buffer), quantise in numpy, :meth:`~jreshard.engine.buffers.Buffers.upload` the result (the auxiliary source buffer
+itself; a destination shard through one byte copy from the uploaded bytes), and wait again
+before the uploaded bytes are read or dropped. On CPU buffers a download is the buffer
+itself and an upload is the host array, so the only extra copy is of the tiles' shards. The
+bytes on the wire are the same on every backend: the encoded blocks and the tiles' elements.
+Not run on GPU; there it is a host round trip, not a kernel: each job's input crosses to the
+host and its output back.
 """
 
 from __future__ import annotations
@@ -25,10 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.engine.buffers import Buffers, CpuBuffers
+from jreshard.engine.buffers import Buffers, CpuBuffers, aligned_empty
 from jreshard.engine.comm import Communicator
 from jreshard.engine.rounds import ExecStats, Shards, execute
-from jreshard.errors import BackendUnavailableError
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.schedule import kernels
@@ -47,16 +54,18 @@ def _typed(buf: np.ndarray, offset: int, shape: tuple[int, ...], dtype: str) -> 
     return np.ndarray(shape, numpy_dtype(dtype), buffer=buf, offset=offset)
 
 
-def _casts_on(vs: ViewSchedule, ranks: set[int]) -> bool:
-    """Whether a descriptor row of these ranks casts (the ``CAST`` column)."""
-    sched = vs.schedule
-    for r in ranks:
-        tables = [t for step in sched.steps.get(r, {}).values() for t in (step.pack, step.unpack)]
-        if r in sched.local:
-            tables.append(sched.local[r][1])
-        if any(len(t) and np.any(t[:, kernels.CAST]) for t in tables):
-            return True
-    return False
+def _download_box(buffers: Buffers, buf: Any, held: Box, box: Box, dtype: str) -> np.ndarray:
+    """The elements of ``box`` of a C-ordered shard holding ``held``, on the host: the byte span from the
+    box's first element to its last, downloaded, typed with the shard's strides."""
+    item = numpy_dtype(dtype).itemsize
+    rel = box.relative_to(held)
+    strides = [item] * len(held.shape)
+    for d in range(len(held.shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * held.shape[d + 1]
+    start = sum(lo * st for lo, st in zip(rel.lo, strides, strict=True))
+    end = sum((hi - 1) * st for hi, st in zip(rel.hi, strides, strict=True)) + item
+    span = buffers.download(buf[start:end])
+    return np.ndarray(rel.shape, numpy_dtype(dtype), buffer=span, strides=tuple(strides))
 
 
 def run_view_schedule(
@@ -88,61 +97,76 @@ def run_view_schedule(
       report: where the engine adds phases, bytes per link, messages and staging.
 
     Raises:
-      BackendUnavailableError: block FP8 leaves, or casts, on buffers that are not in host memory (GPU).
       TransferError: a buffer the schedule needs is missing (nothing was written).
     """
     buffers = buffers or CpuBuffers()
     mine = set(comm.local_ranks)
-    quant_jobs = any(r in mine for r in (*vs.encode, *vs.tiles))
-    if quant_jobs and not isinstance(buffers, CpuBuffers):
-        raise BackendUnavailableError(
-            f"views: block FP8 leaves are quantised in host memory, and buffers {type(buffers).__name__} keeps "
-            "its buffers elsewhere. The fix is to quantise on the trainer's devices (jnp), then transfer"
-        )
-    if not isinstance(buffers, CpuBuffers) and _casts_on(vs, mine):
-        raise BackendUnavailableError(
-            f"views: this schedule casts while packing and unpacking, and buffers {type(buffers).__name__} has no "
-            "cast kernels yet (casts run in the CPU buffers' pack and unpack). The fix is to cast on the trainer's "
-            "devices (x.astype) and transfer the cast arrays, or to run the views on CPU devices"
-        )
     devices = devices or {}
     src: dict[tuple[int, int], Any] = dict(sources)
     dst: dict[tuple[int, int], Any] = dict(targets)
-    for r, n in vs.aux_src.items():
-        if r in mine:
-            (src[(vs.aux, r)],) = buffers.allocate([n], devices.get(r))
     for r, n in vs.aux_dst.items():
         if r in mine:
             (dst[(vs.aux, r)],) = buffers.allocate([n], devices.get(r))
     rep = report or ReportBuilder(options.backend)
+    encodes = {r: jobs for r, jobs in vs.encode.items() if r in mine}
     with rep.timed(ReportPhase.PACK):
-        for r, jobs in vs.encode.items():
-            if r not in mine:
-                continue
+        if encodes:
+            buffers.synchronize()  # the sources are written (on GPUs: their producers ran)
+        for r, jobs in encodes.items():
+            host = aligned_empty(vs.aux_src[r])
+            host[:] = 0
             for e in jobs:
                 p = e.piece
                 quant = views[e.leaf]
                 assert isinstance(quant, _Quant)
                 held = layouts[p.leaf].box_of(p.src_rank)
-                whole = _typed(src[(p.leaf, p.src_rank)], 0, held.shape, p.src_dtype)
-                region = whole[(*p.src_box.relative_to(held).slices(), ...)]  # type: ignore[arg-type]
+                region = _download_box(buffers, src[(p.leaf, p.src_rank)], held, p.src_box, p.src_dtype)
                 tile = np.empty(p.dst_box.shape, numpy_dtype(quant.x.dtype))
                 cast_into(
                     tile, region.transpose(p.source_order).reshape(p.dst_box.shape), p.sender_casts + p.receiver_casts
                 )
                 out = quant.compute(tile, e.hull, e.box)
-                _typed(src[(vs.aux, r)], e.offset, out.shape, quant.dtype)[...] = out
+                _typed(host, e.offset, out.shape, quant.dtype)[...] = out
+            src[(vs.aux, r)] = buffers.upload(host, devices.get(r))
+        if encodes:
+            buffers.synchronize()  # uploaded before the first pack reads them
     stats = execute(
         vs.schedule, comm, Shards(src=src, dst=dst), options=options, buffers=buffers, devices=devices, report=report
     )
     with rep.timed(ReportPhase.UNPACK):
-        for r, tiles in vs.tiles.items():
-            if r not in mine:
-                continue
-            for k in tiles:
-                quant = views[k.leaf]
-                assert isinstance(quant, _Quant)
-                tile = _typed(dst[(vs.aux, r)], k.offset, k.hull.shape, k.dtype)
-                shard: Box = dsts[k.leaf].box_of(r)
-                _typed(dst[(k.leaf, r)], 0, shard.shape, dsts[k.leaf].dtype)[...] = quant.compute(tile, k.hull, k.box)
+        _tiles(vs, views, dsts, buffers, dst, devices, mine)
     return stats
+
+
+def _tiles(
+    vs: ViewSchedule,
+    views: Sequence[Any],
+    dsts: Sequence[Layout],
+    buffers: Buffers,
+    dst: dict[tuple[int, int], Any],
+    devices: Mapping[int, Any],
+    mine: set[int],
+) -> None:
+    """Quantise the landed tiles into their shards (after the rounds, which end waiting for the buffers):
+    each rank's tile buffer downloaded, each shard uploaded and copied into place as bytes."""
+    uploaded = []
+    for r, tiles in vs.tiles.items():
+        if r not in mine:
+            continue
+        landed = buffers.download(dst[(vs.aux, r)])
+        for k in tiles:
+            quant = views[k.leaf]
+            assert isinstance(quant, _Quant)
+            tile = _typed(landed, k.offset, k.hull.shape, k.dtype)
+            shard: Box = dsts[k.leaf].box_of(r)
+            host = aligned_empty(shard.volume * numpy_dtype(dsts[k.leaf].dtype).itemsize)
+            _typed(host, 0, shard.shape, dsts[k.leaf].dtype)[...] = quant.compute(tile, k.hull, k.box)
+            uploaded.append((buffers.upload(host, devices.get(r)), dst[(k.leaf, r)], host.size))
+    if not uploaded:
+        return
+    buffers.synchronize()  # the uploads landed before the copies read them
+    for up, target, n in uploaded:
+        whole = Box((0,), (n,))
+        src_t, dst_t = kernels.build_copy_tables([(0, (n,), whole, 0, (n,), whole)])
+        buffers.copy(src_t, [up], dst_t, [target])
+    buffers.synchronize()  # copied before the uploaded bytes are dropped

@@ -3,11 +3,13 @@
 The GPU :class:`~jreshard.engine.buffers.Buffers`. Buffers are 1-D ``uint8``
 CuPy arrays; pack, unpack and copy are one ``RawKernel`` launch per descriptor
 table (:mod:`jreshard.nccl.cuda_kernels`), or plain ``cudaMemcpyAsync`` calls when
-a table is a few contiguous runs. The launch tables of a whole schedule are built
-and uploaded once (:meth:`CupyBuffers.prepare`, which the engine calls before its
-first round). Pack, send/receive and unpack run on three streams per GPU linked by
-events, with double-buffered staging (:mod:`jreshard.nccl.gpu_streams`); none is the
-legacy default stream.
+a table is a few contiguous runs; a table's cast rows (a view's casts) launch the cast
+kernel of :mod:`jreshard.nccl.cuda_casts` on the same stream, after its byte rows.
+The launch tables of a whole schedule are built and uploaded once
+(:meth:`CupyBuffers.prepare`, which the engine calls before its first round). Pack,
+send/receive and unpack run on three streams per GPU linked by events, with
+double-buffered staging (:mod:`jreshard.nccl.gpu_streams`); none is the legacy
+default stream.
 
 Destination shards are allocated through XLA (one jitted allocation per device and
 call, viewed by CuPy), so they count against XLA's memory, not beside it: with XLA's
@@ -47,6 +49,7 @@ import numpy as np
 
 from jreshard.engine.buffers import KDLCUDA, Buffers, Capsule, dlpack_type, retype_capsule
 from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
+from jreshard.nccl import cuda_casts as CC
 from jreshard.nccl import cuda_kernels as CK
 from jreshard.nccl.gpu_dlpack import Typed
 from jreshard.nccl.gpu_streams import GpuStreams
@@ -300,9 +303,10 @@ class CupyBuffers(Buffers[CupyArray]):
 
     def upload(self, data: np.ndarray, device: Any) -> Any:
         """``data`` (host uint8) copied into a new buffer on ``device``, on the comm stream
-        (the mail of the rank-local schedule: a few integers). Not run on GPU."""
+        (the mail of the rank-local schedule, a few integers; a view's block-FP8 bytes
+        quantised on the host, :mod:`jreshard.engine.viewrun`). Not run on GPU."""
         o = _ordinal(device)
-        buf = self._empty(int(data.size), o, "scheduling mail")
+        buf = self._empty(int(data.size), o, "uploaded host bytes")
         if data.size:
             with self._cp.cuda.Device(o):
                 buf.set(np.ascontiguousarray(data, np.uint8), stream=self._s.comm(o))
@@ -310,7 +314,9 @@ class CupyBuffers(Buffers[CupyArray]):
 
     def download(self, buffer: Any) -> np.ndarray:
         """``buffer``'s bytes on the host, copied on the comm stream after what it ordered
-        there (with ``NcclComm.buffers()``, the receives). Not run on GPU."""
+        there (with ``NcclComm.buffers()``, the receives); a buffer other streams wrote
+        (a source shard's producer, an unpack) is read after :meth:`synchronize`, as the
+        block-FP8 jobs of :mod:`jreshard.engine.viewrun` do. Not run on GPU."""
         o = buffer.device.id
         with self._cp.cuda.Device(o):
             return np.asarray(buffer.get(stream=self._s.comm(o)))
@@ -320,13 +326,22 @@ class CupyBuffers(Buffers[CupyArray]):
         return [0 if b is None else int(b.data.ptr) for b in buffers]
 
     @staticmethod
-    def _key(kind: str, table: np.ndarray, pointers: Sequence[int], staging: int) -> tuple:
-        return (kind, table.__array_interface__["data"][0], table.shape, tuple(pointers), staging)
+    def _key(kind: str, kernel: str, table: np.ndarray, pointers: Sequence[int], staging: int) -> tuple:
+        return (kind, kernel, table.__array_interface__["data"][0], table.shape, tuple(pointers), staging)
 
-    def _launch_table(self, kind: str, table: np.ndarray, pointers: list[int], staging: int) -> np.ndarray:
+    @staticmethod
+    def _launches(byte: np.ndarray, cast: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """The parts of a table (:func:`cuda_casts.split`) that launch a kernel: ``("copy", byte rows)``
+        unless they are a few contiguous runs (``cudaMemcpyAsync``), ``("cast", cast rows)``."""
+        out = [("copy", byte)] if len(byte) and not _plain(byte, byte) else []
+        return out + ([("cast", cast)] if len(cast) else [])
+
+    @staticmethod
+    def _launch_table(kind: str, kernel: str, part: np.ndarray, pointers: list[int], staging: int) -> np.ndarray:
+        m = CK if kernel == "copy" else CC
         if kind == "pack":
-            return CK.pack_launch(table, pointers, staging)
-        return CK.unpack_launch(table, staging, pointers)
+            return m.pack_launch(part, pointers, staging)
+        return m.unpack_launch(part, staging, pointers)
 
     def prepare(self, jobs: Iterable[tuple[str, np.ndarray, Sequence[Any], Any]]) -> None:
         """Build the launch tables of every ``("pack" | "unpack", table, buffers, staging)`` of a
@@ -334,13 +349,15 @@ class CupyBuffers(Buffers[CupyArray]):
         :meth:`unpack` then launch them with no host work but the launch. Not run on GPU."""
         by_gpu: dict[int, list[tuple[tuple, np.ndarray]]] = {}
         for kind, table, buffers, staging in jobs:
-            if len(table) == 0 or _plain(table, table):
+            if len(table) == 0:
                 continue
             ptrs = self._pointers(buffers)
-            key = self._key(kind, table, ptrs, int(staging.data.ptr))
-            if key not in self._tables:
-                lt = self._launch_table(kind, table, ptrs, int(staging.data.ptr))
-                by_gpu.setdefault(staging.device.id, []).append((key, lt))
+            arena = int(staging.data.ptr)
+            for kernel, part in self._launches(*CC.split(table)):
+                key = self._key(kind, kernel, table, ptrs, arena)
+                if key not in self._tables:
+                    lt = self._launch_table(kind, kernel, part, ptrs, arena)
+                    by_gpu.setdefault(staging.device.id, []).append((key, lt))
         for o, items in sorted(by_gpu.items()):
             with self._cp.cuda.Device(o):
                 done = CK.upload([lt for _, lt in items], self._s.pack(o), self._cp)
@@ -348,14 +365,23 @@ class CupyBuffers(Buffers[CupyArray]):
             self._tables.update({key: d for (key, _), d in zip(items, done, strict=True)})
 
     def _run(self, kind: str, table: np.ndarray, buffers: Sequence[Any], staging: Any, stream: Any) -> None:
+        """The kernels of ``table`` on ``stream``: its byte rows (copies for a few contiguous runs, else
+        the byte kernel), then its cast rows (the cast kernel)."""
         ptrs = self._pointers(buffers)
-        key = self._key(kind, table, ptrs, int(staging.data.ptr))
-        found = self._tables.get(key)
-        if found is None:  # not prepared: built and uploaded now
-            self.uploads += 1
-            CK.launch(self._launch_table(kind, table, ptrs, int(staging.data.ptr)), stream, self._cp)
-        else:
-            CK.launch_uploaded(*found, stream, self._cp)
+        arena = int(staging.data.ptr)
+        byte, cast = CC.split(table)
+        if len(byte) and _plain(byte, byte):
+            at = _addresses(byte, ptrs)
+            runs = [(arena + int(r[K.STAGE]), a, int(r[K.NBYTES])) for r, a in zip(byte, at, strict=True)]
+            self._memcpy(runs if kind == "pack" else [(a, st, n) for st, a, n in runs], stream)
+        for kernel, part in self._launches(byte, cast):
+            found = self._tables.get(self._key(kind, kernel, table, ptrs, arena))
+            m = CK if kernel == "copy" else CC
+            if found is None:  # not prepared: built and uploaded now
+                self.uploads += 1
+                m.launch(self._launch_table(kind, kernel, part, ptrs, arena), stream, self._cp)
+            else:
+                m.launch_uploaded(*found, stream, self._cp)
 
     def _memcpy(self, pairs: Sequence[tuple[int, int, int]], stream: Any) -> None:
         rt = self._cp.cuda.runtime
@@ -372,13 +398,7 @@ class CupyBuffers(Buffers[CupyArray]):
         reads_received = bool(np.any(table[:, K.BUF] % 2 == 1))  # a destination shard: bytes forwarded
         with self._cp.cuda.Device(o):
             s = self._s.before_pack(o, arena, reads_received)
-            if _plain(table, table):
-                src = _addresses(table, self._pointers(buffers))
-                self._memcpy(
-                    [(arena + int(r[K.STAGE]), a, int(r[K.NBYTES])) for r, a in zip(table, src, strict=True)], s
-                )
-            else:
-                self._run("pack", table, buffers, staging, s)
+            self._run("pack", table, buffers, staging, s)
             self._s.after_pack(o, arena)
 
     def unpack(self, table: np.ndarray, staging: Any, buffers: Sequence[Any]) -> None:
@@ -390,13 +410,7 @@ class CupyBuffers(Buffers[CupyArray]):
         arena = int(staging.data.ptr)
         with self._cp.cuda.Device(o):
             s = self._s.before_unpack(o, arena)
-            if _plain(table, table):
-                dst = _addresses(table, self._pointers(buffers))
-                self._memcpy(
-                    [(a, arena + int(r[K.STAGE]), int(r[K.NBYTES])) for r, a in zip(table, dst, strict=True)], s
-                )
-            else:
-                self._run("unpack", table, buffers, staging, s)
+            self._run("unpack", table, buffers, staging, s)
             self._s.after_unpack(o, arena)
 
     def copy(self, src_table: np.ndarray, src: Sequence[Any], dst_table: np.ndarray, dst: Sequence[Any]) -> None:
@@ -418,18 +432,22 @@ class CupyBuffers(Buffers[CupyArray]):
                 with cp.cuda.Device(s):
                     event = self._s.pack(s).record()
                 self._s.pack(d).wait_event(event)
+            cast = st[:, K.CAST] != 0
+            sb, db, sc, dc = st[~cast], dt[~cast], st[cast], dt[cast]
             with cp.cuda.Device(d):
                 stream = self._s.before_pack(d, None, False)
-                if _plain(st, dt):
+                if len(sb) and _plain(sb, db):
                     pairs = zip(
-                        _addresses(dt, self._pointers(dst)),
-                        _addresses(st, self._pointers(src)),
-                        st[:, K.NBYTES],
+                        _addresses(db, self._pointers(dst)),
+                        _addresses(sb, self._pointers(src)),
+                        sb[:, K.NBYTES],
                         strict=True,
                     )
                     self._memcpy([(int(a), int(b), int(n)) for a, b, n in pairs], stream)
-                else:
-                    CK.launch(CK.copy_launch(st, self._pointers(src), dt, self._pointers(dst)), stream, cp)
+                elif len(sb):
+                    CK.launch(CK.copy_launch(sb, self._pointers(src), db, self._pointers(dst)), stream, cp)
+                if len(sc):
+                    CC.launch(CC.copy_launch(sc, self._pointers(src), dc, self._pointers(dst)), stream, cp)
 
     def _peer(self, d: int, s: int) -> bool:
         """Whether GPU ``d`` can read GPU ``s``'s memory, enabling peer access once."""
@@ -448,23 +466,30 @@ class CupyBuffers(Buffers[CupyArray]):
         return True
 
     def _copy_through_staging(self, src_table, src, dst_table, dst, s: int, d: int) -> None:
+        """Pack on GPU ``s`` (casting the cast rows there, into the destination's dtype), copy to GPU
+        ``d``, and unpack there as bytes. Not run on GPU."""
         cp = self._cp
-        nbytes = src_table[:, K.NBYTES]
+        nbytes = dst_table[:, K.NBYTES]  # what lands: the destination's dtype
         stage = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
         st, dt = np.array(src_table), np.array(dst_table)
         st[:, K.STAGE] = stage
         dt[:, K.STAGE] = stage
+        cast = st[:, K.CAST] != 0
+        unpack = dt[~cast]
+        if cast.any():
+            unpack = np.concatenate([unpack, CC.byte_rows(dt[cast], CC.itemsizes(dt[cast])[1])])
         total = int(nbytes.sum())
         ps, pd = self._s.pack(s), self._s.pack(d)
         with cp.cuda.Device(s), ps:
             here = cp.empty(total, cp.uint8)
-            CK.launch(CK.pack_launch(st, self._pointers(src), here.data.ptr), ps, cp)
+            CK.launch(CK.pack_launch(st[~cast], self._pointers(src), here.data.ptr), ps, cp)
+            CC.launch(CC.pack_launch(st[cast], self._pointers(src), here.data.ptr), ps, cp)
             event = ps.record()
         with cp.cuda.Device(d), pd:
             there = cp.empty(total, cp.uint8)
             pd.wait_event(event)
             cp.cuda.runtime.memcpyPeerAsync(there.data.ptr, d, here.data.ptr, s, total, pd.ptr)
-            CK.launch(CK.unpack_launch(dt, there.data.ptr, self._pointers(dst)), pd, cp)
+            CK.launch(CK.unpack_launch(unpack, there.data.ptr, self._pointers(dst)), pd, cp)
         pd.synchronize()  # ``here`` may be freed once the peer copy has run
 
     def fence(self) -> None:

@@ -15,7 +15,9 @@ round ``k + 1`` runs while round ``k`` is on the wire. The events:
   end of the exchanges up to round ``k - 1``: it *releases* the arenas those rounds used,
   and the comm stream then waits for the packs (and unpacks) issued so far;
 - a pack into an arena waits for that arena's release and for the unpack that last read it,
-  never for the exchange in flight; a pack that reads a destination shard (bytes received
+  never for the exchange in flight, except where the engine has only one arena (the staging
+  bound holds one): a pack into the arena of the exchange just posted waits for the comm
+  stream as it is then, as that exchange still reads the arena; a pack that reads a destination shard (bytes received
   earlier and forwarded now) also waits for the comm and unpack streams, as they wrote it;
 - an unpack waits for the comm stream as it is when the unpack is issued (the exchange of
   its round, just posted).
@@ -79,6 +81,9 @@ class GpuStreams:
         with self._cp.cuda.Device(o):
             for event in self._release.pop(arena, []) if arena is not None else []:
                 s.wait_event(event)
+            used = self._used.get(arena) if arena is not None else None
+            if used is not None and used[1] < self._fences:  # one arena: sent from since, not yet released
+                s.wait_event(self.comm(used[0]).record())
             if reads_received:
                 s.wait_event(self.comm(o).record())
                 if o in self._unpack:
