@@ -28,8 +28,19 @@ MiB, GiB = 1 << 20, 1 << 30
 # Keeps a stream busy for about n GPU clocks, so a missing stream wait shows as a wrong sum.
 SPIN_SOURCE = r'extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }'
 # The GPU tests, as gpu_check runs them: the project's addopts (doctest modules) and cache off,
-# warnings shown rather than raised, only tests/test_gpu.py collected.
-PYTEST_ARGS = ("-o", "addopts=", "-p", "no:cacheprovider", "-W", "default", "-m", "gpu", "tests/test_gpu.py")
+# warnings shown rather than raised, only tests/test_gpu.py and tests/test_gpu_casts.py collected.
+PYTEST_ARGS = (
+    "-o",
+    "addopts=",
+    "-p",
+    "no:cacheprovider",
+    "-W",
+    "default",
+    "-m",
+    "gpu",
+    "tests/test_gpu.py",
+    "tests/test_gpu_casts.py",
+)
 STANDIN = False  # set by --standin: the numpy stand-ins on CPU devices
 
 
@@ -582,18 +593,22 @@ def pytest_gpu(emit, quick, limit: float = 75.0):
     cmd = pytest_command(sys.executable)
     env = dict(os.environ)
     if STANDIN:
-        env["JRESHARD_GPU_STANDIN"] = "1"  # read by tests/test_gpu.py's env fixture only
+        env["JRESHARD_GPU_STANDIN"] = "1"  # read by the env fixtures of tests/test_gpu.py and test_gpu_casts.py only
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(limit - 8, 5), env=env)
     except subprocess.TimeoutExpired as err:
         tail = (err.stdout or b"")[-2000:]
-        emit("pytest -m gpu tests/test_gpu.py", "TIMEOUT", tail=tail.decode() if isinstance(tail, bytes) else tail)
+        emit(
+            "pytest -m gpu tests/test_gpu.py tests/test_gpu_casts.py",
+            "TIMEOUT",
+            tail=tail.decode() if isinstance(tail, bytes) else tail,
+        )
         emit("summary", "TIMEOUT", text="timed out")
         return
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     summary = lines[-1] if lines else proc.stderr[-300:]
     status = "FAILED" if proc.returncode else ("SKIPPED" if "skipped" in summary or "passed" not in summary else "ok")
-    emit("pytest -m gpu tests/test_gpu.py", status, rc=proc.returncode, summary=summary, cmd=cmd[2:],
+    emit("pytest -m gpu tests/test_gpu.py tests/test_gpu_casts.py", status, rc=proc.returncode, summary=summary, cmd=cmd[2:],
          tail=lines[-25:])  # fmt: skip
     emit("summary", status, text=summary.strip("= "))
 

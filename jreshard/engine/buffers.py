@@ -276,8 +276,9 @@ class Buffers(abc.ABC, Generic[B]):
 
     @abc.abstractmethod
     def download(self, buffer: B) -> np.ndarray:
-        """The bytes of ``buffer`` (from :meth:`upload` or :meth:`staging`) as a host uint8 array,
-        after everything issued so far has landed (call :meth:`synchronize` first)."""
+        """The bytes of ``buffer`` (any buffer this backend gave out or exported: uploads, staging, shard
+        views, destination blocks) as a host uint8 array, after everything issued so far has landed (call
+        :meth:`synchronize` first)."""
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far (default: copies are synchronous)."""
