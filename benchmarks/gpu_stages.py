@@ -29,6 +29,7 @@ MiB, GiB = 1 << 20, 1 << 30
 SPIN_SOURCE = r'extern "C" __global__ void spin(long long n) { long long t = clock64(); while (clock64() - t < n) {} }'
 # The GPU tests, as gpu_check runs them: the project's addopts (doctest modules) and cache off,
 # warnings shown rather than raised, only tests/test_gpu.py and tests/test_gpu_casts.py collected.
+PYTEST_STAGE = "pytest -m gpu tests/test_gpu.py tests/test_gpu_casts.py"  # the stage's check name
 PYTEST_ARGS = (
     "-o",
     "addopts=",
@@ -598,18 +599,13 @@ def pytest_gpu(emit, quick, limit: float = 75.0):
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(limit - 8, 5), env=env)
     except subprocess.TimeoutExpired as err:
         tail = (err.stdout or b"")[-2000:]
-        emit(
-            "pytest -m gpu tests/test_gpu.py tests/test_gpu_casts.py",
-            "TIMEOUT",
-            tail=tail.decode() if isinstance(tail, bytes) else tail,
-        )
+        emit(PYTEST_STAGE, "TIMEOUT", tail=tail.decode() if isinstance(tail, bytes) else tail)
         emit("summary", "TIMEOUT", text="timed out")
         return
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     summary = lines[-1] if lines else proc.stderr[-300:]
     status = "FAILED" if proc.returncode else ("SKIPPED" if "skipped" in summary or "passed" not in summary else "ok")
-    emit("pytest -m gpu tests/test_gpu.py tests/test_gpu_casts.py", status, rc=proc.returncode, summary=summary, cmd=cmd[2:],
-         tail=lines[-25:])  # fmt: skip
+    emit(PYTEST_STAGE, status, rc=proc.returncode, summary=summary, cmd=cmd[2:], tail=lines[-25:])
     emit("summary", status, text=summary.strip("= "))
 
 

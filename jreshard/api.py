@@ -187,12 +187,12 @@ def _run_views(
                 "transfer_into of views runs in one process; across processes, call jreshard.transfer on every "
                 "process (its results are new arrays)"
             )
-        from jreshard.views.cluster import transfer_cluster
+        from jreshard.transfer_views import transfer_cluster
 
         builder = ReportBuilder(Backend.MPI, "views across processes: MPI")
         result = transfer_cluster(x, target, topology=topology, options=options, report=builder)
         return (result, builder.build()) if report else result
-    from jreshard.views import execute
+    from jreshard import transfer_views as execute
 
     builder = ReportBuilder(Backend.LOCAL, "views run in one process")
     run = execute.transfer_into if mode is Mode.INTO else execute.transfer

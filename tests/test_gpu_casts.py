@@ -81,8 +81,8 @@ def test_cast_and_block_fp8_views_on_one_gpu(env):
     from jreshard import Options, Topology, views
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.transfer_views import transfer_cluster
     from jreshard.views import quantize_fp8_reference
-    from jreshard.views.cluster import transfer_cluster
 
     cupy, jax, device = env
     g = (np.sin(np.arange(16 * 16) * 0.37) * 50).astype(np.float32).reshape(16, 16)

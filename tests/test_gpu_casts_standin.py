@@ -122,7 +122,7 @@ def test_the_views_matrix_through_cupy_buffers_on_the_numpy_standin():
     from jreshard import Options, Topology, views
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.gpu_local import CupyLocalComm
-    from jreshard.views.cluster import transfer_cluster
+    from jreshard.transfer_views import transfer_cluster
 
     sys.path.insert(0, str(BODIES))
     from views_cases import SPECS, bits, build, globals_, references

@@ -41,15 +41,12 @@ _LAYERS = [
     ("jreshard.nixl", TRANSPORT),
     ("jreshard.xla", TRANSPORT),
     ("jreshard", TOP),
-    # the views' own executors sit above the engine until views run on it
-    ("jreshard.views.execute", TOP),
-    ("jreshard.views.cluster", TOP),
 ]
 _TRANSPORTS = ("jreshard.mpi", "jreshard.nccl", "jreshard.nixl", "jreshard.xla")
 _LIBRARIES = ("mpi4py", "cupy", "cupyx", "nixl", "nixl_cu12", "nixl_cu13", "pynvml")
 
 
-# Modules placed by their exact name: the views facade re-exports the views' executors.
+# Modules placed by their exact name: the views facade re-exports the views' transfer (jreshard.transfer_views).
 _EXACT = {"jreshard.views": TOP}
 
 

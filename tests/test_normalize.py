@@ -59,7 +59,8 @@ def test_a_cast_target_crosses_the_links_in_the_narrower_dtype(src, dst, wire):
     assert_same_as_device_put(out, jax.device_put(x.astype(dst), INFER))
     plain = jreshard.transfer(x.astype(dst), INFER, report=True)[1]
     moved = rep.network_bytes + rep.fast_bytes + rep.local_bytes
-    assert moved > 0 and moved * np.dtype(dst).itemsize == wire * (plain.network_bytes + plain.fast_bytes + plain.local_bytes)
+    plain_moved = plain.network_bytes + plain.fast_bytes + plain.local_bytes
+    assert moved > 0 and moved * np.dtype(dst).itemsize == wire * plain_moved
 
 
 def test_a_target_of_another_shape_is_refused_with_shapes_not_data():

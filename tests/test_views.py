@@ -244,9 +244,9 @@ def test_piece_byte_geometry_is_a_strided_copy():
 
 def test_threaded_copies_match(monkeypatch):
     # Large transfers copy destination shards on a thread pool: the same bits.
-    from jreshard.views import execute
+    from jreshard.engine import viewcopy
 
-    monkeypatch.setattr(execute, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(viewcopy, "_THREADED_BYTES", 0)
     x = _sharded((4, 16, 24), jnp.float32, NamedSharding(Mesh(DEVS[:4], ("e",)), P("e")))
     w, s = views.quantize_fp8(x, block=(8, 8))
     fused = views.astype(views.concat([x[0], x[1]], axis=1, groups=2), jnp.bfloat16)
@@ -280,7 +280,7 @@ def test_scalars_from_integer_indices():
 
 def test_views_on_another_platform_are_refused_by_name():
     from jreshard.errors import BackendUnavailableError
-    from jreshard.views.execute import _check_cpu
+    from jreshard.transfer_views import _check_cpu
 
     class Device:
         platform = "gpu"
@@ -296,17 +296,17 @@ def test_views_on_another_platform_are_refused_by_name():
 def test_copy_threads_option_bounds_the_threads(monkeypatch):
     import threading
 
-    from jreshard.views import execute
+    from jreshard.engine import viewcopy
 
     seen = []
-    real = execute.run_task
+    real = viewcopy.run_task
 
     def recording(task, src, dst):
         seen.append(threading.current_thread())
         real(task, src, dst)
 
-    monkeypatch.setattr(execute, "run_task", recording)
-    monkeypatch.setattr(execute, "_THREADED_BYTES", 0)
+    monkeypatch.setattr(viewcopy, "run_task", recording)
+    monkeypatch.setattr(viewcopy, "_THREADED_BYTES", 0)
     x = _sharded((4, 16, 24), jnp.float32, NamedSharding(Mesh(DEVS[:4], ("e",)), P("e")))
     fused = views.astype(views.concat([x[0], x[1], x[2]], axis=1, groups=2), jnp.bfloat16)
     dst = NamedSharding(TP2DP2, P(None, "tp"))

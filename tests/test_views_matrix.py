@@ -7,8 +7,8 @@ arrays, and the network bytes with the brute-force bound in the wire dtype, coun
 (``tests/mpi_bodies/views_cases.py``). The device-memory twin (``tests/mpi_bodies/device_like.py``) runs
 every case the way the GPU buffers do, on CPU: casts through the CUDA cast kernel's launch tables and its
 numpy index math, block FP8 through the host round trip of ``Buffers.download``/``upload``, and NCCL's rule
-that only device memory goes on the wire; it is not a GPU run. The elastic column (a replica joining with a recipe, another catching up
-from it as a peer, the same cases and checks) is ``tests/test_views_elastic.py``.
+that only device memory goes on the wire; it is not a GPU run. The elastic column (a replica joining with
+a recipe, another catching up from it as a peer, the same cases and checks) is ``tests/test_views_elastic.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jreshard
 from jreshard import Layout, Options, Topology, views
 from jreshard.engine.recording import RecordingComm
 from jreshard.sharding.topology import Link
-from jreshard.views.cluster import transfer_cluster
+from jreshard.transfer_views import transfer_cluster
 
 sys.path.insert(0, str(BODIES))
 from views_cases import SPECS, bits, build, globals_, network_bound, references

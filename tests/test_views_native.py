@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import views
-from jreshard.views import native, program
+from jreshard.engine import viewcopy as program
+from jreshard.views import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled casts are not built here")
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -15,11 +15,11 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import Layout, Topology, views
-from jreshard.views import native, program
+from jreshard.engine import viewcopy as program
+from jreshard.views import native
 from jreshard.views.bounds import box_network_bound, brute_force_network_bound
 from jreshard.views.casts import CAST_DTYPES
 from jreshard.views.lowering import lower_tree
-from jreshard.views.program import BLOCK_BYTES
 
 DEVS = np.array(jax.devices())
 
@@ -110,7 +110,7 @@ def test_random_compositions_equal_jnp_then_device_put(data):
     band = data.draw(st.sampled_from([None, 1, 6, 40]))
     # The compiled casts where they are built, or numpy's alone.
     kernels = (native.KERNELS, native.SCATTER) if data.draw(st.booleans()) else ({}, {})
-    saved = native.KERNELS, native.SCATTER
+    saved, block_bytes = (native.KERNELS, native.SCATTER), program.BLOCK_BYTES
     try:
         native.KERNELS, native.SCATTER = kernels
         if band is not None:
@@ -118,7 +118,7 @@ def test_random_compositions_equal_jnp_then_device_put(data):
         jreshard.clear_caches()
         out = views.transfer({"w": view}, {"w": dst}, topology=topo)["w"]
     finally:
-        program.BLOCK_BYTES = BLOCK_BYTES
+        program.BLOCK_BYTES = block_bytes
         native.KERNELS, native.SCATTER = saved
         jreshard.clear_caches()
     ref = jax.device_put(expect, dst)

@@ -46,7 +46,7 @@ def _scatter_f32_bf16(src: int, src_stride: int, rows: int, row_elems: int, tabl
 
 
 # (source dtype, cast chain) -> ``kernel(src address, row stride, rows, row elements, table)``: cast the rows and
-# copy each table entry's run to its address (see jreshard.views.program.Scatter). A table row is (band row, first
+# copy each table entry's run to its address (see jreshard.engine.viewcopy.Scatter). A table row is (band row, first
 # column, columns, destination address, end of the destination buffer); the kernel checks every row against the
 # band and the buffer's end before it writes anything.
 SCATTER: dict[tuple[str, tuple[str, ...]], Callable[[int, int, int, int, np.ndarray], None]] = (

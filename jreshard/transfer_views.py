@@ -1,44 +1,61 @@
-"""transfer() and transfer_into() for pytrees of views, in one process.
+"""``transfer`` and ``transfer_into`` of pytrees of views: one front door, then the engine.
 
 Front door (flatten, check every leaf and target before a byte moves) -> lowering
-(:mod:`jreshard.views.lowering`) and its program of copies
-(:mod:`jreshard.views.program`), both cached by the views' composition and layouts ->
-destinations (``transfer``: warm blocks of the buffer pool; ``transfer_into``: the
-``into`` arrays nothing else can see, donated as ``jax.jit`` donates, else fresh
-blocks) -> :func:`_execute_pieces` (the program's tasks on the copy threads, reading
-zero-copy DLPack views of the source shards) -> the destination arrays, assembled
-zero-copy. No global array is built on any device or on the host: a quantised leaf
-gathers, per destination shard, only the blocks that shard needs.
+(:mod:`jreshard.views.lowering`), cached by the views' composition and layouts -> then:
+
+- **in one process** (:func:`transfer`, :func:`transfer_into`): the program of copies
+  (:func:`jreshard.engine.viewcopy.compile_program`, cached with the lowering) ->
+  destinations (``transfer``: warm blocks of the buffer pool; ``transfer_into``: the
+  ``into`` arrays nothing else can see, donated as ``jax.jit`` donates, else fresh
+  blocks) -> the engine's in-process copy executor
+  (:func:`jreshard.engine.viewcopy.execute_pieces`: the program's tasks on the copy
+  threads, reading zero-copy DLPack views of the source shards) -> the destination
+  arrays, assembled zero-copy;
+- **across the processes of a multi-controller cluster** (:func:`transfer_cluster`):
+  every process lowers the views the same way (no communication), schedules the lowering
+  as the engine's rounds (:func:`jreshard.schedule.viewsched.view_schedule`) and runs its
+  own ranks of them through the one round loop (:func:`jreshard.engine.viewrun.run_view_schedule`)
+  over the transport: chunks of at most ``Options.chunk_bytes`` in the wire dtype, cast
+  while packing and unpacking, within ``staging_bytes``, groups of at most
+  ``max_group_ops``, each network byte once. Each process gets the global result arrays
+  with its own target shards filled (none: an array with no addressable shards), exactly as
+  ``transfer_multiprocess`` returns them.
+
+No global array is built on any device or on the host: a quantised leaf gathers, per
+destination shard, only the blocks that shard needs.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from jreshard._cache import register_clear
-from jreshard.engine import strided
-from jreshard.engine.buffers import writable_view
+from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
+from jreshard.engine.comm import Communicator
+from jreshard.engine.driver import assemble
 from jreshard.engine.inprocess import _addresses_of, _arrays, _donate, _fresh, _make_array, _read, _remember
 from jreshard.engine.pool import default_pool
+from jreshard.engine.viewcopy import Program, compile_program, execute_pieces
+from jreshard.engine.viewrun import run_view_schedule
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
-from jreshard.options import Backend
+from jreshard.mpi.cluster import cluster_comm
+from jreshard.mpi.comm import import_mpi
+from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
-from jreshard.sharding.box import Box
+from jreshard.schedule.viewsched import ViewSchedule, view_schedule
+from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
 from jreshard.views.algebra import Leaf, View, as_view
-from jreshard.views.casts import cast_into
-from jreshard.views.lowering import LeafLowering, QuantTask, ViewPiece, lower_tree
-from jreshard.views.program import Program, compile_program, run_task, task_elements
+from jreshard.views.lowering import LeafLowering, lower_tree
 from jreshard.views.quant import _Quant
 
-__all__ = ["transfer", "transfer_into"]
+__all__ = ["lower_views", "transfer", "transfer_cluster", "transfer_into"]
 
 _CACHE: dict[tuple, tuple[list[LeafLowering], Program]] = {}
 register_clear(_CACHE.clear)
@@ -154,62 +171,6 @@ def _devices(dsts: list) -> set:
     return {d for d in jax.devices() if d.id in ids}
 
 
-def _execute_pieces(
-    lowerings: Sequence[LeafLowering],
-    program: Program,
-    views: Sequence[View],
-    src: Mapping[tuple[int, int], np.ndarray],
-    src_box: Mapping[tuple[int, int], Box],
-    dst: Sequence[Mapping[int, np.ndarray]],
-    threads: int | None = None,
-) -> None:
-    """Run ``program`` (the lowerings' pieces) and the quantisation tasks: ``src[(leaf, rank)]`` is a
-    typed read-only source shard holding ``src_box[(leaf, rank)]``; ``dst[t][rank]`` the typed
-    destination shard of leaf ``t``; on ``threads`` threads (``Options.copy_threads``; ``None``: every core).
-
-    A quantised leaf's pieces fill a tile of whole blocks per destination shard, quantised after.
-    """
-
-    def quantised(t: int, task: QuantTask) -> None:
-        quant = views[t]
-        assert isinstance(quant, _Quant)
-        tile = np.empty(task.hull.shape, np.dtype(_np_dtype(quant.x.dtype)))
-        for p in task.pieces:
-            _copy_piece(p, src, src_box, tile)
-        dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
-
-    calls: list[tuple[int, Any, tuple]] = [(task_elements(t), run_task, (t, src, dst)) for t in program.tasks]
-    calls += [(k.hull.volume, quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
-    lanes = 1 if program.wire_bytes < _THREADED_BYTES else min(len(calls), strided.threads_for(threads))
-    if lanes <= 1:
-        for _, fn, args in calls:
-            fn(*args)
-        return
-    # numpy and the compiled casts release the GIL; the tasks write disjoint boxes. Largest first, each
-    # thread taking the next task as it finishes, so the threads finish together.
-    calls.sort(key=lambda c: -c[0])
-    strided.run_shared([functools.partial(fn, *args) for _, fn, args in calls], lanes)
-
-
-_THREADED_BYTES = 4 << 20
-
-
-def _np_dtype(name: str) -> np.dtype:
-    from jreshard.sharding.dtypes import numpy_dtype
-
-    return numpy_dtype(name)
-
-
-def _copy_piece(p: ViewPiece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:
-    """Copy piece ``p`` into ``out`` with its casts."""
-    s = src[(p.leaf, p.src_rank)]
-    o = src_box[(p.leaf, p.src_rank)].lo
-    region = s[(*(slice(a - b, c - b) for a, c, b in zip(p.src_box.lo, p.src_box.hi, o, strict=True)), ...)]
-    v = region.transpose(p.source_order).reshape(p.dst_box.shape)
-    where: Any = (*p.dst_box.slices(), ...)  # "...": 0-d views stay arrays
-    cast_into(out[where], v, p.sender_casts + p.receiver_casts)
-
-
 def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layout]) -> tuple[dict, dict]:
     wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
     wanted |= {(p.leaf, p.src_rank) for low in lowerings for t in low.tasks for p in t.pieces}
@@ -267,7 +228,7 @@ def transfer(
         bufs = [_fresh(d, 1, pool)[1][0] for d in dsts]
     with builder.timed(ReportPhase.COPY):
         try:
-            _execute_pieces(
+            execute_pieces(
                 lowerings,
                 program,
                 views,
@@ -348,7 +309,7 @@ def transfer_into(
                 builder.add_unowned(sum(b.nbytes for b in fresh[t]))
     with builder.timed(ReportPhase.COPY):
         try:
-            _execute_pieces(lowerings, program, views, arrays, boxes, bufs, threads)
+            execute_pieces(lowerings, program, views, arrays, boxes, bufs, threads)
         except Exception as err:
             raise TransferError(
                 f"transfer_into failed while copying ({type(err).__name__}: {err}); the into arrays were "
@@ -382,3 +343,101 @@ def _claim(into_leaves: list[Any], src_ptrs: set[int]) -> dict[int, tuple[tuple[
             own[t] = (addrs, by_jax)
             claimed |= ptrs
     return own
+
+
+_SCHEDULES: dict[tuple, ViewSchedule] = {}  # by the lowering's key and the chunking options
+register_clear(_SCHEDULES.clear)
+
+
+def _schedule(
+    key: tuple, lowerings: Any, layouts: Any, dsts: Any, topology: Any, options: Options, quant: Any
+) -> ViewSchedule:
+    got = _SCHEDULES.get(key)
+    if got is None:
+        if len(_SCHEDULES) > 64:
+            _SCHEDULES.clear()
+        got = _SCHEDULES[key] = view_schedule(lowerings, layouts, dsts, topology, options, quant)
+    return got
+
+
+def transfer_cluster(
+    x: Any,
+    target: Any,
+    *,
+    topology: Topology | None = None,
+    options: Options | None = None,
+    transport: Communicator | None = None,
+    buffers: Buffers | None = None,
+    report: ReportBuilder | None = None,
+) -> Any:
+    """Materialise a pytree of views across the processes of the cluster (every process calls this).
+
+    Args:
+      x: views (and arrays) over global arrays.
+      target: shardings or ``ShapeDtypeStruct`` s, as for :func:`jreshard.views.transfer`.
+      topology: the fast-link domains (default: one per process).
+      options: ``chunk_bytes``, ``staging_bytes`` and ``max_group_ops`` bound what each rank posts and holds;
+        ``timeout_s`` bounds every wait on a peer.
+      transport: the communicator between device ranks (default MPI over ``MPI.COMM_WORLD``; any
+        transport the engine runs over: ``NcclComm`` with ``buffers=CupyBuffers``, ``LocalComm`` in one process).
+      buffers: the buffer operations (default numpy on CPU).
+      report: where the phases, bytes this process sent and messages go.
+
+    Returns:
+      The global result arrays; this process's target shards are filled.
+
+    Raises:
+      TransferTimeoutError: a peer did not answer within ``options.timeout_s``.
+      LayoutMismatchError, LayoutError: as for :func:`jreshard.views.transfer`, on every process.
+    """
+    options = options or Options()
+    builder = report or ReportBuilder(Backend.MPI)
+    backend = buffers or CpuBuffers()
+    with builder.timed(ReportPhase.PLAN):
+        treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
+        key, lowerings, topo = lower_views(views, srcs, layouts, dsts, topology)
+        quant = tuple((v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in views)
+        sched_opts = (options.chunk_bytes, options.staging_bytes)
+        vs = _schedule((key, sched_opts), lowerings, tuple(layouts), tuple(dsts), topo, options, quant)
+    if transport is None:
+        transport = cluster_comm(import_mpi().COMM_WORLD)
+    mine = set(transport.local_ranks)
+    with builder.timed(ReportPhase.BUFFERS):
+        src = {}
+        devices: dict[int, Any] = {}
+        for i, leaf in enumerate(srcs):
+            for s in leaf.source.addressable_shards:
+                r = s.device.id
+                if r in mine and r in layouts[i].ranks:
+                    src[(i, r)] = backend.export_source(s.data)
+                    devices[r] = s.device
+        dst = {}
+        for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
+            for dev in sh.device_set:
+                if dev.id in mine:
+                    nbytes = storage_bytes(d.np_dtype, d.box_of(dev.id).volume)
+                    (dst[(t, dev.id)],) = backend.allocate([nbytes], dev)
+                    devices[dev.id] = dev
+    run_view_schedule(
+        vs,
+        views,
+        layouts,
+        dsts,
+        transport,
+        src,
+        dst,
+        options=options,
+        buffers=backend,
+        devices=devices,
+        report=builder,
+    )
+    with builder.timed(ReportPhase.BUFFERS):
+        out = []
+        for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
+            here = {
+                dev: backend.import_shard(dst[(t, dev.id)], d.box_of(dev.id).shape, d.np_dtype, dev)
+                for dev in sh.device_set
+                if dev.id in mine
+            }
+            out.append(assemble(d.shape, d.np_dtype, sh, here))
+    return treedef.unflatten(out)

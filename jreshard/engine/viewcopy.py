@@ -1,4 +1,6 @@
-"""The copies that carry out a lowering in one process, worked out once per lowering and cached.
+"""The in-process copy executor of views: the copies that carry out a lowering in one process, worked
+out once per lowering (:func:`compile_program`, cached by the caller) and run on the copy threads
+(:func:`execute_pieces`).
 
 A lowering (:mod:`jreshard.views.lowering`) says which source box fills which
 destination box; this module turns it into numpy work with every index computed
@@ -15,24 +17,31 @@ ahead, so a warm refit spends its time in copies and casts, not in Python:
   in the copy costs nothing extra).
 
 Tasks write disjoint boxes (every destination element comes from one piece), so
-they run on a thread pool (numpy releases the GIL in copies and casts). Pure numpy:
-no jax.
+they run on a thread pool (numpy releases the GIL in copies and casts). A block-FP8
+leaf's pieces fill a tile of whole blocks per destination shard, quantised after
+(:mod:`jreshard.views.quant`). Pure numpy: no jax. Message passing (several processes,
+GPUs) runs views through the round loop instead (:mod:`jreshard.engine.viewrun`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 import jreshard.views.native as native
+from jreshard.engine import strided
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.views.algebra import View
 from jreshard.views.casts import cast_into
-from jreshard.views.lowering import LeafLowering, ViewPiece
+from jreshard.views.lowering import LeafLowering, QuantTask, ViewPiece
+from jreshard.views.quant import _Quant
 
 __all__ = [
     "BLOCK_BYTES",
@@ -42,6 +51,7 @@ __all__ = [
     "Scatter",
     "ShardJob",
     "compile_program",
+    "execute_pieces",
     "run_copy",
     "run_task",
     "task_elements",
@@ -343,3 +353,53 @@ def _run_scatter(
     table[:, 4] = ends[sc.table[:, 3]]
     kernel(band.ctypes.data, band.shape[-1] * band.itemsize, band.size // sc.row_elems, sc.row_elems, table)
     return True
+
+
+def execute_pieces(
+    lowerings: Sequence[LeafLowering],
+    program: Program,
+    views: Sequence[View],
+    src: Mapping[tuple[int, int], np.ndarray],
+    src_box: Mapping[tuple[int, int], Box],
+    dst: Sequence[Mapping[int, np.ndarray]],
+    threads: int | None = None,
+) -> None:
+    """Run ``program`` (the lowerings' pieces) and the quantisation tasks: ``src[(leaf, rank)]`` is a
+    typed read-only source shard holding ``src_box[(leaf, rank)]``; ``dst[t][rank]`` the typed
+    destination shard of leaf ``t``; on ``threads`` threads (``Options.copy_threads``; ``None``: every core).
+
+    A quantised leaf's pieces fill a tile of whole blocks per destination shard, quantised after.
+    """
+
+    def quantised(t: int, task: QuantTask) -> None:
+        quant = views[t]
+        assert isinstance(quant, _Quant)
+        tile = np.empty(task.hull.shape, numpy_dtype(quant.x.dtype))
+        for p in task.pieces:
+            _copy_piece(p, src, src_box, tile)
+        dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
+
+    calls: list[tuple[int, Any, tuple]] = [(task_elements(t), run_task, (t, src, dst)) for t in program.tasks]
+    calls += [(k.hull.volume, quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
+    lanes = 1 if program.wire_bytes < _THREADED_BYTES else min(len(calls), strided.threads_for(threads))
+    if lanes <= 1:
+        for _, fn, args in calls:
+            fn(*args)
+        return
+    # numpy and the compiled casts release the GIL; the tasks write disjoint boxes. Largest first, each
+    # thread taking the next task as it finishes, so the threads finish together.
+    calls.sort(key=lambda c: -c[0])
+    strided.run_shared([functools.partial(fn, *args) for _, fn, args in calls], lanes)
+
+
+_THREADED_BYTES = 4 << 20
+
+
+def _copy_piece(p: ViewPiece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:
+    """Copy piece ``p`` into ``out`` with its casts."""
+    s = src[(p.leaf, p.src_rank)]
+    o = src_box[(p.leaf, p.src_rank)].lo
+    region = s[(*(slice(a - b, c - b) for a, c, b in zip(p.src_box.lo, p.src_box.hi, o, strict=True)), ...)]
+    v = region.transpose(p.source_order).reshape(p.dst_box.shape)
+    where: Any = (*p.dst_box.slices(), ...)  # "...": 0-d views stay arrays
+    cast_into(out[where], v, p.sender_casts + p.receiver_casts)
