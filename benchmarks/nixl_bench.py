@@ -1,20 +1,23 @@
-"""One refit over NIXL and over MPI, side by side in one run: same layouts, same tree, same machine.
+"""One refit over NIXL and over MPI, side by side in one run: same processes, layouts, tree and Options.
 
-Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--repeats 9] [--rounds 4]``. A pair is
-a ``RefitGroup`` of one source and one destination process, each with 2 CPU devices: the source
-FSDP-shards a refit-like pytree over its 2 devices, the destination TP-shards it over its 2. Over
-MPI the pair is one MPMD launch (``mpiexec -n 2``); over NIXL it is two separate launches
-(``RefitGroup.connect(..., transport="nixl")``). Both use the same Options (chunking, staging).
+Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--warmup 2] [--repeats 25]``. One launch
+(``mpiexec -n 2``) starts a source and a destination process, each with 2 CPU devices: the source
+FSDP-shards a refit-like pytree over its 2 devices, the destination TP-shards it over its 2. The two
+processes form two ``RefitGroup``\\ s with the same declaration and the same Options (chunking,
+staging): one over MPI (``COMM_WORLD``), one over NIXL (``RefitGroup.connect(..., transport="nixl")``,
+which meets at an address file and uses no MPI). Then they push version after version, each version
+once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so whatever else the
+machine runs at a moment falls on both transports alike.
 
-Each launch pushes ``--warmup`` versions untimed (the first refit makes the plan, the NIXL agent,
-the registrations and the first pages of every buffer), then times ``push`` (from the begin vote
-to every process having committed) for ``--repeats`` versions. Launches alternate, MPI NIXL NIXL
-MPI ... over ``--rounds`` rounds (each round one launch of each), so a change in the machine's load
-during the run falls on both alike.
+The first ``--warmup`` versions are not timed (the first refit makes the plan, the NIXL agent's
+registrations and the first pages of every buffer); then ``--repeats`` versions are. A push is
+timed on the source from its begin vote to every process having committed. The CPU time of the
+source's push and of the destination's pull (user + system, from ``getrusage``) is recorded beside it.
 
-Printed: per transport, bytes per refit, the first (cold) push, median [min-max] seconds of all
-timed pushes, GB/s at the median; per round, the NIXL / MPI ratio of the two launches' medians;
-then the ratio of the medians of all timed pushes, and the load average before and after.
+Printed: per transport, bytes per refit, the first (cold) push, median [min-max] seconds of the timed
+pushes, GB/s at the median, and the median CPU milliseconds per refit of the source and of the
+destination; then NIXL / MPI: the ratio of the medians and the median of the ratios of the same
+version's two pushes, and the load average before and after.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
+TRANSPORTS = ("mpi", "nixl")
 
 
 def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
@@ -45,7 +50,12 @@ def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def worker(transport: str, role: str, address: str, result: str, mib: int, warmup: int, repeats: int) -> None:
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats: int) -> None:
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -67,121 +77,92 @@ def worker(transport: str, role: str, address: str, result: str, mib: int, warmu
         sharding = {k: NamedSharding(mesh, spec[k]) for k in shapes}
     like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding[k]) for k, s in shapes.items()}
     opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20)
-    if transport == "nixl":
-        group = RefitGroup.connect(role, like, address=address, transport="nixl", options=opts)
-    else:
-        group = RefitGroup(role, like, options=opts)
-    times = []
+    groups = {
+        "mpi": RefitGroup(role, like, options=opts),
+        "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
+    }
+    params = None
     if role == "source":
         params = {
             k: jax.make_array_from_callback(s, sharding[k], lambda i, s=s: np.ones(s, np.float32)[i])
             for k, s in shapes.items()
         }
-        for v in range(warmup + repeats):
-            t0 = time.perf_counter()
-            group.push(params, version=v)
-            times.append(time.perf_counter() - t0)
-    else:
-        for _ in range(warmup + repeats):
-            tree, _ = group.pull(like=like)
-            del tree
-    group.close()
+    seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    for v in range(warmup + repeats):
+        for name in TRANSPORTS if v % 2 == 0 else TRANSPORTS[::-1]:
+            c0, t0 = _cpu_s(), time.perf_counter()
+            if params is not None:
+                groups[name].push(params, version=v)
+            else:
+                tree, _ = groups[name].pull(like=like)
+                del tree
+            seconds[name].append(time.perf_counter() - t0)
+            cpu[name].append(_cpu_s() - c0)
+    for g in groups.values():
+        g.close()
     nbytes = sum(4 * int(np.prod(s)) for s in shapes.values())
-    if role == "source":  # a file of its own: the two processes of an mpiexec launch share stdout
-        with open(result, "w") as f:
-            json.dump({"first": times[0], "times": times[warmup:], "bytes": nbytes}, f)
+    out = {"bytes": nbytes, "first": {t: seconds[t][0] for t in TRANSPORTS}}
+    out |= {"seconds": {t: seconds[t][warmup:] for t in TRANSPORTS}, "cpu": {t: cpu[t][warmup:] for t in TRANSPORTS}}
+    with open(f"{result}.{role}", "w") as f:  # a file each: the two processes share stdout
+        json.dump(out, f)
 
 
-def _env() -> dict[str, str]:
+def run(mib: int, warmup: int, repeats: int) -> tuple[dict, dict]:
+    """One launch of the pair: ``(source's record, destination's record)``."""
     env = dict(os.environ)
     env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "JRESHARD_SECRET": SECRET}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _result(path: str, output: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise RuntimeError(f"the source wrote no result:\n{output[-3000:]}") from None
-
-
-def _args(mib: int, warmup: int, repeats: int, result: str) -> list[str]:
-    return ["--mib", str(mib), "--warmup", str(warmup), "--repeats", str(repeats), "--result", result]
-
-
-def run_mpi(mib: int, warmup: int, repeats: int) -> dict:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        me = [sys.executable, __file__, "--worker", "mpi", *_args(mib, warmup, repeats, result)]
+        result, address = os.path.join(tmp, "result"), os.path.join(tmp, "address")
+        me = [sys.executable, __file__, "--worker", "--mib", str(mib), "--warmup", str(warmup)]
+        me += ["--repeats", str(repeats), "--result", result, "--address", address]
         cmd = [str(mpiexec), "-n", "1", *me, "--role", "source", ":", "-n", "1", *me, "--role", "destination"]
-        out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, check=False)
-        return _result(result, out.stdout + out.stderr)
-
-
-def run_nixl(mib: int, warmup: int, repeats: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        args = ["--worker", "nixl", *_args(mib, warmup, repeats, result), "--address", os.path.join(tmp, "address")]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, *args, "--role", role],
-                env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for role in ("source", "destination")
-        ]
-        outs = [p.communicate(timeout=900)[0] for p in procs]
-        return _result(result, "\n".join(outs))
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+        try:
+            with open(f"{result}.source") as s, open(f"{result}.destination") as d:
+                return json.load(s), json.load(d)
+        except FileNotFoundError:
+            raise RuntimeError(f"a worker wrote no result:\n{(out.stdout + out.stderr)[-3000:]}") from None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--worker", choices=["mpi", "nixl"])
+    ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--worker", action="store_true")
     ap.add_argument("--role", choices=["source", "destination"])
     ap.add_argument("--address", default="")
     ap.add_argument("--result", default="")
     a = ap.parse_args()
     if a.worker:
-        worker(a.worker, a.role, a.address, a.result, a.mib, a.warmup, a.repeats)
+        worker(a.role, a.address, a.result, a.mib, a.warmup, a.repeats)
         return
-    if a.warmup < 1 or a.repeats < 1 or a.rounds < 1:
-        ap.error("--warmup, --repeats and --rounds must be at least 1")
-    load0 = os.getloadavg()
-    runs: dict[str, list[dict]] = {"mpi": [], "nixl": []}
-    launch = {"mpi": run_mpi, "nixl": run_nixl}
-    for i in range(a.rounds):  # MPI NIXL, NIXL MPI, ...: a drift in load falls on both alike
-        for name in ("mpi", "nixl") if i % 2 == 0 else ("nixl", "mpi"):
-            runs[name].append(launch[name](a.mib, a.warmup, a.repeats))
-    load1 = os.getloadavg()
-    print("| transport | MB per refit | first push, s | s, median [min-max] | GB/s (median) |")
-    print("|---|---|---|---|---|")
+    if a.warmup < 1 or a.repeats < 1:
+        ap.error("--warmup and --repeats must be at least 1")
+    load0 = os.getloadavg()[0]
+    src, dst = run(a.mib, a.warmup, a.repeats)
+    load1 = os.getloadavg()[0]
+    print("| transport | MB per refit | first push, s | s, median [min-max] | GB/s (median) | CPU ms, source + dest. |")
+    print("|---|---|---|---|---|---|")
     med = {}
-    for name, rs in runs.items():
-        t = [x for r in rs for x in r["times"]]
+    for name in TRANSPORTS:
+        t = src["seconds"][name]
         med[name] = statistics.median(t)
-        first = statistics.median(r["first"] for r in rs)
-        gbs = rs[0]["bytes"] / med[name] / 1e9
+        cpu_s, cpu_d = (1e3 * statistics.median(r["cpu"][name]) for r in (src, dst))
         print(
-            f"| {name} | {rs[0]['bytes'] / 1e6:.1f} | {first:.4f} | {med[name]:.4f} [{min(t):.4f}-{max(t):.4f}] "
-            f"| {gbs:.2f} |"
+            f"| {name} | {src['bytes'] / 1e6:.1f} | {src['first'][name]:.4f} | {med[name]:.4f} "
+            f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} |"
         )
-    pairs = zip(runs["mpi"], runs["nixl"], strict=True)
-    rounds = [statistics.median(n["times"]) / statistics.median(m["times"]) for m, n in pairs]
-    print(f"NIXL / MPI per round (launch medians): {' '.join(f'{r:.2f}' for r in rounds)}")
+    pairs = zip(src["seconds"]["nixl"], src["seconds"]["mpi"], strict=True)
+    per_version = statistics.median(n / m for n, m in pairs)
     print(
-        f"NIXL / MPI time ratio (medians of {len(rounds) * a.repeats} timed pushes each): "
-        f"{med['nixl'] / med['mpi']:.2f}"
+        f"NIXL / MPI time: {med['nixl'] / med['mpi']:.2f} (medians of {a.repeats} pushes each); "
+        f"{per_version:.2f} (median of the {a.repeats} versions' ratios)"
     )
-    print(f"load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
+    print(f"load average (1 min) before {load0:.2f}, after {load1:.2f}")
 
 
 if __name__ == "__main__":
