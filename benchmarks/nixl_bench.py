@@ -1,6 +1,6 @@
 """One refit over NIXL and over MPI, side by side in one run: same processes, layouts, tree and Options.
 
-Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--warmup 2] [--repeats 25]``. One launch
+Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--warmup 1] [--repeats 25]``. One launch
 (``mpiexec -n 2``) starts a source and a destination process, each with 2 CPU devices: the source
 FSDP-shards a refit-like pytree over its 2 devices, the destination TP-shards it over its 2. The two
 processes form two ``RefitGroup``\\ s with the same declaration and the same Options (chunking,
@@ -9,15 +9,16 @@ which meets at an address file and uses no MPI). Then they push version after ve
 once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so whatever else the
 machine runs at a moment falls on both transports alike.
 
-The first ``--warmup`` versions are not timed (the first refit makes the plan, the NIXL agent's
-registrations and the first pages of every buffer); then ``--repeats`` versions are. A push is
-timed on the source from its begin vote to every process having committed. The CPU time of the
-source's push and of the destination's pull (user + system, from ``getrusage``) is recorded beside it.
+The first ``--warmup`` versions are not timed (the first refit of each group makes its schedule, the
+NIXL agent's first registrations and the first pages of every buffer); then ``--repeats`` versions
+are. A push is timed on the source from its begin vote to every process having committed. The CPU
+time of the source's push and of the destination's pull (user + system, from ``getrusage``) is
+recorded beside it. Both groups must have sent the same bytes on every link (checked).
 
-Printed: per transport, bytes per refit, the first (cold) push, median [min-max] seconds of the timed
-pushes, GB/s at the median, and the median CPU milliseconds per refit of the source and of the
-destination; then NIXL / MPI: the ratio of the medians and the median of the ratios of the same
-version's two pushes, and the load average before and after.
+Printed: per transport, bytes per refit, median [min-max] seconds of the timed pushes, GB/s at the
+median, and the median CPU milliseconds per refit of the source and of the destination; then NIXL /
+MPI: the ratio of the medians and the median of the ratios of the same version's two pushes, and
+the load average before and after.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
                 del tree
             seconds[name].append(time.perf_counter() - t0)
             cpu[name].append(_cpu_s() - c0)
+    sent = {t: {link.name: n for link, n in g.sent_bytes.items()} for t, g in groups.items()}
     for g in groups.values():
         g.close()
     nbytes = sum(4 * int(np.prod(s)) for s in shapes.values())
-    out = {"bytes": nbytes, "first": {t: seconds[t][0] for t in TRANSPORTS}}
+    out = {"bytes": nbytes, "sent": sent}
     out |= {"seconds": {t: seconds[t][warmup:] for t in TRANSPORTS}, "cpu": {t: cpu[t][warmup:] for t in TRANSPORTS}}
     with open(f"{result}.{role}", "w") as f:  # a file each: the two processes share stdout
         json.dump(out, f)
@@ -130,7 +132,7 @@ def run(mib: int, warmup: int, repeats: int) -> tuple[dict, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--role", choices=["source", "destination"])
@@ -145,15 +147,17 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     src, dst = run(a.mib, a.warmup, a.repeats)
     load1 = os.getloadavg()[0]
-    print("| transport | MB per refit | first push, s | s, median [min-max] | GB/s (median) | CPU ms, source + dest. |")
-    print("|---|---|---|---|---|---|")
+    if src["sent"]["mpi"] != src["sent"]["nixl"]:
+        raise RuntimeError(f"the two groups sent different bytes: {src['sent']}")
+    print("| transport | MB per refit | s, median [min-max] | GB/s (median) | CPU ms per refit, source + destination |")
+    print("|---|---|---|---|---|")
     med = {}
     for name in TRANSPORTS:
         t = src["seconds"][name]
         med[name] = statistics.median(t)
         cpu_s, cpu_d = (1e3 * statistics.median(r["cpu"][name]) for r in (src, dst))
         print(
-            f"| {name} | {src['bytes'] / 1e6:.1f} | {src['first'][name]:.4f} | {med[name]:.4f} "
+            f"| {name} | {src['bytes'] / 1e6:.1f} | {med[name]:.4f} "
             f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} |"
         )
     pairs = zip(src["seconds"]["nixl"], src["seconds"]["mpi"], strict=True)
