@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--warmup 1] [--repeats 25]``. One launch
 (``mpiexec -n 2``) starts a source and a destination process, each with 2 CPU devices: the source
 FSDP-shards a refit-like pytree over its 2 devices, the destination TP-shards it over its 2. The two
-processes form two ``RefitGroup``\\ s with the same declaration and the same Options (chunking,
+processes form two ``RefitGroup`` objects with the same declaration and Options (chunking,
 staging): one over MPI (``COMM_WORLD``), one over NIXL (``RefitGroup.connect(..., transport="nixl")``,
 which meets at an address file and uses no MPI). Then they push version after version, each version
 once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so whatever else the
