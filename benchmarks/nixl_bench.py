@@ -1,13 +1,24 @@
-"""One refit over NIXL and over MPI, side by side in one run: same layouts, same tree, same machine.
+"""One refit over NIXL and over MPI, side by side in one run: same processes, layouts, tree and Options.
 
-Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--repeats 7]``. It launches, one after
-the other, a ``RefitGroup`` of one source and one destination process over MPI (``mpiexec -n 2``,
-one MPMD launch) and the same group over NIXL (two separate launches, ``RefitGroup.connect(...,
-transport="nixl")``), each process with 2 CPU devices: the source FSDP-shards a refit-like pytree
-over its 2 devices, the destination TP-shards it over its 2. Each worker times ``push`` (from the
-begin vote to every process having committed) for ``--repeats`` versions after one warm-up, and
-prints the times; this prints bytes, median [min-max] seconds, GB/s of each, and the ratio
-NIXL / MPI. Chunking and staging are the same Options for both.
+Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--warmup 1] [--repeats 25]``. One launch
+(``mpiexec -n 2``) starts a source and a destination process, each with 2 CPU devices: the source
+FSDP-shards a refit-like pytree over its 2 devices, the destination TP-shards it over its 2. The two
+processes form two ``RefitGroup`` objects with the same declaration and Options (chunking,
+staging): one over MPI (``COMM_WORLD``), one over NIXL (``RefitGroup.connect(..., transport="nixl")``,
+which meets at an address file and uses no MPI). Then they push version after version, each version
+once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so whatever else the
+machine runs at a moment falls on both transports alike.
+
+The first ``--warmup`` versions are not timed (the first refit of each group makes its schedule, the
+NIXL agent's first registrations and the first pages of every buffer); then ``--repeats`` versions
+are. A push is timed on the source from its begin vote to every process having committed. The CPU
+time of the source's push and of the destination's pull (user + system, from ``getrusage``) is
+recorded beside it. Both groups must have sent the same bytes on every link (checked).
+
+Printed: per transport, bytes per refit, median [min-max] seconds of the timed pushes, GB/s at the
+median, and the median CPU milliseconds per refit of the source and of the destination; then NIXL /
+MPI: the ratio of the medians and the median of the ratios of the same version's two pushes, and
+the load average before and after.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -24,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
+TRANSPORTS = ("mpi", "nixl")
 
 
 def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
@@ -38,7 +51,12 @@ def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def worker(transport: str, role: str, address: str, mib: int, repeats: int) -> None:
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats: int) -> None:
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -60,91 +78,95 @@ def worker(transport: str, role: str, address: str, mib: int, repeats: int) -> N
         sharding = {k: NamedSharding(mesh, spec[k]) for k in shapes}
     like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding[k]) for k, s in shapes.items()}
     opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20)
-    if transport == "nixl":
-        group = RefitGroup.connect(role, like, address=address, transport="nixl", options=opts)
-    else:
-        group = RefitGroup(role, like, options=opts)
-    times = []
+    groups = {
+        "mpi": RefitGroup(role, like, options=opts),
+        "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
+    }
+    params = None
     if role == "source":
         params = {
             k: jax.make_array_from_callback(s, sharding[k], lambda i, s=s: np.ones(s, np.float32)[i])
             for k, s in shapes.items()
         }
-        for v in range(repeats + 1):
-            t0 = time.perf_counter()
-            group.push(params, version=v)
-            times.append(time.perf_counter() - t0)
-    else:
-        for _ in range(repeats + 1):
-            tree, _ = group.pull(like=like)
-            del tree
-    group.close()
+    seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    for v in range(warmup + repeats):
+        for name in TRANSPORTS if v % 2 == 0 else TRANSPORTS[::-1]:
+            c0, t0 = _cpu_s(), time.perf_counter()
+            if params is not None:
+                groups[name].push(params, version=v)
+            else:
+                tree, _ = groups[name].pull(like=like)
+                del tree
+            seconds[name].append(time.perf_counter() - t0)
+            cpu[name].append(_cpu_s() - c0)
+    sent = {t: {link.name: n for link, n in g.sent_bytes.items()} for t, g in groups.items()}
+    for g in groups.values():
+        g.close()
     nbytes = sum(4 * int(np.prod(s)) for s in shapes.values())
-    print(json.dumps({"role": role, "times": times[1:], "bytes": nbytes}), flush=True)
+    out = {"bytes": nbytes, "sent": sent}
+    out |= {"seconds": {t: seconds[t][warmup:] for t in TRANSPORTS}, "cpu": {t: cpu[t][warmup:] for t in TRANSPORTS}}
+    with open(f"{result}.{role}", "w") as f:  # a file each: the two processes share stdout
+        json.dump(out, f)
 
 
-def _env() -> dict[str, str]:
+def run(mib: int, warmup: int, repeats: int) -> tuple[dict, dict]:
+    """One launch of the pair: ``(source's record, destination's record)``."""
     env = dict(os.environ)
     env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "JRESHARD_SECRET": SECRET}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
-
-
-def _result(outs: list[str]) -> dict:
-    for out in outs:
-        for line in out.splitlines():
-            if line.startswith("{") and '"source"' in line:
-                return json.loads(line)
-    raise RuntimeError("no source result:\n" + "\n".join(o[-3000:] for o in outs))
-
-
-def run_mpi(mib: int, repeats: int) -> dict:
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    me = [sys.executable, __file__, "--worker", "mpi", "--mib", str(mib), "--repeats", str(repeats)]
-    cmd = [str(mpiexec), "-n", "1", *me, "--role", "source", ":", "-n", "1", *me, "--role", "destination"]
-    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, check=False)
-    return _result([out.stdout + out.stderr])
-
-
-def run_nixl(mib: int, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        address = os.path.join(tmp, "address")
-        args = ["--worker", "nixl", "--mib", str(mib), "--repeats", str(repeats), "--address", address]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, *args, "--role", role],
-                env=_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for role in ("source", "destination")
-        ]
-        outs = [p.communicate(timeout=900)[0] for p in procs]
-    return _result(outs)
+        result, address = os.path.join(tmp, "result"), os.path.join(tmp, "address")
+        me = [sys.executable, __file__, "--worker", "--mib", str(mib), "--warmup", str(warmup)]
+        me += ["--repeats", str(repeats), "--result", result, "--address", address]
+        cmd = [str(mpiexec), "-n", "1", *me, "--role", "source", ":", "-n", "1", *me, "--role", "destination"]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+        try:
+            with open(f"{result}.source") as s, open(f"{result}.destination") as d:
+                return json.load(s), json.load(d)
+        except FileNotFoundError:
+            raise RuntimeError(f"a worker wrote no result:\n{(out.stdout + out.stderr)[-3000:]}") from None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--worker", choices=["mpi", "nixl"])
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--worker", action="store_true")
     ap.add_argument("--role", choices=["source", "destination"])
     ap.add_argument("--address", default="")
+    ap.add_argument("--result", default="")
     a = ap.parse_args()
     if a.worker:
-        worker(a.worker, a.role, a.address, a.mib, a.repeats)
+        worker(a.role, a.address, a.result, a.mib, a.warmup, a.repeats)
         return
-    results = {"mpi": run_mpi(a.mib, a.repeats), "nixl": run_nixl(a.mib, a.repeats)}
-    print("| transport | MB per refit | s, median [min-max] | GB/s (median) |")
-    print("|---|---|---|---|")
+    if a.warmup < 1 or a.repeats < 1:
+        ap.error("--warmup and --repeats must be at least 1")
+    load0 = os.getloadavg()[0]
+    src, dst = run(a.mib, a.warmup, a.repeats)
+    load1 = os.getloadavg()[0]
+    if src["sent"]["mpi"] != src["sent"]["nixl"]:
+        raise RuntimeError(f"the two groups sent different bytes: {src['sent']}")
+    print("| transport | MB per refit | s, median [min-max] | GB/s (median) | CPU ms per refit, source + destination |")
+    print("|---|---|---|---|---|")
     med = {}
-    for name, r in results.items():
-        t = r["times"]
+    for name in TRANSPORTS:
+        t = src["seconds"][name]
         med[name] = statistics.median(t)
-        gbs = r["bytes"] / med[name] / 1e9
-        print(f"| {name} | {r['bytes'] / 1e6:.1f} | {med[name]:.4f} [{min(t):.4f}-{max(t):.4f}] | {gbs:.2f} |")
-    print(f"NIXL / MPI time ratio (medians): {med['nixl'] / med['mpi']:.2f}")
+        cpu_s, cpu_d = (1e3 * statistics.median(r["cpu"][name]) for r in (src, dst))
+        print(
+            f"| {name} | {src['bytes'] / 1e6:.1f} | {med[name]:.4f} "
+            f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} |"
+        )
+    pairs = zip(src["seconds"]["nixl"], src["seconds"]["mpi"], strict=True)
+    per_version = statistics.median(n / m for n, m in pairs)
+    print(
+        f"NIXL / MPI time: {med['nixl'] / med['mpi']:.2f} (medians of {a.repeats} pushes each); "
+        f"{per_version:.2f} (median of the {a.repeats} versions' ratios)"
+    )
+    print(f"load average (1 min) before {load0:.2f}, after {load1:.2f}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ log = logging.getLogger("jreshard.channel")
 
 _HEADER = struct.Struct("!BQ")  # kind, nbytes
 _CONTROL = 1
-_READ = 1 << 20
+# recv allocates its whole limit before it reads: at 1 MiB a read costs ~65 us with a message and
+# ~14 us without one (measured), at 64 KiB ~4 us and ~2 us; a large frame takes more reads.
+_READ = 1 << 16
 MAX_FRAME_BYTES = 64 << 20  # a declaration of tens of thousands of leaves fits; 2^60 does not
 TRANSPORT_OPS = "nixl."  # the ops of the data transport's messages on a shared connection
 

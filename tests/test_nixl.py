@@ -220,6 +220,26 @@ def test_a_buffer_allocation_is_registered_once_and_released_when_it_dies():
     assert agent.registered_bytes == 0
 
 
+def test_a_pools_block_keeps_its_registration_from_one_lease_to_the_next():
+    from jreshard.engine.pool import BufferPool
+    from jreshard.nixl import NixlAgent
+
+    agent, pool = NixlAgent(), BufferPool()
+    try:
+        lease = pool.take(1000)
+        first = agent.region(lease[64:128])
+        addr = lease.ctypes.data
+        del lease  # the block goes back to the pool, which keeps it
+        again = pool.take(1000)
+        assert again.ctypes.data == addr  # the same block, a new lease
+        assert agent.region(again).key == first.key and agent.registrations == 1
+        del again
+        pool.clear()  # the block dies: its registration goes with it
+        assert agent.registered_bytes == 0
+    finally:
+        agent.close()
+
+
 def test_a_process_group_forms_past_garbage_gathers_and_sees_a_closed_peer_at_once():
     from jreshard.nixl.group import ProcessGroup
 

@@ -46,6 +46,10 @@ def test_five_versioned_refits_between_two_launches_are_bit_exact(tmp_path):
     result = got[-1]
     assert result["checked"] == [1, 2, 3, 4, 5] and result["bad"] == [], result
     assert "closed the group" in result["end"]  # the source's close is seen at once
+    # destination shards and staging come back from the pools: after two versions (the tree
+    # of the last one is alive while the next lands) every buffer is registered
+    made = [e["registrations"] for e in got if e.get("event") == "pulled"]
+    assert made[2:] == [made[1]] * 3, made
 
 
 def test_a_destination_killed_mid_pull_leaves_the_source_going_on_with_a_new_one(tmp_path):

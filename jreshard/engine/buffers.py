@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 import numpy as np
 
-from jreshard.engine.pool import ALIGN, BufferPool, default_pool
+from jreshard.engine.pool import ALIGN, BufferPool, default_pool, staging_pool
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
 from jreshard.types import Device
@@ -297,7 +297,8 @@ class CpuBuffers(Buffers[np.ndarray]):
       pool: where destination buffers come from (default: the process-wide
         :func:`~jreshard.engine.pool.default_pool`, which hands out blocks that jax
         has released, warm). ``BufferPool(max_bytes=0)`` keeps nothing: every
-        buffer is allocated fresh.
+        buffer is allocated fresh. Staging arenas come from
+        :func:`~jreshard.engine.pool.staging_pool`.
 
     Example:
       >>> import jax
@@ -330,7 +331,7 @@ class CpuBuffers(Buffers[np.ndarray]):
         return import_shard(buffer, shape, dtype, device)
 
     def staging(self, nbytes: int, device: Any = None) -> np.ndarray:
-        return aligned_empty(nbytes)
+        return staging_pool().take(nbytes)  # warm, and where the last refit's arena was
 
     def upload(self, data: np.ndarray, device: Any) -> np.ndarray:
         return np.ascontiguousarray(data, np.uint8)  # already host memory: no copy

@@ -34,7 +34,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["BufferPool", "PoolStats", "default_pool"]
+__all__ = ["BufferPool", "PoolStats", "default_pool", "staging_pool"]
 
 ALIGN = 64  # bytes; jax imports CPU buffers zero-copy only at this alignment
 
@@ -151,6 +151,7 @@ class BufferPool:
 
 
 _DEFAULT = BufferPool()
+_STAGING = BufferPool()
 
 
 def default_pool() -> BufferPool:
@@ -159,3 +160,14 @@ def default_pool() -> BufferPool:
     Call ``default_pool().clear()`` to give its retained memory back.
     """
     return _DEFAULT
+
+
+def staging_pool() -> BufferPool:
+    """The process-wide pool that the engine's staging arenas come from on CPU.
+
+    A refit asks for the same arenas every step: from here they come back warm (no page faults in
+    the first pack), at the same addresses, so a transport that registers memory (NIXL) registers
+    each once. Kept apart from :func:`default_pool`, whose counts are the reports' fresh destination
+    bytes. Call ``staging_pool().clear()`` to give its retained memory back.
+    """
+    return _STAGING

@@ -2,11 +2,13 @@
 
 **Registrations.** A buffer handed to the transport (a destination shard, a staging arena, a source
 shard's DLPack view) is a view of some allocation, its *root* (the numpy or CuPy array that owns the
-memory). The root is registered once, whole, and the registration is cached by
-``(memory type, device, address, size)``; every later buffer inside it reuses the registration
-(the engine's buffer pool hands the same blocks out again). When a root is garbage collected its
-registration is released at the next call (a ``weakref.finalize`` queues it; NIXL is not called
-from the collector), and :meth:`NixlAgent.close` releases all of them.
+memory; a pool's lease, an array over a memoryview of a block, leads to the block). The root is
+registered once, whole, and the registration is cached by ``(memory type, device, address, size)``;
+every later buffer inside it reuses the registration (the engine's pools hand the same blocks out
+again, destination shards and staging arenas alike, so a refit loop registers its buffers once).
+When a root is garbage collected its registration is released at the next call (a
+``weakref.finalize`` queues it; NIXL is not called from the collector), and
+:meth:`NixlAgent.close` releases all of them.
 
 **Peers.** The agent's metadata (its UCX addresses) is introduced to a peer over an authenticated
 :class:`~jreshard.channel.Channel` (never through NIXL's own listener, which authenticates nothing);
@@ -100,8 +102,13 @@ def _describe(buffer: Any) -> tuple[str, int, int, int, Any, int, int]:
         buffer = arr
     nbytes = int(buffer.nbytes)
     root = buffer
-    while getattr(root, "base", None) is not None and type(root.base) is type(root):
-        root = root.base
+    while True:
+        base = getattr(root, "base", None)
+        if isinstance(base, memoryview) and isinstance(base.obj, np.ndarray):
+            base = base.obj  # np.frombuffer over an array (a pool's lease): the array below owns the memory
+        if base is None or type(base) is not type(root):
+            break
+        root = base
     if root is not buffer and root.flags.c_contiguous:
         rcai = getattr(root, "__cuda_array_interface__", None)
         raddr = int(rcai["data"][0]) if rcai is not None else int(root.ctypes.data)
@@ -118,6 +125,10 @@ class NixlAgent:
       name: the agent's name, unique among every agent it meets (default: host, pid and a random
         suffix).
       backends: the NIXL backends to create (default UCX).
+
+    Attributes:
+      registrations: memory registrations made so far (the tests count them: a refit loop whose
+        buffers come back from the pools makes none after its first refits).
 
     Raises:
       BackendUnavailableError: NIXL is not installed, or has none of ``backends``.
@@ -152,6 +163,7 @@ class NixlAgent:
         self._notices: dict[int, str] = {}  # receive id -> the agent whose notification arrived
         self._abandoned: dict[int, Any] = {}  # receive id -> its buffer, kept alive for a late WRITE
         self._ids = itertools.count(1)
+        self.registrations = 0
         self._pid = os.getpid()
         self.closed = False
 
@@ -189,6 +201,7 @@ class NixlAgent:
                 reg = None
             if reg is None and rbytes:
                 descs = self._agent.register_memory([(raddr, rbytes, device, "")], mem)
+                self.registrations += 1
                 partial = self._agent.get_partial_agent_metadata(descs, inc_conn_info=False)
                 reg = _Registration(key, descs, root, base64.b64encode(partial).decode())
                 self._regs[key] = reg

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jreshard import Options, RefitGroup
 from jreshard.errors import PeerError, TransferError
-from jreshard.nixl import NixlComm
+from jreshard.nixl import NixlAgent, NixlComm
 
 SHAPES = {"w": (16, 8), "b": (8,)}
 OPTIONS = Options(timeout_s=20.0, chunk_bytes=128, staging_bytes=1024)  # the rendezvous waits for a launch
@@ -110,7 +110,7 @@ def destination(address: str, mode: str) -> None:
             ):
                 bad.append([v, k])
         checked.append(v)
-        say(event="pulled", version=v)
+        say(event="pulled", version=v, registrations=NixlAgent.shared().registrations)
     say(checked=checked, bad=bad, end=end)
 
 
