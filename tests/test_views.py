@@ -317,3 +317,27 @@ def test_copy_threads_option_bounds_the_threads(monkeypatch):
     _assert_shards_equal(out, ref)
     # at most two threads: the calling thread and one pool thread, each taking the next task as it finishes
     assert threading.current_thread() in seen and len(set(seen)) <= 2
+
+
+def test_the_lowerings_box_index_finds_every_landed_box_a_query_meets_in_order():
+    """``_Landed.meeting`` (numpy bounds past a few entries) against a scan of every entry, on random boxes."""
+    from jreshard.sharding.box import Box
+    from jreshard.views.lowering import _SCAN, _Landed, intersect
+
+    rng = np.random.default_rng(7)
+    for ndim in (1, 2, 3):
+        landed = _Landed(ndim)
+        for n in range(3 * _SCAN):
+            lo = rng.integers(0, 12, ndim)
+            landed.add(Box(tuple(lo.tolist()), tuple((lo + rng.integers(1, 5, ndim)).tolist())), n, False)
+            q_lo = rng.integers(0, 12, ndim)
+            q = Box(tuple(q_lo.tolist()), tuple((q_lo + rng.integers(1, 6, ndim)).tolist()))
+            got = landed.meeting(q)
+            want = [e for e in landed.entries if intersect(e[0], q) is not None]
+            assert [e for e in got if intersect(e[0], q) is not None] == want  # none lost, in landing order
+            overlaps = [
+                e
+                for e in landed.entries
+                if all(a < d and c < b for a, b, c, d in zip(e[0].lo, e[0].hi, q.lo, q.hi, strict=True))
+            ]
+            assert got == (landed.entries if len(landed.entries) <= _SCAN else overlaps)  # past a few: only overlaps

@@ -18,8 +18,11 @@ counted in that wire dtype. Pure numpy: no jax.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
@@ -132,13 +135,44 @@ class _Domains:
     """Per fast-link domain and wire key, the source boxes already received and by whom."""
 
     def __init__(self) -> None:
-        self.landed: dict[tuple, list[list[Any]]] = {}  # [box, receiving rank, arrived yet]
+        self.landed: dict[tuple, _Landed] = {}
         self.sent: dict[int, int] = {}
 
     def pick(self, holders: Sequence[int], nbytes: int) -> int:
         r = min(holders, key=lambda h: (self.sent.get(h, 0), h))
         self.sent[r] = self.sent.get(r, 0) + nbytes
         return r
+
+
+class _Landed:
+    """The boxes that entered one domain from one source box, in order, as ``[box, receiving rank, arrived
+    yet]`` entries, with their bounds in numpy so a box finds the entries it may meet without a scan."""
+
+    __slots__ = ("_hi", "_lo", "entries")
+
+    def __init__(self, ndim: int) -> None:
+        self.entries: list[list[Any]] = []
+        self._lo = np.empty((8, ndim), np.int64)
+        self._hi = np.empty((8, ndim), np.int64)
+
+    def add(self, box: Box, via: int, arrived: bool) -> None:
+        n = len(self.entries)
+        if n == len(self._lo):
+            self._lo = np.concatenate([self._lo, np.empty_like(self._lo)])
+            self._hi = np.concatenate([self._hi, np.empty_like(self._hi)])
+        self._lo[n] = box.lo
+        self._hi[n] = box.hi
+        self.entries.append([box, via, arrived])
+
+    def meeting(self, box: Box) -> list[list[Any]]:
+        """The entries, in order, whose box overlaps ``box`` on every axis (all of them when few): a superset
+        of those that meet ``box`` or any box inside it."""
+        n = len(self.entries)
+        if n <= _SCAN:
+            return self.entries
+        lo, hi = self._lo[:n], self._hi[:n]
+        meets = ((lo < np.array(box.hi, np.int64)) & (hi > np.array(box.lo, np.int64))).all(axis=1)
+        return [self.entries[j] for j in np.flatnonzero(meets).tolist()]
 
 
 def lower_tree(
@@ -277,7 +311,7 @@ def _pieces(
         send, recv = m.chain[:k], m.chain[k:]
         item = numpy_dtype(send[-1] if send else lay.dtype).itemsize
         whole = m.src_box()
-        for sbox, holders in lay.replica_groups():
+        for sbox, holders in _groups_meeting(lay, whole):
             part = intersect(whole, sbox)
             if part is None:
                 continue
@@ -289,8 +323,12 @@ def _pieces(
                 out.append(_piece(m, part, i, src, r, origin, lay.dtype, send, recv, best, None))
                 continue
             todo = [part]
-            landed = state.landed.setdefault((g, i, send, sbox, content), [])  # what already entered G from this box
-            for entry in landed:
+            landed = state.landed.get((g, i, send, sbox, content))  # what already entered G from this box
+            if landed is None:
+                landed = state.landed[(g, i, send, sbox, content)] = _Landed(len(part.lo))
+            for entry in landed.meeting(part):
+                if not todo:
+                    break
                 done, via, arrived = entry
                 nxt = []
                 for b in todo:
@@ -317,8 +355,32 @@ def _pieces(
                     else:
                         src = state.pick(holders, 0)
                         out.append(_piece(m, stripe, i, src, r, origin, lay.dtype, send, recv, Link.FAST, lander))
-                    landed.append([stripe, lander, lander == r])
+                    landed.add(stripe, lander, lander == r)
     return out
+
+
+_SCAN = 16  # replica groups a layout may have before a box finds the ones it meets through numpy
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_bounds(lay: Layout) -> tuple[np.ndarray, np.ndarray]:
+    groups = lay.replica_groups()
+    n, d = len(groups), len(lay.shape)
+    lo = np.array([b.lo for b, _ in groups], np.int64).reshape(n, d)
+    hi = np.array([b.hi for b, _ in groups], np.int64).reshape(n, d)
+    return lo, hi
+
+
+def _groups_meeting(lay: Layout, box: Box) -> Sequence[tuple[Box, tuple[int, ...]]]:
+    """The replica groups of ``lay`` (in their order) whose box may meet ``box``: all of them when they are
+    few, else those whose box overlaps ``box`` on every axis (a superset of those that meet it: the caller
+    still intersects)."""
+    groups = lay.replica_groups()
+    if len(groups) <= _SCAN:
+        return groups
+    lo, hi = _group_bounds(lay)
+    meets = np.flatnonzero(((lo < np.array(box.hi, np.int64)) & (hi > np.array(box.lo, np.int64))).all(axis=1))
+    return [groups[j] for j in meets.tolist()]
 
 
 def _stripes(b: Box, k: int, axes: Sequence[int]) -> list[Box]:
