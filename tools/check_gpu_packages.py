@@ -120,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         pytest_command(py, collect_only=True), "pytest --collect-only (the pytest stage)", cwd=ROOT, env=env
     )
     tail = [line for line in collected.stdout.splitlines() if line.strip()][-1]
-    n = sum(1 for line in collected.stdout.splitlines() if line.startswith("tests/test_gpu.py::"))
-    if "error" in tail.lower() or n == 0:
+    lines = collected.stdout.splitlines()
+    n = {f: sum(1 for line in lines if line.startswith(f"tests/{f}::")) for f in ("test_gpu.py", "test_gpu_casts.py")}
+    if "error" in tail.lower() or 0 in n.values():
         sys.exit(f"check_gpu_packages: the pytest stage collects {n} tests: {tail}")
-    print(f"  the pytest stage collects {n} GPU tests ({tail}); done in {time.perf_counter() - t0:.0f} s")
+    counts = ", ".join(f"{k} in {f}" for f, k in n.items())
+    print(f"  the pytest stage collects {counts} ({tail}); done in {time.perf_counter() - t0:.0f} s")
     return 0
 
 
