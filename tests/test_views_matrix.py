@@ -144,5 +144,7 @@ def test_nccl_through_the_device_memory_twin():
     dsts = {k: Layout.from_sharding(target[k], refs[k].shape, refs[k].dtype) for k in tree}
     assert rec.bytes_by_link()[Link.NETWORK] == network_bound(tree, _layout, dsts, TOPO) > 0
     assert 0 < rec.most_ops_in_a_group() <= 2
+    assert buffers.staged and None not in buffers.staged  # every arena on its rank's device
+    assert 0 < max(buffers.staged.values()) <= options.staging_bytes  # the staging bound, per rank
     assert buffers.cast_launches > 0 and buffers.cast_elements >= 3 * 16 * 8  # c, qkv and its transpose cast
     assert buffers.downloads > 0  # block FP8: quantised on the host, from downloaded bytes

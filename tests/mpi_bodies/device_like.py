@@ -35,6 +35,7 @@ class DeviceLikeBuffers(Buffers[np.ndarray]):
     def __init__(self) -> None:
         self.cpu = CpuBuffers()
         self.owned: list[np.ndarray] = []
+        self.staged: dict = {}  # device -> bytes of staging arenas handed out (uploads are not staging)
         self.uploads = self.downloads = 0
         self.cast_launches = self.cast_elements = 0
 
@@ -61,11 +62,12 @@ class DeviceLikeBuffers(Buffers[np.ndarray]):
         return self.cpu.import_shard(buffer, shape, dtype, device)
 
     def staging(self, nbytes, device=None):
+        self.staged[device] = self.staged.get(device, 0) + int(nbytes)  # the staging the engine asked for
         return self._own(self.cpu.staging(nbytes, device))
 
     def upload(self, data, device):
         self.uploads += 1
-        buf = self.staging(data.size, device)
+        buf = self._own(self.cpu.staging(data.size, device))
         buf[:] = data  # a copy, as host-to-device is
         return buf
 
