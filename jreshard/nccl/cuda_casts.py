@@ -337,15 +337,6 @@ def _build(src: np.ndarray, sstr: np.ndarray, dst: np.ndarray, dstr: np.ndarray,
     return out
 
 
-def _addresses(table: np.ndarray, pointers: Sequence[int]) -> np.ndarray:
-    ptrs = np.asarray([int(p) for p in pointers], dtype=np.int64)
-    return ptrs[table[:, K.BUF]] + table[:, K.OFF] if len(table) else np.zeros(0, np.int64)
-
-
-def _strides(table: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(table[:, K.STRIDE0 : K.STRIDE0 + K.MAX_DIMS])
-
-
 def pack_launch(table: np.ndarray, pointers: Sequence[int], staging: int) -> np.ndarray:
     """The cast launch table that packs ``table``'s cast rows from buffers at ``pointers`` into staging at
     ``staging`` (in the chain's last dtype, C order).
@@ -358,7 +349,11 @@ def pack_launch(table: np.ndarray, pointers: Sequence[int], staging: int) -> np.
     """
     _, last = itemsizes(table)
     return _build(
-        _addresses(table, pointers), _strides(table), staging + table[:, K.STAGE], _c_strides(table, last), table
+        CK.row_addresses(table, pointers),
+        CK.row_strides(table),
+        staging + table[:, K.STAGE],
+        _c_strides(table, last),
+        table,
     )
 
 
@@ -367,7 +362,11 @@ def unpack_launch(table: np.ndarray, staging: int, pointers: Sequence[int]) -> n
     ``table``'s cast rows in buffers at ``pointers``."""
     first, _ = itemsizes(table)
     return _build(
-        staging + table[:, K.STAGE], _c_strides(table, first), _addresses(table, pointers), _strides(table), table
+        staging + table[:, K.STAGE],
+        _c_strides(table, first),
+        CK.row_addresses(table, pointers),
+        CK.row_strides(table),
+        table,
     )
 
 
@@ -380,10 +379,10 @@ def copy_launch(
         raise ValueError(f"cuda_casts.copy_launch: {len(src_table)} source rows and {len(dst_table)} destination rows")
     itemsizes(src_table)
     return _build(
-        _addresses(src_table, src_pointers),
-        _strides(src_table),
-        _addresses(dst_table, dst_pointers),
-        _strides(dst_table),
+        CK.row_addresses(src_table, src_pointers),
+        CK.row_strides(src_table),
+        CK.row_addresses(dst_table, dst_pointers),
+        CK.row_strides(dst_table),
         src_table,
     )
 

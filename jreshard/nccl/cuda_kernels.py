@@ -247,12 +247,14 @@ def _build(src: np.ndarray, sstr: np.ndarray, dst: np.ndarray, dstr: np.ndarray,
     return out
 
 
-def _addresses(table: np.ndarray, pointers: Sequence[int]) -> np.ndarray:
+def row_addresses(table: np.ndarray, pointers: Sequence[int]) -> np.ndarray:
+    """Each descriptor row's first byte: its buffer's pointer plus its offset."""
     ptrs = np.asarray([int(p) for p in pointers], dtype=np.int64)
     return ptrs[table[:, K.BUF]] + table[:, K.OFF] if len(table) else np.zeros(0, np.int64)
 
 
-def _strides(table: np.ndarray) -> np.ndarray:
+def row_strides(table: np.ndarray) -> np.ndarray:
+    """Each descriptor row's byte strides (``MAX_DIMS`` columns)."""
     return np.ascontiguousarray(table[:, K.STRIDE0 : K.STRIDE0 + K.MAX_DIMS])
 
 
@@ -268,8 +270,8 @@ def pack_launch(table: np.ndarray, pointers: Sequence[int], staging: int) -> np.
     """
     shape = table[:, K.SHAPE0 : K.SHAPE0 + K.MAX_DIMS]
     return _build(
-        _addresses(table, pointers),
-        _strides(table),
+        row_addresses(table, pointers),
+        row_strides(table),
         staging + table[:, K.STAGE],
         _c_strides(shape, table[:, K.NDIM]),
         table,
@@ -282,8 +284,8 @@ def unpack_launch(table: np.ndarray, staging: int, pointers: Sequence[int]) -> n
     return _build(
         staging + table[:, K.STAGE],
         _c_strides(shape, table[:, K.NDIM]),
-        _addresses(table, pointers),
-        _strides(table),
+        row_addresses(table, pointers),
+        row_strides(table),
         table,
     )
 
@@ -296,10 +298,10 @@ def copy_launch(
     if len(src_table) != len(dst_table):
         raise ValueError(f"copy_launch: {len(src_table)} source rows and {len(dst_table)} destination rows")
     return _build(
-        _addresses(src_table, src_pointers),
-        _strides(src_table),
-        _addresses(dst_table, dst_pointers),
-        _strides(dst_table),
+        row_addresses(src_table, src_pointers),
+        row_strides(src_table),
+        row_addresses(dst_table, dst_pointers),
+        row_strides(dst_table),
         src_table,
     )
 
