@@ -12,6 +12,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from _elastic_faults import break_the_trainers_send
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -226,26 +227,7 @@ def test_a_refit_that_breaks_midway_leaves_the_previous_version(trainer, monkeyp
     r1 = replica(trainer, 1, "r1")
     trainer.wait(count=1)
     trainer.push(params(1), version=1)
-    real = membership_module.Membership._send
-
-    def half(self, m, leaves):  # the trainer's side stops after the first message of version 2
-        calls = {"n": 0}
-        exchange = NixlComm.exchange
-
-        def once(comm, sends, recvs, *, timeout_s):
-            calls["n"] += 1
-            if calls["n"] == 2:
-                m.channels[0].close()
-                raise PeerError("stopped on purpose")
-            return exchange(comm, sends, recvs, timeout_s=timeout_s)
-
-        monkeypatch.setattr(NixlComm, "exchange", once)
-        try:
-            real(self, m, leaves)
-        finally:
-            monkeypatch.setattr(NixlComm, "exchange", exchange)
-
-    monkeypatch.setattr(membership_module.Membership, "_send", half)
+    break_the_trainers_send(monkeypatch, after=2)  # the trainer's side stops after the first message of version 2
     report = trainer.push(params(2), version=2)
     assert report.committed == () and "during version 2" in report.lost["r1"]
     with pytest.raises(PeerError, match="r1"):

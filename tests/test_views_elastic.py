@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _elastic_faults import break_the_trainers_send
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi_launch import BODIES
@@ -234,33 +235,13 @@ def test_with_the_trainers_copy_deleted_only_a_joiner_of_a_peers_form_is_served(
 
 def test_a_views_refit_that_breaks_midway_leaves_the_previous_version(monkeypatch):
     from jreshard import PeerError
-    from jreshard.nixl import NixlComm
 
     with ElasticTrainer(params(0), devices=list(D[:4]), options=OPTS) as trainer:
         r1 = join(trainer, "r1", like())
         trainer.wait(count=1)
         trainer.push(params(1), version=1)
         held, _ = r1.pull()
-        real = membership_module.Membership._send
-
-        def half(self, m, leaves):  # the trainer's side stops after its first exchanges of version 2
-            calls = {"n": 0}
-            exchange = NixlComm.exchange
-
-            def some(comm, sends, recvs, *, timeout_s):
-                calls["n"] += 1
-                if calls["n"] == 3:
-                    m.channels[0].close()
-                    raise PeerError("stopped on purpose")
-                return exchange(comm, sends, recvs, timeout_s=timeout_s)
-
-            monkeypatch.setattr(NixlComm, "exchange", some)
-            try:
-                real(self, m, leaves)
-            finally:
-                monkeypatch.setattr(NixlComm, "exchange", exchange)
-
-        monkeypatch.setattr(membership_module.Membership, "_send", half)
+        break_the_trainers_send(monkeypatch, after=3)  # the trainer's side stops after its first exchanges of version 2
         report = trainer.push(params(2), version=2)
         assert report.committed == () and "during version 2" in report.lost["r1"]
         with pytest.raises(PeerError, match="r1"):
