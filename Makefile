@@ -12,12 +12,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test demo docs lint bench clean
 
-$(STAMP): pyproject.toml setup.py jreshard/views/_casts.c
+$(STAMP): pyproject.toml setup.py jreshard/views/_casts.c jreshard/schedule/_rows.c jreshard/_stream.h
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]'
 	$(BIN)/python -m pip install -q --no-deps nixl-cu12
 	$(BIN)/python -c "from jreshard.views import native; assert native.available(), 'the compiled casts were not built'"
+	$(BIN)/python -c "from jreshard.schedule import kernels; assert kernels.compiled_rows(), 'the compiled byte rows were not built'"
 	touch $(STAMP)
 
 GPU_LOG := .cache/gpu-packages.log

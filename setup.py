@@ -1,20 +1,30 @@
-"""The one compiled part of jreshard: float32 <-> bfloat16 casts for the views executor.
+"""jreshard's compiled parts: float32 <-> bfloat16 casts for views, and the byte rows of descriptor tables.
 
-It is optional: where no C compiler is found the build goes on without it and
-``jreshard.views.native`` falls back to numpy's casts (same bits, slower).
+Both are optional: where no C compiler is found the build goes on without them, and
+``jreshard.views.native`` and ``jreshard.schedule.kernels`` fall back to numpy (same bytes, slower).
 """
 
 import sys
 
 from setuptools import Extension, setup
 
+FLAGS = [] if sys.platform == "win32" else ["-O3"]
+
 setup(
     ext_modules=[
         Extension(
             "jreshard.views._casts",
             ["jreshard/views/_casts.c"],
+            depends=["jreshard/_stream.h"],
             optional=True,
-            extra_compile_args=[] if sys.platform == "win32" else ["-O3"],
-        )
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "jreshard.schedule._rows",
+            ["jreshard/schedule/_rows.c"],
+            depends=["jreshard/_stream.h"],
+            optional=True,
+            extra_compile_args=FLAGS,
+        ),
     ]
 )

@@ -1,4 +1,4 @@
-"""Pack and unpack strided boxes: the descriptor table, and its numpy (CPU) kernels.
+"""Pack and unpack strided boxes: the descriptor table, and its CPU kernels (compiled byte rows, numpy).
 
 Every byte movement inside a rank is described by a *descriptor table*: a small
 C-ordered ``int64`` numpy array with one row per piece and :data:`COLUMNS` columns.
@@ -39,7 +39,10 @@ and a contiguous piece has ``NDIM == 1``. Byte ``i`` of a piece (``0 <= i < NBYT
 C order) lives at ``OFF + sum_d idx_d * STRIDE_d`` where ``idx`` is ``i`` unravelled
 over the used extents, and at ``STAGE + i`` in staging. A GPU kernel consumes the
 same table (one thread per byte or per vector of bytes), so the index math here is
-pure numpy and shared by every backend.
+pure numpy and shared by every backend. On CPU, :func:`pack_cpu` and :func:`unpack_cpu` move the
+byte rows in ``_rows.c`` where it was built (:func:`compiled_rows`), which checks each row against
+the sizes of the buffers it names before anything moves; the numpy kernels here are the reference
+it is tested against, and run everything where it was not built.
 
 Example:
   >>> import numpy as np
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -83,6 +87,7 @@ __all__ = [
     "build_table",
     "byte_box",
     "byte_shape",
+    "compiled_rows",
     "copy_cpu",
     "pack_cpu",
     "table_bytes",
@@ -361,7 +366,29 @@ def _typed_stage(row: np.ndarray, staging: np.ndarray, dtype: str) -> np.ndarray
 
 def pack_cpu(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
     """Copy every piece of ``table`` out of ``buffers`` (1-D uint8) into ``staging`` (1-D uint8),
-    casting the cast rows' elements on the way."""
+    casting the cast rows' elements on the way.
+
+    The byte rows run in the compiled kernel where it was built (:func:`compiled_rows`), which checks
+    every row against its buffer's size and the staging's before it writes anything; the cast rows,
+    and every row where it was not built, in numpy.
+
+    Raises:
+      ValueError: a row leaves its buffer or staging, or names a missing buffer (nothing was written).
+    """
+    _pack_numpy(_compiled(table, buffers, staging, unpack=False), buffers, staging)
+
+
+def unpack_cpu(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
+    """Copy every piece of ``table`` out of ``staging`` into its place in ``buffers``, casting the cast rows
+    (the byte rows compiled, as :func:`pack_cpu`).
+
+    Raises:
+      ValueError: a row leaves its buffer or staging, names a missing buffer, or writes a read-only one.
+    """
+    _unpack_numpy(_compiled(table, buffers, staging, unpack=True), staging, buffers)
+
+
+def _pack_numpy(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
     for row in table:
         if row[CAST]:
             chain = chain_of(row[CAST])
@@ -370,14 +397,87 @@ def pack_cpu(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarr
         np.copyto(_stage_view(row, staging), _view(row, buffers[int(row[BUF])], False))
 
 
-def unpack_cpu(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
-    """Copy every piece of ``table`` out of ``staging`` into its place in ``buffers``, casting the cast rows."""
+def _unpack_numpy(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
     for row in table:
         if row[CAST]:
             chain = chain_of(row[CAST])
             cast_into(_typed(row, buffers[int(row[BUF])], chain[-1]), _typed_stage(row, staging, chain[0]), chain[1:])
             continue
         np.copyto(_view(row, buffers[int(row[BUF])], True), _stage_view(row, staging))
+
+
+_rows_module: ModuleType | None
+try:
+    from jreshard.schedule import _rows as _rows_module
+except ImportError:  # not built (no compiler, or a checkout run in place)
+    _rows_module = None
+_ROWS = (
+    _rows_module
+    if _rows_module is not None
+    and (_rows_module.COLUMNS, _rows_module.MAX_DIMS, _rows_module.BUF, _rows_module.OFF, _rows_module.STAGE)
+    == (COLUMNS, MAX_DIMS, BUF, OFF, STAGE)
+    and (_rows_module.NBYTES, _rows_module.NDIM, _rows_module.SHAPE0, _rows_module.STRIDE0, _rows_module.CAST)
+    == (NBYTES, NDIM, SHAPE0, STRIDE0, CAST)
+    else None
+)
+_NO_ROWS = np.zeros((0, COLUMNS), np.int64)
+
+
+def compiled_rows() -> bool:
+    """Whether the compiled byte rows (``jreshard/schedule/_rows.c``) were built, load, and read this
+    module's columns."""
+    return _ROWS is not None
+
+
+def _flat(buf: np.ndarray | None) -> bool:
+    return buf is not None and buf.ndim == 1 and buf.dtype == np.uint8 and buf.flags.c_contiguous
+
+
+def _compiled(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray, *, unpack: bool) -> np.ndarray:
+    """Move the byte rows of ``table`` with the compiled kernel; the rows it did not take (cast rows, rows
+    of a buffer that is not flat uint8, every row where it was not built), for numpy.
+
+    Raises:
+      ValueError: a byte row the kernel refused (before any byte moved), or a read-only target.
+    """
+    if _ROWS is None or not len(table) or not _flat(staging) or (not unpack and not staging.flags.writeable):
+        return table
+    t = np.ascontiguousarray(table, np.int64)
+    nd = np.clip(t[:, NDIM], 1, MAX_DIMS)
+    take = (t[:, CAST] == 0) & (t[np.arange(len(t)), STRIDE0 + nd - 1] == 1)
+    addresses = np.zeros(len(buffers), np.int64)
+    sizes = np.zeros(len(buffers), np.int64)
+    for b in np.unique(t[take, BUF]).tolist():
+        buf = buffers[b] if 0 <= b < len(buffers) else None
+        if buf is None:
+            continue  # the kernel refuses the row: a missing buffer
+        if not _flat(buf):
+            take &= t[:, BUF] != b
+            continue
+        if unpack and not buf.flags.writeable:
+            raise ValueError(f"unpack_cpu: buffer {b} is read-only; a descriptor row would write into it")
+        addresses[b], sizes[b] = buf.ctypes.data, buf.nbytes
+    rows = t if take.all() else np.ascontiguousarray(t[take])
+    if len(rows):
+        bad = _ROWS.copy_rows(
+            rows.ctypes.data,
+            len(rows),
+            addresses.ctypes.data,
+            sizes.ctypes.data,
+            len(buffers),
+            staging.ctypes.data,
+            staging.nbytes,
+            unpack,
+        )
+        if bad >= 0:
+            row = rows[bad]
+            b = int(row[BUF])
+            have = int(sizes[b]) if 0 <= b < len(buffers) else None
+            raise ValueError(
+                f"a descriptor row leaves its buffer or staging, or names a missing buffer: row {row.tolist()} "
+                f"(buffer {b} of {have} bytes, staging of {staging.nbytes} bytes); nothing was written"
+            )
+    return _NO_ROWS if take.all() else t[~take]
 
 
 def copy_cpu(

@@ -61,36 +61,7 @@ static void bf16_to_f32_rows(const char *src, Py_ssize_t src_stride, char *dst, 
  * The table is sorted by row. Each row is cast once, in chunks that stay in the first
  * level cache, and copied out from there: every source element is read once and cast
  * once however many destinations need it. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <emmintrin.h>
-/* Copy n bytes with non-temporal 16-byte stores (SSE2, every x86-64 has them): the
- * destination lines are written without being read first, as a large memcpy does. */
-static void stream_copy(char *dst, const char *src, size_t n) {
-    if (n < 256) {
-        memcpy(dst, src, n);
-        return;
-    }
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    memcpy(dst, src, head);
-    dst += head, src += head, n -= head;
-    for (; n >= 64; n -= 64, dst += 64, src += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src), b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32)), d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    for (; n >= 16; n -= 16, dst += 16, src += 16) {
-        _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
-    }
-    memcpy(dst, src, n);
-}
-#define STREAM_FENCE() _mm_sfence()
-#else
-#define stream_copy memcpy
-#define STREAM_FENCE() ((void)0)
-#endif
+#include "../_stream.h"
 
 #define SCATTER_CHUNK 4096
 #define SCATTER_COLS 5

@@ -1,0 +1,177 @@
+/* Compiled byte rows of a descriptor table (jreshard.schedule.kernels): pack and unpack.
+ *
+ * copy_rows(table, rows, addresses, sizes, buffers, staging, staging_size, unpack) moves the
+ * bytes of every row of a C-ordered int64 descriptor table (kernels.py's columns, the byte
+ * rows only: CAST 0, innermost stride 1) between the shard buffers (a base address and a
+ * byte size per buffer index; address 0 is a missing buffer) and the staging buffer:
+ * from the buffers into staging (unpack 0) or back (unpack 1).
+ *
+ * Every row is checked before any byte moves: its buffer is given, its dimensions and
+ * extents are in range, its strides are not negative, NBYTES is the product of its
+ * extents, and its last byte lies inside its buffer and inside staging, with every sum and
+ * product checked for overflow. The index of the first row that fails is returned and
+ * nothing is written; -1 when every row was copied. Sizes come from the buffers, never from
+ * the table.
+ *
+ * A call that moves at least STREAM_MIN bytes writes its runs of 256 bytes or more with
+ * streaming stores (../_stream.h): the rows write shard or staging memory that the next
+ * step reads from memory anyway, and a run of a few KiB inside a strided box costs half
+ * as much without the read-for-ownership of every line it writes. The GIL is released
+ * while bytes move.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../_stream.h"
+
+/* kernels.py's columns; jreshard.schedule.kernels checks they agree before using this module. */
+#define MAX_DIMS 8
+#define C_BUF 0
+#define C_OFF 1
+#define C_STAGE 2
+#define C_NBYTES 3
+#define C_NDIM 4
+#define C_SHAPE0 5
+#define C_STRIDE0 (C_SHAPE0 + MAX_DIMS)
+#define C_CAST (C_STRIDE0 + MAX_DIMS)
+#define COLUMNS (C_CAST + 1)
+
+#define STREAM_MIN (1 << 20)
+#define STREAM_RUN 256
+
+/* Whether row r is a byte row that lies inside its buffer and inside staging. */
+static int row_ok(const int64_t *r, const int64_t *addresses, const int64_t *sizes, int64_t buffers,
+                  int64_t staging_size) {
+    int64_t b = r[C_BUF], nd = r[C_NDIM];
+    if (r[C_CAST] != 0 || b < 0 || b >= buffers || addresses[b] == 0 || nd < 1 || nd > MAX_DIMS) {
+        return 0;
+    }
+    if (r[C_STRIDE0 + nd - 1] != 1 || r[C_OFF] < 0 || r[C_STAGE] < 0) {
+        return 0;
+    }
+    int64_t count = 1, last = r[C_OFF];
+    for (int64_t d = 0; d < nd; d++) {
+        int64_t n = r[C_SHAPE0 + d], stride = r[C_STRIDE0 + d], span;
+        if (n < 0 || stride < 0 || __builtin_mul_overflow(count, n, &count)) {
+            return 0;
+        }
+        if (n > 0 && (__builtin_mul_overflow(n - 1, stride, &span) || __builtin_add_overflow(last, span, &last))) {
+            return 0;
+        }
+    }
+    if (count != r[C_NBYTES]) {
+        return 0;
+    }
+    if (count == 0) {
+        return 1;
+    }
+    int64_t stage_end;
+    if (last >= sizes[b] || __builtin_add_overflow(r[C_STAGE], count, &stage_end) || stage_end > staging_size) {
+        return 0;
+    }
+    return 1;
+}
+
+/* Copy one row that row_ok accepted. */
+static void copy_row(const int64_t *r, const int64_t *addresses, char *staging, int unpack, int stream) {
+    int64_t nd = r[C_NDIM];
+    if (r[C_NBYTES] == 0) {
+        return;
+    }
+    char *base = (char *)(uintptr_t)addresses[r[C_BUF]] + r[C_OFF];
+    char *stage = staging + r[C_STAGE];
+    int64_t run = r[C_SHAPE0 + nd - 1];
+    int64_t inner = nd >= 2 ? r[C_SHAPE0 + nd - 2] : 1, inner_stride = nd >= 2 ? r[C_STRIDE0 + nd - 2] : 0;
+    int fast = stream && run >= STREAM_RUN;
+    int64_t idx[MAX_DIMS] = {0};
+    int64_t outer = 1;
+    for (int64_t d = 0; d + 2 < nd; d++) {
+        outer *= r[C_SHAPE0 + d];
+    }
+    for (int64_t o = 0; o < outer; o++) {
+        char *at = base;
+        for (int64_t d = 0; d + 2 < nd; d++) {
+            at += idx[d] * r[C_STRIDE0 + d];
+        }
+        for (int64_t i = 0; i < inner; i++, at += inner_stride, stage += run) {
+            char *dst = unpack ? at : stage;
+            const char *src = unpack ? stage : at;
+            if (fast) {
+                stream_copy(dst, src, (size_t)run);
+            } else {
+                memcpy(dst, src, (size_t)run);
+            }
+        }
+        for (int64_t d = nd - 3; d >= 0; d--) {
+            if (++idx[d] < r[C_SHAPE0 + d]) {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+static PyObject *py_copy_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long table_p, addresses_p, sizes_p, staging_p;
+    Py_ssize_t rows, buffers, staging_size;
+    int unpack;
+    if (!PyArg_ParseTuple(args, "KnKKnKnp", &table_p, &rows, &addresses_p, &sizes_p, &buffers, &staging_p,
+                          &staging_size, &unpack)) {
+        return NULL;
+    }
+    if (rows < 0 || buffers < 0 || staging_size < 0 || (rows > 0 && (table_p == 0 || staging_p == 0))) {
+        PyErr_Format(PyExc_ValueError, "copy_rows: rows=%zd, buffers=%zd, staging_size=%zd (or a null address)", rows,
+                     buffers, staging_size);
+        return NULL;
+    }
+    const int64_t *table = (const int64_t *)(uintptr_t)table_p;
+    const int64_t *addresses = (const int64_t *)(uintptr_t)addresses_p, *sizes = (const int64_t *)(uintptr_t)sizes_p;
+    int64_t total = 0;
+    for (Py_ssize_t k = 0; k < rows; k++) {
+        if (!row_ok(table + COLUMNS * k, addresses, sizes, buffers, staging_size)) {
+            return PyLong_FromSsize_t(k);
+        }
+        total += table[COLUMNS * k + C_NBYTES];
+    }
+    int stream = total >= STREAM_MIN;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < rows; k++) {
+        copy_row(table + COLUMNS * k, addresses, (char *)(uintptr_t)staging_p, unpack, stream);
+    }
+    if (stream) {
+        STREAM_FENCE();
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(-1);
+}
+
+static PyMethodDef methods[] = {
+    {"copy_rows", py_copy_rows, METH_VARARGS,
+     "copy_rows(table, rows, addresses, sizes, buffers, staging, staging_size, unpack): move the byte rows of an "
+     "int64 descriptor table between the buffers (int64 addresses and byte sizes) and staging; returns -1, or the "
+     "index of the first row that is not a byte row inside its buffer and staging (then nothing was written)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "Compiled byte rows of descriptor tables.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__rows(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "MAX_DIMS", MAX_DIMS) || PyModule_AddIntConstant(m, "BUF", C_BUF) ||
+        PyModule_AddIntConstant(m, "OFF", C_OFF) || PyModule_AddIntConstant(m, "STAGE", C_STAGE) ||
+        PyModule_AddIntConstant(m, "NBYTES", C_NBYTES) || PyModule_AddIntConstant(m, "NDIM", C_NDIM) ||
+        PyModule_AddIntConstant(m, "SHAPE0", C_SHAPE0) || PyModule_AddIntConstant(m, "STRIDE0", C_STRIDE0) ||
+        PyModule_AddIntConstant(m, "CAST", C_CAST) || PyModule_AddIntConstant(m, "COLUMNS", COLUMNS) ||
+        PyModule_AddIntConstant(m, "STREAM_MIN", STREAM_MIN)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,188 @@
+"""The compiled byte rows of descriptor tables (``jreshard/schedule/_rows.c``) against the numpy kernels.
+
+``pack_cpu`` and ``unpack_cpu`` run their byte rows through the compiled kernel where it was built (``make test``
+builds it and checks it loads). Here every row geometry the tables hold (strided boxes, transposes, many pieces
+back to back, pieces large enough for the streaming stores at odd offsets) moves the same bytes as the numpy
+kernels, no byte outside a piece changes, and a row that leaves its buffer or staging by one byte, names a
+missing buffer or claims the wrong size is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import box_in
+
+from jreshard.schedule import kernels
+from jreshard.sharding.box import Box
+
+pytestmark = pytest.mark.skipif(not kernels.compiled_rows(), reason="the compiled byte rows are not built here")
+
+GUARD = 64  # bytes past every buffer's end that no row may touch
+
+
+def _guarded(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A buffer of ``n`` random bytes (the view handed to the kernels) inside a larger one with random guard bytes."""
+    whole = rng.integers(0, 256, n + 2 * GUARD, dtype=np.uint8)
+    return whole, whole[GUARD : GUARD + n]
+
+
+@st.composite
+def tables(draw):
+    """A table of 1-4 byte rows over up to 3 shard buffers: boxes of C-ordered shards and transposed reads."""
+    nbuf = draw(st.integers(1, 3))
+    shapes = [tuple(draw(st.integers(1, 6)) for _ in range(draw(st.integers(1, 4)))) for _ in range(nbuf)]
+    items = [draw(st.sampled_from([1, 2, 4, 8])) for _ in range(nbuf)]
+    rows, stage = [], draw(st.integers(0, 5))
+    for _ in range(draw(st.integers(1, 4))):
+        b = draw(st.integers(0, nbuf - 1))
+        shape, item = shapes[b], items[b]
+        box = draw(box_in(shape))
+        strides = [item] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        order = draw(st.permutations(range(len(shape))))  # the axis order staging holds (a transpose)
+        first = sum(lo * s for lo, s in zip(box.lo, strides, strict=True))
+        (row,) = kernels.element_rows(
+            [(b, first, tuple(strides[a] for a in order), item)], tuple(box.shape[a] for a in order), stage=stage
+        )
+        rows.append(row)
+        stage += int(row[0, kernels.NBYTES]) + draw(st.integers(0, 3))
+    sizes = [int(np.prod(s)) * i for s, i in zip(shapes, items, strict=True)]
+    return np.concatenate(rows), sizes, stage
+
+
+@given(tables(), st.integers(0, 2**31))
+def test_compiled_pack_and_unpack_move_the_bytes_numpy_moves(case, seed):
+    table, sizes, staging_bytes = case
+    rng = np.random.default_rng(seed)
+    src = [_guarded(n, rng) for n in sizes]
+    stage_whole, staging = _guarded(staging_bytes, rng)
+    stage_guards = np.concatenate([stage_whole[:GUARD], stage_whole[-GUARD:]])
+    want_stage = staging.copy()
+    kernels._pack_numpy(table, [b for _, b in src], want_stage)
+    before = [w.copy() for w, _ in src]
+    kernels.pack_cpu(table, [b for _, b in src], staging)
+    np.testing.assert_array_equal(staging, want_stage)
+    assert all((w == b).all() for (w, _), b in zip(src, before, strict=True))  # a pack reads its buffers only
+    np.testing.assert_array_equal(np.concatenate([stage_whole[:GUARD], stage_whole[-GUARD:]]), stage_guards)
+
+    dst = [_guarded(n, rng) for n in sizes]
+    want = [b.copy() for _, b in dst]
+    kernels._unpack_numpy(table, staging, want)
+    guards = [np.concatenate([w[:GUARD], w[-GUARD:]]) for w, _ in dst]
+    kernels.unpack_cpu(table, staging, [b for _, b in dst])
+    for (w, b), exp, g in zip(dst, want, guards, strict=True):
+        np.testing.assert_array_equal(b, exp)
+        np.testing.assert_array_equal(np.concatenate([w[:GUARD], w[-GUARD:]]), g)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 13])
+def test_large_strided_pieces_take_the_streaming_stores_and_match(offset):
+    """Two pieces of 2 MiB in all, runs of 1 KiB + 7 bytes at odd offsets: over the kernel's streaming threshold."""
+    rng = np.random.default_rng(offset)
+    rows_, run, pitch = 1024, 1031, 4096
+    _, shard = _guarded(offset + rows_ * pitch, rng)
+    pieces = [
+        (0, (rows_, pitch), Box((0, 0), (rows_, run))),
+        (0, (rows_, pitch), Box((0, 2000), (rows_, 2000 + run))),
+    ]
+    table = kernels.build_table(pieces)
+    table = table.copy()
+    table[:, kernels.OFF] += offset
+    assert kernels.table_bytes(table) >= 2 * rows_ * run
+    staging = np.zeros(kernels.table_bytes(table) + 5, np.uint8)[5:]
+    want = np.zeros_like(staging)
+    kernels._pack_numpy(table, [shard], want)
+    kernels.pack_cpu(table, [shard], staging)
+    np.testing.assert_array_equal(staging, want)
+    out_whole, out = _guarded(shard.size, rng)
+    tail = out_whole[-GUARD:].copy()
+    expect = out.copy()
+    kernels._unpack_numpy(table, staging, [expect])
+    kernels.unpack_cpu(table, staging, [out])
+    np.testing.assert_array_equal(out, expect)
+    np.testing.assert_array_equal(out_whole[-GUARD:], tail)
+
+
+def _one_row(n: int = 6, pitch: int = 8, rows_: int = 4) -> np.ndarray:
+    return kernels.build_table([(0, (rows_, pitch), Box((0, 0), (rows_, n)))]).copy()
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda t: t.__setitem__((0, kernels.OFF), 3), "its last byte one past the buffer's end"),
+        (lambda t: t.__setitem__((0, kernels.STAGE), 1), "one byte past staging"),
+        (lambda t: t.__setitem__((0, kernels.BUF), 1), "a buffer index the list does not have"),
+        (lambda t: t.__setitem__((0, kernels.NBYTES), 25), "NBYTES that is not the product of its extents"),
+        (lambda t: t.__setitem__((0, kernels.STRIDE0), -8), "a negative stride"),
+        (lambda t: t.__setitem__((0, kernels.SHAPE0), 1 << 62), "an extent whose product overflows"),
+    ],
+)
+@pytest.mark.parametrize("unpack", [False, True])
+def test_a_row_outside_its_buffer_or_staging_is_refused_before_any_byte_moves(edit, why, unpack):
+    good = _one_row()
+    table = np.concatenate([good, good]).copy()  # the first row is fine: it must not be written either
+    table[1, kernels.STAGE] = 0
+    edit(table[1:])
+    shard = np.arange(32, dtype=np.uint8)
+    staging = np.full(24, 7, np.uint8)
+    before = shard.copy(), staging.copy()
+    with pytest.raises(ValueError, match="descriptor row"):
+        if unpack:
+            kernels.unpack_cpu(table, staging, [shard])
+        else:
+            kernels.pack_cpu(table, [shard], staging)
+    np.testing.assert_array_equal(shard, before[0])
+    np.testing.assert_array_equal(staging, before[1])
+
+
+def test_a_missing_buffer_and_a_read_only_target_are_refused():
+    table = _one_row()
+    staging = np.zeros(24, np.uint8)
+    with pytest.raises(ValueError, match="missing buffer"):
+        kernels.pack_cpu(table, [None], staging)  # type: ignore[list-item]
+    shard = np.arange(32, dtype=np.uint8)
+    shard.setflags(write=False)
+    with pytest.raises(ValueError, match="read-only"):
+        kernels.unpack_cpu(table, staging, [shard])
+    assert shard.tolist() == list(range(32))
+
+
+def test_the_compiled_module_reads_the_columns_this_module_writes():
+    from jreshard.schedule import _rows
+
+    for name in ("COLUMNS", "MAX_DIMS", "BUF", "OFF", "STAGE", "NBYTES", "NDIM", "SHAPE0", "STRIDE0", "CAST"):
+        assert getattr(_rows, name) == getattr(kernels, name), name
+
+
+def test_cast_rows_beside_byte_rows_still_cast():
+    """A table mixing both: the kernel takes the byte rows, numpy the cast row."""
+    x = np.arange(12, dtype=np.float32)
+    (cast_row,) = kernels.element_rows([(0, 0, (4,), 4)], (12,), ("float32", "bfloat16"), staged_itemsize=2)
+    byte = kernels.build_table([(1, (16,), Box((4,), (12,)))], staging_offset=24)
+    table = np.concatenate([cast_row, byte])
+    other = np.arange(16, dtype=np.uint8)
+    staging = np.zeros(32, np.uint8)
+    kernels.pack_cpu(table, [x.view(np.uint8), other], staging)
+    import ml_dtypes
+
+    np.testing.assert_array_equal(staging[:24].view(ml_dtypes.bfloat16).astype(np.float32), x)
+    assert staging[24:].tolist() == list(range(4, 12))
+
+
+def test_every_row_geometry_of_a_small_box_matches():
+    """Exhaustive over a (3, 4, 5) uint8 shard: every box, both directions."""
+    shard = np.arange(60, dtype=np.uint8)
+    for lo in itertools.product(range(3), range(4), range(5)):
+        for hi in itertools.product(*(range(a + 1, n + 1) for a, n in zip(lo, (3, 4, 5), strict=True))):
+            t = kernels.build_table([(0, (3, 4, 5), Box(lo, hi))])
+            got, want = np.zeros(60, np.uint8), np.zeros(60, np.uint8)
+            kernels.pack_cpu(t, [shard], got)
+            kernels._pack_numpy(t, [shard], want)
+            assert got.tobytes() == want.tobytes(), (lo, hi)
