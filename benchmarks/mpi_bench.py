@@ -35,6 +35,7 @@ from jreshard.mpi.cluster import initialize
 from jreshard.options import Options
 from jreshard.refit import RefitGroup
 from jreshard.sharding.topology import Link
+from jreshard.views.casts import cast_into
 
 REPEATS = 5
 ALTERNATIONS = 8  # plain and fused calls, alternated, for the per-destination-byte comparison
@@ -85,15 +86,40 @@ def destination_bytes(tree) -> int:
     return world.bcast(total if role == "destination" else None, root=4)
 
 
+CPU: dict[int, list[float]] = {}  # id(group) -> the CPU seconds of every process together, per call
+
+
 def once(group, arrays, like, version: int) -> float:
-    """The slowest process's seconds of one refit."""
+    """The slowest process's seconds of one refit (and, in ``CPU``, the CPU seconds of all processes)."""
     world.Barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if role == "source":
         group.push(arrays, version=version)
     else:
         group.pull(like=like)
-    return slowest(time.perf_counter() - t0)
+    cpu = time.process_time() - c0
+    wall = slowest(time.perf_counter() - t0)
+    CPU.setdefault(id(group), []).append(world.allreduce(cpu))
+    return wall
+
+
+def cast_alone(arrays) -> list[float]:
+    """The CPU seconds, all source processes together, of casting this process's float32 shards of ``arrays`` to
+    bfloat16 with the kernel the fused refit packs with (``REPEATS`` times after a warm-up): the senders' cast
+    of the fused case with nothing else, the work it has and the plain case has not."""
+    out = []
+    shards = [] if arrays is None else [sh.data for a in arrays.values() for sh in a.addressable_shards]
+    host = [np.asarray(x) for x in shards]
+    into = [np.empty(x.shape, jax.numpy.bfloat16) for x in host]
+    for rep in range(REPEATS + 1):
+        world.Barrier()
+        c0 = time.process_time()
+        for x, y in zip(host, into, strict=True):
+            cast_into(y, x, ("bfloat16",))
+        total = world.allreduce(time.process_time() - c0 if role == "source" else 0.0)
+        if rep:
+            out.append(total)
+    return out
 
 
 def timed(group, arrays, like) -> list[float]:
@@ -184,6 +210,8 @@ plain = (destination_bytes(plain_sds), plain_times)
 fused = (destination_bytes(like if role == "destination" else {}), fused_times)
 fused_wire = world.allreduce(fused_group.sent_bytes.get(Link.NETWORK, 0) + fused_group.sent_bytes.get(Link.FAST, 0))
 plain_wire = world.allreduce(plain_group.sent_bytes.get(Link.NETWORK, 0) + plain_group.sent_bytes.get(Link.FAST, 0))
+plain_cpu, fused_cpu = CPU[id(plain_group)][1:], CPU[id(fused_group)][1:]  # the timed calls
+cast_cpu = cast_alone(arrays)
 fused_group.close()
 plain_group.close()
 
@@ -219,4 +247,15 @@ if me == 0:
         f"fused / plain time per destination byte: {b / a:.2f}x (ratio of medians; target <= 1.2x); "
         f"per alternation {np.median(pairs) * plain[0] / fused[0]:.2f}x median "
         f"[{min(pairs) * plain[0] / fused[0]:.2f}-{max(pairs) * plain[0] / fused[0]:.2f}]"
+    )
+    p_cpu, f_cpu, c_cpu = (float(np.median(x)) for x in (plain_cpu, fused_cpu, cast_cpu))
+    print(
+        f"CPU seconds per call, all {world.Get_size()} processes together, median: plain {p_cpu:.3f}, "
+        f"fused {f_cpu:.3f} ({f_cpu / p_cpu:.2f}x); "
+        f"the cores were busy {p_cpu / np.median(plain[1]) / os.cpu_count():.0%} and "
+        f"{f_cpu / np.median(fused[1]) / os.cpu_count():.0%} of the wall time"
+    )
+    print(
+        f"the senders' cast alone (the same kernel over the same float32 shards): {c_cpu:.3f} CPU s; "
+        f"plain + cast = {(p_cpu + c_cpu) / p_cpu:.2f}x the plain case's CPU"
     )
