@@ -14,6 +14,11 @@ the slowest process's, median [min-max]
 of ``REPEATS`` calls after a warm-up;
 bytes on the wire are what the processes sent to another process (jreshard: network + fast-link
 bytes of the plan; baseline: Gatherv sends to the root + the root's Bcast payload per receiver).
+
+For the fused and plain cases it also prints the CPU seconds all processes spent per call together
+(``time.process_time``, summed) and how busy that kept the cores, and the CPU of the senders' cast
+alone: the source processes casting their float32 shards with the kernel the fused refit packs with.
+When the processes outnumber the cores, the time follows that CPU.
 """
 
 import os
