@@ -186,3 +186,15 @@ def test_every_row_geometry_of_a_small_box_matches():
             kernels.pack_cpu(t, [shard], got)
             kernels._pack_numpy(t, [shard], want)
             assert got.tobytes() == want.tobytes(), (lo, hi)
+
+
+def test_the_numpy_kernels_refuse_a_row_past_its_buffer_too():
+    """Where the kernel is not built, numpy runs every row: a byte row one byte past its buffer is refused there."""
+    table = _one_row()
+    table[0, kernels.OFF] = 3
+    shard = np.arange(32, dtype=np.uint8)
+    with pytest.raises(ValueError, match="descriptor row leaves its buffer"):
+        kernels._pack_numpy(table, [shard], np.zeros(24, np.uint8))
+    with pytest.raises(ValueError, match="descriptor row leaves its buffer"):
+        kernels._unpack_numpy(table, np.zeros(24, np.uint8), [shard])
+    assert shard.tolist() == list(range(32))

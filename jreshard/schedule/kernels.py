@@ -331,10 +331,15 @@ def table_bytes(table: np.ndarray) -> int:
 
 
 def _view(row: np.ndarray, buf: np.ndarray, writeable: bool) -> np.ndarray:
+    """The bytes of a byte row in its buffer (as the compiled kernel, refused when the row leaves the buffer)."""
     nd = int(row[NDIM])
     shape = tuple(int(v) for v in row[SHAPE0 : SHAPE0 + nd])
     strides = tuple(int(v) for v in row[STRIDE0 : STRIDE0 + nd])
-    return as_strided(buf[int(row[OFF]) :], shape=shape, strides=strides, writeable=writeable)
+    off = int(row[OFF])
+    last = off + sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+    if off < 0 or min(strides, default=0) < 0 or (0 not in shape and last >= buf.nbytes):
+        raise ValueError(f"a descriptor row leaves its buffer of {buf.nbytes} bytes: row {row.tolist()}")
+    return as_strided(buf[off:], shape=shape, strides=strides, writeable=writeable)
 
 
 def _stage_view(row: np.ndarray, staging: np.ndarray) -> np.ndarray:
