@@ -2,7 +2,9 @@
 # from scratch when it is missing. `make docs` builds the documentation site into site/.
 # `make test` also checks that the GPU machine's package set runs benchmarks/gpu_check.py
 # (tools/check_gpu_packages.py, in the background beside the other steps; its environment is
-# cached in .cache/, its output printed at the end). The tests run on two workers
+# cached in .cache/, its output printed at the end). mypy runs in the background too, at a lower
+# priority than the tests (it takes the cores' idle time; its output is printed at the end and
+# fails the target as it would in line). The tests run on two workers
 # (pytest-xdist, work stealing), one per core of the CI machine; tests/test_docs_site.py builds the docs
 # with `mkdocs build --strict`.
 PY ?= python3
@@ -23,14 +25,17 @@ $(STAMP): pyproject.toml setup.py jreshard/views/_casts.c jreshard/schedule/_row
 
 GPU_LOG := .cache/gpu-packages.log
 GPU_RC := .cache/gpu-packages.rc
+MYPY_LOG := .cache/mypy.log
+MYPY_RC := .cache/mypy.rc
 
 test: $(STAMP)
-	mkdir -p .cache && rm -f $(GPU_RC)
+	mkdir -p .cache && rm -f $(GPU_RC) $(MYPY_RC)
 	( $(BIN)/python tools/check_gpu_packages.py > $(GPU_LOG) 2>&1; echo $$? > $(GPU_RC) ) &
+	( nice -n 10 $(BIN)/python -m mypy jreshard > $(MYPY_LOG) 2>&1; echo $$? > $(MYPY_RC) ) &
 	$(BIN)/ruff check jreshard tests benchmarks examples tools
 	$(BIN)/ruff format --check jreshard tests benchmarks examples tools
-	$(BIN)/python -m mypy jreshard
 	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist worksteal
+	@while [ ! -f $(MYPY_RC) ]; do sleep 1; done; echo "mypy jreshard:"; cat $(MYPY_LOG); test $$(cat $(MYPY_RC)) = 0
 	@while [ ! -f $(GPU_RC) ]; do sleep 1; done; cat $(GPU_LOG); exit $$(cat $(GPU_RC))
 
 docs: $(STAMP)
