@@ -198,3 +198,16 @@ def test_the_numpy_kernels_refuse_a_row_past_its_buffer_too():
     with pytest.raises(ValueError, match="descriptor row leaves its buffer"):
         kernels._unpack_numpy(table, np.zeros(24, np.uint8), [shard])
     assert shard.tolist() == list(range(32))
+
+
+def test_a_bad_cast_row_beside_good_byte_rows_stops_the_table_before_any_byte_moves():
+    """The numpy rows are checked before the kernel runs the byte rows: a cast row past its buffer writes nothing."""
+    x = np.arange(12, dtype=np.float32)
+    (cast_row,) = kernels.element_rows([(0, 8, (4,), 4)], (12,), ("float32", "bfloat16"), staged_itemsize=2)
+    byte = kernels.build_table([(1, (16,), Box((4,), (12,)))], staging_offset=24)
+    table = np.concatenate([byte, cast_row])  # the cast row reads 12 floats from byte 8 of a 48-byte buffer
+    other = np.arange(16, dtype=np.uint8)
+    staging = np.full(32, 9, np.uint8)
+    with pytest.raises(ValueError):
+        kernels.pack_cpu(table, [x.view(np.uint8), other], staging)
+    assert staging.tolist() == [9] * 32

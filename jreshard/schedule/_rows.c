@@ -15,8 +15,8 @@
  *
  * A call that moves at least STREAM_MIN bytes writes its runs of 256 bytes or more with
  * streaming stores (../_stream.h): the rows write shard or staging memory that the next
- * step reads from memory anyway, and a run of a few KiB inside a strided box costs half
- * as much without the read-for-ownership of every line it writes. The GIL is released
+ * step reads from memory anyway, and a run of a few KiB inside a strided box is written
+ * faster without the read-for-ownership of every line it writes. The GIL is released
  * while bytes move.
  */
 #define PY_SSIZE_T_CLEAN

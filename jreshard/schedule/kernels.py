@@ -373,42 +373,81 @@ def pack_cpu(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarr
     """Copy every piece of ``table`` out of ``buffers`` (1-D uint8) into ``staging`` (1-D uint8),
     casting the cast rows' elements on the way.
 
-    The byte rows run in the compiled kernel where it was built (:func:`compiled_rows`), which checks
-    every row against its buffer's size and the staging's before it writes anything; the cast rows,
-    and every row where it was not built, in numpy.
+    The byte rows run in the compiled kernel where it was built (:func:`compiled_rows`), the cast rows,
+    and every row where it was not built, in numpy. Every row is checked against the size of its buffer
+    and of the staging before any byte moves.
 
     Raises:
       ValueError: a row leaves its buffer or staging, or names a missing buffer (nothing was written).
     """
-    _pack_numpy(_compiled(table, buffers, staging, unpack=False), buffers, staging)
+    compiled, rest = _split(table, buffers, staging, unpack=False)
+    jobs = _pack_jobs(rest, buffers, staging)  # views of the numpy rows, each checked, before anything moves
+    _run_compiled(compiled, staging, unpack=False)
+    _run(jobs)
 
 
 def unpack_cpu(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
     """Copy every piece of ``table`` out of ``staging`` into its place in ``buffers``, casting the cast rows
-    (the byte rows compiled, as :func:`pack_cpu`).
+    (the byte rows compiled, every row checked first, as :func:`pack_cpu`).
 
     Raises:
-      ValueError: a row leaves its buffer or staging, names a missing buffer, or writes a read-only one.
+      ValueError: a row leaves its buffer or staging, names a missing buffer, or writes a read-only one
+        (nothing was written).
     """
-    _unpack_numpy(_compiled(table, buffers, staging, unpack=True), staging, buffers)
+    compiled, rest = _split(table, buffers, staging, unpack=True)
+    jobs = _unpack_jobs(rest, staging, buffers)
+    _run_compiled(compiled, staging, unpack=True)
+    _run(jobs)
 
 
 def _pack_numpy(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
-    for row in table:
-        if row[CAST]:
-            chain = chain_of(row[CAST])
-            cast_into(_typed_stage(row, staging, chain[-1]), _typed(row, buffers[int(row[BUF])], chain[0]), chain[1:])
-            continue
-        np.copyto(_stage_view(row, staging), _view(row, buffers[int(row[BUF])], False))
+    """:func:`pack_cpu` in numpy alone (the reference the compiled kernel is tested against)."""
+    _run(_pack_jobs(table, buffers, staging))
 
 
 def _unpack_numpy(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
+    """:func:`unpack_cpu` in numpy alone."""
+    _run(_unpack_jobs(table, staging, buffers))
+
+
+_Job = tuple[np.ndarray, np.ndarray, tuple[str, ...]]  # (written, read, the casts between): cast_into's arguments
+
+
+def _pack_jobs(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> list[_Job]:
+    jobs = []
     for row in table:
+        buf = _buffer(row, buffers)
         if row[CAST]:
             chain = chain_of(row[CAST])
-            cast_into(_typed(row, buffers[int(row[BUF])], chain[-1]), _typed_stage(row, staging, chain[0]), chain[1:])
-            continue
-        np.copyto(_view(row, buffers[int(row[BUF])], True), _stage_view(row, staging))
+            jobs.append((_typed_stage(row, staging, chain[-1]), _typed(row, buf, chain[0]), chain[1:]))
+        else:
+            jobs.append((_stage_view(row, staging), _view(row, buf, False), ()))
+    return jobs
+
+
+def _unpack_jobs(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> list[_Job]:
+    jobs = []
+    for row in table:
+        buf = _buffer(row, buffers)
+        if row[CAST]:
+            chain = chain_of(row[CAST])
+            jobs.append((_typed(row, buf, chain[-1]), _typed_stage(row, staging, chain[0]), chain[1:]))
+        else:
+            jobs.append((_view(row, buf, True), _stage_view(row, staging), ()))
+    return jobs
+
+
+def _buffer(row: np.ndarray, buffers: Sequence[np.ndarray]) -> np.ndarray:
+    b = int(row[BUF])
+    buf = buffers[b] if 0 <= b < len(buffers) else None
+    if buf is None:
+        raise ValueError(f"a descriptor row names a missing buffer {b} (of {len(buffers)}): row {row.tolist()}")
+    return buf
+
+
+def _run(jobs: list[_Job]) -> None:
+    for out, x, chain in jobs:
+        cast_into(out, x, chain)  # no chain: np.copyto
 
 
 _rows_module: ModuleType | None
@@ -438,15 +477,21 @@ def _flat(buf: np.ndarray | None) -> bool:
     return buf is not None and buf.ndim == 1 and buf.dtype == np.uint8 and buf.flags.c_contiguous
 
 
-def _compiled(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray, *, unpack: bool) -> np.ndarray:
-    """Move the byte rows of ``table`` with the compiled kernel; the rows it did not take (cast rows, rows
-    of a buffer that is not flat uint8, every row where it was not built), for numpy.
+_Compiled = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # (rows, addresses, sizes, buffers) for copy_rows
+
+
+def _split(
+    table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray, *, unpack: bool
+) -> tuple[_Compiled | None, np.ndarray]:
+    """The byte rows of ``table`` the compiled kernel takes, with the addresses and sizes of their buffers,
+    and the rows left for numpy (cast rows, rows of a buffer that is not flat uint8, every row where it
+    was not built). Nothing moves.
 
     Raises:
-      ValueError: a byte row the kernel refused (before any byte moved), or a read-only target.
+      ValueError: a read-only buffer a row would write into.
     """
     if _ROWS is None or not len(table) or not _flat(staging) or (not unpack and not staging.flags.writeable):
-        return table
+        return None, table
     t = np.ascontiguousarray(table, np.int64)
     nd = np.clip(t[:, NDIM], 1, MAX_DIMS)
     take = (t[:, CAST] == 0) & (t[np.arange(len(t)), STRIDE0 + nd - 1] == 1)
@@ -462,27 +507,41 @@ def _compiled(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndar
         if unpack and not buf.flags.writeable:
             raise ValueError(f"unpack_cpu: buffer {b} is read-only; a descriptor row would write into it")
         addresses[b], sizes[b] = buf.ctypes.data, buf.nbytes
+    if not take.any():
+        return None, t
     rows = t if take.all() else np.ascontiguousarray(t[take])
-    if len(rows):
-        bad = _ROWS.copy_rows(
-            rows.ctypes.data,
-            len(rows),
-            addresses.ctypes.data,
-            sizes.ctypes.data,
-            len(buffers),
-            staging.ctypes.data,
-            staging.nbytes,
-            unpack,
+    rest = _NO_ROWS if take.all() else t[~take]
+    return (rows, addresses, sizes, len(buffers)), rest
+
+
+def _run_compiled(job: _Compiled | None, staging: np.ndarray, *, unpack: bool) -> None:
+    """Run :func:`_split`'s rows in the kernel, which checks them all before it moves a byte.
+
+    Raises:
+      ValueError: a row the kernel refused (nothing was written).
+    """
+    if job is None:
+        return
+    assert _ROWS is not None
+    rows, addresses, sizes, n = job
+    bad = _ROWS.copy_rows(
+        rows.ctypes.data,
+        len(rows),
+        addresses.ctypes.data,
+        sizes.ctypes.data,
+        n,
+        staging.ctypes.data,
+        staging.nbytes,
+        unpack,
+    )
+    if bad >= 0:
+        row = rows[bad]
+        b = int(row[BUF])
+        have = int(sizes[b]) if 0 <= b < n else None
+        raise ValueError(
+            f"a descriptor row leaves its buffer or staging, or names a missing buffer: row {row.tolist()} "
+            f"(buffer {b} of {have} bytes, staging of {staging.nbytes} bytes); nothing was written"
         )
-        if bad >= 0:
-            row = rows[bad]
-            b = int(row[BUF])
-            have = int(sizes[b]) if 0 <= b < len(buffers) else None
-            raise ValueError(
-                f"a descriptor row leaves its buffer or staging, or names a missing buffer: row {row.tolist()} "
-                f"(buffer {b} of {have} bytes, staging of {staging.nbytes} bytes); nothing was written"
-            )
-    return _NO_ROWS if take.all() else t[~take]
 
 
 def copy_cpu(
