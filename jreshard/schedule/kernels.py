@@ -381,7 +381,7 @@ def pack_cpu(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarr
       ValueError: a row leaves its buffer or staging, or names a missing buffer (nothing was written).
     """
     compiled, rest = _split(table, buffers, staging, unpack=False)
-    jobs = _pack_jobs(rest, buffers, staging)  # views of the numpy rows, each checked, before anything moves
+    jobs = _jobs(rest, buffers, staging, unpack=False)  # the numpy rows' views, checked before anything moves
     _run_compiled(compiled, staging, unpack=False)
     _run(jobs)
 
@@ -395,45 +395,36 @@ def unpack_cpu(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndar
         (nothing was written).
     """
     compiled, rest = _split(table, buffers, staging, unpack=True)
-    jobs = _unpack_jobs(rest, staging, buffers)
+    jobs = _jobs(rest, buffers, staging, unpack=True)
     _run_compiled(compiled, staging, unpack=True)
     _run(jobs)
 
 
 def _pack_numpy(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> None:
     """:func:`pack_cpu` in numpy alone (the reference the compiled kernel is tested against)."""
-    _run(_pack_jobs(table, buffers, staging))
+    _run(_jobs(table, buffers, staging, unpack=False))
 
 
 def _unpack_numpy(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> None:
     """:func:`unpack_cpu` in numpy alone."""
-    _run(_unpack_jobs(table, staging, buffers))
+    _run(_jobs(table, buffers, staging, unpack=True))
 
 
 _Job = tuple[np.ndarray, np.ndarray, tuple[str, ...]]  # (written, read, the casts between): cast_into's arguments
 
 
-def _pack_jobs(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray) -> list[_Job]:
+def _jobs(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray, *, unpack: bool) -> list[_Job]:
+    """Each row's typed views (each checked against its buffer and staging), in the direction of the copy."""
     jobs = []
     for row in table:
         buf = _buffer(row, buffers)
-        if row[CAST]:
-            chain = chain_of(row[CAST])
-            jobs.append((_typed_stage(row, staging, chain[-1]), _typed(row, buf, chain[0]), chain[1:]))
+        chain = chain_of(row[CAST])
+        if chain:  # a pack reads chain[0] from the buffer and stages chain[-1]; an unpack the other way round
+            shard = _typed(row, buf, chain[-1] if unpack else chain[0])
+            stage = _typed_stage(row, staging, chain[0] if unpack else chain[-1])
         else:
-            jobs.append((_stage_view(row, staging), _view(row, buf, False), ()))
-    return jobs
-
-
-def _unpack_jobs(table: np.ndarray, staging: np.ndarray, buffers: Sequence[np.ndarray]) -> list[_Job]:
-    jobs = []
-    for row in table:
-        buf = _buffer(row, buffers)
-        if row[CAST]:
-            chain = chain_of(row[CAST])
-            jobs.append((_typed(row, buf, chain[-1]), _typed_stage(row, staging, chain[0]), chain[1:]))
-        else:
-            jobs.append((_view(row, buf, True), _stage_view(row, staging), ()))
+            shard, stage = _view(row, buf, unpack), _stage_view(row, staging)
+        jobs.append((shard, stage, chain[1:]) if unpack else (stage, shard, chain[1:]))
     return jobs
 
 
@@ -455,13 +446,10 @@ try:
     from jreshard.schedule import _rows as _rows_module
 except ImportError:  # not built (no compiler, or a checkout run in place)
     _rows_module = None
+_LAYOUT = ("COLUMNS", "MAX_DIMS", "BUF", "OFF", "STAGE", "NBYTES", "NDIM", "SHAPE0", "STRIDE0", "CAST")
 _ROWS = (
     _rows_module
-    if _rows_module is not None
-    and (_rows_module.COLUMNS, _rows_module.MAX_DIMS, _rows_module.BUF, _rows_module.OFF, _rows_module.STAGE)
-    == (COLUMNS, MAX_DIMS, BUF, OFF, STAGE)
-    and (_rows_module.NBYTES, _rows_module.NDIM, _rows_module.SHAPE0, _rows_module.STRIDE0, _rows_module.CAST)
-    == (NBYTES, NDIM, SHAPE0, STRIDE0, CAST)
+    if _rows_module is not None and all(getattr(_rows_module, n) == globals()[n] for n in _LAYOUT)
     else None
 )
 _NO_ROWS = np.zeros((0, COLUMNS), np.int64)
