@@ -170,9 +170,7 @@ class _Landed:
         n = len(self.entries)
         if n <= _SCAN:
             return self.entries
-        lo, hi = self._lo[:n], self._hi[:n]
-        meets = ((lo < np.array(box.hi, np.int64)) & (hi > np.array(box.lo, np.int64))).all(axis=1)
-        return [self.entries[j] for j in np.flatnonzero(meets).tolist()]
+        return [self.entries[j] for j in _overlapping(self._lo[:n], self._hi[:n], box)]
 
 
 def lower_tree(
@@ -378,9 +376,12 @@ def _groups_meeting(lay: Layout, box: Box) -> Sequence[tuple[Box, tuple[int, ...
     groups = lay.replica_groups()
     if len(groups) <= _SCAN:
         return groups
-    lo, hi = _group_bounds(lay)
-    meets = np.flatnonzero(((lo < np.array(box.hi, np.int64)) & (hi > np.array(box.lo, np.int64))).all(axis=1))
-    return [groups[j] for j in meets.tolist()]
+    return [groups[j] for j in _overlapping(*_group_bounds(lay), box)]
+
+
+def _overlapping(lo: np.ndarray, hi: np.ndarray, box: Box) -> list[int]:
+    """The rows, ascending, of the boxes with bounds ``lo``, ``hi`` (a box a row) that overlap ``box`` on every axis."""
+    return np.flatnonzero(((lo < np.array(box.hi, np.int64)) & (hi > np.array(box.lo, np.int64))).all(axis=1)).tolist()
 
 
 def _stripes(b: Box, k: int, axes: Sequence[int]) -> list[Box]:
