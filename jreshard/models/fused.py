@@ -7,9 +7,10 @@
   experts stay stacked ``[E, in, out]`` (fused ``gate_up`` along ``out``) and go to block FP8
   ``(128, 128)`` with float32 ``scale_inv``.
 
-:func:`fused_stats` lowers every leaf (:mod:`jreshard.views.lowering`; layers with equal layouts
-share one lowering) and adds the bytes, beside the hybrid baseline of NeMo RL: FFN weights planned
-shard to shard, every other tensor gathered and broadcast.
+:func:`fused_stats` lowers every leaf (:mod:`jreshard.views.lowering`) and adds the bytes, beside the
+hybrid baseline of NeMo RL: FFN weights planned shard to shard, every other tensor gathered and broadcast.
+Leaves that are the same up to a renumbering of ranks share one lowering (:func:`_relabelled`): the layers
+of one pipeline stage, and those of the stages whose ranks are a shift of another stage's.
 """
 
 from __future__ import annotations
@@ -115,7 +116,33 @@ class FusedStats:
     hybrid_predicted_seconds: float
 
 
-def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology) -> FusedStats:
+def _relabelled(
+    layouts: tuple[Layout, ...], topology: Topology, renumber: bool = True
+) -> tuple[tuple, tuple[int, ...]]:
+    """A key that two sets of layouts share when they are the same up to renumbering their ranks in ascending
+    order, with the ranks' fast-link domains renumbered in ascending order and their devices told apart alike;
+    and the ranks, ascending (the key's rank ``i`` is ``ranks[i]``).
+
+    Such layouts lower alike, rank ``i`` for rank ``i``: every choice :func:`~jreshard.views.lowering.lower`
+    and the bounds make compares two ranks (replica groups list their ranks ascending, a sender is the least
+    loaded then the lowest), two domains (destinations go domain by domain, ascending) or two devices (equal or
+    not), and a renumbering in ascending order keeps every such comparison. ``renumber=False``: the layouts
+    themselves are the key (each leaf lowered for its own ranks; the check of the renumbering).
+    """
+    ranks = tuple(sorted({r for lay in layouts for r in lay.ranks}))
+    if not renumber:
+        return layouts, ranks
+    new = {r: i for i, r in enumerate(ranks)}
+    domains = {g: i for i, g in enumerate(sorted({topology.domain_of(r) for r in ranks}))}
+    devices: dict[Any, int] = {}
+    peers = tuple(
+        (domains[topology.domain_of(r)], devices.setdefault(topology.device_of(r), len(devices))) for r in ranks
+    )
+    shapes = tuple((lay.shape, lay.dtype, tuple(new[r] for r in lay.ranks), lay.boxes) for lay in layouts)
+    return (shapes, peers), ranks
+
+
+def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology, *, _relabel: bool = True) -> FusedStats:
     """Lower every fused leaf of model ``name`` and add the bytes (module docstring).
 
     Example:
@@ -135,8 +162,10 @@ def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology) -> Fu
     for _, view, d in items:
         leaves = view.leaves()
         lays = [layouts[id(leaf.source)] for leaf in leaves]
-        key = (view.signature(lambda lf, lv=leaves: next(i for i, x in enumerate(lv) if x is lf)), tuple(lays), d)
+        shape, ranks = _relabelled((*lays, d), topology, _relabel)
+        key = (view.signature(lambda lf, lv=leaves: next(i for i, x in enumerate(lv) if x is lf)), shape)
         if key not in cache:
+            number = {r: i for i, r in enumerate(ranks)}
             low = lower(view, leaves, lays, d, topology)
             tasks = len(low.tasks)
             if tasks:
@@ -151,11 +180,11 @@ def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology) -> Fu
                 low.local_bytes,
                 sum(t.at_sender for t in low.tasks),
                 tasks,
-                low.loads,
+                tuple((number[r_], lk, out, nb) for r_, lk, out, nb in low.loads),
             )
         n, b, f, lo, a, t, rows = cache[key]
-        for r_, lk, out, nb in rows:
-            loads[(r_, lk, out)] = loads.get((r_, lk, out), 0) + nb
+        for i, lk, out, nb in rows:
+            loads[(ranks[i], lk, out)] = loads.get((ranks[i], lk, out), 0) + nb
         net, bound, fast, local, at_sender, quant = net + n, bound + b, fast + f, local + lo, at_sender + a, quant + t
         dbytes += d.nbytes
     r = refit(name, n_train, n_infer)
