@@ -1,5 +1,5 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv
-# from scratch when it is missing. `make docs` builds the documentation site into site/.
+# from scratch when it is missing (the test environment's pins: tools/test-constraints.txt). `make docs` builds the documentation site into site/.
 # `make test` also checks that the GPU machine's package set runs benchmarks/gpu_check.py
 # (tools/check_gpu_packages.py, in the background beside the other steps; its environment is
 # cached in .cache/, its output printed at the end). mypy runs in the background too, at a lower
@@ -14,10 +14,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test demo docs lint bench clean
 
-$(STAMP): pyproject.toml setup.py jreshard/views/_casts.c jreshard/schedule/_rows.c jreshard/_stream.h
+$(STAMP): pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_casts.c jreshard/schedule/_rows.c jreshard/_stream.h
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]'
+	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]' -c tools/test-constraints.txt
 	$(BIN)/python -m pip install -q --no-deps nixl-cu12
 	$(BIN)/python -c "from jreshard.views import native; assert native.available(), 'the compiled casts were not built'"
 	$(BIN)/python -c "from jreshard.schedule import kernels; assert kernels.compiled_rows(), 'the compiled byte rows were not built'"
