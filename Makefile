@@ -1,5 +1,6 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv
-# from scratch when it is missing (the test environment's pins: tools/test-constraints.txt). `make docs` builds the documentation site into site/.
+# from scratch when it is missing (the test environment's pins: tools/test-constraints.txt).
+# `make docs` builds the documentation site into site/.
 # `make test` also checks that the GPU machine's package set runs benchmarks/gpu_check.py
 # (tools/check_gpu_packages.py, in the background beside the other steps; its environment is
 # cached in .cache/, its output printed at the end). mypy runs in the background too, at a lower
