@@ -7,7 +7,9 @@
 # priority than the tests (it takes the cores' idle time; its output is printed at the end and
 # fails the target as it would in line). The tests run on two workers
 # (pytest-xdist, work stealing), one per core of the CI machine; tests/test_docs_site.py builds the docs
-# with `mkdocs build --strict`.
+# with `mkdocs build --strict`. They write bytecode caches (__pycache__/, ignored by git) even where
+# PYTHONDONTWRITEBYTECODE is set: the suite starts several hundred Python processes, and each would
+# compile jreshard (about 0.3 s) and its test modules again.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -35,7 +37,7 @@ test: $(STAMP)
 	( nice -n 10 $(BIN)/python -m mypy jreshard > $(MYPY_LOG) 2>&1; echo $$? > $(MYPY_RC) ) &
 	$(BIN)/ruff check jreshard tests benchmarks examples tools
 	$(BIN)/ruff format --check jreshard tests benchmarks examples tools
-	JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist worksteal
+	PYTHONDONTWRITEBYTECODE= JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist worksteal
 	@while [ ! -f $(MYPY_RC) ]; do sleep 1; done; echo "mypy jreshard:"; cat $(MYPY_LOG); test $$(cat $(MYPY_RC)) = 0
 	@while [ ! -f $(GPU_RC) ]; do sleep 1; done; cat $(GPU_LOG); exit $$(cat $(GPU_RC))
 
