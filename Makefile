@@ -26,6 +26,9 @@ $(STAMP): pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_cas
 	$(BIN)/python -c "from jreshard.schedule import kernels; assert kernels.compiled_rows(), 'the compiled byte rows were not built'"
 	touch $(STAMP)
 
+# $(call await,file,what): wait for a background step's status file, at most 20 minutes.
+await = n=0; while [ ! -f $(1) ]; do n=$$((n + 1)); if [ $$n -gt 1200 ]; then echo "$(2) gave no status in 20 minutes"; exit 1; fi; sleep 1; done
+
 GPU_LOG := .cache/gpu-packages.log
 GPU_RC := .cache/gpu-packages.rc
 MYPY_LOG := .cache/mypy.log
@@ -38,8 +41,8 @@ test: $(STAMP)
 	$(BIN)/ruff check jreshard tests benchmarks examples tools
 	$(BIN)/ruff format --check jreshard tests benchmarks examples tools
 	PYTHONDONTWRITEBYTECODE= JAX_PLATFORMS=cpu HYPOTHESIS_PROFILE=ci $(BIN)/python -m pytest -q -n 2 --dist worksteal
-	@while [ ! -f $(MYPY_RC) ]; do sleep 1; done; echo "mypy jreshard:"; cat $(MYPY_LOG); test $$(cat $(MYPY_RC)) = 0
-	@while [ ! -f $(GPU_RC) ]; do sleep 1; done; cat $(GPU_LOG); exit $$(cat $(GPU_RC))
+	@$(call await,$(MYPY_RC),mypy); echo "mypy jreshard:"; cat $(MYPY_LOG); test $$(cat $(MYPY_RC)) = 0
+	@$(call await,$(GPU_RC),the GPU-package check); cat $(GPU_LOG); exit $$(cat $(GPU_RC))
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
