@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jreshard.engine.comm import RecvOp, SendOp
+from jreshard.engine import rounds as rounds_module
+from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.comm import Posted, RecvOp, SendOp
 from jreshard.engine.loopback import LocalComm
 from jreshard.engine.recording import RecordingComm
-from jreshard.engine.rounds import Shards, execute
+from jreshard.engine.rounds import Shards, compile_rounds, execute
 from jreshard.errors import PeerError, TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
@@ -41,12 +45,62 @@ def _shards(pairs, globals_):
     return Shards(src=src, dst=dst)
 
 
-def _run(pairs, topo, options, seed=0):
+class _Late(Posted):
+    """A group of :class:`PostingComm`: its bytes move when it is waited on, the latest a transport may."""
+
+    def __init__(self, comm: PostingComm, sends, recvs, buffers, timeout_s: float):
+        self._comm, self._args, self._timeout_s = comm, (sends, recvs, buffers), timeout_s
+
+    def wait(self) -> None:
+        self._comm.log.append("wait")
+        RecordingComm.exchange_rows(self._comm, *self._args, timeout_s=self._timeout_s)
+
+    def abort(self, why: str) -> None:
+        self._comm.aborted.append(why)
+
+
+class PostingComm(RecordingComm):
+    """A RecordingComm that posts ahead: a started group's bytes move only when it is waited on, so a pack
+    that runs meanwhile into an arena the group still sends from or receives into would change what arrives."""
+
+    posts_ahead = True
+
+    def __init__(self, ranks, topology):
+        super().__init__(ranks, topology)
+        self.log: list[str] = []
+        self.aborted: list[str] = []
+
+    def exchange_rows(self, sends, recvs, buffers, *, timeout_s):
+        self.log.append("exchange")
+        super().exchange_rows(sends, recvs, buffers, timeout_s=timeout_s)
+
+    def start_rows(self, sends, recvs, buffers, *, timeout_s):
+        self.log.append("start")
+        return _Late(self, sends, recvs, buffers, timeout_s)
+
+
+class _LoggedBuffers(CpuBuffers):
+    """CpuBuffers that log each pack in the communicator's log (and fail the ``fail_at``-th, when given)."""
+
+    def __init__(self, log: list[str], fail_at: int | None = None):
+        super().__init__()
+        self._log, self._fail_at, self._packs = log, fail_at, 0
+
+    def pack(self, table, buffers, staging):
+        self._packs += 1
+        if self._packs == self._fail_at:
+            raise ValueError("planted pack failure")
+        self._log.append("pack")
+        super().pack(table, buffers, staging)
+
+
+def _run(pairs, topo, options, seed=0, comm_type=RecordingComm):
     plan = plan_layouts(pairs, topo, options)
     globals_ = [_global(s, seed + t) for t, (s, _) in enumerate(pairs)]
     shards = _shards(pairs, globals_)
-    comm = RecordingComm(ranks=topo.ranks, topology=topo)
-    stats = execute(build_schedule(plan, options), comm, shards, options=options)
+    comm = comm_type(ranks=topo.ranks, topology=topo)
+    buffers = _LoggedBuffers(comm.log) if isinstance(comm, PostingComm) else None
+    stats = execute(build_schedule(plan, options), comm, shards, options=options, buffers=buffers)
     for t, ((_, d), g) in enumerate(zip(pairs, globals_, strict=True)):
         for r, b in zip(d.ranks, d.boxes, strict=True):
             got = shards.dst[(t, r)].view(d.np_dtype).reshape(b.shape)
@@ -111,12 +165,17 @@ def layout_case(draw):
     return src, dst, Topology.uniform(range(n), domain_size=domain)
 
 
-@given(st.lists(layout_case(), min_size=1, max_size=3), st.sampled_from([16, 64, 1000]), st.integers(1, 4))
-def test_execute_matches_global_and_plan_bytes(cases, chunk, staging_chunks):
+@given(
+    st.lists(layout_case(), min_size=1, max_size=3),
+    st.sampled_from([16, 64, 1000]),
+    st.integers(1, 4),
+    st.sampled_from([RecordingComm, PostingComm]),
+)
+def test_execute_matches_global_and_plan_bytes(cases, chunk, staging_chunks, comm_type):
     topo = cases[0][2]
     pairs = [(s, d) for s, d, _ in cases]
     opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging_chunks)
-    plan, comm, stats = _run(pairs, topo, opts)
+    plan, comm, stats = _run(pairs, topo, opts, comm_type=comm_type)
     _assert_bytes_match_plan(plan, comm, stats)
     assert all(v <= opts.staging_bytes for v in stats.peak_staging_bytes.values())
     assert all(r.nbytes <= chunk for r in comm.records)
@@ -245,3 +304,72 @@ def test_execute_fills_the_report_and_staged_chunks_start_16_byte_aligned():
     staged = [w for w in staged if w.buf == STAGING]
     assert staged and all(w.offset % STAGE_ALIGN == 0 for w in staged)
     assert max(sched.staging.values()) <= opts.staging_bytes
+
+
+def _strided_senders():
+    """One float32 (64, 64) replica on rank 0 to four column shards on ranks 1-4: every chunk rank 0 sends
+    is a strided box of its source shard, packed, in 4 rounds of 1 KiB chunks."""
+    src = Layout.replicated([0], (64, 64), "float32")
+    dst = Layout.from_mesh(np.arange(1, 5), ("x",), (None, "x"), (64, 64), "float32")
+    return [(src, dst)], Topology.uniform(range(5), domain_size=1), Options(chunk_bytes=1024, staging_bytes=8192)
+
+
+def _two_arenas(sched, topo, opts):
+    """The arenas the engine gives each rank over a posting transport: two where they fit the bound."""
+    return tuple(2 if 2 * sched.staging.get(r, 0) <= opts.staging_bytes else 1 for r in topo.ranks)
+
+
+def test_a_posting_transport_packs_the_next_round_while_this_one_is_on_the_wire():
+    pairs, topo, opts = _strided_senders()
+    plan, comm, stats = _run(pairs, topo, opts, comm_type=PostingComm)  # values checked against the global array
+    _assert_bytes_match_plan(plan, comm, stats)
+    sched = build_schedule(plan, opts)
+    prog = compile_rounds(sched, tuple(topo.ranks), _two_arenas(sched, topo, opts), opts.max_group_ops)
+    assert len(prog.rounds) == 4 and prog.ahead == (False, True, True, True)
+    # Rounds 1-3 are packed while the round before is posted: start, pack, wait; the last round is exchanged.
+    assert comm.log == ["pack", "start", "pack", "wait", "start", "pack", "wait", "start", "pack", "wait", "exchange"]
+    assert max(stats.peak_staging_bytes.values()) <= opts.staging_bytes  # two arenas, within the bound
+    assert stats.peak_staging_bytes[0] == 2 * sched.staging[0]
+    # A transport that cannot post ahead keeps one arena and packs each round in its own turn.
+    _, _, one = _run(pairs, topo, opts)
+    assert one.peak_staging_bytes[0] == sched.staging[0]
+
+
+def test_packing_ahead_into_the_posted_rounds_arena_would_change_what_arrives(monkeypatch):
+    # What the test double can catch: with one arena, a pack ahead overwrites chunks the posted group has
+    # not sent yet. The engine keeps such rounds in order; forced ahead, the values must come out wrong.
+    pairs, topo, _ = _strided_senders()
+    one = Options(chunk_bytes=1024, staging_bytes=4096)  # room for one arena only
+    _, comm, stats = _run(pairs, topo, one, comm_type=PostingComm)
+    assert "start" not in comm.log and stats.peak_staging_bytes[0] == 4096  # one arena: nothing packed ahead
+    monkeypatch.setattr(rounds_module, "_compiled", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(rounds_module, "_packs_ahead", lambda before, this: bool(this[0]))
+    with pytest.raises(AssertionError, match="Arrays are not equal"):
+        _run(pairs, topo, one, comm_type=PostingComm)
+
+
+def test_forwarded_bytes_are_never_packed_ahead():
+    # 4 column shards in domain 0, 4 replicas in domain 1: the fan-out packs the column boxes a rank received.
+    src = Layout.from_mesh(np.arange(4), ("x",), (None, "x"), (64, 64), "float32")
+    dst = Layout.replicated(range(4, 8), (64, 64), "float32")
+    topo = Topology.uniform(range(8), domain_size=4)
+    opts = Options(chunk_bytes=1024, staging_bytes=16384)
+    plan, comm, stats = _run([(src, dst)], topo, opts, comm_type=PostingComm)
+    _assert_bytes_match_plan(plan, comm, stats)
+    sched = build_schedule(plan, opts)
+    prog = compile_rounds(sched, tuple(topo.ranks), _two_arenas(sched, topo, opts), opts.max_group_ops)
+    for (packs, _, _, _), ahead in zip(prog.rounds, prog.ahead, strict=True):
+        reads_forwarded = any((t[:, kernels.BUF] % 2 == 1).any() for t, _, _ in packs)
+        assert not (ahead and reads_forwarded)
+    assert any(any((t[:, kernels.BUF] % 2 == 1).any() for t, _, _ in p) for p, _, _, _ in prog.rounds)
+
+
+def test_a_pack_that_fails_while_a_group_is_posted_gives_the_group_up():
+    pairs, topo, opts = _strided_senders()
+    plan = plan_layouts(pairs, topo, opts)
+    shards = _shards(pairs, [_global(pairs[0][0], 3)])
+    comm = PostingComm(ranks=topo.ranks, topology=topo)
+    with pytest.raises(ValueError, match="planted pack failure"):
+        execute(build_schedule(plan, opts), comm, shards, options=opts, buffers=_LoggedBuffers(comm.log, fail_at=2))
+    assert comm.log == ["pack", "start"] and len(comm.aborted) == 1
+    assert "planted pack failure" in comm.aborted[0]

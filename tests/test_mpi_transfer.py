@@ -137,3 +137,13 @@ def test_views_across_processes(tmp_path, procs, devices):
     assert sum(r["network"] + r["fast"] + r["local"] for r in got.values()) == moved
     assert sum(r["messages"] for r in got.values()) > 0
     assert all(0 < r["peak_staging"] <= 256 * devices for r in got.values())  # the bound, per rank
+
+
+def test_senders_pack_the_next_round_while_mpi_moves_the_one_before(tmp_path):
+    need_mpi()
+    launch([program(2, "pack_ahead.py")], tmp_path, devices=2, timeout_s=120)
+    got = results(tmp_path, "ahead")
+    assert sorted(got) == [0, 1] and all("error" not in r for r in got.values()), got
+    sender, receiver = (next(r for r in got.values() if r["process"] == p) for p in (0, 1))
+    assert receiver["checked"] == 64 * 256  # every destination element, bit for bit against numpy's cast
+    assert sender["ahead"] >= 3 and sender["starts"] >= sender["ahead"]  # rounds packed while one was posted

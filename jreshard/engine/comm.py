@@ -10,6 +10,11 @@ Semantics follow NCCL's grouped point-to-point calls: :meth:`exchange` posts
 every send and receive of a group at once (``ncclGroupStart``/``ncclGroupEnd``)
 and returns when all have completed. Within one group, the messages between one
 ordered pair of ranks are matched in the order they are listed, by ``tag``.
+
+A transport whose messages move while the host does other work (``posts_ahead``:
+MPI, where the receiver copies from the sender's memory) also splits a group into
+:meth:`Communicator.start_rows` and the :class:`Posted` group's ``wait``, so the
+round loop packs the next round while this one is on the wire.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Communicator", "RecvOp", "Row", "SendOp"]
+__all__ = ["Communicator", "Posted", "RecvOp", "Row", "SendOp"]
 
 Row = tuple[int, int, int, int, int, int]
 """One operation of :meth:`Communicator.exchange_rows`: ``(src, dst, tag, buffer, offset, nbytes)``."""
@@ -46,12 +51,39 @@ class RecvOp:
     buffer: Any
 
 
+class Posted:
+    """A group :meth:`Communicator.start_rows` posted: :meth:`wait` completes it, :meth:`abort` gives it up.
+
+    This one is a group that already completed (what a transport that cannot post ahead returns).
+    """
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        """Return once every operation of the group completed, within the ``timeout_s`` it was posted with.
+
+        Raises:
+          TransferTimeoutError, PeerError: as :meth:`Communicator.exchange`.
+        """
+
+    def abort(self, why: str) -> None:
+        """Give up the group's outstanding operations (the host failed between posting and waiting);
+        the communicator is then broken, as after a timeout."""
+
+
+_DONE = Posted()
+
+
 class Communicator(abc.ABC):
     """Grouped, non-blocking point-to-point messages between jreshard ranks (abstract).
 
     Implementations are final: ``LocalComm`` and ``RecordingComm`` (one process),
     ``MpiComm`` (mpi4py), ``NcclComm`` (cupy.cuda.nccl).
     """
+
+    posts_ahead: bool = False
+    """Whether :meth:`start_rows` returns before the group's bytes moved, so the host can pack the next
+    round meanwhile (the round loop then does, where two staging arenas fit)."""
 
     @property
     @abc.abstractmethod
@@ -82,6 +114,17 @@ class Communicator(abc.ABC):
             [RecvOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in recvs],
             timeout_s=timeout_s,
         )
+
+    def start_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
+    ) -> Posted:
+        """Post one group of rows, as :meth:`exchange_rows`, and return it for a later ``wait``.
+
+        Until that wait returns, the group's send buffers must not be written and its receive buffers
+        neither read nor written. Default: the whole exchange now, and a group that is already complete.
+        """
+        self.exchange_rows(sends, recvs, buffers, timeout_s=timeout_s)
+        return _DONE
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release transport resources (default: nothing to release)."""

@@ -19,6 +19,15 @@ unpacked from, the rank's staging arena with one descriptor table per round; buf
 that ask for two arenas (``Buffers.staging_buffers``) get them alternated by round.
 Local copies (``RankProgram.local``) run first, straight from the source shard.
 
+**Packing ahead.** Over a transport whose messages move while the host works
+(``Communicator.posts_ahead``: MPI), each rank gets two arenas where they fit the
+staging bound together, and a round whose packs read source shards only (a sender's
+casts, its strided boxes) is packed while the round before is on the wire: the loop
+posts that round's last group (``start_rows``), packs the next round into the other
+arena, then waits. Packs that read forwarded bytes, or that would write an arena the
+posted round still uses, run in their own round as before. A pack that fails while a
+group is posted gives the group up (the communicator is then broken) and raises.
+
 **Report.** Given a :class:`~jreshard.report.ReportBuilder`, :func:`execute` adds
 the time of every phase (pack, network, fan-out, unpack with the local copies),
 the bytes per link, the messages and the staging it held. A message is what a
@@ -127,7 +136,10 @@ def execute(
         buffers = CpuBuffers()
     ranks = tuple(comm.local_ranks)
     devices = devices or {}
-    arenas = {r: _arenas(buffers, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes) for r in ranks}
+    want = max(buffers.staging_buffers, 2 if comm.posts_ahead else 1)
+    arenas = {
+        r: _arenas(buffers, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes, want) for r in ranks
+    }
     prog = compile_rounds(schedule, ranks, tuple(len(arenas[r]) for r in ranks), options.max_group_ops)
     bufs = {r: shards.of_rank(r, schedule.ntensors) for r in ranks}
     _check_buffers(schedule, prog, ranks, bufs, shards)
@@ -152,23 +164,40 @@ def execute(
     buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
     pack, unpack, fence, exchange = buffers.pack, buffers.unpack, buffers.fence, comm.exchange_rows
     timeout_s = options.timeout_s
+    ahead = prog.ahead if comm.posts_ahead else (False,) * len(prog.rounds)
+    rounds = prog.rounds
     pack_s = network_s = fanout_s = 0.0
     t3 = clock()
-    for packs, groups, unpacks, network in prog.rounds:
-        for table, b, arena in packs:
-            pack(table, bufs[b], bases[arena])
-        fence()  # ordered before the sends; no host wait where the buffers can avoid one
+    for i, (packs, groups, unpacks, network) in enumerate(rounds):
+        if not (i and ahead[i]):  # else its packs ran while the round before was on the wire
+            for table, b, arena in packs:
+                pack(table, bufs[b], bases[arena])
+            fence()  # ordered before the sends; no host wait where the buffers can avoid one
         t1 = clock()
-        for sends, recvs in groups:
-            exchange(sends, recvs, bases, timeout_s=timeout_s)
+        packed_s = 0.0
+        for g, (sends, recvs) in enumerate(groups):
+            if g + 1 < len(groups) or i + 1 == len(rounds) or not ahead[i + 1]:
+                exchange(sends, recvs, bases, timeout_s=timeout_s)
+                continue
+            posted = comm.start_rows(sends, recvs, bases, timeout_s=timeout_s)
+            ta = clock()
+            try:  # the next round's packs, into the other arena, from source shards this group leaves alone
+                for table, b, arena in rounds[i + 1][0]:
+                    pack(table, bufs[b], bases[arena])
+                fence()
+            except BaseException as err:
+                posted.abort(f"a pack failed while a group was posted: {err!r}")
+                raise
+            packed_s = clock() - ta
+            posted.wait()
         t2 = clock()
         for table, b, arena in unpacks:
             unpack(table, bases[arena], bufs[b])
-        pack_s += t1 - t3
+        pack_s += t1 - t3 + packed_s
         if network:
-            network_s += t2 - t1
+            network_s += t2 - t1 - packed_s
         else:
-            fanout_s += t2 - t1
+            fanout_s += t2 - t1 - packed_s
         t3 = clock()
         unpack_s += t3 - t2
     buffers.synchronize()
@@ -203,6 +232,9 @@ class CompiledRounds:
         ``packs`` and ``unpacks`` are ``(table, rank, arena)`` (``arena`` an index into the loop's list of
         buffers), ``groups`` the round's exchange groups as ``(sends, recvs)`` rows, ``network`` whether
         any of its chunks crosses the network (its exchange is then network time, else fan-out time).
+      ahead: per round, whether its packs may run while the round before is on the wire: it has packs,
+        they read source shards only (which no round writes), and write arenas that the round before
+        neither sends from, receives into nor unpacks.
       sent_bytes: bytes sent by link kind, over all rounds.
       messages: messages sent by link kind, as a plan counts them (all a rank sends one peer at one stage).
       chunks: chunk messages sent.
@@ -210,6 +242,7 @@ class CompiledRounds:
     """
 
     rounds: tuple[tuple[tuple, tuple, tuple, bool], ...]
+    ahead: tuple[bool, ...]
     sent_bytes: Mapping[Link, int]
     messages: Mapping[Link, int]
     chunks: int
@@ -275,7 +308,21 @@ def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...]
             continue
         groups = tuple((tuple(s), tuple(v)) for s, v in _cut(sends, recvs, cuts.get(rnd)))
         rounds.append((tuple(packs), groups, tuple(unpacks), network))
-    return CompiledRounds(rounds=tuple(rounds), sent_bytes=sent, messages=messages, chunks=chunks, needs=needs)
+    ahead = tuple(i > 0 and _packs_ahead(rounds[i - 1], rounds[i]) for i in range(len(rounds)))
+    return CompiledRounds(
+        rounds=tuple(rounds), ahead=ahead, sent_bytes=sent, messages=messages, chunks=chunks, needs=needs
+    )
+
+
+def _packs_ahead(before: tuple, this: tuple) -> bool:
+    """Whether round ``this``'s packs can run while round ``before``'s groups are posted (see
+    :attr:`CompiledRounds.ahead`)."""
+    packs = this[0]
+    if not packs or any((t[:, kernels.BUF] % 2 != SRC).any() for t, _, _ in packs):
+        return False
+    busy = {row[3] for sends, recvs in before[1] for row in (*sends, *recvs)}
+    busy |= {arena for _, _, arena in before[2]}
+    return not any(arena in busy for _, _, arena in packs)
 
 
 class _RankRows:
@@ -349,9 +396,9 @@ def _cut(sends: list[Row], recvs: list[Row], cut: Mapping[tuple[int, int, int], 
     return [by[g] for g in sorted(by)]
 
 
-def _arenas(buffers: Buffers[Any], nbytes: int, device: Device | None, bound: int) -> list[Any]:
-    """A rank's staging arenas: ``buffers.staging_buffers`` of them where they fit ``bound`` together, else one."""
-    n = buffers.staging_buffers if buffers.staging_buffers * nbytes <= bound else 1
+def _arenas(buffers: Buffers[Any], nbytes: int, device: Device | None, bound: int, want: int) -> list[Any]:
+    """A rank's staging arenas: ``want`` of them where they fit ``bound`` together, else one."""
+    n = want if want * nbytes <= bound else 1
     return [buffers.staging(nbytes, device) for _ in range(n)]
 
 

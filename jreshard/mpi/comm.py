@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.comm import Communicator, Posted, RecvOp, Row, SendOp
 from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 
@@ -123,7 +123,25 @@ class MpiComm(Communicator):
                 f"MpiComm: rank {rank} is not in rank_process (ranks {_short(list(self._proc))})"
             ) from None
 
+    posts_ahead = True  # a large message moves while the host packs: the receiver copies it from the sender
+
     def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        self._wait(self._start(sends, recvs), timeout_s, deadline)
+
+    def start_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
+    ) -> Posted:
+        """Post one group (``Isend``/``Irecv``, the local copies done) and return it; its ``wait`` polls it
+        until ``timeout_s`` after this call."""
+        deadline = time.monotonic() + timeout_s
+        pending = self._start(
+            [SendOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in sends],
+            [RecvOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in recvs],
+        )
+        return _MpiPosted(self, pending, timeout_s, deadline)
+
+    def _start(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[Any, SendOp | RecvOp]]:
         if self._broken is not None:
             raise PeerError(
                 f"MpiComm is broken since an earlier failure ({self._broken}); "
@@ -159,14 +177,13 @@ class MpiComm(Communicator):
         except PeerError:
             self._abort(pending, "unmatched local messages")
             raise
-        self._wait(pending, timeout_s)
+        return pending
 
     def _tag(self, op: SendOp | RecvOp) -> int:
         return _key_tag(op.src, op.dst, op.tag, self._tag_ub)
 
-    def _wait(self, pending: list[tuple[Any, SendOp | RecvOp]], timeout_s: float) -> None:
+    def _wait(self, pending: list[tuple[Any, SendOp | RecvOp]], timeout_s: float, deadline: float) -> None:
         MPI = self._MPI
-        deadline = time.monotonic() + timeout_s
         sleep = 0.0
         while pending:
             reqs = [p[0] for p in pending]
@@ -248,3 +265,21 @@ class MpiComm(Communicator):
         if self._broken is None:
             self._comm.Free()
         self._comm = None
+
+
+class _MpiPosted(Posted):
+    """A group :meth:`MpiComm.start_rows` posted: its requests, polled by :meth:`wait`."""
+
+    __slots__ = ("_comm", "_deadline", "_pending", "_timeout_s")
+
+    def __init__(self, comm: MpiComm, pending: list[tuple[Any, SendOp | RecvOp]], timeout_s: float, deadline: float):
+        self._comm, self._pending, self._timeout_s, self._deadline = comm, pending, timeout_s, deadline
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        self._comm._wait(pending, self._timeout_s, self._deadline)
+
+    def abort(self, why: str) -> None:
+        pending, self._pending = self._pending, []
+        if pending:
+            self._comm._abort(pending, why)
