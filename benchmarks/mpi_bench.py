@@ -2,7 +2,10 @@
 
 Run: ``.venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/mpi_bench.py`` (JAX_PLATFORMS=cpu,
 JAX_NUM_CPU_DEVICES=1 are set here). Declared topology: the 4 source processes are one domain, the
-4 destination processes another. Cases: one float32 tensor TP4 -> TP2 x DP2, and a refit-like
+4 destination processes another. ``mpiexec -n 2`` (or 4) runs the same 8 devices as 1 (or 2) source and
+destination processes of 4 (or 2) CPU devices each: with no more processes than cores, each process has
+a core of its own (``-bind-to core``), so the senders' casts need not share one with the receivers' copies.
+``--chunk-mib`` sets ``Options.chunk_bytes`` (default 8). Cases: one float32 tensor TP4 -> TP2 x DP2, and a refit-like
 pytree (FSDP -> TP x DP), and a fused float32 -> bfloat16 ``qkv`` (the server's recipe:
 ``astype(concat([q, k, v], axis=1, groups=2), bfloat16)`` from float32 q, k, v TP4 into bfloat16 TP2 x DP2),
 timed in the same run as the plain TP4 -> TP2 x DP2 case and compared per destination byte (the bytes
@@ -21,17 +24,21 @@ alone: the source processes casting their float32 shards with the kernel the fus
 When the processes outnumber the cores, the time follows that CPU.
 """
 
+import argparse
 import os
 import time
 
+from mpi4py import MPI
+
+world = MPI.COMM_WORLD
+assert world.Get_size() in (2, 4, 8), "run with mpiexec -n 8 (or -n 2, -n 4: 8 devices in all)"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "1")
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(8 // world.Get_size()))
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from mpi4py import MPI
 
 from jreshard import views
 from jreshard.engine.buffers import export_source
@@ -42,15 +49,19 @@ from jreshard.refit import RefitGroup
 from jreshard.sharding.topology import Link
 from jreshard.views.casts import cast_into
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--chunk-mib", type=float, default=8.0, help="Options.chunk_bytes in MiB (default 8)")
+args = parser.parse_args()
 REPEATS = 5
 ALTERNATIONS = 8  # plain and fused calls, alternated, for the per-destination-byte comparison
-world = MPI.COMM_WORLD
 me = world.Get_rank()
-assert world.Get_size() == 8, "run with mpiexec -n 8"
-role = "source" if me < 4 else "destination"
+half = world.Get_size() // 2
+role = "source" if me < half else "destination"
 side = world.Split(0 if role == "source" else 1, me)
 initialize(side)
 devs = jax.devices()  # this side's 4 devices
+assert len(devs) == 4, f"each side needs 4 CPU devices in all, this one has {len(devs)}"
+CHUNK = int(args.chunk_mib * (1 << 20))
 
 
 def cases():
@@ -88,7 +99,7 @@ def destination_bytes(tree) -> int:
     for s in tree.values():
         shard = s.sharding.shard_shape(s.shape)
         total += int(np.prod(shard)) * np.dtype(s.dtype).itemsize * len(s.sharding.device_set)
-    return world.bcast(total if role == "destination" else None, root=4)
+    return world.bcast(total if role == "destination" else None, root=half)
 
 
 CPU: dict[int, list[float]] = {}  # id(group) -> the CPU seconds of every process together, per call
@@ -160,7 +171,7 @@ for name, sds in cases():
             k: jax.make_array_from_callback(s.shape, s.sharding, lambda i, s=s: np.ones(s.shape, np.float32)[i])
             for k, s in sds.items()
         }
-    opts = Options(timeout_s=120, chunk_bytes=8 << 20, staging_bytes=64 << 20)
+    opts = Options(timeout_s=120, chunk_bytes=CHUNK, staging_bytes=64 << 20)
     group = RefitGroup(role, sds, domain=0 if role == "source" else 1, options=opts)
     j_times = timed(group, arrays, sds)
     if not rows:  # the plain TP4 -> TP2 x DP2 case: the reference for the fused case, per destination byte
@@ -168,7 +179,7 @@ for name, sds in cases():
     st = group.plan.stats()
     j_bytes = st.network_bytes + st.fast_bytes
     # Baseline over the same processes, same global layouts (group ranks), MPI collectives.
-    gb = GatherBroadcast(world, range(4), range(4, 8))
+    gb = GatherBroadcast(world, range(half), range(half, world.Get_size()))
     pairs = [(t.src, t.dst) for t in group.plan.tensors]
     rank_process = {r: group._comm.process_of(r) for r in group.topology.ranks}
     local = {}
@@ -225,9 +236,14 @@ def _stats(ts: list[float]) -> str:
     return f"{np.median(ts):.3f} [{min(ts):.3f}-{max(ts):.3f}]"
 
 
+affinity = world.gather(sorted(os.sched_getaffinity(0)), root=0)
 if me == 0:
-    print("$ .venv/bin/mpiexec -n 8 .venv/bin/python benchmarks/mpi_bench.py")
-    print(f"jax {jax.__version__}, {world.Get_size()} processes x 1 CPU device, {os.cpu_count()} cores")
+    extra = "" if args.chunk_mib == 8.0 else f" --chunk-mib {args.chunk_mib:g}"
+    print(f"$ .venv/bin/mpiexec -n {world.Get_size()} .venv/bin/python benchmarks/mpi_bench.py{extra}")
+    print(
+        f"jax {jax.__version__}, {world.Get_size()} processes x {8 // world.Get_size()} CPU devices, "
+        f"{os.cpu_count()} cores; the processes' cores: {affinity}; chunks of {args.chunk_mib:g} MiB"
+    )
     print(
         "| case | jreshard wire MB | jreshard s, median [min-max] | gather-broadcast wire MB | "
         "gather-broadcast s | time ratio |"
