@@ -11,8 +11,8 @@ every send and receive of a group at once (``ncclGroupStart``/``ncclGroupEnd``)
 and returns when all have completed. Within one group, the messages between one
 ordered pair of ranks are matched in the order they are listed, by ``tag``.
 
-A transport whose messages move while the host does other work (``posts_ahead``:
-MPI, where the receiver copies from the sender's memory) also splits a group into
+A transport whose posted messages move while the host does other work (``posts_ahead``:
+MPI, whose library, peer or network card moves them) also splits a group into
 :meth:`Communicator.start_rows` and the :class:`Posted` group's ``wait``, so the
 round loop packs the next round while this one is on the wire.
 """

@@ -12,6 +12,10 @@ derive the MPI tag from that key, so the k-th message one process sends another
 under one MPI tag is the k-th that the other receives under it. The
 communicator is a private duplicate, so no other traffic can match.
 
+Posting ahead. :meth:`MpiComm.start_rows` posts a group and returns it; its ``wait`` polls the
+requests as :meth:`MpiComm.exchange` does, until ``timeout_s`` after the post, so the round loop packs
+its next round while MPI moves this one.
+
 Failure. A wait longer than ``timeout_s`` cancels the outstanding receives,
 abandons the outstanding sends (their buffers are kept alive until
 :meth:`close`) and raises :class:`TransferTimeoutError` naming every rank and
@@ -83,6 +87,8 @@ class MpiComm(Communicator):
       >>> c.close()
     """
 
+    posts_ahead = True  # a posted message moves while the host packs (MPI's progress, the peer's copy, the NIC)
+
     def __init__(self, comm: Any = None, rank_process: Mapping[int, int] | None = None):
         MPI = import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -122,8 +128,6 @@ class MpiComm(Communicator):
             raise ValueError(
                 f"MpiComm: rank {rank} is not in rank_process (ranks {_short(list(self._proc))})"
             ) from None
-
-    posts_ahead = True  # a large message moves while the host packs: the receiver copies it from the sender
 
     def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
