@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Communicator", "Posted", "RecvOp", "Row", "SendOp"]
+__all__ = ["Communicator", "Posted", "RecvOp", "Row", "SendOp", "ops_of_rows"]
 
 Row = tuple[int, int, int, int, int, int]
 """One operation of :meth:`Communicator.exchange_rows`: ``(src, dst, tag, buffer, offset, nbytes)``."""
@@ -74,6 +74,16 @@ class Posted:
 _DONE = Posted()
 
 
+def ops_of_rows(
+    sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any]
+) -> tuple[list[SendOp], list[RecvOp]]:
+    """The operations of a group's rows, each a slice of its buffer (for a transport that takes buffer objects)."""
+    return (
+        [SendOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in sends],
+        [RecvOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in recvs],
+    )
+
+
 class Communicator(abc.ABC):
     """Grouped, non-blocking point-to-point messages between jreshard ranks (abstract).
 
@@ -109,11 +119,7 @@ class Communicator(abc.ABC):
         The engine's round loop calls this, so a transport that can post a message from a base
         pointer and an offset (NCCL) makes no slice per chunk. Default: the slices, then :meth:`exchange`.
         """
-        self.exchange(
-            [SendOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in sends],
-            [RecvOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in recvs],
-            timeout_s=timeout_s,
-        )
+        self.exchange(*ops_of_rows(sends, recvs, buffers), timeout_s=timeout_s)
 
     def start_rows(
         self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float

@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.engine.comm import Communicator, Posted, RecvOp, Row, SendOp
+from jreshard.engine.comm import Communicator, Posted, RecvOp, Row, SendOp, ops_of_rows
 from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 
@@ -139,10 +139,7 @@ class MpiComm(Communicator):
         """Post one group (``Isend``/``Irecv``, the local copies done) and return it; its ``wait`` polls it
         until ``timeout_s`` after this call."""
         deadline = time.monotonic() + timeout_s
-        pending = self._start(
-            [SendOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in sends],
-            [RecvOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in recvs],
-        )
+        pending = self._start(*ops_of_rows(sends, recvs, buffers))
         return _MpiPosted(self, pending, timeout_s, deadline)
 
     def _start(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[Any, SendOp | RecvOp]]:
