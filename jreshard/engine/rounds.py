@@ -169,16 +169,18 @@ def execute(
     pack_s = network_s = fanout_s = 0.0
     t3 = clock()
     for i, (packs, groups, unpacks, network) in enumerate(rounds):
-        if not (i and ahead[i]):  # else its packs ran while the round before was on the wire
+        if not ahead[i]:  # else its packs ran while the round before was on the wire (never round 0)
             for table, b, arena in packs:
                 pack(table, bufs[b], bases[arena])
             fence()  # ordered before the sends; no host wait where the buffers can avoid one
         t1 = clock()
         packed_s = 0.0
-        for g, (sends, recvs) in enumerate(groups):
-            if g + 1 < len(groups) or i + 1 == len(rounds) or not ahead[i + 1]:
-                exchange(sends, recvs, bases, timeout_s=timeout_s)
-                continue
+        *whole, (sends, recvs) = groups  # the last group is posted ahead when the next round's packs can run
+        for s, v in whole:
+            exchange(s, v, bases, timeout_s=timeout_s)
+        if i + 1 == len(rounds) or not ahead[i + 1]:
+            exchange(sends, recvs, bases, timeout_s=timeout_s)
+        else:
             posted = comm.start_rows(sends, recvs, bases, timeout_s=timeout_s)
             ta = clock()
             try:  # the next round's packs, into the other arena, from source shards this group leaves alone
