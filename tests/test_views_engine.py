@@ -202,3 +202,39 @@ def test_views_over_a_device_memory_transport_twin():
     for a, b in zip(out.addressable_shards, ref.addressable_shards, strict=True):
         np.testing.assert_array_equal(np.asarray(a.data).view(np.uint16), np.asarray(b.data).view(np.uint16))
     assert 0 < rec.most_ops_in_a_group() <= 2 and buffers.cast_launches > 0
+
+
+def _links_by_round(sched):
+    """Per round, the links of every chunk sent in it (every rank's sends)."""
+    out: dict[int, list[Link]] = {}
+    for steps in sched.steps.values():
+        for rnd, step in steps.items():
+            out.setdefault(rnd, []).extend(w.link for w in step.sends)
+    return out
+
+
+def test_the_fan_out_of_a_chunk_runs_beside_the_network_phase_of_the_next():
+    """The trainer-to-server case of the MPI benchmark, small: float32 q, k, v (TP4) into one bfloat16 qkv
+    (TP2 x DP2), each byte entering the server's domain once and forwarded to the other replica. A forwarded
+    chunk waits only for the landed chunks it reads, so the fast-link rounds trail the network rounds by one
+    (not by the whole message), and the forwards of one carrier keep pace with its arrivals. Values and bytes
+    are checked on the engine too."""
+    devs = _devs()
+    tp = NamedSharding(Mesh(devs[:4], ("tp",)), P(None, "tp"))
+    q, k, v = (jax.device_put(jnp.arange(32 * n, dtype=jnp.float32).reshape(32, n) / 7, tp) for n in (32, 16, 16))
+    qkv = views.astype(views.concat([q, k, v], axis=1, groups=2), jnp.bfloat16)
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    topo = Topology.uniform(range(8), domain_size=4)
+    options = Options(chunk_bytes=128, staging_bytes=1 << 12)
+    _, stats, vs = _check(qkv, dst, topo, bound=True, options=options)
+    by_round = _links_by_round(vs.schedule)
+    network = [r for r, links in by_round.items() if Link.NETWORK in links]
+    fast = [r for r, links in by_round.items() if Link.FAST in links]
+    assert len(network) >= 4 and stats.sent_bytes[Link.FAST] > 0
+    assert min(fast) == min(network) + 1  # the first forward right after the first landing
+    assert max(fast) == max(network) + 1  # and the last right after the last: no tail of forwards
+    for steps in vs.schedule.steps.values():  # each carrier forwards as many chunks a round as it lands
+        landed = [sum(w.link is Link.NETWORK for w in s.recvs) for _, s in sorted(steps.items())]
+        forwarded = [sum(w.link is Link.FAST for w in s.sends) for _, s in sorted(steps.items())]
+        if any(forwarded):
+            assert max(forwarded) <= max(landed)

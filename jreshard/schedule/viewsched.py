@@ -10,9 +10,11 @@ order. This module turns it into the rounds every transport runs
   lowering gave it a ``via`` rank (a rank of its domain that received those source
   elements over the network), from that rank at stage 1 over the fast links. A piece
   whose elements already reached its own rank (an element used twice) is a stage-1
-  message the rank sends itself. All pieces one rank sends another at one stage are one
+  message the rank sends itself. All pieces one rank sends another at stage 0 are one
   message, in lowering order, cut into chunks of at most ``chunk_bytes`` (a chunk ends
-  early rather than split an element, so no element is cast in halves).
+  early rather than split an element, so no element is cast in halves); at stage 1, one
+  message per rank the forwarded bytes came from, so a carrier forwards what two senders
+  brought it as two messages side by side, as fast as they land.
 - **Rows.** A piece is carried in its wire dtype (the sender's casts applied) and in its
   destination's axis order: the pack row reads the source shard with the source's strides
   in the destination's axis order (a transpose is strides) and casts into staging; the
@@ -21,9 +23,11 @@ order. This module turns it into the rounds every transport runs
   permuted the same way.
 - **Forwarded bytes.** A stage-1 piece reads what its carrier received: the carrier's
   destination shard where that landing wrote the wire bytes unchanged, or else a *relay*
-  region the landing also unpacks into (raw wire bytes). Its chunks go in rounds after
-  the landing's. A forward the lowering planned that no single landing holds comes from its
-  source rank at stage 0 (kept as a safety net; the tests count bytes, so it does not hide).
+  region the landing also unpacks into (raw wire bytes). Each of its chunks goes in a round
+  after the landed chunks it reads, so the fan-out of one chunk runs beside the network
+  phase of the next (a chunk of an encoded landing waits for all of it). A forward the
+  lowering planned that no single landing holds comes from its source rank at stage 0
+  (kept as a safety net; the tests count bytes, so it does not hide).
 - **Block FP8.** A quantised leaf whose blocks each lie in one source piece is quantised
   by the carrier before the rounds (an *encode* job into the carrier's auxiliary source
   buffer, sent as bytes); otherwise its pieces land in a tile of whole blocks of ``x``
@@ -144,6 +148,7 @@ class _Job:
     landed: tuple[int, ...] = ()  # the jobs whose arrival this one forwards
     form: tuple | None = None  # an encoded job's payload: (leaf, source box, hull, box, part)
     last_round: int = -1
+    chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)  # round, box
 
 
 def _c_strides(shape: Sequence[int], item: int) -> tuple[int, ...]:
@@ -308,6 +313,37 @@ class _Builder:
         return _End(at, w.buf, off, strides, w.itemsize, ())
 
 
+def _landed_by(fwd: _Job, land: _Job, lo: Sequence[int], hi: Sequence[int]) -> int:
+    """The last round in which a chunk of ``land`` brought elements that the chunk ``[lo, hi)`` of the forward
+    ``fwd`` reads (its elements relative to ``fwd``'s extents): the chunk goes in a round after it, so the
+    fan-out of one chunk runs beside the network phase of the next. An encoded landing, or a piece whose
+    axes do not map one to one, waits for the whole landing."""
+    p, lp = fwd.piece, land.piece
+    if fwd.form is not None or not _maps(p) or not _maps(lp):
+        return land.last_round
+    src_lo, src_hi = list(p.src_box.lo), list(p.src_box.hi)
+    for d, a in enumerate(p.axes):
+        if a >= 0:
+            src_lo[a], src_hi[a] = p.src_box.lo[a] + lo[d], p.src_box.lo[a] + hi[d]
+    want = [
+        (src_lo[a] - lp.src_box.lo[a], src_hi[a] - lp.src_box.lo[a]) if a >= 0 else (0, n)
+        for a, n in zip(lp.axes, land.extents, strict=True)
+    ]
+    last = -1
+    for rnd, clo, chi in land.chunks:
+        if rnd > last and all(c0 < w1 and c1 > w0 for c0, c1, (w0, w1) in zip(clo, chi, want, strict=True)):
+            last = rnd
+    return last if last >= 0 else land.last_round  # nothing met: a mapping this misses waits for it all
+
+
+def _maps(p: ViewPiece) -> bool:
+    """Whether each destination axis of ``p`` runs along its own source axis with the same extent (or is new)."""
+    used = [a for a in p.axes if a >= 0]
+    return len(used) == len(set(used)) and all(
+        (n == 1) if a < 0 else n == p.src_box.shape[a] for a, n in zip(p.axes, p.dst_box.shape, strict=True)
+    )
+
+
 def _global(local: Box, outer: Box) -> Box:
     return Box(
         tuple(a + o for a, o in zip(local.lo, outer.lo, strict=True)),
@@ -427,18 +463,20 @@ def view_schedule(
         return -(-n // align) * align
 
     local_pairs: dict[int, list[tuple[_Job, _End]]] = collections.defaultdict(list)
-    messages: dict[tuple[int, int, int], list[int]] = collections.defaultdict(list)
+    messages: dict[tuple[int, int, int, int], list[int]] = collections.defaultdict(list)
     sent = dict.fromkeys(Link, 0)
     for k, j in enumerate(jobs):
         if j.stage == 0 and self_copy(j):
             local_pairs[j.dst].append((j, j.writes[0]))
             sent[Link.LOCAL] += math.prod(j.extents) * j.writes[0].itemsize
         else:
-            messages[(j.stage, j.carrier, j.dst)].append(k)
+            origin = jobs[j.landed[0]].carrier if j.landed else j.carrier
+            messages[(j.stage, j.carrier, j.dst, origin)].append(k)
     use: dict[int, list[int]] = {}
     ops: dict[int, dict[int, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
     nrounds = 0
-    for (stage, src, dst), ks in sorted(messages.items()):
+    tags: dict[tuple[int, int, int], int] = collections.defaultdict(int)  # chunks so far between a pair
+    for (stage, src, dst, _), ks in sorted(messages.items()):
         prev = -1
         link = jobs[ks[0]].link
         for j in (jobs[k] for k in ks):
@@ -447,21 +485,23 @@ def view_schedule(
         for c, chunk in enumerate(chunks):
             n = sum(math.prod(h - lo for lo, h in zip(a, z, strict=True)) * jobs[ks[i]].wire_item for i, a, z in chunk)
             lb = prev + 1
-            for i, _, _ in chunk:
+            for i, lo, hi in chunk:
                 for k in jobs[ks[i]].landed:
-                    lb = max(lb, jobs[k].last_round + 1)
+                    lb = max(lb, _landed_by(jobs[ks[i]], jobs[k], lo, hi) + 1)
             send_ip = _in_place(jobs, ks, chunk, "read")
             recv_ip = _in_place(jobs, ks, chunk, "write")
             na, nb = (0 if send_ip else padded(n)), (0 if recv_ip else padded(n))
             rnd = first_fit(use, src, na, dst, nb, lb, options.staging_bytes)
             prev, nrounds = rnd, max(nrounds, rnd + 1)
-            for i, _, _ in chunk:
+            for i, lo, hi in chunk:
                 jobs[ks[i]].last_round = max(jobs[ks[i]].last_round, rnd)
-            tag = tag_of(stage, c)
+                jobs[ks[i]].chunks.append((rnd, lo, hi))
+            tag = tag_of(stage, tags[(stage, src, dst)] + c)
             parts_ = [(jobs[ks[i]], a, z) for i, a, z in chunk]
             ops[src][rnd].append(("send", dst, tag, link, n, parts_, send_ip))
             ops[dst][rnd].append(("recv", src, tag, link, n, parts_, recv_ip))
             sent[link] += n
+        tags[(stage, src, dst)] += len(chunks)
     steps: dict[int, dict[int, Step]] = {}
     staging: dict[int, int] = {}
     for r, by_round in ops.items():
