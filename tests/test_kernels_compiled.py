@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
@@ -211,3 +212,35 @@ def test_a_bad_cast_row_beside_good_byte_rows_stops_the_table_before_any_byte_mo
     with pytest.raises(ValueError):
         kernels.pack_cpu(table, [x.view(np.uint8), other], staging)
     assert staging.tolist() == [9] * 32
+
+
+def test_a_frozen_table_is_split_once_and_a_writable_one_every_call():
+    """The schedule's tables are read-only and run every round of every refit: their split into kernel rows and
+    numpy rows is kept. A table someone can still write is split again each call, so an edit between two calls
+    moves what the edited table says; a table that is read-only over a writable base is not kept either."""
+    shard = np.arange(64, dtype=np.uint8)
+    x = np.arange(8, dtype=np.float32)
+    (cast_row,) = kernels.element_rows([(1, 0, (4,), 4)], (8,), ("float32", "bfloat16"), stage=16, staged_itemsize=2)
+    frozen = np.concatenate([kernels.build_table([(0, (64,), Box((8,), (24,)))]), cast_row])
+    frozen.setflags(write=False)
+    staging = np.zeros(32, np.uint8)
+    for _ in range(3):
+        staging[:] = 0
+        kernels.pack_cpu(frozen, [shard, x.view(np.uint8)], staging)
+        assert staging[:16].tolist() == list(range(8, 24))
+        np.testing.assert_array_equal(staging[16:].view(ml_dtypes.bfloat16).astype(np.float32), x)
+    assert kernels._ROW_CACHE[id(frozen)][0] is frozen
+    writable = kernels.build_table([(0, (64,), Box((0,), (16,)))]).copy()
+    kernels.pack_cpu(writable, [shard], staging)
+    writable[0, kernels.OFF] = 40
+    kernels.pack_cpu(writable, [shard], staging)
+    assert staging[:16].tolist() == list(range(40, 56))
+    assert id(writable) not in kernels._ROW_CACHE
+    base = kernels.build_table([(0, (64,), Box((0,), (16,)))]).copy()
+    view = base[:]
+    view.setflags(write=False)
+    kernels.pack_cpu(view, [shard], staging)
+    base[0, kernels.OFF] = 20
+    kernels.pack_cpu(view, [shard], staging)
+    assert staging[:16].tolist() == list(range(20, 36))
+    assert id(view) not in kernels._ROW_CACHE

@@ -376,7 +376,9 @@ def _columns(steps: Mapping[int, Step]) -> RankColumns:
         ts = [pick(st) for st in by]
         at = np.concatenate([[0], np.cumsum([len(t) for t in ts])]).astype(np.int64)
         width = next((t.shape[1] for t in ts if t.ndim == 2), kernels.COLUMNS)
-        return (np.concatenate(ts) if ts else np.zeros((0, width), np.int64)), at
+        table = np.concatenate(ts) if ts else np.zeros((0, width), np.int64)
+        table.setflags(write=False)  # the kernels keep the analysis of a table nobody can change
+        return table, at
 
     (sends, send_at), (recvs, recv_at) = wires(lambda st: st.sends), wires(lambda st: st.recvs)
     (pack, pack_at), (unpack, unpack_at) = tables(lambda st: st.pack), tables(lambda st: st.unpack)
