@@ -55,7 +55,7 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--chunk-mib", type=float, default=8.0, help="Options.chunk_bytes in MiB (default 8)")
 args = parser.parse_args()
 REPEATS = 5
-ALTERNATIONS = 8  # plain and fused calls, alternated, for the per-destination-byte comparison
+ALTERNATIONS = 16  # plain and fused calls, alternated, for the per-destination-byte comparison
 me = world.Get_rank()
 half = world.Get_size() // 2
 role = "source" if me < half else "destination"
