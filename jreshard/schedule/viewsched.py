@@ -149,6 +149,7 @@ class _Job:
     form: tuple | None = None  # an encoded job's payload: (leaf, source box, hull, box, part)
     last_round: int = -1
     chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=list)  # round, box
+    chunk_boxes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # the chunks as arrays, once placed
 
 
 def _c_strides(shape: Sequence[int], item: int) -> tuple[int, ...]:
@@ -329,11 +330,19 @@ def _landed_by(fwd: _Job, land: _Job, lo: Sequence[int], hi: Sequence[int]) -> i
         (src_lo[a] - lp.src_box.lo[a], src_hi[a] - lp.src_box.lo[a]) if a >= 0 else (0, n)
         for a, n in zip(lp.axes, land.extents, strict=True)
     ]
-    last = -1
-    for rnd, clo, chi in land.chunks:
-        if rnd > last and all(c0 < w1 and c1 > w0 for c0, c1, (w0, w1) in zip(clo, chi, want, strict=True)):
-            last = rnd
-    return last if last >= 0 else land.last_round  # nothing met: a mapping this misses waits for it all
+    if not land.chunks:
+        return land.last_round
+    if land.chunk_boxes is None:  # every stage-0 chunk is placed before any forward asks
+        k = len(land.chunks)
+        land.chunk_boxes = (
+            np.array([c[0] for c in land.chunks], np.int64),
+            np.array([c[1] for c in land.chunks], np.int64).reshape(k, -1),
+            np.array([c[2] for c in land.chunks], np.int64).reshape(k, -1),
+        )
+    rnds, los, his = land.chunk_boxes
+    w = np.array(want, np.int64).reshape(-1, 2)
+    meets = np.all((los < w[:, 1]) & (his > w[:, 0]), axis=1)
+    return int(rnds[meets].max()) if meets.any() else land.last_round  # nothing met: wait for it all
 
 
 def _maps(p: ViewPiece) -> bool:
