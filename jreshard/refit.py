@@ -382,7 +382,9 @@ class RefitGroup:
         """This process's ranks of the group's views through the round loop (the schedule built at the first
         refit and kept): ``({(destination leaf, rank): new shard}, stats)``."""
         if self._view_schedule is None:
-            self._view_schedule = schedule_group(gv, self.lowerings, self.topology, self.options)
+            self._view_schedule = schedule_group(
+                gv, self.lowerings, self.topology, self.options, pipelined=self._comm.pipelines_packs
+            )
         return run_group(gv, self._view_schedule, self._comm, sources, targets, options=self.options)
 
     def push(self, params: Any, *, version: int) -> None:

@@ -39,9 +39,15 @@ def lower_group(gv: GroupViews, topology: Topology) -> list[LeafLowering]:
 
 
 def schedule_group(
-    gv: GroupViews, lowerings: Sequence[LeafLowering], topology: Topology, options: Options
+    gv: GroupViews,
+    lowerings: Sequence[LeafLowering],
+    topology: Topology,
+    options: Options,
+    *,
+    pipelined: bool = False,
 ) -> ViewSchedule:
-    """The engine's rounds of every rank of ``lowerings`` (block-FP8 leaves with their encode and tile jobs).
+    """The engine's rounds of every rank of ``lowerings`` (block-FP8 leaves with their encode and tile jobs);
+    ``pipelined``: the transport posts ahead (:func:`~jreshard.schedule.viewsched.view_schedule`).
 
     Raises:
       ValueError: ``options.chunk_bytes`` is below an item on the wire.
@@ -50,7 +56,7 @@ def schedule_group(
     from jreshard.views.quant import _Quant
 
     quant = [(v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in gv.views]
-    return view_schedule(lowerings, gv.layouts, gv.dsts, topology, options, quant)
+    return view_schedule(lowerings, gv.layouts, gv.dsts, topology, options, quant, pipelined=pipelined)
 
 
 def predict_group(

@@ -350,13 +350,14 @@ register_clear(_SCHEDULES.clear)
 
 
 def _schedule(
-    key: tuple, lowerings: Any, layouts: Any, dsts: Any, topology: Any, options: Options, quant: Any
+    key: tuple, lowerings: Any, layouts: Any, dsts: Any, topology: Any, options: Options, quant: Any, pipelined: bool
 ) -> ViewSchedule:
+    key = (key, pipelined)
     got = _SCHEDULES.get(key)
     if got is None:
         if len(_SCHEDULES) > 64:
             _SCHEDULES.clear()
-        got = _SCHEDULES[key] = view_schedule(lowerings, layouts, dsts, topology, options, quant)
+        got = _SCHEDULES[key] = view_schedule(lowerings, layouts, dsts, topology, options, quant, pipelined=pipelined)
     return got
 
 
@@ -397,10 +398,12 @@ def transfer_cluster(
         treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
         key, lowerings, topo = lower_views(views, srcs, layouts, dsts, topology)
         quant = tuple((v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in views)
+        if transport is None:
+            transport = cluster_comm(import_mpi().COMM_WORLD)
         sched_opts = (options.chunk_bytes, options.staging_bytes)
-        vs = _schedule((key, sched_opts), lowerings, tuple(layouts), tuple(dsts), topo, options, quant)
-    if transport is None:
-        transport = cluster_comm(import_mpi().COMM_WORLD)
+        vs = _schedule(
+            (key, sched_opts), lowerings, tuple(layouts), tuple(dsts), topo, options, quant, transport.pipelines_packs
+        )
     mine = set(transport.local_ranks)
     with builder.timed(ReportPhase.BUFFERS):
         src = {}

@@ -7,6 +7,8 @@ than the bound (from the recording transport)."""
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +32,7 @@ from jreshard.views.lowering import lower_tree
 from jreshard.views.quant import _Quant
 
 
-def _run(view, dst, topo, options=None, comm=None):
+def _run(view, dst, topo, options=None, comm=None, pipelined=False):
     """Lower, schedule and run ``view`` into ``dst`` on the engine; returns (lowering, shards, stats, schedule)."""
     options = options or Options()
     leaves = view.leaves()
@@ -38,7 +40,7 @@ def _run(view, dst, topo, options=None, comm=None):
     dst_lay = Layout.from_sharding(dst, view.shape, view.dtype)
     (low,) = lower_tree([view], leaves, layouts, [dst_lay], topo)
     quant = [(view.part, view.block, view.x.dtype)] if isinstance(view, _Quant) else [None]
-    vs = view_schedule([low], layouts, [dst_lay], topo, options, quant)
+    vs = view_schedule([low], layouts, [dst_lay], topo, options, quant, pipelined=pipelined)
     src = {}
     for i, leaf in enumerate(leaves):
         for s in leaf.source.addressable_shards:
@@ -238,3 +240,39 @@ def test_the_fan_out_of_a_chunk_runs_beside_the_network_phase_of_the_next():
         forwarded = [sum(w.link is Link.FAST for w in s.sends) for _, s in sorted(steps.items())]
         if any(forwarded):
             assert max(forwarded) <= max(landed)
+
+
+def test_over_a_transport_that_posts_ahead_a_casting_sender_cuts_its_messages_for_the_pipeline(monkeypatch):
+    """With ``pipelined`` (the transport moves a posted round while the sender packs the next) a message whose
+    sender casts, and the forwards of what it brought, get at least ``PIPELINE_CHUNKS`` chunks where they stay
+    ``PIPELINE_MIN_CHUNK`` bytes or more, never more than ``chunk_bytes``; a message without casts keeps its
+    chunks. The destination shards and the bytes stay exact. (The minimum is lowered so small arrays show it.)"""
+    from jreshard.schedule import viewsched
+
+    monkeypatch.setattr(viewsched, "PIPELINE_MIN_CHUNK", 64)
+    devs = _devs()
+    tp = NamedSharding(Mesh(devs[:4], ("tp",)), P(None, "tp"))
+    q, k, v = (jax.device_put(jnp.arange(32 * n, dtype=jnp.float32).reshape(32, n) / 7, tp) for n in (32, 16, 16))
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    topo = Topology.uniform(range(8), domain_size=4)
+    options = Options(chunk_bytes=1 << 12, staging_bytes=1 << 14)
+    for cast, want in ((True, viewsched.PIPELINE_CHUNKS), (False, 1)):
+        view = views.concat([q, k, v], axis=1, groups=2)
+        view = views.astype(view, jnp.bfloat16) if cast else view
+        counts = {}
+        for pipelined in (False, True):
+            low, outs, stats, vs = _run(view, dst, topo, options=options, pipelined=pipelined)
+            ref = views.transfer(view, dst, topology=topo)
+            for sh in ref.addressable_shards:
+                np.testing.assert_array_equal(_bits(outs[sh.device.id]), _bits(sh.data))
+            assert stats.sent_bytes[Link.NETWORK] == low.network_bytes and stats.sent_bytes[Link.FAST] == low.fast_bytes
+            sends = [w for steps in vs.schedule.steps.values() for st in steps.values() for w in st.sends]
+            assert max(w.nbytes for w in sends) <= options.chunk_bytes
+            counts[pipelined] = collections.Counter(  # chunks per (sender, receiver, stage)
+                (rank, w.peer, w.tag >> 16)
+                for rank, steps in vs.schedule.steps.items()
+                for st in steps.values()
+                for w in st.sends
+            )
+        assert min(counts[False].values()) == 1  # one chunk a message in 4 KiB chunks
+        assert min(counts[True].values()) == want  # the casting senders' messages and their forwards: 4

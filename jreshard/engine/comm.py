@@ -95,6 +95,11 @@ class Communicator(abc.ABC):
     """Whether :meth:`start_rows` returns before the group's bytes moved, so the host can pack the next
     round meanwhile (the round loop then does, where two staging arenas fit)."""
 
+    pipelines_packs: bool = False
+    """Whether it pays to cut a casting sender's messages into more chunks, so that its casts overlap the
+    wire (the views schedule, :func:`~jreshard.schedule.viewsched.view_schedule`): the transport posts ahead
+    and every process has a core for its packs. The same on every process of the communicator."""
+
     @property
     @abc.abstractmethod
     def local_ranks(self) -> tuple[int, ...]:

@@ -70,7 +70,16 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
 from jreshard.views.lowering import LeafLowering, ViewPiece
 
-__all__ = ["Encode", "Tile", "ViewSchedule", "chunk_elements", "view_schedule"]
+__all__ = [
+    "PIPELINE_CHUNKS",
+    "PIPELINE_MIN_CHUNK",
+    "Encode",
+    "Tile",
+    "ViewSchedule",
+    "chunk_elements",
+    "pipeline_chunk",
+    "view_schedule",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -314,6 +323,28 @@ class _Builder:
         return _End(at, w.buf, off, strides, w.itemsize, ())
 
 
+PIPELINE_CHUNKS = 4  # a message whose sender casts, over a transport that posts ahead, is cut into this many
+PIPELINE_MIN_CHUNK = 1 << 20  # chunks at least, where they stay this many bytes or more
+
+
+def pipeline_chunk(message_bytes: int, chunk_bytes: int) -> int:
+    """The chunk size of a message of ``message_bytes`` whose sender casts, over a transport that moves a
+    posted round while the sender packs the next: ``chunk_bytes``, or less so that the message has
+    :data:`PIPELINE_CHUNKS` chunks to overlap, but not below :data:`PIPELINE_MIN_CHUNK` (nor above
+    ``chunk_bytes``). A message of one chunk cannot overlap its pack with the wire.
+
+    >>> [pipeline_chunk(mib << 20, 8 << 20) >> 20 for mib in (2, 8, 64)]
+    [1, 2, 8]
+    """
+    return min(chunk_bytes, max(PIPELINE_MIN_CHUNK, -(-message_bytes // PIPELINE_CHUNKS)))
+
+
+def _casts_at_sender(jobs: list[_Job], j: _Job) -> bool:
+    """Whether ``j``'s bytes were cast by the rank that packed them first: ``j``'s sender, or for a forward
+    the sender of the landing it forwards (whose chunks the forward follows)."""
+    return bool(j.read.chain) or any(jobs[k].read.chain for k in j.landed)
+
+
 def _landed_by(fwd: _Job, land: _Job, lo: Sequence[int], hi: Sequence[int]) -> int:
     """The last round in which a chunk of ``land`` brought elements that the chunk ``[lo, hi)`` of the forward
     ``fwd`` reads (its elements relative to ``fwd``'s extents): the chunk goes in a round after it, so the
@@ -449,6 +480,8 @@ def view_schedule(
     topology: Topology,
     options: Options,
     quantised: Sequence[tuple[str, tuple[int, int], str] | None] | None = None,
+    *,
+    pipelined: bool = False,
 ) -> ViewSchedule:
     """The rounds of every rank of a views lowering (module docstring).
 
@@ -458,6 +491,11 @@ def view_schedule(
       topology: the topology the lowering was made for.
       options: ``chunk_bytes`` and ``staging_bytes``.
       quantised: per destination leaf, ``None`` or ``(part, block, x dtype)`` of a block-FP8 output.
+      pipelined: the transport moves a posted round while its sender packs the next, on a core of its own
+        (:attr:`~jreshard.engine.comm.Communicator.pipelines_packs`): a message whose sender casts, and the
+        forwards of what it brought, are cut into at least :data:`PIPELINE_CHUNKS` chunks where they stay
+        :data:`PIPELINE_MIN_CHUNK` bytes or more, so the casts overlap the wire and the fan-out follows
+        chunk by chunk. Both ends of a message must pass the same.
 
     Raises:
       ValueError: ``options.chunk_bytes`` below an item on the wire.
@@ -490,7 +528,11 @@ def view_schedule(
         link = jobs[ks[0]].link
         for j in (jobs[k] for k in ks):
             link = j.link if j.link is Link.NETWORK else link
-        chunks = chunk_elements([(jobs[k].extents, jobs[k].wire_item) for k in ks], options.chunk_bytes)
+        items = [(jobs[k].extents, jobs[k].wire_item) for k in ks]
+        chunk_bytes = options.chunk_bytes
+        if pipelined and any(_casts_at_sender(jobs, jobs[k]) for k in ks):
+            chunk_bytes = pipeline_chunk(sum(math.prod(e) * i for e, i in items), chunk_bytes)
+        chunks = chunk_elements(items, chunk_bytes)
         for c, chunk in enumerate(chunks):
             n = sum(math.prod(h - lo for lo, h in zip(a, z, strict=True)) * jobs[ks[i]].wire_item for i, a, z in chunk)
             lb = prev + 1

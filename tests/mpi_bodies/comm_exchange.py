@@ -54,7 +54,13 @@ def body() -> dict:
             timed_out, elapsed = str(err), time.monotonic() - t0
         assert comm.broken is not None
     world.Barrier()
-    return {"received": received, "timed_out": timed_out, "elapsed": elapsed}
+    return {
+        "received": received,
+        "timed_out": timed_out,
+        "elapsed": elapsed,
+        "pipelines_packs": comm.pipelines_packs,
+        "cores": os.cpu_count(),
+    }
 
 
 if __name__ == "__main__":
