@@ -47,7 +47,8 @@ def schedule_group(
     pipelined: bool = False,
 ) -> ViewSchedule:
     """The engine's rounds of every rank of ``lowerings`` (block-FP8 leaves with their encode and tile jobs);
-    ``pipelined``: the transport posts ahead (:func:`~jreshard.schedule.viewsched.view_schedule`).
+    ``pipelined``: the transport's :attr:`~jreshard.engine.comm.Communicator.pipelines_packs`
+    (:func:`~jreshard.schedule.viewsched.view_schedule`).
 
     Raises:
       ValueError: ``options.chunk_bytes`` is below an item on the wire.
