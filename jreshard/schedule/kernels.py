@@ -480,28 +480,22 @@ def _split(
     """
     if _ROWS is None or not len(table) or not _flat(staging) or (not unpack and not staging.flags.writeable):
         return None, table
-    t, take, named = _byte_rows(table)
+    t, take, named, kept, rest = _byte_rows(table)
     addresses = np.zeros(len(buffers), np.int64)
     sizes = np.zeros(len(buffers), np.int64)
-    narrowed = False
     for b in named:
         buf = buffers[b] if 0 <= b < len(buffers) else None
         if buf is None:
             continue  # the kernel refuses the row: a missing buffer
         if not _flat(buf):
             take = take & (t[:, BUF] != b)
-            narrowed = True
+            kept = None  # the kept split no longer holds: work it out for this call below
             continue
         if unpack and not buf.flags.writeable:
             raise ValueError(f"unpack_cpu: buffer {b} is read-only; a descriptor row would write into it")
         addresses[b], sizes[b] = buf.ctypes.data, buf.nbytes
-    if narrowed:
-        if not take.any():
-            return None, t
-        rows = t if take.all() else np.ascontiguousarray(t[take])
-        rest = _NO_ROWS if take.all() else t[~take]
-        return (rows, addresses, sizes, len(buffers)), rest
-    kept, rest = _taken(table, t, take)
+    if kept is None:
+        kept, rest = _take(t, take)
     return (None if kept is None else (kept, addresses, sizes, len(buffers))), rest
 
 
@@ -518,10 +512,19 @@ def _frozen(a: object) -> bool:
     return a is None or isinstance(a, bytes)  # memory nothing else can write
 
 
-def _byte_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+def _take(t: np.ndarray, take: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """The rows ``take`` picks out of ``t`` for the kernel (None: none) and the rest."""
+    if not take.any():
+        return None, t
+    if take.all():
+        return t, _NO_ROWS
+    return np.ascontiguousarray(t[take]), t[~take]
+
+
+def _byte_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray | None, np.ndarray]:
     """``table`` as C-ordered int64, which of its rows are byte rows with a unit innermost stride (the rows
-    the kernel can take), and the buffers they name. Cached for tables that cannot change (the schedule's,
-    which every round of every refit runs again)."""
+    the kernel can take), the buffers they name, and those rows and the rest (:func:`_take`). Cached for
+    tables that cannot change (the schedule's, which every round of every refit runs again)."""
     hit = _ROW_CACHE.get(id(table))
     if hit is not None and hit[0] is table:
         return hit[1]
@@ -529,26 +532,12 @@ def _byte_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
     nd = np.clip(t[:, NDIM], 1, MAX_DIMS)
     take = (t[:, CAST] == 0) & (t[np.arange(len(t)), STRIDE0 + nd - 1] == 1)
     take.setflags(write=False)
-    got = (t, take, np.unique(t[take, BUF]).tolist())
+    got = (t, take, np.unique(t[take, BUF]).tolist(), *_take(t, take))
     if _frozen(table):
         if len(_ROW_CACHE) >= _ROW_CACHE_MAX:
             _ROW_CACHE.clear()
-        _ROW_CACHE[id(table)] = (table, got, {})  # a strong reference: the id is not reused while cached
+        _ROW_CACHE[id(table)] = (table, got)  # a strong reference: the id is not reused while cached
     return got
-
-
-def _taken(table: np.ndarray, t: np.ndarray, take: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-    """The rows ``take`` picks out of ``t`` for the kernel, and the rest (cached with ``table``'s analysis)."""
-    hit = _ROW_CACHE.get(id(table))
-    memo = hit[2] if hit is not None and hit[0] is table else {}
-    if "split" not in memo:
-        if not take.any():
-            memo["split"] = (None, t)
-        elif take.all():
-            memo["split"] = (t, _NO_ROWS)
-        else:
-            memo["split"] = (np.ascontiguousarray(t[take]), t[~take])
-    return memo["split"]
 
 
 def _run_compiled(job: _Compiled | None, staging: np.ndarray, *, unpack: bool) -> None:

@@ -351,7 +351,7 @@ def _landed_by(fwd: _Job, land: _Job, lo: Sequence[int], hi: Sequence[int]) -> i
     fan-out of one chunk runs beside the network phase of the next. An encoded landing, or a piece whose
     axes do not map one to one, waits for the whole landing."""
     p, lp = fwd.piece, land.piece
-    if fwd.form is not None or not _maps(p) or not _maps(lp):
+    if fwd.form is not None or not land.chunks or not _maps(p) or not _maps(lp):
         return land.last_round
     src_lo, src_hi = list(p.src_box.lo), list(p.src_box.hi)
     for d, a in enumerate(p.axes):
@@ -361,8 +361,6 @@ def _landed_by(fwd: _Job, land: _Job, lo: Sequence[int], hi: Sequence[int]) -> i
         (src_lo[a] - lp.src_box.lo[a], src_hi[a] - lp.src_box.lo[a]) if a >= 0 else (0, n)
         for a, n in zip(lp.axes, land.extents, strict=True)
     ]
-    if not land.chunks:
-        return land.last_round
     if land.chunk_boxes is None:  # every stage-0 chunk is placed before any forward asks
         k = len(land.chunks)
         land.chunk_boxes = (
