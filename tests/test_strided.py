@@ -78,3 +78,24 @@ def test_geometry_merges_only_what_is_contiguous_on_both_sides():
     full = geometry((2, 3, 5), 2, (30, 10, 2), (30, 10, 2))
     assert (full.run, full.outer) == (60, ())
     assert geometry((1, 7, 1), 8, (56, 8, 8), (112, 16, 8)).outer == (7,)
+
+
+def test_the_calling_thread_runs_the_first_job_however_early_the_pool_wakes(monkeypatch):
+    """A pool thread that wakes before the caller (as on a busy host) could otherwise take every job."""
+    import concurrent.futures
+    import threading
+
+    class Eager(concurrent.futures.ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # the pool thread runs to completion before the caller moves on
+            future = super().submit(fn, *args, **kwargs)
+            future.result()
+            return future
+
+    pool = Eager(max_workers=1)
+    monkeypatch.setattr(strided, "executor", lambda: pool)
+    seen: list[tuple[int, threading.Thread]] = []
+    strided.run_shared([lambda i=i: seen.append((i, threading.current_thread())) for i in range(6)], 2)
+    pool.shutdown()
+    assert sorted(i for i, _ in seen) == list(range(6))
+    assert dict(seen)[0] is threading.current_thread()
+    assert {t for _, t in seen} - {threading.current_thread()}, "the pool thread took the rest"

@@ -315,7 +315,7 @@ def test_copy_threads_option_bounds_the_threads(monkeypatch):
     seen.clear()
     out = jreshard.transfer(fused, dst, options=jreshard.Options(copy_threads=2))
     _assert_shards_equal(out, ref)
-    # at most two threads: the calling thread and one pool thread, each taking the next task as it finishes
+    # at most two threads: the calling thread (which takes the first task) and one pool thread
     assert threading.current_thread() in seen and len(set(seen)) <= 2
 
 

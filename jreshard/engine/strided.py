@@ -278,8 +278,13 @@ def run_shared(jobs: list[Callable[[], None]], threads: int) -> None:
                 job = pending.pop()
             job()
 
+    # The caller takes the first (largest) job before a pool thread can: it is on a core already, and so
+    # it always does a share of the work, however late the pool threads wake.
+    first = pending.pop() if pending else None
     futures = [executor().submit(work) for _ in range(min(threads, len(jobs)) - 1)]
     try:
+        if first is not None:
+            first()
         work()
     finally:
         concurrent.futures.wait(futures)  # no thread is left writing, whatever failed
