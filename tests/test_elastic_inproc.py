@@ -87,7 +87,7 @@ def test_closed_peer_is_noticed_at_once_and_a_silent_one_after_timeout():
     t0 = time.monotonic()
     with pytest.raises(PeerError, match=r"peer 'left'( closed the connection|: the connection broke)"):
         comm.exchange([], [RecvOp(0, 1, 3, got)], timeout_s=30.0)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0  # at once, not after the 30 s timeout (slack for a loaded host)
     right.close()
 
 

@@ -272,6 +272,6 @@ def test_a_process_group_forms_past_garbage_gathers_and_sees_a_closed_peer_at_on
     t0 = time.monotonic()
     with pytest.raises(PeerError, match=r"process 0 \(source\) closed the group"):
         dst.allgather({"v": 3}, timeout_s=30.0)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0  # at once, not after the 30 s timeout (slack for a loaded host)
     dst.close()
     raw.close()
