@@ -19,6 +19,7 @@ from jreshard.errors import PeerError, TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.schedule import kernels
+from jreshard.schedule.ranksteps import RankSteps
 from jreshard.schedule.steps import STAGE_ALIGN, STAGING, build_schedule, chunk_pieces
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
@@ -362,6 +363,60 @@ def test_forwarded_bytes_are_never_packed_ahead():
         reads_forwarded = any((t[:, kernels.BUF] % 2 == 1).any() for t, _, _ in packs)
         assert not (ahead and reads_forwarded)
     assert any(any((t[:, kernels.BUF] % 2 == 1).any() for t, _, _ in p) for p, _, _, _ in prog.rounds)
+
+
+def _tp4_to_tp2_dp2():
+    """Column shards on ranks 0-3 (domain 0) into TP2 x DP2 on ranks 4-7 (domain 1): each byte lands on one
+    replica of its column block and is forwarded to the other (the MPI benchmark's plain case, small)."""
+    src = Layout.from_mesh(np.arange(4), ("x",), (None, "x"), (64, 64), "float32")
+    dst = Layout.from_mesh(np.arange(4, 8).reshape(2, 2), ("dp", "tp"), (None, "tp"), (64, 64), "float32")
+    return [(src, dst)], Topology.uniform(range(8), domain_size=4)
+
+
+def _packs_of_forwarded_bytes(prog) -> int:
+    return sum(int((t[:, kernels.BUF] % 2 == 1).sum()) for packs, _, _, _ in prog.rounds for t, _, _ in packs)
+
+
+def test_a_forwarded_chunk_is_sent_from_the_staging_it_landed_in():
+    # With two arenas a forward reads the landed chunk's staging in the round after it landed: no pack of
+    # the destination shard. The posting double moves a group's bytes only when it is waited on, so a send
+    # that read an arena a later pack or receive had written would deliver the wrong bytes (checked in _run).
+    pairs, topo = _tp4_to_tp2_dp2()
+    opts = Options(chunk_bytes=1024, staging_bytes=16384)
+    plan, comm, stats = _run(pairs, topo, opts, comm_type=PostingComm)
+    _assert_bytes_match_plan(plan, comm, stats)
+    assert stats.sent_bytes[Link.FAST] == plan.stats().fast_bytes > 0
+    sched = build_schedule(plan, opts)
+    two = _two_arenas(sched, topo, opts)
+    assert all(two[r] == 2 for r in range(4, 8))
+    assert _packs_of_forwarded_bytes(compile_rounds(sched, tuple(topo.ranks), two, opts.max_group_ops)) == 0
+    # Each forward reads the arena of the round before its own, at the landed chunk's offset.
+    for r in range(4, 8):
+        steps = sched.steps[r]
+        cols = steps.columns if isinstance(steps, RankSteps) else rounds_module._columns(steps)
+        moved, send_round = rounds_module.forwards_from_landing(cols, 2)
+        fast = moved.sends[2] == Link.FAST
+        assert fast.any() and send_round is not None
+        own = np.repeat(moved.rounds, np.diff(moved.send_at))
+        assert (send_round[fast] == own[fast] - 1).all() and (send_round[~fast] == own[~fast]).all()
+    # With one arena the next round's receives reuse it, so the forwards are packed from the shard as before.
+    assert _packs_of_forwarded_bytes(compile_rounds(sched, tuple(topo.ranks), (1,) * 8, opts.max_group_ops)) > 0
+    one = Options(chunk_bytes=1024, staging_bytes=sched.staging[4] * 3 // 2)
+    _, _, stats1 = _run(pairs, topo, one, comm_type=PostingComm)  # values checked against the global array
+    assert stats1.peak_staging_bytes[4] == build_schedule(plan_layouts(pairs, topo, one), one).staging[4]
+
+
+def test_a_forward_that_read_its_landing_arena_after_it_was_reused_would_deliver_wrong_bytes(monkeypatch):
+    # What the posting double catches: with the alternation guard removed, one arena serves every round, the
+    # next round's receives overwrite the landed chunks before the forwards that read them move.
+    pairs, topo = _tp4_to_tp2_dp2()
+    one = Options(chunk_bytes=1024, staging_bytes=1 << 20)
+    real = rounds_module.forwards_from_landing
+    monkeypatch.setattr(rounds_module, "_compiled", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(rounds_module, "_arenas", lambda buffers, n, device, bound, want: [buffers.staging(n, device)])
+    monkeypatch.setattr(rounds_module, "forwards_from_landing", lambda cols, arenas: real(cols, 2))
+    with pytest.raises(AssertionError, match="Arrays are not equal"):
+        _run(pairs, topo, one, comm_type=PostingComm)
 
 
 def test_a_pack_that_fails_while_a_group_is_posted_gives_the_group_up():

@@ -26,6 +26,7 @@ from jreshard.engine.recording import RecordingComm
 from jreshard.engine.viewrun import run_view_schedule
 from jreshard.options import Backend
 from jreshard.report import ReportBuilder
+from jreshard.schedule import kernels
 from jreshard.schedule.viewsched import view_schedule
 from jreshard.sharding.topology import Link
 from jreshard.views.lowering import lower_tree
@@ -240,6 +241,31 @@ def test_the_fan_out_of_a_chunk_runs_beside_the_network_phase_of_the_next():
         forwarded = [sum(w.link is Link.FAST for w in s.sends) for _, s in sorted(steps.items())]
         if any(forwarded):
             assert max(forwarded) <= max(landed)
+
+
+def test_a_fused_casts_forwards_leave_from_the_staging_they_landed_in():
+    """Over a transport that posts ahead (two arenas a rank), the server's forwards of the fused bfloat16 qkv
+    are sent from the staging the chunks landed in: no pack reads a destination shard. The posting double
+    moves a group's bytes only when it is waited on, so a forward that read a reused arena would arrive wrong."""
+    from test_engine import PostingComm
+
+    from jreshard.engine.rounds import compile_rounds
+
+    devs = _devs()
+    tp = NamedSharding(Mesh(devs[:4], ("tp",)), P(None, "tp"))
+    q, k, v = (jax.device_put(jnp.arange(32 * n, dtype=jnp.float32).reshape(32, n) / 7, tp) for n in (32, 16, 16))
+    qkv = views.astype(views.concat([q, k, v], axis=1, groups=2), jnp.bfloat16)
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    topo = Topology.uniform(range(8), domain_size=4)
+    options = Options(chunk_bytes=256, staging_bytes=1 << 13)
+    for pipelined in (False, True):
+        comm = PostingComm(ranks=topo.ranks, topology=topo)
+        _, stats, vs = _check(qkv, dst, topo, bound=True, options=options, comm=comm, pipelined=pipelined)
+        assert stats.sent_bytes[Link.FAST] > 0 and all(
+            v == 2 * vs.schedule.staging[r] for r, v in stats.peak_staging_bytes.items() if r >= 4
+        )
+        prog = compile_rounds(vs.schedule, tuple(range(8)), (2,) * 8, options.max_group_ops)
+        assert not any((t[:, kernels.BUF] % 2 == 1).any() for packs, _, _, _ in prog.rounds for t, _, _ in packs)
 
 
 def test_over_a_transport_that_posts_ahead_a_casting_sender_cuts_its_messages_for_the_pipeline(monkeypatch):

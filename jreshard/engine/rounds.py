@@ -12,7 +12,10 @@ count the report needs summed ahead) and runs it: per round, the packs, one
 
 **Buffers.** Stage-0 chunks are read from the sender's source shard; later
 stages forward bytes the sender received, which it holds in its destination shard
-(a forwarded piece always lies inside the forwarding rank's destination box).
+(a forwarded piece always lies inside the forwarding rank's destination box). Where
+a rank alternates two arenas and a forwarded chunk is a chunk it landed the round
+before, byte for byte, it is sent from that landed staging instead, with no pack
+(:func:`forwards_from_landing`).
 Receivers write into their destination shard. A chunk that is one contiguous run
 of its shard is sent or received in place; the others are packed into, or
 unpacked from, the rank's staging arena with one descriptor table per round; buffers
@@ -61,7 +64,7 @@ from jreshard.schedule.steps import SRC, STAGING, TAG_CHUNK_BITS, Schedule, Step
 from jreshard.sharding.topology import Link
 from jreshard.types import Device, ShardKey
 
-__all__ = ["ExecStats", "CompiledRounds", "Shards", "compile_rounds", "execute"]
+__all__ = ["ExecStats", "CompiledRounds", "Shards", "compile_rounds", "execute", "forwards_from_landing"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -279,7 +282,8 @@ def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...]
     for i, r in enumerate(ranks):
         steps = schedule.steps.get(r, {})
         cols = steps.columns if isinstance(steps, RankSteps) else _columns(steps)
-        rank = _RankRows(cols, r, at, nbuf, arenas[i])
+        cols, send_round = forwards_from_landing(cols, arenas[i])
+        rank = _RankRows(cols, r, at, nbuf, arenas[i], send_round)
         at += nbuf + arenas[i]
         for link in Link:
             sent[link] += rank.sent[link]
@@ -327,13 +331,91 @@ def _packs_ahead(before: tuple, this: tuple) -> bool:
     return not any(arena in busy for _, _, arena in packs)
 
 
+def forwards_from_landing(cols: RankColumns, arenas: int) -> tuple[RankColumns, np.ndarray | None]:
+    """Send a forwarded chunk straight from the staging it landed in, with no pack, where it can be.
+
+    A rank that forwards what it received (the fan-out) would pack the chunk out of its destination shard,
+    where the round before unpacked it. Where the chunk's pack rows are the rows that round unpacked from a
+    landed chunk (the same buffer regions in the same staging order, and no casts, so the two staging images
+    hold the same bytes), the send reads the landed chunk's staging instead, and its pack rows go. That
+    arena is still intact: the rank's rounds alternate ``arenas`` (at least 2) arenas, the landing round's
+    arena is not this round's, and the next writes to it come in a later round (the round loop packs ahead
+    into an arena only when no posted row reads it).
+
+    Returns:
+      ``cols`` with those sends' offsets moved and their pack rows dropped, and per send row the round whose
+      arena it reads (``None`` where nothing changed).
+    """
+    if arenas < 2 or not len(cols.pack) or not len(cols.unpack):
+        return cols, None
+    rounds = cols.rounds.tolist()
+    send_at, recv_at = cols.send_at.tolist(), cols.recv_at.tolist()
+    pack_at, unpack_at = cols.pack_at.tolist(), cols.unpack_at.tolist()
+    _, _, _, nbytes, buf, offset = cols.sends
+    _, _, _, r_nbytes, r_buf, r_offset = cols.recvs
+    new_offset = offset.copy()
+    send_round = np.repeat(cols.rounds, np.diff(cols.send_at))
+    keep = np.ones(len(cols.pack), bool)
+    for j in range(1, len(rounds)):
+        if rounds[j - 1] % arenas == rounds[j] % arenas or pack_at[j] == pack_at[j + 1]:
+            continue
+        landed = {}
+        rows, by, _ = _by_stage(cols.unpack[unpack_at[j - 1] : unpack_at[j]])
+        for k in range(recv_at[j - 1], recv_at[j]):
+            if r_buf[k] == STAGING:
+                key = _chunk_key(rows, by, int(r_offset[k]), int(r_nbytes[k]))
+                if key is not None:
+                    landed.setdefault(key, int(r_offset[k]))
+        if not landed:
+            continue
+        rows, by, order = _by_stage(cols.pack[pack_at[j] : pack_at[j + 1]])
+        for k in range(send_at[j], send_at[j + 1]):
+            if buf[k] != STAGING:
+                continue
+            key = _chunk_key(rows, by, int(offset[k]), int(nbytes[k]))
+            if key is None or key not in landed:
+                continue
+            lo, hi = np.searchsorted(by, [offset[k], offset[k] + nbytes[k]])
+            keep[pack_at[j] + order[lo:hi]] = False
+            new_offset[k], send_round[k] = landed.pop(key), rounds[j - 1]
+    if keep.all():
+        return cols, None
+    pack = cols.pack[keep]
+    pack.setflags(write=False)  # the kernels keep the analysis of a table nobody can change
+    pack_at = np.concatenate([[0], np.cumsum(keep)])[cols.pack_at]
+    sends = (*cols.sends[:5], new_offset)
+    return cols._replace(sends=sends, pack=pack, pack_at=pack_at), send_round
+
+
+def _by_stage(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``table``'s rows sorted by their staging offset, those offsets, and the order that sorts them."""
+    order = np.argsort(table[:, kernels.STAGE], kind="stable")
+    rows = table[order]
+    return rows, rows[:, kernels.STAGE], order
+
+
+def _chunk_key(rows: np.ndarray, by: np.ndarray, offset: int, nbytes: int) -> bytes | None:
+    """The rows of the chunk at ``offset`` of ``nbytes`` bytes, staging offsets taken from the chunk's start,
+    as bytes (``None`` where a row casts or leaves the chunk): two chunks with one key hold the same bytes."""
+    lo, hi = np.searchsorted(by, [offset, offset + nbytes])
+    if lo == hi:
+        return None
+    mine = rows[lo:hi].copy()
+    if mine[:, kernels.CAST].any() or (mine[:, kernels.STAGE] + mine[:, kernels.NBYTES] > offset + nbytes).any():
+        return None
+    mine[:, kernels.STAGE] -= offset
+    return nbytes.to_bytes(8, "little") + mine.tobytes()
+
+
 class _RankRows:
     """One rank's wires as rows of the round loop, with the counts the report needs (all rounds at once)."""
 
-    def __init__(self, cols: RankColumns, rank: int, base: int, nbuf: int, arenas: int):
+    def __init__(
+        self, cols: RankColumns, rank: int, base: int, nbuf: int, arenas: int, send_round: np.ndarray | None = None
+    ):
         self._staging, self._arenas = base + nbuf, arenas
         self.send_at, self.recv_at = cols.send_at.tolist(), cols.recv_at.tolist()
-        self.send_rows = self._rows(cols, cols.sends, cols.send_at, rank, base, True)
+        self.send_rows = self._rows(cols, cols.sends, cols.send_at, rank, base, True, send_round)
         self.recv_rows = self._rows(cols, cols.recvs, cols.recv_at, rank, base, False)
         peer, tag, link, nbytes, _, _ = cols.sends
         self.sent = {k: int(nbytes[link == k].sum()) for k in Link}
@@ -353,9 +435,12 @@ class _RankRows:
     def arena(self, rnd: int) -> int:
         return self._staging + rnd % self._arenas
 
-    def _rows(self, cols: RankColumns, wires, at: np.ndarray, rank: int, base: int, send: bool) -> list[Row]:
+    def _rows(
+        self, cols: RankColumns, wires, at: np.ndarray, rank: int, base: int, send: bool, rnd: np.ndarray | None = None
+    ) -> list[Row]:
         peer, tag, _, nbytes, buf, offset = wires
-        rnd = np.repeat(cols.rounds, np.diff(at))
+        if rnd is None:  # the round whose arena a staging row uses: its own, unless it reads a landed chunk
+            rnd = np.repeat(cols.rounds, np.diff(at))
         slot = np.where(buf == STAGING, self._staging + rnd % self._arenas, base + buf)
         me = itertools.repeat(rank, len(peer))
         ends = (me, peer.tolist()) if send else (peer.tolist(), me)
