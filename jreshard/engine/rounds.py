@@ -359,7 +359,7 @@ def forwards_from_landing(cols: RankColumns, arenas: int) -> tuple[RankColumns, 
     for j in range(1, len(rounds)):
         if rounds[j - 1] % arenas == rounds[j] % arenas or pack_at[j] == pack_at[j + 1]:
             continue
-        landed = {}
+        landed: dict[bytes, int] = {}
         rows, by, _ = _by_stage(cols.unpack[unpack_at[j - 1] : unpack_at[j]])
         for k in range(recv_at[j - 1], recv_at[j]):
             if r_buf[k] == STAGING:
