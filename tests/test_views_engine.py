@@ -216,18 +216,24 @@ def _links_by_round(sched):
     return out
 
 
+def _fused_qkv():
+    """The MPI benchmark's trainer-to-server case, small: float32 q, k, v (TP4 on devices 0-3) into one bfloat16
+    qkv (TP2 x DP2 on devices 4-7, a domain of its own); returns (the view, its target sharding, the topology)."""
+    devs = _devs()
+    tp = NamedSharding(Mesh(devs[:4], ("tp",)), P(None, "tp"))
+    q, k, v = (jax.device_put(jnp.arange(32 * n, dtype=jnp.float32).reshape(32, n) / 7, tp) for n in (32, 16, 16))
+    qkv = views.astype(views.concat([q, k, v], axis=1, groups=2), jnp.bfloat16)
+    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    return qkv, dst, Topology.uniform(range(8), domain_size=4)
+
+
 def test_the_fan_out_of_a_chunk_runs_beside_the_network_phase_of_the_next():
     """The trainer-to-server case of the MPI benchmark, small: float32 q, k, v (TP4) into one bfloat16 qkv
     (TP2 x DP2), each byte entering the server's domain once and forwarded to the other replica. A forwarded
     chunk waits only for the landed chunks it reads, so the fast-link rounds trail the network rounds by one
     (not by the whole message), and the forwards of one carrier keep pace with its arrivals. Values and bytes
     are checked on the engine too."""
-    devs = _devs()
-    tp = NamedSharding(Mesh(devs[:4], ("tp",)), P(None, "tp"))
-    q, k, v = (jax.device_put(jnp.arange(32 * n, dtype=jnp.float32).reshape(32, n) / 7, tp) for n in (32, 16, 16))
-    qkv = views.astype(views.concat([q, k, v], axis=1, groups=2), jnp.bfloat16)
-    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
-    topo = Topology.uniform(range(8), domain_size=4)
+    qkv, dst, topo = _fused_qkv()
     options = Options(chunk_bytes=128, staging_bytes=1 << 12)
     _, stats, vs = _check(qkv, dst, topo, bound=True, options=options)
     by_round = _links_by_round(vs.schedule)
@@ -251,18 +257,13 @@ def test_a_fused_casts_forwards_leave_from_the_staging_they_landed_in():
 
     from jreshard.engine.rounds import compile_rounds
 
-    devs = _devs()
-    tp = NamedSharding(Mesh(devs[:4], ("tp",)), P(None, "tp"))
-    q, k, v = (jax.device_put(jnp.arange(32 * n, dtype=jnp.float32).reshape(32, n) / 7, tp) for n in (32, 16, 16))
-    qkv = views.astype(views.concat([q, k, v], axis=1, groups=2), jnp.bfloat16)
-    dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
-    topo = Topology.uniform(range(8), domain_size=4)
+    qkv, dst, topo = _fused_qkv()
     options = Options(chunk_bytes=256, staging_bytes=1 << 13)
     for pipelined in (False, True):
         comm = PostingComm(ranks=topo.ranks, topology=topo)
         _, stats, vs = _check(qkv, dst, topo, bound=True, options=options, comm=comm, pipelined=pipelined)
         assert stats.sent_bytes[Link.FAST] > 0 and all(
-            v == 2 * vs.schedule.staging[r] for r, v in stats.peak_staging_bytes.items() if r >= 4
+            held == 2 * vs.schedule.staging[r] for r, held in stats.peak_staging_bytes.items() if r >= 4
         )
         prog = compile_rounds(vs.schedule, tuple(range(8)), (2,) * 8, options.max_group_ops)
         assert not any((t[:, kernels.BUF] % 2 == 1).any() for packs, _, _, _ in prog.rounds for t, _, _ in packs)
