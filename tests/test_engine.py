@@ -399,6 +399,13 @@ def test_a_forwarded_chunk_is_sent_from_the_staging_it_landed_in():
         assert fast.any() and send_round is not None
         own = np.repeat(moved.rounds, np.diff(moved.send_at))
         assert (send_round[fast] == own[fast] - 1).all() and (send_round[~fast] == own[~fast]).all()
+    # Buffers whose work is queued on streams (the GPU's) order a pack into an arena after the unpacks that
+    # read it, not after a later send from it: there the forwards are packed from the shard as before.
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+
+    assert CpuBuffers.host_ordered and not CupyBuffers.host_ordered
+    ranks = tuple(topo.ranks)
+    assert _packs_of_forwarded_bytes(compile_rounds(sched, ranks, two, opts.max_group_ops, from_landing=False)) > 0
     # With one arena the next round's receives reuse it, so the forwards are packed from the shard as before.
     assert _packs_of_forwarded_bytes(compile_rounds(sched, tuple(topo.ranks), (1,) * 8, opts.max_group_ops)) > 0
     one = Options(chunk_bytes=1024, staging_bytes=sched.staging[4] * 3 // 2)

@@ -223,9 +223,14 @@ class Buffers(abc.ABC, Generic[B]):
     ``staging_buffers`` is how many staging arenas a rank wants the engine to alternate
     between by round (2: double-buffered, so a round's pack overlaps the round before it on
     the wire); the engine gives one where two would not fit ``Options.staging_bytes``.
+
+    ``host_ordered``: every pack, unpack and exchange has finished when its call returns, so a send
+    may read a staging arena that a receive of the round before wrote (the engine's forwards from
+    landed staging). Buffers whose work is queued on streams set it false.
     """
 
     staging_buffers: int = 1
+    host_ordered: bool = True
 
     def prepare(self, jobs: Iterable[tuple[str, np.ndarray, Sequence[B | None], B]]) -> None:
         """Before a schedule's first round: every ``("pack" | "unpack", table, buffers, staging)`` it

@@ -13,9 +13,9 @@ count the report needs summed ahead) and runs it: per round, the packs, one
 **Buffers.** Stage-0 chunks are read from the sender's source shard; later
 stages forward bytes the sender received, which it holds in its destination shard
 (a forwarded piece always lies inside the forwarding rank's destination box). Where
-a rank alternates two arenas and a forwarded chunk is a chunk it landed the round
-before, byte for byte, it is sent from that landed staging instead, with no pack
-(:func:`forwards_from_landing`).
+a rank alternates two arenas on host-ordered buffers and a forwarded chunk is a chunk
+it landed the round before, byte for byte, it is sent from that landed staging
+instead, with no pack (:func:`forwards_from_landing`).
 Receivers write into their destination shard. A chunk that is one contiguous run
 of its shard is sent or received in place; the others are packed into, or
 unpacked from, the rank's staging arena with one descriptor table per round; buffers
@@ -143,7 +143,9 @@ def execute(
     arenas = {
         r: _arenas(buffers, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes, want) for r in ranks
     }
-    prog = compile_rounds(schedule, ranks, tuple(len(arenas[r]) for r in ranks), options.max_group_ops)
+    prog = compile_rounds(
+        schedule, ranks, tuple(len(arenas[r]) for r in ranks), options.max_group_ops, from_landing=buffers.host_ordered
+    )
     bufs = {r: shards.of_rank(r, schedule.ntensors) for r in ranks}
     _check_buffers(schedule, prog, ranks, bufs, shards)
     rep = report or ReportBuilder(Backend.LOCAL)  # a throwaway one keeps the loop free of branches
@@ -255,22 +257,31 @@ class CompiledRounds:
 
 
 def compile_rounds(
-    schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int
+    schedule: Schedule,
+    ranks: tuple[int, ...],
+    arenas: tuple[int, ...],
+    max_group_ops: int,
+    *,
+    from_landing: bool = True,
 ) -> CompiledRounds:
     """The rounds of ``ranks`` (each with ``arenas[i]`` staging arenas, alternated by round), cut into
-    exchange groups (by the schedule's own cut, else of at most ``max_group_ops`` operations per rank)."""
+    exchange groups (by the schedule's own cut, else of at most ``max_group_ops`` operations per rank);
+    with ``from_landing`` (host-ordered buffers), forwards leave from landed staging where they can
+    (:func:`forwards_from_landing`)."""
     by_schedule = _compiled.setdefault(schedule, {})
-    key = (ranks, arenas, max_group_ops if schedule.groups is None else 0)
+    key = (ranks, arenas, max_group_ops if schedule.groups is None else 0, from_landing)
     prog = by_schedule.get(key)
     if prog is None:
-        prog = by_schedule[key] = _compile(schedule, ranks, arenas, max_group_ops)
+        prog = by_schedule[key] = _compile(schedule, ranks, arenas, max_group_ops, from_landing)
     return prog
 
 
 _compiled: weakref.WeakKeyDictionary[Schedule, dict[tuple, CompiledRounds]] = weakref.WeakKeyDictionary()
 
 
-def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int) -> CompiledRounds:
+def _compile(
+    schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...], max_group_ops: int, from_landing: bool
+) -> CompiledRounds:
     cuts = group_rounds(schedule, max_group_ops).group_of if schedule.groups is None else schedule.groups
     nbuf = 2 * schedule.ntensors
     per_round: dict[int, list] = {}
@@ -282,7 +293,7 @@ def _compile(schedule: Schedule, ranks: tuple[int, ...], arenas: tuple[int, ...]
     for i, r in enumerate(ranks):
         steps = schedule.steps.get(r, {})
         cols = steps.columns if isinstance(steps, RankSteps) else _columns(steps)
-        cols, send_round = forwards_from_landing(cols, arenas[i])
+        cols, send_round = forwards_from_landing(cols, arenas[i]) if from_landing else (cols, None)
         rank = _RankRows(cols, r, at, nbuf, arenas[i], send_round)
         at += nbuf + arenas[i]
         for link in Link:

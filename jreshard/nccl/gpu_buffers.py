@@ -112,6 +112,9 @@ class CupyBuffers(Buffers[CupyArray]):
     __slots__ = ("_cp", "_peers", "_s", "_tables", "_timeout_s", "_views", "_watcher", "uploads")
 
     staging_buffers = 2  # double-buffered staging: the engine alternates two arenas by round
+    # The streams order a pack into an arena after the exchanges that packed it and the unpacks that read it,
+    # not after a later send from a landed arena: forwards are packed from the destination shard here.
+    host_ordered = False
 
     def __init__(
         self,
