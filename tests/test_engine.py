@@ -413,6 +413,33 @@ def test_a_forwarded_chunk_is_sent_from_the_staging_it_landed_in():
     assert stats1.peak_staging_bytes[4] == build_schedule(plan_layouts(pairs, topo, one), one).staging[4]
 
 
+@given(
+    st.sampled_from([(None, "x"), ("x", None)]),
+    st.sampled_from([(None, "tp"), ("tp", None), (None, None)]),
+    st.sampled_from([2, 4]),
+    st.sampled_from(["float32", "bfloat16", "int8"]),
+    st.sampled_from([64, 256, 1024]),
+    st.integers(2, 24),
+    st.integers(0, 3),
+    st.sampled_from([4, 2]),
+)
+def test_forwards_from_landed_staging_deliver_every_byte(
+    src_spec, dst_spec, dp, dtype, chunk, staging_chunks, seed, first
+):
+    # Sources on domain 0, dp replicas of a server layout from rank ``first`` on (on domain 1, or across both
+    # with ranks 2 and 3 sources too, packing their sends ahead while they forward): each byte lands once in a
+    # domain, then fans out, over the posting double (a group's bytes move when it is waited on): values and
+    # bytes exact.
+    src = Layout.from_mesh(np.arange(4), ("x",), src_spec, (24, 40), dtype)
+    mesh = np.arange(first, first + 4).reshape(dp, 4 // dp)
+    dst = Layout.from_mesh(mesh, ("dp", "tp"), dst_spec if dp == 2 else (None, None), (24, 40), dtype)
+    topo = Topology.uniform(range(8), domain_size=4)
+    opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging_chunks)
+    plan, comm, stats = _run([(src, dst)], topo, opts, seed=seed, comm_type=PostingComm)
+    _assert_bytes_match_plan(plan, comm, stats)
+    assert all(v <= opts.staging_bytes for v in stats.peak_staging_bytes.values())
+
+
 def test_a_forward_that_read_its_landing_arena_after_it_was_reused_would_deliver_wrong_bytes(monkeypatch):
     # What the posting double catches: with the alternation guard removed, one arena serves every round, the
     # next round's receives overwrite the landed chunks before the forwards that read them move.
