@@ -350,7 +350,8 @@ def test_packing_ahead_into_the_posted_rounds_arena_would_change_what_arrives(mo
 
 
 def test_forwarded_bytes_are_never_packed_ahead():
-    # 4 column shards in domain 0, 4 replicas in domain 1: the fan-out packs the column boxes a rank received.
+    # 4 column shards in domain 0, 4 replicas in domain 1: the fan-out packs the column boxes a rank received
+    # where forwards do not leave from landed staging (buffers that are not host-ordered, as the GPU's).
     src = Layout.from_mesh(np.arange(4), ("x",), (None, "x"), (64, 64), "float32")
     dst = Layout.replicated(range(4, 8), (64, 64), "float32")
     topo = Topology.uniform(range(8), domain_size=4)
@@ -358,11 +359,14 @@ def test_forwarded_bytes_are_never_packed_ahead():
     plan, comm, stats = _run([(src, dst)], topo, opts, comm_type=PostingComm)
     _assert_bytes_match_plan(plan, comm, stats)
     sched = build_schedule(plan, opts)
-    prog = compile_rounds(sched, tuple(topo.ranks), _two_arenas(sched, topo, opts), opts.max_group_ops)
+    two = _two_arenas(sched, topo, opts)
+    prog = compile_rounds(sched, tuple(topo.ranks), two, opts.max_group_ops, from_landing=False)
     for (packs, _, _, _), ahead in zip(prog.rounds, prog.ahead, strict=True):
         reads_forwarded = any((t[:, kernels.BUF] % 2 == 1).any() for t, _, _ in packs)
         assert not (ahead and reads_forwarded)
-    assert any(any((t[:, kernels.BUF] % 2 == 1).any() for t, _, _ in p) for p, _, _, _ in prog.rounds)
+    assert _packs_of_forwarded_bytes(prog) > 0
+    # Host-ordered (the run above): each landed chunk goes to the 3 other replicas from its landed staging.
+    assert _packs_of_forwarded_bytes(compile_rounds(sched, tuple(topo.ranks), two, opts.max_group_ops)) == 0
 
 
 def _tp4_to_tp2_dp2():
