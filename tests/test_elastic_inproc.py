@@ -79,7 +79,7 @@ def test_closed_peer_is_noticed_at_once_and_a_silent_one_after_timeout():
     t0 = time.monotonic()
     with pytest.raises(TransferTimeoutError, match=r"ranks \[0\] did not send \(peer 'left'\)"):
         comm.exchange([], [RecvOp(0, 1, 3, got)], timeout_s=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert 0.3 <= time.monotonic() - t0 < 4.0  # its own 0.3 s, not the comm's 5 s (slack for a loaded host)
     with pytest.raises(PeerError, match="broken"):
         comm.exchange([], [], timeout_s=1.0)
     comm = NixlComm(agent, [1], {0: right}, timeout_s=5.0)  # introduced already: no second hello
@@ -148,7 +148,7 @@ def test_a_taken_name_is_refused_and_released_on_leave(trainer):
     r1.leave()
     while trainer.replicas() and time.monotonic() - t0 < 5:
         time.sleep(0.005)
-    assert time.monotonic() - t0 < 0.5  # a clean leave is seen at once, not after timeout_s
+    assert time.monotonic() - t0 < 2.5  # a clean leave is seen at once, not after timeout_s (5 s)
     info = trainer.replicas(include_gone=True)["r1"]
     assert info.state is ReplicaState.GONE and info.error == "left"
     again = replica(trainer, 2, "r1")

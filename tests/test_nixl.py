@@ -181,7 +181,7 @@ def test_a_listener_that_says_nothing_times_out_and_a_gone_one_is_refused_at_onc
     t0 = time.monotonic()
     with pytest.raises(TransferTimeoutError, match="did not complete authentication"):
         connect(quiet.getsockname()[:2], "the trainer", key=KEY, timeout_s=0.3)
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 4.0  # its own 0.3 s (slack for a loaded host)
     address = quiet.getsockname()[:2]
     quiet.close()
     with pytest.raises(PeerError, match="refused the connection"):
