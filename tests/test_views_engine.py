@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_engine import PostingComm
 from test_views_properties import _bits, compositions, shardings
 
 from jreshard import Layout, Options, Topology, views
@@ -79,11 +80,15 @@ def _check(view, dst, topo, *, bound=False, **kw):
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_random_compositions_on_the_engine_equal_the_in_process_result(data):
+    """Over LocalComm, and over the posting double (two arenas a rank where they fit: packs ahead, forwards
+    from the landed staging; a group's bytes move only when it is waited on)."""
     view, _ = data.draw(compositions())
     dst = data.draw(shardings(view.shape))
     topo = Topology.uniform(range(8), domain_size=data.draw(st.sampled_from([1, 2, 4, 8])))
     chunk = data.draw(st.sampled_from([16, 40, 1 << 20]))
-    _check(view, dst, topo, options=Options(chunk_bytes=chunk, staging_bytes=max(64, 2 * chunk)))
+    staging = max(64, data.draw(st.sampled_from([2, 16])) * chunk)
+    comm = data.draw(st.sampled_from([LocalComm(range(8)), PostingComm(ranks=range(8), topology=topo)]))
+    _check(view, dst, topo, options=Options(chunk_bytes=chunk, staging_bytes=staging), comm=comm)
 
 
 def _devs():
@@ -253,8 +258,6 @@ def test_a_fused_casts_forwards_leave_from_the_staging_they_landed_in():
     """Over a transport that posts ahead (two arenas a rank), the server's forwards of the fused bfloat16 qkv
     are sent from the staging the chunks landed in: no pack reads a destination shard. The posting double
     moves a group's bytes only when it is waited on, so a forward that read a reused arena would arrive wrong."""
-    from test_engine import PostingComm
-
     from jreshard.engine.rounds import compile_rounds
 
     qkv, dst, topo = _fused_qkv()
