@@ -391,9 +391,9 @@ def test_a_forwarded_chunk_is_sent_from_the_staging_it_landed_in():
     _assert_bytes_match_plan(plan, comm, stats)
     assert stats.sent_bytes[Link.FAST] == plan.stats().fast_bytes > 0
     sched = build_schedule(plan, opts)
-    two = _two_arenas(sched, topo, opts)
+    ranks, two = tuple(topo.ranks), _two_arenas(sched, topo, opts)
     assert all(two[r] == 2 for r in range(4, 8))
-    assert _packs_of_forwarded_bytes(compile_rounds(sched, tuple(topo.ranks), two, opts.max_group_ops)) == 0
+    assert _packs_of_forwarded_bytes(compile_rounds(sched, ranks, two, opts.max_group_ops)) == 0
     # Each forward reads the arena of the round before its own, at the landed chunk's offset.
     for r in range(4, 8):
         steps = sched.steps[r]
@@ -408,10 +408,9 @@ def test_a_forwarded_chunk_is_sent_from_the_staging_it_landed_in():
     from jreshard.nccl.gpu_buffers import CupyBuffers
 
     assert CpuBuffers.host_ordered and not CupyBuffers.host_ordered
-    ranks = tuple(topo.ranks)
     assert _packs_of_forwarded_bytes(compile_rounds(sched, ranks, two, opts.max_group_ops, from_landing=False)) > 0
     # With one arena the next round's receives reuse it, so the forwards are packed from the shard as before.
-    assert _packs_of_forwarded_bytes(compile_rounds(sched, tuple(topo.ranks), (1,) * 8, opts.max_group_ops)) > 0
+    assert _packs_of_forwarded_bytes(compile_rounds(sched, ranks, (1,) * 8, opts.max_group_ops)) > 0
     one = Options(chunk_bytes=1024, staging_bytes=sched.staging[4] * 3 // 2)
     _, _, stats1 = _run(pairs, topo, one, comm_type=PostingComm)  # values checked against the global array
     assert stats1.peak_staging_bytes[4] == build_schedule(plan_layouts(pairs, topo, one), one).staging[4]

@@ -348,11 +348,11 @@ def forwards_from_landing(cols: RankColumns, arenas: int) -> tuple[RankColumns, 
     A rank that forwards what it received (the fan-out) would pack the chunk out of its destination shard,
     where the round before unpacked it. Where the chunk's pack rows are the rows that round unpacked from a
     landed chunk (the same buffer regions in the same staging order, and no casts, so the two staging images
-    hold the same bytes), the send reads the landed chunk's staging instead, and its pack rows go (every send
-    of it, where the chunk goes to several replicas: sends only read). That
-    arena is still intact: the rank's rounds alternate ``arenas`` (at least 2) arenas, the landing round's
-    arena is not this round's, and the next writes to it come in a later round (the round loop packs ahead
-    into an arena only when no posted row reads it).
+    hold the same bytes), the send reads the landed chunk's staging instead, and its pack rows go; a chunk
+    forwarded to several replicas is read by each of its sends. That arena is still intact: the rank's
+    rounds alternate ``arenas`` (at least 2) arenas, the landing round's arena is not this round's, and the
+    next writes to it come in a later round (the round loop packs ahead into an arena only when no posted
+    row reads it).
 
     Returns:
       ``cols`` with those sends' offsets moved and their pack rows dropped, and per send row the round whose
@@ -389,10 +389,8 @@ def forwards_from_landing(cols: RankColumns, arenas: int) -> tuple[RankColumns, 
                 continue
             lo, hi = np.searchsorted(by, [offset[k], offset[k] + nbytes[k]])
             keep[pack_at[j] + order[lo:hi]] = False
-            new_offset[k], send_round[k] = (
-                landed[key],
-                rounds[j - 1],
-            )  # a chunk forwarded to several peers: one read each
+            # A chunk forwarded to several replicas: each send reads the one landed copy.
+            new_offset[k], send_round[k] = landed[key], rounds[j - 1]
     if keep.all():
         return cols, None
     pack = cols.pack[keep]

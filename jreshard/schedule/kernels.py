@@ -483,18 +483,18 @@ def _split(
     t, take, named, kept, rest = _byte_rows(table)
     addresses = np.zeros(len(buffers), np.int64)
     sizes = np.zeros(len(buffers), np.int64)
+    resplit = False  # a buffer that is not flat: its rows go to numpy, and the kept split no longer holds
     for b in named:
         buf = buffers[b] if 0 <= b < len(buffers) else None
         if buf is None:
             continue  # the kernel refuses the row: a missing buffer
         if not _flat(buf):
-            take = take & (t[:, BUF] != b)
-            kept = None  # the kept split no longer holds: work it out for this call below
+            take, resplit = take & (t[:, BUF] != b), True
             continue
         if unpack and not buf.flags.writeable:
             raise ValueError(f"unpack_cpu: buffer {b} is read-only; a descriptor row would write into it")
         addresses[b], sizes[b] = buf.ctypes.data, buf.nbytes
-    if kept is None:
+    if resplit:
         kept, rest = _take(t, take)
     return (None if kept is None else (kept, addresses, sizes, len(buffers))), rest
 
