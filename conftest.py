@@ -2,6 +2,9 @@
 the Hypothesis profiles (``ci`` is derandomized)."""
 
 import os
+from contextlib import ExitStack
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
@@ -14,3 +17,13 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture
+def held_port():
+    """``held_port()`` is a free port for a jax coordinator that a child process starts, held (bound, not
+    listening, ``SO_REUSEPORT``) until the test ends, so nothing else can take it before the coordinator binds."""
+    from jreshard._ports import reserved_port
+
+    with ExitStack() as stack:
+        yield lambda: stack.enter_context(reserved_port())

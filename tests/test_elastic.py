@@ -194,12 +194,8 @@ def test_the_example_pair_runs(tmp_path, programs):
     assert all(line.endswith(f"= {float(v)}") for v, line in zip(versions, seen, strict=True)), seen
 
 
-def test_a_replica_of_two_processes_serves_a_joiner(tmp_path, programs):
-    import socket
-
-    with socket.socket() as s:  # a free loopback port for the two-process replica's jax coordinator
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_a_replica_of_two_processes_serves_a_joiner(tmp_path, programs, held_port):
+    port = held_port()  # the jax coordinator's, held until the test ends
     address = str(tmp_path / "address")
     trainer = programs("trainer.py", address, "multi", "peer")
     cluster = {"JAX_NUM_CPU_DEVICES": "1", "JRESHARD_COORDINATOR": f"127.0.0.1:{port}", "JRESHARD_PROCESSES": "2"}
@@ -256,16 +252,12 @@ def namespaces():
         _ip("netns", "del", replica_ns)
 
 
-def test_trainer_and_replicas_in_two_network_namespaces(tmp_path, programs, namespaces):
+def test_trainer_and_replicas_in_two_network_namespaces(tmp_path, programs, namespaces, held_port):
     """The 2-process trainer scenario below with the trainer's processes in one network namespace and
     the replicas in another, joined by a veth pair: real non-loopback addresses, UCX limited to TCP
     so the weights cross the pair too (and the peer catch-up stays among the replicas)."""
-    import socket
-
     trainer_ns, replica_ns, trainer_ip = namespaces
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # the trainer's jax coordinator, inside its namespace
+    port = held_port()  # the trainer's jax coordinator (its fresh namespace holds no port at all)
     address = str(tmp_path / "address")
     net = {"UCX_TLS": "tcp,self"}
     in_trainer, in_replicas = ("ip", "netns", "exec", trainer_ns), ("ip", "netns", "exec", replica_ns)
@@ -284,14 +276,10 @@ def test_trainer_and_replicas_in_two_network_namespaces(tmp_path, programs, name
     _check_big(out, follower, r1, r2, r3)
 
 
-def test_a_trainer_of_two_processes_and_three_replicas(tmp_path, programs):
+def test_a_trainer_of_two_processes_and_three_replicas(tmp_path, programs, held_port):
     """Each trainer process serves its own shards: joins at versions 0 and 2, a catch-up from a peer,
     a clean leave, a replica SIGKILLed in the middle of version 4; every committed version exact."""
-    import socket
-
-    with socket.socket() as s:  # a free loopback port for the trainer's jax coordinator
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = held_port()  # the jax coordinator's, held until the test ends
     address = str(tmp_path / "address")
     cluster = {"JAX_NUM_CPU_DEVICES": "1", "JRESHARD_COORDINATOR": f"127.0.0.1:{port}", "JRESHARD_PROCESSES": "2"}
     trainer = [

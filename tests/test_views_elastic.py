@@ -317,28 +317,22 @@ def programs():
         p.kill()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:  # a free loopback port for a jax coordinator
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(240)
-def test_a_trainer_of_two_processes_and_replicas_of_one_and_two_with_views_between_programs(tmp_path, programs):
+def test_a_trainer_of_two_processes_and_replicas_of_one_and_two_with_views_between_programs(
+    tmp_path, programs, held_port
+):
     """A trainer of two processes (two devices each, FSDP over the four) and replicas that are programs of
     their own (four devices, TP2 x DP2, the recipe and bfloat16 / FP8 like): r1 (one process) takes version 1
     from both trainer processes; r2 (two processes, one DP row each) joins and copies version 1 from r1 as
     plain arrays; both take version 2. Every shard bit-exact; the network bytes of each sender (summed over
     the trainer's processes) the bound, each process of r2 its own fast-link domain."""
     address = str(tmp_path / "address")
-    cluster = {"JAX_NUM_CPU_DEVICES": "2", "JRESHARD_COORDINATOR": f"127.0.0.1:{_free_port()}"}
+    cluster = {"JAX_NUM_CPU_DEVICES": "2", "JRESHARD_COORDINATOR": f"127.0.0.1:{held_port()}"}
     cluster["JRESHARD_PROCESSES"] = "2"
     trainer = [programs("views.py", "trainer", address, env=cluster | {"JRESHARD_PROCESS": str(i)}) for i in (0, 1)]
     r1 = programs("views.py", "replica", address, "r1", env={"JAX_NUM_CPU_DEVICES": "4"})
     trainer[0].wait_event("join-now", timeout_s=180)
-    two = {"JAX_NUM_CPU_DEVICES": "2", "JRESHARD_COORDINATOR": f"127.0.0.1:{_free_port()}", "JRESHARD_PROCESSES": "2"}
+    two = {"JAX_NUM_CPU_DEVICES": "2", "JRESHARD_COORDINATOR": f"127.0.0.1:{held_port()}", "JRESHARD_PROCESSES": "2"}
     r2 = [programs("views.py", "replica", address, "r2", env=two | {"JRESHARD_PROCESS": str(i)}) for i in (0, 1)]
     lead, follow = trainer[0].result(), trainer[1].result()
     assert lead["at1"] == ["r1", "r2"] and lead["joined"] == {"r1": "trainer", "r2": "replica 'r1'"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +21,7 @@ BODY = Path(__file__).parent / "xla_bodies" / "distributed_transfer.py"
 TIMEOUT_S = 150
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _launch(nproc: int, devices: int, out: Path) -> dict[int, dict]:
+def _launch(nproc: int, devices: int, out: Path, port: int) -> dict[int, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS", "JAX_"))}
     env.update(
         JAX_PLATFORMS="cpu",
@@ -37,7 +30,6 @@ def _launch(nproc: int, devices: int, out: Path) -> dict[int, dict]:
         PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), str(ROOT)]),
         OMP_NUM_THREADS="1",
     )
-    port = _free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(BODY), str(i), str(nproc), str(port), str(out)],
@@ -72,9 +64,9 @@ def _launch(nproc: int, devices: int, out: Path) -> dict[int, dict]:
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_transfer_across_processes_bit_for_bit(nproc, tmp_path):
+def test_transfer_across_processes_bit_for_bit(nproc, tmp_path, held_port):
     devices = 2  # per process
-    got = _launch(nproc, devices, tmp_path)
+    got = _launch(nproc, devices, tmp_path, held_port())
     assert all(r["backend"] == "xla" for r in got.values())
     # Every result shard of the cluster was checked by its process: 8 + 2n + n + n/2 ... summed per case.
     n = nproc * devices

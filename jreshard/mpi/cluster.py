@@ -3,14 +3,15 @@
 :func:`cluster_comm` is the :class:`~jreshard.mpi.comm.MpiComm` the router
 (:func:`jreshard.routes.transfer_multiprocess`) hands the engine across processes. The jax
 processes must be the MPI processes of ``comm``
-(``MPI.COMM_WORLD`` by default), e.g. ``jax.distributed.initialize(cluster_detection_method="mpi4py")``
-under ``mpiexec``; :func:`initialize` does that for CPU devices.
+(``MPI.COMM_WORLD`` by default), e.g. started by :func:`initialize` under ``mpiexec``.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
+from jreshard._ports import reserved_port
 from jreshard.errors import BackendUnavailableError
 from jreshard.mpi.comm import MpiComm, import_mpi
 
@@ -22,30 +23,36 @@ _COMMS: dict[int, MpiComm] = {}
 def initialize(comm: Any = None, *, port: int | None = None) -> None:
     """Start ``jax.distributed`` over the processes of an MPI communicator.
 
-    With ``comm`` = ``MPI.COMM_WORLD`` (the default) this is
-    ``jax.distributed.initialize(cluster_detection_method="mpi4py")``. For a
-    sub-communicator (one program of an MPMD launch), process 0 of ``comm``
-    picks a free local port for the coordinator and shares it, so each program
-    is its own jax cluster. Set the CPU device count with ``JAX_NUM_CPU_DEVICES``
-    before jax starts.
+    ``comm`` defaults to ``MPI.COMM_WORLD``, where jax's ``mpi4py`` cluster
+    detection gives each process the devices of its local rank; a
+    sub-communicator (one program of an MPMD launch) makes each program its
+    own jax cluster. Process 0 of
+    ``comm`` hosts the coordinator: on ``port`` if given, else on a free port it
+    keeps reserved until the coordinator has bound it, so no other process can
+    take it in between. The coordinator address is loopback when every process
+    of ``comm`` runs on one host, else process 0's host name. Set the CPU device
+    count with ``JAX_NUM_CPU_DEVICES`` before jax starts.
     """
+    import socket
+
     import jax
 
     MPI = import_mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
-    if comm == MPI.COMM_WORLD and port is None:
-        jax.distributed.initialize(cluster_detection_method="mpi4py")
-        return
-    if port is None and comm.Get_rank() == 0:
-        import socket
+    host = coordinator_host(comm.allgather(socket.gethostname()))
+    with ExitStack() as held:
+        if port is None and comm.Get_rank() == 0:
+            port = held.enter_context(reserved_port())  # held until the coordinator has bound it
+        address = f"{host}:{comm.bcast(port, root=0)}"
+        if comm == MPI.COMM_WORLD:  # jax's mpi4py detection: a GPU per process of a host, by local rank
+            jax.distributed.initialize(address, cluster_detection_method="mpi4py")
+        else:
+            jax.distributed.initialize(address, num_processes=comm.Get_size(), process_id=comm.Get_rank())
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=comm.Get_size(), process_id=comm.Get_rank()
-    )
+
+def coordinator_host(hosts: list[str]) -> str:
+    """Where the processes (host names in rank order) reach the coordinator of process 0."""
+    return "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
 
 
 def cluster_comm(comm: Any) -> MpiComm:
