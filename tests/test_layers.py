@@ -21,6 +21,7 @@ _NAMES = ["base", "sharding", "schedule", "engine", "transport", "top"]
 # (module prefix, layer): the longest matching prefix decides.
 _LAYERS = [
     ("jreshard._cache", BASE),
+    ("jreshard._ports", BASE),  # a port held for a jax coordinator until it has bound it
     # the shared secret and the authenticated control connections every cross-program transport uses
     ("jreshard.auth", BASE),
     ("jreshard.channel", BASE),
