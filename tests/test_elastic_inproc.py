@@ -309,7 +309,7 @@ def test_a_replica_whose_processes_do_not_all_join_is_refused_naming_them():
     ch.send_control(hello, timeout_s=1.0)
     t0 = time.monotonic()
     answer = ch.recv_control(timeout_s=5.0)
-    assert answer["op"] == "reject" and 0.4 < time.monotonic() - t0 < 3.0
+    assert answer["op"] == "reject" and 0.4 < time.monotonic() - t0 < 4.0  # timeout_s=0.5, not the 5 s wait
     assert answer["errors"] == ["only processes [0] of the 2 of replica 'big' joined within timeout_s"]
     ch.close()
     bad = connect(parse_address(tr.address, timeout_s=1), "trainer", key=KEY, timeout_s=1)

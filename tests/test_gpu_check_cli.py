@@ -40,7 +40,7 @@ def test_no_gpu_says_so_writes_it_to_out_and_exits_zero_within_seconds(tmp_path)
     t0 = time.perf_counter()
     proc = cli("--out", str(tmp_path))
     assert proc.returncode == 0 and proc.stdout.startswith("no GPU")
-    assert time.perf_counter() - t0 < 10
+    assert time.perf_counter() - t0 < 30  # no wait for a GPU that is not there (a loaded host: slack)
     (rec,) = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     assert rec["check"] == "no GPU" and rec["status"] == "SKIPPED" and rec["why"]
 

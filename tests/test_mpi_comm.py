@@ -24,7 +24,7 @@ def test_exchange_random_groups(tmp_path, procs, ranks_per_proc):
     assert err is not None and "timeout_s=1.0" in err
     last_rank = procs * ranks_per_proc - 1
     assert f"ranks [{last_rank}] did not send" in err and f"MPI processes [{procs - 1}]" in err
-    assert 1.0 <= elapsed < 3.0
+    assert 1.0 <= elapsed < 5.0  # the 1 s timeout, with a loaded host's slack
     # A casting sender's messages are cut finer only where each process has a core, and all agree.
     (cores,) = {r["cores"] for r in got.values()}
     assert {r["pipelines_packs"] for r in got.values()} == {procs <= cores}

@@ -51,7 +51,7 @@ def test_the_engine_runs_the_mpi_refit_over_nixl_between_two_processes(tmp_path)
     assert all(g["rounds"] > 1 for g in got)  # chunked and grouped as the MPI test is
     err = got[1]["timed_out"]
     assert err is not None and "timeout_s=1.0" in err and "ranks [0] did not send (process 0)" in err
-    assert 1.0 <= got[1]["elapsed"] < 3.0
+    assert 1.0 <= got[1]["elapsed"] < 5.0  # the 1 s timeout, with a loaded host's slack
 
 
 # ---- authentication -----------------------------------------------------------------------------
