@@ -18,23 +18,24 @@ from contextlib import contextmanager
 
 
 def _held_socket() -> socket.socket:
-    try:
-        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    except OSError:  # no IPv6 on this host: gRPC binds 0.0.0.0
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind(("0.0.0.0", 0))
-        return s
-    try:
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind(("::", 0))
-    except OSError:
-        s.close()
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind(("0.0.0.0", 0))
-    return s
+    """A socket bound to a free port on the wildcard address gRPC takes, with ``SO_REUSEPORT``."""
+    failed: list[str] = []
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):  # dual-stack first, as gRPC
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as err:  # no IPv6 on this host
+            failed.append(f"{host}: {err}")
+            continue
+        try:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind((host, 0))
+            return s
+        except OSError as err:
+            s.close()
+            failed.append(f"{host}: {err}")
+    raise OSError(f"reserved_port: no free port could be bound ({'; '.join(failed)})")
 
 
 @contextmanager

@@ -67,3 +67,18 @@ def test_a_jax_coordinator_starts_on_a_held_port_and_dies_on_a_taken_one():
 def test_the_coordinator_is_on_loopback_only_when_every_process_shares_a_host():
     assert coordinator_host(["a", "a", "a"]) == "127.0.0.1"
     assert coordinator_host(["node7", "node8", "node7"]) == "node7"
+
+
+def test_without_ipv6_the_port_is_held_on_every_ipv4_address(monkeypatch):
+    real = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    with reserved_port() as port:
+        with real(socket.AF_INET) as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
