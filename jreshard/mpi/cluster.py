@@ -26,12 +26,12 @@ def initialize(comm: Any = None, *, port: int | None = None) -> None:
     ``comm`` defaults to ``MPI.COMM_WORLD``, where jax's ``mpi4py`` cluster
     detection gives each process the devices of its local rank; a
     sub-communicator (one program of an MPMD launch) makes each program its
-    own jax cluster. Process 0 of
-    ``comm`` hosts the coordinator: on ``port`` if given, else on a free port it
-    keeps reserved until the coordinator has bound it, so no other process can
-    take it in between. The coordinator address is loopback when every process
-    of ``comm`` runs on one host, else process 0's host name. Set the CPU device
-    count with ``JAX_NUM_CPU_DEVICES`` before jax starts.
+    own jax cluster. Process 0 of ``comm`` hosts the coordinator: on ``port``
+    if given, else on a free port it keeps reserved until the coordinator has
+    bound it, so no other process can take it in between. The coordinator
+    address is loopback when every process of ``comm`` runs on one host, else
+    process 0's host name. Set the CPU device count with
+    ``JAX_NUM_CPU_DEVICES`` before jax starts.
     """
     import socket
 
