@@ -8,6 +8,7 @@ processes must be the MPI processes of ``comm``
 
 from __future__ import annotations
 
+import socket
 from contextlib import ExitStack
 from typing import Any
 
@@ -33,8 +34,6 @@ def initialize(comm: Any = None, *, port: int | None = None) -> None:
     process 0's host name. Set the CPU device count with
     ``JAX_NUM_CPU_DEVICES`` before jax starts.
     """
-    import socket
-
     import jax
 
     MPI = import_mpi()
