@@ -58,6 +58,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -499,8 +500,11 @@ def _split(
     return (None if kept is None else (kept, addresses, sizes, len(buffers))), rest
 
 
-_ROW_CACHE: dict[int, tuple] = {}  # id(table) -> (table, its analysis): tables that cannot change
-_ROW_CACHE_MAX = 4096
+_ROW_CACHE: dict[int, tuple[weakref.ref, tuple]] = {}
+"""``id(table) -> (a weak reference to it, its analysis)`` for tables that cannot change (the schedule's, which
+every round of every refit runs again): an entry lives as long as its table, so a schedule's tables stay analysed
+while the schedule lives, however many there are, and go with it."""
+_SELF = object()  # stands for the table itself in a cached analysis (which must not keep its table alive)
 
 
 def _frozen(a: object) -> bool:
@@ -526,17 +530,17 @@ def _byte_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int], np
     the kernel can take), the buffers they name, and those rows and the rest (:func:`_take`). Cached for
     tables that cannot change (the schedule's, which every round of every refit runs again)."""
     hit = _ROW_CACHE.get(id(table))
-    if hit is not None and hit[0] is table:
-        return hit[1]
+    if hit is not None and hit[0]() is table:
+        return tuple(table if x is _SELF else x for x in hit[1])  # type: ignore[return-value]
     t = np.ascontiguousarray(table, np.int64)
     nd = np.clip(t[:, NDIM], 1, MAX_DIMS)
     take = (t[:, CAST] == 0) & (t[np.arange(len(t)), STRIDE0 + nd - 1] == 1)
     take.setflags(write=False)
     got = (t, take, np.unique(t[take, BUF]).tolist(), *_take(t, take))
     if _frozen(table):
-        if len(_ROW_CACHE) >= _ROW_CACHE_MAX:
-            _ROW_CACHE.clear()
-        _ROW_CACHE[id(table)] = (table, got)  # a strong reference: the id is not reused while cached
+        key = id(table)
+        gone = lambda _, key=key: _ROW_CACHE.pop(key, None)  # noqa: E731 - the table died: so does its entry
+        _ROW_CACHE[key] = (weakref.ref(table, gone), tuple(_SELF if x is table else x for x in got))
     return got
 
 
