@@ -17,13 +17,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test demo docs lint bench clean
 
-$(STAMP): pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_casts.c jreshard/schedule/_rows.c jreshard/_stream.h
+$(STAMP): pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_casts.c jreshard/schedule/_rows.c jreshard/schedule/_rows.h jreshard/engine/_replay.c jreshard/_stream.h
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]' -c tools/test-constraints.txt
 	$(BIN)/python -m pip install -q --no-deps nixl-cu12
 	$(BIN)/python -c "from jreshard.views import native; assert native.available(), 'the compiled casts were not built'"
 	$(BIN)/python -c "from jreshard.schedule import kernels; assert kernels.compiled_rows(), 'the compiled byte rows were not built'"
+	$(BIN)/python -c "from jreshard.engine import replay; assert replay.compiled_replay(), 'the compiled replay was not built'"
 	touch $(STAMP)
 
 # $(call await,file,what): wait for a background step's status file, at most 20 minutes.

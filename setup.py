@@ -1,6 +1,7 @@
-"""jreshard's compiled parts: float32 <-> bfloat16 casts for views, and the byte rows of descriptor tables.
+"""jreshard's compiled parts: float32 <-> bfloat16 casts for views, the byte rows of descriptor tables, and the
+replay of prepared refits.
 
-Both are optional: where no C compiler is found the build goes on without them, and
+All are optional: where no C compiler is found the build goes on without them, and
 ``jreshard.views.native`` and ``jreshard.schedule.kernels`` fall back to numpy (same bytes, slower).
 """
 
@@ -22,7 +23,14 @@ setup(
         Extension(
             "jreshard.schedule._rows",
             ["jreshard/schedule/_rows.c"],
-            depends=["jreshard/_stream.h"],
+            depends=["jreshard/_stream.h", "jreshard/schedule/_rows.h"],
+            optional=True,
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "jreshard.engine._replay",
+            ["jreshard/engine/_replay.c"],
+            depends=["jreshard/_stream.h", "jreshard/schedule/_rows.h"],
             optional=True,
             extra_compile_args=FLAGS,
         ),

@@ -78,6 +78,11 @@ class TransferReport:
       compile_s: backend xla: seconds compiling the program (0 when it came from the cache).
       padding_bytes: backend xla: bytes this process's collectives sent beyond the payload (every pair
         of a ``ppermute`` sends the length of its largest member); not counted in ``moved_bytes``.
+      rounds: exchange rounds the engine ran for this process (0 in one process's direct copies).
+      replayed_rounds: of those, the rounds replayed from a program an earlier call prepared (on the same
+        communicator, schedule and arenas); the others were prepared by this call.
+      idle_s: of the pack, network, fanout and unpack seconds, those the engine spent waiting for peers or the
+        wire (polling a group that had not completed); 0 where the transport cannot tell.
 
     Example:
       >>> r = TransferReport(backend=Backend.LOCAL, local_bytes=2_000_000_000, total_s=1.0)
@@ -105,6 +110,9 @@ class TransferReport:
     not_in_place: tuple[tuple[int, NotInPlace], ...] = ()
     compile_s: float = 0.0
     padding_bytes: int = 0
+    rounds: int = 0
+    replayed_rounds: int = 0
+    idle_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, Backend) or self.backend is Backend.AUTO:
@@ -118,6 +126,8 @@ class TransferReport:
             "fresh_bytes",
             "not_in_place_bytes",
             "padding_bytes",
+            "rounds",
+            "replayed_rounds",
         ):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 0:
@@ -152,6 +162,14 @@ class TransferReport:
     def network_gbps(self) -> float:
         """``network_bytes / network_s`` in GB/s; 0 when no network time was recorded."""
         return self.network_bytes / self.network_s / 1e9 if self.network_s > 0 else 0.0
+
+    @property
+    def host_us_per_round(self) -> float:
+        """The engine's host time per round, in microseconds: its pack, network, fan-out and unpack seconds less
+        the seconds it waited idle (:attr:`idle_s`), over :attr:`rounds` (0 when no round ran). Over a wire that
+        moves the bytes slower than the host packs them this is the host's share of each round."""
+        busy = self.pack_s + self.network_s + self.fanout_s + self.unpack_s - self.idle_s
+        return max(busy, 0.0) / self.rounds * 1e6 if self.rounds else 0.0
 
     def bytes_by_link(self) -> dict[Link, int]:
         """``{Link.LOCAL: ..., Link.FAST: ..., Link.NETWORK: ...}``."""
@@ -196,10 +214,13 @@ class ReportBuilder:
         "_bytes",
         "_clock",
         "_fresh",
+        "_idle",
         "_messages",
         "_padding",
         "_peak",
         "_reason",
+        "_replayed",
+        "_rounds",
         "_seconds",
         "_staging",
         "_start",
@@ -221,6 +242,8 @@ class ReportBuilder:
         self._unowned = 0
         self._why: list[tuple[int, NotInPlace]] = []
         self._padding = 0
+        self._rounds = self._replayed = 0
+        self._idle = 0.0
 
     def choose(self, backend: Backend, reason: str) -> None:
         """Record the backend once it is picked (a builder starts before the choice is made)."""
@@ -264,6 +287,13 @@ class ReportBuilder:
         """Count bytes a collective sent beyond its payload (backend xla)."""
         self._padding += int(nbytes)
 
+    def add_rounds(self, rounds: int, *, replayed: bool, idle_s: float = 0.0) -> None:
+        """Count ``rounds`` the engine ran (``replayed``: from a program an earlier call prepared), of whose phase
+        time ``idle_s`` seconds were spent waiting on peers."""
+        self._rounds += int(rounds)
+        self._replayed += int(rounds) if replayed else 0
+        self._idle += float(idle_s)
+
     def staging(self, delta: int) -> None:
         """Staging memory grew (``delta > 0``) or shrank; the peak is kept."""
         self._staging += int(delta)
@@ -293,4 +323,7 @@ class ReportBuilder:
             not_in_place_bytes=self._unowned,
             not_in_place=tuple(sorted(self._why, key=lambda w: w[0])),
             padding_bytes=self._padding,
+            rounds=self._rounds,
+            replayed_rounds=self._replayed,
+            idle_s=self._idle,
         )

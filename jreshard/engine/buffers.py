@@ -231,6 +231,10 @@ class Buffers(abc.ABC, Generic[B]):
 
     staging_buffers: int = 1
     host_ordered: bool = True
+    native_rows: bool = False
+    """Whether the buffers are host memory with the buffer protocol whose packs and unpacks are exactly the
+    compiled byte rows (``jreshard/schedule/_rows.c``), so a prepared refit may run them in its compiled replay
+    (:mod:`jreshard.engine.replay`) instead of calling :meth:`pack` and :meth:`unpack`."""
 
     def prepare(self, jobs: Iterable[tuple[str, np.ndarray, Sequence[B | None], B]]) -> None:
         """Before a schedule's first round: every ``("pack" | "unpack", table, buffers, staging)`` it
@@ -318,6 +322,7 @@ class CpuBuffers(Buffers[np.ndarray]):
     """
 
     __slots__ = ("pool",)
+    native_rows = kernels.compiled_rows()
 
     def __init__(self, pool: BufferPool | None = None):
         self.pool = default_pool() if pool is None else pool

@@ -15,6 +15,12 @@ A transport whose posted messages move while the host does other work (``posts_a
 MPI, whose library, peer or network card moves them) also splits a group into
 :meth:`Communicator.start_rows` and the :class:`Posted` group's ``wait``, so the
 round loop packs the next round while this one is on the wire.
+
+Prepared groups. A transport that can make its requests once and start them again every step (MPI's
+persistent requests) implements :meth:`Communicator.prepare`: it returns the :class:`PreparedGroups` of a
+program's every exchange group, which the engine's replay (:mod:`jreshard.engine.replay`) binds to the step's
+buffers and starts, round by round, with no operation object made per chunk. Where it also gives the C
+functions that start and poll them (:class:`NativeGroups`), a whole refit replays in one compiled call.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
-__all__ = ["Communicator", "Posted", "RecvOp", "Row", "SendOp", "ops_of_rows"]
+import numpy as np
+
+__all__ = ["Communicator", "NativeGroups", "Posted", "PreparedGroups", "RecvOp", "Row", "SendOp", "ops_of_rows"]
 
 Row = tuple[int, int, int, int, int, int]
 """One operation of :meth:`Communicator.exchange_rows`: ``(src, dst, tag, buffer, offset, nbytes)``."""
@@ -84,6 +92,85 @@ def ops_of_rows(
     )
 
 
+Group = tuple[Sequence[Row], Sequence[Row]]
+"""One exchange group of a program: its send rows and its receive rows."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NativeGroups:
+    """What the compiled replay (``jreshard/engine/_replay.c``) needs to start and poll prepared groups itself.
+
+    Attributes:
+      groups: ``(ngroups, 4)`` int64: per group its requests ``[lo, hi)`` and its local copies ``[lo, hi)``.
+      copies: ``(ncopies, 5)`` int64: ``(src buffer, src offset, dst buffer, dst offset, nbytes)``, the messages
+        between ranks of this process, copied when their group starts (buffers index the step's buffer list).
+      requests: the requests' handles, ``req_size`` bytes each, back to back (re-made handles are written here).
+      expect: per request, the bytes a receive must get (``-1`` for a send).
+      statuses: scratch for the statuses of the largest group, ``status_size`` bytes each.
+      indices: scratch int32 for the indices of the largest group.
+      byte_type: the handle of the byte datatype, for ``count``.
+      undefined: what ``test`` returns as the count of a group whose requests all completed (``MPI_UNDEFINED``).
+      start, test, count: addresses of C functions with the signatures of ``MPI_Startall``, ``MPI_Testsome`` and
+        ``MPI_Get_count``.
+    """
+
+    groups: np.ndarray
+    copies: np.ndarray
+    requests: np.ndarray
+    req_size: int
+    expect: np.ndarray
+    statuses: np.ndarray
+    status_size: int
+    indices: np.ndarray
+    byte_type: int
+    undefined: int
+    start: int
+    test: int
+    count: int
+
+
+class PreparedGroups(abc.ABC):
+    """A communicator's requests for every exchange group of one program, made once, started every step.
+
+    :meth:`bind` makes them against the step's buffers (the first step) or re-makes those whose buffer moved
+    (a later one), so no request ever points at memory the step does not hand over. ``start`` and ``wait`` run
+    one group as :meth:`Communicator.start_rows` and :meth:`Posted.wait` do, bounded by ``timeout_s``.
+    """
+
+    native: NativeGroups | None = None
+    """The groups as the compiled replay drives them (``None``: started and polled from Python only)."""
+
+    @abc.abstractmethod
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+        """Point the requests at this step's buffers: ``addresses`` and byte ``sizes`` (``-1``: no buffer) per
+        index of the step's buffer list. Only requests whose buffer moved are re-made.
+
+        Raises:
+          TransferError: a message would leave its buffer (nothing was posted).
+        """
+
+    @abc.abstractmethod
+    def start(self, group: int, timeout_s: float) -> None:
+        """Start group ``group``; it must complete within ``timeout_s`` from now."""
+
+    @abc.abstractmethod
+    def wait(self, group: int) -> None:
+        """Wait for the started group ``group`` (raises as :meth:`Communicator.exchange`)."""
+
+    @abc.abstractmethod
+    def abort(self, group: int, why: str) -> None:
+        """Give up the started group ``group`` (the communicator is then broken)."""
+
+    @abc.abstractmethod
+    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> NoReturn:
+        """The compiled replay stopped in group ``group`` with a ``FAIL_*`` ``code`` of ``_replay.c``: give the
+        group up and raise what :meth:`wait` would have raised."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free the requests (none may be started)."""
+
+
 class Communicator(abc.ABC):
     """Grouped, non-blocking point-to-point messages between jreshard ranks (abstract).
 
@@ -136,6 +223,16 @@ class Communicator(abc.ABC):
         """
         self.exchange_rows(sends, recvs, buffers, timeout_s=timeout_s)
         return _DONE
+
+    def prepare(self, groups: Sequence[Group]) -> PreparedGroups | None:
+        """The requests of every group of a program, to be bound and started every step (default: ``None``, the
+        transport posts each group afresh through :meth:`start_rows`).
+
+        Args:
+          groups: each group's ``(sends, recvs)`` rows, in the order the program runs them; a row's buffer
+            indexes the buffer list later given to :meth:`PreparedGroups.bind`.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Release transport resources (default: nothing to release)."""

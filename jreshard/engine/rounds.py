@@ -54,6 +54,7 @@ import numpy as np
 
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator, Row
+from jreshard.engine.replay import ops_of, replay_of
 from jreshard.errors import TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
@@ -163,56 +164,32 @@ def execute(
     rep.staging(held)
     # One list of every buffer an operation can name: each local rank's shard buffers, then its arenas.
     bases: list[Any] = []
+    segments: dict[int, int] = {}
     for r in ranks:
+        segments[r] = len(bases)
         bases += bufs[r]
         bases += arenas[r]
-    buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
-    pack, unpack, fence, exchange = buffers.pack, buffers.unpack, buffers.fence, comm.exchange_rows
-    timeout_s = options.timeout_s
     ahead = prog.ahead if comm.posts_ahead else (False,) * len(prog.rounds)
-    rounds = prog.rounds
-    pack_s = network_s = fanout_s = 0.0
+    nbuf = 2 * schedule.ntensors
+    replay, fresh = replay_of(
+        comm, prog, lambda: ops_of(prog.rounds, ahead, segments, nbuf), posts_ahead=comm.posts_ahead
+    )
+    replay.intact = local_bytes == 0  # a step that fails before its rounds has written no destination byte
+    if not buffers.native_rows:
+        buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
     t3 = clock()
-    for i, (packs, groups, unpacks, network) in enumerate(rounds):
-        if not ahead[i]:  # else its packs ran while the round before was on the wire (never round 0)
-            for table, b, arena in packs:
-                pack(table, bufs[b], bases[arena])
-            fence()  # ordered before the sends; no host wait where the buffers can avoid one
-        t1 = clock()
-        packed_s = 0.0
-        *whole, (sends, recvs) = groups  # the last group is posted ahead when the next round's packs can run
-        for s, v in whole:
-            exchange(s, v, bases, timeout_s=timeout_s)
-        if i + 1 == len(rounds) or not ahead[i + 1]:
-            exchange(sends, recvs, bases, timeout_s=timeout_s)
-        else:
-            posted = comm.start_rows(sends, recvs, bases, timeout_s=timeout_s)
-            ta = clock()
-            try:  # the next round's packs, into the other arena, from source shards this group leaves alone
-                for table, b, arena in rounds[i + 1][0]:
-                    pack(table, bufs[b], bases[arena])
-                fence()
-            except BaseException as err:
-                posted.abort(f"a pack failed while a group was posted: {err!r}")
-                raise
-            packed_s = clock() - ta
-            posted.wait()
-        t2 = clock()
-        for table, b, arena in unpacks:
-            unpack(table, bases[arena], bufs[b])
-        pack_s += t1 - t3 + packed_s
-        if network:
-            network_s += t2 - t1 - packed_s
-        else:
-            fanout_s += t2 - t1 - packed_s
-        t3 = clock()
-        unpack_s += t3 - t2
+    pack_s, network_s, fanout_s, unpack_rounds_s, idle_s = replay.run(
+        comm, buffers, bufs, bases, options.timeout_s, clock
+    ).tolist()
+    t4 = clock()
     buffers.synchronize()
-    unpack_s += clock() - t3
+    unpack_s += unpack_rounds_s + clock() - t4
+    pack_s += max(t4 - t3 - (pack_s + network_s + fanout_s + unpack_rounds_s), 0.0)  # binding the step's buffers
     rep.add_seconds(ReportPhase.PACK, pack_s)
     rep.add_seconds(ReportPhase.NETWORK, network_s)
     rep.add_seconds(ReportPhase.FANOUT, fanout_s)
     rep.add_seconds(ReportPhase.UNPACK, unpack_s)
+    rep.add_rounds(len(prog.rounds), replayed=not fresh, idle_s=idle_s)
     rep.add_bytes(Link.LOCAL, local_bytes)
     for link in Link:
         rep.add_bytes(link, prog.sent_bytes[link], messages=prog.messages[link])

@@ -16,6 +16,13 @@ Posting ahead. :meth:`MpiComm.start_rows` posts a group and returns it; its ``wa
 requests as :meth:`MpiComm.exchange` does, until ``timeout_s`` after the post, so the round loop packs
 its next round while MPI moves this one.
 
+Prepared refits. :meth:`MpiComm.prepare` makes every group of a program once as MPI persistent requests
+(``Send_init``/``Recv_init`` over raw addresses, so no request keeps a step's buffer alive); each step
+re-makes only the requests whose buffer moved, and starts and polls the rest (``Startall``, ``Testall``),
+from the engine's compiled replay where the MPI library mpi4py loaded can be found (its ``MPI_Startall``,
+``MPI_Testsome`` and ``MPI_Get_count``), else from Python. Matching, tags, timeouts and failures are as for
+:meth:`MpiComm.exchange`.
+
 Failure. A wait longer than ``timeout_s`` cancels the outstanding receives,
 abandons the outstanding sends (their buffers are kept alive until
 :meth:`close`) and raises :class:`TransferTimeoutError` naming every rank and
@@ -28,14 +35,29 @@ of aborting the job; they are raised as :class:`PeerError`.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn, cast
 
-from jreshard.engine.comm import Communicator, Posted, RecvOp, Row, SendOp, ops_of_rows
-from jreshard.engine.loopback import match_and_copy
-from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
+import numpy as np
+
+from jreshard.engine import replay
+from jreshard.engine.comm import (
+    Communicator,
+    Group,
+    NativeGroups,
+    Posted,
+    PreparedGroups,
+    RecvOp,
+    Row,
+    SendOp,
+    ops_of_rows,
+)
+from jreshard.engine.loopback import match, match_and_copy
+from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
 
 __all__ = ["MpiComm", "import_mpi"]
 
@@ -150,19 +172,29 @@ class MpiComm(Communicator):
         pending = self._start(*ops_of_rows(sends, recvs, buffers))
         return _MpiPosted(self, pending, timeout_s, deadline)
 
-    def _start(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[Any, SendOp | RecvOp]]:
+    def prepare(self, groups: Sequence[Group]) -> PreparedGroups:
+        """Persistent requests for every group of a program (bound to buffers by the engine each step)."""
+        return _MpiPrepared(self, groups)
+
+    def _check_open(self) -> None:
         if self._broken is not None:
             raise PeerError(
                 f"MpiComm is broken since an earlier failure ({self._broken}); "
                 "the fix is to form a new communicator (and group) among the surviving processes",
                 destination_intact=True,
             )
+
+    def _check_ends(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> None:
         for s in sends:
             if self.process_of(s.src) != self._me:
                 raise ValueError(f"MpiComm.exchange: send from rank {s.src}, which process {self._me} does not drive")
         for r in recvs:
             if self.process_of(r.dst) != self._me:
                 raise ValueError(f"MpiComm.exchange: receive at rank {r.dst}, which process {self._me} does not drive")
+
+    def _start(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[Any, SendOp | RecvOp]]:
+        self._check_open()
+        self._check_ends(sends, recvs)
         key = lambda op: (op.src, op.dst, op.tag)  # noqa: E731
         sends = sorted(sends, key=key)
         recvs = sorted(recvs, key=key)
@@ -268,9 +300,11 @@ class MpiComm(Communicator):
             time.sleep(1e-3)
 
     def close(self) -> None:
-        """Free the duplicate communicator (skipped when broken: a dead peer may never answer)."""
+        """Free the prepared requests and the duplicate communicator (skipped when broken: a dead peer may
+        never answer)."""
         if self._comm is None:
             return
+        replay.release(self)
         if self._broken is None:
             self._comm.Free()
         self._comm = None
@@ -292,3 +326,248 @@ class _MpiPosted(Posted):
         pending, self._pending = self._pending, []
         if pending:
             self._comm._abort(pending, why)
+
+
+@functools.cache
+def _mpi_functions(version: str) -> tuple[int, int, int] | None:
+    """The addresses of ``MPI_Startall``, ``MPI_Testsome`` and ``MPI_Get_count`` in the MPI library this process
+    loaded for mpi4py (the one whose ``MPI_Get_library_version`` is ``version``), or ``None`` where it cannot be
+    found (then prepared groups are started and polled from Python)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "/libmpi" in ln and ".so" in ln})
+    except OSError:  # pragma: no cover - not Linux
+        return None
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            get = lib.MPI_Get_library_version
+        except (OSError, AttributeError):
+            continue
+        text, n = ctypes.create_string_buffer(8192), ctypes.c_int(0)
+        if get(text, ctypes.byref(n)) != 0 or text.value.decode(errors="replace") != version:
+            continue
+        return tuple(ctypes.cast(getattr(lib, f), ctypes.c_void_p).value or 0 for f in _FUNCTIONS)  # type: ignore[return-value]
+    return None
+
+
+_FUNCTIONS = ("MPI_Startall", "MPI_Testsome", "MPI_Get_count")
+
+
+class _Region:
+    """Buffer ``index`` of a prepared program, sliced to ``(index, offset, nbytes)`` (no memory: the requests are
+    made from addresses when they are bound)."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __getitem__(self, part: slice) -> tuple[int, int, int]:
+        return (self.index, part.start, part.stop - part.start)
+
+
+class _Where:
+    """The buffer list of a prepared program, as :func:`ops_of_rows` slices it."""
+
+    def __getitem__(self, index: int) -> _Region:
+        return _Region(index)
+
+
+_WHERE = cast(Sequence[Any], _Where())
+_SEND, _PROC, _TAG, _BUF, _OFF, _NBYTES, _SRC, _DST, _JTAG = range(9)  # columns of _MpiPrepared's requests
+
+
+class _MpiPrepared(PreparedGroups):
+    """The persistent requests of every group of one program on an :class:`MpiComm` (final)."""
+
+    def __init__(self, comm: MpiComm, groups: Sequence[Group]):
+        MPI = comm._MPI
+        self._comm, self._MPI = comm, MPI
+        meta: list[tuple[int, ...]] = []
+        copies: list[tuple[int, int, int, int, int]] = []
+        spans: list[tuple[int, int, int, int]] = []
+        me, proc = comm._me, comm._proc
+        for sends, recvs in groups:
+            send_ops, recv_ops = ops_of_rows(sends, recvs, _WHERE)  # each op's buffer: (buffer, offset, nbytes)
+            comm._check_ends(send_ops, recv_ops)
+            key = lambda op: (op.src, op.dst, op.tag)  # noqa: E731
+            send_ops.sort(key=key)
+            recv_ops.sort(key=key)
+            lo, copy_lo = len(meta), len(copies)
+            for r in recv_ops:
+                if proc[r.src] != me:
+                    meta.append((0, proc[r.src], comm._tag(r), *r.buffer, r.src, r.dst, r.tag))
+            for s in send_ops:
+                if comm.process_of(s.dst) != me:
+                    meta.append((1, proc[s.dst], comm._tag(s), *s.buffer, s.src, s.dst, s.tag))
+            local_sends = [s for s in send_ops if proc[s.dst] == me]
+            local_recvs = [r for r in recv_ops if proc[r.src] == me]
+            for s, r in match(local_sends, local_recvs, size=lambda b: b[2]):
+                copies.append((s.buffer[0], s.buffer[1], r.buffer[0], r.buffer[1], s.buffer[2]))
+            spans.append((lo, len(meta), copy_lo, len(copies)))
+        self._meta = np.array(meta, np.int64).reshape(-1, 9)
+        self._spans = spans
+        self._copies = np.array(copies, np.int64).reshape(-1, 5)
+        self._reqs: list[Any] = [None] * len(meta)
+        self._bound = np.full(len(meta), -1, np.int64)  # the address each request was made with
+        self._addr: np.ndarray | None = None
+        self._deadline = [0.0] * len(spans)
+        self._timeout = [0.0] * len(spans)
+        req_size, status_size = MPI._sizeof(MPI.Request), MPI._sizeof(MPI.Status)
+        self._handles = np.zeros(len(meta) * req_size, np.uint8)
+        self._handle_view = self._handles.view({4: np.uint32, 8: np.uint64}.get(req_size, np.uint8))
+        self._handle_mask = (1 << (8 * req_size)) - 1
+        fns = _mpi_functions(MPI.Get_library_version()) if req_size in (4, 8) else None
+        if fns is not None and all(fns) and replay.compiled_replay():
+            widest = max((hi - lo for lo, hi, _, _ in spans), default=0)
+            self.native = NativeGroups(
+                groups=np.array(spans, np.int64).reshape(-1, 4),
+                copies=self._copies,
+                requests=self._handles,
+                req_size=req_size,
+                expect=np.where(self._meta[:, _SEND] == 1, -1, self._meta[:, _NBYTES]).astype(np.int64),
+                statuses=np.zeros(max(widest, 1) * status_size, np.uint8),
+                status_size=status_size,
+                indices=np.zeros(max(widest, 1), np.int32),
+                undefined=int(MPI.UNDEFINED),
+                byte_type=int(MPI.BYTE.handle)
+                if int(MPI.BYTE.handle) < (1 << 63)
+                else int(MPI.BYTE.handle) - (1 << 64),
+                start=fns[0],
+                test=fns[1],
+                count=fns[2],
+            )
+
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+        self._comm._check_open()
+        meta = self._meta
+        for what, buf, off, n in (
+            ("message", meta[:, _BUF], meta[:, _OFF], meta[:, _NBYTES]),
+            ("local message", self._copies[:, 0], self._copies[:, 1], self._copies[:, 4]),
+            ("local message", self._copies[:, 2], self._copies[:, 3], self._copies[:, 4]),
+        ):
+            bad = np.nonzero((off < 0) | (n < 0) | (off + n > sizes[buf]) | ((n > 0) & (addresses[buf] == 0)))[0]
+            if len(bad):
+                i = int(bad[0])
+                raise TransferError(
+                    f"MpiComm: a {what} of {int(n[i])} bytes at offset {int(off[i])} would leave buffer {int(buf[i])} "
+                    f"of {int(sizes[buf[i]])} bytes (-1: none given); nothing was posted",
+                    destination_intact=True,
+                )
+        self._addr = addresses
+        where = addresses[meta[:, _BUF]] + meta[:, _OFF]
+        MPI, comm = self._MPI, self._comm._comm
+        for i in np.nonzero(where != self._bound)[0].tolist():
+            old = self._reqs[i]
+            if old is not None:
+                old.Free()
+            m = meta[i]
+            buf = MPI.buffer.fromaddress(int(where[i]), int(m[_NBYTES]), readonly=bool(m[_SEND]))
+            make = comm.Send_init if m[_SEND] else comm.Recv_init
+            req = make(buf, int(m[_PROC]), int(m[_TAG]))
+            self._reqs[i] = req
+            self._handle_view[i] = int(req.handle) & self._handle_mask
+            self._bound[i] = where[i]
+
+    def _ops(self, lo: int, hi: int) -> list[tuple[Any, SendOp | RecvOp]]:
+        """Requests ``lo:hi`` with the operations they carry (for the messages and clean-up of a failure)."""
+        out: list[tuple[Any, SendOp | RecvOp]] = []
+        for i in range(lo, hi):
+            m = self._meta[i]
+            row = (int(m[_SRC]), int(m[_DST]), int(m[_JTAG]), int(m[_BUF]), int(m[_OFF]), int(m[_NBYTES]))
+            sends, recvs = ops_of_rows([row] if m[_SEND] else [], [] if m[_SEND] else [row], _WHERE)
+            out.append((self._reqs[i], (sends or recvs)[0]))
+        return out
+
+    def start(self, group: int, timeout_s: float) -> None:
+        self._comm._check_open()
+        lo, hi, clo, chi = self._spans[group]
+        self._deadline[group], self._timeout[group] = time.monotonic() + timeout_s, timeout_s
+        try:
+            if hi > lo:
+                self._MPI.Prequest.Startall(self._reqs[lo:hi])
+        except self._MPI.Exception as err:
+            self._comm._abort(self._ops(lo, hi), f"MPI error while posting: {err}")
+            raise PeerError(f"MpiComm.exchange: MPI error while posting the group: {err}") from err
+        addr = self._addr
+        assert addr is not None
+        for sb, so, db, do, n in self._copies[clo:chi].tolist():  # messages between ranks of this process
+            ctypes.memmove(int(addr[db]) + do, int(addr[sb]) + so, n)
+
+    def wait(self, group: int) -> None:
+        lo, hi, _, _ = self._spans[group]
+        MPI, reqs = self._MPI, self._reqs[lo:hi]
+        statuses = [MPI.Status() for _ in reqs]
+        sleep, left = 0.0, hi - lo
+        while left:  # as MpiComm's wait: Testsome, backing off only while nothing completes
+            try:
+                done = MPI.Request.Testsome(reqs, statuses)
+            except MPI.Exception as err:
+                self._comm._abort(self._pending(lo, hi), f"MPI error: {err}")
+                raise PeerError(f"MpiComm.exchange: MPI reported a failure while waiting on a group: {err}") from err
+            if done is None:  # every request inactive: all completed
+                break
+            if done:
+                for i, status in zip(done, statuses, strict=False):  # statuses[k] belongs to done[k]
+                    m = self._meta[lo + i]
+                    if not m[_SEND] and status.Get_count(MPI.BYTE) != m[_NBYTES]:
+                        self._size_mismatch(lo + i, status.Get_count(MPI.BYTE))
+                left -= len(done)
+                sleep = 0.0
+                continue
+            if time.monotonic() > self._deadline[group]:
+                self._comm._timeout(self._pending(lo, hi), self._timeout[group])
+            time.sleep(sleep)
+            sleep = min(2 * sleep + 1e-5, _MAX_SLEEP_S)
+
+    def _pending(self, lo: int, hi: int) -> list[tuple[Any, SendOp | RecvOp]]:
+        """The requests of ``lo:hi`` that have not completed."""
+        out = []
+        for req, op in self._ops(lo, hi):
+            try:
+                if req.Test():
+                    continue
+            except self._MPI.Exception:
+                pass
+            out.append((req, op))
+        return out
+
+    def _size_mismatch(self, i: int, got: int) -> NoReturn:
+        m = self._meta[i]
+        self._comm._broken = "size mismatch"
+        raise PeerError(
+            f"MpiComm.exchange: rank {int(m[_SRC])} sent rank {int(m[_DST])} {got} bytes under tag {int(m[_JTAG])}, "
+            f"expected {int(m[_NBYTES])}; the two sides planned differently"
+        )
+
+    def abort(self, group: int, why: str) -> None:
+        lo, hi, _, _ = self._spans[group]
+        self._comm._abort(self._pending(lo, hi), why)
+
+    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> NoReturn:
+        lo, hi, _, _ = self._spans[group]
+        if code == _FAIL_TIMEOUT:
+            self._comm._timeout(self._pending(lo, hi), timeout_s)
+        if code == _FAIL_SIZE:
+            self._size_mismatch(request, value)
+        try:
+            text = self._MPI.Get_error_string(value)
+        except self._MPI.Exception:  # pragma: no cover
+            text = "unknown"
+        self._comm._abort(self._pending(lo, hi), f"MPI error {value}: {text}")
+        raise PeerError(
+            f"MpiComm.exchange: MPI reported error {value} ({text}) in a group of ranks "
+            f"{_short([int(m) for m in self._meta[lo:hi, _DST]] + [int(m) for m in self._meta[lo:hi, _SRC]])}"
+        )
+
+    def release(self) -> None:
+        if self._comm._broken is None and self._comm._comm is not None:
+            for req in self._reqs:
+                if req is not None:
+                    req.Free()
+        self._reqs = [None] * len(self._reqs)
+        self._bound[:] = -1
+
+
+_FAIL_TIMEOUT, _FAIL_SIZE = 1, 3  # _replay.c's FAIL_TIMEOUT and FAIL_SIZE

@@ -2,8 +2,8 @@
 their shard) into staging, in small chunks, so each sender packs the next round while MPI moves the round
 before.
 
-Every destination shard is checked against numpy's cast; the result counts the groups this process posted
-ahead (``MpiComm.start_rows``) and the rounds it packed ahead.
+Every destination shard is checked against numpy's cast; the result counts the groups this process's program
+posts ahead (a start with packs before its wait, :mod:`jreshard.engine.replay`) and the rounds it packed ahead.
 """
 
 import numpy as np
@@ -17,9 +17,8 @@ def body() -> dict:
     from jax.sharding import PartitionSpec as P
 
     import jreshard
-    from jreshard.engine import rounds
+    from jreshard.engine import replay, rounds
     from jreshard.mpi.cluster import initialize
-    from jreshard.mpi.comm import MpiComm
 
     initialize()
     devs = jax.devices()
@@ -31,13 +30,14 @@ def body() -> dict:
     g = (np.arange(np.prod(shape), dtype=np.float32).reshape(shape) * np.float32(1.0001)) - 5000
     x = jax.make_array_from_callback(shape, src, lambda idx: g[idx], dtype=np.float32)
     starts = [0]
-    start = MpiComm.start_rows
+    ops_of = replay.ops_of
 
-    def counted(self, *args, **kwargs):
-        starts[0] += 1
-        return start(self, *args, **kwargs)
+    def counted(*args, **kwargs):
+        ops = ops_of(*args, **kwargs)
+        starts[0] += sum(op[0] == replay.START for op in ops.ops)
+        return ops
 
-    MpiComm.start_rows = counted
+    rounds.ops_of = counted
     ahead = [0]
     compile_rounds = rounds.compile_rounds
 

@@ -33,6 +33,8 @@ def value(name: str, shape: tuple, version: int) -> np.ndarray:
 def body() -> dict:
     from mpi4py import MPI
 
+    from jreshard.engine import replay
+
     role = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "ok"
     steps = int(os.environ.get("JRESHARD_STEPS", "5"))
@@ -120,6 +122,18 @@ def body() -> dict:
 
             group._comm.exchange = dying(group._comm.exchange)
             group._comm.start_rows = dying(group._comm.start_rows)
+            # A prepared refit starts its groups itself: the victim's are re-prepared to run from Python, with
+            # the same count of posts before it dies (its survivors replay theirs as usual).
+            replay.release(group._comm)
+            prepare = group._comm.prepare
+
+            def prepared(groups, prepare=prepare, dying=dying):
+                p = prepare(groups)
+                p.native = None
+                p.start = dying(p.start)
+                return p
+
+            group._comm.prepare = prepared
         t0 = time.monotonic()
         try:
             if role == "source":

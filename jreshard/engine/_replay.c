@@ -1,0 +1,391 @@
+/* A prepared refit, replayed in one call (jreshard.engine.replay): packs, starts, deadline-bounded waits
+ * and unpacks of every round, with the GIL released.
+ *
+ * A prepared program is a list of operations, OP_WORDS int64 words each, built once per (schedule, ranks,
+ * transport) in Python:
+ *
+ *   PACK   table rows seg nbuf arena     gather the byte rows of ``table`` from the buffers addr[seg:seg+nbuf]
+ *   UNPACK table rows seg nbuf arena     into the staging arena addr[arena] (UNPACK: scatter them back)
+ *   START  group . . . phase             start the group's requests, then copy its local messages
+ *   WAIT   group . . . phase             poll the group's requests until all completed, within timeout_ns
+ *                                        of its START; check every receive got the bytes it expected
+ *
+ * The buffers are named by index into two arrays that the caller refreshes every step: their addresses and
+ * byte sizes (``addresses``, read from this step's shard and staging buffers). ``validate`` checks every row
+ * and every local copy against those sizes; the caller runs it whenever a size changed since the last check,
+ * so ``run`` trusts them. The transport is three C functions given by address, with MPI's signatures
+ * (MPI_Startall, MPI_Testsome, MPI_Get_count; ``undefined`` is MPI_UNDEFINED): the requests are opaque handles of ``req_size`` bytes, the
+ * statuses ``status_size`` bytes; this file includes no MPI header and links no MPI library.
+ *
+ * ``run`` adds each operation's time to its phase (pack, network, fan-out, unpack; ``times[4]`` gets the part of
+ * the waits spent idle, after a poll found the group incomplete) and returns 0; on a failure
+ * it stops at once and fills ``fail`` = (code, group, request, value): FAIL_TIMEOUT (a group past its
+ * deadline), FAIL_TRANSPORT (a start or poll returned ``value``), FAIL_SIZE (receive ``request`` got ``value``
+ * bytes). A signal (Ctrl-C) while it waits raises in Python with ``fail`` = (FAIL_SIGNAL, group, ...), so the
+ * caller can give the posted group up. Nothing is left posted except on failure, which the caller handles.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <time.h>
+
+#include "../schedule/_rows.h"
+
+#define OP_WORDS 6
+#define OP_PACK 1
+#define OP_UNPACK 2
+#define OP_START 3
+#define OP_WAIT 4
+#define GROUP_WORDS 4 /* req_lo, req_hi, copy_lo, copy_hi */
+#define COPY_WORDS 5  /* src buffer, src offset, dst buffer, dst offset, nbytes */
+#define PHASES 4
+
+#define FAIL_TIMEOUT 1
+#define FAIL_TRANSPORT 2
+#define FAIL_SIZE 3
+#define FAIL_SIGNAL 4
+
+#define TIGHT_POLLS 16         /* polls before the first sleep: a round's messages usually land within these */
+#define MAX_SLEEP_NS 1000000   /* the poll's sleep backs off to 1 ms (8 processes on 2 cores stay responsive) */
+#define SIGNAL_EVERY_NS 50000000 /* while sleeping, look for a pending signal every 50 ms */
+
+typedef int (*start_fn)(int, void *);
+typedef int (*test_fn)(int, void *, int *, int *, void *);
+typedef int (*count_fn)(const void *, long, int *);
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* The program, as ``run`` and ``validate`` read it. */
+typedef struct {
+    const int64_t *ops, *groups, *copies, *addr, *size, *expect;
+    Py_ssize_t nops, ngroups, ncopies, nbuf;
+    char *reqs, *statuses;
+    int *indices;
+    Py_ssize_t req_size, status_size;
+    long byte_type;
+    int undefined;
+    start_fn start;
+    test_fn test;
+    count_fn count;
+} program;
+
+static int parse(PyObject *args, program *p, int with_transport) {
+    unsigned long long ops, groups, copies, addr, size, expect = 0, reqs = 0, statuses = 0, indices = 0, start = 0,
+                                                         test = 0, count = 0;
+    long byte_type = 0;
+    int undefined = 0;
+    Py_ssize_t req_size = 0, status_size = 0;
+    if (with_transport) {
+        if (!PyArg_ParseTuple(args, "KnKnKnKKnKKnKnKliKKK", &ops, &p->nops, &groups, &p->ngroups, &copies,
+                              &p->ncopies, &addr, &size, &p->nbuf, &expect, &reqs, &req_size, &statuses, &status_size,
+                              &indices, &byte_type, &undefined, &start, &test, &count)) {
+            return 0;
+        }
+    } else if (!PyArg_ParseTuple(args, "KnKnKnKKn", &ops, &p->nops, &groups, &p->ngroups, &copies, &p->ncopies, &addr,
+                                 &size, &p->nbuf)) {
+        return 0;
+    }
+    if (p->nops < 0 || p->ngroups < 0 || p->ncopies < 0 || p->nbuf < 0 || req_size < 0 || status_size < 0 ||
+        (p->nops && !ops) || (p->ngroups && !groups) || (p->ncopies && !copies) || (p->nbuf && (!addr || !size)) ||
+        (with_transport && p->ngroups && (!start || !test || !count || !statuses || !indices))) {
+        PyErr_SetString(PyExc_ValueError, "replay: a negative count or a null address");
+        return 0;
+    }
+    p->ops = (const int64_t *)(uintptr_t)ops, p->groups = (const int64_t *)(uintptr_t)groups;
+    p->copies = (const int64_t *)(uintptr_t)copies, p->addr = (const int64_t *)(uintptr_t)addr;
+    p->size = (const int64_t *)(uintptr_t)size, p->expect = (const int64_t *)(uintptr_t)expect;
+    p->reqs = (char *)(uintptr_t)reqs, p->statuses = (char *)(uintptr_t)statuses;
+    p->indices = (int *)(uintptr_t)indices, p->undefined = undefined;
+    p->req_size = req_size, p->status_size = status_size, p->byte_type = byte_type;
+    p->start = (start_fn)(uintptr_t)start, p->test = (test_fn)(uintptr_t)test, p->count = (count_fn)(uintptr_t)count;
+    return 1;
+}
+
+/* Whether the local copy c lies inside both of its buffers. */
+static int copy_ok(const int64_t *c, const program *p) {
+    int64_t end;
+    for (int side = 0; side < 2; side++) {
+        int64_t b = c[2 * side], off = c[2 * side + 1];
+        if (b < 0 || b >= p->nbuf || p->addr[b] == 0 || off < 0 || c[4] < 0 ||
+            __builtin_add_overflow(off, c[4], &end) || end > p->size[b]) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* validate(ops, nops, groups, ngroups, copies, ncopies, addresses, sizes, nbuf): -1 when every row of every
+ * PACK and UNPACK and every local copy lies inside its buffers; else the index of the first operation (or
+ * nops + k for local copy k) that does not. */
+static PyObject *py_validate(PyObject *self, PyObject *args) {
+    (void)self;
+    program p = {0};
+    if (!parse(args, &p, 0)) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < p.nops; i++) {
+        const int64_t *op = p.ops + OP_WORDS * i;
+        if (op[0] == OP_PACK || op[0] == OP_UNPACK) {
+            const int64_t *table = (const int64_t *)(uintptr_t)op[1];
+            int64_t seg = op[3], n = op[4], arena = op[5];
+            if (seg < 0 || n < 0 || seg > p.nbuf - n || arena < 0 || arena >= p.nbuf || p.addr[arena] == 0) {
+                return PyLong_FromSsize_t(i);
+            }
+            for (int64_t k = 0; k < op[2]; k++) {
+                if (!row_ok(table + COLUMNS * k, p.addr + seg, p.size + seg, n, p.size[arena])) {
+                    return PyLong_FromSsize_t(i);
+                }
+            }
+        } else if (op[0] == OP_START || op[0] == OP_WAIT) {
+            if (op[1] < 0 || op[1] >= p.ngroups) {
+                return PyLong_FromSsize_t(i);
+            }
+        } else {
+            return PyLong_FromSsize_t(i);
+        }
+    }
+    for (Py_ssize_t g = 0; g < p.ngroups; g++) {
+        const int64_t *gr = p.groups + GROUP_WORDS * g;
+        if (gr[0] < 0 || gr[1] < gr[0] || gr[2] < 0 || gr[3] < gr[2] || gr[3] > p.ncopies) {
+            return PyLong_FromSsize_t(p.nops + p.ncopies);
+        }
+    }
+    for (Py_ssize_t k = 0; k < p.ncopies; k++) {
+        if (!copy_ok(p.copies + COPY_WORDS * k, &p)) {
+            return PyLong_FromSsize_t(p.nops + k);
+        }
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* Poll group g's requests until all completed or its deadline passed; 0, or a FAIL_ code with fail filled.
+ * The poll is MPI_Testsome's: each call completes what it can and says which, so the loop backs off (sleeps)
+ * only while nothing completes, and checks each receive's byte count as it completes. The time from the
+ * first poll that completed nothing to the group's completion is added to ``idle``: the host waited on its
+ * peers or the wire. */
+static int wait_group(const program *p, Py_ssize_t g, int64_t deadline, int64_t *fail, double *idle,
+                      PyThreadState **save) {
+    const int64_t *gr = p->groups + GROUP_WORDS * g;
+    int n = (int)(gr[1] - gr[0]), left = n;
+    char *reqs = p->reqs + gr[0] * p->req_size;
+    int64_t sleep_ns = 0, signal_at = 0, idle_from = 0;
+    int polls = 0;
+    while (left > 0) {
+        int out = 0;
+        int rc = p->test(n, reqs, &out, p->indices, p->statuses);
+        if (rc != 0) {
+            fail[0] = FAIL_TRANSPORT, fail[1] = g, fail[2] = -1, fail[3] = rc;
+            return FAIL_TRANSPORT;
+        }
+        if (out == p->undefined) { /* every request inactive: all completed */
+            break;
+        }
+        if (out > 0) {
+            for (int j = 0; j < out; j++) { /* a receive that got other than the planned bytes: the sides differ */
+                int64_t k = gr[0] + p->indices[j], want = p->expect[k];
+                if (want < 0) {
+                    continue;
+                }
+                int got = -1;
+                rc = p->count(p->statuses + (Py_ssize_t)j * p->status_size, p->byte_type, &got);
+                if (rc != 0 || got != want) {
+                    fail[0] = FAIL_SIZE, fail[1] = g, fail[2] = k, fail[3] = rc != 0 ? -1 : got;
+                    return FAIL_SIZE;
+                }
+            }
+            left -= out;
+            sleep_ns = 0, polls = 0;
+            continue;
+        }
+        int64_t t = now_ns();
+        if (!idle_from) {
+            idle_from = t;
+        }
+        if (t > deadline) {
+            fail[0] = FAIL_TIMEOUT, fail[1] = g, fail[2] = -1, fail[3] = 0;
+            return FAIL_TIMEOUT;
+        }
+        if (polls++ < TIGHT_POLLS) {
+            continue;
+        }
+        if (t >= signal_at) {
+            PyEval_RestoreThread(*save);
+            int sig = PyErr_CheckSignals();
+            *save = PyEval_SaveThread();
+            if (sig < 0) {
+                fail[0] = FAIL_SIGNAL, fail[1] = g, fail[2] = -1, fail[3] = 0;
+                return FAIL_SIGNAL;
+            }
+            signal_at = t + SIGNAL_EVERY_NS;
+        }
+        struct timespec ts = {0, (long)sleep_ns};
+        nanosleep(&ts, NULL);
+        sleep_ns = 2 * sleep_ns + 10000;
+        if (sleep_ns > MAX_SLEEP_NS) {
+            sleep_ns = MAX_SLEEP_NS;
+        }
+    }
+    if (idle_from) {
+        *idle += (double)(now_ns() - idle_from) * 1e-9;
+    }
+    return 0;
+}
+
+/* run(ops, nops, groups, ngroups, copies, ncopies, addresses, sizes, nbuf, expect, requests, req_size, statuses,
+ * status_size, indices, byte_type, undefined, start, test, count, timeout_ns, times, fail): the whole program (see
+ * the top); ``statuses`` and ``indices`` (int) hold as many as the largest group has requests. */
+static PyObject *py_run(PyObject *self, PyObject *args) {
+    (void)self;
+    program p = {0};
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n != 23) {
+        PyErr_SetString(PyExc_TypeError, "replay.run takes 23 arguments");
+        return NULL;
+    }
+    PyObject *head = PyTuple_GetSlice(args, 0, 20);
+    if (head == NULL) {
+        return NULL;
+    }
+    int ok = parse(head, &p, 1);
+    Py_DECREF(head);
+    long long timeout_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(args, 20));
+    unsigned long long times_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 21));
+    unsigned long long fail_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 22));
+    if (!ok || PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!times_p || !fail_p || timeout_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "replay.run: a null times or fail array, or a negative timeout");
+        return NULL;
+    }
+    double *times = (double *)(uintptr_t)times_p;
+    int64_t *fail = (int64_t *)(uintptr_t)fail_p;
+    int64_t *posted = NULL;
+    if (p.ngroups) {
+        posted = (int64_t *)PyMem_RawMalloc(sizeof(int64_t) * (size_t)p.ngroups);
+        if (posted == NULL) {
+            return PyErr_NoMemory();
+        }
+    }
+    int code = 0;
+    PyThreadState *save = PyEval_SaveThread();
+    int64_t t = now_ns();
+    for (Py_ssize_t i = 0; i < p.nops && code == 0; i++) {
+        const int64_t *op = p.ops + OP_WORDS * i;
+        int phase = 0;
+        if (op[0] == OP_PACK || op[0] == OP_UNPACK) {
+            const int64_t *table = (const int64_t *)(uintptr_t)op[1];
+            int unpack = op[0] == OP_UNPACK;
+            char *staging = (char *)(uintptr_t)p.addr[op[5]];
+            int64_t total = 0;
+            for (int64_t k = 0; k < op[2]; k++) {
+                total += table[COLUMNS * k + C_NBYTES];
+            }
+            int stream = total >= STREAM_MIN;
+            for (int64_t k = 0; k < op[2]; k++) {
+                copy_row(table + COLUMNS * k, p.addr + op[3], staging, unpack, stream);
+            }
+            if (stream) {
+                STREAM_FENCE();
+            }
+            phase = unpack ? 3 : 0;
+        } else {
+            Py_ssize_t g = (Py_ssize_t)op[1];
+            const int64_t *gr = p.groups + GROUP_WORDS * g;
+            phase = (int)op[5];
+            if (op[0] == OP_START) {
+                posted[g] = now_ns();
+                int rc = gr[1] > gr[0] ? p.start((int)(gr[1] - gr[0]), p.reqs + gr[0] * p.req_size) : 0;
+                if (rc != 0) {
+                    fail[0] = FAIL_TRANSPORT, fail[1] = g, fail[2] = -1, fail[3] = rc;
+                    code = FAIL_TRANSPORT;
+                    break;
+                }
+                for (int64_t k = gr[2]; k < gr[3]; k++) {
+                    const int64_t *c = p.copies + COPY_WORDS * k;
+                    memcpy((char *)(uintptr_t)p.addr[c[2]] + c[3], (const char *)(uintptr_t)p.addr[c[0]] + c[1],
+                           (size_t)c[4]);
+                }
+            } else if (gr[1] > gr[0]) {
+                code = wait_group(&p, g, posted[g] + timeout_ns, fail, times + PHASES, &save);
+            }
+        }
+        int64_t t2 = now_ns();
+        times[phase] += (double)(t2 - t) * 1e-9;
+        t = t2;
+    }
+    PyEval_RestoreThread(save);
+    PyMem_RawFree(posted);
+    if (code == FAIL_SIGNAL) {
+        return NULL; /* the signal's exception is set; fail says which group was posted */
+    }
+    return PyLong_FromLong(code);
+}
+
+/* addresses(buffers, addresses, sizes, readonly): for each object of the sequence ``buffers`` (None, or one that
+ * exports a contiguous buffer), write its address and byte size (0 and -1 for None; address 0 for an empty one) and whether it is read-only,
+ * into the int64 arrays at the three addresses. Raises TypeError for an object with no contiguous buffer. */
+static PyObject *py_addresses(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *seq;
+    unsigned long long addr_p, size_p, ro_p;
+    if (!PyArg_ParseTuple(args, "OKKK", &seq, &addr_p, &size_p, &ro_p)) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(seq, "addresses: buffers must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    int64_t *addr = (int64_t *)(uintptr_t)addr_p, *size = (int64_t *)(uintptr_t)size_p, *ro = (int64_t *)(uintptr_t)ro_p;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (items[i] == Py_None) {
+            addr[i] = 0, size[i] = -1, ro[i] = 1;
+            continue;
+        }
+        Py_buffer view;
+        if (PyObject_GetBuffer(items[i], &view, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        addr[i] = (int64_t)(uintptr_t)view.buf, size[i] = (int64_t)view.len, ro[i] = view.readonly;
+        if (view.len == 0) {
+            addr[i] = 0; /* an empty buffer is no buffer: no row may name it */
+        }
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(n);
+}
+
+static PyMethodDef methods[] = {
+    {"run", py_run, METH_VARARGS, "run(...): replay a prepared program (see jreshard/engine/_replay.c)."},
+    {"validate", py_validate, METH_VARARGS, "validate(...): -1, or the first operation that leaves its buffers."},
+    {"addresses", py_addresses, METH_VARARGS, "addresses(buffers, addresses, sizes, readonly): read buffers."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_replay", "Prepared refits replayed in one call.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__replay(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "OP_WORDS", OP_WORDS) || PyModule_AddIntConstant(m, "OP_PACK", OP_PACK) ||
+        PyModule_AddIntConstant(m, "OP_UNPACK", OP_UNPACK) || PyModule_AddIntConstant(m, "OP_START", OP_START) ||
+        PyModule_AddIntConstant(m, "OP_WAIT", OP_WAIT) || PyModule_AddIntConstant(m, "GROUP_WORDS", GROUP_WORDS) ||
+        PyModule_AddIntConstant(m, "COPY_WORDS", COPY_WORDS) || PyModule_AddIntConstant(m, "COLUMNS", COLUMNS) ||
+        PyModule_AddIntConstant(m, "FAIL_TIMEOUT", FAIL_TIMEOUT) ||
+        PyModule_AddIntConstant(m, "FAIL_TRANSPORT", FAIL_TRANSPORT) ||
+        PyModule_AddIntConstant(m, "FAIL_SIZE", FAIL_SIZE) || PyModule_AddIntConstant(m, "FAIL_SIGNAL", FAIL_SIGNAL)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

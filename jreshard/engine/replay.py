@@ -1,0 +1,432 @@
+"""Prepared refits: a schedule's compiled rounds turned once into a list of operations, bound to the
+transport's prepared requests, and replayed every step.
+
+A refit runs the same rounds every step: the same packs from the same tables, the same messages between
+the same peers, into staging arenas that come back at the same addresses (the staging pool hands the last
+refit's arena out again). So, the way ``jax.jit`` prepares a computation, the engine prepares a refit:
+
+- **Once per program** (a :class:`~jreshard.engine.rounds.CompiledRounds` and a communicator):
+  the round loop's order is flattened into operations (:class:`Ops`: pack, start, wait, exchange, unpack,
+  with the packs that run while a group is posted placed between its start and its wait), and the
+  transport makes its requests for every group (:meth:`Communicator.prepare`: MPI persistent requests).
+- **Every step**: the addresses and sizes of the step's shard and staging buffers are read in one pass
+  (:func:`addresses`); requests whose buffer moved are re-made (:meth:`PreparedGroups.bind`), and every
+  descriptor row is checked again against the buffer sizes whenever one changed, so nothing ever writes
+  through a stale pointer or past a buffer's end. Then the operations run: in one compiled call with the
+  GIL released (``_replay.c``) where the buffers are host memory moved by the compiled byte rows and the
+  transport gave the C functions that start and poll its requests, else in a Python loop over the same
+  operations (casting tables, GPU buffers, transports that post each group afresh).
+
+Every wait stays bounded by ``timeout_s`` from its group's start, as in the Python loop; a failure gives the
+posted group up (the communicator is then broken) and raises what the transport raises.
+
+Replays are cached per communicator (at most :data:`PER_COMM`, the oldest released first) and keyed by the
+compiled program, so a new schedule, layout, dtype, view, option or arena count (each makes a new program)
+prepares anew; a moved buffer re-makes only the requests that name it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from jreshard.engine.buffers import Buffers
+from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups
+from jreshard.engine.strided import checking_bounds
+from jreshard.errors import TransferError
+
+__all__ = [
+    "EXCHANGE",
+    "FENCE",
+    "PACK",
+    "PER_COMM",
+    "START",
+    "UNPACK",
+    "WAIT",
+    "Ops",
+    "Replay",
+    "addresses",
+    "compiled_replay",
+    "ops_of",
+    "replay_of",
+]
+
+PACK, UNPACK, START, WAIT, EXCHANGE, FENCE = 1, 2, 3, 4, 5, 6
+"""Operation codes (the first four are ``_replay.c``'s; an exchange is a start and its wait, a fence orders
+packs before the next start and is nothing on host-ordered buffers)."""
+
+PHASE_PACK, PHASE_NETWORK, PHASE_FANOUT, PHASE_UNPACK = 0, 1, 2, 3
+PER_COMM = 8
+
+_native: ModuleType | None
+try:
+    from jreshard.engine import _replay as _native
+except ImportError:  # not built (no compiler, or a checkout run in place)
+    _native = None
+if _native is not None and (_native.OP_PACK, _native.OP_UNPACK, _native.OP_START, _native.OP_WAIT) != (
+    PACK,
+    UNPACK,
+    START,
+    WAIT,
+):  # pragma: no cover - a stale build
+    _native = None
+
+
+def compiled_replay() -> bool:
+    """Whether the compiled replay (``jreshard/engine/_replay.c``) was built and loads."""
+    return _native is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Ops:
+    """A compiled program's rounds as one list of operations (final).
+
+    Attributes:
+      ops: per operation, ``(code, ...)``: ``(PACK | UNPACK, table, rank, arena, phase)``, ``(FENCE, phase)``,
+        ``(START | WAIT | EXCHANGE, group, phase)``; ``arena`` indexes the step's buffer list, ``rank`` the
+        process's ranks, ``phase`` the report phase its time counts to.
+      groups: the exchange groups, ``(sends, recvs)`` rows, in the order they run.
+      native: the operations as ``_replay.c`` reads them (``(n, 6)`` int64: exchanges split, fences dropped),
+        or ``None`` where a table holds rows it cannot run (cast rows, strided innermost runs).
+      tables: the C-ordered tables the native operations point into (kept alive here).
+      written: the indices of the step's buffer list that receives and unpacks write.
+      rounds: the rounds the program runs.
+    """
+
+    ops: tuple[tuple, ...]
+    groups: tuple[Group, ...]
+    native: np.ndarray | None
+    tables: tuple[np.ndarray, ...]
+    written: np.ndarray
+    rounds: int
+
+
+def ops_of(
+    rounds: Sequence[tuple[tuple, tuple, tuple, bool]],
+    ahead: Sequence[bool],
+    segments: Mapping[int, int],
+    nbuf: int,
+) -> Ops:
+    """The operations of compiled ``rounds`` (:attr:`CompiledRounds.rounds`), in the round loop's order.
+
+    Args:
+      rounds: per round ``(packs, groups, unpacks, network)``.
+      ahead: per round, whether its packs run while the round before is posted (all false: each in its turn).
+      segments: per rank, where its shard buffers start in the step's buffer list.
+      nbuf: shard buffers per rank (two per tensor).
+    """
+    ops: list[tuple] = []
+    groups: list[Group] = []
+    written: set[int] = set()
+
+    def packs_of(packs: tuple) -> None:
+        for table, r, arena in packs:
+            ops.append((PACK, table, r, arena, PHASE_PACK))
+        ops.append((FENCE, PHASE_PACK))
+
+    n = len(rounds)
+    for i, (packs, round_groups, unpacks, network) in enumerate(rounds):
+        phase = PHASE_NETWORK if network else PHASE_FANOUT
+        if packs and not ahead[i]:
+            packs_of(packs)
+        for k, (sends, recvs) in enumerate(round_groups):
+            g = len(groups)
+            groups.append((sends, recvs))
+            written.update(row[3] for row in recvs)
+            last = k == len(round_groups) - 1
+            if last and i + 1 < n and ahead[i + 1] and rounds[i + 1][0]:
+                ops.append((START, g, phase))
+                packs_of(rounds[i + 1][0])  # the next round's packs, while this group is on the wire
+                ops.append((WAIT, g, phase))
+            else:
+                ops.append((EXCHANGE, g, phase))
+        for table, r, arena in unpacks:
+            ops.append((UNPACK, table, r, arena, PHASE_UNPACK))
+            written.update(segments[r] + b for b in np.unique(table[:, 0]).tolist())
+    native, tables = _native_ops(ops, segments, nbuf)
+    return Ops(
+        ops=tuple(ops),
+        groups=tuple(groups),
+        native=native,
+        tables=tables,
+        written=np.array(sorted(written), np.int64),
+        rounds=n,
+    )
+
+
+def _native_ops(ops: list[tuple], segments: Mapping[int, int], nbuf: int) -> tuple[np.ndarray | None, tuple]:
+    if _native is None:
+        return None, ()
+    out: list[tuple[int, ...]] = []
+    tables: list[np.ndarray] = []
+    for op in ops:
+        code = op[0]
+        if code in (PACK, UNPACK):
+            table = np.ascontiguousarray(op[1], np.int64)
+            if table.ndim != 2 or table.shape[1] != _native.COLUMNS:
+                return None, ()
+            if table[:, -1].any():  # cast rows: the Python loop runs them (the compiled casts)
+                return None, ()
+            tables.append(table)
+            out.append((code, table.ctypes.data, len(table), segments[op[2]], nbuf, op[3]))
+        elif code == EXCHANGE:
+            out.append((START, op[1], 0, 0, 0, op[2]))
+            out.append((WAIT, op[1], 0, 0, 0, op[2]))
+        elif code in (START, WAIT):
+            out.append((code, op[1], 0, 0, 0, op[2]))
+    native = np.array(out, np.int64).reshape(-1, _native.OP_WORDS)
+    native.setflags(write=False)
+    return native, tuple(tables)
+
+
+def addresses(buffers: Sequence[Any], out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+    """The address, byte size (``-1`` for ``None``) and read-only flag of each buffer (host arrays with the buffer
+    protocol), as three int64 arrays (written into ``out`` when given, of the same length).
+
+    >>> a = np.zeros(8, np.uint8)
+    >>> addr, size, ro = addresses([a, None])
+    >>> size.tolist(), ro.tolist(), addr[0] == a.ctypes.data
+    ([8, -1], [0, 1], True)
+    """
+    n = len(buffers)
+    addr, size, ro = out if out is not None else (np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64))
+    if _native is not None:
+        _native.addresses(buffers, addr.ctypes.data, size.ctypes.data, ro.ctypes.data)
+        return addr, size, ro
+    for i, b in enumerate(buffers):
+        if b is None:
+            addr[i], size[i], ro[i] = 0, -1, 1
+        else:
+            size[i], ro[i] = b.nbytes, not b.flags.writeable
+            addr[i] = b.ctypes.data if b.nbytes else 0
+    return addr, size, ro
+
+
+class Replay:
+    """One compiled program bound to one communicator: its operations and the transport's prepared groups (final).
+
+    Built by :func:`replay_of` on a program's first step and cached; :meth:`run` replays it.
+
+    Attributes:
+      steps: how many steps it ran (the first prepared it).
+      native_steps: how many of them ran in the compiled replay.
+    """
+
+    def __init__(self, key: object, ops: Ops, comm: Communicator):
+        self._key = key  # the compiled program: kept alive, so its id names it while cached
+        self.ops = ops
+        self.prepared: PreparedGroups | None = comm.prepare(ops.groups)
+        self.steps = self.native_steps = 0
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._checked: np.ndarray | None = None  # the sizes the native rows were last checked against
+        self._args: tuple | None = None
+        self.intact = True  # whether the step wrote no destination byte before the rounds (no local copies)
+
+    def release(self) -> None:
+        """Free the transport's prepared requests."""
+        if self.prepared is not None:
+            self.prepared.release()
+            self.prepared = None
+
+    def run(
+        self,
+        comm: Communicator,
+        buffers: Buffers[Any],
+        bufs: Mapping[int, list],
+        bases: list[Any],
+        timeout_s: float,
+        clock: Callable[[], float],
+    ) -> np.ndarray:
+        """Run every operation for one step; returns seconds per phase ``[pack, network, fanout, unpack, idle]``.
+
+        Raises:
+          TransferTimeoutError, PeerError: from the transport (the posted group given up);
+          ValueError, TransferError: a row or message that would leave its buffer (nothing was posted).
+        """
+        self.steps += 1
+        prepared = self.prepared
+        native = self.ops.native is not None and buffers.native_rows and prepared is not None
+        native = native and prepared is not None and prepared.native is not None
+        if prepared is not None:
+            arrays = self._arrays
+            if arrays is None or len(arrays[0]) != len(bases):
+                arrays = self._arrays = tuple(np.zeros(len(bases), np.int64) for _ in range(3))  # type: ignore[assignment]
+                self._checked, self._args = None, None
+            assert arrays is not None
+            addr, size, ro = addresses(bases, arrays)
+            prepared.bind(addr, size)
+            if native and self._native_checked(addr, size, ro):
+                self.native_steps += 1
+                return self._run_native(timeout_s)
+        return self._run_python(comm, buffers, bufs, bases, timeout_s, clock)
+
+    def _native_checked(self, addr: np.ndarray, size: np.ndarray, ro: np.ndarray) -> bool:
+        """Whether every native row and local copy lies inside this step's buffers and every buffer written is
+        writable (checked again whenever a size changed, and every step under ``JRESHARD_CHECK_BOUNDS=1``).
+
+        Raises:
+          TransferError: a row or local copy leaves its buffer, or a buffer written is read-only (nothing written).
+        """
+        written = self.ops.written
+        if len(written) and ro[written].any():  # every step: a buffer can turn read-only and keep its size
+            b = int(written[np.nonzero(ro[written])[0][0]])
+            raise TransferError(
+                f"execute: buffer {b} of the step is read-only, and the rounds would write into it; nothing was "
+                "written by the rounds",
+                destination_intact=self.intact,
+            )
+        if self._checked is not None and np.array_equal(size, self._checked) and not checking_bounds():
+            return True
+        assert _native is not None and self.ops.native is not None and self.prepared is not None
+        n = self.prepared.native
+        assert n is not None
+        ops = self.ops.native
+        self._checked = None
+        bad = _native.validate(
+            ops.ctypes.data, len(ops), n.groups.ctypes.data, len(n.groups), n.copies.ctypes.data, len(n.copies),
+            addr.ctypes.data, size.ctypes.data, len(addr),
+        )  # fmt: skip
+        if bad >= 0:
+            what = f"operation {bad} ({ops[bad].tolist()})" if bad < len(ops) else f"local message {bad - len(ops)}"
+            raise TransferError(
+                f"execute: a prepared refit's {what} would leave its buffer: a shard or staging arena is smaller "
+                "than the schedule it was prepared for; nothing was written by the rounds",
+                destination_intact=self.intact,
+            )
+        self._checked = size.copy()
+        return True
+
+    def _run_native(self, timeout_s: float) -> np.ndarray:
+        assert _native is not None and self.prepared is not None and self._arrays is not None
+        n = self.prepared.native
+        ops = self.ops.native
+        assert n is not None and ops is not None
+        if self._args is None:
+            addr, size, _ = self._arrays
+            self._times, self._fail = np.zeros(5), np.zeros(4, np.int64)
+            self._args = (
+                ops.ctypes.data, len(ops), n.groups.ctypes.data, len(n.groups), n.copies.ctypes.data, len(n.copies),
+                addr.ctypes.data, size.ctypes.data, len(addr), n.expect.ctypes.data, n.requests.ctypes.data,
+                n.req_size, n.statuses.ctypes.data, n.status_size, n.indices.ctypes.data, n.byte_type, n.undefined,
+                n.start, n.test, n.count,
+            )  # fmt: skip
+        times, fail = self._times, self._fail
+        times[:] = 0
+        fail[:] = 0
+        try:
+            code = _native.run(*self._args, int(timeout_s * 1e9), times.ctypes.data, fail.ctypes.data)
+        except BaseException:  # a signal while a group was posted: give it up, then let the exception go
+            if fail[1] >= 0 and fail[0]:
+                self.prepared.abort(int(fail[1]), "interrupted while waiting")
+            raise
+        if code:
+            self.prepared.failed(int(fail[1]), code, int(fail[2]), int(fail[3]), timeout_s)
+        return times.copy()
+
+    def _run_python(
+        self,
+        comm: Communicator,
+        buffers: Buffers[Any],
+        bufs: Mapping[int, list],
+        bases: list[Any],
+        timeout_s: float,
+        clock: Callable[[], float],
+    ) -> np.ndarray:
+        """The operations from Python: the transport's prepared groups where it has them, else each group posted
+        afresh (:meth:`Communicator.exchange_rows`, :meth:`Communicator.start_rows`)."""
+        times = np.zeros(5)
+        prepared, groups = self.prepared, self.ops.groups
+        pack, unpack, fence = buffers.pack, buffers.unpack, buffers.fence
+        posted: Posted | None = None
+        started = -1  # the prepared group started and not yet waited on
+        t = clock()
+        for op in self.ops.ops:
+            code = op[0]
+            if code == PACK or code == FENCE:
+                try:
+                    if code == PACK:
+                        pack(op[1], bufs[op[2]], bases[op[3]])
+                    else:
+                        fence()  # ordered before the sends; no host wait where the buffers can avoid one
+                except BaseException as err:
+                    why = f"a pack failed while a group was posted: {err!r}"
+                    if posted is not None:
+                        posted.abort(why)
+                    elif started >= 0 and prepared is not None:
+                        prepared.abort(started, why)
+                    raise
+            elif code == UNPACK:
+                unpack(op[1], bases[op[3]], bufs[op[2]])
+            elif code == EXCHANGE:
+                if prepared is not None:
+                    prepared.start(op[1], timeout_s)
+                    prepared.wait(op[1])
+                else:
+                    sends, recvs = groups[op[1]]
+                    comm.exchange_rows(sends, recvs, bases, timeout_s=timeout_s)
+            elif code == START:
+                if prepared is not None:
+                    prepared.start(op[1], timeout_s)
+                    started = op[1]
+                else:
+                    sends, recvs = groups[op[1]]
+                    posted = comm.start_rows(sends, recvs, bases, timeout_s=timeout_s)
+            else:  # WAIT
+                if prepared is not None:
+                    started = -1
+                    prepared.wait(op[1])
+                else:
+                    assert posted is not None
+                    p, posted = posted, None
+                    p.wait()
+            t2 = clock()
+            times[op[-1]] += t2 - t
+            t = t2
+        return times
+
+
+_by_comm: weakref.WeakKeyDictionary[Communicator, collections.OrderedDict[tuple, Replay]] = weakref.WeakKeyDictionary()
+
+
+def replay_of(
+    comm: Communicator,
+    key: object,
+    build: Callable[[], Ops],
+    *,
+    posts_ahead: bool,
+) -> tuple[Replay, bool]:
+    """The cached :class:`Replay` of program ``key`` on ``comm`` (built with ``build()`` on its first step), and
+    whether it was built now.
+
+    ``key`` is the compiled program (held while cached, so its identity names it). At most :data:`PER_COMM`
+    replays are kept per communicator; the oldest is released when a new one comes.
+    """
+    try:
+        cache = _by_comm.get(comm)
+        if cache is None:
+            cache = _by_comm[comm] = collections.OrderedDict()
+    except TypeError:  # a communicator that takes no weak reference: nothing is cached for it
+        return Replay(key, build(), comm), True
+    k = (id(key), posts_ahead)
+    hit = cache.get(k)
+    if hit is not None and hit._key is key:
+        cache.move_to_end(k)
+        return hit, False
+    replay = cache[k] = Replay(key, build(), comm)
+    while len(cache) > PER_COMM:
+        _, old = cache.popitem(last=False)
+        old.release()
+    return replay, True
+
+
+def release(comm: Communicator) -> None:
+    """Free every replay prepared on ``comm`` (before it closes)."""
+    cache = _by_comm.pop(comm, None)
+    for replay in (cache or {}).values():
+        replay.release()
