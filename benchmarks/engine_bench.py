@@ -1,23 +1,42 @@
-"""The engine's host cost per round: one DeepSeek-V3 128 + 128 destination rank's rounds, run through the
-engine's round loop over a transport and buffers that move nothing.
+"""The engine's host cost per round on the real path: one DeepSeek-V3 128 + 128 destination rank's rounds, run
+by the engine over real CPU buffers and real MPI messages, each step after the first replayed from the program
+the first prepared.
 
-What it measures is the Python the engine spends per round (reading the round's steps, building the
-send and receive operations, the report's bookkeeping, the group cut), with the bytes, the kernels and
-the wire taken out: a null transport completes every exchange at once, null buffers pack and unpack
-nothing. That host time is then set beside the refit's time the cost model predicts (labelled
-predicted) for the same model, ranks and links as ``plan_bench.py`` (GB200 NVL72 racks, 50 GB/s NIC,
-900 GB/s NVLink).
+**What runs.** Two MPI processes (``mpiexec -n 2``, started by this script). Process 0 is the destination rank:
+``jreshard.engine.rounds.execute`` over an :class:`~jreshard.mpi.comm.MpiComm` and :class:`CpuBuffers`, exactly as
+a refit calls it, step after step. Process 1 plays every peer of that rank: per exchange group, the sends the rank
+receives and the receives of what it sends, in the same order, from a prepared program of its own.
 
-Run: ``JAX_PLATFORMS=cpu python benchmarks/engine_bench.py [--repeat 3]``. The schedule is built as
-``plan_bench.py`` builds it (its peers' side of the mail answered from their own programs, computed in
-a separate, untimed process).
+**What is cut.** The rank's real schedule is kept whole: its 2,586 rounds, every group, message, peer, tag and
+descriptor row, in real shard buffers of their real sizes (sparse memory: only the pages the rows touch are
+ever written) and in its staging arena. What is cut is the bytes: every message and every descriptor row moves
+at most ``--row-bytes`` bytes (64 by default) from where it would start. So the wall time of a step is the host
+time the engine spends per round (packs and unpacks of every row, starting and completing every request, the
+round loop, the report), with the bytes, which the wire and memory would move, taken out. That host time is
+then set beside the refit's time the cost model predicts (labelled predicted) for the same model, ranks and
+links as ``plan_bench.py`` (GB200 NVL72 racks, 50 GB/s NIC, 900 GB/s NVLink).
+
+Columns, in the same run: the **prepared** engine (the default: the first step prepares, the others replay), the
+**per-op** engine (the same rounds with every group posted afresh, operation by operation, as before prepared
+refits), and the null transport and null buffers (the round loop alone, no bytes and no messages).
+
+Run: ``JAX_PLATFORMS=cpu python benchmarks/engine_bench.py [--repeat 7]``. The schedule is built as
+``plan_bench.py`` builds it (its peers' side of the mail answered from their own programs, computed in a
+separate, untimed process). The last line is ``engine host: <median> us/round (<min>-<max>), <pct>% of the
+predicted refit``, over the replayed steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import mmap
+import os
+import pickle
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,12 +47,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plan_bench_local import answer_mail, peer_mail_process
 
-from jreshard.engine.buffers import Buffers
+from jreshard.engine import replay
+from jreshard.engine import rounds as rounds_module
+from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
-from jreshard.engine.rounds import Shards, compile_rounds, execute
+from jreshard.engine.rounds import CompiledRounds, Shards, compile_rounds, execute
 from jreshard.models import refit, refit_topology
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
+from jreshard.schedule import kernels
 from jreshard.schedule.pairsched import pair_paced
 from jreshard.sharding.planner import rank_programs
 from jreshard.sharding.rows import TensorSpec
@@ -134,13 +156,186 @@ def schedule_of(name: str, n: int, rank: int) -> tuple[Any, list[TensorSpec], An
     return sched, tensors, r, topo
 
 
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; mmap exports it from Python 3.13 on
+
+
+def sparse(nbytes: int) -> np.ndarray:
+    """``nbytes`` of zero-filled memory that takes no room until written (anonymous, reserving no swap, in small
+    pages: a row written into a huge page would fault in and zero 2 MiB)."""
+    m = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(m, np.uint8)[:nbytes]
+
+
+def _cut_table(table: np.ndarray, row_bytes: int) -> np.ndarray:
+    """``table`` with each row cut to its first ``row_bytes`` bytes at the same buffer and staging offsets."""
+    t = np.array(table, np.int64)
+    n = np.minimum(t[:, kernels.NBYTES], row_bytes)
+    t[:, kernels.NDIM] = 1
+    t[:, kernels.SHAPE0 : kernels.SHAPE0 + kernels.MAX_DIMS] = 1
+    t[:, kernels.STRIDE0 : kernels.STRIDE0 + kernels.MAX_DIMS] = 0
+    t[:, kernels.SHAPE0], t[:, kernels.STRIDE0], t[:, kernels.NBYTES] = n, 1, n
+    t.setflags(write=False)
+    return t
+
+
+def cut_program(prog: CompiledRounds, row_bytes: int) -> CompiledRounds:
+    """``prog`` with every message and descriptor row cut to at most ``row_bytes`` bytes (rounds, groups, peers,
+    tags, rows and offsets unchanged)."""
+
+    def rows(rs: tuple) -> tuple:
+        return tuple((*r[:5], min(r[5], row_bytes)) for r in rs)
+
+    rounds = tuple(
+        (
+            tuple((_cut_table(t, row_bytes), r, a) for t, r, a in packs),
+            tuple((rows(s), rows(v)) for s, v in groups),
+            tuple((_cut_table(t, row_bytes), r, a) for t, r, a in unpacks),
+            network,
+        )
+        for packs, groups, unpacks, network in prog.rounds
+    )
+    return CompiledRounds(
+        rounds=rounds,
+        ahead=prog.ahead,
+        sent_bytes=prog.sent_bytes,
+        messages=prog.messages,
+        chunks=prog.chunks,
+        needs=prog.needs,
+    )
+
+
+def mirror_rounds(prog: CompiledRounds, row_bytes: int) -> tuple[tuple, int]:
+    """The rounds of the process that plays every peer of ``prog``'s rank: per group of the rank, one group with a
+    send for each of its receives and a receive for each of its sends, each in its own slot of one scratch buffer
+    (buffer 0); and the scratch buffer's size. The peer replays them as the engine does (prepared and compiled), so
+    that it keeps pace with the rank."""
+    rounds, widest = [], 0
+    for _, groups, _, network in prog.rounds:
+        mirrored = []
+        for sends, recvs in groups:
+            widest = max(widest, len(sends) + len(recvs))
+            ms = tuple((s, d, t, 0, k * row_bytes, n) for k, (s, d, t, _, _, n) in enumerate(recvs))
+            mr = tuple((s, d, t, 0, (len(recvs) + k) * row_bytes, n) for k, (s, d, t, _, _, n) in enumerate(sends))
+            mirrored.append((ms, mr))
+        rounds.append(((), tuple(mirrored), (), network))
+    return tuple(rounds), max(widest, 1) * max(row_bytes, 1)
+
+
+def _worker(path: str) -> None:
+    """One of the two MPI processes of the real path (see the module docstring)."""
+    from mpi4py import MPI
+
+    from jreshard.mpi.comm import MpiComm
+
+    class PerOpMpiComm(MpiComm):
+        """MpiComm with no prepared groups: every group posted afresh, operation by operation (the engine's
+        path before prepared refits)."""
+
+        def prepare(self, groups):
+            return None
+
+    with open(path, "rb") as f:
+        job = pickle.load(f)
+    sched, rank, sizes, repeat = job["schedule"], job["rank"], job["sizes"], job["repeat"]
+    world = MPI.COMM_WORLD
+    opts = Options()
+    arenas = 2 if 2 * sched.staging.get(rank, 0) <= opts.staging_bytes else 1
+    prog = compile_rounds(sched, (rank,), (arenas,), opts.max_group_ops)
+    cache = rounds_module._compiled[sched]  # execute() finds its compiled rounds here: it runs the cut program
+    (key,) = (k for k, v in cache.items() if v is prog)
+    peers = sorted(
+        {row[1] for _, gs, _, _ in prog.rounds for s, _ in gs for row in s}
+        | {row[0] for _, gs, _, _ in prog.rounds for _, v in gs for row in v}
+    )
+    rank_process = {rank: 0, **dict.fromkeys(peers, 1)}
+    kinds = {"prepared": MpiComm, "per-op": PerOpMpiComm}
+    out: dict[str, Any] = {}
+    if world.Get_rank() == 0:
+        total = sum(-(-n // 64) * 64 for n in sizes.values())
+        memory, at, dst = sparse(total), 0, {}
+        for t, n in sorted(sizes.items()):
+            dst[(t, rank)] = memory[at : at + n]
+            at += -(-n // 64) * 64
+        shards = Shards(src={}, dst=dst)
+    for name, kind, row_bytes in job["columns"]:
+        cut = cut_program(prog, row_bytes)
+        cache[key] = cut
+        comm = kinds[kind](world, rank_process)
+        if world.Get_rank() == 0:
+            times, cpu, reports = [], [], []
+            for _ in range(repeat + 1):
+                world.Barrier()
+                rep = ReportBuilder(Backend.MPI)
+                c0, t0 = time.thread_time(), time.perf_counter()
+                execute(sched, comm, shards, options=opts, buffers=CpuBuffers(), report=rep)
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+                reports.append(rep.build())
+            out[name] = {
+                "times": times,
+                "cpu": cpu,
+                "idle": [r.idle_s for r in reports],
+                "rounds": reports[-1].rounds,
+                "replayed": [r.replayed_rounds for r in reports],
+                "ops": sum(len(s) + len(v) for _, gs, _, _ in cut.rounds for s, v in gs),
+                "row_bytes": row_bytes,
+                "kind": kind,
+            }
+        else:
+            rounds, nbytes = mirror_rounds(cut, row_bytes)
+            peer = replay.Replay(rounds, replay.ops_of(rounds, (False,) * len(rounds), {}, 0), comm)
+            scratch = [np.zeros(nbytes, np.uint8)]
+            for _ in range(repeat + 1):
+                world.Barrier()
+                peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
+            peer.release()
+        comm.close()
+    if world.Get_rank() == 0:
+        out["compiled"] = replay.compiled_replay()
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+COLUMNS = (
+    ("prepared", "prepared", 0),
+    ("per-op", "per-op", 0),
+    ("prepared, 64 B rows", "prepared", 64),
+)
+"""The real path's columns: (name, engine, bytes each message and descriptor row keeps)."""
+
+
+def real_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, columns: tuple = COLUMNS) -> dict:
+    """Run :func:`_worker` in two MPI processes; their measurements."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    sizes = {
+        t: spec.dst.box_of(rank).volume * spec.dst.itemsize for t, spec in enumerate(tensors) if rank in spec.dst.ranks
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "job.pkl")
+        with open(path, "wb") as f:
+            job = {"schedule": sched, "rank": rank, "sizes": sizes, "repeat": repeat, "columns": columns}
+            pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+        cmd = [str(mpiexec), "-n", "2", sys.executable, str(Path(__file__).resolve()), "--worker", path]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if done.returncode or line is None:
+        raise SystemExit(f"engine_bench: the MPI run failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return json.loads(line[len("RESULT ") :])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="deepseek-v3")
     ap.add_argument("--ranks", type=int, default=128, help="ranks per side")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--profile", action="store_true", help="print where the round loop's time goes")
+    ap.add_argument("--repeat", type=int, default=7, help="replayed steps per column (after the one that prepares)")
+    ap.add_argument("--profile", action="store_true", help="print where the null round loop's time goes")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)  # a pickled job: run as one of the two MPI processes
     args = ap.parse_args(argv)
+    if args.worker:
+        _worker(args.worker)
+        return
     n = args.ranks
     rank = n + n // 2 + 3  # plan_bench.py's destination rank
     sched, tensors, r, topo = schedule_of(args.model, n, rank)
@@ -152,7 +347,6 @@ def main(argv: list[str] | None = None) -> None:
     def timed(kind: type[NullComm]) -> tuple[list[float], Any, NullComm]:
         times, stats, comm = [], None, kind([rank])
         for _ in range(args.repeat):
-            comm = kind([rank])
             t0 = time.perf_counter()
             stats = execute(
                 sched, comm, shards, options=Options(), buffers=NullBuffers(), report=ReportBuilder(Backend.MPI)
@@ -160,11 +354,10 @@ def main(argv: list[str] | None = None) -> None:
             times.append(time.perf_counter() - t0)
         return times, stats, comm
 
-    times, stats, comm = timed(NullComm)
-    sliced, _, _ = timed(SlicingNullComm)
+    times, stats, _ = timed(NullComm)
     assert stats is not None
     med = statistics.median(times)
-    per_round = med / max(stats.rounds, 1)
+    per_round_null = med / max(stats.rounds, 1)
     if args.profile:
         from plan_bench_local import profile
 
@@ -172,26 +365,46 @@ def main(argv: list[str] | None = None) -> None:
         for what, share in profile(run, top=12):
             print(f"   {share * 100:5.1f}%  {what}")
     predicted = simulate_layouts(r.pairs, topo, Options(), r.names).prediction.seconds
-    print(f"== engine host cost: {args.model} {n} + {n}, destination rank {rank}, null transport and buffers")
+    real = real_path(sched, tensors, rank, args.repeat)
+    compiled = real.pop("compiled")
+    rounds = real["prepared"]["rounds"]
+    print(f"== engine host cost: {args.model} {n} + {n}, destination rank {rank}, {rounds} rounds")
     print(
-        f"   rounds {stats.rounds}, exchanges {comm.exchanges}, operations {comm.ops}, chunks received per round "
-        f"{comm.ops / max(comm.exchanges, 1):.1f}"
+        f"   real path: execute() over CpuBuffers and MpiComm, 2 MPI processes (the rank; one playing all its "
+        f"peers), {real['prepared']['ops']} messages a step; compiled replay "
+        f"{'built' if compiled else 'NOT built (replayed from Python)'}"
     )
+    print("   per column: the step that prepares, then per round the median [min-max] of the others: the wall time;")
+    print("   the engine's host time (the wall time less the time it waited idle: from the first poll of a group that")
+    print("   found it incomplete to its completion; per-op posts do not tell, so there it is the wall time); and the")
+    print("   CPU time of the engine's thread (its polls while it waits included, sleep and preemption not)")
+    host: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    for name, col in real.items():
+        r = max(col["rounds"], 1)
+        wall = [t / r * 1e6 for t in col["times"][1:]]
+        host[name] = [(t - i) / r * 1e6 for t, i in zip(col["times"][1:], col["idle"][1:], strict=True)]
+        cpu[name] = [c / r * 1e6 for c in col["cpu"][1:]]
+        print(
+            f"   {name:>19}: rows of {col['row_bytes']} B; first step {col['times'][0] * 1e3:.1f} ms; wall "
+            f"{_spread(wall)}, host {_spread(host[name])}, CPU {_spread(cpu[name])} us per round; replayed "
+            f"{col['replayed'][1]}/{col['rounds']} rounds a step"
+        )
+    ratio = statistics.median(cpu["per-op"]) / statistics.median(cpu["prepared"])
+    print(f"   per-op / prepared CPU time per round: {ratio:.1f}x (same run)")
     print(
-        f"   host time {med * 1e3:.1f} ms median of {args.repeat} "
-        f"(range {min(times) * 1e3:.1f}-{max(times) * 1e3:.1f} ms) = {per_round * 1e6:.1f} us per round"
+        f"   null transport and buffers (Python round loop, nothing moved): {per_round_null * 1e6:.2f} us per round "
+        f"(median of {args.repeat}); compiling the rounds (once per schedule, cached): {compile_s * 1e3:.1f} ms"
     )
-    sl = statistics.median(sliced)
-    print(
-        f"   compiling the rounds (once per schedule, cached): {compile_s * 1e3:.1f} ms; with the default adapter's "
-        f"slices and operation objects (MPI, loopback transports): {sl * 1e3:.1f} ms "
-        f"(range {min(sliced) * 1e3:.1f}-{max(sliced) * 1e3:.1f} ms) = "
-        f"{sl / max(stats.rounds, 1) * 1e6:.1f} us per round"
-    )
-    print(
-        f"   predicted refit (cost model, not measured): {predicted * 1e3:.1f} ms; the engine's host time is "
-        f"{med / predicted * 100:.1f}% of it"
-    )
+    print(f"   predicted refit (cost model, not measured): {predicted * 1e3:.1f} ms")
+    us = host["prepared"]
+    pct = statistics.median(us) * rounds / 1e6 / predicted * 100
+    spread = f"{statistics.median(us):.2f} us/round ({min(us):.2f}-{max(us):.2f})"
+    print(f"engine host: {spread}, {pct:.2f}% of the predicted refit")
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
 
 if __name__ == "__main__":

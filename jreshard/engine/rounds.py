@@ -45,6 +45,7 @@ as fan-out time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -80,11 +81,17 @@ class Shards:
     dst: Mapping[ShardKey, Any]
 
     def of_rank(self, rank: int, ntensors: int) -> list[Any]:
+        """``[src(t0), dst(t0), src(t1), dst(t1), ...]`` of ``rank`` (``None`` where it holds no such shard)."""
+        keys = _keys(rank, ntensors)
         out: list[Any] = [None] * (2 * ntensors)
-        for t in range(ntensors):
-            out[2 * t] = self.src.get((t, rank))
-            out[2 * t + 1] = self.dst.get((t, rank))
+        out[0::2] = map(self.src.get, keys)
+        out[1::2] = map(self.dst.get, keys)
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _keys(rank: int, ntensors: int) -> tuple[ShardKey, ...]:
+    return tuple((t, rank) for t in range(ntensors))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
