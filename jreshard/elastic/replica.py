@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jreshard.auth import resolve_secret
-from jreshard.channel import Channel, connect, listen, parse_address
+from jreshard.channel import Channel, connect, listen, make_room, parse_address
 from jreshard.elastic.pairs import (
     check_like,
     leaves_by_name,
@@ -231,6 +231,9 @@ class ElasticReplica:
                         sock = None
                     if sock is not None:
                         ch = Channel.server(sock, "a joining peer", key=self._key)
+                        victim = make_room(pending, ch)
+                        if victim is not None:
+                            pending.remove(victim)
                         pending.append((ch, time.monotonic() + self.options.timeout_s))
                 self._peers(pending, fetches)
                 if live:
