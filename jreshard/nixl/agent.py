@@ -13,7 +13,12 @@ When a root is garbage collected its registration is released at the next call (
 **Peers.** The agent's metadata (its UCX addresses) is introduced to a peer over an authenticated
 :class:`~jreshard.channel.Channel` (never through NIXL's own listener, which authenticates nothing);
 a registration a peer has not yet seen travels as partial metadata with the descriptors that use
-it. The remote keys of registered memory are therefore only ever sent to authenticated peers.
+it. The remote keys of registered memory are therefore only ever sent to authenticated peers, and
+only sealed (the channel encrypts every frame): someone who reads the wire does not learn them.
+
+**Notifications.** A receive id is 63 random bits (``secrets``), and each is bound to the one agent
+expected to write it: a notification from any other agent, or naming an id nobody waits on, is
+ignored (logged), so a stranger that guesses nothing cannot complete a receive.
 
 **Memory types.** Host buffers (numpy) are ``DRAM``; a buffer with ``__cuda_array_interface__`` (CuPy)
 is ``VRAM`` on its device (not run on GPU).
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import itertools
 import logging
 import os
 import secrets
@@ -43,6 +47,7 @@ from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutE
 __all__ = ["NixlAgent", "Region", "import_nixl"]
 
 NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows
+log = logging.getLogger("jreshard.nixl")
 
 
 def import_nixl() -> Any:
@@ -162,7 +167,8 @@ class NixlAgent:
         self._told: weakref.WeakKeyDictionary[Channel, set[tuple[str, int, int, int]]] = weakref.WeakKeyDictionary()
         self._notices: dict[int, str] = {}  # receive id -> the agent whose notification arrived
         self._abandoned: dict[int, Any] = {}  # receive id -> its buffer, kept alive for a late WRITE
-        self._ids = itertools.count(1)
+        self._expected: dict[int, str] = {}  # receive id -> the only agent whose notification counts
+        self.ignored = 0  # notifications ignored: from an unexpected agent, or for no awaited id
         self.registrations = 0
         self._pid = os.getpid()
         self.closed = False
@@ -295,22 +301,36 @@ class NixlAgent:
         return self._peers[channel]
 
     # ---- notifications --------------------------------------------------------------------------
-    def new_id(self) -> int:
-        """A receive id unique in this agent (its notification names it)."""
-        return next(self._ids)
+    def new_id(self, sender: str) -> int:
+        """A fresh receive id (63 random bits) that only agent ``sender``'s notification completes."""
+        with self._lock:
+            while True:
+                i = secrets.randbits(63)
+                if i and i not in self._expected:
+                    self._expected[i] = sender
+                    return i
 
     def arrived(self, ids: set[int]) -> dict[int, str]:
-        """Which of ``ids`` have been notified (``{id: sending agent}``), removed from the store."""
+        """Which of ``ids`` have been notified by their expected agent (``{id: agent}``), removed from the
+        store. Any other notification is ignored (and counted in :attr:`ignored`)."""
         with self._lock:
             for agent, msgs in self._agent.get_new_notifs().items():
                 for m in msgs:
-                    if m.startswith(NOTICE) and m[len(NOTICE) :].isdigit():
-                        i = int(m[len(NOTICE) :])
-                        if i in self._abandoned:
-                            del self._abandoned[i]  # the late WRITE landed: its buffer may go
-                        else:
-                            self._notices[i] = agent
-            return {i: self._notices.pop(i) for i in ids if i in self._notices}
+                    digits = m[len(NOTICE) :] if m.startswith(NOTICE) else b""
+                    i = int(digits) if digits.isdigit() and len(digits) <= 19 else None
+                    if i is None or self._expected.get(i) != agent:
+                        self.ignored += 1
+                        log.warning("ignored a NIXL notification from agent %r: %r", agent, m[:64])
+                        continue
+                    if i in self._abandoned:
+                        del self._abandoned[i]  # the late WRITE landed: its buffer may go
+                        del self._expected[i]
+                    else:
+                        self._notices[i] = agent
+            out = {i: self._notices.pop(i) for i in ids if i in self._notices}
+            for i in out:
+                del self._expected[i]
+            return out
 
     def abandon(self, receives: Mapping[int, Any]) -> None:
         """Receives given up on (a failed exchange), ``{id: buffer}``: their late notifications are
@@ -320,6 +340,8 @@ class NixlAgent:
             for i, buffer in receives.items():
                 if self._notices.pop(i, None) is None:
                     self._abandoned[i] = buffer
+                else:
+                    self._expected.pop(i, None)
 
     def close(self) -> None:
         """Release every registration and forget every peer."""
@@ -338,3 +360,4 @@ class NixlAgent:
                         pass
             self._peers.clear()
             self._abandoned.clear()
+            self._expected.clear()

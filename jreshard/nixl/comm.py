@@ -15,7 +15,17 @@ failures). A group (:meth:`NixlComm.exchange`) runs as:
    the registered send buffer into the posted address is started, notifying ``jreshard:<id>``
    (a zero-byte message is a notification alone).
 3. **Completion.** A send is done when NIXL reports its transfer ``DONE``; a receive when its
-   notification arrives (NIXL delivers it after the written bytes). The group returns when all are.
+   notification arrives (NIXL delivers it after the written bytes) from the agent it was posted to
+   (receive ids are random; :class:`~jreshard.nixl.agent.NixlAgent`) and, on a sealed connection,
+   its bytes match the tag the sender sent (below). The group returns when all are.
+
+**Integrity.** On a connection with a session (every one between programs), the sender of each
+message sends, inside the sealed channel (``nixl.mac``), a Poly1305 tag of the bytes it writes,
+under a one-time key derived from the session and the receive's id, ranks and tag
+(:meth:`jreshard.auth.Session.mac`); the receiver computes the tag of what landed and compares
+before the group returns. A byte altered on the wire (UCX over TCP is plain text) is
+:class:`PeerError` before anything is unpacked or published. Device (CuPy) buffers are not tagged:
+a message from or into GPU memory is checked by nothing but the transport.
 
 Failure. Every wait is bounded by ``timeout_s``: :class:`TransferTimeoutError` names the ranks that
 did not post (receivers) or did not write (senders). A peer whose connection closes while it still
@@ -33,6 +43,7 @@ Messages between two local ranks are copies (``match_and_copy``).
 from __future__ import annotations
 
 import collections
+import hmac
 import select
 import time
 from collections.abc import Mapping, Sequence
@@ -55,6 +66,15 @@ _NOTICE_GRACE_S = 1.0  # after a peer's connection closes, how long its last not
 
 # A posted receive as the sender holds it: (id, address, nbytes, memory type, device).
 _Posted = tuple[int, int, int, str, int]
+
+
+def _label(i: int, src: int, dst: int, tag: int) -> bytes:
+    """What a message's MAC is bound to: its receive id (random, used once), ranks and tag."""
+    return f"nixl {i} {src} {dst} {tag}".encode()
+
+
+def _host(buffer: Any) -> bool:
+    return not hasattr(buffer, "__cuda_array_interface__")
 
 
 def _short(xs: Sequence[int]) -> str:
@@ -86,6 +106,8 @@ class NixlComm(Communicator):
         self._remote = dict(remote)
         self.broken: str | None = None
         self._posted: dict[tuple[int, int, int], collections.deque[_Posted]] = {}  # posts not yet written to
+        self._tags: dict[int, bytes | None] = {}  # receive id -> the tag its sender sent (None: not tagged)
+        self.verified = 0  # messages whose bytes were checked against their sender's tag
         agent.introduce(list(dict.fromkeys(self._remote.values())), timeout_s=timeout_s)
 
     @property
@@ -129,7 +151,7 @@ class NixlComm(Communicator):
         for r in recvs:
             ch = self._channel(r.src, "source")
             region = self._agent.region(r.buffer)
-            i = self._agent.new_id()
+            i = self._agent.new_id(self._agent.peer(ch))
             waiting[i] = r
             by.setdefault(ch, []).append(
                 [r.src, r.dst, r.tag, i, region.address, region.nbytes, region.mem, region.device]
@@ -144,9 +166,17 @@ class NixlComm(Communicator):
         """Read ``ch``: posted receives into the queues, a peer's failure raised (a closed connection
         is judged by the caller: a peer may close once it has written everything)."""
         ch.pump()
-        for msg in ch.take({"nixl.post", "nixl.fail"}):
+        for msg in ch.take({"nixl.post", "nixl.fail", "nixl.mac"}):
             if msg["op"] == "nixl.fail":
                 raise PeerError(f"NixlComm: {ch.peer} failed the exchange: {msg.get('error', '?')}")
+            if msg["op"] == "nixl.mac":
+                tags = msg.get("tags")
+                try:
+                    for i, t in tags if isinstance(tags, list) else [None]:
+                        self._tags[int(i)] = None if t is None else bytes.fromhex(t)
+                except (TypeError, ValueError) as err:
+                    raise PeerError(f"NixlComm: {ch.peer} sent malformed tags {tags!r:.200}") from err
+                continue
             md, entries = msg.get("md", []), msg.get("recvs")
             if not isinstance(md, list) or not isinstance(entries, list):
                 raise PeerError(f"NixlComm: {ch.peer} sent a malformed post")
@@ -169,8 +199,9 @@ class NixlComm(Communicator):
             pass
         return PeerError(f"NixlComm.exchange: {error}")
 
-    def _start(self, s: SendOp, post: _Posted, ch: Channel) -> Any:
-        """Start the WRITE of ``s`` into ``post``; the transfer handle, or ``None`` when already done."""
+    def _start(self, s: SendOp, post: _Posted, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> Any:
+        """Start the WRITE of ``s`` into ``post`` (its tag added to ``tags``); the transfer handle, or
+        ``None`` when already done."""
         i, addr, n, mem, dev = post
         nbytes = int(s.buffer.nbytes)
         if n != nbytes:
@@ -179,6 +210,9 @@ class NixlComm(Communicator):
                 f"rank {s.src} sends rank {s.dst} {nbytes} bytes under tag {s.tag}, but the receive expects {n}: "
                 "the two sides planned differently",
             )
+        if ch.session is not None:
+            tag = ch.session.mac(_label(i, s.src, s.dst, s.tag), s.buffer) if _host(s.buffer) else None
+            tags.setdefault(ch, []).append([i, None if tag is None else tag.hex()])
         agent = self._agent.nixl
         peer = self._agent.peer(ch)
         notice = NOTICE + str(i).encode()
@@ -214,6 +248,7 @@ class NixlComm(Communicator):
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         closed: dict[Channel, float] = {}  # when each closed connection was first seen with work left
+        landed: dict[int, RecvOp] = {}  # receives notified whose sender's tag has not come yet
         try:
             while True:
                 progress = False
@@ -221,17 +256,21 @@ class NixlComm(Communicator):
                     self._collect(ch)
                     ch.flush()
                 blocked = []
+                tags: dict[Channel, list[list[Any]]] = {}
                 while unsent:  # start every send whose receive is posted, in listed order per key
                     s = unsent.popleft()
                     queue = self._posted.get((s.src, s.dst, s.tag))
                     if not queue:
                         blocked.append(s)
                         continue
-                    handle = self._start(s, queue.popleft(), self._remote[s.dst])
+                    handle = self._start(s, queue.popleft(), self._remote[s.dst], tags)
                     if handle is not None:
                         flying.append((handle, s))
                     progress = True
                 unsent.extend(blocked)
+                for ch, entries in tags.items():  # sealed, beside the WRITEs: the receiver checks what landed
+                    ch.queue_control({"op": "nixl.mac", "tags": entries})
+                    ch.flush()
                 still = []
                 for handle, s in flying:
                     state = agent.check_xfer_state(handle)
@@ -247,13 +286,15 @@ class NixlComm(Communicator):
                 flying = still
                 if waiting:
                     for i in self._agent.arrived(set(waiting)):
-                        del waiting[i]
+                        landed[i] = waiting.pop(i)
                         progress = True
-                if not unsent and not flying and not waiting:
+                for i in [i for i in landed if i in self._tags or self._remote[landed[i].src].session is None]:
+                    self._check(i, landed.pop(i))
+                if not unsent and not flying and not waiting and not landed and not any(ch.sending for ch in channels):
                     return
                 now = time.monotonic()
                 for ch in channels:  # a peer that closed with messages outstanding is gone
-                    if ch.eof and self._outstanding(ch, unsent, waiting):
+                    if ch.eof and self._outstanding(ch, unsent, {**waiting, **landed}):
                         # its last notifications may still be on their way (they travel apart from the
                         # connection): give them _NOTICE_GRACE_S, then it is gone
                         closed.setdefault(ch, now)
@@ -263,7 +304,7 @@ class NixlComm(Communicator):
                     sleep = 0.0
                     continue
                 if time.monotonic() > deadline:
-                    raise self._timeout(list(unsent), flying, waiting, timeout_s)
+                    raise self._timeout(list(unsent), flying, {**waiting, **landed}, timeout_s)
                 if sleep:
                     live = [ch for ch in channels if not ch.eof]
                     if live:
@@ -277,6 +318,20 @@ class NixlComm(Communicator):
                     handle.release()
                 except Exception:
                     pass
+
+    def _check(self, i: int, r: RecvOp) -> None:
+        """Compare the bytes that landed for receive ``i`` with the tag its sender sent."""
+        ch = self._remote[r.src]
+        want = self._tags.pop(i, None)
+        if ch.session is None or want is None or not _host(r.buffer):
+            return
+        if not hmac.compare_digest(ch.session.mac(_label(i, r.src, r.dst, r.tag), r.buffer), want):
+            raise self._fail(
+                ch,
+                f"the {int(r.buffer.nbytes)} bytes rank {r.dst} received from rank {r.src} under tag {r.tag} are not "
+                "the bytes the sender wrote (its tag does not match): altered on the way; nothing is published",
+            )
+        self.verified += 1
 
     def _outstanding(self, ch: Channel, unsent: Sequence[SendOp], waiting: dict[int, RecvOp]) -> bool:
         """Whether ``ch``'s peer still has to post or to write (a WRITE in flight reports its own end)."""
