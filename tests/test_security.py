@@ -5,8 +5,12 @@ process (8 CPU devices), every connection real TCP on 127.0.0.1."""
 
 from __future__ import annotations
 
+import json
 import select
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -407,3 +411,23 @@ def test_the_session_keys_differ_per_connection_and_per_direction():
     assert echo.open(b"h", sealed) is None  # reflected back to its sender: not its receiving key
     assert s.open(b"h", sealed) == b"same words"
     assert comm_module._label(1, 0, 1, 2) != comm_module._label(1, 0, 1, 3)
+
+
+_PROBE = """
+import json, os, subprocess
+from jreshard.nixl import NixlAgent
+agent = NixlAgent(host={host!r})
+table = subprocess.run(["ss", "-ltnH", "-p"], capture_output=True, text=True, timeout=30).stdout
+print(json.dumps([agent.interface, [r.split()[3] for r in table.splitlines() if f"pid={{os.getpid()}}," in r]]))
+"""
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
+def test_ucx_listens_only_on_the_interface_asked_for():
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(host="127.0.0.1")], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    interface, listening = json.loads(out.stdout.strip().splitlines()[-1])
+    assert interface == "lo" and listening, out.stdout  # UCX's TCP transport listens, on loopback only
+    assert all(a.startswith(("127.", "[::1]")) for a in listening), listening

@@ -93,6 +93,7 @@ class ElasticReplica:
         import jax
 
         from jreshard.nixl import NixlAgent
+        from jreshard.nixl.agent import import_nixl
 
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
@@ -113,7 +114,7 @@ class ElasticReplica:
             raise ValueError("ElasticReplica: " + "; ".join(self._decl["errors"]))
         self._like = leaves_by_name(like)
         self._treedef = jax.tree_util.tree_structure(like)
-        NixlAgent.shared()
+        import_nixl()  # NIXL present before anyone connects; the agent is made for the interface below
         ch = connect(parse_address(address, timeout_s=timeout), "the trainer", key=self._key, timeout_s=timeout)
         try:
             bind = ch.sock.getsockname()[0] if host is None else host
@@ -122,6 +123,7 @@ class ElasticReplica:
             ch.close()
             raise
         try:
+            NixlAgent.shared(bind)  # UCX on the interface that reaches the trainer (or host's)
             port = self._listener.getsockname()[1]
             hello = {"op": "hello", "name": name, "decl": self._decl, "peer_address": [bind, port]}
             ch.send_control(hello | {"process": self._index, "processes": self._processes}, timeout_s=timeout)

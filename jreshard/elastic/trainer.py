@@ -97,7 +97,7 @@ class ElasticTrainer:
             raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
         from jreshard.nixl import NixlAgent
 
-        NixlAgent.shared()  # NIXL present and its agent made before anyone connects
+        NixlAgent.shared(host)  # NIXL present and its agent made (UCX on host's interface) before anyone connects
         self._process, processes = jax.process_index(), jax.process_count()
         self._follower: FollowerService | None = None
         self._stop = False

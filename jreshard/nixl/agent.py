@@ -20,6 +20,11 @@ only sealed (the channel encrypts every frame): someone who reads the wire does 
 expected to write it: a notification from any other agent, or naming an id nobody waits on, is
 ignored (logged), so a stranger that guesses nothing cannot complete a receive.
 
+**Interfaces.** UCX's TCP transport listens on every network interface unless told otherwise. An
+agent made for a ``host`` (a local address, not a wildcard) restricts it to that address's
+interface (UCX's ``UCX_NET_DEVICES``, set only while the agent's UCX context is made): one made for
+``127.0.0.1`` listens on loopback only. Shared-memory transports (same host) are unaffected.
+
 **Memory types.** Host buffers (numpy) are ``DRAM``; a buffer with ``__cuda_array_interface__`` (CuPy)
 is ``VRAM`` on its device (not run on GPU).
 """
@@ -28,11 +33,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import fcntl
+import ipaddress
 import logging
 import os
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -44,7 +52,7 @@ import numpy as np
 from jreshard.channel import Channel
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 
-__all__ = ["NixlAgent", "Region", "import_nixl"]
+__all__ = ["NixlAgent", "Region", "import_nixl", "interface_of"]
 
 NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows
 log = logging.getLogger("jreshard.nixl")
@@ -70,6 +78,50 @@ def import_nixl() -> Any:
         "the NIXL transport needs NIXL: pip install --no-deps nixl-cu12 (or nixl-cu13; its torch requirement "
         f"is not needed) ({'; '.join(errors)})"
     )
+
+
+_ENV_LOCK = threading.Lock()
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the local network interface that holds address ``host`` (``"lo"`` for any loopback
+    address); ``None`` for a wildcard (``"0.0.0.0"``, ``"::"``, ``""``) or an address no interface holds.
+
+    Example:
+      >>> interface_of("127.0.0.1"), interface_of("0.0.0.0")
+      ('lo', None)
+    """
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:  # a host name: the address it resolves to
+            ip = ipaddress.ip_address(socket.gethostbyname(host)) if host else ipaddress.ip_address("0.0.0.0")
+        except (OSError, ValueError):
+            return None
+    if ip.is_unspecified:
+        return None
+    if ip.is_loopback:
+        return "lo"
+    for _, name in socket.if_nameindex():
+        if ip.version == 4:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+            if socket.inet_ntoa(got[20:24]) == str(ip):
+                return name
+    if ip.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 6 and ipaddress.ip_address(int(fields[0], 16)) == ip:
+                        return fields[5]
+        except OSError:
+            return None
+    return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,6 +182,8 @@ class NixlAgent:
       name: the agent's name, unique among every agent it meets (default: host, pid and a random
         suffix).
       backends: the NIXL backends to create (default UCX).
+      host: the local address this process's transfers use: UCX's network transports are restricted
+        to the interface that holds it (``None`` or a wildcard: every interface, UCX's default).
 
     Attributes:
       registrations: memory registrations made so far (the tests count them: a refit loop whose
@@ -145,7 +199,7 @@ class NixlAgent:
     _shared: NixlAgent | None = None
     _shared_lock = threading.Lock()
 
-    def __init__(self, name: str | None = None, *, backends: tuple[str, ...] = ("UCX",)):
+    def __init__(self, name: str | None = None, *, backends: tuple[str, ...] = ("UCX",), host: str | None = None):
         nixl = import_nixl()
         self.name = name or f"jreshard-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         config = nixl.nixl_agent_config(
@@ -154,7 +208,18 @@ class NixlAgent:
             backends=list(backends),
             sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # several threads of a process use it
         )
-        self._agent = nixl.nixl_agent(self.name, config)
+        self.interface = None if host is None else interface_of(host)
+        if host is not None and self.interface is None and host not in ("", "0.0.0.0", "::"):
+            log.warning("NixlAgent: no local interface holds %r: UCX may listen on every interface", host)
+        with _ENV_LOCK:  # UCX reads its configuration from the environment when the agent makes its context
+            before = os.environ.get("UCX_NET_DEVICES")
+            if self.interface is not None and before is None:
+                os.environ["UCX_NET_DEVICES"] = self.interface
+            try:
+                self._agent = nixl.nixl_agent(self.name, config)
+            finally:
+                if self.interface is not None and before is None:
+                    del os.environ["UCX_NET_DEVICES"]
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise BackendUnavailableError(
@@ -174,12 +239,13 @@ class NixlAgent:
         self.closed = False
 
     @classmethod
-    def shared(cls) -> NixlAgent:
-        """This process's agent, made at the first call (a forked child makes its own)."""
+    def shared(cls, host: str | None = None) -> NixlAgent:
+        """This process's agent, made at the first call (a forked child makes its own); ``host`` as for
+        the constructor, heeded by the call that makes it."""
         with cls._shared_lock:
             agent = cls._shared
             if agent is None or agent._pid != os.getpid() or agent.closed:
-                agent = cls._shared = cls()
+                agent = cls._shared = cls(host=host)
             return agent
 
     @property

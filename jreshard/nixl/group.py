@@ -227,7 +227,8 @@ class ProcessGroup:
         """The weights' transport: a :class:`NixlComm` over this group's connections."""
         local = [r for r, p in rank_process.items() if p == self.rank]
         remote = {r: self._channels[p] for r, p in rank_process.items() if p != self.rank}
-        return NixlComm(NixlAgent.shared(), local, remote, timeout_s=timeout_s)
+        agent = NixlAgent.shared(self._listener.getsockname()[0])  # UCX on the interface the group meets on
+        return NixlComm(agent, local, remote, timeout_s=timeout_s)
 
     def allgather(
         self,
