@@ -300,6 +300,8 @@ class Channel:
         :meth:`Channel.server` until its :attr:`authenticated`; a ``socketpair`` in tests).
       peer: names the peer in error messages (``"replica 'r1'"``).
       max_frame_bytes: the largest frame accepted; a header claiming more is refused.
+      session: the keys that seal every frame (:func:`connect` and :meth:`Channel.server` derive them
+        in the handshake); ``None``, plain frames: only for a ``socketpair`` inside one process.
 
     Example:
       >>> import socket

@@ -210,13 +210,11 @@ class NixlComm(Communicator):
                 f"rank {s.src} sends rank {s.dst} {nbytes} bytes under tag {s.tag}, but the receive expects {n}: "
                 "the two sides planned differently",
             )
-        if ch.session is not None:
-            tag = ch.session.mac(_label(i, s.src, s.dst, s.tag), s.buffer) if _host(s.buffer) else None
-            tags.setdefault(ch, []).append([i, None if tag is None else tag.hex()])
         agent = self._agent.nixl
         peer = self._agent.peer(ch)
         notice = NOTICE + str(i).encode()
         if nbytes == 0:
+            self._tag(s, i, ch, tags)
             agent.send_notif(peer, notice)
             return None
         local = self._agent.region(s.buffer)
@@ -234,7 +232,15 @@ class NixlComm(Communicator):
         if state == "ERR":
             handle.release()
             raise self._fail(ch, f"NIXL reported an error posting the WRITE {s.src}->{s.dst} tag {s.tag}")
+        self._tag(s, i, ch, tags)  # while the WRITE flies (the send buffer does not change until it is done)
         return handle
+
+    @staticmethod
+    def _tag(s: SendOp, i: int, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> None:
+        """Add the tag of ``s``'s bytes, for receive ``i``, to what goes to ``ch`` (sealed connections only)."""
+        if ch.session is not None:
+            tag = ch.session.mac(_label(i, s.src, s.dst, s.tag), s.buffer) if _host(s.buffer) else None
+            tags.setdefault(ch, []).append([i, None if tag is None else tag.hex()])
 
     def _run(self, sends: Sequence[SendOp], waiting: dict[int, RecvOp], timeout_s: float) -> None:
         agent = self._agent.nixl
