@@ -38,7 +38,7 @@ import select
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from jreshard import auth
 from jreshard.errors import AuthenticationError, JReshardError, PeerError, TransferTimeoutError
@@ -247,7 +247,10 @@ def accept_first(
     return ready
 
 
-def make_room(pending: list[Channel] | list[tuple[Channel, float]], new: Channel) -> Channel | None:
+_Pending = TypeVar("_Pending", "Channel", "tuple[Channel, float]")  # a pending connection, with its deadline or not
+
+
+def make_room(pending: list[_Pending], new: Channel) -> _Pending | None:
     """Admit ``new`` (a server end still authenticating) among ``pending``: the connection dropped to
     make room for it, if any (already told why and closed; the caller removes it from its list).
 

@@ -6,6 +6,7 @@ process (8 CPU devices), every connection real TCP on 127.0.0.1."""
 from __future__ import annotations
 
 import json
+import os
 import select
 import shutil
 import socket
@@ -422,12 +423,54 @@ print(json.dumps([agent.interface, [r.split()[3] for r in table.splitlines() if 
 """
 
 
-@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
-def test_ucx_listens_only_on_the_interface_asked_for():
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def namespace():
+    """A network namespace of its own with three interfaces, loopback and a veth pair (10.78.N.1 and
+    10.79.N.1): ``(name, the first veth's address)``. Deleting the namespace deletes the pair."""
+    n = os.getpid() % 200 + 10
+    ns = f"jrs{os.getpid()}"
+    if shutil.which("ip") is None or _ip("netns", "add", ns).returncode != 0:
+        pytest.skip("ip netns cannot run here (needs root and network namespaces)")
+    try:
+        for step in (
+            ("-n", ns, "link", "add", "jrsec0", "type", "veth", "peer", "name", "jrsec1"),
+            ("-n", ns, "addr", "add", f"10.78.{n}.1/24", "dev", "jrsec0"),
+            ("-n", ns, "addr", "add", f"10.79.{n}.1/24", "dev", "jrsec1"),
+            ("-n", ns, "link", "set", "jrsec0", "up"),
+            ("-n", ns, "link", "set", "jrsec1", "up"),
+            ("-n", ns, "link", "set", "lo", "up"),
+        ):
+            done = _ip(*step)
+            assert done.returncode == 0, f"ip {' '.join(step)}: {done.stderr}"
+        yield ns, f"10.78.{n}.1"
+    finally:
+        _ip("netns", "del", ns)
+
+
+def _listening(host: str, prefix: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+    """Make a NIXL agent for ``host`` in a fresh process: ``(its interface, the addresses it listens on)``."""
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE.format(host="127.0.0.1")], capture_output=True, text=True, timeout=60
+        [*prefix, sys.executable, "-c", _PROBE.format(host=host)], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr[-2000:]
     interface, listening = json.loads(out.stdout.strip().splitlines()[-1])
-    assert interface == "lo" and listening, out.stdout  # UCX's TCP transport listens, on loopback only
+    return interface, listening
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
+def test_ucx_listens_only_on_the_interface_asked_for():
+    interface, listening = _listening("127.0.0.1")
+    assert interface == "lo" and listening  # UCX's TCP transport listens, on loopback only
     assert all(a.startswith(("127.", "[::1]")) for a in listening), listening
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to list listening sockets")
+def test_ucx_listens_only_on_the_interface_asked_for_among_three(namespace):
+    ns, address = namespace
+    interface, listening = _listening(address, ("ip", "netns", "exec", ns))
+    assert interface == "jrsec0" and listening, listening
+    assert all(a.startswith(address + ":") for a in listening), listening  # not loopback, not any other

@@ -172,7 +172,9 @@ class NixlComm(Communicator):
             if msg["op"] == "nixl.mac":
                 tags = msg.get("tags")
                 try:
-                    for i, t in tags if isinstance(tags, list) else [None]:
+                    if not isinstance(tags, list):
+                        raise TypeError("not a list")
+                    for i, t in tags:
                         self._tags[int(i)] = None if t is None else bytes.fromhex(t)
                 except (TypeError, ValueError) as err:
                     raise PeerError(f"NixlComm: {ch.peer} sent malformed tags {tags!r:.200}") from err
