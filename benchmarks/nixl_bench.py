@@ -11,7 +11,8 @@ machine runs at a moment falls on both transports alike. The NIXL group runs eac
 jreshard runs it (every message's bytes checked against its sender's Poly1305 tag, sent inside the
 sealed control channel), and ``nixl-untagged``, with the tags switched off in both processes (a
 switch of this benchmark only, by patching ``jreshard.nixl.comm``): their ratio is the cost of the
-integrity check.
+integrity check. A third NIXL group has ``Options(encrypt=True)`` (``nixl-encrypt``: every message
+sealed with AES-256-GCM before it leaves and opened after it lands).
 
 The first ``--warmup`` versions are not timed (the first refit of each group makes its schedule, the
 NIXL agent's first registrations and the first pages of every buffer); then ``--repeats`` versions
@@ -28,6 +29,7 @@ version's pushes, and the load average before and after.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -40,7 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
-TRANSPORTS = ("mpi", "nixl", "nixl-untagged")
+TRANSPORTS = ("mpi", "nixl", "nixl-untagged", "nixl-encrypt")
+GROUP = {"mpi": "mpi", "nixl": "nixl", "nixl-untagged": "nixl", "nixl-encrypt": "nixl-encrypt"}
 
 
 def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
@@ -90,6 +93,9 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     groups = {
         "mpi": RefitGroup(role, like, options=opts),
         "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
+        "nixl-encrypt": RefitGroup.connect(
+            role, like, address=address + ".encrypt", transport="nixl", options=dataclasses.replace(opts, encrypt=True)
+        ),
     }
     params = None
     if role == "source":
@@ -103,7 +109,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     for v in range(warmup + repeats):
         for name in TRANSPORTS if v % 2 == 0 else TRANSPORTS[::-1]:
             untagged[0] = name == "nixl-untagged"
-            group = groups[name.partition("-")[0]]
+            group = groups[GROUP[name]]
             c0, t0 = _cpu_s(), time.perf_counter()
             if params is not None:
                 pushed[group] = pushed.get(group, -1) + 1
@@ -160,7 +166,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     src, dst = run(a.mib, a.warmup, a.repeats)
     load1 = os.getloadavg()[0]
-    if src["sent"]["mpi"] != src["sent"]["nixl"]:
+    if not src["sent"]["mpi"] == src["sent"]["nixl"] == src["sent"]["nixl-encrypt"]:
         raise RuntimeError(f"the two groups sent different bytes: {src['sent']}")
     print("| transport | MB per refit | s, median [min-max] | GB/s (median) | CPU ms per refit, source + destination |")
     print("|---|---|---|---|---|")
@@ -173,7 +179,11 @@ def main() -> None:
             f"| {name} | {src['bytes'] / 1e6:.1f} | {med[name]:.4f} "
             f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} |"
         )
-    for top, bottom, label in (("nixl", "mpi", "NIXL / MPI"), ("nixl", "nixl-untagged", "NIXL / NIXL untagged")):
+    for top, bottom, label in (
+        ("nixl", "mpi", "NIXL / MPI"),
+        ("nixl", "nixl-untagged", "NIXL / NIXL untagged"),
+        ("nixl-encrypt", "nixl", "NIXL encrypted / NIXL"),
+    ):
         pairs = zip(src["seconds"][top], src["seconds"][bottom], strict=True)
         per_version = statistics.median(n / m for n, m in pairs)
         print(

@@ -223,12 +223,12 @@ class ProcessGroup:
         """The connection to ``process``."""
         return self._channels[process]
 
-    def communicator(self, rank_process: Mapping[int, int], *, timeout_s: float) -> NixlComm:
-        """The weights' transport: a :class:`NixlComm` over this group's connections."""
+    def communicator(self, rank_process: Mapping[int, int], *, timeout_s: float, encrypt: bool = False) -> NixlComm:
+        """The weights' transport: a :class:`NixlComm` over this group's connections (``encrypt``: as its)."""
         local = [r for r, p in rank_process.items() if p == self.rank]
         remote = {r: self._channels[p] for r, p in rank_process.items() if p != self.rank}
         agent = NixlAgent.shared(self._listener.getsockname()[0])  # UCX on the interface the group meets on
-        return NixlComm(agent, local, remote, timeout_s=timeout_s)
+        return NixlComm(agent, local, remote, timeout_s=timeout_s, encrypt=encrypt)
 
     def allgather(
         self,
