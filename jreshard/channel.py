@@ -255,14 +255,24 @@ def make_room(pending: list[_Pending], new: Channel) -> _Pending | None:
     make room for it, if any (already told why and closed; the caller removes it from its list).
 
     At most :data:`MAX_UNAUTHENTICATED_PER_HOST` unauthenticated connections from one address, and
-    :data:`MAX_UNAUTHENTICATED` in all: past either, the oldest unauthenticated one from ``new``'s
-    address (past the total: from the address with the most) goes. A flood of silent connections
-    thus only displaces itself; a peer that answers its challenge in time is never held out, and the
-    newest connection is never the one refused.
+    :data:`MAX_UNAUTHENTICATED` in all: past either, the answers that already came are read first,
+    then the oldest connection still unauthenticated from ``new``'s address (past the total: from the
+    address with the most) goes. A flood of silent connections thus only displaces itself; a peer that
+    has answered its challenge is never displaced, and the newest connection is never the one refused.
     """
     chans = [p[0] if isinstance(p, tuple) else p for p in pending]
     waiting = [c for c in chans if not c.authenticated and not c.eof]
     same = [c for c in waiting if c.host == new.host]
+    if len(same) >= MAX_UNAUTHENTICATED_PER_HOST or len(waiting) >= MAX_UNAUTHENTICATED:
+        # read the answers that already came (connections accepted together, e.g. after a busy spell,
+        # have not been read yet): only a connection that has not answered may be displaced
+        for c in same if len(same) >= MAX_UNAUTHENTICATED_PER_HOST else waiting:
+            try:
+                c.pump()
+            except JReshardError:  # refused and closed: the caller's loop drops it
+                pass
+        waiting = [c for c in chans if not c.authenticated and not c.eof]
+        same = [c for c in waiting if c.host == new.host]
     if len(same) >= MAX_UNAUTHENTICATED_PER_HOST:
         victim = same[0]
     elif len(waiting) >= MAX_UNAUTHENTICATED:

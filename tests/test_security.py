@@ -345,37 +345,82 @@ def test_a_connection_too_slow_to_authenticate_is_dropped_and_told_why():
         listener.close()
 
 
-def test_a_client_displaced_by_a_flood_is_told_the_true_reason(monkeypatch):
+def _accepted(listener: socket.socket, key: bytes) -> Channel:
+    select.select([listener], [], [], 5.0)
+    sock, _ = listener.accept()
+    return Channel.server(sock, "a client", key=key)
+
+
+def test_past_the_limit_the_oldest_silent_connection_is_displaced_and_told_why(monkeypatch):
     from jreshard import channel as channel_module
 
+    monkeypatch.setattr(channel_module, "MAX_UNAUTHENTICATED_PER_HOST", 1)
     listener = listen("127.0.0.1", 0)
     where = listener.getsockname()[:2]
+    silent = socket.create_connection(where)
+    first = _accepted(listener, KEY)
+    late = socket.create_connection(where)
+    second = _accepted(listener, KEY)
+    try:
+        assert channel_module.make_room([first], second) is first and first.eof
+        silent.settimeout(5.0)
+        got = b""
+        while chunk := silent.recv(4096):
+            got += chunk
+        assert got[auth.CHALLENGE_BYTES :] == b"JRSH:CROWDED".ljust(auth.PROOF_BYTES, b"\0")
+    finally:
+        for c in (first, second):
+            c.close()
+        for s in (silent, late):
+            s.close()
+        listener.close()
+
+
+def test_a_connection_that_answered_is_not_displaced(monkeypatch):
+    from jreshard import channel as channel_module
+
     monkeypatch.setattr(channel_module, "MAX_UNAUTHENTICATED_PER_HOST", 1)
+    listener = listen("127.0.0.1", 0)
+    where = listener.getsockname()[:2]
+    made: dict = {}
+    client = threading.Thread(target=lambda: made.setdefault("c", connect(where, "the server", key=KEY, timeout_s=5)))
+    client.start()
+    first = _accepted(listener, KEY)  # its answer is on the way, not read yet
+    time.sleep(0.2)
+    late = socket.create_connection(where)
+    second = _accepted(listener, KEY)
+    try:
+        assert channel_module.make_room([first], second) is None and first.authenticated
+        client.join(5)
+        assert isinstance(made["c"], Channel)
+    finally:
+        for c in (first, second, made.get("c")):
+            if c is not None:
+                c.close()
+        late.close()
+        listener.close()
+
+
+def test_a_client_that_was_displaced_is_told_the_true_reason():
+    listener = listen("127.0.0.1", 0)
     errors: list[str] = []
 
-    def victim():
+    def client():
         try:
-            connect(where, "the server", key=KEY, timeout_s=5.0)
+            connect(listener.getsockname()[:2], "the server", key=KEY, timeout_s=5.0)
         except AuthenticationError as err:
             errors.append(str(err))
 
-    t = threading.Thread(target=victim)
+    t = threading.Thread(target=client)
     t.start()
-    pending: list[Channel] = []
     select.select([listener], [], [], 5.0)
     sock, _ = listener.accept()
-    first = Channel.server(sock, "a client", key=b"another-key-0123456789")  # it will not answer in time
-    pending.append(first)
-    flood = socket.create_connection(where)
-    select.select([listener], [], [], 5.0)
-    sock, _ = listener.accept()
-    second = Channel.server(sock, "a client", key=KEY)
-    assert channel_module.make_room(pending, second) is first and first.eof
+    sock.sendall(auth.challenge()[0])
+    ch = Channel(sock, "a client")  # a server end that drops it, as make_room does, once it has answered
+    time.sleep(0.2)
+    ch.drop(b"JRSH:CROWDED")
     t.join(10)
     assert errors and "dropped this connection before authenticating it: too many connections" in errors[0]
-    for c in (second, first):
-        c.close()
-    flood.close()
     listener.close()
 
 
