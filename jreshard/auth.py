@@ -16,8 +16,9 @@ before the peer is authenticated sizes an allocation. The key is never sent; rep
 exchange fails because the other side's nonce is new.
 
 **The session.** The exchange also keys what follows: both sides derive, with HKDF-SHA256
-(``cryptography``) over the key, salted with ``Ns || Nc``, one ChaCha20-Poly1305 key per direction and
-a key for the MACs of the transfer's bytes (:class:`Session`). Every control frame after the
+(``cryptography``) over the key, salted with ``Ns || Nc``, one ChaCha20-Poly1305 key per direction,
+a key for the tags of the transfer's bytes, and one AES-256-GCM key per direction for the weights
+when they are encrypted (:class:`Session`). Every control frame after the
 handshake is sealed under its direction's key with its sequence number as the nonce, so a frame that
 was read, altered, replayed, reordered or dropped on the way is refused and ends the connection
 (:mod:`jreshard.channel`). A relay that passes the handshake through untouched learns neither key:
