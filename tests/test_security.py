@@ -666,3 +666,9 @@ def test_a_capture_of_a_refit_over_ucx_tcp_holds_no_weight_bytes_with_encrypt(en
         assert found == 0  # 1 MiB of the pattern crossed the wire, and none of it is readable
     else:
         assert found > 1000  # the capture sees the weights in the clear: the check above can fail
+
+
+def test_encrypt_must_be_a_bool():
+    with pytest.raises(TypeError, match="encrypt='yes' must be True or False"):
+        Options(encrypt="yes")
+    assert Options(encrypt=True).plan_key() == Options().plan_key()  # how bytes travel, not the plan
