@@ -7,7 +7,12 @@ processes form two ``RefitGroup`` objects with the same declaration and Options 
 staging): one over MPI (``COMM_WORLD``), one over NIXL (``RefitGroup.connect(..., transport="nixl")``,
 which meets at an address file and uses no MPI). Then they push version after version, each version
 once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so whatever else the
-machine runs at a moment falls on both transports alike.
+machine runs at a moment falls on both transports alike. The NIXL group runs each version twice: as
+jreshard runs it (every message's bytes checked against its sender's Poly1305 tag, sent inside the
+sealed control channel), and ``nixl-untagged``, with the tags switched off in both processes (a
+switch of this benchmark only, by patching ``jreshard.nixl.comm``): their ratio is the cost of the
+integrity check. A third NIXL group has ``Options(encrypt=True)`` (``nixl-encrypt``: every message
+sealed with AES-256-GCM before it leaves and opened after it lands).
 
 The first ``--warmup`` versions are not timed (the first refit of each group makes its schedule, the
 NIXL agent's first registrations and the first pages of every buffer); then ``--repeats`` versions
@@ -17,13 +22,14 @@ recorded beside it. Both groups must have sent the same bytes on every link (che
 
 Printed: per transport, bytes per refit, median [min-max] seconds of the timed pushes, GB/s at the
 median, and the median CPU milliseconds per refit of the source and of the destination; then NIXL /
-MPI: the ratio of the medians and the median of the ratios of the same version's two pushes, and
-the load average before and after.
+MPI and NIXL / NIXL untagged: the ratio of the medians and the median of the ratios of the same
+version's pushes, and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -36,7 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
-TRANSPORTS = ("mpi", "nixl")
+TRANSPORTS = ("mpi", "nixl", "nixl-untagged", "nixl-encrypt")
+GROUP = {"mpi": "mpi", "nixl": "nixl", "nixl-untagged": "nixl", "nixl-encrypt": "nixl-encrypt"}
 
 
 def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
@@ -63,6 +70,11 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     from jax.sharding import PartitionSpec as P
 
     from jreshard import Options, RefitGroup
+    from jreshard.nixl import comm as nixl_comm
+
+    tagged = nixl_comm._host
+    untagged = [False]
+    nixl_comm._host = lambda buffer: not untagged[0] and tagged(buffer)  # the benchmark's switch for the tags
 
     shapes = tree_shapes(mib)
     devs = jax.devices()
@@ -81,6 +93,9 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     groups = {
         "mpi": RefitGroup(role, like, options=opts),
         "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
+        "nixl-encrypt": RefitGroup.connect(
+            role, like, address=address + ".encrypt", transport="nixl", options=dataclasses.replace(opts, encrypt=True)
+        ),
     }
     params = None
     if role == "source":
@@ -90,13 +105,17 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
         }
     seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    pushed: dict = {}  # group -> its last version
     for v in range(warmup + repeats):
         for name in TRANSPORTS if v % 2 == 0 else TRANSPORTS[::-1]:
+            untagged[0] = name == "nixl-untagged"
+            group = groups[GROUP[name]]
             c0, t0 = _cpu_s(), time.perf_counter()
             if params is not None:
-                groups[name].push(params, version=v)
+                pushed[group] = pushed.get(group, -1) + 1
+                group.push(params, version=pushed[group])
             else:
-                tree, _ = groups[name].pull(like=like)
+                tree, _ = group.pull(like=like)
                 del tree
             seconds[name].append(time.perf_counter() - t0)
             cpu[name].append(_cpu_s() - c0)
@@ -147,7 +166,7 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     src, dst = run(a.mib, a.warmup, a.repeats)
     load1 = os.getloadavg()[0]
-    if src["sent"]["mpi"] != src["sent"]["nixl"]:
+    if not src["sent"]["mpi"] == src["sent"]["nixl"] == src["sent"]["nixl-encrypt"]:
         raise RuntimeError(f"the two groups sent different bytes: {src['sent']}")
     print("| transport | MB per refit | s, median [min-max] | GB/s (median) | CPU ms per refit, source + destination |")
     print("|---|---|---|---|---|")
@@ -160,12 +179,17 @@ def main() -> None:
             f"| {name} | {src['bytes'] / 1e6:.1f} | {med[name]:.4f} "
             f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} |"
         )
-    pairs = zip(src["seconds"]["nixl"], src["seconds"]["mpi"], strict=True)
-    per_version = statistics.median(n / m for n, m in pairs)
-    print(
-        f"NIXL / MPI time: {med['nixl'] / med['mpi']:.2f} (medians of {a.repeats} pushes each); "
-        f"{per_version:.2f} (median of the {a.repeats} versions' ratios)"
-    )
+    for top, bottom, label in (
+        ("nixl", "mpi", "NIXL / MPI"),
+        ("nixl", "nixl-untagged", "NIXL / NIXL untagged"),
+        ("nixl-encrypt", "nixl", "NIXL encrypted / NIXL"),
+    ):
+        pairs = zip(src["seconds"][top], src["seconds"][bottom], strict=True)
+        per_version = statistics.median(n / m for n, m in pairs)
+        print(
+            f"{label} time: {med[top] / med[bottom]:.2f} (medians of {a.repeats} pushes each); "
+            f"{per_version:.2f} (median of the {a.repeats} versions' ratios)"
+        )
     print(f"load average (1 min) before {load0:.2f}, after {load1:.2f}")
 
 

@@ -13,8 +13,16 @@ The server checks (2) and the client checks (3) with ``hmac.compare_digest``. A 
 key cannot answer a fresh ``Ns``; a server without it cannot answer ``Nc``, so a process posing as a
 trainer or as a peer replica cannot serve weights. Every message has a fixed size, so nothing read
 before the peer is authenticated sizes an allocation. The key is never sent; replaying a recorded
-exchange fails because the other side's nonce is new. The exchange authenticates the peer; it does
-not encrypt what follows (run on a network you trust for confidentiality, or under a VPN/TLS tunnel).
+exchange fails because the other side's nonce is new.
+
+**The session.** The exchange also keys what follows: both sides derive, with HKDF-SHA256
+(``cryptography``) over the key, salted with ``Ns || Nc``, one ChaCha20-Poly1305 key per direction,
+a key for the tags of the transfer's bytes, and one AES-256-GCM key per direction for the weights
+when they are encrypted (:class:`Session`). Every control frame after the
+handshake is sealed under its direction's key with its sequence number as the nonce, so a frame that
+was read, altered, replayed, reordered or dropped on the way is refused and ends the connection
+(:mod:`jreshard.channel`). A relay that passes the handshake through untouched learns neither key:
+it cannot read what follows, nor speak in it.
 
 The key: ``Options.secret``, else the environment variable ``JRESHARD_SECRET`` (its UTF-8 bytes),
 else the contents of the file named by ``JRESHARD_SECRET_FILE`` (surrounding whitespace stripped).
@@ -26,7 +34,13 @@ import hashlib
 import hmac
 import os
 import secrets
+import struct
 from collections.abc import Mapping
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 __all__ = [
     "ANSWER_BYTES",
@@ -36,6 +50,8 @@ __all__ = [
     "PROOF_BYTES",
     "SECRET_ENV",
     "SECRET_FILE_ENV",
+    "TAG_BYTES",
+    "Session",
     "answer",
     "challenge",
     "check_answer",
@@ -53,6 +69,8 @@ PROOF_BYTES = MAC_BYTES
 MIN_SECRET_BYTES = 16
 SECRET_ENV = "JRESHARD_SECRET"
 SECRET_FILE_ENV = "JRESHARD_SECRET_FILE"
+TAG_BYTES = 16  # a ChaCha20-Poly1305 frame's tag, and a Poly1305 MAC
+_SESSION_INFO = b"jreshard session v1: client->server, server->client, transfer MACs"
 
 
 def resolve_secret(secret: bytes | None, *, environ: Mapping[str, str] | None = None, who: str = "jreshard") -> bytes:
@@ -143,3 +161,108 @@ def proof(key: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
 def check_proof(key: bytes, client_nonce: bytes, server_nonce: bytes, message: bytes) -> bool:
     """Whether ``message`` is the server's proof for these nonces."""
     return len(message) == PROOF_BYTES and hmac.compare_digest(message, proof(key, server_nonce, client_nonce))
+
+
+class Session:
+    """The keys of one authenticated connection, derived from the handshake (final).
+
+    ``HKDF-SHA256(ikm=key, salt=Ns || Nc, info=...)`` gives 160 bytes: the client-to-server and the
+    server-to-client ChaCha20-Poly1305 keys of the control frames, the key of :meth:`mac`, and an
+    AES-256-GCM key per direction for the data plane (:meth:`seal_into`). Both sides derive the same
+    ones; nobody without the key can. Sequence numbers count the frames (and, apart, the sealed
+    messages) of each direction from 0 and are the AEAD's nonces, so each (key, nonce) pair is used once.
+
+    Args:
+      key: the shared secret.
+      server_nonce, client_nonce: the handshake's two nonces.
+      client: which end this is (its sending direction).
+
+    Example:
+      >>> ns, nc = bytes(32), bytes(range(32))
+      >>> a, b = Session(b"k" * 16, ns, nc, client=True), Session(b"k" * 16, ns, nc, client=False)
+      >>> b.open(b"header", a.seal(b"header", b"hello"))
+      b'hello'
+      >>> b.open(b"header", a.seal(b"header", b"again")), b.received
+      (b'again', 2)
+      >>> a.seal(b"header", b"x") and b.open(b"header", a.seal(b"header", b"y")) is None  # one dropped
+      True
+    """
+
+    __slots__ = ("_data_recv", "_data_send", "_mac_key", "_recv", "_send", "data_sent", "received", "sent")
+
+    def __init__(self, key: bytes, server_nonce: bytes, client_nonce: bytes, *, client: bool):
+        salt = server_nonce + client_nonce
+        okm = HKDF(algorithm=hashes.SHA256(), length=160, salt=salt, info=_SESSION_INFO).derive(key)
+        c2s, s2c, self._mac_key, data_c2s, data_s2c = (okm[i : i + 32] for i in range(0, 160, 32))
+        self._send = ChaCha20Poly1305(c2s if client else s2c)
+        self._recv = ChaCha20Poly1305(s2c if client else c2s)
+        self._data_send = AESGCM(data_c2s if client else data_s2c)
+        self._data_recv = AESGCM(data_s2c if client else data_c2s)
+        self.sent = 0
+        self.received = 0
+        self.data_sent = 0
+
+    @staticmethod
+    def _nonce(seq: int) -> bytes:
+        return struct.pack("!IQ", 0, seq)
+
+    def seal(self, header: bytes, body: bytes) -> bytes:
+        """``body`` encrypted and tagged under the next sending sequence number, ``header`` authenticated."""
+        out = self._send.encrypt(self._nonce(self.sent), body, header)
+        self.sent += 1
+        return out
+
+    def open(self, header: bytes, sealed: bytes) -> bytes | None:
+        """The body of the next frame received, or ``None`` when it fails its tag: altered, replayed,
+        reordered, dropped (the next one then fails), or sealed by someone without the keys."""
+        try:
+            body = self._recv.decrypt(self._nonce(self.received), sealed, header)
+        except Exception:  # cryptography.exceptions.InvalidTag, or a frame shorter than a tag
+            return None
+        self.received += 1
+        return body
+
+    def seal_into(self, label: bytes, data: object, out: object) -> int:
+        """Encrypt ``data`` (a contiguous buffer) into ``out`` (``TAG_BYTES`` longer) with AES-256-GCM under
+        this side's data key, ``label`` authenticated with it; the message's sequence number (its nonce,
+        sent to the receiver inside the sealed channel).
+
+        Example:
+          >>> import numpy as np
+          >>> a = Session(b"k" * 16, bytes(32), bytes(32), client=True)
+          >>> b = Session(b"k" * 16, bytes(32), bytes(32), client=False)
+          >>> sealed, back = np.empty(21, np.uint8), np.empty(5, np.uint8)
+          >>> seq = a.seal_into(b"id 7", b"hello", sealed)
+          >>> b.open_into(seq, b"id 7", sealed, back), back.tobytes(), b.open_into(seq, b"id 8", sealed, back)
+          (True, b'hello', False)
+        """
+        seq = self.data_sent
+        self.data_sent += 1
+        self._data_send.encrypt_into(struct.pack("!IQ", 1, seq), data, label, out)  # type: ignore[arg-type]
+        return seq
+
+    def open_into(self, seq: int, label: bytes, sealed: object, out: object) -> bool:
+        """Decrypt the peer's message ``seq`` from ``sealed`` into ``out``; False (``out`` undefined) when
+        it fails its tag: altered, sealed for another label, or by someone without the key."""
+        if not 0 <= seq < 1 << 64:
+            return False
+        try:
+            self._data_recv.decrypt_into(struct.pack("!IQ", 1, seq), sealed, label, out)  # type: ignore[arg-type]
+        except Exception:  # cryptography.exceptions.InvalidTag, or sizes that do not match
+            return False
+        return True
+
+    def mac(self, label: bytes, data: object) -> bytes:
+        """A Poly1305 tag of ``data`` (any contiguous buffer) under a one-time key for ``label``.
+
+        The one-time key is ``BLAKE2b(key=the session's MAC key, label)``: each label (a receive id,
+        drawn at random, with its ranks and tag) must name one message of this session.
+
+        Example:
+          >>> s = Session(b"k" * 16, bytes(32), bytes(32), client=True)
+          >>> t = s.mac(b"id 7", b"weights")
+          >>> len(t), t == s.mac(b"id 7", b"weights"), t == s.mac(b"id 7", b"weightz"), t == s.mac(b"id 8", b"weights")
+          (16, True, False, False)
+        """
+        one_time = hashlib.blake2b(label, key=self._mac_key, digest_size=32, person=b"jreshard mac").digest()
+        return Poly1305.generate_tag(one_time, data)  # type: ignore[arg-type]

@@ -7,10 +7,20 @@ they move over a transfer engine (:mod:`jreshard.nixl`).
 - **Authenticated.** Before anything else, both ends prove they hold the shared secret
   (:mod:`jreshard.auth`). The client side does it in :func:`connect`; the server side in
   :meth:`Channel.pump`, without blocking, so a server thread that owns many connections keeps
-  serving while a slow, silent or hostile client is refused (its deadline is the caller's).
-- **Bounded.** Every frame is ``kind (1 byte), nbytes (8 bytes)`` then ``nbytes`` of UTF-8 JSON,
-  and a header claiming more than ``max_frame_bytes`` is refused before anything is allocated for
-  it; before authentication only the fixed-size handshake is read.
+  serving while a slow, silent or hostile client is refused.
+- **Sealed.** Every frame after the handshake is encrypted and authenticated with the session's
+  ChaCha20-Poly1305 keys (:class:`jreshard.auth.Session`, derived from the handshake), its sequence
+  number in its direction as the nonce: someone on the path reads nothing, and a frame that was
+  altered, replayed, reordered, dropped or injected is refused (:class:`AuthenticationError`) and
+  ends the connection.
+- **Bounded.** Every frame is ``kind (1 byte), nbytes (8 bytes)`` then ``nbytes`` of sealed UTF-8
+  JSON, and a header claiming more than ``max_frame_bytes`` is refused before anything is allocated
+  for it; before authentication only the fixed-size handshake is read.
+- **Admission.** A server end must finish the handshake within ``handshake_s`` (default
+  :data:`HANDSHAKE_S`, apart from the transfer's ``timeout_s``), and a listener keeps at most
+  :data:`MAX_UNAUTHENTICATED_PER_HOST` connections per source address (and
+  :data:`MAX_UNAUTHENTICATED` in all) still authenticating: a new one displaces the oldest
+  (:func:`make_room`), which is told why. Silent connections cannot hold a legitimate peer out.
 - **Deadlines.** Sockets are non-blocking; every wait is a ``select`` with a deadline, so a silent
   peer becomes :class:`TransferTimeoutError`, and one that closed or died (the kernel closes a
   killed process's sockets) :class:`PeerError` at once.
@@ -28,31 +38,47 @@ import select
 import socket
 import struct
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from jreshard import auth
 from jreshard.errors import AuthenticationError, JReshardError, PeerError, TransferTimeoutError
 
 __all__ = [
+    "HANDSHAKE_S",
     "MAX_FRAME_BYTES",
+    "MAX_UNAUTHENTICATED",
+    "MAX_UNAUTHENTICATED_PER_HOST",
     "TRANSPORT_OPS",
     "Channel",
     "accept_first",
     "connect",
     "format_address",
     "listen",
+    "make_room",
     "parse_address",
 ]
 
 log = logging.getLogger("jreshard.channel")
 
 _HEADER = struct.Struct("!BQ")  # kind, nbytes
-_CONTROL = 1
+_CONTROL = 1  # a plain frame: only on a channel built without a session (a socketpair in one process)
+_SEALED = 2  # a frame sealed with the session's keys: every connection between programs
 # recv allocates its whole limit before it reads: at 1 MiB a read costs ~65 us with a message and
 # ~14 us without one (measured), at 64 KiB ~4 us and ~2 us; a large frame takes more reads.
 _READ = 1 << 16
 MAX_FRAME_BYTES = 64 << 20  # a declaration of tens of thousands of leaves fits; 2^60 does not
 TRANSPORT_OPS = "nixl."  # the ops of the data transport's messages on a shared connection
+HANDSHAKE_S = 10.0  # the longest a server end waits for a connection to authenticate (a peer answers in ms)
+MAX_UNAUTHENTICATED_PER_HOST = 32  # connections from one address still authenticating, per listener
+MAX_UNAUTHENTICATED = 256  # connections still authenticating, per listener
+_ACCEPTS_PER_TURN = 64
+# What a server end sends, in place of its proof, to a connection it drops before the handshake ended:
+# a fixed size, so the client reads it where the proof would be and names the true reason.
+_DROPPED = {
+    b"JRSH:CROWDED".ljust(auth.PROOF_BYTES, b"\0"): "too many connections from its address (or in all) were still "
+    "authenticating, and this one was the oldest: something is flooding the listener",
+    b"JRSH:TOO-SLOW".ljust(auth.PROOF_BYTES, b"\0"): "it did not answer the challenge within the handshake deadline",
+}
 
 
 def parse_address(address: str, *, timeout_s: float) -> tuple[str, int]:
@@ -146,13 +172,25 @@ def connect(
                 ) from err
             time.sleep(0.05)
     try:
-        hello = _read_exact(sock, auth.CHALLENGE_BYTES, deadline, peer, where)
+        hello = _read_exact(
+            sock, auth.CHALLENGE_BYTES, deadline, peer, where, "before its challenge: it is not a jreshard peer"
+        )
         reply = auth.answer(key, hello)
         if reply is None:
             raise AuthenticationError(f"{peer} at {where} did not open with a jreshard challenge: not a jreshard peer")
         message, nonce = reply
         sock.sendall(message)
-        server_proof = _read_exact(sock, auth.PROOF_BYTES, deadline, peer, where)
+        server_proof = _read_exact(
+            sock,
+            auth.PROOF_BYTES,
+            deadline,
+            peer,
+            where,
+            "after this side's answer: the two sides hold different secrets (or it is not a jreshard peer)",
+        )
+        dropped = _DROPPED.get(server_proof)
+        if dropped is not None:
+            raise AuthenticationError(f"{peer} at {where} dropped this connection before authenticating it: {dropped}")
         if not auth.check_proof(key, nonce, hello[len(auth.MAGIC) :], server_proof):
             raise AuthenticationError(
                 f"{peer} at {where} did not prove it holds the shared secret: refused (a process posing as a peer?)"
@@ -160,14 +198,15 @@ def connect(
     except BaseException:
         sock.close()
         raise
-    return Channel(sock, peer, **kw)
+    return Channel(sock, peer, session=auth.Session(key, hello[len(auth.MAGIC) :], nonce, client=True), **kw)
 
 
 def accept_first(
     listener: socket.socket, pending: list[Channel], *, key: bytes, who: str, wait_s: float
 ) -> list[tuple[Channel, dict]]:
-    """One turn of a listening loop: wait up to ``wait_s`` for activity, accept one connection (its
-    server end of the handshake, as ``who``), and read every channel of ``pending``.
+    """One turn of a listening loop: wait up to ``wait_s`` for activity, accept the connections that
+    wait (each the server end of a handshake, as ``who``, admitted by :func:`make_room` with its
+    handshake deadline), and read every channel of ``pending``.
 
     Returns the channels whose first message arrived, each with that message, removed from
     ``pending``. A channel that failed the handshake or sent garbage (logged and closed by
@@ -176,11 +215,19 @@ def accept_first(
     """
     waitables: list[Any] = [listener, *pending]
     select.select(waitables, [], [], wait_s)
-    try:
-        sock, _ = listener.accept()
-        pending.append(Channel.server(sock, who, key=key))
-    except (BlockingIOError, InterruptedError):
-        pass
+    for _ in range(_ACCEPTS_PER_TURN):
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError as err:  # e.g. out of file descriptors: the next turn tries again
+            log.debug("accept: %s", err)
+            break
+        ch = Channel.server(sock, who, key=key)
+        victim = make_room(pending, ch)
+        if victim is not None:
+            pending.remove(victim)
+        pending.append(ch)
     ready = []
     for c in list(pending):
         try:
@@ -200,7 +247,45 @@ def accept_first(
     return ready
 
 
-def _read_exact(sock: socket.socket, n: int, deadline: float, peer: str, where: str) -> bytes:
+_Pending = TypeVar("_Pending", "Channel", "tuple[Channel, float]")  # a pending connection, with its deadline or not
+
+
+def make_room(pending: list[_Pending], new: Channel) -> _Pending | None:
+    """Admit ``new`` (a server end still authenticating) among ``pending``: the connection dropped to
+    make room for it, if any (already told why and closed; the caller removes it from its list).
+
+    At most :data:`MAX_UNAUTHENTICATED_PER_HOST` unauthenticated connections from one address, and
+    :data:`MAX_UNAUTHENTICATED` in all: past either, the answers that already came are read first,
+    then the oldest connection still unauthenticated from ``new``'s address (past the total: from the
+    address with the most) goes. A flood of silent connections thus only displaces itself; a peer that
+    has answered its challenge is never displaced, and the newest connection is never the one refused.
+    """
+    chans = [p[0] if isinstance(p, tuple) else p for p in pending]
+    waiting = [c for c in chans if not c.authenticated and not c.eof]
+    same = [c for c in waiting if c.host == new.host]
+    if len(same) >= MAX_UNAUTHENTICATED_PER_HOST or len(waiting) >= MAX_UNAUTHENTICATED:
+        # read the answers that already came (connections accepted together, e.g. after a busy spell,
+        # have not been read yet): only a connection that has not answered may be displaced
+        for c in same if len(same) >= MAX_UNAUTHENTICATED_PER_HOST else waiting:
+            try:
+                c.pump()
+            except JReshardError:  # refused and closed: the caller's loop drops it
+                pass
+        waiting = [c for c in chans if not c.authenticated and not c.eof]
+        same = [c for c in waiting if c.host == new.host]
+    if len(same) >= MAX_UNAUTHENTICATED_PER_HOST:
+        victim = same[0]
+    elif len(waiting) >= MAX_UNAUTHENTICATED:
+        counts = collections.Counter(c.host for c in waiting)
+        busiest = max(counts, key=lambda h: counts[h])
+        victim = next(c for c in waiting if c.host == busiest)
+    else:
+        return None
+    victim.drop(b"JRSH:CROWDED")
+    return next(p for p in pending if (p[0] if isinstance(p, tuple) else p) is victim)
+
+
+def _read_exact(sock: socket.socket, n: int, deadline: float, peer: str, where: str, closed: str) -> bytes:
     out = bytearray()
     while len(out) < n:
         left = deadline - time.monotonic()
@@ -215,10 +300,7 @@ def _read_exact(sock: socket.socket, n: int, deadline: float, peer: str, where: 
             chunk = b""
             log.debug("reading from %s: %s", where, err)
         if not chunk:
-            raise AuthenticationError(
-                f"{peer} at {where} closed the connection during authentication: the two sides hold different "
-                "secrets (or it is not a jreshard peer)"
-            )
+            raise AuthenticationError(f"{peer} at {where} closed the connection during authentication, {closed}")
         out += chunk
     return bytes(out)
 
@@ -231,6 +313,8 @@ class Channel:
         :meth:`Channel.server` until its :attr:`authenticated`; a ``socketpair`` in tests).
       peer: names the peer in error messages (``"replica 'r1'"``).
       max_frame_bytes: the largest frame accepted; a header claiming more is refused.
+      session: the keys that seal every frame (:func:`connect` and :meth:`Channel.server` derive them
+        in the handshake); ``None``, plain frames: only for a ``socketpair`` inside one process.
 
     Example:
       >>> import socket
@@ -246,7 +330,14 @@ class Channel:
       >>> y.close()
     """
 
-    def __init__(self, sock: socket.socket, peer: str, *, max_frame_bytes: int = MAX_FRAME_BYTES):
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: str,
+        *,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        session: auth.Session | None = None,
+    ):
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -256,18 +347,35 @@ class Channel:
         self.inbox: collections.deque[dict] = collections.deque()
         self.eof = False
         self.authenticated = True
+        self.session = session
+        try:
+            name = sock.getpeername()
+            self.host: str = name[0] if isinstance(name, tuple) else str(name or "?")
+        except OSError:
+            self.host = "?"
         self._rbuf = bytearray()
         self._out: collections.deque[memoryview] = collections.deque()
         self._key = b""
         self._nonce = b""
+        self._handshake_by = 0.0
 
     @classmethod
-    def server(cls, sock: socket.socket, peer: str, *, key: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> Channel:
+    def server(
+        cls,
+        sock: socket.socket,
+        peer: str,
+        *,
+        key: bytes,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        handshake_s: float = HANDSHAKE_S,
+    ) -> Channel:
         """The server end of a just-accepted connection: it sends its challenge now, and :meth:`pump`
-        checks the answer (nothing else is read or delivered until the peer is authenticated)."""
+        checks the answer (nothing else is read or delivered until the peer is authenticated), which
+        must come within ``handshake_s``."""
         ch = cls(sock, peer, max_frame_bytes=max_frame_bytes)
         ch.authenticated = False
         ch._key = key
+        ch._handshake_by = time.monotonic() + handshake_s
         message, ch._nonce = auth.challenge()
         ch._out.append(memoryview(message))
         try:
@@ -275,6 +383,16 @@ class Channel:
         except PeerError:
             pass  # pump() reports the closed connection
         return ch
+
+    def drop(self, why: bytes) -> None:
+        """Close a server end that is still authenticating, telling the client ``why`` (a
+        :data:`_DROPPED` code, sent where the proof would be) without waiting."""
+        log.info("dropped an unauthenticated connection from %s (%s): %s", self.host, self.peer, why.decode())
+        try:
+            self.sock.send(why.ljust(auth.PROOF_BYTES, b"\0"))
+        except OSError:
+            pass
+        self.close()
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -293,11 +411,17 @@ class Channel:
     # sending -------------------------------------------------------------------------------------
     def queue_control(self, obj: dict) -> None:
         body = json.dumps(obj).encode()
-        if len(body) > self.max_frame_bytes:
+        if len(body) + auth.TAG_BYTES > self.max_frame_bytes:
             raise ValueError(
                 f"Channel to {self.peer}: a message of {len(body)} bytes exceeds max_frame_bytes={self.max_frame_bytes}"
             )
-        self._out.append(memoryview(_HEADER.pack(_CONTROL, len(body)) + body))
+        if not self.authenticated:
+            raise AuthenticationError(f"Channel to {self.peer}: nothing is sent before the peer is authenticated")
+        if self.session is None:
+            self._out.append(memoryview(_HEADER.pack(_CONTROL, len(body)) + body))
+            return
+        header = _HEADER.pack(_SEALED, len(body) + auth.TAG_BYTES)
+        self._out.append(memoryview(header + self.session.seal(header, body)))
 
     @property
     def sending(self) -> bool:
@@ -372,6 +496,7 @@ class Channel:
             raise self._refuse("it did not prove it holds the shared secret (wrong or missing key)")
         del self._rbuf[: auth.ANSWER_BYTES]
         self._out.append(memoryview(auth.proof(self._key, self._nonce, nonce)))
+        self.session = auth.Session(self._key, self._nonce, nonce, client=False)
         self.authenticated, self._key, self._nonce = True, b"", b""
         self.flush()
         return True
@@ -385,14 +510,19 @@ class Channel:
           PeerError: the peer sent a frame over ``max_frame_bytes``, of an unknown kind, or not JSON
             (the connection is closed).
         """
-        if not self.authenticated and not self._authenticate():
-            return
+        if not self.authenticated:
+            if self.eof:
+                return
+            if not self._authenticate():
+                if time.monotonic() > self._handshake_by:
+                    self.drop(b"JRSH:TOO-SLOW")
+                    raise AuthenticationError(
+                        f"refused {self.peer} at {self.host}: it did not complete the handshake within its deadline"
+                    )
+                return
         while True:
             if len(self._rbuf) >= _HEADER.size:
                 kind, nbytes = _HEADER.unpack_from(self._rbuf)
-                if kind != _CONTROL:
-                    self.close()
-                    raise PeerError(f"{self.peer} sent a frame of unknown kind {kind}: not a jreshard peer")
                 if nbytes > self.max_frame_bytes:
                     self.close()
                     raise PeerError(
@@ -400,8 +530,28 @@ class Channel:
                         f"{self.max_frame_bytes}: refused"
                     )
                 if len(self._rbuf) >= _HEADER.size + nbytes:
+                    header = bytes(self._rbuf[: _HEADER.size])
                     body = bytes(self._rbuf[_HEADER.size : _HEADER.size + nbytes])
                     del self._rbuf[: _HEADER.size + nbytes]
+                    if kind != (_CONTROL if self.session is None else _SEALED):
+                        self.close()
+                        raise PeerError(f"{self.peer} sent a frame of unknown kind {kind}: not a jreshard peer")
+                    if self.session is not None:
+                        opened = self.session.open(header, body)
+                        if opened is None:
+                            self.close()
+                            log.warning(
+                                "%s at %s: control frame %d failed its integrity check",
+                                self.peer,
+                                self.host,
+                                self.session.received,
+                            )
+                            raise AuthenticationError(
+                                f"{self.peer} at {self.host}: control frame {self.session.received} failed its "
+                                "integrity check (altered, replayed, reordered, dropped or injected on the way): "
+                                "the connection is closed"
+                            )
+                        body = opened
                     try:
                         msg = json.loads(body)
                     except ValueError:

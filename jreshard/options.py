@@ -42,6 +42,9 @@ class Options:
         (HMAC-SHA256 challenge-response, :mod:`jreshard.auth`); at least 16 bytes. ``None``:
         the ``JRESHARD_SECRET`` environment variable, or the file named by
         ``JRESHARD_SECRET_FILE``. Never printed (not in the repr) and not part of a plan's key.
+      encrypt: seal the weights on the wire too (NIXL between programs: each message encrypted with
+        AES-256-GCM under keys derived from the handshake before it leaves, opened after it lands);
+        host buffers only. Set it on both sides; a receiver's setting decides how it receives.
 
     Example:
       >>> Options(backend="mpi", chunk_bytes=1 << 20).backend
@@ -57,6 +60,7 @@ class Options:
     copy_threads: int | None = None
     max_group_ops: int = 2048
     secret: bytes | None = dataclasses.field(default=None, repr=False)
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
         b = self.backend
@@ -86,6 +90,8 @@ class Options:
         if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
             shown = f"{len(self.secret)} bytes" if isinstance(self.secret, bytes) else type(self.secret).__name__
             raise ValueError(f"Options: secret must be None or bytes of length >= 16 (got {shown})")
+        if not isinstance(self.encrypt, bool):
+            raise TypeError(f"Options: encrypt={self.encrypt!r} must be True or False")
         if not isinstance(self.relays, bool):
             raise TypeError(f"Options: relays={self.relays!r} must be True or False")
         if (

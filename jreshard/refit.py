@@ -179,7 +179,9 @@ class RefitGroup:
         if _group is None:
             self._comm: Any = MpiComm(comm, rank_process)
         else:
-            self._comm = _group.communicator(rank_process, timeout_s=self.options.timeout_s)
+            self._comm = _group.communicator(
+                rank_process, timeout_s=self.options.timeout_s, encrypt=self.options.encrypt
+            )
         self._decl = mine
         self.version: int | None = None
         self._broken: str | None = None

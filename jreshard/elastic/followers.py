@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jreshard.channel import Channel, accept_first, connect, listen
+from jreshard.channel import Channel, accept_first, connect, listen, make_room
 from jreshard.elastic.pairs import pair_plan, run_pair, source_shards
 from jreshard.elastic.types import PushReport
 from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
@@ -167,9 +167,14 @@ class FollowerService:
         select.select(waits, [], [], wait_s)
         try:
             sock, _ = self._listener.accept()
-            self._pending.append((Channel.server(sock, "an attaching replica", key=self._key), time.monotonic() + 5))
-        except (BlockingIOError, InterruptedError):
+        except OSError:  # nothing waiting, or out of descriptors: the next poll
             pass
+        else:
+            ch = Channel.server(sock, "an attaching replica", key=self._key)
+            victim = make_room(self._pending, ch)
+            if victim is not None:
+                self._pending.remove(victim)
+            self._pending.append((ch, time.monotonic() + 5))
         for c, deadline in list(self._pending):
             try:
                 c.pump()

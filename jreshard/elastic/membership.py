@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.channel import Channel
+from jreshard.channel import Channel, make_room
 from jreshard.elastic.followers import Followers
 from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
@@ -23,7 +23,6 @@ from jreshard.options import Options
 
 __all__ = ["Membership"]
 
-_MAX_PENDING = 256  # connections not yet authenticated or not yet said hello; more are closed at once
 _ANY = ("0.0.0.0", "::", "")
 
 
@@ -183,10 +182,10 @@ class Membership:
                 return
             except OSError:  # e.g. out of file descriptors: try again at the next poll
                 return
-            if len(self._pending) >= _MAX_PENDING:
-                sock.close()
-                continue
             ch = Channel.server(sock, "a joining replica", key=self._key)
+            victim = make_room(self._pending, ch)  # a flood of silent connections displaces only itself
+            if victim is not None:
+                self._pending.remove(victim)
             self._pending.append((ch, time.monotonic() + self.options.timeout_s))
 
     def _hello(self, ch: Channel, hello: dict, deadline: float) -> None:

@@ -302,7 +302,9 @@ def run_pair(
 
     source = process < pair.n_src
     remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}
-    comm = NixlComm(NixlAgent.shared(), pair.ranks(process), remote, timeout_s=options.timeout_s)
+    comm = NixlComm(
+        NixlAgent.shared(), pair.ranks(process), remote, timeout_s=options.timeout_s, encrypt=options.encrypt
+    )
     options = dataclasses.replace(options, relays=False)
     sources, targets = (shards, {}) if source else ({}, shards)
     if pair.views is not None:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jreshard.auth import resolve_secret
-from jreshard.channel import Channel, connect, listen, parse_address
+from jreshard.channel import Channel, connect, listen, make_room, parse_address
 from jreshard.elastic.pairs import (
     check_like,
     leaves_by_name,
@@ -63,7 +63,7 @@ class ElasticReplica:
         (default ``$JRESHARD_SECRET`` or ``$JRESHARD_SECRET_FILE``): the trainer's key.
       links: link speeds for the cost model (as the trainer's).
       host: the local address where this process serves catch-ups to joining replicas (default:
-        the address of the interface that reaches the trainer).
+        the address of the interface that reaches the trainer); NIXL's UCX listens on its interface only.
       recipe: how this replica's tensors are made from the trainer's, as a :class:`jreshard.RefitGroup`
         destination's: a pytree with the structure of ``like``, each leaf a view over
         :func:`jreshard.views.param` leaves naming the trainer's parameters (fused ``qkv`` with
@@ -93,6 +93,7 @@ class ElasticReplica:
         import jax
 
         from jreshard.nixl import NixlAgent
+        from jreshard.nixl.agent import import_nixl
 
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
@@ -113,7 +114,7 @@ class ElasticReplica:
             raise ValueError("ElasticReplica: " + "; ".join(self._decl["errors"]))
         self._like = leaves_by_name(like)
         self._treedef = jax.tree_util.tree_structure(like)
-        NixlAgent.shared()
+        import_nixl()  # NIXL present before anyone connects; the agent is made for the interface below
         ch = connect(parse_address(address, timeout_s=timeout), "the trainer", key=self._key, timeout_s=timeout)
         try:
             bind = ch.sock.getsockname()[0] if host is None else host
@@ -122,6 +123,7 @@ class ElasticReplica:
             ch.close()
             raise
         try:
+            NixlAgent.shared(bind)  # UCX on the interface that reaches the trainer (or host's)
             port = self._listener.getsockname()[1]
             hello = {"op": "hello", "name": name, "decl": self._decl, "peer_address": [bind, port]}
             ch.send_control(hello | {"process": self._index, "processes": self._processes}, timeout_s=timeout)
@@ -231,6 +233,9 @@ class ElasticReplica:
                         sock = None
                     if sock is not None:
                         ch = Channel.server(sock, "a joining peer", key=self._key)
+                        victim = make_room(pending, ch)
+                        if victim is not None:
+                            pending.remove(victim)
                         pending.append((ch, time.monotonic() + self.options.timeout_s))
                 self._peers(pending, fetches)
                 if live:

@@ -54,7 +54,8 @@ class ElasticTrainer:
       params: the parameter declaration: a pytree of ``jax.Array`` or
         ``jax.ShapeDtypeStruct`` with shardings on this process's devices.
       host: the local address to listen on: an interface's address (``"10.0.0.1"``), ``"0.0.0.0"``
-        for every IPv4 interface, default loopback.
+        for every IPv4 interface, default loopback. NIXL's UCX listens on that interface only (a
+        wildcard: on every one).
       port: the port to listen on (0: a free one; see :attr:`address`).
       address_file: if given, :attr:`address` is written there (atomically) for replicas to read.
       devices: the jax devices this process drives (default ``jax.local_devices()``).
@@ -97,7 +98,7 @@ class ElasticTrainer:
             raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
         from jreshard.nixl import NixlAgent
 
-        NixlAgent.shared()  # NIXL present and its agent made before anyone connects
+        NixlAgent.shared(host)  # NIXL present and its agent made (UCX on host's interface) before anyone connects
         self._process, processes = jax.process_index(), jax.process_count()
         self._follower: FollowerService | None = None
         self._stop = False

@@ -13,7 +13,17 @@ When a root is garbage collected its registration is released at the next call (
 **Peers.** The agent's metadata (its UCX addresses) is introduced to a peer over an authenticated
 :class:`~jreshard.channel.Channel` (never through NIXL's own listener, which authenticates nothing);
 a registration a peer has not yet seen travels as partial metadata with the descriptors that use
-it. The remote keys of registered memory are therefore only ever sent to authenticated peers.
+it. The remote keys of registered memory are therefore only ever sent to authenticated peers, and
+only sealed (the channel encrypts every frame): someone who reads the wire does not learn them.
+
+**Notifications.** A receive id is 63 random bits (``secrets``), and each is bound to the one agent
+expected to write it: a notification from any other agent, or naming an id nobody waits on, is
+ignored (logged), so a stranger that guesses nothing cannot complete a receive.
+
+**Interfaces.** UCX's TCP transport listens on every network interface unless told otherwise. An
+agent made for a ``host`` (a local address, not a wildcard) restricts it to that address's
+interface (UCX's ``UCX_NET_DEVICES``, set only while the agent's UCX context is made): one made for
+``127.0.0.1`` listens on loopback only. Shared-memory transports (same host) are unaffected.
 
 **Memory types.** Host buffers (numpy) are ``DRAM``; a buffer with ``__cuda_array_interface__`` (CuPy)
 is ``VRAM`` on its device (not run on GPU).
@@ -23,12 +33,14 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import itertools
+import fcntl
+import ipaddress
 import logging
 import os
 import secrets
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -40,9 +52,10 @@ import numpy as np
 from jreshard.channel import Channel
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 
-__all__ = ["NixlAgent", "Region", "import_nixl"]
+__all__ = ["NixlAgent", "Region", "import_nixl", "interface_of"]
 
 NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows
+log = logging.getLogger("jreshard.nixl")
 
 
 def import_nixl() -> Any:
@@ -65,6 +78,50 @@ def import_nixl() -> Any:
         "the NIXL transport needs NIXL: pip install --no-deps nixl-cu12 (or nixl-cu13; its torch requirement "
         f"is not needed) ({'; '.join(errors)})"
     )
+
+
+_ENV_LOCK = threading.Lock()
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(host: str) -> str | None:
+    """The name of the local network interface that holds address ``host`` (``"lo"`` for any loopback
+    address); ``None`` for a wildcard (``"0.0.0.0"``, ``"::"``, ``""``) or an address no interface holds.
+
+    Example:
+      >>> interface_of("127.0.0.1"), interface_of("0.0.0.0")
+      ('lo', None)
+    """
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        try:  # a host name: the address it resolves to
+            ip = ipaddress.ip_address(socket.gethostbyname(host)) if host else ipaddress.ip_address("0.0.0.0")
+        except (OSError, ValueError):
+            return None
+    if ip.is_unspecified:
+        return None
+    if ip.is_loopback:
+        return "lo"
+    for _, name in socket.if_nameindex():
+        if ip.version == 4:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+            if socket.inet_ntoa(got[20:24]) == str(ip):
+                return name
+    if ip.version == 6:
+        try:
+            with open("/proc/net/if_inet6") as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) >= 6 and ipaddress.ip_address(int(fields[0], 16)) == ip:
+                        return fields[5]
+        except OSError:
+            return None
+    return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,6 +182,8 @@ class NixlAgent:
       name: the agent's name, unique among every agent it meets (default: host, pid and a random
         suffix).
       backends: the NIXL backends to create (default UCX).
+      host: the local address this process's transfers use: UCX's network transports are restricted
+        to the interface that holds it (``None`` or a wildcard: every interface, UCX's default).
 
     Attributes:
       registrations: memory registrations made so far (the tests count them: a refit loop whose
@@ -140,7 +199,7 @@ class NixlAgent:
     _shared: NixlAgent | None = None
     _shared_lock = threading.Lock()
 
-    def __init__(self, name: str | None = None, *, backends: tuple[str, ...] = ("UCX",)):
+    def __init__(self, name: str | None = None, *, backends: tuple[str, ...] = ("UCX",), host: str | None = None):
         nixl = import_nixl()
         self.name = name or f"jreshard-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         config = nixl.nixl_agent_config(
@@ -149,7 +208,18 @@ class NixlAgent:
             backends=list(backends),
             sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # several threads of a process use it
         )
-        self._agent = nixl.nixl_agent(self.name, config)
+        self.interface = None if host is None else interface_of(host)
+        if host is not None and self.interface is None and host not in ("", "0.0.0.0", "::"):
+            log.warning("NixlAgent: no local interface holds %r: UCX may listen on every interface", host)
+        with _ENV_LOCK:  # UCX reads its configuration from the environment when the agent makes its context
+            before = os.environ.get("UCX_NET_DEVICES")
+            if self.interface is not None and before is None:
+                os.environ["UCX_NET_DEVICES"] = self.interface
+            try:
+                self._agent = nixl.nixl_agent(self.name, config)
+            finally:
+                if self.interface is not None and before is None:
+                    del os.environ["UCX_NET_DEVICES"]
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise BackendUnavailableError(
@@ -162,18 +232,20 @@ class NixlAgent:
         self._told: weakref.WeakKeyDictionary[Channel, set[tuple[str, int, int, int]]] = weakref.WeakKeyDictionary()
         self._notices: dict[int, str] = {}  # receive id -> the agent whose notification arrived
         self._abandoned: dict[int, Any] = {}  # receive id -> its buffer, kept alive for a late WRITE
-        self._ids = itertools.count(1)
+        self._expected: dict[int, str] = {}  # receive id -> the only agent whose notification counts
+        self.ignored = 0  # notifications ignored: from an unexpected agent, or for no awaited id
         self.registrations = 0
         self._pid = os.getpid()
         self.closed = False
 
     @classmethod
-    def shared(cls) -> NixlAgent:
-        """This process's agent, made at the first call (a forked child makes its own)."""
+    def shared(cls, host: str | None = None) -> NixlAgent:
+        """This process's agent, made at the first call (a forked child makes its own); ``host`` as for
+        the constructor, heeded by the call that makes it."""
         with cls._shared_lock:
             agent = cls._shared
             if agent is None or agent._pid != os.getpid() or agent.closed:
-                agent = cls._shared = cls()
+                agent = cls._shared = cls(host=host)
             return agent
 
     @property
@@ -295,22 +367,36 @@ class NixlAgent:
         return self._peers[channel]
 
     # ---- notifications --------------------------------------------------------------------------
-    def new_id(self) -> int:
-        """A receive id unique in this agent (its notification names it)."""
-        return next(self._ids)
+    def new_id(self, sender: str) -> int:
+        """A fresh receive id (63 random bits) that only agent ``sender``'s notification completes."""
+        with self._lock:
+            while True:
+                i = secrets.randbits(63)
+                if i and i not in self._expected:
+                    self._expected[i] = sender
+                    return i
 
     def arrived(self, ids: set[int]) -> dict[int, str]:
-        """Which of ``ids`` have been notified (``{id: sending agent}``), removed from the store."""
+        """Which of ``ids`` have been notified by their expected agent (``{id: agent}``), removed from the
+        store. Any other notification is ignored (and counted in :attr:`ignored`)."""
         with self._lock:
             for agent, msgs in self._agent.get_new_notifs().items():
                 for m in msgs:
-                    if m.startswith(NOTICE) and m[len(NOTICE) :].isdigit():
-                        i = int(m[len(NOTICE) :])
-                        if i in self._abandoned:
-                            del self._abandoned[i]  # the late WRITE landed: its buffer may go
-                        else:
-                            self._notices[i] = agent
-            return {i: self._notices.pop(i) for i in ids if i in self._notices}
+                    digits = m[len(NOTICE) :] if m.startswith(NOTICE) else b""
+                    i = int(digits) if digits.isdigit() and len(digits) <= 19 else None
+                    if i is None or self._expected.get(i) != agent:
+                        self.ignored += 1
+                        log.warning("ignored a NIXL notification from agent %r: %r", agent, m[:64])
+                        continue
+                    if i in self._abandoned:
+                        del self._abandoned[i]  # the late WRITE landed: its buffer may go
+                        del self._expected[i]
+                    else:
+                        self._notices[i] = agent
+            out = {i: self._notices.pop(i) for i in ids if i in self._notices}
+            for i in out:
+                del self._expected[i]
+            return out
 
     def abandon(self, receives: Mapping[int, Any]) -> None:
         """Receives given up on (a failed exchange), ``{id: buffer}``: their late notifications are
@@ -320,6 +406,8 @@ class NixlAgent:
             for i, buffer in receives.items():
                 if self._notices.pop(i, None) is None:
                     self._abandoned[i] = buffer
+                else:
+                    self._expected.pop(i, None)
 
     def close(self) -> None:
         """Release every registration and forget every peer."""
@@ -338,3 +426,4 @@ class NixlAgent:
                         pass
             self._peers.clear()
             self._abandoned.clear()
+            self._expected.clear()

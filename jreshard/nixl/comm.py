@@ -15,7 +15,26 @@ failures). A group (:meth:`NixlComm.exchange`) runs as:
    the registered send buffer into the posted address is started, notifying ``jreshard:<id>``
    (a zero-byte message is a notification alone).
 3. **Completion.** A send is done when NIXL reports its transfer ``DONE``; a receive when its
-   notification arrives (NIXL delivers it after the written bytes). The group returns when all are.
+   notification arrives (NIXL delivers it after the written bytes) from the agent it was posted to
+   (receive ids are random; :class:`~jreshard.nixl.agent.NixlAgent`) and, on a sealed connection,
+   its bytes match the tag the sender sent (below). The group returns when all are.
+
+**Integrity.** On a connection with a session (every one between programs), the sender of each
+message sends, inside the sealed channel (``nixl.mac``), a Poly1305 tag of the bytes it writes,
+under a one-time key derived from the session and the receive's id, ranks and tag
+(:meth:`jreshard.auth.Session.mac`); the receiver computes the tag of what landed and compares
+before the group returns. A byte altered on the wire (UCX over TCP is plain text) is
+:class:`PeerError` before anything is unpacked or published. Device (CuPy) buffers are not tagged:
+a message from or into GPU memory is checked by nothing but the transport.
+
+**Encryption** (``encrypt=True``, the receiver's ``Options.encrypt``). The receiver posts, for each
+receive, a fresh landing buffer ``16`` bytes longer (registered for this exchange, released with
+it); the sender encrypts its bytes with AES-256-GCM under its direction's data key
+(:meth:`jreshard.auth.Session.seal_into`, the message's label authenticated with them) into a buffer
+of its own, WRITEs that, and sends the message's sequence number inside the sealed channel; the
+receiver decrypts what landed into the receive buffer. Nothing of the weights crosses the wire in
+the clear, and a byte altered fails the message's tag (:class:`PeerError`). A sender with
+``encrypt=True`` refuses to write a receive posted in the clear. Host buffers only.
 
 Failure. Every wait is bounded by ``timeout_s``: :class:`TransferTimeoutError` names the ranks that
 did not post (receivers) or did not write (senders). A peer whose connection closes while it still
@@ -33,11 +52,15 @@ Messages between two local ranks are copies (``match_and_copy``).
 from __future__ import annotations
 
 import collections
+import hmac
 import select
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
+from jreshard.auth import TAG_BYTES
 from jreshard.channel import Channel
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.engine.loopback import match_and_copy
@@ -53,8 +76,17 @@ __all__ = ["NixlComm"]
 _MAX_SLEEP_S = 2.5e-4
 _NOTICE_GRACE_S = 1.0  # after a peer's connection closes, how long its last notifications may still take
 
-# A posted receive as the sender holds it: (id, address, nbytes, memory type, device).
-_Posted = tuple[int, int, int, str, int]
+# A posted receive as the sender holds it: (id, address, nbytes, memory type, device, sealed).
+_Posted = tuple[int, int, int, str, int, bool]
+
+
+def _label(i: int, src: int, dst: int, tag: int) -> bytes:
+    """What a message's MAC is bound to: its receive id (random, used once), ranks and tag."""
+    return f"nixl {i} {src} {dst} {tag}".encode()
+
+
+def _host(buffer: Any) -> bool:
+    return not hasattr(buffer, "__cuda_array_interface__")
 
 
 def _short(xs: Sequence[int]) -> str:
@@ -71,13 +103,22 @@ class NixlComm(Communicator):
       remote: ``{rank: channel of the process that drives it}`` for every other rank; each
         channel's peer is authenticated.
       timeout_s: the deadline for introducing the agents on channels that are new to ``agent``.
+      encrypt: receive every message encrypted, and send only encrypted (see the module docstring).
 
     Raises:
-      ValueError: a rank is both local and remote.
+      ValueError: a rank is both local and remote; or ``encrypt`` over a connection without a session.
       PeerError, TransferTimeoutError: a peer did not introduce its agent.
     """
 
-    def __init__(self, agent: NixlAgent, local: Sequence[int], remote: Mapping[int, Channel], *, timeout_s: float):
+    def __init__(
+        self,
+        agent: NixlAgent,
+        local: Sequence[int],
+        remote: Mapping[int, Channel],
+        *,
+        timeout_s: float,
+        encrypt: bool = False,
+    ):
         self._local = tuple(sorted(int(r) for r in local))
         clash = sorted(set(self._local) & set(remote))
         if clash:
@@ -86,6 +127,13 @@ class NixlComm(Communicator):
         self._remote = dict(remote)
         self.broken: str | None = None
         self._posted: dict[tuple[int, int, int], collections.deque[_Posted]] = {}  # posts not yet written to
+        self._tags: dict[int, tuple[bytes | None, int | None]] = {}  # receive id -> its sender's tag, sequence
+        self.verified = 0  # messages whose bytes were checked against their sender's tag (or opened)
+        self.encrypt = bool(encrypt)
+        if self.encrypt and any(ch.session is None for ch in self._remote.values()):
+            raise ValueError("NixlComm: encrypt=True needs authenticated connections (with a session) to every peer")
+        self._landing: dict[int, np.ndarray] = {}  # receive id -> where its encrypted bytes land
+        self._outbound: list[np.ndarray] = []  # encrypted copies being written
         agent.introduce(list(dict.fromkeys(self._remote.values())), timeout_s=timeout_s)
 
     @property
@@ -119,7 +167,7 @@ class NixlComm(Communicator):
             self._run(remote_sends, waiting, timeout_s)
         except (PeerError, TransferTimeoutError) as err:
             self.broken = str(err)
-            self._agent.abandon({i: r.buffer for i, r in waiting.items()})
+            self._agent.abandon({i: self._landing.pop(i, r.buffer) for i, r in waiting.items()})
             raise
 
     def _post(self, recvs: Sequence[RecvOp], waiting: dict[int, RecvOp]) -> None:
@@ -128,11 +176,16 @@ class NixlComm(Communicator):
         keys: dict[Channel, set[tuple[str, int, int, int]]] = {}
         for r in recvs:
             ch = self._channel(r.src, "source")
-            region = self._agent.region(r.buffer)
-            i = self._agent.new_id()
+            i = self._agent.new_id(self._agent.peer(ch))
+            landing = r.buffer
+            if self.encrypt:
+                if not _host(r.buffer):
+                    raise ValueError("NixlComm: encrypt=True covers host buffers only (a GPU receive buffer)")
+                landing = self._landing[i] = np.empty(int(r.buffer.nbytes) + TAG_BYTES, np.uint8)
+            region = self._agent.region(landing)
             waiting[i] = r
             by.setdefault(ch, []).append(
-                [r.src, r.dst, r.tag, i, region.address, region.nbytes, region.mem, region.device]
+                [r.src, r.dst, r.tag, i, region.address, region.nbytes, region.mem, region.device, int(self.encrypt)]
             )
             keys.setdefault(ch, set()).add(region.key)
         for ch, entries in by.items():
@@ -144,17 +197,28 @@ class NixlComm(Communicator):
         """Read ``ch``: posted receives into the queues, a peer's failure raised (a closed connection
         is judged by the caller: a peer may close once it has written everything)."""
         ch.pump()
-        for msg in ch.take({"nixl.post", "nixl.fail"}):
+        for msg in ch.take({"nixl.post", "nixl.fail", "nixl.mac"}):
             if msg["op"] == "nixl.fail":
                 raise PeerError(f"NixlComm: {ch.peer} failed the exchange: {msg.get('error', '?')}")
+            if msg["op"] == "nixl.mac":
+                tags = msg.get("tags")
+                try:
+                    if not isinstance(tags, list):
+                        raise TypeError("not a list")
+                    for i, t, seq in tags:
+                        tag = None if t is None else bytes.fromhex(t)
+                        self._tags[int(i)] = (tag, None if seq is None else int(seq))
+                except (TypeError, ValueError) as err:
+                    raise PeerError(f"NixlComm: {ch.peer} sent malformed tags {tags!r:.200}") from err
+                continue
             md, entries = msg.get("md", []), msg.get("recvs")
             if not isinstance(md, list) or not isinstance(entries, list):
                 raise PeerError(f"NixlComm: {ch.peer} sent a malformed post")
             self._agent.load(ch, [str(m) for m in md])
             for e in entries:
                 try:
-                    src, dst, tag, i, addr, n, mem, dev = e
-                    post = (int(i), int(addr), int(n), str(mem), int(dev))
+                    src, dst, tag, i, addr, n, mem, dev, *sealed = e
+                    post = (int(i), int(addr), int(n), str(mem), int(dev), bool(sealed and sealed[0]))
                     key = (int(src), int(dst), int(tag))
                 except (TypeError, ValueError) as err:
                     raise PeerError(f"NixlComm: {ch.peer} sent a malformed receive descriptor {e!r}") from err
@@ -169,10 +233,25 @@ class NixlComm(Communicator):
             pass
         return PeerError(f"NixlComm.exchange: {error}")
 
-    def _start(self, s: SendOp, post: _Posted, ch: Channel) -> Any:
-        """Start the WRITE of ``s`` into ``post``; the transfer handle, or ``None`` when already done."""
-        i, addr, n, mem, dev = post
-        nbytes = int(s.buffer.nbytes)
+    def _start(self, s: SendOp, post: _Posted, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> Any:
+        """Start the WRITE of ``s`` into ``post`` (its tag added to ``tags``); the transfer handle, or
+        ``None`` when already done."""
+        i, addr, n, mem, dev, sealed = post
+        if self.encrypt and not sealed:
+            raise self._fail(
+                ch,
+                f"rank {s.dst} posted its receive from rank {s.src} (tag {s.tag}) in the clear, but this side has "
+                "Options(encrypt=True): set encrypt=True on both sides",
+            )
+        buffer = s.buffer
+        if sealed:
+            if not _host(s.buffer) or ch.session is None:
+                raise self._fail(ch, f"rank {s.src} cannot encrypt to rank {s.dst} (GPU memory, or no session)")
+            buffer = np.empty(int(s.buffer.nbytes) + TAG_BYTES, np.uint8)
+            seq = ch.session.seal_into(_label(i, s.src, s.dst, s.tag), s.buffer, buffer)
+            self._outbound.append(buffer)
+            tags.setdefault(ch, []).append([i, None, seq])
+        nbytes = int(buffer.nbytes)
         if n != nbytes:
             raise self._fail(
                 ch,
@@ -183,9 +262,11 @@ class NixlComm(Communicator):
         peer = self._agent.peer(ch)
         notice = NOTICE + str(i).encode()
         if nbytes == 0:
+            if not sealed:
+                self._tag(s, i, ch, tags)
             agent.send_notif(peer, notice)
             return None
-        local = self._agent.region(s.buffer)
+        local = self._agent.region(buffer)
         try:
             handle = agent.initialize_xfer(
                 "WRITE",
@@ -200,7 +281,16 @@ class NixlComm(Communicator):
         if state == "ERR":
             handle.release()
             raise self._fail(ch, f"NIXL reported an error posting the WRITE {s.src}->{s.dst} tag {s.tag}")
+        if not sealed:
+            self._tag(s, i, ch, tags)  # while the WRITE flies (the send buffer does not change until it is done)
         return handle
+
+    @staticmethod
+    def _tag(s: SendOp, i: int, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> None:
+        """Add the tag of ``s``'s bytes, for receive ``i``, to what goes to ``ch`` (sealed connections only)."""
+        if ch.session is not None:
+            tag = ch.session.mac(_label(i, s.src, s.dst, s.tag), s.buffer) if _host(s.buffer) else None
+            tags.setdefault(ch, []).append([i, None if tag is None else tag.hex(), None])
 
     def _run(self, sends: Sequence[SendOp], waiting: dict[int, RecvOp], timeout_s: float) -> None:
         agent = self._agent.nixl
@@ -214,6 +304,7 @@ class NixlComm(Communicator):
         deadline = time.monotonic() + timeout_s
         sleep = 0.0
         closed: dict[Channel, float] = {}  # when each closed connection was first seen with work left
+        landed: dict[int, RecvOp] = {}  # receives notified whose sender's tag has not come yet
         try:
             while True:
                 progress = False
@@ -221,17 +312,21 @@ class NixlComm(Communicator):
                     self._collect(ch)
                     ch.flush()
                 blocked = []
+                tags: dict[Channel, list[list[Any]]] = {}
                 while unsent:  # start every send whose receive is posted, in listed order per key
                     s = unsent.popleft()
                     queue = self._posted.get((s.src, s.dst, s.tag))
                     if not queue:
                         blocked.append(s)
                         continue
-                    handle = self._start(s, queue.popleft(), self._remote[s.dst])
+                    handle = self._start(s, queue.popleft(), self._remote[s.dst], tags)
                     if handle is not None:
                         flying.append((handle, s))
                     progress = True
                 unsent.extend(blocked)
+                for ch, entries in tags.items():  # sealed, beside the WRITEs: the receiver checks what landed
+                    ch.queue_control({"op": "nixl.mac", "tags": entries})
+                    ch.flush()
                 still = []
                 for handle, s in flying:
                     state = agent.check_xfer_state(handle)
@@ -247,13 +342,16 @@ class NixlComm(Communicator):
                 flying = still
                 if waiting:
                     for i in self._agent.arrived(set(waiting)):
-                        del waiting[i]
+                        landed[i] = waiting.pop(i)
                         progress = True
-                if not unsent and not flying and not waiting:
+                for i in [i for i in landed if i in self._tags or self._remote[landed[i].src].session is None]:
+                    self._check(i, landed.pop(i))
+                if not unsent and not flying and not waiting and not landed and not any(ch.sending for ch in channels):
+                    self._outbound.clear()  # every encrypted copy was written
                     return
                 now = time.monotonic()
                 for ch in channels:  # a peer that closed with messages outstanding is gone
-                    if ch.eof and self._outstanding(ch, unsent, waiting):
+                    if ch.eof and self._outstanding(ch, unsent, {**waiting, **landed}):
                         # its last notifications may still be on their way (they travel apart from the
                         # connection): give them _NOTICE_GRACE_S, then it is gone
                         closed.setdefault(ch, now)
@@ -263,7 +361,7 @@ class NixlComm(Communicator):
                     sleep = 0.0
                     continue
                 if time.monotonic() > deadline:
-                    raise self._timeout(list(unsent), flying, waiting, timeout_s)
+                    raise self._timeout(list(unsent), flying, {**waiting, **landed}, timeout_s)
                 if sleep:
                     live = [ch for ch in channels if not ch.eof]
                     if live:
@@ -277,6 +375,31 @@ class NixlComm(Communicator):
                     handle.release()
                 except Exception:
                     pass
+
+    def _check(self, i: int, r: RecvOp) -> None:
+        """Compare the bytes that landed for receive ``i`` with the tag its sender sent."""
+        ch = self._remote[r.src]
+        want, seq = self._tags.pop(i, (None, None))
+        landing = self._landing.pop(i, None)
+        if landing is not None:
+            assert ch.session is not None  # encrypt needs sessions (checked when made)
+            if seq is None or not ch.session.open_into(seq, _label(i, r.src, r.dst, r.tag), landing, r.buffer):
+                raise self._fail(
+                    ch,
+                    f"the encrypted message rank {r.dst} received from rank {r.src} under tag {r.tag} does not open "
+                    "(altered on the way, or not sealed by the sender); nothing is published",
+                )
+            self.verified += 1
+            return
+        if ch.session is None or want is None or not _host(r.buffer):
+            return
+        if not hmac.compare_digest(ch.session.mac(_label(i, r.src, r.dst, r.tag), r.buffer), want):
+            raise self._fail(
+                ch,
+                f"the {int(r.buffer.nbytes)} bytes rank {r.dst} received from rank {r.src} under tag {r.tag} are not "
+                "the bytes the sender wrote (its tag does not match): altered on the way; nothing is published",
+            )
+        self.verified += 1
 
     def _outstanding(self, ch: Channel, unsent: Sequence[SendOp], waiting: dict[int, RecvOp]) -> bool:
         """Whether ``ch``'s peer still has to post or to write (a WRITE in flight reports its own end)."""

@@ -163,6 +163,8 @@ class ProcessGroup:
                 if who[0] == "destination":
                     n_dst = n_dst or count
                 joined[who] = (c, {"at": [host, port]})
+        for c in pending:  # still authenticating or silent: not part of the group
+            c.close()
         order = [("source", 0)] + [("source", i) for i in range(1, n_src)]
         order += [("destination", i) for i in range(n_dst or 0)]
         table = [[r, i, *(joined[(r, i)][1]["at"] if (r, i) in joined else ["", 0])] for r, i in order]
@@ -208,6 +210,8 @@ class ProcessGroup:
                         continue
                     c.peer = f"process {said} ({roles[said]})"
                     channels[said] = c
+            for c in pending:  # still authenticating or silent: not part of the group
+                c.close()
         except BaseException:
             for c in channels.values():
                 c.close()
@@ -219,11 +223,12 @@ class ProcessGroup:
         """The connection to ``process``."""
         return self._channels[process]
 
-    def communicator(self, rank_process: Mapping[int, int], *, timeout_s: float) -> NixlComm:
-        """The weights' transport: a :class:`NixlComm` over this group's connections."""
+    def communicator(self, rank_process: Mapping[int, int], *, timeout_s: float, encrypt: bool = False) -> NixlComm:
+        """The weights' transport: a :class:`NixlComm` over this group's connections (``encrypt``: as its)."""
         local = [r for r, p in rank_process.items() if p == self.rank]
         remote = {r: self._channels[p] for r, p in rank_process.items() if p != self.rank}
-        return NixlComm(NixlAgent.shared(), local, remote, timeout_s=timeout_s)
+        agent = NixlAgent.shared(self._listener.getsockname()[0])  # UCX on the interface the group meets on
+        return NixlComm(agent, local, remote, timeout_s=timeout_s, encrypt=encrypt)
 
     def allgather(
         self,
