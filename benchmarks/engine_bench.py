@@ -283,14 +283,19 @@ def _worker(path: str) -> None:
                 "row_bytes": row_bytes,
                 "kind": kind,
             }
+            out[name]["peer_busy"] = world.recv(source=1)
         else:
             rounds, nbytes = mirror_rounds(cut, row_bytes)
             peer = replay.Replay(rounds, replay.ops_of(rounds, (False,) * len(rounds), {}, 0), comm)
+            busy: list[float] = []
             scratch = [np.zeros(nbytes, np.uint8)]
             for _ in range(repeat + 1):
                 world.Barrier()
-                peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
+                t0 = time.perf_counter()
+                phases = peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
+                busy.append(time.perf_counter() - t0 - phases[4])
             peer.release()
+            world.send(busy, dest=0)
         comm.close()
     if world.Get_rank() == 0:
         out["compiled"] = replay.compiled_replay()
@@ -388,7 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"   {name:>19}: rows of {col['row_bytes']} B; first step {col['times'][0] * 1e3:.1f} ms; wall "
             f"{_spread(wall)}, host {_spread(host[name])}, CPU {_spread(cpu[name])} us per round; replayed "
-            f"{col['replayed'][1]}/{col['rounds']} rounds a step"
+            f"{col['replayed'][1]}/{col['rounds']} rounds a step; the peer's host time, MPI alone: "
+            f"{_spread([b / r * 1e6 for b in col['peer_busy'][1:]])} us"
         )
     ratio = statistics.median(cpu["per-op"]) / statistics.median(cpu["prepared"])
     print(f"   per-op / prepared CPU time per round: {ratio:.1f}x (same run)")

@@ -4,11 +4,17 @@
  * A prepared program is a list of operations, OP_WORDS int64 words each, built once per (schedule, ranks,
  * transport) in Python:
  *
- *   PACK   table rows seg nbuf arena     gather the byte rows of ``table`` from the buffers addr[seg:seg+nbuf]
- *   UNPACK table rows seg nbuf arena     into the staging arena addr[arena] (UNPACK: scatter them back)
- *   START  group . . . phase             start the group's requests, then copy its local messages
- *   WAIT   group . . . phase             poll the group's requests until all completed, within timeout_ns
- *                                        of its START; check every receive got the bytes it expected
+ *   PACK   rows n seg nbuf arena bytes table  gather the byte rows of ``table`` from the buffers
+ *                                             addr[seg:seg+nbuf] into the staging arena addr[arena]
+ *   UNPACK rows n seg nbuf arena bytes table  scatter them back
+ *   START  group . . . phase . .              start the group's requests, then copy its local messages
+ *   WAIT   group . . . phase . .              poll the group's requests until all completed, within timeout_ns
+ *                                             of its START; check every receive got the bytes it expected
+ *
+ * ``table`` is the descriptor table (kernels.py's columns), which ``validate`` checks; ``rows`` is the same n rows
+ * compacted, which ``run`` copies: per row (buffer, offset, staging offset, nbytes, ndim), then for a row of more
+ * than one dimension its (extent, stride) pairs (a one-dimensional row is a run of nbytes bytes). A refit reads a
+ * few words of each row instead of its 22 columns; ``bytes`` is the total the table moves.
  *
  * The buffers are named by index into two arrays that the caller refreshes every step: their addresses and
  * byte sizes (``addresses``, read from this step's shard and staging buffers). ``validate`` checks every row
@@ -30,7 +36,7 @@
 
 #include "../schedule/_rows.h"
 
-#define OP_WORDS 6
+#define OP_WORDS 8
 #define OP_PACK 1
 #define OP_UNPACK 2
 #define OP_START 3
@@ -56,6 +62,31 @@ static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Copy one compacted row (see the top; its descriptor row passed ``validate``); returns the words it takes. */
+static inline int64_t copy_compact(const int64_t *r, const int64_t *addr, char *staging, int unpack, int stream) {
+    int64_t nd = r[4], n = r[3];
+    if (nd == 1) {
+        if (n > 0) {
+            char *at = (char *)(uintptr_t)addr[r[0]] + r[1], *stage = staging + r[2];
+            char *dst = unpack ? at : stage;
+            const char *src = unpack ? stage : at;
+            if (stream && n >= STREAM_RUN) {
+                stream_copy(dst, src, (size_t)n);
+            } else {
+                memcpy(dst, src, (size_t)n);
+            }
+        }
+        return 5;
+    }
+    int64_t full[COLUMNS] = {0};
+    full[C_BUF] = r[0], full[C_OFF] = r[1], full[C_STAGE] = r[2], full[C_NBYTES] = n, full[C_NDIM] = nd;
+    for (int64_t d = 0; d < nd; d++) {
+        full[C_SHAPE0 + d] = r[5 + 2 * d], full[C_STRIDE0 + d] = r[6 + 2 * d];
+    }
+    copy_row(full, addr, staging, unpack, stream);
+    return 5 + 2 * nd;
 }
 
 /* The program, as ``run`` and ``validate`` read it. */
@@ -129,7 +160,7 @@ static PyObject *py_validate(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < p.nops; i++) {
         const int64_t *op = p.ops + OP_WORDS * i;
         if (op[0] == OP_PACK || op[0] == OP_UNPACK) {
-            const int64_t *table = (const int64_t *)(uintptr_t)op[1];
+            const int64_t *table = (const int64_t *)(uintptr_t)op[7];
             int64_t seg = op[3], n = op[4], arena = op[5];
             if (seg < 0 || n < 0 || seg > p.nbuf - n || arena < 0 || arena >= p.nbuf || p.addr[arena] == 0) {
                 return PyLong_FromSsize_t(i);
@@ -277,16 +308,12 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         const int64_t *op = p.ops + OP_WORDS * i;
         int phase = 0;
         if (op[0] == OP_PACK || op[0] == OP_UNPACK) {
-            const int64_t *table = (const int64_t *)(uintptr_t)op[1];
-            int unpack = op[0] == OP_UNPACK;
+            const int64_t *row = (const int64_t *)(uintptr_t)op[1];
+            int unpack = op[0] == OP_UNPACK, stream = op[6] >= STREAM_MIN;
+            const int64_t *addr = p.addr + op[3];
             char *staging = (char *)(uintptr_t)p.addr[op[5]];
-            int64_t total = 0;
             for (int64_t k = 0; k < op[2]; k++) {
-                total += table[COLUMNS * k + C_NBYTES];
-            }
-            int stream = total >= STREAM_MIN;
-            for (int64_t k = 0; k < op[2]; k++) {
-                copy_row(table + COLUMNS * k, p.addr + op[3], staging, unpack, stream);
+                row += copy_compact(row, addr, staging, unpack, stream);
             }
             if (stream) {
                 STREAM_FENCE();

@@ -40,6 +40,7 @@ from jreshard.engine.buffers import Buffers
 from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups
 from jreshard.engine.strided import checking_bounds
 from jreshard.errors import TransferError
+from jreshard.schedule import kernels
 
 __all__ = [
     "EXCHANGE",
@@ -171,18 +172,37 @@ def _native_ops(ops: list[tuple], segments: Mapping[int, int], nbuf: int) -> tup
             table = np.ascontiguousarray(op[1], np.int64)
             if table.ndim != 2 or table.shape[1] != _native.COLUMNS:
                 return None, ()
-            if table[:, -1].any():  # cast rows: the Python loop runs them (the compiled casts)
+            if table[:, kernels.CAST].any():  # cast rows: the Python loop runs them (the compiled casts)
                 return None, ()
-            tables.append(table)
-            out.append((code, table.ctypes.data, len(table), segments[op[2]], nbuf, op[3]))
+            rows = _compact(table)
+            tables += [table, rows]
+            total = int(table[:, kernels.NBYTES].sum())
+            out.append((code, rows.ctypes.data, len(table), segments[op[2]], nbuf, op[3], total, table.ctypes.data))
         elif code == EXCHANGE:
-            out.append((START, op[1], 0, 0, 0, op[2]))
-            out.append((WAIT, op[1], 0, 0, 0, op[2]))
+            out.append((START, op[1], 0, 0, 0, op[2], 0, 0))
+            out.append((WAIT, op[1], 0, 0, 0, op[2], 0, 0))
         elif code in (START, WAIT):
-            out.append((code, op[1], 0, 0, 0, op[2]))
+            out.append((code, op[1], 0, 0, 0, op[2], 0, 0))
     native = np.array(out, np.int64).reshape(-1, _native.OP_WORDS)
     native.setflags(write=False)
     return native, tuple(tables)
+
+
+def _compact(table: np.ndarray) -> np.ndarray:
+    """``table``'s rows as ``_replay.c`` copies them: ``(buffer, offset, staging offset, nbytes, ndim)``, then for a
+    row of more than one dimension its ``(extent, stride)`` pairs."""
+    k = kernels
+    head = table[:, [k.BUF, k.OFF, k.STAGE, k.NBYTES, k.NDIM]]
+    if (table[:, k.NDIM] == 1).all():  # runs of bytes (every row of a plain refit)
+        return np.ascontiguousarray(head).reshape(-1)
+    parts = []
+    for row, h in zip(table, head, strict=True):
+        nd = int(row[k.NDIM])
+        parts.append(h)
+        if nd > 1:
+            pairs = np.stack([row[k.SHAPE0 : k.SHAPE0 + nd], row[k.STRIDE0 : k.STRIDE0 + nd]], axis=1)
+            parts.append(pairs.reshape(-1))
+    return np.concatenate(parts).astype(np.int64)
 
 
 def addresses(buffers: Sequence[Any], out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
