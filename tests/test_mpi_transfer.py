@@ -82,6 +82,7 @@ def test_peer_killed_mid_refit(tmp_path, victim):
     assert len(survivors) == 2  # the victim's own program is torn down by its launcher
     for r in survivors.values():
         assert r["failed_at"] == 3 and r["versions"] == [1, 2], r
+        assert r["native_steps"] >= 3, r  # versions 1 and 2, then 3: waiting in the compiled replay when it failed
         assert "Timeout" in r["error"] or "did not answer" in r["error"] or "no answer" in r["error"], r
         assert r["elapsed"] < timeout + 2.0, r  # raised within the configured timeout (+ polling slack)
         assert r["version_after_failure"] == 2

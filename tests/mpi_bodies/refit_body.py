@@ -146,6 +146,8 @@ def body() -> dict:
                 log["bytes"].append(check(new, v))
                 current = new
         except TransferError as err:
+            # how many steps this process replayed in the compiled loop before the failure (its survivors wait there)
+            log["native_steps"] = sum(r.native_steps for r in replay._by_comm.get(group._comm, {}).values())
             log["failed_at"] = v
             log["error"] = f"{type(err).__name__}: {err}"
             log["elapsed"] = time.monotonic() - t0
