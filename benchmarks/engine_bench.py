@@ -352,6 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     def timed(kind: type[NullComm]) -> tuple[list[float], Any, NullComm]:
         times, stats, comm = [], None, kind([rank])
         for _ in range(args.repeat):
+            comm.exchanges = comm.ops = 0  # one step's counts
             t0 = time.perf_counter()
             stats = execute(
                 sched, comm, shards, options=Options(), buffers=NullBuffers(), report=ReportBuilder(Backend.MPI)
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
             times.append(time.perf_counter() - t0)
         return times, stats, comm
 
-    times, stats, _ = timed(NullComm)
+    times, stats, null = timed(NullComm)
     assert stats is not None
     med = statistics.median(times)
     per_round_null = med / max(stats.rounds, 1)
@@ -400,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"   per-op / prepared CPU time per round: {ratio:.1f}x (same run)")
     print(
         f"   null transport and buffers (Python round loop, nothing moved): {per_round_null * 1e6:.2f} us per round "
-        f"(median of {args.repeat}); compiling the rounds (once per schedule, cached): {compile_s * 1e3:.1f} ms"
+        f"(median of {args.repeat}; exchanges {null.exchanges}, operations {null.ops}, one step's); compiling the "
+        f"rounds (once per schedule, cached): {compile_s * 1e3:.1f} ms"
     )
     print(f"   predicted refit (cost model, not measured): {predicted * 1e3:.1f} ms")
     us = host["prepared"]

@@ -211,7 +211,7 @@ def addresses(buffers: Sequence[Any], out: tuple[np.ndarray, np.ndarray, np.ndar
 
     >>> a = np.zeros(8, np.uint8)
     >>> addr, size, ro = addresses([a, None])
-    >>> size.tolist(), ro.tolist(), addr[0] == a.ctypes.data
+    >>> size.tolist(), ro.tolist(), int(addr[0]) == a.ctypes.data
     ([8, -1], [0, 1], True)
     """
     n = len(buffers)
