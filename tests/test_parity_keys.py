@@ -1,0 +1,198 @@
+"""Typed PRNG keys and GSPMDSharding against ``jax.device_put``, and the ownership rule for every target kind.
+
+- Keys of every impl to every target kind ``transfer`` takes (a Sharding, a ShapeDtypeStruct, a
+  jax.Array, a Device, a GSPMDSharding), from committed, uncommitted and resharded key arrays.
+- ``GSPMDSharding`` as a ``transfer`` target, as a ``transfer_into`` destination, and as the target of a
+  move between equivalent layouts (same devices, same boxes, another sharding class).
+- A result shares no buffer with ``x`` unless it *is* ``x`` (the oracle of identity: device_put).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax._src.sharding_impls import GSPMDSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import jreshard
+from jreshard.errors import LayoutMismatchError
+from tests._device_put_oracle import assert_same_as_device_put
+
+DEVS = np.array(jax.devices())
+IMPLS = ["threefry2x32", "rbg", "unsafe_rbg"]
+
+
+def _gspmd(named: NamedSharding, ndim: int) -> GSPMDSharding:
+    return GSPMDSharding(tuple(named.mesh.devices.flat), named._to_xla_hlo_sharding(ndim))
+
+
+def _pointers(a: jax.Array) -> set[int]:
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return {s.data.unsafe_buffer_pointer() for s in a.addressable_shards if s.data.size}
+
+
+A = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x"))
+B = NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("y", "z")), P("z"))
+
+
+def _key_sources(impl: str) -> dict[str, Any]:
+    split = jax.random.split(jax.random.key(11, impl=impl), 8)  # uncommitted, on the default device
+    return {
+        "uncommitted": lambda: jax.random.split(jax.random.key(11, impl=impl), 8),
+        "named": lambda: jax.device_put(split, A),
+        "single": lambda: jax.device_put(split, DEVS[6]),
+        "resharded": lambda: jreshard.transfer(jax.device_put(split, A), B),
+        "gspmd": lambda: jax.device_put(split, _gspmd(B, 1)),
+    }
+
+
+def _targets(like: jax.Array) -> dict[str, Any]:
+    """Every target kind, with the sharding device_put is asked for in the oracle."""
+    g = _gspmd(B, 1)
+    return {
+        "NamedSharding": (B, B),
+        "SingleDeviceSharding": (SingleDeviceSharding(DEVS[3]), SingleDeviceSharding(DEVS[3])),
+        "Device": (DEVS[2], DEVS[2]),
+        "GSPMDSharding": (g, g),
+        "GSPMDSharding equivalent to A": (_gspmd(A, 1), _gspmd(A, 1)),
+        "ShapeDtypeStruct": (jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=B), B),
+        "ShapeDtypeStruct GSPMD": (jax.ShapeDtypeStruct(like.shape, like.dtype, sharding=g), g),
+        "jax.Array": (jax.device_put(like, g), g),
+    }
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("source", ["uncommitted", "named", "single", "resharded", "gspmd"])
+def test_typed_keys_to_every_target_kind_equal_device_put(impl, source):
+    x = _key_sources(impl)[source]()
+    for name, (target, put) in _targets(x).items():
+        want = jax.device_put(x, put)
+        got = jreshard.transfer(x, target)
+        try:
+            assert_same_as_device_put(got, want)
+        except AssertionError as err:
+            raise AssertionError(f"{impl} keys from {source} to {name}: {err}") from None
+        assert got is x or not (_pointers(got) & _pointers(x)), f"{name}: a new result shares x's buffers"
+        assert (got is x) == (want is x), name
+        # usable as keys: the same numbers as the source's
+        np.testing.assert_array_equal(jax.vmap(jax.random.bits)(got), jax.vmap(jax.random.bits)(x))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_typed_keys_into_gspmd_and_back_equal_device_put(impl):
+    x = _key_sources(impl)["named"]()
+    for dst in (_gspmd(B, 1), _gspmd(A, 1), B):
+        want = jax.device_put(x, dst)
+        into = jax.device_put(jax.random.split(jax.random.key(0, impl=impl), 8), dst)
+        out = jreshard.transfer_into(x, into)
+        assert_same_as_device_put(out, want)
+        assert into.is_deleted()
+
+
+def test_typed_keys_refuse_a_cast_before_any_byte_moves():
+    x = _key_sources("threefry2x32")["named"]()
+    with pytest.raises(LayoutMismatchError, match="typed PRNG key array is not cast"):
+        jreshard.transfer(x, jax.ShapeDtypeStruct(x.shape, jnp.uint32, sharding=B))
+    with pytest.raises(LayoutMismatchError, match="typed PRNG key array is not cast"):
+        jreshard.transfer(jnp.zeros(8, jnp.uint32), jax.ShapeDtypeStruct((8,), x.dtype, sharding=B))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int4, jnp.int8])
+def test_gspmd_as_target_into_and_equivalent_layout_equal_device_put(dtype):
+    x = jax.device_put(np.arange(64).reshape(8, 8).astype(dtype), A)
+    for dst in (_gspmd(B, 2), _gspmd(A, 2), GSPMDSharding.get_replicated(tuple(DEVS[2:6]))):
+        want = jax.device_put(np.arange(64).reshape(8, 8).astype(dtype), dst)  # (from the host: see test_subbyte)
+        got = jreshard.transfer(x, dst)
+        assert_same_as_device_put(got, want)
+        assert not (_pointers(got) & _pointers(x))
+        into = jax.jit(lambda: jnp.zeros((8, 8), dtype), out_shardings=dst)()  # memory jax allocated
+        ptrs = _pointers(into)
+        out = jreshard.transfer_into(x, into)
+        assert_same_as_device_put(out, want)
+        assert into.is_deleted() and _pointers(out) == ptrs
+
+
+# ------------------------------------------------------------------------------------------ ownership
+
+_KINDS = ["float32", "bfloat16", "int4", "key"]
+
+
+def _source(kind: str, place: str) -> jax.Array:
+    if kind == "key":
+        v = jax.random.split(jax.random.key(3), 8)
+    elif kind == "int4":  # placed from the host: jax.device_put between devices overruns packed buffers
+        v = np.arange(8).astype(jnp.int4)  # (test_subbyte.py), so no int4 array here takes that path
+        if place == "uncommitted":
+            return jnp.asarray(v)
+    else:
+        v = jnp.arange(8).astype(jnp.dtype(kind))
+    if place == "uncommitted":
+        return v
+    if place == "single":
+        return jax.device_put(v, DEVS[0])
+    if place == "named":
+        return jax.device_put(v, A)
+    return jax.device_put(v, _gspmd(A, 1))
+
+
+def _ownership_targets(x: jax.Array) -> list[tuple[str, Any, Any]]:
+    """(name, target, what device_put is asked for): the leaf's own sharding object, equal and equivalent
+    ones, its device, a ShapeDtypeStruct and an array on it, and a move."""
+    own = x.sharding
+    dev = next(iter(own.device_set))
+    out = [
+        ("its own sharding object", own, own),
+        ("its device", dev, dev),
+        ("SingleDeviceSharding of its device", SingleDeviceSharding(dev), SingleDeviceSharding(dev)),
+        ("ShapeDtypeStruct on its sharding", jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=own), own),
+        ("an array on its sharding", jax.device_put(x, own), own),
+        ("a move", B, B),
+    ]
+    if isinstance(own, NamedSharding):
+        renamed = NamedSharding(Mesh(own.mesh.devices, ("w",)), P("w") if own.spec else P())
+        out += [("renamed axes", renamed, renamed), ("GSPMD equivalent", _gspmd(own, 1), _gspmd(own, 1))]
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(_KINDS), st.sampled_from(["uncommitted", "single", "named", "gspmd"]), st.data())
+def test_a_result_never_shares_a_buffer_with_x_unless_it_is_x(kind, place, data):
+    x = _source(kind, place)
+    name, target, put = data.draw(st.sampled_from(_ownership_targets(x)), label="target")
+    want = jax.device_put(x, put) if kind != "int4" or put is x.sharding else None
+    got = jreshard.transfer(x, target)
+    if got is not x:
+        assert not (_pointers(got) & _pointers(x)), f"{kind} {place} to {name}: shares a buffer with x"
+        assert got.committed
+    if want is not None and want is x:
+        assert got is x, f"{kind} {place} to {name}: device_put returns x itself"
+    if got is x:  # only a committed leaf already on its target; device_put then returns x, or (a Device
+        # target) a new handle over x's buffers: jreshard returns x itself (docs/transfer.md)
+        assert x.committed and name in ("its own sharding object", "its device", "SingleDeviceSharding of its "
+        "device", "ShapeDtypeStruct on its sharding", "an array on its sharding"), name
+        assert want is None or want is x or _pointers(want) == _pointers(x)
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(got) if kind == "key" else got.astype(jnp.float32)),
+        np.asarray(jax.random.key_data(x) if kind == "key" else x.astype(jnp.float32)),
+    )
+
+
+def test_an_uncommitted_source_to_its_own_device_is_a_committed_copy():
+    """Where jreshard differs from device_put on purpose: device_put returns a new committed array over
+    ``x``'s own buffer, which a later donation of ``x`` deletes; jreshard returns a committed copy."""
+    x = jnp.arange(8.0)
+    want = jax.device_put(x, DEVS[0])
+    assert _pointers(want) == _pointers(x)  # device_put: the same buffer (what this test guards against)
+    got = jreshard.transfer(x, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(DEVS[0])))
+    assert got is not x and got.committed and not (_pointers(got) & _pointers(x))
+    jax.jit(lambda v: v + 1, donate_argnums=0)(x)  # a train step donates x
+    assert x.is_deleted() and not got.is_deleted()
+    np.testing.assert_array_equal(np.asarray(got), np.arange(8.0))
