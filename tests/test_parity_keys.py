@@ -196,3 +196,16 @@ def test_an_uncommitted_source_to_its_own_device_is_a_committed_copy():
     jax.jit(lambda v: v + 1, donate_argnums=0)(x)  # a train step donates x
     assert x.is_deleted() and not got.is_deleted()
     np.testing.assert_array_equal(np.asarray(got), np.arange(8.0))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_typed_keys_move_on_the_xla_backend_too(impl):
+    """docs/xla.md: key arrays move on backend='xla' as their key data, into transfer_into's keys too."""
+    x = _key_sources(impl)["named"]()
+    opts = jreshard.Options(backend="xla")
+    got, rep = jreshard.transfer(x, B, options=opts, report=True)
+    assert rep.backend is jreshard.Backend.XLA
+    assert_same_as_device_put(got, jax.device_put(x, B))
+    into = jax.device_put(jax.random.split(jax.random.key(0, impl=impl), 8), B)
+    assert_same_as_device_put(jreshard.transfer_into(x, into, options=opts), jax.device_put(x, B))
+    assert into.is_deleted()
