@@ -209,3 +209,21 @@ def test_typed_keys_move_on_the_xla_backend_too(impl):
     into = jax.device_put(jax.random.split(jax.random.key(0, impl=impl), 8), B)
     assert_same_as_device_put(jreshard.transfer_into(x, into, options=opts), jax.device_put(x, B))
     assert into.is_deleted()
+
+
+def test_the_documented_differences_from_device_put():
+    """docs/transfer.md, "Where jreshard differs from jax.device_put": each row, beside device_put."""
+    # A committed x to a Device naming its own device: device_put gives a new handle over x's buffer,
+    # jreshard gives x itself.
+    x = jax.device_put(jnp.arange(8.0), DEVS[2])
+    want = jax.device_put(x, DEVS[2])
+    assert want is not x and _pointers(want) == _pointers(x)
+    assert jreshard.transfer(x, DEVS[2]) is x
+    # An equivalent layout of another sharding object: device_put aliases x, jreshard copies.
+    x = jax.device_put(jnp.arange(8.0), A)
+    for target in (NamedSharding(Mesh(DEVS[:4], ("w",)), P("w")), _gspmd(A, 1)):
+        want = jax.device_put(x, target)
+        assert want is not x and _pointers(want) == _pointers(x)
+        got = jreshard.transfer(x, target)
+        assert_same_as_device_put(got, want)
+        assert not (_pointers(got) & _pointers(x))
