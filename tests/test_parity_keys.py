@@ -51,6 +51,7 @@ def _key_sources(impl: str) -> dict[str, Any]:
         "single": lambda: jax.device_put(split, DEVS[6]),
         "resharded": lambda: jreshard.transfer(jax.device_put(split, A), B),
         "gspmd": lambda: jax.device_put(split, _gspmd(B, 1)),
+        "pmap": lambda: jax.pmap(lambda k: k)(split),  # a pmap output's sharding
     }
 
 
@@ -70,7 +71,7 @@ def _targets(like: jax.Array) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("source", ["uncommitted", "named", "single", "resharded", "gspmd"])
+@pytest.mark.parametrize("source", ["uncommitted", "named", "single", "resharded", "gspmd", "pmap"])
 def test_typed_keys_to_every_target_kind_equal_device_put(impl, source):
     x = _key_sources(impl)[source]()
     for name, (target, put) in _targets(x).items():
