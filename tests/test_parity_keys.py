@@ -177,8 +177,13 @@ def test_a_result_never_shares_a_buffer_with_x_unless_it_is_x(kind, place, data)
         assert got is x, f"{kind} {place} to {name}: device_put returns x itself"
     if got is x:  # only a committed leaf already on its target; device_put then returns x, or (a Device
         # target) a new handle over x's buffers: jreshard returns x itself (docs/transfer.md)
-        assert x.committed and name in ("its own sharding object", "its device", "SingleDeviceSharding of its "
-        "device", "ShapeDtypeStruct on its sharding", "an array on its sharding"), name
+        assert x.committed and name in (
+            "its own sharding object",
+            "its device",
+            "SingleDeviceSharding of its device",
+            "ShapeDtypeStruct on its sharding",
+            "an array on its sharding",
+        ), name
         assert want is None or want is x or _pointers(want) == _pointers(x)
     np.testing.assert_array_equal(
         np.asarray(jax.random.key_data(got) if kind == "key" else got.astype(jnp.float32)),

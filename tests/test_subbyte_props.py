@@ -131,8 +131,12 @@ def test_the_case_first_reported_int2_rows_of_six():
 
 def _malloc_debug() -> str | None:
     """glibc's checking allocator, which ``MALLOC_CHECK_`` needs preloaded on glibc >= 2.34."""
-    for path in ("/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0", "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
-                 "/usr/lib64/libc_malloc_debug.so.0", "/usr/lib/aarch64-linux-gnu/libc_malloc_debug.so.0"):
+    for path in (
+        "/usr/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+        "/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+        "/usr/lib64/libc_malloc_debug.so.0",
+        "/usr/lib/aarch64-linux-gnu/libc_malloc_debug.so.0",
+    ):
         if os.path.exists(path):
             return path
     return None
