@@ -306,7 +306,7 @@ def prepare(
                         dst=(t.shape, t.dtype),
                         what="shape" if t.shape != dims else "dtype",
                     )
-            specs.append((dims, dtype, leaf.sharding, sh, leaf._committed))
+            specs.append((dims, dtype, leaf.sharding, sh, getattr(leaf, "_committed", True)))
         key = (treedef, tuple(specs), mode, topology, options)
         cached = _shape(key)
     except (LayoutError, TopologyError, LayoutMismatchError) as err:

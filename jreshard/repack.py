@@ -261,7 +261,7 @@ def plan_leaves(
                     what="shape" if tuple(t.shape) != shape else "dtype",
                 )
             sh = t.sharding if isinstance(t, jax.Array) else target_sharding(t, f"the target of leaf #{i}")
-            if sh == leaf.sharding and leaf._committed:
+            if sh == leaf.sharding and getattr(leaf, "_committed", True):
                 continue  # device_put returns it as it is (an uncommitted leaf is copied: frontdoor._shape)
         out[i] = LeafPlan(sh, encoded_sharding(enc, sh, shape))
     return out

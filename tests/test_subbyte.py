@@ -1,8 +1,11 @@
 """Packed sub-byte dtypes and typed PRNG keys: moved bit for bit, never a byte past a buffer.
 
 Boxes are drawn to start and end at odd element offsets, so every packed shard boundary
-splits a byte. The same property runs again in a child process under ``MALLOC_CHECK_=3``
-and ``JRESHARD_CHECK_BOUNDS=1`` (every copy checked against its buffers).
+splits a byte. The same property runs again in a child process under ``MALLOC_CHECK_=3`` (with
+glibc's checking allocator preloaded, without which glibc 2.34 and later ignore it) and
+``JRESHARD_CHECK_BOUNDS=1`` (every copy checked against its buffers). The oracle places the values
+from the host: ``jax.device_put`` of a packed device array to other devices overruns its buffers
+(tests/test_subbyte_props.py).
 """
 
 from __future__ import annotations
