@@ -233,3 +233,51 @@ def test_the_documented_differences_from_device_put():
         got = jreshard.transfer(x, target)
         assert_same_as_device_put(got, want)
         assert not (_pointers(got) & _pointers(x))
+
+
+@pytest.mark.parametrize("kind", ["float32", "cast", "int4", "key"])
+def test_under_a_context_mesh_of_other_devices_as_device_put(kind):
+    """Under ``jax.set_mesh(mesh)``, leaves on other devices move as ``jax.device_put`` moves them there:
+    jreshard's own device computations (casts, repacking, donation) do not run under the caller's mesh."""
+    c = NamedSharding(Mesh(DEVS[:2], ("z",)), P("z"))
+    if kind == "key":
+        x = _key_sources("threefry2x32")["named"]()
+        into = jax.device_put(jax.random.split(jax.random.key(1), 8), c)
+    elif kind == "int4":
+        x = jax.device_put(np.arange(8).astype(jnp.int4), A)
+        into = jax.device_put(np.zeros(8, jnp.int4), c)
+    else:
+        x = jax.device_put(jnp.arange(8.0), A)
+        into = jax.jit(lambda: jnp.zeros(8), out_shardings=c)()
+    target = jax.ShapeDtypeStruct((8,), jnp.bfloat16, sharding=c) if kind == "cast" else c
+    want = jax.device_put(np.asarray(x) if kind == "int4" else x, c)  # (packed: from the host)
+    if kind == "cast":
+        want = want.astype(jnp.bfloat16)
+    with jax.set_mesh(Mesh(DEVS[4:], ("y",))):
+        got = jreshard.transfer(x, target)
+        out = None if kind == "cast" else jreshard.transfer_into(x, into)
+        with_spec = jreshard.transfer(x, P("y")) if kind != "cast" else None
+    assert_same_as_device_put(got, want)
+    if out is not None:
+        assert_same_as_device_put(out, want)
+    if with_spec is not None:  # a PartitionSpec target still means the context mesh
+        assert with_spec.sharding == NamedSharding(Mesh(DEVS[4:], ("y",)), P("y"))
+        if kind == "key":
+            np.testing.assert_array_equal(jax.random.key_data(with_spec), jax.random.key_data(x))
+        else:
+            np.testing.assert_array_equal(np.asarray(with_spec).view(np.uint8), np.asarray(x).view(np.uint8))
+
+
+def test_shape_dtype_struct_targets_with_a_partition_spec_mean_the_context_mesh():
+    """A ShapeDtypeStruct given a PartitionSpec names the mesh of ``jax.set_mesh``, for arrays and views."""
+    from jreshard import views
+
+    mesh = Mesh(DEVS[4:], ("y",))
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), A)
+    sds = jax.ShapeDtypeStruct((8, 4), jnp.bfloat16, sharding=P("y"))
+    with jax.set_mesh(mesh):
+        got = jreshard.transfer({"a": x, "v": views.astype(x, jnp.bfloat16)}, {"a": sds, "v": sds})
+    want = jax.device_put(x, NamedSharding(mesh, P("y"))).astype(jnp.bfloat16)
+    for leaf in got.values():
+        assert leaf.sharding == NamedSharding(mesh, P("y"))
+        np.testing.assert_array_equal(np.asarray(leaf).view(np.uint16), np.asarray(want).view(np.uint16))
