@@ -1,5 +1,8 @@
 # The two commands of the README: `make test` and `make demo`. Both set up .venv
 # from scratch when it is missing (the test environment's pins: tools/test-constraints.txt).
+# `make demo` installs only what the demo runs on (jreshard itself: jax and numpy, about
+# 0.5 GB); `make test` installs every extra into the same .venv (CuPy, NCCL, MPI, NIXL, Tunix,
+# the docs and dev tools), and a .venv that `make test` set up serves `make demo` as it is.
 # `make docs` builds the documentation site into site/.
 # `make test` also checks that the GPU machine's package set runs benchmarks/gpu_check.py
 # (tools/check_gpu_packages.py, in the background beside the other steps; its environment is
@@ -14,10 +17,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
+SOURCES := pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_casts.c jreshard/schedule/_rows.c \
+	jreshard/schedule/_rows.h jreshard/engine/_replay.c jreshard/_stream.h
 
 .PHONY: test demo docs lint bench clean
 
-$(STAMP): pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_casts.c jreshard/schedule/_rows.c jreshard/schedule/_rows.h jreshard/engine/_replay.c jreshard/_stream.h
+$(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]' -c tools/test-constraints.txt
@@ -26,6 +32,12 @@ $(STAMP): pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_cas
 	$(BIN)/python -c "from jreshard.schedule import kernels; assert kernels.compiled_rows(), 'the compiled byte rows were not built'"
 	$(BIN)/python -c "from jreshard.engine import replay; assert replay.compiled_replay(), 'the compiled replay was not built'"
 	touch $(STAMP)
+
+$(DEMO_STAMP): $(SOURCES)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e . -c tools/test-constraints.txt
+	touch $(DEMO_STAMP)
 
 # $(call await,file,what): wait for a background step's status file, at most 20 minutes.
 await = n=0; while [ ! -f $(1) ]; do n=$$((n + 1)); if [ $$n -gt 1200 ]; then echo "$(2) gave no status in 20 minutes"; exit 1; fi; sleep 1; done
@@ -49,7 +61,8 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 	@echo "site/index.html"
 
-demo: $(STAMP)
+# The full environment where `make test` built it (up to date), else the demo's own.
+demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	JAX_PLATFORMS=cpu $(BIN)/python -m jreshard demo
 
 lint: $(STAMP)

@@ -53,6 +53,53 @@ def _run(
     options = Options.of(options)
     Topology.check_arg(topology)
     leaves, treedef, targets = flatten(x, target, mode.value if mode is Mode.INTO else "target")
+    if not jax.sharding.get_abstract_mesh().empty:
+        resolved = [_mesh_resolved(t) for t in targets]
+        if any(r is not t for r, t in zip(resolved, targets, strict=True)):
+            targets, target = resolved, treedef.unflatten(resolved)
+    with _outside_context_mesh():
+        return _run_flat_tree(x, target, mode, topology, options, report, leaves, treedef, targets)
+
+
+def _mesh_resolved(t: Any) -> Any:
+    """A ``ShapeDtypeStruct`` target given a ``PartitionSpec`` (which jax resolves against the context mesh
+    each time its sharding is read) as one with that ``NamedSharding``, read while the mesh is set."""
+    if isinstance(t, jax.ShapeDtypeStruct) and isinstance(getattr(t, "_sharding", None), jax.sharding.PartitionSpec):
+        return jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=t.sharding, weak_type=t.weak_type)
+    return t
+
+
+def _outside_context_mesh() -> Any:
+    """A context without the caller's ``jax.set_mesh`` mesh, for everything after :func:`flatten` (which
+    read it: a ``PartitionSpec`` target means that mesh).
+
+    jreshard's own device computations (casts, the repacking of sub-byte and key leaves, the donation
+    of ``into``) name every sharding they use; under a context mesh jax refuses any of them whose
+    arrays lie on other devices ("incompatible devices for jitted computation"), where
+    ``jax.device_put`` between the same shardings runs.
+    """
+    import contextlib
+
+    if jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    try:
+        return jax.set_mesh(None)
+    except ValueError:  # inside a traced function: the checks below refuse the traced leaves by name
+        return contextlib.nullcontext()
+
+
+def _run_flat_tree(
+    x: PyTree,
+    target: PyTree,
+    mode: Mode,
+    topology: Topology | None,
+    options: Options,
+    report: bool,
+    leaves: list[Any],
+    treedef: Any,
+    targets: list[Any],
+) -> Any:
+    """:func:`_run` after the flattening."""
     if _has_views(leaves):
         return _run_views(x, target, mode, topology, options, report, leaves, targets)
     norm = None

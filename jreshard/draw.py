@@ -35,12 +35,20 @@ LINK_STYLE: dict[Link, tuple[str, str, str]] = {
 _GAP = 0.45  # space between drawn grids, in units of a grid's width
 
 
+_UNITS = ("B", "kB", "MB", "GB", "TB")  # decimal, as the command line, the reports and the docs print bytes
+
+
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n} B"  # unreachable
+    """Bytes in decimal units (1 GB = 1e9 bytes), as ``python -m jreshard plan`` prints them.
+
+    >>> _fmt_bytes(512), _fmt_bytes(8 << 20), _fmt_bytes(141.11e9)
+    ('512 B', '8.39 MB', '141.11 GB')
+    """
+    for unit in _UNITS:
+        if abs(n) < 1000 or unit == _UNITS[-1]:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
 
 
 def _rank_colours(ranks: Sequence[int]) -> dict[int, Any]:
@@ -355,7 +363,7 @@ def draw_loads(plan: Plan, ax: Any = None, *, title: str | None = None) -> Any:
     ]
     peak = max((v for k, _, _, _ in series for v in loads[k].values()), default=0)
     unit, scale = next(
-        ((u, 1024.0**i) for i, u in reversed(list(enumerate(("B", "KiB", "MiB", "GiB", "TiB")))) if peak >= 1024.0**i),
+        ((u, 1000.0**i) for i, u in reversed(list(enumerate(_UNITS))) if peak >= 1000.0**i),
         ("B", 1.0),
     )
     if ax is None:

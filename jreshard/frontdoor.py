@@ -306,7 +306,7 @@ def prepare(
                         dst=(t.shape, t.dtype),
                         what="shape" if t.shape != dims else "dtype",
                     )
-            specs.append((dims, dtype, leaf.sharding, sh))
+            specs.append((dims, dtype, leaf.sharding, sh, getattr(leaf, "_committed", True)))
         key = (treedef, tuple(specs), mode, topology, options)
         cached = _shape(key)
     except (LayoutError, TopologyError, LayoutMismatchError) as err:
@@ -333,9 +333,12 @@ def _shape(key: tuple) -> Shape:
     kinds: list[Kind] = []
     shardings: list[Any] = []
     by_pair: dict[tuple[Layout, Layout], list[int]] = {}
-    for i, (shape, dtype, src_sh, dst_sh) in enumerate(specs):
+    for i, (shape, dtype, src_sh, dst_sh, committed) in enumerate(specs):
         where = f"leaf #{i}"
-        if dst_sh is None or (mode is Mode.TRANSFER and dst_sh == src_sh):
+        # A committed leaf already on its target is returned as it is (device_put returns it too). An
+        # uncommitted one is copied: device_put would return a new, committed array over its buffers,
+        # which a later donation of the leaf deletes (docs/transfer.md, "Where jreshard differs").
+        if dst_sh is None or (mode is Mode.TRANSFER and dst_sh == src_sh and committed):
             kinds.append(Kind.KEEP)
             shardings.append(None)
             continue

@@ -80,14 +80,30 @@ def _wanted(i: int, leaf: Any, t: Any) -> _Leaf | None:
             dst=(tuple(shape), dtype),
             what="shape",
         )
+    if dtype != here_dtype and (_extended(dtype) or _extended(here_dtype)):
+        raise LayoutMismatchError(
+            f"leaf #{i} is {here_dtype}{list(here_shape)} but its target is {describe(t)}: a typed PRNG key "
+            "array is not cast to or from another dtype; the fix is a target of the leaf's own dtype "
+            "(jax.random.key_data / wrap_key_data convert keys explicitly)",
+            src=(tuple(here_shape), here_dtype),
+            dst=(tuple(shape), dtype),
+            what="dtype",
+        )
     return _Leaf(sharding, None if dtype == here_dtype else dtype)
 
 
 def _dtype_of(leaf: Any) -> Any:
+    """The dtype of a leaf as jax types it: numpy's, or an extended dtype (a typed PRNG key's ``key<fry>``),
+    which numpy cannot interpret and which is kept as it is."""
     dtype = getattr(leaf, "dtype", None)
     if dtype is not None:
-        return np.dtype(dtype)
+        return dtype if _extended(dtype) else np.dtype(dtype)
     return jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)  # a Python scalar, as device_put types it
+
+
+def _extended(dtype: Any) -> bool:
+    """A dtype numpy has no counterpart for (typed PRNG keys): never cast, compared as it is."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -128,8 +128,6 @@ def _key_data_sharding(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> 
 @cache(max_size=1024)
 def _encoder(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> Any:
     out = encoded_sharding(enc, sharding, shape)
-    if enc.kind == "key":
-        return jax.jit(jax.random.key_data, out_shardings=out)
     bits = packed_bits(np.dtype(enc.dtype))
     assert bits is not None
     u = _unsigned(bits)
@@ -163,18 +161,32 @@ def _decoder(enc: Encoding, sharding: Any, donate: bool) -> Any:
 
 
 def encode(leaf: Any, enc: Encoding) -> Any:
-    """``leaf`` as an array the engine moves byte for byte, on the same devices."""
+    """``leaf`` as an array the engine moves byte for byte, on the same devices.
+
+    A key array's encoding is its key data as jax holds it (``jax.random.key_data`` outside ``jit``: the
+    same buffers, no computation), which the engine only reads.
+    """
     if enc.kind == "memory":
         kind = getattr(leaf.sharding, "memory_kind", None)
         return leaf if kind in (None, "device") else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
+    if enc.kind == "key":
+        return jax.random.key_data(leaf)
     return _encoder(enc, leaf.sharding, tuple(leaf.shape))(leaf)
 
 
 def decode(moved: Any, enc: Encoding, sharding: Any, into: Any = None) -> Any:
     """The leaf back from its moved encoding, with ``sharding``; over ``into``'s memory when given
-    (``into`` is donated: XLA writes the result where it was)."""
+    (``into`` is donated: XLA writes the result where it was).
+
+    A key array without ``into`` is its moved key data wrapped outside ``jit``
+    (``jax.random.wrap_key_data``: the same buffers), whose sharding jax derives from the data's as it
+    does for ``jax.device_put``'s result; a jitted wrap with a ``GSPMDSharding`` output would give the
+    key array a sharding of the key data's rank, which jax refuses to read.
+    """
     from jreshard.engine.inprocess import _rewrapped
 
+    if enc.kind == "key" and into is None:
+        return jax.random.wrap_key_data(moved, impl=_impl_name(enc.dtype))
     out = _decoder(enc, sharding, False)(moved) if into is None else _decoder(enc, sharding, True)(moved, into)
     return _rewrapped(out, sharding)  # (the cached decoder was made for an equal sharding object)
 
@@ -249,8 +261,8 @@ def plan_leaves(
                     what="shape" if tuple(t.shape) != shape else "dtype",
                 )
             sh = t.sharding if isinstance(t, jax.Array) else target_sharding(t, f"the target of leaf #{i}")
-            if sh == leaf.sharding:
-                continue  # device_put returns it as it is
+            if sh == leaf.sharding and getattr(leaf, "_committed", True):
+                continue  # device_put returns it as it is (an uncommitted leaf is copied: frontdoor._shape)
         out[i] = LeafPlan(sh, encoded_sharding(enc, sh, shape))
     return out
 

@@ -47,7 +47,7 @@ from jreshard.mpi.comm import import_mpi
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.schedule.viewsched import ViewSchedule, view_schedule
-from jreshard.sharding.dtypes import storage_bytes
+from jreshard.sharding.dtypes import dtype_name, storage_bytes
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
@@ -97,6 +97,18 @@ def _front(x: Any, target: Any, what: str) -> tuple:
             raise LayoutError(f"transfer: target leaf {i} is {t!r}; expected a jax Sharding or ShapeDtypeStruct")
         if tuple(shape) != v.shape:
             raise LayoutMismatchError(f"{what}: leaf {i} has shape {v.shape} but its target holds {tuple(shape)}")
+        if what == "into" and dtype_name(dtype) != dtype_name(v.dtype):
+            # An into array holds what it holds: a cast here would be silent, and after a view's own cast
+            # a second rounding (float32 -> float16 -> bfloat16). The plain path refuses it the same way.
+            have, want = dtype_name(v.dtype), dtype_name(dtype)
+            raise LayoutMismatchError(
+                f"transfer_into: leaf {i} is {'a view' if isinstance(leaf, View) else 'an array'} of "
+                f"{have}{list(v.shape)} but into holds {want}{list(shape)}; transfer_into does not cast: the "
+                f"fix is an into of {have}, or views.astype of the source array to {want} (one rounding)",
+                src=(v.shape, have),
+                dst=(tuple(shape), want),
+                what="dtype",
+            )
         views.append(v.astype(dtype))
         shardings.append(sh)
     leaves: dict[int, Leaf] = {}

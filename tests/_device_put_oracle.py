@@ -9,7 +9,10 @@ import numpy as np
 
 
 def _bytes(a: Any) -> np.ndarray:
-    """The bytes of a single-device array (bitwise: NaNs and signed zeros compare as stored)."""
+    """The bytes of a single-device array (bitwise: NaNs and signed zeros compare as stored; a typed PRNG
+    key array: its key data)."""
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
     host = np.asarray(a)
     return host.reshape(-1).view(np.uint8) if host.dtype.itemsize else host.reshape(-1)
 

@@ -63,7 +63,8 @@ def test_draw_plan_labels_legend_and_title():
 def test_draw_plan_gather_broadcast_draws_gather_and_broadcast():
     p = _seed("gather")
     ax = draw_plan(p)
-    assert len(_arrows(ax)) == len({(t.src, t.dst, t.link) for t in p.transfers()}) == 16
+    # the trainer's ring all-gather (0 -> 1 -> 2 -> 3 -> 0: 4 arrows), then rank 0 to each of 4 inference ranks
+    assert len(_arrows(ax)) == len({(t.src, t.dst, t.link) for t in p.transfers()}) == 8
     assert p.kind in ax.get_title()
 
 
@@ -116,3 +117,17 @@ def test_draw_loads_bars_are_the_plan_loads():
     assert heights == [loads["network_send"].get(r, 0) for r in range(8)]
     heights = [r.get_height() for r in ax.containers[3]]  # fast receive
     assert heights == [loads["fast_recv"].get(r, 0) for r in range(8)]
+
+
+def test_titles_and_axes_use_the_decimal_units_the_command_line_prints():
+    """``plan`` prints GB (1e9 bytes); the pictures of the same plans say the same numbers."""
+    shape = (1024, 4096)
+    src = jreshard.Layout.from_mesh(np.arange(4), ("tp",), (None, "tp"), shape, "bfloat16")
+    dst = jreshard.Layout.from_mesh(np.arange(4, 8).reshape(2, 2), ("dp", "tp"), (None, "tp"), shape, "bfloat16")
+    p = jreshard.plan(src, dst, jreshard.Topology.uniform(range(8), domain_size=4))
+    assert p.stats().network_bytes == 8 << 20  # 8.39 MB, 8 MiB
+    title = draw_plan(p).get_title()
+    assert "network 8.39 MB (lower bound 8.39 MB)" in title and "iB" not in title
+    ax = draw_loads(p)
+    assert "network 8.39 MB" in ax.get_title() and ax.get_ylabel() == "bytes moved (MB)"
+    plt.close("all")

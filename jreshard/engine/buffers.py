@@ -35,6 +35,7 @@ import numpy as np
 from jreshard.engine.pool import ALIGN, BufferPool, default_pool, staging_pool
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
+from jreshard.sharding.dtypes import packed_bits
 from jreshard.types import Device
 
 if TYPE_CHECKING:
@@ -160,15 +161,27 @@ def export_source(shard: Any) -> np.ndarray:
     """
     if shard.size == 0:
         return np.zeros(0, np.uint8)
+    _refuse_packed(shard, "export_source")
     bits = shard.dtype.itemsize * 8
     capsule = retype_capsule(shard.__dlpack__(), _UINT, bits)
     flat = np.from_dlpack(Capsule(capsule, 0)).reshape(-1)
     return flat.view(np.uint8)
 
 
+def _refuse_packed(array: Any, what: str) -> None:
+    """A view sized ``size * itemsize`` would run past a packed sub-byte buffer (it holds two or four values
+    a byte, while jax reports one byte a value): such arrays reach the engine widened (jreshard.repack)."""
+    if packed_bits(np.dtype(array.dtype)) is not None:
+        raise TransferError(
+            f"{what}: a {array.dtype}{list(array.shape)} buffer packs values below a byte, and its byte views "
+            "would be sized one byte a value; the fix is jreshard.repack.encode first (transfer does it)"
+        )
+
+
 def writable_view(array: Any) -> np.ndarray:
     """A writable 1-D uint8 view of a single-device jax array's memory (for ``transfer_into``,
     whose destinations the caller donates). The caller keeps ``array`` alive while the view is used."""
+    _refuse_packed(array, "writable_view")
     array.block_until_ready()
     nbytes = array.size * array.dtype.itemsize
     if nbytes == 0:

@@ -1,8 +1,9 @@
 """The seed baselines, as plans in the same representation as jreshard's own.
 
-- *gather-broadcast*: the source ranks all-gather every full tensor (each
-  rank receives every disjoint source box it lacks, from the box's replicas in
-  turn), then one source rank (tensor ``t`` uses source rank ``t mod n``)
+- *gather-broadcast*: the source ranks all-gather every full tensor as an FSDP
+  trainer does (:func:`_all_gather_rows`: a ring inside each gather group, the
+  group kept inside a fast-link domain wherever the layout allows it), then one
+  source rank (tensor ``t`` uses source rank ``t mod n``)
   broadcasts the full tensor to every destination rank, and each destination
   keeps its slice. By default (``ring=False``) the root sends the full tensor to
   each destination rank, the seed definition of the baseline; with ``ring=True``
@@ -30,26 +31,76 @@ from jreshard.sharding.topology import Topology
 __all__ = ["flat_direct_layouts", "gather_broadcast_layouts"]
 
 
-def _gather_broadcast_rows(t: int, src: Layout, dst: Layout, topo: Topology, ring: bool = False) -> list[tuple]:
+def _all_gather_rows(src: Layout, topo: Topology) -> tuple[list[tuple], int]:
+    """Every source rank ends with the full tensor, gathered as an FSDP trainer's all-gather runs; returns
+    the rows and the number of stages they take.
+
+    The source boxes (disjoint cells) with ``k`` replicas each form ``k`` gather groups: group ``j``
+    holds the ``j``-th replica of every cell, replicas ordered by (domain, rank), so a group lies inside
+    one domain wherever the layout has a full copy there (HSDP: shards inside a node, replicas across
+    nodes), and spans the fewest domains otherwise. Inside its group a rank receives, as NCCL's ring
+    all-gather does, every cell it lacks from its predecessor on the ring of the group's members
+    ordered by (domain, rank): a ring over ``m`` members whose domains are contiguous crosses
+    ``D`` domain boundaries when it spans ``D > 1`` domains, each carrying the ``m - 1`` contributions
+    that pass it, and none when ``D = 1``. Step ``k`` of the ring is stage ``k - 1``: a rank forwards at
+    stage ``s`` what it received at stage ``s - 1``.
+
+    A layout whose cells have unequal replica counts, or whose ranks would sit in two groups (overlapping
+    boxes), has no such groups: each rank then receives every cell it lacks from its nearest holder
+    (the same domain first, then the lowest rank).
+    """
     sidx = source_index(src)
+
+    def order(r: int) -> tuple[int, int]:
+        return (topo.domain_of(r), r)
+
+    holders = [sorted(h, key=order) for h in sidx.holders]
+    live = [c for c, box in enumerate(sidx.boxes) if not box.empty]
+    counts = {len(holders[c]) for c in live}
+    groups: list[dict[int, list[int]]] = []  # per group: member -> the cells it contributes
+    if len(counts) == 1:
+        for j in range(counts.pop()):
+            group: dict[int, list[int]] = {}
+            for c in live:
+                group.setdefault(holders[c][j], []).append(c)
+            groups.append(group)
+    members = [r for g in groups for r in g]
     rows: list[tuple] = []
-    for q, r in enumerate(src.ranks):
+    if groups and len(members) == len(set(members)):
+        for group in groups:
+            ring = sorted(group, key=order)
+            for i, r in enumerate(ring):
+                mine = src.box_of(r)
+                prev = ring[i - 1]
+                for k in range(1, len(ring)):
+                    for c in group[ring[i - k]]:
+                        box = sidx.boxes[c]
+                        if r not in sidx.holders[c] and not mine.contains(box):
+                            rows.append((prev, r, topo.link(prev, r), Phase.LAND, k - 1, 0, box))
+        return rows, max((len(g) - 1 for g in groups), default=0)
+    for r in src.ranks:
         mine = src.box_of(r)
-        for box, holders in zip(sidx.boxes, sidx.holders, strict=True):
-            if r in holders or box.empty or mine.contains(box):
+        for c in live:
+            box = sidx.boxes[c]
+            if r in sidx.holders[c] or mine.contains(box):
                 continue
-            h = holders[(q + t) % len(holders)]
+            h = min(sidx.holders[c], key=lambda q: (topo.domain_of(q) != topo.domain_of(r), q))
             rows.append((h, r, topo.link(h, r), Phase.LAND, 0, 0, box))
+    return rows, 1 if rows else 0
+
+
+def _gather_broadcast_rows(t: int, src: Layout, dst: Layout, topo: Topology, ring: bool = False) -> list[tuple]:
+    rows, depth = _all_gather_rows(src, topo)
     full = Box.full(src.shape)
     root = src.ranks[t % len(src.ranks)]
     chain = sorted(dst.ranks, key=lambda r: (topo.domain_of(r), r))
     prev = root
     for hop, r in enumerate(chain):
         if ring:
-            rows.append((prev, r, topo.link(prev, r), Phase.LAND, hop + 1, 0, full))
+            rows.append((prev, r, topo.link(prev, r), Phase.LAND, depth + hop, 0, full))
             prev = r
         else:
-            rows.append((root, r, topo.link(root, r), Phase.LAND, 1, 0, full))
+            rows.append((root, r, topo.link(root, r), Phase.LAND, depth, 0, full))
     return rows
 
 
