@@ -95,7 +95,7 @@ def parse_address(address: str, *, timeout_s: float) -> tuple[str, int]:
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(address):
             if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"address file {address!r} did not appear within timeout_s={timeout_s}")
+                raise TransferTimeoutError(f"address file {address!r} did not appear within {timeout_s:.3g} s")
             time.sleep(0.02)
         with open(address) as f:
             text = f.read().strip()
@@ -168,7 +168,7 @@ def connect(
                 raise PeerError(f"{peer} refused the connection at {where}: it is gone") from err
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(
-                    f"could not connect to {peer} at {where} within timeout_s={timeout_s}: {err}"
+                    f"could not connect to {peer} at {where} within {timeout_s:.3g} s: {err}"
                 ) from err
             time.sleep(0.05)
     try:
@@ -456,7 +456,7 @@ class Channel:
                 raise self.closed_error()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeoutError(f"{self.peer} took no message within timeout_s={timeout_s}")
+                raise TransferTimeoutError(f"{self.peer} took no message within {timeout_s:.3g} s")
             select.select([], [self.sock], [], min(left, 0.05))
 
     # receiving -----------------------------------------------------------------------------------
@@ -601,7 +601,7 @@ class Channel:
                 raise self.closed_error()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeoutError(f"no message from {self.peer} within timeout_s={timeout_s}")
+                raise TransferTimeoutError(f"no message from {self.peer} within {timeout_s:.3g} s")
             select.select([self.sock], [], [], min(left, 0.05))
 
     def close(self) -> None:
