@@ -7,8 +7,10 @@ by the schedule (:mod:`jreshard.schedule`: chunks, rounds, staging layout), buil
 once per plan, or per rank by the pair-paced scheduler, and cached. This module
 compiles it once for the ranks of one process (:func:`compile_rounds`: per round, the
 descriptor tables and the exchange groups as rows of plain integers, with every
-count the report needs summed ahead) and runs it: per round, the packs, one
-:meth:`~jreshard.engine.comm.Communicator.exchange_rows` call per group, the unpacks.
+count the report needs summed ahead) and runs it: per round, the packs, the exchange
+groups, the unpacks. It runs them as a prepared program (:mod:`jreshard.engine.replay`):
+flattened into operations, with the transport's requests made, on the program's first step,
+and replayed on every later one (in one compiled call over MPI on CPU buffers).
 
 **Buffers.** Stage-0 chunks are read from the sender's source shard; later
 stages forward bytes the sender received, which it holds in its destination shard
