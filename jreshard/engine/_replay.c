@@ -32,6 +32,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <sched.h>
 #include <time.h>
 
 #include "../schedule/_rows.h"
@@ -50,7 +51,8 @@
 #define FAIL_SIZE 3
 #define FAIL_SIGNAL 4
 
-#define TIGHT_POLLS 16         /* polls before the first sleep: a round's messages usually land within these */
+#define TIGHT_POLLS 16         /* polls before the first yield: a round's messages usually land within these */
+#define YIELD_NS 200000        /* then polls that yield the core (sched_yield) for up to 200 us before sleeping */
 #define MAX_SLEEP_NS 1000000   /* the poll's sleep backs off to 1 ms (8 processes on 2 cores stay responsive) */
 #define SIGNAL_EVERY_NS 50000000 /* while sleeping, look for a pending signal every 50 ms */
 
@@ -193,8 +195,9 @@ static PyObject *py_validate(PyObject *self, PyObject *args) {
 }
 
 /* Poll group g's requests until all completed or its deadline passed; 0, or a FAIL_ code with fail filled.
- * The poll is MPI_Testsome's: each call completes what it can and says which, so the loop backs off (sleeps)
- * only while nothing completes, and checks each receive's byte count as it completes. The time from the
+ * The poll is MPI_Testsome's: each call completes what it can and says which, so the loop backs off only while
+ * nothing completes (a few tight polls, then polls that yield the core for YIELD_NS, then sleeps that double
+ * up to MAX_SLEEP_NS), and checks each receive's byte count as it completes. The time from the
  * first poll that completed nothing to the group's completion is added to ``idle``: the host waited on its
  * peers or the wire. */
 static int wait_group(const program *p, Py_ssize_t g, int64_t deadline, int64_t *fail, double *idle,
@@ -240,6 +243,10 @@ static int wait_group(const program *p, Py_ssize_t g, int64_t deadline, int64_t 
             return FAIL_TIMEOUT;
         }
         if (polls++ < TIGHT_POLLS) {
+            continue;
+        }
+        if (t - idle_from < YIELD_NS) { /* the peer is a round trip away: give the core to whoever needs it */
+            sched_yield();
             continue;
         }
         if (t >= signal_at) {
