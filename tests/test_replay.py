@@ -3,6 +3,10 @@ message a local copy of the compiled replay) and against the engine's unprepared
 
 from __future__ import annotations
 
+import ctypes
+import signal
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -10,9 +14,10 @@ from hypothesis import strategies as st
 
 from jreshard.engine import replay
 from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.comm import Communicator, NativeGroups, PreparedGroups
 from jreshard.engine.recording import RecordingComm
 from jreshard.engine.rounds import Shards, execute
-from jreshard.errors import TransferError
+from jreshard.errors import PeerError, TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.schedule.steps import build_schedule
@@ -203,3 +208,162 @@ def test_prepared_and_unprepared_rounds_write_the_same_bytes(
             np.testing.assert_array_equal(prepared[k], unprepared[k])
     _check(pairs, g, prepared)
     comm.close()
+
+
+# The compiled loop's failures, over a stand-in transport made of C functions with MPI's signatures (no MPI): a
+# start and a poll that never complete anything (libc's usleep: returns 0, sleeps a microsecond a request), a
+# start that fails (libc's abs: returns the request count), and a poll that completes with a short receive.
+_LIBC = ctypes.CDLL(None)
+_TEST = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.c_void_p,
+)
+_COUNT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.POINTER(ctypes.c_int))
+
+
+def _address(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+class _StandInGroups(PreparedGroups):
+    """One request per message, started and polled by the given C functions; records what the engine asks."""
+
+    def __init__(self, groups, start, test, count):
+        spans, expect, at = [], [], 0
+        for sends, recvs in groups:
+            spans.append((at, at + len(sends) + len(recvs), 0, 0))
+            expect += [-1] * len(sends) + [row[5] for row in recvs]
+            at += len(sends) + len(recvs)
+        widest = max((hi - lo for lo, hi, _, _ in spans), default=1)
+        self.native = NativeGroups(
+            groups=np.array(spans, np.int64).reshape(-1, 4),
+            copies=np.zeros((0, 5), np.int64),
+            requests=np.zeros(4 * at, np.uint8),
+            req_size=4,
+            expect=np.array(expect, np.int64),
+            statuses=np.zeros(64 * widest, np.uint8),
+            status_size=64,
+            indices=np.zeros(widest, np.int32),
+            byte_type=0,
+            undefined=-32766,
+            start=start,
+            test=test,
+            count=count,
+        )
+        self.calls: list[tuple] = []
+
+    def bind(self, addresses, sizes):
+        self.calls.append(("bind",))
+
+    def start(self, group, timeout_s):  # pragma: no cover - the compiled loop starts the groups
+        raise AssertionError("the stand-in runs in the compiled loop only")
+
+    wait = start
+
+    def abort(self, group, why):
+        self.calls.append(("abort", group, why))
+
+    def failed(self, group, code, request, value, timeout_s):
+        self.calls.append(("failed", group, code, request, value))
+        raise PeerError(f"stand-in failure {code} in group {group}")
+
+    def release(self):
+        self.calls.append(("release",))
+
+
+class _StandInComm(Communicator):
+    def __init__(self, fns):
+        self.fns, self.prepared = fns, None
+
+    @property
+    def local_ranks(self):
+        return (1,)
+
+    def exchange(self, sends, recvs, *, timeout_s):  # pragma: no cover
+        raise AssertionError("prepared groups only")
+
+    def prepare(self, groups):
+        self.prepared = _StandInGroups(groups, *self.fns)
+        return self.prepared
+
+
+def _receiver_step(fns, timeout_s):
+    """Rank 1 receives a (16, 16) float32 tensor from rank 0 over the stand-in transport."""
+    src = Layout.replicated([0], (16, 16), "float32")
+    dst = Layout.replicated([1], (16, 16), "float32")
+    topo = Topology.uniform(range(2), domain_size=1)
+    opts = Options(chunk_bytes=256, staging_bytes=4096, timeout_s=timeout_s)
+    sched = build_schedule(plan_layouts([(src, dst)], topo, opts), opts)
+    comm = _StandInComm(fns)
+    shards = Shards(src={}, dst={(0, 1): np.zeros(1024, np.uint8)})
+    return comm, lambda: execute(sched, comm, shards, options=opts, buffers=CpuBuffers())
+
+
+needs_native = pytest.mark.skipif(not replay.compiled_replay(), reason="the compiled replay was not built")
+
+
+@needs_native
+def test_the_compiled_loop_stops_at_its_deadline_and_hands_the_group_back():
+    usleep = _address(_LIBC.usleep)
+    comm, step = _receiver_step((usleep, usleep, usleep), timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="stand-in failure 1 in group 0"):
+        step()
+    assert 0.3 <= time.monotonic() - t0 < 5.0
+    assert ("failed", 0, 1, -1, 0) in comm.prepared.calls
+
+
+@needs_native
+def test_the_compiled_loop_reports_a_start_the_transport_refused():
+    usleep = _address(_LIBC.usleep)
+    comm, step = _receiver_step((_address(_LIBC.abs), usleep, usleep), timeout_s=5.0)
+    with pytest.raises(PeerError, match="stand-in failure 2"):
+        step()
+    (failed,) = [c for c in comm.prepared.calls if c[0] == "failed"]
+    assert failed[2] == 2 and failed[4] > 0  # FAIL_TRANSPORT, with the code the start returned
+
+
+@needs_native
+def test_the_compiled_loop_refuses_a_receive_of_other_than_the_planned_bytes():
+    def completes_all(n, reqs, out, indices, statuses):
+        out[0] = n
+        for i in range(n):
+            indices[i] = i
+        return 0
+
+    def one_byte_short(status, datatype, got):
+        got[0] = 255  # every message of the plan carries 256 bytes
+        return 0
+
+    keep = (_TEST(completes_all), _COUNT(one_byte_short))  # alive while the loop may call them
+    usleep = _address(_LIBC.usleep)
+    comm, step = _receiver_step((usleep, _address(keep[0]), _address(keep[1])), timeout_s=5.0)
+    with pytest.raises(PeerError, match="stand-in failure 3"):
+        step()
+    (failed,) = [c for c in comm.prepared.calls if c[0] == "failed"]
+    assert failed[2] == 3 and failed[4] == 255  # FAIL_SIZE: the request, and the bytes it got
+
+
+@needs_native
+def test_a_signal_while_the_compiled_loop_waits_gives_the_group_up_and_raises():
+    usleep = _address(_LIBC.usleep)
+    comm, step = _receiver_step((usleep, usleep, usleep), timeout_s=60.0)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert time.monotonic() - t0 < 5.0  # seen within the loop's 50 ms signal checks, not at the 60 s deadline
+    assert [c[:2] for c in comm.prepared.calls if c[0] == "abort"] == [("abort", 0)]
