@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import hmac
+import os
 import select
 import time
 from collections.abc import Mapping, Sequence
@@ -62,7 +63,7 @@ import numpy as np
 
 from jreshard.auth import TAG_BYTES
 from jreshard.channel import Channel
-from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.comm import Communicator, Group, PreparedGroups, RecvOp, SendOp
 from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.nixl.agent import NOTICE, NixlAgent
@@ -136,9 +137,31 @@ class NixlComm(Communicator):
         self._outbound: list[np.ndarray] = []  # encrypted copies being written
         agent.introduce(list(dict.fromkeys(self._remote.values())), timeout_s=timeout_s)
 
+    prepares: bool = os.environ.get("JRESHARD_NIXL_PREPARED", "1") != "0"
+    """Whether :meth:`prepare` makes prepared groups (``JRESHARD_NIXL_PREPARED=0``: every group per operation)."""
+
     @property
     def local_ranks(self) -> tuple[int, ...]:
         return self._local
+
+    def prepare(self, groups: Sequence[Group]) -> PreparedGroups | None:
+        """Prepared WRITE handles and receives for every group of a program (:mod:`jreshard.nixl.prepared`);
+        ``None`` (per operation) with ``encrypt=True`` or :attr:`prepares` off."""
+        if self.encrypt or not self.prepares:
+            return None
+        from jreshard.nixl.prepared import NixlPrepared
+
+        return NixlPrepared(self, groups)
+
+    def _check_open(self) -> None:
+        if self.broken is not None:
+            raise PeerError(f"NixlComm is broken since an earlier failure ({self.broken})", destination_intact=True)
+
+    def close(self) -> None:
+        """Release the prepared groups' handles and registrations."""
+        from jreshard.engine import replay
+
+        replay.release(self)
 
     def _channel(self, rank: int, what: str) -> Channel:
         try:
@@ -197,7 +220,13 @@ class NixlComm(Communicator):
         """Read ``ch``: posted receives into the queues, a peer's failure raised (a closed connection
         is judged by the caller: a peer may close once it has written everything)."""
         ch.pump()
-        for msg in ch.take({"nixl.post", "nixl.fail", "nixl.mac"}):
+        for msg in ch.take({"nixl.post", "nixl.fail", "nixl.mac", "nixl.pdesc"}):
+            if msg["op"] == "nixl.pdesc":  # a receiver that prepared its groups posts in the clear
+                raise self._fail(
+                    ch,
+                    f"{ch.peer} posted its receives in the clear, but this side has "
+                    "Options(encrypt=True): set encrypt=True on both sides",
+                )
             if msg["op"] == "nixl.fail":
                 raise PeerError(f"NixlComm: {ch.peer} failed the exchange: {msg.get('error', '?')}")
             if msg["op"] == "nixl.mac":

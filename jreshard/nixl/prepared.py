@@ -1,0 +1,612 @@
+"""Prepared groups over NIXL: every exchange group of a program made once, started every step.
+
+:meth:`NixlComm.prepare <jreshard.nixl.comm.NixlComm.prepare>` returns a :class:`NixlPrepared` for the engine's
+replay (:mod:`jreshard.engine.replay`), which binds it to each step's buffers and starts and waits its groups.
+What is made once, and what a step costs:
+
+- **Pieces.** A group's messages between this process and one peer process are one *piece* (a message lies in
+  the same group at both ends: :mod:`jreshard.schedule.groups`). A sender WRITEs a piece as one NIXL transfer
+  with one notification: a prepared local descriptor list and a prepared remote one
+  (``prep_xfer_dlist``), and one WRITE handle over them (``make_prepped_xfer``), made at the first step and
+  re-posted every step (``transfer(handle, notif_msg=...)``); made again only when a buffer of the piece moved.
+- **Descriptors, once per binding.** At :meth:`~NixlPrepared.bind`, a receiver registers the ranges of the
+  buffers the messages land in (again only when one moved) and sends each sender, sealed, its receives'
+  descriptors for the whole program (``nixl.pdesc``: keys, group, address, size, with the partial metadata of
+  new registrations), again only when a receive buffer moved. The sender matches them to its sends by
+  ``(src, dst, tag)`` in listed order, as the per-operation path does, and checks sizes and groups.
+- **Every step, per piece.** The receiver starts a group by sending each of its senders a fresh receive id
+  (63 random bits, bound to that sender's agent: :meth:`NixlAgent.new_id`) inside the sealed channel
+  (``nixl.go``): the sender writes nothing into a buffer before the receiver's group started (its staging
+  arena may still hold the round before). The sender re-posts the piece's handle notifying ``jreshard:<id>``
+  and sends, sealed, the Poly1305 tag of every message of the piece (``nixl.pmac``, under a one-time key for
+  ``id``, the message's index in the piece, its ranks and tag); the receiver compares each tag with the bytes
+  that landed before the group returns, as the per-operation path does.
+
+Failure is as :class:`~jreshard.nixl.comm.NixlComm`'s: every wait bounded by ``timeout_s`` from its group's start
+(:class:`TransferTimeoutError` naming the ranks and peers that did not post or write), a peer whose connection
+closes with work outstanding is :class:`PeerError` within a second, a ``nixl.fail``, a transfer NIXL reports
+``ERR`` or descriptors that do not match are :class:`PeerError`; the communicator is then broken.
+
+Not covered here, so :meth:`NixlComm.prepare` returns ``None`` and the step runs per operation:
+``encrypt=True`` (each message sealed under its own sequence number into a fresh landing buffer). A peer
+that posts per operation while this side prepared its sends (it has ``encrypt=True``, this side not) is
+:class:`PeerError` at once, asking for ``encrypt`` on both sides. Host memory (``DRAM``) only: the replay
+hands a prepared group addresses, not buffers, so it cannot tell GPU memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import ctypes
+import hmac
+import secrets
+import select
+import time
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+from jreshard.channel import Channel
+from jreshard.engine.comm import Group, PreparedGroups, RecvOp, SendOp
+from jreshard.engine.loopback import match
+from jreshard.errors import PeerError, TransferError, TransferTimeoutError
+from jreshard.nixl.agent import NOTICE
+
+if TYPE_CHECKING:
+    from jreshard.nixl.comm import NixlComm
+
+__all__ = ["NixlPrepared"]
+
+_MAX_SLEEP_S = 2.5e-4  # as NixlComm's waits
+_NOTICE_GRACE_S = 1.0
+_OPS = {"nixl.pdesc", "nixl.go", "nixl.pmac", "nixl.fail", "nixl.post"}
+# columns of a program's rows: its group, then the Communicator's row
+_G, _SRC, _DST, _TAG, _BUF, _OFF, _N = range(7)
+
+
+def _label(i: int, k: int, src: int, dst: int, tag: int) -> bytes:
+    """What the MAC of message ``k`` of a piece is bound to (its receive id is random and used once)."""
+    return f"nixl {i}.{k} {src} {dst} {tag}".encode()
+
+
+def _memory(address: int, nbytes: int) -> Any:
+    """``nbytes`` of host memory at ``address``, readable as a buffer (for a MAC)."""
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), np.uint8) if nbytes else b""
+
+
+class _Hub:
+    """The prepared protocol's messages on one NixlComm's channels, kept until the prepared groups they name
+    take them (a communicator may hold several prepared programs)."""
+
+    def __init__(self, comm: NixlComm):
+        self.comm = comm
+        self.descs: dict[tuple[Channel, int], tuple[int, np.ndarray]] = {}  # (ch, token) -> (version, entries)
+        self.gos: dict[tuple[Channel, int], collections.deque[tuple[int, int]]] = {}  # (ch, token) -> (group, id)
+        self.tags: dict[int, list[bytes | None]] = {}  # receive id -> its piece's tags
+        self.claimed: dict[tuple[Channel, int], Any] = {}  # (ch, token) -> the NixlPrepared that sends to it
+
+    def pump(self, channels: Sequence[Channel]) -> None:
+        for ch in channels:
+            ch.pump()
+            for msg in ch.take(_OPS):
+                op = msg["op"]
+                if op == "nixl.fail":
+                    raise PeerError(f"NixlComm: {ch.peer} failed the exchange: {msg.get('error', '?')}")
+                if op == "nixl.post":
+                    raise PeerError(
+                        f"NixlComm: {ch.peer} posts its receives one exchange at a time (it has Options(encrypt=True)) "
+                        "while this side sends from prepared groups (encrypt=False): set encrypt=True on both sides"
+                    )
+                try:
+                    if op == "nixl.go":
+                        self.gos.setdefault((ch, int(msg["p"])), collections.deque()).append(
+                            (int(msg["g"]), int(msg["id"]))
+                        )
+                    elif op == "nixl.pmac":
+                        tags = msg["tags"]
+                        if not isinstance(tags, list):
+                            raise TypeError("not a list")
+                        self.tags[int(msg["id"])] = [None if t is None else bytes.fromhex(t) for t in tags]
+                    else:
+                        md = msg["md"]
+                        if not isinstance(md, list):
+                            raise TypeError("not a list")
+                        entries = np.asarray(msg["recvs"], np.int64).reshape(-1, 7)
+                        self.comm._agent.load(ch, [str(m) for m in md])
+                        self.descs[(ch, int(msg["p"]))] = (int(msg["v"]), entries)
+                except (KeyError, TypeError, ValueError) as err:
+                    raise PeerError(f"NixlComm: {ch.peer} sent a malformed {op} message") from err
+
+
+def hub_of(comm: NixlComm) -> _Hub:
+    hub = getattr(comm, "_prepared_hub", None)
+    if hub is None:
+        hub = comm._prepared_hub = _Hub(comm)
+    return hub
+
+
+class _Piece:
+    """A group's sends to one peer process: one WRITE handle, re-posted every step."""
+
+    __slots__ = ("built", "dlists", "flying", "group", "handle", "id", "nbytes", "posted", "rows")
+
+    def __init__(self, group: int, rows: np.ndarray):
+        self.group, self.rows = group, rows  # rows: indices into the channel's send rows, in listed order
+        self.handle: Any = None
+        self.dlists: tuple[Any, ...] = ()
+        self.built: tuple | None = None  # (local addresses, remote version) the handle was made for
+        self.posted = -1  # the step it was last posted in
+        self.flying = False
+        self.id = 0
+        self.nbytes = 0
+
+    def drop(self) -> None:
+        for h in (self.handle, *self.dlists):
+            if h is not None:
+                try:
+                    h.release()
+                except Exception:  # nixl raises its own types; a transfer that cannot be cancelled stays queued
+                    pass
+        self.handle, self.dlists, self.built, self.flying = None, (), None, False
+
+
+class _Out:
+    """This program's sends to one peer process."""
+
+    def __init__(self, rows: np.ndarray):
+        self.rows = rows  # (k, 7): group and row, in program order
+        self.token: int | None = None  # the receiving program's token it was matched to
+        self.version = -1
+        self.remote: np.ndarray | None = None  # per row, the matched receive's address
+        self.by_group: dict[int, _Piece] = {}  # the receiver's group -> piece
+        self.mine: dict[int, list[_Piece]] = {}  # this program's group -> pieces
+
+
+class NixlPrepared(PreparedGroups):
+    """The prepared WRITEs and receives of every group of one program on a :class:`NixlComm` (final)."""
+
+    def __init__(self, comm: NixlComm, groups: Sequence[Group]):
+        self._comm, self._agent, self._hub = comm, comm._agent, hub_of(comm)
+        self._token = secrets.randbits(63) | 1  # names this program's receives to their senders
+        mine = set(comm.local_ranks)
+        recv: dict[Channel, list[tuple[int, ...]]] = {}
+        send: dict[Channel, list[tuple[int, ...]]] = {}
+        self._rgroups: list[dict[Channel, np.ndarray]] = []  # per group: channel -> indices of its receives
+        self._sgroups: list[list[Channel]] = []  # per group: the channels it sends to
+        self._copies: list[list[tuple[int, int, int, int, int]]] = []  # per group: local messages
+        for g, (sends, recvs) in enumerate(groups):
+            for r in recvs:
+                if r[1] not in mine:
+                    raise ValueError(f"NixlComm.prepare: receive at rank {r[1]}, which this process does not drive")
+            for s in sends:
+                if s[0] not in mine:
+                    raise ValueError(f"NixlComm.prepare: send from rank {s[0]}, which this process does not drive")
+            rg: dict[Channel, list[int]] = {}
+            for r in recvs:
+                if r[0] in mine:
+                    continue
+                ch = comm._channel(r[0], "source")
+                rg.setdefault(ch, []).append(len(recv.setdefault(ch, [])))
+                recv[ch].append((g, *r))
+            self._rgroups.append({ch: np.array(ix, np.int64) for ch, ix in rg.items()})
+            sg: dict[Channel, None] = {}
+            for s in sends:
+                if s[1] in mine:
+                    continue
+                ch = comm._channel(s[1], "destination")
+                sg[ch] = None
+                send.setdefault(ch, []).append((g, *s))
+            self._sgroups.append(list(sg))
+            pairs = match(
+                [SendOp(s[0], s[1], s[2], s[3:]) for s in sends if s[1] in mine],
+                [RecvOp(r[0], r[1], r[2], r[3:]) for r in recvs if r[0] in mine],
+                size=lambda b: b[2],
+            )
+            self._copies.append([(s.buffer[0], s.buffer[1], r.buffer[0], r.buffer[1], s.buffer[2]) for s, r in pairs])
+        self._recv = {ch: np.array(rows, np.int64).reshape(-1, 7) for ch, rows in recv.items()}
+        self._out = {ch: _Out(np.array(rows, np.int64).reshape(-1, 7)) for ch, rows in send.items()}
+        self._posted: dict[Channel, tuple[np.ndarray, set]] = {}  # the receive addresses (and ranges) each sender has
+        self._version = 0
+        self._generation = 0  # counts registrations made and released (a handle made before a change is re-made)
+        self._told: dict[Channel, set[tuple[int, int]]] = {}  # registrations each peer has the metadata of
+        self._regs: dict[tuple[int, int], tuple[Any, str]] = {}  # (address, size) -> (descs, partial metadata)
+        used = [r[:, _BUF] for r in (*self._recv.values(), *(o.rows for o in self._out.values()))]
+        self._used = np.unique(np.concatenate(used)) if used else np.zeros(0, np.int64)
+        self._addr: np.ndarray | None = None
+        self._last: tuple[np.ndarray, np.ndarray] | None = None
+        self._step = 0
+        self._deadline = [0.0] * len(groups)
+        self._timeout = [0.0] * len(groups)
+        self._waiting: dict[int, tuple[Channel, np.ndarray]] = {}  # receive id -> its channel and receives
+        self._landed: dict[int, tuple[Channel, np.ndarray]] = {}  # notified, tags not yet come
+        self._rids: list[list[int]] = [[] for _ in groups]  # per group: its receive ids this step
+        self._started = np.full(len(groups), -1, np.int64)  # the step each group was last started in
+        self.posts = self.prepped = 0  # descriptor lists posted to senders; WRITE handles made
+        self._finalizer = weakref.finalize(self, _deregister, self._agent.nixl, self._regs)
+
+    # ---- binding --------------------------------------------------------------------------------
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+        self._comm._check_open()
+        self._step += 1
+        last = self._last
+        if last is not None and np.array_equal(addresses, last[0]) and np.array_equal(sizes, last[1]):
+            return  # the buffers of the last step: every descriptor still points where it should
+        self._last = None
+        for rows in (*self._recv.values(), *(o.rows for o in self._out.values())):
+            buf, off, n = rows[:, _BUF], rows[:, _OFF], rows[:, _N]
+            bad = np.nonzero((off < 0) | (n < 0) | (off + n > sizes[buf]) | ((n > 0) & (addresses[buf] == 0)))[0]
+            if len(bad):
+                i = int(bad[0])
+                raise TransferError(
+                    f"NixlComm: a message of {int(n[i])} bytes at offset {int(off[i])} would leave buffer "
+                    f"{int(buf[i])} of {int(sizes[buf[i]])} bytes (-1: none given); nothing was posted",
+                    destination_intact=True,
+                )
+        for copies in self._copies:
+            for sb, so, db, do, n in copies:
+                if so + n > sizes[sb] or do + n > sizes[db] or min(so, do) < 0:
+                    raise TransferError(
+                        f"NixlComm: a local message of {n} bytes would leave buffer {sb} or {db}; nothing was posted",
+                        destination_intact=True,
+                    )
+        self._addr = addresses.copy()
+        self._register(addresses, sizes)
+        self._version += 1
+        for ch, rows in self._recv.items():  # descriptors to each sender, where one moved
+            where = addresses[rows[:, _BUF]] + rows[:, _OFF]
+            keys = {(int(addresses[b]), int(sizes[b])) for b in np.unique(rows[:, _BUF]).tolist()}
+            keys = {k for k in keys if k[1] > 0}
+            before = self._posted.get(ch)
+            if before is not None and np.array_equal(where, before[0]) and keys == before[1]:
+                continue
+            told = self._told.setdefault(ch, set())
+            md = [self._regs[k][1] for k in sorted(keys - told)]
+            told |= keys
+            entries = np.stack([rows[:, _SRC], rows[:, _DST], rows[:, _TAG], rows[:, _G], where, rows[:, _N]], 1)
+            entries = np.concatenate([entries, np.zeros((len(rows), 1), np.int64)], 1)  # device
+            try:
+                ch.queue_control(
+                    {"op": "nixl.pdesc", "p": self._token, "v": self._version, "md": md, "recvs": entries.tolist()}
+                )
+                ch.flush()
+            except PeerError as err:
+                self._break(err)
+                raise
+            self._posted[ch] = (where, keys)
+            self.posts += 1
+        self._last = (addresses.copy(), sizes.copy())
+
+    def _register(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+        """Register the ranges of the buffers the messages use (once each; a moved one again)."""
+        want = {(int(addresses[b]), int(sizes[b])) for b in self._used.tolist() if sizes[b] > 0}
+        agent = self._agent.nixl
+        for key in sorted(want - set(self._regs)):
+            descs = agent.register_memory([(key[0], key[1], 0, "")], "DRAM")
+            partial = agent.get_partial_agent_metadata(descs, inc_conn_info=False)
+            self._regs[key] = (descs, base64.b64encode(partial).decode())
+            self._agent.registrations += 1
+            self._generation += 1
+        for key in set(self._regs) - want:
+            self._generation += 1
+            descs, _ = self._regs.pop(key)
+            for told in self._told.values():
+                told.discard(key)
+            agent.deregister_memory(descs)
+
+    # ---- the sending side -------------------------------------------------------------------------
+    def _claim(self, ch: Channel, out: _Out) -> None:
+        """Match ``out``'s sends to the receiving program's descriptors (the latest ``ch`` posted)."""
+        hub = self._hub
+        if out.token is None:
+            for (c, token), (_, entries) in list(hub.descs.items()):
+                if c is ch and (c, token) not in hub.claimed and self._pieces(ch, out, entries, check=False):
+                    out.token = token
+                    hub.claimed[(ch, token)] = self
+                    break
+            if out.token is None:
+                return
+        version, entries = hub.descs[(ch, out.token)]
+        if version != out.version:
+            self._pieces(ch, out, entries, check=True)
+            out.version = version
+
+    def _pieces(self, ch: Channel, out: _Out, entries: np.ndarray, *, check: bool) -> bool:
+        """Whether ``entries`` (a receiving program's descriptors) match ``out``'s sends; with ``check``, they
+        must (else :class:`PeerError`), and ``out`` takes their addresses and pieces."""
+        rows = out.rows
+        queues: dict[tuple[int, int, int], collections.deque[int]] = {}
+        for j, key in enumerate(map(tuple, entries[:, :3].tolist())):
+            queues.setdefault(key, collections.deque()).append(j)  # type: ignore[arg-type]
+        pair = np.zeros(len(rows), np.int64)
+        why = None
+        for i, key in enumerate(map(tuple, rows[:, _SRC : _TAG + 1].tolist())):
+            q = queues.get(key)  # type: ignore[call-overload]
+            if not q:
+                why = f"send {key[0]}->{key[1]} tag {key[2]} has no receive posted for it"
+                break
+            pair[i] = q.popleft()
+        if why is None and any(queues.values()):
+            why = "receives were posted that no send of this program matches"
+        if why is None:
+            bad = np.nonzero(entries[pair, 5] != rows[:, _N])[0]
+            if len(bad):
+                i = int(bad[0])
+                why = (
+                    f"rank {int(rows[i, _SRC])} sends rank {int(rows[i, _DST])} {int(rows[i, _N])} bytes under tag "
+                    f"{int(rows[i, _TAG])}, but the receive expects {int(entries[pair[i], 5])}"
+                )
+        by: dict[int, list[int]] = {}
+        if why is None:
+            for i, rg in enumerate(entries[pair, 3].tolist()):
+                by.setdefault(rg, []).append(i)
+            for rg, ix in by.items():
+                if len(set(rows[ix, _G].tolist())) != 1:
+                    why = f"the receiver's group {rg} spans several of this side's groups"
+                    break
+        if why is not None:
+            if check:
+                raise self._comm._fail(ch, f"the two sides planned differently: {why}")
+            return False
+        if not check:
+            return True
+        for piece in out.by_group.values():
+            piece.drop()
+        out.remote = entries[pair, 4].copy()
+        out.by_group, out.mine = {}, {}
+        for rg, ix in by.items():
+            ix.sort(key=lambda i: pair[i])  # in the receiver's order: a tag's index is the receive's in its group
+            piece = out.by_group[rg] = _Piece(int(rows[ix[0], _G]), np.array(ix, np.int64))
+            out.mine.setdefault(piece.group, []).append(piece)
+        return True
+
+    def _post(self, ch: Channel, out: _Out, piece: _Piece, i: int) -> None:
+        """WRITE ``piece`` notifying receive ``i``, then send its tags."""
+        agent = self._agent.nixl
+        addr = self._addr
+        assert addr is not None and out.remote is not None
+        rows = out.rows[piece.rows]
+        local = addr[rows[:, _BUF]] + rows[:, _OFF]
+        sizes = rows[:, _N]
+        peer = self._agent.peer(ch)
+        key = (local.tobytes(), out.version, self._generation)
+        notice = NOTICE + str(i).encode()
+        try:
+            if sizes.any():
+                if piece.built != key:
+                    piece.drop()
+                    some = np.nonzero(sizes)[0]
+                    zeros = np.zeros(len(some), np.int64)
+                    ld = agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", np.stack([local[some], sizes[some], zeros], 1), "DRAM"
+                    )
+                    rd = agent.prep_xfer_dlist(
+                        peer, np.stack([out.remote[piece.rows][some], sizes[some], zeros], 1), "DRAM"
+                    )
+                    piece.dlists = (ld, rd)
+                    ix = np.arange(len(some), dtype=np.int32)
+                    piece.handle = agent.make_prepped_xfer("WRITE", ld, ix, rd, ix, notice)
+                    piece.built = key
+                    self.prepped += 1
+                state = agent.transfer(piece.handle, notice)
+                if state == "ERR":
+                    raise self._comm._fail(ch, f"NIXL reported an error posting the WRITEs of a group to {ch.peer}")
+                piece.flying = state == "PROC"
+            else:
+                agent.send_notif(peer, notice)
+        except (PeerError, TransferTimeoutError):
+            raise
+        except Exception as err:  # nixl raises its own exception types
+            piece.drop()
+            raise self._comm._fail(ch, f"NIXL refused the WRITEs of a group to {ch.peer}: {err}") from err
+        piece.posted, piece.id, piece.nbytes = self._step, i, int(sizes.sum())
+        session = ch.session
+        if session is not None:  # while the WRITE flies (the send buffers do not change until it is done)
+            tags = [
+                session.mac(_label(i, k, int(r[_SRC]), int(r[_DST]), int(r[_TAG])), _memory(int(a), int(r[_N]))).hex()
+                for k, (r, a) in enumerate(zip(rows, local, strict=True))
+            ]
+            ch.queue_control({"op": "nixl.pmac", "id": i, "tags": tags})
+            ch.flush()
+
+    def _send_ready(self, g: int) -> None:
+        """Post every piece of group ``g`` whose receiver started its group this step."""
+        for ch in self._sgroups[g]:
+            out = self._out[ch]
+            self._claim(ch, out)
+            if out.token is None:
+                continue
+            gos = self._hub.gos.get((ch, out.token))
+            if not gos:
+                continue
+            keep: collections.deque[tuple[int, int]] = collections.deque()
+            while gos:
+                rg, i = gos.popleft()
+                piece = out.by_group.get(rg)
+                if piece is None:
+                    raise self._comm._fail(ch, f"{ch.peer} started group {rg}, which holds no message of this side")
+                if self._started[piece.group] == self._step and piece.posted < self._step:
+                    self._post(ch, out, piece, i)
+                else:
+                    keep.append((rg, i))
+            gos.extend(keep)
+
+    # ---- groups ---------------------------------------------------------------------------------
+    def start(self, group: int, timeout_s: float) -> None:
+        self._comm._check_open()
+        self._deadline[group], self._timeout[group] = time.monotonic() + timeout_s, timeout_s
+        self._started[group] = self._step
+        addr = self._addr
+        assert addr is not None, "NixlPrepared.start before bind"
+        for sb, so, db, do, n in self._copies[group]:  # messages between ranks of this process
+            ctypes.memmove(int(addr[db]) + do, int(addr[sb]) + so, n)
+        ids = self._rids[group]
+        ids.clear()
+        try:
+            for ch, ix in self._rgroups[group].items():
+                i = self._agent.new_id(self._agent.peer(ch))
+                self._waiting[i] = (ch, ix)
+                ids.append(i)
+                ch.queue_control({"op": "nixl.go", "p": self._token, "g": group, "id": i})
+                ch.flush()
+            if self._sgroups[group]:
+                self._hub.pump(self._sgroups[group])
+                self._send_ready(group)
+        except (PeerError, TransferTimeoutError) as err:
+            self._break(err)
+            raise
+
+    def wait(self, group: int) -> None:
+        try:
+            self._wait(group)
+        except (PeerError, TransferTimeoutError) as err:
+            self._break(err)
+            raise
+
+    def _wait(self, g: int) -> None:
+        agent = self._agent.nixl
+        ids = self._rids[g]
+        senders = self._sgroups[g]
+        channels = list(dict.fromkeys([*senders, *self._rgroups[g]]))
+        closed: dict[Channel, float] = {}
+        sleep = 0.0
+        while True:
+            progress = False
+            self._hub.pump(channels)
+            if senders:
+                self._send_ready(g)
+            unsent, flying = [], []
+            for ch in senders:
+                out = self._out[ch]
+                pieces = out.mine.get(g, []) if out.token is not None else []
+                if out.token is None:
+                    unsent.append(ch)
+                for piece in pieces:
+                    if piece.posted < self._step:
+                        unsent.append(ch)
+                    elif piece.flying:
+                        state = agent.check_xfer_state(piece.handle)
+                        if state == "PROC":
+                            flying.append(ch)
+                            continue
+                        piece.flying = False
+                        progress = True
+                        if state != "DONE":
+                            raise self._comm._fail(ch, f"NIXL reported the WRITEs of a group to {ch.peer} failed")
+            waiting = [i for i in ids if i in self._waiting]
+            if waiting:
+                for i in self._agent.arrived(set(waiting)):
+                    self._landed[i] = self._waiting.pop(i)
+                    progress = True
+            landed = [i for i in ids if i in self._landed]
+            for i in landed:
+                ch, _ = self._landed[i]
+                if ch.session is None or i in self._hub.tags:
+                    self._check(i, *self._landed.pop(i))
+            left = [i for i in ids if i in self._waiting or i in self._landed]
+            if not unsent and not flying and not left and not any(ch.sending for ch in channels):
+                return
+            for ch in channels:
+                if ch.sending:
+                    ch.flush()
+            now = time.monotonic()
+            owing = set(unsent) | {self._waiting.get(i, self._landed.get(i, (None,)))[0] for i in left}
+            for ch in channels:  # a peer that closed with work outstanding is gone (after its last notices)
+                if ch.eof and ch in owing:
+                    closed.setdefault(ch, now)
+                    if now - closed[ch] > min(_NOTICE_GRACE_S, self._timeout[g]):
+                        raise ch.closed_error()
+            if progress:
+                sleep = 0.0
+                continue
+            if now > self._deadline[g]:
+                raise self._timeout_error(g, unsent, flying, left)
+            if sleep:
+                live = [ch for ch in channels if not ch.eof]
+                if live:
+                    select.select(live, [], [], sleep)
+                else:
+                    time.sleep(sleep)
+            sleep = min(2 * sleep + 1e-5, _MAX_SLEEP_S)
+
+    def _check(self, i: int, ch: Channel, ix: np.ndarray) -> None:
+        """Compare the bytes that landed for receive ``i`` with the tags its sender sent."""
+        tags = self._hub.tags.pop(i, None)
+        session = ch.session
+        if session is None:
+            return
+        addr = self._addr
+        assert addr is not None
+        rows = self._recv[ch][ix]
+        if tags is None or len(tags) != len(rows):
+            raise self._comm._fail(
+                ch, f"{ch.peer} sent {0 if tags is None else len(tags)} tags for {len(rows)} messages"
+            )
+        for k, (r, want) in enumerate(zip(rows.tolist(), tags, strict=True)):
+            _, src, dst, tag, buf, off, n = r
+            got = session.mac(_label(i, k, src, dst, tag), _memory(int(addr[buf]) + off, n))
+            if want is None or not hmac.compare_digest(got, want):
+                raise self._comm._fail(
+                    ch,
+                    f"the {n} bytes rank {dst} received from rank {src} under tag {tag} are not the bytes the sender "
+                    "wrote (its tag does not match): altered on the way; nothing is published",
+                )
+            self._comm.verified += 1
+
+    def _timeout_error(self, g: int, unsent: list, flying: list, left: list[int]) -> TransferTimeoutError:
+        parts = []
+        if left:
+            chans = {(self._waiting.get(i) or self._landed[i])[0] for i in left}
+            ranks = sorted({int(r) for ch in chans for r in self._recv[ch][self._rgroups[g][ch], _SRC]})
+            parts.append(f"ranks {ranks} did not send ({', '.join(sorted(ch.peer for ch in chans))})")
+        if unsent:
+            ranks = sorted({int(r) for ch in set(unsent) for r in self._out[ch].rows[:, _DST]})
+            peers = ", ".join(sorted({ch.peer for ch in unsent}))
+            parts.append(f"ranks {ranks} did not post their receives ({peers})")
+        if flying:
+            parts.append(f"the WRITEs to {', '.join(sorted({ch.peer for ch in flying}))} did not complete")
+        return TransferTimeoutError(
+            f"NixlComm.exchange: no answer within timeout_s={self._timeout[g]}: {'; '.join(parts)}. A peer died or "
+            "stopped answering; this communicator is now broken"
+        )
+
+    def _break(self, err: Exception) -> None:
+        """Fail-stop: the communicator is broken, receives given up, WRITEs in flight cancelled."""
+        if self._comm.broken is None:
+            self._comm.broken = str(err)
+        self._agent.abandon({i: None for i in [*self._waiting, *self._landed]})
+        self._waiting.clear()
+        self._landed.clear()
+        for out in self._out.values():
+            for piece in out.by_group.values():
+                if piece.flying:
+                    piece.drop()
+
+    def abort(self, group: int, why: str) -> None:
+        self._break(PeerError(f"NixlComm: gave up a posted group: {why}"))
+
+    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> NoReturn:
+        raise AssertionError("NixlPrepared has no compiled replay")  # pragma: no cover - native is None
+
+    def release(self) -> None:
+        for out in self._out.values():
+            for piece in out.by_group.values():
+                piece.drop()
+        for ch, out in self._out.items():
+            if out.token is not None:
+                self._hub.claimed.pop((ch, out.token), None)
+        self._finalizer()
+        self._posted.clear()
+        self._told.clear()
+        self._last = None
+
+
+def _deregister(agent: Any, regs: dict[tuple[int, int], tuple[Any, str]]) -> None:
+    for descs, _ in regs.values():
+        try:
+            agent.deregister_memory(descs)
+        except Exception:  # the agent may be gone already
+            pass
+    regs.clear()
