@@ -39,7 +39,6 @@ from __future__ import annotations
 import base64
 import collections
 import ctypes
-import hmac
 import secrets
 import select
 import time
@@ -54,6 +53,7 @@ from jreshard.engine.comm import Group, PreparedGroups, RecvOp, SendOp
 from jreshard.engine.loopback import match
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.nixl.agent import NOTICE
+from jreshard.nixl.comm import _label as label
 
 if TYPE_CHECKING:
     from jreshard.nixl.comm import NixlComm
@@ -67,9 +67,10 @@ _OPS = {"nixl.pdesc", "nixl.go", "nixl.pmac", "nixl.fail", "nixl.post"}
 _G, _SRC, _DST, _TAG, _BUF, _OFF, _N = range(7)
 
 
-def _label(i: int, k: int, src: int, dst: int, tag: int) -> bytes:
-    """What the MAC of message ``k`` of a piece is bound to (its receive id is random and used once)."""
-    return f"nixl {i}.{k} {src} {dst} {tag}".encode()
+def mac_id(i: int, k: int) -> int:
+    """The id message ``k`` of the piece notified as receive ``i`` has in its MAC's label (``NixlComm``'s): one per
+    message, never a receive id of the per-operation path (those are below ``2**63``)."""
+    return (1 << 100) | (i << 32) | k
 
 
 def _memory(address: int, nbytes: int) -> Any:
@@ -131,26 +132,28 @@ def hub_of(comm: NixlComm) -> _Hub:
 class _Piece:
     """A group's sends to one peer process: one WRITE handle, re-posted every step."""
 
-    __slots__ = ("built", "dlists", "flying", "group", "handle", "id", "nbytes", "posted", "rows")
+    __slots__ = ("flying", "group", "handle", "made", "posted", "rows")
 
     def __init__(self, group: int, rows: np.ndarray):
-        self.group, self.rows = group, rows  # rows: indices into the channel's send rows, in listed order
-        self.handle: Any = None
-        self.dlists: tuple[Any, ...] = ()
-        self.built: tuple | None = None  # (local addresses, remote version) the handle was made for
+        self.group, self.rows = group, rows  # rows: indices into the channel's send rows, in the receiver's order
+        self.handle: Any = None  # the handle posted last
+        # the handles made, by (local addresses, remote addresses, registrations): the last two (a loop whose
+        # buffers alternate between two sets, as pools that keep the last version alive do, makes none after)
+        self.made: collections.OrderedDict[tuple, tuple[Any, ...]] = collections.OrderedDict()
         self.posted = -1  # the step it was last posted in
         self.flying = False
-        self.id = 0
-        self.nbytes = 0
 
-    def drop(self) -> None:
-        for h in (self.handle, *self.dlists):
-            if h is not None:
+    def drop(self, keep: int = 0) -> None:
+        """Release the handles made, but the last ``keep``."""
+        while len(self.made) > keep:
+            _, hs = self.made.popitem(last=False)
+            for h in hs:
                 try:
                     h.release()
                 except Exception:  # nixl raises its own types; a transfer that cannot be cancelled stays queued
                     pass
-        self.handle, self.dlists, self.built, self.flying = None, (), None, False
+        if not self.made:
+            self.handle, self.flying = None, False
 
 
 class _Out:
@@ -161,6 +164,8 @@ class _Out:
         self.token: int | None = None  # the receiving program's token it was matched to
         self.version = -1
         self.remote: np.ndarray | None = None  # per row, the matched receive's address
+        self.pair: np.ndarray | None = None  # per row, the matched receive's index in the receiver's descriptors
+        self.shape: np.ndarray | None = None  # the receiver's descriptors but their addresses, when matched
         self.by_group: dict[int, _Piece] = {}  # the receiver's group -> piece
         self.mine: dict[int, list[_Piece]] = {}  # this program's group -> pieces
 
@@ -210,9 +215,10 @@ class NixlPrepared(PreparedGroups):
         self._out = {ch: _Out(np.array(rows, np.int64).reshape(-1, 7)) for ch, rows in send.items()}
         self._posted: dict[Channel, tuple[np.ndarray, set]] = {}  # the receive addresses (and ranges) each sender has
         self._version = 0
-        self._generation = 0  # counts registrations made and released (a handle made before a change is re-made)
+        self._generation = 0  # counts registrations released (a handle made before one is made again)
         self._told: dict[Channel, set[tuple[int, int]]] = {}  # registrations each peer has the metadata of
-        self._regs: dict[tuple[int, int], tuple[Any, str]] = {}  # (address, size) -> (descs, partial metadata)
+        # (address, size) -> (descs, partial metadata), the least recently bound first
+        self._regs: collections.OrderedDict[tuple[int, int], tuple[Any, str]] = collections.OrderedDict()
         used = [r[:, _BUF] for r in (*self._recv.values(), *(o.rows for o in self._out.values()))]
         self._used = np.unique(np.concatenate(used)) if used else np.zeros(0, np.int64)
         self._addr: np.ndarray | None = None
@@ -288,8 +294,10 @@ class NixlPrepared(PreparedGroups):
             partial = agent.get_partial_agent_metadata(descs, inc_conn_info=False)
             self._regs[key] = (descs, base64.b64encode(partial).decode())
             self._agent.registrations += 1
-            self._generation += 1
-        for key in set(self._regs) - want:
+        for key in want:
+            self._regs.move_to_end(key)
+        stale = len(self._regs) - len(want)
+        for key in list(self._regs)[: max(stale - max(len(want), 16), 0)]:  # as many unused as used are kept
             self._generation += 1
             descs, _ = self._regs.pop(key)
             for told in self._told.values():
@@ -310,7 +318,12 @@ class NixlPrepared(PreparedGroups):
                 return
         version, entries = hub.descs[(ch, out.token)]
         if version != out.version:
-            self._pieces(ch, out, entries, check=True)
+            shape = np.delete(entries, 4, axis=1)
+            if out.pair is not None and out.shape is not None and np.array_equal(shape, out.shape):
+                out.remote = entries[out.pair, 4].copy()  # the same receives, moved
+            else:
+                self._pieces(ch, out, entries, check=True)
+                out.shape = shape
             out.version = version
 
     def _pieces(self, ch: Channel, out: _Out, entries: np.ndarray, *, check: bool) -> bool:
@@ -354,7 +367,7 @@ class NixlPrepared(PreparedGroups):
             return True
         for piece in out.by_group.values():
             piece.drop()
-        out.remote = entries[pair, 4].copy()
+        out.remote, out.pair = entries[pair, 4].copy(), pair
         out.by_group, out.mine = {}, {}
         for rg, ix in by.items():
             ix.sort(key=lambda i: pair[i])  # in the receiver's order: a tag's index is the receive's in its group
@@ -371,25 +384,26 @@ class NixlPrepared(PreparedGroups):
         local = addr[rows[:, _BUF]] + rows[:, _OFF]
         sizes = rows[:, _N]
         peer = self._agent.peer(ch)
-        key = (local.tobytes(), out.version, self._generation)
+        remote = out.remote[piece.rows]
+        key = (local.tobytes(), remote.tobytes(), self._generation)
         notice = NOTICE + str(i).encode()
         try:
             if sizes.any():
-                if piece.built != key:
-                    piece.drop()
+                made = piece.made.get(key)
+                if made is None:
                     some = np.nonzero(sizes)[0]
                     zeros = np.zeros(len(some), np.int64)
                     ld = agent.prep_xfer_dlist(
                         "NIXL_INIT_AGENT", np.stack([local[some], sizes[some], zeros], 1), "DRAM"
                     )
-                    rd = agent.prep_xfer_dlist(
-                        peer, np.stack([out.remote[piece.rows][some], sizes[some], zeros], 1), "DRAM"
-                    )
-                    piece.dlists = (ld, rd)
+                    rd = agent.prep_xfer_dlist(peer, np.stack([remote[some], sizes[some], zeros], 1), "DRAM")
                     ix = np.arange(len(some), dtype=np.int32)
-                    piece.handle = agent.make_prepped_xfer("WRITE", ld, ix, rd, ix, notice)
-                    piece.built = key
+                    made = piece.made[key] = (agent.make_prepped_xfer("WRITE", ld, ix, rd, ix, notice), ld, rd)
                     self.prepped += 1
+                    piece.drop(keep=2)
+                else:
+                    piece.made.move_to_end(key)
+                piece.handle = made[0]
                 state = agent.transfer(piece.handle, notice)
                 if state == "ERR":
                     raise self._comm._fail(ch, f"NIXL reported an error posting the WRITEs of a group to {ch.peer}")
@@ -401,12 +415,12 @@ class NixlPrepared(PreparedGroups):
         except Exception as err:  # nixl raises its own exception types
             piece.drop()
             raise self._comm._fail(ch, f"NIXL refused the WRITEs of a group to {ch.peer}: {err}") from err
-        piece.posted, piece.id, piece.nbytes = self._step, i, int(sizes.sum())
+        piece.posted = self._step
         session = ch.session
         if session is not None:  # while the WRITE flies (the send buffers do not change until it is done)
             tags = [
-                session.mac(_label(i, k, int(r[_SRC]), int(r[_DST]), int(r[_TAG])), _memory(int(a), int(r[_N]))).hex()
-                for k, (r, a) in enumerate(zip(rows, local, strict=True))
+                session.mac(label(mac_id(i, k), r[_SRC], r[_DST], r[_TAG]), _memory(a, r[_N])).hex()
+                for k, (r, a) in enumerate(zip(rows.tolist(), local.tolist(), strict=True))
             ]
             ch.queue_control({"op": "nixl.pmac", "id": i, "tags": tags})
             ch.flush()
@@ -532,28 +546,22 @@ class NixlPrepared(PreparedGroups):
             sleep = min(2 * sleep + 1e-5, _MAX_SLEEP_S)
 
     def _check(self, i: int, ch: Channel, ix: np.ndarray) -> None:
-        """Compare the bytes that landed for receive ``i`` with the tags its sender sent."""
+        """Compare the bytes that landed for receive ``i`` with the tags its sender sent, message by message, as
+        the per-operation path compares one (:meth:`NixlComm._check`)."""
         tags = self._hub.tags.pop(i, None)
-        session = ch.session
-        if session is None:
+        if ch.session is None:
             return
         addr = self._addr
         assert addr is not None
         rows = self._recv[ch][ix]
-        if tags is None or len(tags) != len(rows):
-            raise self._comm._fail(
-                ch, f"{ch.peer} sent {0 if tags is None else len(tags)} tags for {len(rows)} messages"
-            )
+        if tags is None or len(tags) != len(rows) or None in tags:
+            raise self._comm._fail(ch, f"{ch.peer} sent no tag for some of the {len(rows)} messages of a group")
+        comm = self._comm
         for k, (r, want) in enumerate(zip(rows.tolist(), tags, strict=True)):
             _, src, dst, tag, buf, off, n = r
-            got = session.mac(_label(i, k, src, dst, tag), _memory(int(addr[buf]) + off, n))
-            if want is None or not hmac.compare_digest(got, want):
-                raise self._comm._fail(
-                    ch,
-                    f"the {n} bytes rank {dst} received from rank {src} under tag {tag} are not the bytes the sender "
-                    "wrote (its tag does not match): altered on the way; nothing is published",
-                )
-            self._comm.verified += 1
+            m = mac_id(i, k)
+            comm._tags[m] = (want, None)
+            comm._check(m, RecvOp(src, dst, tag, _memory(int(addr[buf]) + off, n) if n else np.zeros(0, np.uint8)))
 
     def _timeout_error(self, g: int, unsent: list, flying: list, left: list[int]) -> TransferTimeoutError:
         parts = []

@@ -82,6 +82,18 @@ def arm_kill(version: int) -> None:
         return real(self, sends, recvs, timeout_s=timeout_s)
 
     NixlComm.exchange = deadly  # type: ignore[method-assign]
+    from jreshard.nixl.prepared import NixlPrepared
+
+    real_start = NixlPrepared.start
+
+    def deadly_start(self, group, timeout_s):  # the same, where the groups are prepared
+        if state.get("v") == version and self._rgroups[group]:
+            state["calls"] += 1
+            if state["calls"] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real_start(self, group, timeout_s)
+
+    NixlPrepared.start = deadly_start  # type: ignore[method-assign]
     arm_kill.state = state  # type: ignore[attr-defined]
 
 
