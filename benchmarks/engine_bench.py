@@ -330,6 +330,150 @@ def real_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, col
     return json.loads(line[len("RESULT ") :])
 
 
+# ---- NIXL: the same real path over NixlComm, prepared groups beside per-operation posts ------------------------
+NIXL_COLUMNS = (("NIXL prepared", True), ("NIXL per-op", False))
+"""The NIXL columns: (name, whether ``NixlComm.prepares``)."""
+
+
+def _nixl_worker(path: str, me: int) -> None:
+    """One of the two processes of the NIXL path: process 0 the rank (``execute`` over ``NixlComm`` and
+    :class:`CpuBuffers`), process 1 every peer of it (the mirrored rounds replayed over its own ``NixlComm``),
+    connected by an authenticated channel on loopback, one NIXL agent (UCX) each."""
+    from jreshard.channel import Channel, connect, format_address, listen, parse_address
+    from jreshard.nixl import NixlAgent, NixlComm
+
+    with open(path, "rb") as f:
+        job = pickle.load(f)
+    sched, rank, sizes, repeat, row_bytes = job["schedule"], job["rank"], job["sizes"], job["repeat"], job["row_bytes"]
+    key = b"engine-bench-nixl-key-0123456789"
+    address = path + ".address"
+    if me == 0:
+        server = listen("127.0.0.1", 0)
+        with open(address + ".tmp", "w") as f:
+            f.write(format_address(*server.getsockname()[:2]))
+        os.replace(address + ".tmp", address)
+        server.setblocking(True)
+        server.settimeout(120)
+        sock, _ = server.accept()
+        ch = Channel.server(sock, "the peers' process", key=key)
+        deadline = time.monotonic() + 30
+        while not ch.authenticated and time.monotonic() < deadline:
+            ch.pump()
+            time.sleep(0.001)
+    else:
+        ch = connect(parse_address(address, timeout_s=120), "the rank's process", key=key, timeout_s=120)
+    opts = Options(timeout_s=300.0)
+    want = CpuBuffers().staging_buffers  # NixlComm does not post ahead
+    arenas = want if want * sched.staging.get(rank, 0) <= opts.staging_bytes else 1
+    prog = compile_rounds(sched, (rank,), (arenas,), opts.max_group_ops)
+    cache = rounds_module._compiled[sched]
+    (k,) = (k for k, v in cache.items() if v is prog)
+    cut = cache[k] = cut_program(prog, row_bytes)  # execute() finds it here
+    peers = sorted(
+        {row[1] for _, gs, _, _ in cut.rounds for s, _ in gs for row in s}
+        | {row[0] for _, gs, _, _ in cut.rounds for _, v in gs for row in v}
+    )
+    agent = NixlAgent.shared()
+    out: dict[str, Any] = {}
+    if me == 0:
+        total = sum(-(-n // 64) * 64 for n in sizes.values())
+        memory, at, dst = sparse(total), 0, {}
+        for t, n in sorted(sizes.items()):
+            dst[(t, rank)] = memory[at : at + n]
+            at += -(-n // 64) * 64
+        shards = Shards(src={}, dst=dst)
+    for name, prepares in NIXL_COLUMNS:
+        remote = dict.fromkeys(peers, ch) if me == 0 else {rank: ch}
+        comm = NixlComm(agent, [rank] if me == 0 else peers, remote, timeout_s=opts.timeout_s)
+        comm.prepares = prepares
+        ch.send_control({"op": "bench.ready"}, timeout_s=60)
+        ch.recv_control(timeout_s=120)
+        if me == 0:
+            times, cpu = [], []
+            for _ in range(repeat + 1):
+                c0, t0 = time.thread_time(), time.perf_counter()
+                execute(sched, comm, shards, options=opts, buffers=CpuBuffers(), report=ReportBuilder(Backend.MPI))
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.thread_time() - c0)
+            out[name] = {"times": times, "cpu": cpu, "rounds": len(cut.rounds), "row_bytes": row_bytes}
+            out[name]["ops"] = sum(len(s) + len(v) for _, gs, _, _ in cut.rounds for s, v in gs)
+            out[name]["peer_busy"] = ch.recv_control(timeout_s=600)["busy"]
+        else:
+            rounds, nbytes = mirror_rounds(cut, row_bytes)
+            peer = replay.Replay(rounds, replay.ops_of(rounds, (False,) * len(rounds), {}, 0), comm)
+            scratch = [np.zeros(nbytes, np.uint8)]
+            busy = []
+            for _ in range(repeat + 1):
+                c0 = time.thread_time()
+                peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
+                busy.append(time.thread_time() - c0)
+            peer.release()
+            ch.send_control({"op": "bench.busy", "busy": busy}, timeout_s=60)
+        comm.close()
+    if me == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    ch.close()
+
+
+def nixl_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, row_bytes: int = 64) -> dict:
+    """Run :func:`_nixl_worker` in two processes; the rank's measurements."""
+    sizes = {
+        t: spec.dst.box_of(rank).volume * spec.dst.itemsize for t, spec in enumerate(tensors) if rank in spec.dst.ranks
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "job.pkl")
+        with open(path, "wb") as f:
+            job = {"schedule": sched, "rank": rank, "sizes": sizes, "repeat": repeat, "row_bytes": row_bytes}
+            pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
+        env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--nixl-worker", path, "--nixl-process", str(p)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for p in (0, 1)
+        ]
+        try:
+            done = [p.communicate(timeout=1800) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    line = next((ln for ln in done[0][0].splitlines() if ln.startswith("RESULT ")), None)
+    if any(p.returncode for p in procs) or line is None:
+        raise SystemExit(f"engine_bench: the NIXL run failed:\n{done[0][1][-3000:]}\n{done[1][1][-3000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
+def nixl_section(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, label: str) -> None:
+    """Print the NIXL columns: host time per round with prepared groups beside the per-operation way."""
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError:
+        print("   NIXL: not run (nixl-cu12 is not installed)")
+        return
+    got = nixl_path(sched, tensors, rank, repeat)
+    print(f"   NIXL ({label}): execute() over CpuBuffers and NixlComm (UCX, loopback), 2 processes (the rank; one")
+    print("   playing all its peers), wall and CPU time of the engine's thread per round (no idle time is reported")
+    print("   over NIXL: wall is host time plus the waits); the peer's CPU time per round")
+    cpu: dict[str, float] = {}
+    for name, col in got.items():
+        r = max(col["rounds"], 1)
+        wall = [t / r * 1e6 for t in col["times"][1:]]
+        cpus = [c / r * 1e6 for c in col["cpu"][1:]]
+        cpu[name] = statistics.median(cpus)
+        print(
+            f"   {name:>19}: rows of {col['row_bytes']} B, {col['ops']} messages; first step "
+            f"{col['times'][0] * 1e3:.1f} ms; wall {_spread(wall)}, CPU {_spread(cpus)} us per round; the peer's "
+            f"CPU {_spread([b / r * 1e6 for b in col['peer_busy'][1:]])} us"
+        )
+    names = [n for n, _ in NIXL_COLUMNS]
+    print(f"   NIXL per-op / prepared CPU time per round: {cpu[names[1]] / cpu[names[0]]:.1f}x (same run)")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="deepseek-v3")
@@ -337,9 +481,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=7, help="replayed steps per column (after the one that prepares)")
     ap.add_argument("--profile", action="store_true", help="print where the null round loop's time goes")
     ap.add_argument("--worker", help=argparse.SUPPRESS)  # a pickled job: run as one of the two MPI processes
+    ap.add_argument("--nixl", choices=("same", "off"), default="same", help="the NIXL columns: this rank, or none")
+    ap.add_argument("--nixl-worker", help=argparse.SUPPRESS)  # a pickled job: run as one of the two NIXL processes
+    ap.add_argument("--nixl-process", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args.worker)
+        return
+    if args.nixl_worker:
+        _nixl_worker(args.nixl_worker, args.nixl_process)
         return
     n = args.ranks
     rank = n + n // 2 + 3  # plan_bench.py's destination rank
@@ -405,6 +555,8 @@ def main(argv: list[str] | None = None) -> None:
         f"rounds (once per schedule, cached): {compile_s * 1e3:.1f} ms"
     )
     print(f"   predicted refit (cost model, not measured): {predicted * 1e3:.1f} ms")
+    if args.nixl != "off":
+        nixl_section(sched, tensors, rank, args.repeat, f"{args.model} {n} + {n}, rank {rank}")
     us = host["prepared"]
     pct = statistics.median(us) * rounds / 1e6 / predicted * 100
     spread = f"{statistics.median(us):.2f} us/round ({min(us):.2f}-{max(us):.2f})"

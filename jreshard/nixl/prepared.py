@@ -30,7 +30,8 @@ closes with work outstanding is :class:`PeerError` within a second, a ``nixl.fai
 Not covered here, so :meth:`NixlComm.prepare` returns ``None`` and the step runs per operation:
 ``encrypt=True`` (each message sealed under its own sequence number into a fresh landing buffer). A peer
 that posts per operation while this side prepared its sends (it has ``encrypt=True``, this side not) is
-:class:`PeerError` at once, asking for ``encrypt`` on both sides. Host memory (``DRAM``) only: the replay
+:class:`TransferTimeoutError` saying so, asking for ``encrypt`` on both sides (the other way round,
+:class:`PeerError` at once). Host memory (``DRAM``) only: the replay
 hands a prepared group addresses, not buffers, so it cannot tell GPU memory.
 """
 
@@ -62,7 +63,7 @@ __all__ = ["NixlPrepared"]
 
 _MAX_SLEEP_S = 2.5e-4  # as NixlComm's waits
 _NOTICE_GRACE_S = 1.0
-_OPS = {"nixl.pdesc", "nixl.go", "nixl.pmac", "nixl.fail", "nixl.post"}
+_OPS = {"nixl.pdesc", "nixl.go", "nixl.pmac", "nixl.fail"}
 # columns of a program's rows: its group, then the Communicator's row
 _G, _SRC, _DST, _TAG, _BUF, _OFF, _N = range(7)
 
@@ -96,11 +97,6 @@ class _Hub:
                 op = msg["op"]
                 if op == "nixl.fail":
                     raise PeerError(f"NixlComm: {ch.peer} failed the exchange: {msg.get('error', '?')}")
-                if op == "nixl.post":
-                    raise PeerError(
-                        f"NixlComm: {ch.peer} posts its receives one exchange at a time (it has Options(encrypt=True)) "
-                        "while this side sends from prepared groups (encrypt=False): set encrypt=True on both sides"
-                    )
                 try:
                     if op == "nixl.go":
                         self.gos.setdefault((ch, int(msg["p"])), collections.deque()).append(
@@ -501,7 +497,10 @@ class NixlPrepared(PreparedGroups):
                     if piece.posted < self._step:
                         unsent.append(ch)
                     elif piece.flying:
-                        state = agent.check_xfer_state(piece.handle)
+                        try:
+                            state = agent.check_xfer_state(piece.handle)
+                        except Exception as err:  # nixl raises its own types (a peer that disconnected)
+                            raise PeerError(f"NixlComm: the WRITEs of a group to {ch.peer} failed: {err!r}") from err
                         if state == "PROC":
                             flying.append(ch)
                             continue
@@ -573,6 +572,11 @@ class NixlPrepared(PreparedGroups):
             ranks = sorted({int(r) for ch in set(unsent) for r in self._out[ch].rows[:, _DST]})
             peers = ", ".join(sorted({ch.peer for ch in unsent}))
             parts.append(f"ranks {ranks} did not post their receives ({peers})")
+            if any(m.get("op") == "nixl.post" for ch in set(unsent) for m in ch.inbox):
+                parts.append(
+                    "they post one exchange at a time, as a receiver with Options(encrypt=True) does, while this "
+                    "side sends from prepared groups (encrypt=False): set encrypt=True on both sides"
+                )
         if flying:
             parts.append(f"the WRITEs to {', '.join(sorted({ch.peer for ch in flying}))} did not complete")
         return TransferTimeoutError(

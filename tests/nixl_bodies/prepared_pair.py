@@ -92,6 +92,8 @@ def main() -> None:
                 rows.append({"digest": digest, "checked": checked, "counters": counters})
             out[name] = rows
             comm.close()
+            ch.send_control({"op": "phase"}, timeout_s=20.0)  # both done before the next communicator posts
+            ch.recv_control(timeout_s=60.0)
     else:  # kill
         comm = NixlComm(agent, ranks, {r: ch for r in range(8) if r % 2 != me}, timeout_s=20.0)
         shards, _, checked = step(comm, 1, None)
