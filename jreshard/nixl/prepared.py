@@ -302,12 +302,22 @@ class NixlPrepared(PreparedGroups):
 
     # ---- the sending side -------------------------------------------------------------------------
     def _claim(self, ch: Channel, out: _Out) -> None:
-        """Match ``out``'s sends to the receiving program's descriptors (the latest ``ch`` posted)."""
+        """Match ``out``'s sends to a receiving program's descriptors (the latest ``ch`` posted for it).
+
+        The receiving program is the one ``ch``'s peer prepared for these messages; where it prepared another
+        since (a new program on its side only) and started groups under it, ``out`` follows it.
+        """
         hub = self._hub
-        if out.token is None:
+        if out.token is None or not hub.gos.get((ch, out.token)):
             for (c, token), (_, entries) in list(hub.descs.items()):
-                if c is ch and (c, token) not in hub.claimed and self._pieces(ch, out, entries, check=False):
-                    out.token = token
+                if c is not ch or token == out.token or hub.claimed.get((c, token), self) is not self:
+                    continue
+                if out.token is not None and not hub.gos.get((c, token)):
+                    continue  # another program of the peer's, not running now
+                if self._pieces(ch, out, entries, check=False):
+                    if out.token is not None:
+                        hub.claimed.pop((ch, out.token), None)
+                    out.token, out.version, out.shape = token, -1, None
                     hub.claimed[(ch, token)] = self
                     break
             if out.token is None:
