@@ -75,3 +75,78 @@ def test_a_peer_sigkilled_mid_replay_is_reported_within_the_timeout(tmp_path):
     assert "process 1" in survivor["error"], survivor
     assert survivor["seconds"] < 10.0  # the 20 s timeout: seen from the closed connection (1 s grace), with slack
     assert survivor["broken"] and "broken since an earlier failure" in survivor["after"]
+
+
+@pytest.mark.parametrize("prepared", ["1", "0"])
+def test_refit_group_over_nixl_is_bit_exact_prepared_and_per_op(tmp_path, prepared):
+    """Five versioned refits between two launches (tests/nixl_bodies/refit_pair.py), each checked bit for bit:
+    with prepared groups and per operation (``JRESHARD_NIXL_PREPARED=0``) alike."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
+    env |= {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1"}
+    env |= {"JRESHARD_SECRET": KEY, "JRESHARD_NIXL_PREPARED": prepared}
+    body, address = ROOT / "tests" / "nixl_bodies" / "refit_pair.py", str(tmp_path / "address")
+    procs = [
+        subprocess.Popen([sys.executable, str(body), role, address, mode], env=env, stdout=subprocess.PIPE, text=True)
+        for role, mode in (("source", "five"), ("destination", "ok"))
+    ]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    got = [json.loads(ln) for ln in outs[1].splitlines() if ln.startswith("{")]
+    assert got[-1]["checked"] == [1, 2, 3, 4, 5] and got[-1]["bad"] == [], got
+
+
+def test_elastic_refits_are_bit_identical_prepared_and_per_op(monkeypatch):
+    """An elastic trainer and replica in one process (each refit a new NixlComm, so each step prepares): the
+    versions pulled with prepared groups and per operation are the same bytes."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard import Options
+    from jreshard.elastic import ElasticReplica, ElasticTrainer
+    from jreshard.nixl import NixlComm
+
+    devices = jax.devices()
+    if len(devices) < 4:
+        pytest.skip("needs 4 CPU devices (conftest sets them)")
+    opts = Options(timeout_s=10.0, chunk_bytes=64, staging_bytes=1024, secret=KEY.encode())
+    shapes = {"a": (16, 8), "b": (8,)}
+    src_mesh = Mesh(np.array(devices[:2]), ("fsdp",))
+    dst_mesh = Mesh(np.array(devices[2:4]).reshape(1, 2), ("dp", "tp"))
+
+    def params(v: int) -> dict:
+        return {
+            k: jax.device_put(
+                (np.arange(np.prod(s), dtype=np.float32).reshape(s) * 7.5 + v) % 97, NamedSharding(src_mesh, P("fsdp"))
+            )
+            for k, s in shapes.items()
+        }
+
+    like = {
+        k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(dst_mesh, P(None, "tp") if len(s) == 2 else P()))
+        for k, s in shapes.items()
+    }
+    pulled, made = {}, []
+    real_prepare = NixlComm.prepare
+    monkeypatch.setattr(NixlComm, "prepare", lambda self, groups: made.append(real_prepare(self, groups)) or made[-1])
+    for prepares in (True, False):
+        monkeypatch.setattr(NixlComm, "prepares", prepares)
+        made.clear()
+        trainer = ElasticTrainer(params(0), devices=list(devices[:2]), options=opts)
+        r = ElasticReplica(like, trainer.address, name="r1", devices=list(devices[2:4]), options=opts)
+        try:
+            got = []
+            for v in (1, 2, 3):
+                assert trainer.push(params(v), version=v).committed == ("r1",)
+                tree, version = r.pull(newer_than=v - 1, timeout_s=10.0)
+                assert version == v
+                got.append({k: np.asarray(tree[k]).tobytes() for k in shapes})
+                want = params(v)
+                assert all(np.array_equal(np.asarray(tree[k]), np.asarray(want[k])) for k in shapes)
+            pulled[prepares] = got
+            assert made and all((p is not None) == prepares for p in made)  # each refit prepared, or none did
+        finally:
+            r.leave()
+            trainer.close()
+    assert pulled[True] == pulled[False]
