@@ -4,11 +4,14 @@ the timeout."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,9 +130,16 @@ def test_elastic_refits_are_bit_identical_prepared_and_per_op(monkeypatch):
         k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(dst_mesh, P(None, "tp") if len(s) == 2 else P()))
         for k, s in shapes.items()
     }
-    pulled, made = {}, []
+    pulled: dict[bool, list] = {}
+    made: list[Any] = []  # a weak reference to each prepared groups made, or None where prepare made none
     real_prepare = NixlComm.prepare
-    monkeypatch.setattr(NixlComm, "prepare", lambda self, groups: made.append(real_prepare(self, groups)) or made[-1])
+
+    def prepare(self, groups):
+        p = real_prepare(self, groups)
+        made.append(None if p is None else weakref.ref(p))
+        return p
+
+    monkeypatch.setattr(NixlComm, "prepare", prepare)
     for prepares in (True, False):
         monkeypatch.setattr(NixlComm, "prepares", prepares)
         made.clear()
@@ -146,6 +156,8 @@ def test_elastic_refits_are_bit_identical_prepared_and_per_op(monkeypatch):
                 assert all(np.array_equal(np.asarray(tree[k]), np.asarray(want[k])) for k in shapes)
             pulled[prepares] = got
             assert made and all((p is not None) == prepares for p in made)  # each refit prepared, or none did
+            gc.collect()
+            assert all(p is None or p() is None for p in made)  # a refit's communicator and what it prepared go
         finally:
             r.leave()
             trainer.close()

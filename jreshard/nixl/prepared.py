@@ -84,7 +84,7 @@ class _Hub:
     take them (a communicator may hold several prepared programs)."""
 
     def __init__(self, comm: NixlComm):
-        self.comm = comm
+        self.comm = weakref.proxy(comm)  # the communicator holds the hub
         self.descs: dict[tuple[Channel, int], tuple[int, np.ndarray]] = {}  # (ch, token) -> (version, entries)
         self.gos: dict[tuple[Channel, int], collections.deque[tuple[int, int]]] = {}  # (ch, token) -> (group, id)
         self.tags: dict[int, list[bytes | None]] = {}  # receive id -> its piece's tags
@@ -170,7 +170,9 @@ class NixlPrepared(PreparedGroups):
     """The prepared WRITEs and receives of every group of one program on a :class:`NixlComm` (final)."""
 
     def __init__(self, comm: NixlComm, groups: Sequence[Group]):
-        self._comm, self._agent, self._hub = comm, comm._agent, hub_of(comm)
+        # not the communicator itself: the engine's replays are cached per communicator (weakly) and hold this
+        self._comm: NixlComm = weakref.proxy(comm)  # type: ignore[assignment]
+        self._agent, self._hub = comm._agent, hub_of(comm)
         self._token = secrets.randbits(63) | 1  # names this program's receives to their senders
         mine = set(comm.local_ranks)
         recv: dict[Channel, list[tuple[int, ...]]] = {}
