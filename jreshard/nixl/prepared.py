@@ -76,7 +76,9 @@ def mac_id(i: int, k: int) -> int:
 
 def _memory(address: int, nbytes: int) -> Any:
     """``nbytes`` of host memory at ``address``, readable as a buffer (for a MAC)."""
-    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), np.uint8) if nbytes else b""
+    if not nbytes:
+        return b""
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(address), np.uint8)  # type: ignore[call-overload]
 
 
 class _Hub:
@@ -119,9 +121,11 @@ class _Hub:
 
 
 def hub_of(comm: NixlComm) -> _Hub:
+    """The prepared protocol's messages of ``comm`` (made at its first prepare)."""
     hub = getattr(comm, "_prepared_hub", None)
     if hub is None:
-        hub = comm._prepared_hub = _Hub(comm)
+        hub = _Hub(comm)
+        setattr(comm, "_prepared_hub", hub)  # noqa: B010 - a communicator without prepared groups has none
     return hub
 
 
@@ -250,10 +254,10 @@ class NixlPrepared(PreparedGroups):
                     destination_intact=True,
                 )
         for copies in self._copies:
-            for sb, so, db, do, n in copies:
-                if so + n > sizes[sb] or do + n > sizes[db] or min(so, do) < 0:
+            for sb, so, db, do, nb in copies:
+                if so + nb > sizes[sb] or do + nb > sizes[db] or min(so, do) < 0:
                     raise TransferError(
-                        f"NixlComm: a local message of {n} bytes would leave buffer {sb} or {db}; nothing was posted",
+                        f"NixlComm: a local message of {nb} bytes would leave buffer {sb} or {db}; nothing was posted",
                         destination_intact=True,
                     )
         self._addr = addresses.copy()
