@@ -40,6 +40,7 @@ from __future__ import annotations
 import base64
 import collections
 import ctypes
+import os
 import secrets
 import select
 import time
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["NixlPrepared"]
 
 _MAX_SLEEP_S = 2.5e-4  # as NixlComm's waits
+_YIELD_S = 2e-4  # a wait first polls yielding the core this long (as MpiComm's prepared groups)
 _NOTICE_GRACE_S = 1.0
 _OPS = {"nixl.pdesc", "nixl.go", "nixl.pmac", "nixl.fail"}
 # columns of a program's rows: its group, then the Communicator's row
@@ -497,7 +499,7 @@ class NixlPrepared(PreparedGroups):
         senders = self._sgroups[g]
         channels = list(dict.fromkeys([*senders, *self._rgroups[g]]))
         closed: dict[Channel, float] = {}
-        sleep = 0.0
+        sleep, idle_from = 0.0, 0.0
         while True:
             progress = False
             self._hub.pump(channels)
@@ -548,10 +550,14 @@ class NixlPrepared(PreparedGroups):
                     if now - closed[ch] > min(_NOTICE_GRACE_S, self._timeout[g]):
                         raise ch.closed_error()
             if progress:
-                sleep = 0.0
+                sleep, idle_from = 0.0, 0.0
                 continue
             if now > self._deadline[g]:
                 raise self._timeout_error(g, unsent, flying, left)
+            idle_from = idle_from or now
+            if now - idle_from < _YIELD_S:  # the peer is a round trip away: give the core to whoever needs it
+                os.sched_yield()
+                continue
             if sleep:
                 live = [ch for ch in channels if not ch.eof]
                 if live:
