@@ -221,11 +221,14 @@ class NixlComm(Communicator):
         is judged by the caller: a peer may close once it has written everything)."""
         ch.pump()
         for msg in ch.take({"nixl.post", "nixl.fail", "nixl.mac", "nixl.pdesc"}):
-            if msg["op"] == "nixl.pdesc":  # a receiver that prepared its groups posts in the clear
+            if msg["op"] == "nixl.pdesc":  # a receiver that prepared its groups (in the clear)
                 raise self._fail(
                     ch,
-                    f"{ch.peer} posted its receives in the clear, but this side has "
-                    "Options(encrypt=True): set encrypt=True on both sides",
+                    f"{ch.peer} posted its receives in the clear, but this side has Options(encrypt=True): set "
+                    "encrypt=True on both sides"
+                    if self.encrypt
+                    else f"{ch.peer} prepared its groups and this side did not (JRESHARD_NIXL_PREPARED=0 on one side "
+                    "only): set it the same on both sides",
                 )
             if msg["op"] == "nixl.fail":
                 raise PeerError(f"NixlComm: {ch.peer} failed the exchange: {msg.get('error', '?')}")
