@@ -367,3 +367,21 @@ def test_a_signal_while_the_compiled_loop_waits_gives_the_group_up_and_raises():
         signal.signal(signal.SIGALRM, old)
     assert time.monotonic() - t0 < 5.0  # seen within the loop's 50 ms signal checks, not at the 60 s deadline
     assert [c[:2] for c in comm.prepared.calls if c[0] == "abort"] == [("abort", 0)]
+
+
+def test_a_communicator_with_prepared_refits_is_freed_when_its_last_reference_goes():
+    # The replays are cached in a weak mapping keyed by the communicator: nothing they hold may keep it alive.
+    import gc
+    import weakref
+
+    pairs, topo = _pairs()
+    opts = Options(chunk_bytes=1024, staging_bytes=16384)
+    sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
+    comm = _self_comm(topo)
+    g = [_global(s, t) for t, (s, _) in enumerate(pairs)]
+    _step(sched, comm, _src(pairs, g), _dst(pairs), opts)
+    assert len(replay._by_comm[comm]) == 1
+    gone = weakref.ref(comm)
+    del comm
+    gc.collect()
+    assert gone() is None

@@ -39,6 +39,7 @@ import ctypes
 import functools
 import os
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, cast
 
@@ -384,7 +385,9 @@ class _MpiPrepared(PreparedGroups):
 
     def __init__(self, comm: MpiComm, groups: Sequence[Group]):
         MPI = comm._MPI
-        self._comm, self._MPI = comm, MPI
+        # The communicator weakly: the engine caches this object in a weak mapping keyed by the communicator.
+        self._comm: MpiComm = weakref.proxy(comm)
+        self._MPI = MPI
         meta: list[tuple[int, ...]] = []
         copies: list[tuple[int, int, int, int, int]] = []
         spans: list[tuple[int, int, int, int]] = []
