@@ -256,7 +256,7 @@ class _StandInGroups(PreparedGroups):
         )
         self.calls: list[tuple] = []
 
-    def bind(self, addresses, sizes):
+    def bind(self, addresses, sizes, buffers):
         self.calls.append(("bind",))
 
     def start(self, group, timeout_s):  # pragma: no cover - the compiled loop starts the groups

@@ -141,13 +141,18 @@ class PreparedGroups(abc.ABC):
     """The groups as the compiled replay drives them (``None``: started and polled from Python only)."""
 
     @abc.abstractmethod
-    def bind(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
         """Point the requests at this step's buffers: ``addresses`` and byte ``sizes`` (``-1``: no buffer) per
-        index of the step's buffer list. Only requests whose buffer moved are re-made.
+        index of the step's buffer list ``buffers``. Only requests whose buffer moved are re-made. The buffers
+        themselves are held until :meth:`finish`, and past it only by a group given up on a failure, until its
+        transport can no longer write into them (so a late write never lands in memory given to someone else).
 
         Raises:
           TransferError: a message would leave its buffer (nothing was posted).
         """
+
+    def finish(self) -> None:  # noqa: B027 - optional hook, not abstract
+        """The step ended (completed or failed): let go of its buffers (default: none held)."""
 
     @abc.abstractmethod
     def start(self, group: int, timeout_s: float) -> None:

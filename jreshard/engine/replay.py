@@ -280,10 +280,14 @@ class Replay:
                 self._checked, self._args = None, None
             assert arrays is not None
             addr, size, ro = addresses(bases, arrays)
-            prepared.bind(addr, size)
-            if native and self._native_checked(addr, size, ro):
-                self.native_steps += 1
-                return self._run_native(timeout_s)
+            try:
+                prepared.bind(addr, size, bases)
+                if native and self._native_checked(addr, size, ro):
+                    self.native_steps += 1
+                    return self._run_native(timeout_s)
+                return self._run_python(comm, buffers, bufs, bases, timeout_s, clock)
+            finally:
+                prepared.finish()
         return self._run_python(comm, buffers, bufs, bases, timeout_s, clock)
 
     def _native_checked(self, addr: np.ndarray, size: np.ndarray, ro: np.ndarray) -> bool:

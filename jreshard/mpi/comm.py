@@ -416,6 +416,7 @@ class _MpiPrepared(PreparedGroups):
         self._reqs: list[Any] = [None] * len(meta)
         self._bound = np.full(len(meta), -1, np.int64)  # the address each request was made with
         self._addr: np.ndarray | None = None
+        self._buffers: Sequence[Any] | None = None  # the step's buffers, while it runs
         self._last: tuple[np.ndarray, np.ndarray] | None = None  # the addresses and sizes last bound
         self._deadline = [0.0] * len(spans)
         self._timeout = [0.0] * len(spans)
@@ -444,8 +445,9 @@ class _MpiPrepared(PreparedGroups):
                 count=fns[2],
             )
 
-    def bind(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
         self._comm._check_open()
+        self._buffers = buffers  # a group given up keeps the regions of its requests (MpiComm._abort)
         last = self._last
         if last is not None and np.array_equal(addresses, last[0]) and np.array_equal(sizes, last[1]):
             self._addr = addresses
@@ -481,13 +483,17 @@ class _MpiPrepared(PreparedGroups):
             self._bound[i] = where[i]
         self._last = (addresses.copy(), sizes.copy())
 
+    def finish(self) -> None:
+        self._buffers = None
+
     def _ops(self, lo: int, hi: int) -> list[tuple[Any, SendOp | RecvOp]]:
-        """Requests ``lo:hi`` with the operations they carry (for the messages and clean-up of a failure)."""
+        """Requests ``lo:hi`` with the operations they carry, each over its region of the step's buffer (for the
+        messages of a failure, and for MpiComm._abort, which keeps the regions of the requests it gives up)."""
         out: list[tuple[Any, SendOp | RecvOp]] = []
         for i in range(lo, hi):
             m = self._meta[i]
             row = (int(m[_SRC]), int(m[_DST]), int(m[_JTAG]), int(m[_BUF]), int(m[_OFF]), int(m[_NBYTES]))
-            sends, recvs = ops_of_rows([row] if m[_SEND] else [], [] if m[_SEND] else [row], _WHERE)
+            sends, recvs = ops_of_rows([row] if m[_SEND] else [], [] if m[_SEND] else [row], self._buffers or _WHERE)
             out.append((self._reqs[i], (sends or recvs)[0]))
         return out
 

@@ -234,12 +234,14 @@ class NixlPrepared(PreparedGroups):
         self._landed: dict[int, tuple[Channel, np.ndarray]] = {}  # notified, tags not yet come
         self._rids: list[list[int]] = [[] for _ in groups]  # per group: its receive ids this step
         self._started = np.full(len(groups), -1, np.int64)  # the step each group was last started in
+        self._buffers: Sequence[Any] | None = None  # the step's buffers, while it runs
         self.posts = self.prepped = 0  # descriptor lists posted to senders; WRITE handles made
         self._finalizer = weakref.finalize(self, _deregister, self._agent.nixl, self._regs)
 
     # ---- binding --------------------------------------------------------------------------------
-    def bind(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
         self._comm._check_open()
+        self._buffers = buffers  # receives given up keep their buffers until their late WRITEs are told (_break)
         self._step += 1
         last = self._last
         if last is not None and np.array_equal(addresses, last[0]) and np.array_equal(sizes, last[1]):
@@ -610,13 +612,23 @@ class NixlPrepared(PreparedGroups):
         """Fail-stop: the communicator is broken, receives given up, WRITEs in flight cancelled."""
         if self._comm.broken is None:
             self._comm.broken = str(err)
-        self._agent.abandon({i: None for i in [*self._waiting, *self._landed]})
+        held = self._buffers or ()
+        gone = {**self._waiting, **self._landed}
+        self._agent.abandon(
+            {
+                i: [held[b] for b in np.unique(self._recv[ch][ix, _BUF]).tolist() if b < len(held)]
+                for i, (ch, ix) in gone.items()
+            }
+        )
         self._waiting.clear()
         self._landed.clear()
         for out in self._out.values():
             for piece in out.by_group.values():
                 if piece.flying:
                     piece.drop()
+
+    def finish(self) -> None:
+        self._buffers = None
 
     def abort(self, group: int, why: str) -> None:
         self._break(PeerError(f"NixlComm: gave up a posted group: {why}"))
