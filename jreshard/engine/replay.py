@@ -93,9 +93,10 @@ class Ops:
         ``(START | WAIT | EXCHANGE, group, phase)``; ``arena`` indexes the step's buffer list, ``rank`` the
         process's ranks, ``phase`` the report phase its time counts to.
       groups: the exchange groups, ``(sends, recvs)`` rows, in the order they run.
-      native: the operations as ``_replay.c`` reads them (``(n, 6)`` int64: exchanges split, fences dropped),
-        or ``None`` where a table holds rows it cannot run (cast rows, strided innermost runs).
-      tables: the C-ordered tables the native operations point into (kept alive here).
+      native: the operations as ``_replay.c`` reads them (``(n, 8)`` int64: exchanges split, fences dropped),
+        or ``None`` where a table holds rows it cannot run (cast rows).
+      tables: the C-ordered tables, and their compacted rows, that the native operations point into (kept alive
+        here).
       written: the indices of the step's buffer list that receives and unpacks write.
       rounds: the rounds the program runs.
     """
@@ -149,7 +150,7 @@ def ops_of(
                 ops.append((EXCHANGE, g, phase))
         for table, r, arena in unpacks:
             ops.append((UNPACK, table, r, arena, PHASE_UNPACK))
-            written.update(segments[r] + b for b in np.unique(table[:, 0]).tolist())
+            written.update(segments[r] + b for b in np.unique(table[:, kernels.BUF]).tolist())
     native, tables = _native_ops(ops, segments, nbuf)
     return Ops(
         ops=tuple(ops),
