@@ -5,28 +5,41 @@ from __future__ import annotations
 from jreshard import PeerError
 from jreshard.elastic import membership as membership_module
 from jreshard.nixl import NixlComm
+from jreshard.nixl.prepared import NixlPrepared
 
 
 def break_the_trainers_send(monkeypatch, after: int) -> None:
-    """From now on, each version the trainer sends stops at its ``after``-th NIXL exchange: the replica's
-    channel is closed and the exchange raises, as a trainer that dies mid-version."""
+    """From now on, each version the trainer sends stops at its ``after``-th NIXL exchange (a group posted
+    afresh, or a prepared group started): the replica's channel is closed and the exchange raises, as a trainer
+    that dies mid-version."""
     real = membership_module.Membership._send
 
     def half(self, m, leaves):
         calls = {"n": 0}
-        exchange = NixlComm.exchange
+        exchange, start = NixlComm.exchange, NixlPrepared.start
+
+        def stop() -> None:
+            m.channels[0].close()
+            raise PeerError("stopped on purpose")
 
         def some(comm, sends, recvs, *, timeout_s):
             calls["n"] += 1
             if calls["n"] == after:
-                m.channels[0].close()
-                raise PeerError("stopped on purpose")
+                stop()
             return exchange(comm, sends, recvs, timeout_s=timeout_s)
 
+        def some_started(prepared, group, timeout_s):
+            calls["n"] += 1
+            if calls["n"] == after:
+                stop()
+            return start(prepared, group, timeout_s)
+
         monkeypatch.setattr(NixlComm, "exchange", some)
+        monkeypatch.setattr(NixlPrepared, "start", some_started)
         try:
             real(self, m, leaves)
         finally:
             monkeypatch.setattr(NixlComm, "exchange", exchange)
+            monkeypatch.setattr(NixlPrepared, "start", start)
 
     monkeypatch.setattr(membership_module.Membership, "_send", half)

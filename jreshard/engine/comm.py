@@ -28,11 +28,21 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
-__all__ = ["Communicator", "NativeGroups", "Posted", "PreparedGroups", "RecvOp", "Row", "SendOp", "ops_of_rows"]
+__all__ = [
+    "REGIONS",
+    "Communicator",
+    "NativeGroups",
+    "Posted",
+    "PreparedGroups",
+    "RecvOp",
+    "Row",
+    "SendOp",
+    "ops_of_rows",
+]
 
 Row = tuple[int, int, int, int, int, int]
 """One operation of :meth:`Communicator.exchange_rows`: ``(src, dst, tag, buffer, offset, nbytes)``."""
@@ -90,6 +100,28 @@ def ops_of_rows(
         [SendOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in sends],
         [RecvOp(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in recvs],
     )
+
+
+class _Region:
+    """Buffer ``index`` of a program, sliced to ``(index, offset, nbytes)``: no memory, a place."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __getitem__(self, part: slice) -> tuple[int, int, int]:
+        return (self.index, part.start, part.stop - part.start)
+
+
+class _Regions:
+    def __getitem__(self, index: int) -> _Region:
+        return _Region(index)
+
+
+REGIONS: Sequence[Any] = cast(Sequence[Any], _Regions())
+"""A buffer list for :func:`ops_of_rows` whose slices are places, ``(buffer, offset, nbytes)``: the operations of
+rows before any buffer is given (a transport that prepares its groups matches them so)."""
 
 
 Group = tuple[Sequence[Row], Sequence[Row]]

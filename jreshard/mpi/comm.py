@@ -41,12 +41,13 @@ import os
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import numpy as np
 
 from jreshard.engine import replay
 from jreshard.engine.comm import (
+    REGIONS,
     Communicator,
     Group,
     NativeGroups,
@@ -356,27 +357,6 @@ def _mpi_functions(version: str) -> tuple[int, int, int] | None:
 _FUNCTIONS = ("MPI_Startall", "MPI_Testsome", "MPI_Get_count")
 
 
-class _Region:
-    """Buffer ``index`` of a prepared program, sliced to ``(index, offset, nbytes)`` (no memory: the requests are
-    made from addresses when they are bound)."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int):
-        self.index = index
-
-    def __getitem__(self, part: slice) -> tuple[int, int, int]:
-        return (self.index, part.start, part.stop - part.start)
-
-
-class _Where:
-    """The buffer list of a prepared program, as :func:`ops_of_rows` slices it."""
-
-    def __getitem__(self, index: int) -> _Region:
-        return _Region(index)
-
-
-_WHERE = cast(Sequence[Any], _Where())
 _SEND, _PROC, _TAG, _BUF, _OFF, _NBYTES, _SRC, _DST, _JTAG = range(9)  # columns of _MpiPrepared's requests
 
 
@@ -393,7 +373,7 @@ class _MpiPrepared(PreparedGroups):
         spans: list[tuple[int, int, int, int]] = []
         me, proc = comm._me, comm._proc
         for sends, recvs in groups:
-            send_ops, recv_ops = ops_of_rows(sends, recvs, _WHERE)  # each op's buffer: (buffer, offset, nbytes)
+            send_ops, recv_ops = ops_of_rows(sends, recvs, REGIONS)  # each op's buffer: (buffer, offset, nbytes)
             comm._check_ends(send_ops, recv_ops)
             key = lambda op: (op.src, op.dst, op.tag)  # noqa: E731
             send_ops.sort(key=key)
@@ -493,7 +473,7 @@ class _MpiPrepared(PreparedGroups):
         for i in range(lo, hi):
             m = self._meta[i]
             row = (int(m[_SRC]), int(m[_DST]), int(m[_JTAG]), int(m[_BUF]), int(m[_OFF]), int(m[_NBYTES]))
-            sends, recvs = ops_of_rows([row] if m[_SEND] else [], [] if m[_SEND] else [row], self._buffers or _WHERE)
+            sends, recvs = ops_of_rows([row] if m[_SEND] else [], [] if m[_SEND] else [row], self._buffers or REGIONS)
             out.append((self._reqs[i], (sends or recvs)[0]))
         return out
 

@@ -52,9 +52,16 @@ import numpy as np
 from jreshard.channel import Channel
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 
-__all__ = ["NixlAgent", "Region", "import_nixl", "interface_of"]
+__all__ = ["NOTICE", "NixlAgent", "Region", "import_nixl", "interface_of", "label"]
 
 NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows
+
+
+def label(i: int, src: int, dst: int, tag: int) -> bytes:
+    """What a message's MAC is bound to: its receive id (random, used once), ranks and tag."""
+    return f"nixl {i} {src} {dst} {tag}".encode()
+
+
 log = logging.getLogger("jreshard.nixl")
 
 

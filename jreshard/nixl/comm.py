@@ -66,7 +66,7 @@ from jreshard.channel import Channel
 from jreshard.engine.comm import Communicator, Group, PreparedGroups, RecvOp, SendOp
 from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import PeerError, TransferTimeoutError
-from jreshard.nixl.agent import NOTICE, NixlAgent
+from jreshard.nixl.agent import NOTICE, NixlAgent, label
 
 __all__ = ["NixlComm"]
 
@@ -79,11 +79,6 @@ _NOTICE_GRACE_S = 1.0  # after a peer's connection closes, how long its last not
 
 # A posted receive as the sender holds it: (id, address, nbytes, memory type, device, sealed).
 _Posted = tuple[int, int, int, str, int, bool]
-
-
-def _label(i: int, src: int, dst: int, tag: int) -> bytes:
-    """What a message's MAC is bound to: its receive id (random, used once), ranks and tag."""
-    return f"nixl {i} {src} {dst} {tag}".encode()
 
 
 def _host(buffer: Any) -> bool:
@@ -137,8 +132,10 @@ class NixlComm(Communicator):
         self._outbound: list[np.ndarray] = []  # encrypted copies being written
         agent.introduce(list(dict.fromkeys(self._remote.values())), timeout_s=timeout_s)
 
-    prepares: bool = os.environ.get("JRESHARD_NIXL_PREPARED", "1") != "0"
-    """Whether :meth:`prepare` makes prepared groups (``JRESHARD_NIXL_PREPARED=0``: every group per operation)."""
+    prepares: bool = os.environ.get("JRESHARD_NIXL_PREPARED", "0") == "1"
+    """Whether :meth:`prepare` makes prepared groups: off unless ``JRESHARD_NIXL_PREPARED=1`` (or set on the class or a
+    communicator), until an elastic replica of two processes serving a joiner over prepared groups stops timing out
+    now and then (tests/test_elastic.py); every group runs per operation otherwise."""
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -227,7 +224,7 @@ class NixlComm(Communicator):
                     f"{ch.peer} posted its receives in the clear, but this side has Options(encrypt=True): set "
                     "encrypt=True on both sides"
                     if self.encrypt
-                    else f"{ch.peer} prepared its groups and this side did not (JRESHARD_NIXL_PREPARED=0 on one side "
+                    else f"{ch.peer} prepared its groups and this side did not (JRESHARD_NIXL_PREPARED=1 on one side "
                     "only): set it the same on both sides",
                 )
             if msg["op"] == "nixl.fail":
@@ -280,7 +277,7 @@ class NixlComm(Communicator):
             if not _host(s.buffer) or ch.session is None:
                 raise self._fail(ch, f"rank {s.src} cannot encrypt to rank {s.dst} (GPU memory, or no session)")
             buffer = np.empty(int(s.buffer.nbytes) + TAG_BYTES, np.uint8)
-            seq = ch.session.seal_into(_label(i, s.src, s.dst, s.tag), s.buffer, buffer)
+            seq = ch.session.seal_into(label(i, s.src, s.dst, s.tag), s.buffer, buffer)
             self._outbound.append(buffer)
             tags.setdefault(ch, []).append([i, None, seq])
         nbytes = int(buffer.nbytes)
@@ -321,7 +318,7 @@ class NixlComm(Communicator):
     def _tag(s: SendOp, i: int, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> None:
         """Add the tag of ``s``'s bytes, for receive ``i``, to what goes to ``ch`` (sealed connections only)."""
         if ch.session is not None:
-            tag = ch.session.mac(_label(i, s.src, s.dst, s.tag), s.buffer) if _host(s.buffer) else None
+            tag = ch.session.mac(label(i, s.src, s.dst, s.tag), s.buffer) if _host(s.buffer) else None
             tags.setdefault(ch, []).append([i, None if tag is None else tag.hex(), None])
 
     def _run(self, sends: Sequence[SendOp], waiting: dict[int, RecvOp], timeout_s: float) -> None:
@@ -415,7 +412,7 @@ class NixlComm(Communicator):
         landing = self._landing.pop(i, None)
         if landing is not None:
             assert ch.session is not None  # encrypt needs sessions (checked when made)
-            if seq is None or not ch.session.open_into(seq, _label(i, r.src, r.dst, r.tag), landing, r.buffer):
+            if seq is None or not ch.session.open_into(seq, label(i, r.src, r.dst, r.tag), landing, r.buffer):
                 raise self._fail(
                     ch,
                     f"the encrypted message rank {r.dst} received from rank {r.src} under tag {r.tag} does not open "
@@ -425,7 +422,7 @@ class NixlComm(Communicator):
             return
         if ch.session is None or want is None or not _host(r.buffer):
             return
-        if not hmac.compare_digest(ch.session.mac(_label(i, r.src, r.dst, r.tag), r.buffer), want):
+        if not hmac.compare_digest(ch.session.mac(label(i, r.src, r.dst, r.tag), r.buffer), want):
             raise self._fail(
                 ch,
                 f"the {int(r.buffer.nbytes)} bytes rank {r.dst} received from rank {r.src} under tag {r.tag} are not "

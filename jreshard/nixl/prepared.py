@@ -46,19 +46,19 @@ import select
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
 from jreshard.channel import Channel
-from jreshard.engine.comm import Group, PreparedGroups, RecvOp, SendOp
+from jreshard.engine.comm import REGIONS, Group, PreparedGroups, ops_of_rows
 from jreshard.engine.loopback import match
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
-from jreshard.nixl.agent import NOTICE
-from jreshard.nixl.comm import _label as label
+from jreshard.nixl.agent import NOTICE, label
 
-if TYPE_CHECKING:
-    from jreshard.nixl.comm import NixlComm
+NixlComm = Any
+"""The communicator that makes these, :class:`jreshard.nixl.comm.NixlComm` (which imports this module when it
+prepares, so it is not imported back here)."""
 
 __all__ = ["NixlPrepared"]
 
@@ -209,11 +209,8 @@ class NixlPrepared(PreparedGroups):
                 sg[ch] = None
                 send.setdefault(ch, []).append((g, *s))
             self._sgroups.append(list(sg))
-            pairs = match(
-                [SendOp(s[0], s[1], s[2], s[3:]) for s in sends if s[1] in mine],
-                [RecvOp(r[0], r[1], r[2], r[3:]) for r in recvs if r[0] in mine],
-                size=lambda b: b[2],
-            )
+            local = ops_of_rows([s for s in sends if s[1] in mine], [r for r in recvs if r[0] in mine], REGIONS)
+            pairs = match(*local, size=lambda b: b[2])
             self._copies.append([(s.buffer[0], s.buffer[1], r.buffer[0], r.buffer[1], s.buffer[2]) for s, r in pairs])
         self._recv = {ch: np.array(rows, np.int64).reshape(-1, 7) for ch, rows in recv.items()}
         self._out = {ch: _Out(np.array(rows, np.int64).reshape(-1, 7)) for ch, rows in send.items()}
@@ -584,7 +581,9 @@ class NixlPrepared(PreparedGroups):
             _, src, dst, tag, buf, off, n = r
             m = mac_id(i, k)
             comm._tags[m] = (want, None)
-            comm._check(m, RecvOp(src, dst, tag, _memory(int(addr[buf]) + off, n) if n else np.zeros(0, np.uint8)))
+            landed = _memory(int(addr[buf]) + off, n) if n else np.zeros(0, np.uint8)
+            (_, (op,)) = ops_of_rows([], [(src, dst, tag, 0, 0, n)], [landed])
+            comm._check(m, op)
 
     def _timeout_error(self, g: int, unsent: list, flying: list, left: list[int]) -> TransferTimeoutError:
         parts = []
