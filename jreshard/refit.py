@@ -61,7 +61,7 @@ from typing import Any
 
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
-from jreshard.errors import BackendUnavailableError, LayoutMismatchError, PeerError, TransferError
+from jreshard.errors import LayoutMismatchError, PeerError, TransferError
 from jreshard.mpi.comm import MpiComm, import_mpi
 from jreshard.mpi.control import Control
 from jreshard.options import Options
@@ -341,6 +341,7 @@ class RefitGroup:
 
     def _run(self, sources: dict, targets: dict) -> dict:
         err = ""
+        cause: BaseException | None = None
         shards: dict = {}
         try:
             if self._views is not None:
@@ -354,9 +355,12 @@ class RefitGroup:
                     self._tensors, self._schedule, self._comm, sources, targets, options=self.options
                 )
             self.sent_bytes = dict(stats.sent_bytes)
-        except (TransferError, ValueError, BackendUnavailableError) as e:  # ValueError: options that cannot schedule
+        except Exception as e:  # any failure: the group is broken, and the commit vote still runs
+            # (a transport's own exception type, a ValueError of options that cannot schedule, ...):
+            # every other process hears of it at once instead of waiting out its timeout
             err = f"{type(e).__name__}: {e}"
             self._broken = err
+            cause = e
         failed: list[str] = [f"{self._describe(self._control.rank)}: {err}"] if err else []
         try:
             votes = self._control.allgather(
@@ -377,7 +381,7 @@ class RefitGroup:
             raise PeerError(
                 "refit failed; the destination keeps its previous version:\n  " + "\n  ".join(failed),
                 destination_intact=True,
-            )
+            ) from cause
         return shards
 
     def _move_views(self, gv: GroupViews, sources: dict, targets: dict) -> tuple[dict, ExecStats]:
