@@ -218,3 +218,96 @@ def test_refit_group_push_with_a_failing_nixl_poll_breaks_the_group_and_votes():
         src.push(_params(3, devs["src"]), version=3)
     for g in (src, dst):
         g.close()
+
+
+# ---- elastic: a replica whose WRITE fails is dropped, every other one completes the version --------
+def test_elastic_the_middle_of_three_replicas_failing_mid_write_is_lost_and_the_others_commit(monkeypatch):
+    from jreshard.elastic import ElasticReplica, ElasticTrainer
+    from jreshard.elastic import membership as membership_module
+
+    opts = Options(timeout_s=10.0, chunk_bytes=64, staging_bytes=1024, secret=KEY)
+    tr = ElasticTrainer(_params(0, D[:2]), devices=list(D[:2]), options=opts)
+
+    def like(i: int) -> dict:
+        return {
+            "w": jax.ShapeDtypeStruct(
+                (16, 4), np.float32, sharding=NamedSharding(Mesh(np.array(D[i : i + 2]), ("x",)), P("x"))
+            )
+        }
+
+    reps = {
+        n: ElasticReplica(like(i), tr.address, name=n, devices=list(D[i : i + 2]), options=opts)
+        for n, i in (("r1", 2), ("r2", 4), ("r3", 6))
+    }
+    assert tr.wait(count=3) == ("r1", "r2", "r3")
+    assert tr.push(_params(1, D[:2]), version=1).committed == ("r1", "r2", "r3")
+    real = membership_module.Membership._send
+
+    def send(self, m, leaves):  # r2's node dies with its bytes in flight: NIXL's poll raises (what it raised)
+        if m.name != "r2":
+            return real(self, m, leaves)
+        with failing("check_xfer_state", thread=threading.get_ident()):
+            return real(self, m, leaves)
+
+    monkeypatch.setattr(membership_module.Membership, "_send", send)
+    t0 = time.monotonic()
+    report = tr.push(_params(2, D[:2]), version=2)
+    assert time.monotonic() - t0 < opts.timeout_s  # dropped at once, not after a timeout
+    assert report.committed == ("r1", "r3") and list(report.lost) == ["r2"], report
+    assert "during version 2" in report.lost["r2"] and "poll of the WRITE" in report.lost["r2"], report.lost
+    assert tr.version == 2 and tr.wait(version=2) == ("r1", "r3")
+    want = np.asarray(_params(2, D[:2])["w"])
+    for n in ("r1", "r3"):
+        tree, v = reps[n].pull()
+        assert v == 2 and np.array_equal(np.asarray(tree["w"]), want)
+    assert reps["r2"].pull()[1] == 1  # it keeps the version it held
+    monkeypatch.setattr(membership_module.Membership, "_send", real)
+    assert tr.push(_params(3, D[:2]), version=3).committed == ("r1", "r3")  # the trainer goes on
+    tr.close()
+    for r in reps.values():
+        r.leave()
+
+
+def test_elastic_a_replica_lost_between_pushes_is_in_the_next_report_and_its_history_survives_a_rejoin():
+    from jreshard.elastic import ElasticReplica, ElasticTrainer, ReplicaState
+
+    opts = Options(timeout_s=10.0, chunk_bytes=64, staging_bytes=1024, secret=KEY)
+    tr = ElasticTrainer(_params(0, D[:2]), devices=list(D[:2]), options=opts)
+
+    def like(i: int) -> dict:
+        return {
+            "w": jax.ShapeDtypeStruct(
+                (16, 4), np.float32, sharding=NamedSharding(Mesh(np.array(D[i : i + 2]), ("x",)), P("x"))
+            )
+        }
+
+    def join(name: str, i: int) -> ElasticReplica:
+        return ElasticReplica(like(i), tr.address, name=name, devices=list(D[i : i + 2]), options=opts)
+
+    r1, r2 = join("r1", 2), join("r2", 4)
+    tr.wait(count=2)
+    assert tr.push(_params(1, D[:2]), version=1).lost == {}
+    first = r2.id
+    r2._trainer.sock.shutdown(socket.SHUT_RDWR)  # r2's node dies between two pushes
+    deadline = time.monotonic() + 10
+    while "r2" in tr.replicas() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    again = join("r2", 6)  # a new r2 joins under the same name before the next push
+    tr.wait(version=1)
+    report = tr.push(_params(2, D[:2]), version=2)
+    assert report.committed == ("r1", "r2") and list(report.lost) == ["r2"], report
+    assert "closed the connection" in report.lost["r2"] or "connection broke" in report.lost["r2"], report.lost
+    assert tr.push(_params(3, D[:2]), version=3).lost == {}  # reported once
+    history = tr.history("r2")
+    assert [(i.id, i.state) for i in history] == [(first, ReplicaState.GONE), (again.id, ReplicaState.READY)]
+    assert history[0].error == report.lost["r2"] and history[0].version == 1 and history[1].version == 3
+    assert tr.replicas(include_gone=True)["r2"].id == again.id  # one entry per name: the live one
+    assert [i.name for i in tr.history()] == ["r1", "r2", "r2"]
+    r1.leave()
+    deadline = time.monotonic() + 10
+    while "r1" in tr.replicas() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tr.push(_params(4, D[:2]), version=4).lost == {"r1": "left"}  # a clean leave, with its reason
+    tr.close()
+    for r in (r2, again):
+        r.leave()
