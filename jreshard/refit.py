@@ -54,8 +54,6 @@ with two launches the other program survives and raises within the timeout.
 from __future__ import annotations
 
 import enum
-import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,7 +61,7 @@ from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
 from jreshard.mpi.comm import MpiComm, import_mpi
-from jreshard.mpi.control import Control
+from jreshard.mpi.control import Control, LiveComm
 from jreshard.options import Options
 from jreshard.refit_decl import (
     GroupViews,
@@ -178,6 +176,8 @@ class RefitGroup:
         self._schedule: Schedule | None = None  # this process's ranks only, agreed with peers at the first refit
         if _group is None:
             self._comm: Any = MpiComm(comm, rank_process)
+        elif comm is not None:  # two MPI launches: the weights over MPI, never posted to a peer known gone
+            self._comm = LiveComm(MpiComm(comm, rank_process), _group.gone, self._describe)
         else:
             self._comm = _group.communicator(
                 rank_process, timeout_s=self.options.timeout_s, encrypt=self.options.encrypt
@@ -219,42 +219,52 @@ class RefitGroup:
             return cls._connect_nixl(Role(role), params, address, host, **kwargs)
         if transport != "mpi":
             raise ValueError(f"RefitGroup.connect: transport={transport!r}; expected 'mpi' or 'nixl'")
-        MPI = import_mpi()
-        role = Role(role)
-        comm = MPI.COMM_WORLD if comm is None else comm
-        timeout = (kwargs.get("options") or Options()).timeout_s
-        if role is Role.SOURCE:
-            port = MPI.Open_port() if comm.Get_rank() == 0 else None
-            if port is not None:
-                with open(address + ".tmp", "w") as f:
-                    f.write(port)
-                os.replace(address + ".tmp", address)
-            inter = comm.Accept(port, root=0)
-            if comm.Get_rank() == 0:
-                os.remove(address)
-                MPI.Close_port(port)
-        else:
-            port = None
-            if comm.Get_rank() == 0:
-                deadline = time.monotonic() + timeout
-                while not os.path.exists(address):
-                    if time.monotonic() > deadline:
-                        port = ""
-                        break
-                    time.sleep(0.05)
-                else:
-                    with open(address) as f:
-                        port = f.read()
-            port = comm.bcast(port, root=0)
-            if not port:
-                from jreshard.errors import TransferTimeoutError
+        return cls._connect_mpi(Role(role), params, address, host, comm, **kwargs)
 
-                raise TransferTimeoutError(
-                    f"RefitGroup.connect: no source side published {address!r} within timeout_s={timeout}"
-                )
-            inter = comm.Connect(port, root=0)
-        merged = inter.Merge(high=role is Role.DESTINATION)
-        return cls(role, params, comm=merged, **kwargs)
+    @classmethod
+    def _connect_mpi(cls, role: Role, params: Any, address: str, host: str, comm: Any, **kwargs: Any) -> RefitGroup:
+        """Two MPI launches: every process joins a :class:`~jreshard.nixl.group.ProcessGroup` at ``address``
+        (bounded, authenticated; the control plane and the liveness of every peer), the source's process 0
+        hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
+        and calling) and the weights move over the merged communicator."""
+        from jreshard.auth import resolve_secret
+        from jreshard.nixl.group import ProcessGroup
+
+        MPI = import_mpi()
+        comm = MPI.COMM_WORLD if comm is None else comm
+        options = Options.of(kwargs.get("options"))
+        try:
+            key: bytes | None = resolve_secret(options.secret, who="RefitGroup.connect")
+        except ValueError:
+            key = None  # process 0 of the source side draws one and writes it into the address file
+        group = ProcessGroup.join(
+            role.value,
+            address,
+            index=comm.Get_rank(),
+            count=comm.Get_size(),
+            key=key,
+            timeout_s=options.timeout_s,
+            host=host,
+        )
+        try:
+            port = MPI.Open_port() if role is Role.SOURCE and comm.Get_rank() == 0 else None
+            ports = group.allgather({"port": port}, timeout_s=options.timeout_s)
+            name = ports[0]["port"]
+            if not isinstance(name, str) or not name:
+                raise PeerError(f"RefitGroup.connect: the source's process 0 sent no MPI port ({ports[0]!r})")
+            # every process of both sides is alive and calls in now (MPI's accept has no timeout)
+            inter = comm.Accept(name, root=0) if role is Role.SOURCE else comm.Connect(name, root=0)
+            if port is not None:
+                MPI.Close_port(port)
+            merged = inter.Merge(high=role is Role.DESTINATION)
+        except BaseException:
+            group.close()
+            raise
+        try:
+            return cls(role, params, comm=merged, _group=group, **kwargs)
+        except BaseException:
+            group.close()
+            raise
 
     @classmethod
     def _connect_nixl(cls, role: Role, params: Any, address: str, host: str, **kwargs: Any) -> RefitGroup:
@@ -490,8 +500,11 @@ class RefitGroup:
 
     def close(self) -> None:
         """Tell every other process this one left (a peer waiting on it raises at once), then release the
-        communicators (kept, unfreed, when broken: a dead peer never answers)."""
+        communicators (MPI's kept, unfreed, when broken: a dead peer never answers). Between two launches
+        the notice goes over the side channel, and never to a peer whose connection closed."""
         self._control.notify_closed()
-        if self._broken is None or not isinstance(self._comm, MpiComm):  # sockets close at once, MPI may block
+        mpi = isinstance(self._comm, (MpiComm, LiveComm))
+        if self._broken is None or not mpi:  # sockets close at once, MPI may block
             self._comm.close()
+        if self._broken is None or not isinstance(self._control, Control):
             self._control.close()

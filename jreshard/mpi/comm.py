@@ -290,15 +290,19 @@ class MpiComm(Communicator):
                 except MPI.Exception:  # pragma: no cover - cancel is best effort
                     pass
             self._abandoned.append((req, op.buffer))
-        # Give cancels a moment to complete so receive buffers are released; never block.
+        # Give cancels a moment to complete so receive buffers are released; never block. Each request is
+        # tested on its own (a send to a dead peer never completes, and must not keep a cancelled receive
+        # from being freed: MPI would hold it, and UCX warn of it, until MPI_Finalize).
         end = time.monotonic() + 0.05
-        while time.monotonic() < end:
-            try:
-                if MPI.Request.Testall([r for r, _ in self._abandoned if r]):
-                    self._abandoned.clear()
-                    break
-            except MPI.Exception:  # pragma: no cover
-                break
+        while self._abandoned and time.monotonic() < end:
+            left = []
+            for r, buf in self._abandoned:
+                try:
+                    if r and not r.Test():
+                        left.append((r, buf))
+                except MPI.Exception:  # pragma: no cover - best effort
+                    left.append((r, buf))
+            self._abandoned = left
             time.sleep(1e-3)
 
     def close(self) -> None:

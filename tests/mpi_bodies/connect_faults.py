@@ -1,0 +1,101 @@
+"""One side of two MPI launches joined by ``RefitGroup.connect(address=FILE)``, for the fault tests.
+
+Usage: ``connect_faults.py source|destination MODE``, the address file in ``$JRESHARD_ADDRESS``,
+``timeout_s`` in ``$JRESHARD_TIMEOUT``, versions ``$JRESHARD_FIRST`` (default 1) to ``$JRESHARD_STEPS``
+(default 4). Modes:
+
+- ``alone``: connect with no peer coming; records the error and how long it took.
+- ``ok``: refit every version (a destination checks every byte of each against the version).
+- ``die:V``: as ``ok``, but this process SIGKILLs itself in the data phase of version V.
+- ``again``: as ``ok``; when a refit fails (its peer died), the group is closed and this process connects
+  again at the same address and goes on from the version that failed.
+
+jreshard is imported before mpi4py. Each process exits through the interpreter (MPI_Finalize included).
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from _common import main
+
+import jreshard  # noqa: F401 - before mpi4py
+
+SHAPE = (64, 16)
+
+
+def value(version: int) -> np.ndarray:
+    return (np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE) + 1000 * version).astype(np.float32)
+
+
+def body() -> dict:
+    role, mode = sys.argv[1], sys.argv[2]
+    address = os.environ["JRESHARD_ADDRESS"]
+    timeout = float(os.environ.get("JRESHARD_TIMEOUT", "10"))
+    steps = int(os.environ.get("JRESHARD_STEPS", "4"))
+
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard.errors import JReshardError, TransferError
+    from jreshard.options import Options
+    from jreshard.refit import RefitGroup
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    sds = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=NamedSharding(mesh, P()))}
+    opts = Options(timeout_s=timeout, chunk_bytes=512, staging_bytes=1 << 16)
+    log: dict = {"versions": [], "failures": []}
+    t0 = time.monotonic()
+    if mode == "alone":
+        try:
+            RefitGroup.connect(role, sds, address=address, options=opts)
+            log["error"] = "connected to nobody?"
+        except JReshardError as err:
+            log["raised"] = f"{type(err).__name__}: {err}"
+        except ValueError as err:
+            log["raised"] = f"ValueError: {err}"
+        log["elapsed"] = time.monotonic() - t0
+        return log
+    die = int(mode.split(":")[1]) if mode.startswith("die:") else None
+    group = RefitGroup.connect(role, sds, address=address, options=opts)
+    current = None
+    v = int(os.environ.get("JRESHARD_FIRST", "1"))
+    while v <= steps:
+        if die == v:
+            comm = group._comm.inner  # the MpiComm: die at its first post of this version's data
+
+            def dying(*a, **k):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            comm.exchange = comm.start_rows = dying
+        t0 = time.monotonic()
+        try:
+            if role == "source":
+                group.push({"w": jax.device_put(value(v), sds["w"].sharding)}, version=v)
+            else:
+                new, got = group.pull(like=sds)
+                assert got == v, (got, v)
+                assert np.array_equal(np.asarray(new["w"]), value(v)), v  # every byte, this version only
+                current = new
+        except TransferError as err:
+            failed = {"version": v, "error": f"{type(err).__name__}: {err}", "seconds": time.monotonic() - t0}
+            failed["intact"] = err.destination_intact
+            if current is not None:  # the previous version, untouched
+                failed["previous_exact"] = bool(np.array_equal(np.asarray(current["w"]), value(v - 1)))
+            log["failures"].append(failed)
+            group.close()
+            if mode != "again" or len(log["failures"]) > 1:
+                return log
+            group = RefitGroup.connect(role, sds, address=address, options=opts)  # a new peer
+            continue
+        log["versions"].append(v)
+        v += 1
+    group.close()
+    return log
+
+
+if __name__ == "__main__":
+    main(f"faults-{sys.argv[1]}-{sys.argv[2].replace(':', '')}", body)
