@@ -179,11 +179,11 @@ def _elastic_run(tmp_path: Path, fault: str, rng: random.Random) -> None:
             mode = f"die:{at}:{rng.choice([1, 2, 3])}" if name == "r2" and fault == "kill-mid-write" else "ok"
             reps[name] = start("replica", host, name, mode)
             trainer.wait_event("joined", 180, name=name)
+        (tmp_path / "go").touch()  # the trainer pushes
         if fault == "kill-random":
             trainer.wait_event("start", 120, version=at)
             time.sleep(rng.uniform(0.0, 0.5))
             reps["r2"].signal(signal.SIGKILL)
-        (tmp_path / "go").touch()  # the trainer pushes
         code = reps["r2"].finish(120)
         assert code != 0, ("r2 was to be killed", code, reps["r2"].tail())
         lost = trainer.wait_event("lost", 120, name="r2")

@@ -382,7 +382,7 @@ class Membership:
         for m in targets:
             if m.state is not ReplicaState.GONE and m.version != version:
                 self._drop(m, f"did not report version {version} within timeout_s={self.options.timeout_s}")
-        done = tuple(m.name for m in targets if m.state is not ReplicaState.GONE)
+        done = tuple(m.name for m in targets if m.version == version)  # (one may have left since: it did commit)
         with self.cv:  # every departure since the previous report: during this push, or between the two
             lost, self._lost = self._lost, {}
         report = PushReport(version, done, lost, time.monotonic() - t0)
