@@ -6,10 +6,11 @@ with its role and its parameter declaration (a pytree of ``jax.Array`` or
 
 - one launch, MPMD: ``mpiexec -n A python trainer.py : -n B python server.py``,
   ``RefitGroup(role, params)`` over ``MPI.COMM_WORLD``;
-- two launches: ``RefitGroup.connect(role, params, address=path)``: the source
-  side opens an MPI port and writes its name to the file ``path``; the
-  destination side reads it and connects (``MPI.Open_port`` / ``Comm_accept``
-  / ``Comm_connect``);
+- two launches: ``RefitGroup.connect(role, params, address=path)``: every
+  process joins an authenticated TCP group that meets at the file ``path``
+  (bounded by ``timeout_s``; a stale file is refused), the source's process 0
+  hands its MPI port name over it, and the sides ``Comm_accept`` /
+  ``Comm_connect``; the TCP group carries the votes and sees a dead peer;
 - two launches on any hosts, no MPI: ``RefitGroup.connect(role, params,
   address="HOST:PORT" or path, transport="nixl")``: the processes meet over
   authenticated TCP (the shared secret of ``Options.secret`` / ``$JRESHARD_SECRET``)
@@ -200,11 +201,15 @@ class RefitGroup:
     ) -> RefitGroup:
         """Form a group between two separate launches meeting at ``address``.
 
-        ``transport="mpi"``: ``address`` is a file path both can reach. The source side's process 0
-        opens an MPI port and writes its name there; the destination side waits (up to
-        ``options.timeout_s``) for the file and connects. The two sides are merged into one
-        communicator, sources first. The source side waits in ``Comm_accept`` until the
-        destination connects (MPI offers no timeout there).
+        ``transport="mpi"``: ``address`` is a file path both can reach. Every process joins a
+        :class:`~jreshard.nixl.group.ProcessGroup` there (the source's process 0 listens on ``host``
+        and writes its address, with a fresh key when no secret is configured; a file whose address
+        nobody listens on is stale: read again until replaced, then refused), every wait bounded by
+        ``options.timeout_s`` (:class:`TransferTimeoutError`). Then the source's process 0 hands its
+        MPI port name over that group and the sides ``Comm_accept`` / ``Comm_connect``, merged into
+        one communicator (sources first) that carries the weights. The group's votes and close notice
+        go over TCP, and no message is posted over MPI to a peer whose connection closed (MPICH may
+        crash on a send to a dead peer): a survivor raises :class:`PeerError` and can connect again.
 
         ``transport="nixl"``: no MPI. ``address`` is ``"HOST:PORT"`` (the source's process 0 binds
         it, the others connect) or a file path (process 0 binds ``host`` and writes its address
