@@ -64,13 +64,24 @@ def body() -> dict:
     current = None
     v = int(os.environ.get("JRESHARD_FIRST", "1"))
     while v <= steps:
-        if die == v:
-            comm = group._comm.inner  # the MpiComm: die at its first post of this version's data
+        if die == v:  # die at the first post of this version's data, however the engine posts it
+            from jreshard.engine import replay
 
             def dying(*a, **k):
                 os.kill(os.getpid(), signal.SIGKILL)
 
-            comm.exchange = comm.start_rows = dying
+            group._comm.exchange = group._comm.start_rows = group._comm.exchange_rows = dying
+            replay.release(group._comm)  # a prepared refit starts its groups itself: re-prepared, from Python
+            prepare = group._comm.prepare
+
+            def prepared(groups, prepare=prepare):
+                p = prepare(groups)
+                if p is not None:
+                    p.native = None
+                    p.start = dying
+                return p
+
+            group._comm.prepare = prepared
         t0 = time.monotonic()
         try:
             if role == "source":
