@@ -106,6 +106,7 @@ class Program:
             start_new_session=True,
         )
         self.events: list[dict] = []
+        self.proc_end = float("inf")  # when it was first seen ended (finish)
         self.lines: list[str] = []
         self._new: queue.Queue[dict] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -157,6 +158,7 @@ class Program:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"{self.name} hung: still running {timeout_s} s on:\n{self.tail()}") from None
+        self.proc_end = min(self.proc_end, time.monotonic())
         self._reader.join(5)
         return self.proc.returncode
 

@@ -165,8 +165,8 @@ def _elastic_run(tmp_path: Path, fault: str, rng: random.Random) -> None:
     body = ROOT / "tests" / "elastic_bodies"
     try:
 
-        def start(name: str, host: str, *args: str) -> Program:
-            env = _env(tmp_path, net, host, "nixl")
+        def start(name: str, host: str, *args: str, env: dict[str, str] | None = None) -> Program:
+            env = _env(tmp_path, net, host, "nixl", **(env or {}))
             p = Program(name, net.ns[host], [sys.executable, str(body / f"fault_{name[:7]}.py"), *args], env)
             progs.append(p)
             return p
@@ -177,12 +177,16 @@ def _elastic_run(tmp_path: Path, fault: str, rng: random.Random) -> None:
         reps = {}
         for name, host in (("r1", "a"), ("r2", "b"), ("r3", "c")):  # admitted in this order: the push order
             mode = f"die:{at}:{rng.choice([1, 2, 3])}" if name == "r2" and fault == "kill-mid-write" else "ok"
+            mode = "rejoin" if fault == "kill-trainer" else mode
             reps[name] = start("replica", host, name, mode)
             trainer.wait_event("joined", 180, name=name)
         (tmp_path / "go").touch()  # the trainer pushes
         if fault != "kill-mid-write":  # at a random moment of version `at`'s push
             trainer.wait_event("start", 120, version=at)
             time.sleep(rng.uniform(0.0, 0.5))
+        if fault == "kill-trainer":
+            _trainer_killed(tmp_path, trainer, reps, start, log)
+            return
         if fault == "kill-random":
             reps["r2"].signal(signal.SIGKILL)
         elif fault == "stop":  # past timeout_s: dropped; continued, it finds itself dropped and ends
@@ -233,8 +237,32 @@ def _elastic_run(tmp_path: Path, fault: str, rng: random.Random) -> None:
         net.close()
 
 
-@pytest.mark.parametrize("fault", ["kill-mid-write", "kill-random", "stop", "link"] if FULL else ["kill-mid-write"])
-def test_elastic_the_middle_replica_killed_is_lost_and_the_others_commit(tmp_path, fault):
+def _trainer_killed(tmp_path: Path, trainer: Program, reps: dict, start, log: list[str]) -> None:
+    """The trainer SIGKILLed mid-push: every replica keeps a whole version, and all of them join the trainer
+    started in its place, which goes on from the next version."""
+    trainer.signal(signal.SIGKILL)
+    assert trainer.finish(HANG_S) == -signal.SIGKILL, trainer.tail()
+    lost = {n: r.wait_event("trainer-lost", HANG_S) for n, r in reps.items()}
+    for n, e in lost.items():  # seen within the bound, each holding exactly the version it committed
+        assert e["t"] - trainer.proc_end < HANG_S and e["held"] == [e["version"]], (n, e, log)
+    first = max(e["version"] for e in lost.values()) + 1
+    log.append(f"trainer killed; replicas hold {[e['version'] for e in lost.values()]}")
+    again = start("trainer", "t", env={"JRESHARD_FIRST": str(first)})
+    for p in (again, *reps.values()):
+        assert p.finish(180) == 0, (p.name, p.tail(), log)
+    pushes = {e["version"]: e for e in again.of("pushed")}
+    assert sorted(pushes) == list(range(first, STEPS + 1)), (pushes, log)
+    assert all(sorted(e["committed"]) == ["r1", "r2", "r3"] for e in pushes.values()), (pushes, log)
+    for n, r in reps.items():
+        for e in r.of("pulled"):
+            assert e["held"] == [e["version"]], (n, "a mix", e, log)
+        assert r.of("pulled")[-1]["version"] == STEPS, (n, r.tail(), log)
+
+
+@pytest.mark.parametrize(
+    "fault", ["kill-mid-write", "kill-random", "stop", "link", "kill-trainer"] if FULL else ["kill-mid-write"]
+)
+def test_elastic_survives_a_fault_mid_push(tmp_path, fault):
     rng = random.Random(f"{SEED}-elastic-{fault}")
     for run in range(RUNS):
         (tmp_path / f"run{run}").mkdir()

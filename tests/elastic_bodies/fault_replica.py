@@ -1,7 +1,8 @@
 """A replica of the elastic fault suite: ``fault_replica.py NAME MODE``, in its own network namespace.
 
 Modes: ``ok``; ``die:V:N``: SIGKILL itself at its ``N``-th receive exchange of version ``V`` (mid-WRITE:
-some bytes in, some not). Pulls every version to ``$JRESHARD_STEPS`` (hashing what it holds against
+some bytes in, some not); ``rejoin``: when the trainer goes, report what it holds and join the
+trainer that replaces it, under the same name. Pulls every version to ``$JRESHARD_STEPS`` (hashing what it holds against
 every version after each), then leaves. One JSON line per event: ``ready``, ``pulled``, ``end``.
 """
 
@@ -11,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import jax
 import numpy as np
@@ -57,16 +59,38 @@ def main() -> None:
     sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()).reshape(1, -1), ("dp", "tp")), P(None, "tp"))
     like = {"w": jax.ShapeDtypeStruct(shape(), np.float32, sharding=sharding)}
     opts = Options(timeout_s=timeout, chunk_bytes=1 << 18, staging_bytes=1 << 21)
-    rep = ElasticReplica(
-        like, os.environ["JRESHARD_ADDRESS"], name=name, host=os.environ["JRESHARD_HOST"], options=opts
-    )
-    version, why = None, ""
+
+    def join() -> ElasticReplica:
+        """Join the trainer at the address file; a file left by a trainer that is gone is read again
+        until its new trainer replaces it (bounded)."""
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                return ElasticReplica(
+                    like, os.environ["JRESHARD_ADDRESS"], name=name, host=os.environ["JRESHARD_HOST"], options=opts
+                )
+            except (PeerError, TransferTimeoutError) as err:
+                if time.monotonic() > deadline:
+                    raise
+                say(event="retry", error=str(err)[:300])
+                time.sleep(0.2)
+
+    rep = join()
+    version, why, rejoins = None, "", 0
     while version is None or version < steps:
         try:
             tree, version = rep.pull(newer_than=version, timeout_s=120.0)
         except (PeerError, TransferTimeoutError) as err:
             why = f"{type(err).__name__}: {err}"
-            break
+            if mode != "rejoin" or rejoins or version is None:
+                break
+            tree, have = rep.pull()  # the trainer is gone: what this replica holds, whole
+            say(event="trainer-lost", version=have, held=held(tree, steps), why=why)
+            rep.leave()
+            rejoins += 1
+            rep = join()  # the new trainer: this replica comes back under its name
+            version, why = None, ""
+            continue
         say(event="pulled", version=version, held=held(tree, steps))
     rep.leave()
     say(event="end", version=version, why=why)

@@ -29,6 +29,7 @@ def say(**event) -> None:
 
 
 def main() -> None:
+    say(event="ready", pid=os.getpid())
     steps, timeout = int(os.environ["JRESHARD_STEPS"]), float(os.environ["JRESHARD_TIMEOUT"])
     sharding = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",)), P("fsdp"))
 
@@ -56,8 +57,9 @@ def main() -> None:
     deadline = time.monotonic() + 300
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.02)
-    for v in range(1, steps + 1):
-        if v > 1 and len(tr.replicas()) < 3:
+    first = int(os.environ.get("JRESHARD_FIRST", "1"))  # a trainer started in a dead one's place goes on
+    for v in range(first, steps + 1):
+        if (v > 1 or first > 1) and len(tr.replicas()) < 3:
             try:
                 tr.wait(count=3, timeout_s=90.0)
             except TransferTimeoutError as err:
