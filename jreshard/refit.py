@@ -232,16 +232,17 @@ class RefitGroup:
         (bounded, authenticated; the control plane and the liveness of every peer), the source's process 0
         hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
         and calling) and the weights move over the merged communicator."""
-        from jreshard.auth import resolve_secret
+        import os
+
+        from jreshard.auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
         from jreshard.nixl.group import ProcessGroup
 
         MPI = import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         options = Options.of(kwargs.get("options"))
-        try:
-            key: bytes | None = resolve_secret(options.secret, who="RefitGroup.connect")
-        except ValueError:
-            key = None  # process 0 of the source side draws one and writes it into the address file
+        key: bytes | None = None  # none configured: process 0 of the source side draws one into the address file
+        if options.secret is not None or os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV):
+            key = resolve_secret(options.secret, who="RefitGroup.connect")  # a bad one raises
         group = ProcessGroup.join(
             role.value,
             address,

@@ -40,7 +40,7 @@ def body() -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jreshard.errors import JReshardError, TransferError
+    from jreshard.errors import JReshardError, TransferError, TransferTimeoutError
     from jreshard.options import Options
     from jreshard.refit import RefitGroup
 
@@ -100,7 +100,14 @@ def body() -> dict:
             group.close()
             if mode != "again" or len(log["failures"]) > 1:
                 return log
-            group = RefitGroup.connect(role, sds, address=address, options=opts)  # a new peer
+            deadline = time.monotonic() + 60  # a new peer: a program still starting (its own timeout_s each try)
+            while True:
+                try:
+                    group = RefitGroup.connect(role, sds, address=address, options=opts)
+                    break
+                except TransferTimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
             continue
         log["versions"].append(v)
         v += 1
