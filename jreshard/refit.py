@@ -55,6 +55,7 @@ with two launches the other program survives and raises within the timeout.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,61 @@ from jreshard.sharding.topology import Link, Topology
 from jreshard.views.lowering import LeafLowering
 
 __all__ = ["RefitGroup", "Role"]
+
+MPI_JOIN_EXIT = 75  # the exit status of a process whose MPI accept/connect a dead peer left hanging (EX_TEMPFAIL)
+
+
+def _join_mpi(MPI: Any, comm: Any, port: str, source: bool, group: Any, timeout_s: float) -> Any:
+    """``Comm_accept`` (``source``) or ``Comm_connect`` at ``port``, collective over ``comm``: the intercommunicator.
+
+    MPI can neither time these calls out nor cancel them, so they run in a helper thread while this one
+    watches every peer's connection in ``group`` and the deadline. A peer that dies (or a call still not
+    done after ``timeout_s``) leaves the call hanging inside MPI for good, and MPI cannot be finalized
+    after it: this process then says so on stderr and exits with status :data:`MPI_JOIN_EXIT`.
+    """
+    import sys
+    import threading
+    import time
+
+    call = comm.Accept if source else comm.Connect
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # MPI may not be called from another thread: no watch
+        return call(port, root=0)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["inter"] = call(port, root=0)
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="jreshard-mpi-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    peers = [p for p in range(group.size) if p != group.rank]
+    while True:
+        thread.join(0.05)
+        if not thread.is_alive():
+            break
+        gone = group.gone(peers)
+        if gone or time.monotonic() > deadline:
+            what = "MPI_Comm_accept" if source else "MPI_Comm_connect"
+            why = (
+                f"{', '.join(group.describe(p) for p in gone)} died"
+                if gone
+                else f"the peers did not complete it within timeout_s={timeout_s}"
+            )
+            sys.stdout.flush()
+            sys.stderr.write(
+                f"jreshard: RefitGroup.connect: {why} while the two launches were joining over MPI ({what}). "
+                f"MPI cannot time out or cancel that call, and cannot be finalized with it pending, so this "
+                f"process exits with status {MPI_JOIN_EXIT}. Start it again to form a new group, or connect "
+                "with transport='nixl'.\n"
+            )
+            sys.stderr.flush()
+            os._exit(MPI_JOIN_EXIT)
+    if "error" in box:
+        raise PeerError(f"RefitGroup.connect: MPI failed joining the two launches: {box['error']}") from box["error"]
+    return box["inter"]
 
 
 class Role(enum.Enum):
@@ -232,8 +288,6 @@ class RefitGroup:
         (bounded, authenticated; the control plane and the liveness of every peer), the source's process 0
         hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
         and calling) and the weights move over the merged communicator."""
-        import os
-
         from jreshard.auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
         from jreshard.nixl.group import ProcessGroup
 
@@ -258,8 +312,8 @@ class RefitGroup:
             name = ports[0]["port"]
             if not isinstance(name, str) or not name:
                 raise PeerError(f"RefitGroup.connect: the source's process 0 sent no MPI port ({ports[0]!r})")
-            # every process of both sides is alive and calls in now (MPI's accept has no timeout)
-            inter = comm.Accept(name, root=0) if role is Role.SOURCE else comm.Connect(name, root=0)
+            # every process of both sides is alive and calls in now (MPI's accept has no timeout: watched)
+            inter = _join_mpi(MPI, comm, name, role is Role.SOURCE, group, options.timeout_s)
             if port is not None:
                 MPI.Close_port(port)
             merged = inter.Merge(high=role is Role.DESTINATION)

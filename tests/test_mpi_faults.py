@@ -102,3 +102,18 @@ def test_a_peer_killed_mid_refit_the_survivor_raises_exits_cleanly_and_refits_wi
     assert r["versions"] == [1, 2, 3, 4], r  # 3 and 4 from the new peer (checked byte for byte there)
     assert result(tmp_path, victim, "ok")["versions"] == [3, 4]
     assert time.monotonic() - t0 < 120
+
+
+def test_a_peer_that_dies_inside_the_mpi_join_makes_the_survivor_exit_saying_why_not_hang(tmp_path):
+    """MPI cannot time out or cancel MPI_Comm_accept: a destination killed between the port exchange and its
+    MPI_Comm_connect leaves the source's accept pending for good; the source says so and exits (status 75)."""
+    need_mpi()
+    src = start(tmp_path, "source", "ok")
+    victim = start(tmp_path, "destination", "vanish")
+    finish(victim)
+    t0 = time.monotonic()
+    out = finish(src)
+    assert src.returncode == 75, out
+    assert "jreshard: RefitGroup.connect: process 1 (destination) died while the two launches were joining" in out
+    assert "MPI_Comm_accept" in out and "exits with status 75" in out and "Segmentation fault" not in out, out
+    assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S  # once the victim is gone: at once, never a hang

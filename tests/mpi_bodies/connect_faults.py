@@ -7,6 +7,7 @@ Usage: ``connect_faults.py source|destination MODE``, the address file in ``$JRE
 - ``alone``: connect with no peer coming; records the error and how long it took.
 - ``ok``: refit every version (a destination checks every byte of each against the version).
 - ``die:V``: as ``ok``, but this process SIGKILLs itself in the data phase of version V.
+- ``vanish``: SIGKILL itself after the MPI port name went round, before its side of the MPI connect.
 - ``again``: as ``ok``; when a refit fails (its peer died), the group is closed and this process connects
   again at the same address and goes on from the version that failed.
 
@@ -60,6 +61,18 @@ def body() -> dict:
         log["elapsed"] = time.monotonic() - t0
         return log
     die = int(mode.split(":")[1]) if mode.startswith("die:") else None
+    if mode == "vanish":  # SIGKILL itself once the port name went round, before its side of the MPI connect
+        from jreshard.nixl.group import ProcessGroup
+
+        real = ProcessGroup.allgather
+
+        def once(self, obj, **kw):
+            out = real(self, obj, **kw)
+            if isinstance(obj, dict) and "port" in obj:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        ProcessGroup.allgather = once
     group = RefitGroup.connect(role, sds, address=address, options=opts)
     current = None
     v = int(os.environ.get("JRESHARD_FIRST", "1"))
