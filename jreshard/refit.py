@@ -63,7 +63,8 @@ from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
 from jreshard.mpi.comm import MpiComm, import_mpi
-from jreshard.mpi.control import Control, LiveComm
+from jreshard.mpi.control import Control
+from jreshard.mpi.live import LiveComm
 from jreshard.options import Options
 from jreshard.refit_decl import (
     GroupViews,
