@@ -45,8 +45,20 @@ def arm_kill(version: int, nth: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         return exchange(self, sends, recvs, timeout_s=timeout_s)
 
+    from jreshard.nixl.prepared import NixlPrepared
+
+    wait = NixlPrepared.wait
+
+    def deadly_wait(self, group):  # a prepared refit's groups (the rounds' agreement stays per operation)
+        if state["v"] == version:
+            state["calls"] += 1
+            if state["calls"] == nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return wait(self, group)
+
     replica_module.ElasticReplica._receive = watched
     NixlComm.exchange = deadly
+    NixlPrepared.wait = deadly_wait
 
 
 def main() -> None:
