@@ -114,9 +114,12 @@ class _LivePrepared(PreparedGroups):
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def bind(self, addresses: Any, sizes: Any) -> None:
+    def bind(self, addresses: Any, sizes: Any, buffers: Sequence[Any]) -> None:
         self._check_ranks(self._all)
-        self._inner.bind(addresses, sizes)
+        self._inner.bind(addresses, sizes, buffers)
+
+    def finish(self) -> None:
+        self._inner.finish()
 
     def start(self, group: int, timeout_s: float) -> None:
         self._check_ranks(self._ranks[group])
