@@ -6,10 +6,11 @@ with its role and its parameter declaration (a pytree of ``jax.Array`` or
 
 - one launch, MPMD: ``mpiexec -n A python trainer.py : -n B python server.py``,
   ``RefitGroup(role, params)`` over ``MPI.COMM_WORLD``;
-- two launches: ``RefitGroup.connect(role, params, address=path)``: the source
-  side opens an MPI port and writes its name to the file ``path``; the
-  destination side reads it and connects (``MPI.Open_port`` / ``Comm_accept``
-  / ``Comm_connect``);
+- two launches: ``RefitGroup.connect(role, params, address=path)``: every
+  process joins an authenticated TCP group that meets at the file ``path``
+  (bounded by ``timeout_s``; a stale file is refused), the source's process 0
+  hands its MPI port name over it, and the sides ``Comm_accept`` /
+  ``Comm_connect``; the TCP group carries the votes and sees a dead peer;
 - two launches on any hosts, no MPI: ``RefitGroup.connect(role, params,
   address="HOST:PORT" or path, transport="nixl")``: the processes meet over
   authenticated TCP (the shared secret of ``Options.secret`` / ``$JRESHARD_SECRET``)
@@ -55,15 +56,15 @@ from __future__ import annotations
 
 import enum
 import os
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
-from jreshard.errors import BackendUnavailableError, LayoutMismatchError, PeerError, TransferError
+from jreshard.errors import LayoutMismatchError, PeerError, TransferError
 from jreshard.mpi.comm import MpiComm, import_mpi
 from jreshard.mpi.control import Control
+from jreshard.mpi.live import LiveComm
 from jreshard.options import Options
 from jreshard.refit_decl import (
     GroupViews,
@@ -84,6 +85,61 @@ from jreshard.sharding.topology import Link, Topology
 from jreshard.views.lowering import LeafLowering
 
 __all__ = ["RefitGroup", "Role"]
+
+MPI_JOIN_EXIT = 75  # the exit status of a process whose MPI accept/connect a dead peer left hanging (EX_TEMPFAIL)
+
+
+def _join_mpi(MPI: Any, comm: Any, port: str, source: bool, group: Any, timeout_s: float) -> Any:
+    """``Comm_accept`` (``source``) or ``Comm_connect`` at ``port``, collective over ``comm``: the intercommunicator.
+
+    MPI can neither time these calls out nor cancel them, so they run in a helper thread while this one
+    watches every peer's connection in ``group`` and the deadline. A peer that dies (or a call still not
+    done after ``timeout_s``) leaves the call hanging inside MPI for good, and MPI cannot be finalized
+    after it: this process then says so on stderr and exits with status :data:`MPI_JOIN_EXIT`.
+    """
+    import sys
+    import threading
+    import time
+
+    call = comm.Accept if source else comm.Connect
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:  # MPI may not be called from another thread: no watch
+        return call(port, root=0)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["inter"] = call(port, root=0)
+        except BaseException as err:  # handed to the caller
+            box["error"] = err
+
+    thread = threading.Thread(target=run, name="jreshard-mpi-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    peers = [p for p in range(group.size) if p != group.rank]
+    while True:
+        thread.join(0.05)
+        if not thread.is_alive():
+            break
+        gone = group.gone(peers)
+        if gone or time.monotonic() > deadline:
+            what = "MPI_Comm_accept" if source else "MPI_Comm_connect"
+            why = (
+                f"{', '.join(group.describe(p) for p in gone)} died"
+                if gone
+                else f"the peers did not complete it within timeout_s={timeout_s}"
+            )
+            sys.stdout.flush()
+            sys.stderr.write(
+                f"jreshard: RefitGroup.connect: {why} while the two launches were joining over MPI ({what}). "
+                f"MPI cannot time out or cancel that call, and cannot be finalized with it pending, so this "
+                f"process exits with status {MPI_JOIN_EXIT}. Start it again to form a new group, or connect "
+                "with transport='nixl'.\n"
+            )
+            sys.stderr.flush()
+            os._exit(MPI_JOIN_EXIT)
+    if "error" in box:
+        raise PeerError(f"RefitGroup.connect: MPI failed joining the two launches: {box['error']}") from box["error"]
+    return box["inter"]
 
 
 class Role(enum.Enum):
@@ -178,6 +234,8 @@ class RefitGroup:
         self._schedule: Schedule | None = None  # this process's ranks only, agreed with peers at the first refit
         if _group is None:
             self._comm: Any = MpiComm(comm, rank_process)
+        elif comm is not None:  # two MPI launches: the weights over MPI, never posted to a peer known gone
+            self._comm = LiveComm(MpiComm(comm, rank_process), _group.gone, self._describe)
         else:
             self._comm = _group.communicator(
                 rank_process, timeout_s=self.options.timeout_s, encrypt=self.options.encrypt
@@ -200,11 +258,15 @@ class RefitGroup:
     ) -> RefitGroup:
         """Form a group between two separate launches meeting at ``address``.
 
-        ``transport="mpi"``: ``address`` is a file path both can reach. The source side's process 0
-        opens an MPI port and writes its name there; the destination side waits (up to
-        ``options.timeout_s``) for the file and connects. The two sides are merged into one
-        communicator, sources first. The source side waits in ``Comm_accept`` until the
-        destination connects (MPI offers no timeout there).
+        ``transport="mpi"``: ``address`` is a file path both can reach. Every process joins a
+        :class:`~jreshard.nixl.group.ProcessGroup` there (the source's process 0 listens on ``host``
+        and writes its address, with a fresh key when no secret is configured; a file whose address
+        nobody listens on is stale: read again until replaced, then refused), every wait bounded by
+        ``options.timeout_s`` (:class:`TransferTimeoutError`). Then the source's process 0 hands its
+        MPI port name over that group and the sides ``Comm_accept`` / ``Comm_connect``, merged into
+        one communicator (sources first) that carries the weights. The group's votes and close notice
+        go over TCP, and no message is posted over MPI to a peer whose connection closed (MPICH may
+        crash on a send to a dead peer): a survivor raises :class:`PeerError` and can connect again.
 
         ``transport="nixl"``: no MPI. ``address`` is ``"HOST:PORT"`` (the source's process 0 binds
         it, the others connect) or a file path (process 0 binds ``host`` and writes its address
@@ -219,42 +281,51 @@ class RefitGroup:
             return cls._connect_nixl(Role(role), params, address, host, **kwargs)
         if transport != "mpi":
             raise ValueError(f"RefitGroup.connect: transport={transport!r}; expected 'mpi' or 'nixl'")
-        MPI = import_mpi()
-        role = Role(role)
-        comm = MPI.COMM_WORLD if comm is None else comm
-        timeout = (kwargs.get("options") or Options()).timeout_s
-        if role is Role.SOURCE:
-            port = MPI.Open_port() if comm.Get_rank() == 0 else None
-            if port is not None:
-                with open(address + ".tmp", "w") as f:
-                    f.write(port)
-                os.replace(address + ".tmp", address)
-            inter = comm.Accept(port, root=0)
-            if comm.Get_rank() == 0:
-                os.remove(address)
-                MPI.Close_port(port)
-        else:
-            port = None
-            if comm.Get_rank() == 0:
-                deadline = time.monotonic() + timeout
-                while not os.path.exists(address):
-                    if time.monotonic() > deadline:
-                        port = ""
-                        break
-                    time.sleep(0.05)
-                else:
-                    with open(address) as f:
-                        port = f.read()
-            port = comm.bcast(port, root=0)
-            if not port:
-                from jreshard.errors import TransferTimeoutError
+        return cls._connect_mpi(Role(role), params, address, host, comm, **kwargs)
 
-                raise TransferTimeoutError(
-                    f"RefitGroup.connect: no source side published {address!r} within timeout_s={timeout}"
-                )
-            inter = comm.Connect(port, root=0)
-        merged = inter.Merge(high=role is Role.DESTINATION)
-        return cls(role, params, comm=merged, **kwargs)
+    @classmethod
+    def _connect_mpi(cls, role: Role, params: Any, address: str, host: str, comm: Any, **kwargs: Any) -> RefitGroup:
+        """Two MPI launches: every process joins a :class:`~jreshard.nixl.group.ProcessGroup` at ``address``
+        (bounded, authenticated; the control plane and the liveness of every peer), the source's process 0
+        hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
+        and calling) and the weights move over the merged communicator."""
+        from jreshard.auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
+        from jreshard.nixl.group import ProcessGroup
+
+        MPI = import_mpi()
+        comm = MPI.COMM_WORLD if comm is None else comm
+        options = Options.of(kwargs.get("options"))
+        key: bytes | None = None  # none configured: process 0 of the source side draws one into the address file
+        if options.secret is not None or os.environ.get(SECRET_ENV) or os.environ.get(SECRET_FILE_ENV):
+            key = resolve_secret(options.secret, who="RefitGroup.connect")  # a bad one raises
+        group = ProcessGroup.join(
+            role.value,
+            address,
+            index=comm.Get_rank(),
+            count=comm.Get_size(),
+            key=key,
+            timeout_s=options.timeout_s,
+            host=host,
+        )
+        try:
+            port = MPI.Open_port() if role is Role.SOURCE and comm.Get_rank() == 0 else None
+            ports = group.allgather({"port": port}, timeout_s=options.timeout_s)
+            name = ports[0]["port"]
+            if not isinstance(name, str) or not name:
+                raise PeerError(f"RefitGroup.connect: the source's process 0 sent no MPI port ({ports[0]!r})")
+            # every process of both sides is alive and calls in now (MPI's accept has no timeout: watched)
+            inter = _join_mpi(MPI, comm, name, role is Role.SOURCE, group, options.timeout_s)
+            if port is not None:
+                MPI.Close_port(port)
+            merged = inter.Merge(high=role is Role.DESTINATION)
+        except BaseException:
+            group.close()
+            raise
+        try:
+            return cls(role, params, comm=merged, _group=group, **kwargs)
+        except BaseException:
+            group.close()
+            raise
 
     @classmethod
     def _connect_nixl(cls, role: Role, params: Any, address: str, host: str, **kwargs: Any) -> RefitGroup:
@@ -341,6 +412,7 @@ class RefitGroup:
 
     def _run(self, sources: dict, targets: dict) -> dict:
         err = ""
+        cause: BaseException | None = None
         shards: dict = {}
         try:
             if self._views is not None:
@@ -354,9 +426,12 @@ class RefitGroup:
                     self._tensors, self._schedule, self._comm, sources, targets, options=self.options
                 )
             self.sent_bytes = dict(stats.sent_bytes)
-        except (TransferError, ValueError, BackendUnavailableError) as e:  # ValueError: options that cannot schedule
+        except Exception as e:  # any failure: the group is broken, and the commit vote still runs
+            # (a transport's own exception type, a ValueError of options that cannot schedule, ...):
+            # every other process hears of it at once instead of waiting out its timeout
             err = f"{type(e).__name__}: {e}"
             self._broken = err
+            cause = e
         failed: list[str] = [f"{self._describe(self._control.rank)}: {err}"] if err else []
         try:
             votes = self._control.allgather(
@@ -377,7 +452,7 @@ class RefitGroup:
             raise PeerError(
                 "refit failed; the destination keeps its previous version:\n  " + "\n  ".join(failed),
                 destination_intact=True,
-            )
+            ) from cause
         return shards
 
     def _move_views(self, gv: GroupViews, sources: dict, targets: dict) -> tuple[dict, ExecStats]:
@@ -486,8 +561,11 @@ class RefitGroup:
 
     def close(self) -> None:
         """Tell every other process this one left (a peer waiting on it raises at once), then release the
-        communicators (kept, unfreed, when broken: a dead peer never answers)."""
+        communicators (MPI's kept, unfreed, when broken: a dead peer never answers). Between two launches
+        the notice goes over the side channel, and never to a peer whose connection closed."""
         self._control.notify_closed()
-        if self._broken is None or not isinstance(self._comm, MpiComm):  # sockets close at once, MPI may block
+        mpi = isinstance(self._comm, (MpiComm, LiveComm))
+        if self._broken is None or not mpi:  # sockets close at once, MPI may block
             self._comm.close()
+        if self._broken is None or not isinstance(self._control, Control):
             self._control.close()

@@ -83,7 +83,9 @@ def test_peer_killed_mid_refit(tmp_path, victim):
     for r in survivors.values():
         assert r["failed_at"] == 3 and r["versions"] == [1, 2], r
         assert r["native_steps"] >= 3, r  # versions 1 and 2, then 3: waiting in the compiled replay when it failed
-        assert "Timeout" in r["error"] or "did not answer" in r["error"] or "no answer" in r["error"], r
+        # a silent peer is timed out; a dead one is seen at once, its connection to the control plane closed
+        said = ("Timeout", "did not answer", "no answer", "closed the group", "is gone")
+        assert any(s in r["error"] for s in said), r
         assert r["elapsed"] < timeout + 2.0, r  # raised within the configured timeout (+ polling slack)
         assert r["version_after_failure"] == 2
         if victim == "source":

@@ -60,6 +60,11 @@ def _peer_address(ch: Channel, said: object) -> tuple[str, int]:
     return host, port
 
 
+def _why(err: BaseException) -> str:
+    """An error as a drop reason: jreshard's own by its message, any other with its type."""
+    return str(err) if isinstance(err, TransferError) else f"{type(err).__name__}: {err}"
+
+
 def _alive(ch: Channel) -> bool:
     try:
         ch.pump()
@@ -102,6 +107,7 @@ class Membership:
         self.cv = threading.Condition()
         self.members: dict[int, _Member] = {}
         self.gone: list[ReplicaInfo] = []
+        self._lost: dict[str, str] = {}  # departures since the last push report, for the next one
         self.committed: tuple[int, list[tuple[str, Any]]] | None = None
         self._pending: list[tuple[Channel, float]] = []
         self._forming: dict[str, tuple[dict[int, tuple[Channel, dict]], float]] = {}  # multi-process joiners
@@ -287,8 +293,8 @@ class Membership:
             m.send({"op": "catchup", "version": v, "from": "trainer"}, self.options.timeout_s)
             self._out_version = v
             self._send(m, leaves)
-        except TransferError as err:
-            self._drop(m, f"catching up to version {v}: {err}")
+        except Exception as err:  # any failure (the transport's included) drops this replica only
+            self._drop(m, f"catching up to version {v}: {_why(err)}")
 
     def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> None:
         """Refit ``m`` to ``self._out_version``: every follower its shards, this process its own."""
@@ -338,6 +344,8 @@ class Membership:
                 return
             m.state, m.error = ReplicaState.GONE, why
             self.gone = [*self.gone[-1023:], m.info()]  # the last 1024 departures
+            before = self._lost.get(m.name)  # a name that left twice since the last report: both reasons
+            self._lost[m.name] = why if before is None else f"{before}; then (rejoined) {why}"
             self.cv.notify_all()
         for ch in m.channels:
             ch.close()
@@ -355,8 +363,8 @@ class Membership:
                 m.send({"op": "refit", "version": version}, self.options.timeout_s)
                 self._out_version = version
                 self._send(m, leaves)
-            except TransferError as err:
-                self._drop(m, f"during version {version}: {err}")
+            except Exception as err:  # any failure (the transport's included) drops this replica only
+                self._drop(m, f"during version {version}: {_why(err)}")
             self.poll(0.0)  # register the replicas done so far ("any k at v" sees them early)
         with self.cv:
             self.committed = (version, leaves)
@@ -374,8 +382,9 @@ class Membership:
         for m in targets:
             if m.state is not ReplicaState.GONE and m.version != version:
                 self._drop(m, f"did not report version {version} within timeout_s={self.options.timeout_s}")
-        lost = {m.name: m.error for m in targets if m.state is ReplicaState.GONE}
-        done = tuple(m.name for m in targets if m.state is not ReplicaState.GONE)
+        done = tuple(m.name for m in targets if m.version == version)  # (one may have left since: it did commit)
+        with self.cv:  # every departure since the previous report: during this push, or between the two
+            lost, self._lost = self._lost, {}
         report = PushReport(version, done, lost, time.monotonic() - t0)
         if self._followers is not None:
             self._followers.pushed(report)

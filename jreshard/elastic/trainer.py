@@ -213,7 +213,9 @@ class ElasticTrainer:
             return self._m.version
 
     def replicas(self, *, include_gone: bool = False) -> dict[str, ReplicaInfo]:
-        """``{name: ReplicaInfo}`` of the live replicas (and, with ``include_gone``, the departed).
+        """``{name: ReplicaInfo}`` of the live replicas (and, with ``include_gone``, the departed: for a name
+        that is live again, the live one; for a name that departed more than once, its latest departure;
+        :meth:`history` keeps every one).
 
         Raises:
           ValueError: on a process other than process 0 (it leads membership).
@@ -223,6 +225,23 @@ class ElasticTrainer:
             live = {m.name: m.info() for m in self._m.members.values()}
             gone = {i.name: i for i in self._m.gone} if include_gone else {}
         return gone | live
+
+    def history(self, name: str | None = None) -> list[ReplicaInfo]:
+        """Every replica this trainer admitted, oldest first: the departed (the last 1024, each with its
+        ``error``, the reason it is gone), then the live. A name that left (or died) and joined again has
+        one entry per time it joined, each with its own ``id``: a rejoin never hides why the earlier one
+        went (:meth:`replicas` keeps one entry per name, the live one first).
+
+        Args:
+          name: only the entries of this name.
+
+        Raises:
+          ValueError: on a process other than process 0 (it leads membership).
+        """
+        self._leader_only("history")
+        with self._cv:
+            out = [*self._m.gone, *(m.info() for m in self._m.members.values())]
+        return sorted((i for i in out if name is None or i.name == name), key=lambda i: i.id)
 
     def push(self, params: Any, *, version: int, block: bool = True) -> PushReport | None:
         """Send ``params`` as ``version`` to every live replica (each on its own; failures are dropped).

@@ -76,7 +76,11 @@ class PushReport:
     Attributes:
       version: the version pushed.
       committed: names of the replicas that committed it.
-      lost: ``{name: why}`` for the replicas dropped during this push.
+      lost: ``{name: why}`` for every replica that departed since the previous push's report: dropped
+        during this push (it died, stopped answering, or failed), or gone between the two pushes (it
+        died, was dropped, or left: ``why`` is ``"left"`` for a clean leave). A name in both
+        ``committed`` and ``lost`` committed this version and left after it, or joined again under
+        that name after it was lost.
       seconds: wall time of the push, measured.
     """
 

@@ -205,17 +205,21 @@ class MpiComm(Communicator):
         remote_recvs = [r for r in recvs if self.process_of(r.src) != self._me]
         local_sends = [s for s in sends if self.process_of(s.dst) == self._me]
         pending: list[tuple[Any, SendOp | RecvOp]] = []
+        op: SendOp | RecvOp | None = None
         try:
-            for r in remote_recvs:
-                req = self._comm.Irecv(r.buffer, source=self._proc[r.src], tag=self._tag(r))
-                pending.append((req, r))
-            for s in sends:
-                if self.process_of(s.dst) != self._me:
-                    req = self._comm.Isend(s.buffer, dest=self._proc[s.dst], tag=self._tag(s))
-                    pending.append((req, s))
+            for op in remote_recvs:
+                req = self._comm.Irecv(op.buffer, source=self._proc[op.src], tag=self._tag(op))
+                pending.append((req, op))
+            for op in sends:
+                if self.process_of(op.dst) != self._me:
+                    req = self._comm.Isend(op.buffer, dest=self._proc[op.dst], tag=self._tag(op))
+                    pending.append((req, op))
         except self._MPI.Exception as err:
-            self._abort(pending, f"MPI error while posting: {err}")
-            raise PeerError(f"MpiComm.exchange: MPI error while posting the group: {err}") from err
+            assert op is not None
+            what = "send" if isinstance(op, SendOp) else "receive"
+            where = f"{what} {op.src}->{op.dst} tag {op.tag} (MPI process {self._proc[self._peer(op)]})"
+            self._abort(pending, f"MPI error while posting the {where}: {err}")
+            raise PeerError(f"MpiComm.exchange: MPI error while posting the {where}: {err}") from err
         try:  # messages between ranks of this process: copies, matched as LocalComm matches them
             match_and_copy(local_sends, local_recvs)
         except PeerError:
@@ -236,9 +240,11 @@ class MpiComm(Communicator):
                 done = MPI.Request.Testsome(reqs, statuses)
             except MPI.Exception as err:
                 self._abort(pending, f"MPI error: {err}")
+                procs = sorted({self._proc[self._peer(op)] for _, op in pending})
+                at = f"MPI process {procs[0]}" if len(procs) == 1 else f"MPI processes {_short(procs)}"
                 raise PeerError(
                     f"MpiComm.exchange: MPI reported a failure while waiting on ranks "
-                    f"{_short([self._peer(op) for _, op in pending])}: {err}"
+                    f"{_short([self._peer(op) for _, op in pending])} ({at}): {err}"
                 ) from err
             if done:
                 for i, status in zip(done, statuses, strict=False):  # statuses[k] belongs to done[k]
@@ -291,15 +297,19 @@ class MpiComm(Communicator):
                 except MPI.Exception:  # pragma: no cover - cancel is best effort
                     pass
             self._abandoned.append((req, op.buffer))
-        # Give cancels a moment to complete so receive buffers are released; never block.
+        # Give cancels a moment to complete so receive buffers are released; never block. Each request is
+        # tested on its own (a send to a dead peer never completes, and must not keep a cancelled receive
+        # from being freed: MPI would hold it, and UCX warn of it, until MPI_Finalize).
         end = time.monotonic() + 0.05
-        while time.monotonic() < end:
-            try:
-                if MPI.Request.Testall([r for r, _ in self._abandoned if r]):
-                    self._abandoned.clear()
-                    break
-            except MPI.Exception:  # pragma: no cover
-                break
+        while self._abandoned and time.monotonic() < end:
+            left = []
+            for r, buf in self._abandoned:
+                try:
+                    if r and not r.Test():
+                        left.append((r, buf))
+                except MPI.Exception:  # pragma: no cover - best effort
+                    left.append((r, buf))
+            self._abandoned = left
             time.sleep(1e-3)
 
     def close(self) -> None:
@@ -309,7 +319,10 @@ class MpiComm(Communicator):
             return
         replay.release(self)
         if self._broken is None:
-            self._comm.Free()
+            try:
+                self._comm.Free()
+            except self._MPI.Exception as err:  # a close never raises: the communicator is given up
+                self._broken = f"MPI error while freeing the communicator: {err}"
         self._comm = None
 
 

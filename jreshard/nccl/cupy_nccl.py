@@ -298,8 +298,17 @@ class NcclComm(Communicator):
         if not self._deferred:  # else the buffers ordered everything on this stream (fence), not the current one
             for k in used:
                 loc = self._local[k]
-                with cuda.Device(loc.ordinal):
-                    loc.stream.wait_event(cuda.get_current_stream().record())
+                try:
+                    with cuda.Device(loc.ordinal):
+                        loc.stream.wait_event(cuda.get_current_stream().record())
+                except Exception as err:  # CuPy's own error types
+                    self._abort()
+                    raise TransferError(
+                        f"NcclComm: CUDA failed ordering the group of ranks {self._local_ranks} after the caller's "
+                        f"work on GPU {loc.ordinal} ({type(err).__name__}: {err}), before "
+                        f"{self._peers(issued, {k})}; communicators aborted",
+                        destination_intact=False,
+                    ) from err
         # groupEnd blocks while NCCL connects to the peers: a watchdog aborts the
         # communicators at the deadline, which makes it return with an error.
         with Watchdog(timeout_s, self._abort) as dog:
@@ -361,18 +370,27 @@ class NcclComm(Communicator):
         events = {}
         for k in used:
             loc = self._local[k]
-            with cuda.Device(loc.ordinal):
-                events[k] = loc.stream.record()
+            try:
+                with cuda.Device(loc.ordinal):
+                    events[k] = loc.stream.record()
+            except Exception as err:  # CuPy's own error types
+                self._abort()
+                raise TransferError(
+                    f"NcclComm: CUDA failed recording the end of {self._peers(issued, {k})} on GPU {loc.ordinal} "
+                    f"({type(err).__name__}: {err}); communicators aborted",
+                    destination_intact=False,
+                ) from err
         pause = _POLL_MIN_S
         pending = set(used)
         while pending:
             for k in sorted(pending):
                 try:
                     done = event_done(events[k], cuda.runtime)
-                except cuda.runtime.CUDARuntimeError as err:
+                except Exception as err:  # a CUDA error (sticky ones included), or whatever CuPy raised
                     self._abort()
                     raise TransferError(
-                        f"NcclComm: CUDA reported {err} on GPU {self._local[k].ordinal} (device key {k}) while "
+                        f"NcclComm: CUDA reported {type(err).__name__}: {err} on GPU {self._local[k].ordinal} "
+                        f"(device key {k}) while "
                         f"waiting for {self._peers(issued, {k})}; communicators aborted",
                         destination_intact=False,
                     ) from err

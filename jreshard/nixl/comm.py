@@ -41,7 +41,10 @@ did not post (receivers) or did not write (senders). A peer whose connection clo
 owes this process a post or a write is :class:`PeerError` within a second (a sender that finished
 may close before its last notifications are delivered: they travel apart from the connection). A
 transfer NIXL reports ``ERR``, a size disagreement (both sides are told) or a peer's ``nixl.fail``
-is :class:`PeerError`. Either way the communicator is *broken* (fail-stop, like NCCL): the receives
+is :class:`PeerError`, and so is any exception NIXL raises at any call (registering, posting, polling,
+releasing, notifying, reading notifications, introducing the agents: e.g. ``nixlRemoteDisconnectError``
+when a WRITE is polled after its peer died), naming the peer and the phase; every peer of a failed
+exchange is told at once. Either way the communicator is *broken* (fail-stop, like NCCL): the receives
 it gave up are abandoned (their buffers kept alive until a late WRITE's notification, so no write
 lands in reused memory) and other channels are untouched. The caller drops the failed peer's
 connection (descriptors it posted may still sit on it) and goes on with the others.
@@ -52,11 +55,12 @@ Messages between two local ranks are copies (``match_and_copy``).
 from __future__ import annotations
 
 import collections
+import functools
 import hmac
 import os
 import select
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,7 +69,7 @@ from jreshard.auth import TAG_BYTES
 from jreshard.channel import Channel
 from jreshard.engine.comm import Communicator, Group, PreparedGroups, RecvOp, SendOp
 from jreshard.engine.loopback import match_and_copy
-from jreshard.errors import PeerError, TransferTimeoutError
+from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
 from jreshard.nixl.agent import NOTICE, NixlAgent, label
 
 __all__ = ["NixlComm"]
@@ -83,6 +87,20 @@ _Posted = tuple[int, int, int, str, int, bool]
 
 def _host(buffer: Any) -> bool:
     return not hasattr(buffer, "__cuda_array_interface__")
+
+
+def _nixl(phase: str, peer: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, a call into NIXL; any exception it raises (NIXL has its own types, e.g. a remote
+    disconnect while a WRITE is polled) becomes :class:`PeerError` naming the peer and the phase."""
+    try:
+        return call(*args)
+    except JReshardError:
+        raise
+    except Exception as err:
+        raise PeerError(
+            f"NixlComm.exchange: NIXL failed during the {phase} ({peer}): {type(err).__name__}: {err}",
+            destination_intact=True,
+        ) from err
 
 
 def _short(xs: Sequence[int]) -> str:
@@ -122,6 +140,7 @@ class NixlComm(Communicator):
         self._agent = agent
         self._remote = dict(remote)
         self.broken: str | None = None
+        self._told: set[Channel] = set()  # peers sent this communicator's failure
         self._posted: dict[tuple[int, int, int], collections.deque[_Posted]] = {}  # posts not yet written to
         self._tags: dict[int, tuple[bytes | None, int | None]] = {}  # receive id -> its sender's tag, sequence
         self.verified = 0  # messages whose bytes were checked against their sender's tag (or opened)
@@ -130,7 +149,9 @@ class NixlComm(Communicator):
             raise ValueError("NixlComm: encrypt=True needs authenticated connections (with a session) to every peer")
         self._landing: dict[int, np.ndarray] = {}  # receive id -> where its encrypted bytes land
         self._outbound: list[np.ndarray] = []  # encrypted copies being written
-        agent.introduce(list(dict.fromkeys(self._remote.values())), timeout_s=timeout_s)
+        channels = list(dict.fromkeys(self._remote.values()))
+        who = ", ".join(ch.peer for ch in channels) or "no peer"
+        _nixl("introduction of the agents", who, functools.partial(agent.introduce, channels, timeout_s=timeout_s))
 
     prepares: bool = os.environ.get("JRESHARD_NIXL_PREPARED", "0") == "1"
     """Whether :meth:`prepare` makes prepared groups: off unless ``JRESHARD_NIXL_PREPARED=1`` (or set on the class or a
@@ -185,9 +206,13 @@ class NixlComm(Communicator):
         try:
             self._post(remote_recvs, waiting)
             self._run(remote_sends, waiting, timeout_s)
-        except (PeerError, TransferTimeoutError) as err:
-            self.broken = str(err)
+        except Exception as err:  # fail-stop on any failure; NIXL's own errors arrive here as PeerError
+            self.broken = f"{type(err).__name__}: {err}"
             self._agent.abandon({i: self._landing.pop(i, r.buffer) for i, r in waiting.items()})
+            involved = [self._remote[s.dst] for s in remote_sends] + [self._remote[r.src] for r in remote_recvs]
+            for ch in dict.fromkeys(involved):  # a peer still waiting on this process hears of it at once
+                if ch not in self._told and not ch.eof:
+                    self._fail(ch, self.broken)
             raise
 
     def _post(self, recvs: Sequence[RecvOp], waiting: dict[int, RecvOp]) -> None:
@@ -202,7 +227,8 @@ class NixlComm(Communicator):
                 if not _host(r.buffer):
                     raise ValueError("NixlComm: encrypt=True covers host buffers only (a GPU receive buffer)")
                 landing = self._landing[i] = np.empty(int(r.buffer.nbytes) + TAG_BYTES, np.uint8)
-            region = self._agent.region(landing)
+            what = f"registration of the receive {r.src}->{r.dst} tag {r.tag}"
+            region = _nixl(what, ch.peer, self._agent.region, landing)
             waiting[i] = r
             by.setdefault(ch, []).append(
                 [r.src, r.dst, r.tag, i, region.address, region.nbytes, region.mem, region.device, int(self.encrypt)]
@@ -256,6 +282,8 @@ class NixlComm(Communicator):
                 self._posted.setdefault(key, collections.deque()).append(post)
 
     def _fail(self, ch: Channel, error: str) -> PeerError:
+        """Tell the peer on ``ch`` this exchange failed (best effort, bounded); the error to raise here."""
+        self._told.add(ch)
         try:
             ch.send_control({"op": "nixl.fail", "error": error}, timeout_s=1.0)
         except (PeerError, TransferTimeoutError):
@@ -290,12 +318,14 @@ class NixlComm(Communicator):
         agent = self._agent.nixl
         peer = self._agent.peer(ch)
         notice = NOTICE + str(i).encode()
+        what = f"WRITE {s.src}->{s.dst} tag {s.tag}"
         if nbytes == 0:
             if not sealed:
                 self._tag(s, i, ch, tags)
-            agent.send_notif(peer, notice)
+            _nixl(f"notification of the empty {what}", ch.peer, agent.send_notif, peer, notice)
             return None
-        local = self._agent.region(buffer)
+        local = _nixl(f"registration of the {what}", ch.peer, self._agent.region, buffer)
+        handle = None
         try:
             handle = agent.initialize_xfer(
                 "WRITE",
@@ -306,10 +336,20 @@ class NixlComm(Communicator):
             )
             state = agent.transfer(handle)
         except Exception as err:  # nixl raises its own exception types
-            raise self._fail(ch, f"NIXL refused the WRITE {s.src}->{s.dst} tag {s.tag} to {ch.peer}: {err}") from err
+            if handle is not None:
+                try:
+                    handle.release()
+                except Exception:  # the refusal is what the caller hears of
+                    pass
+            raise self._fail(
+                ch, f"NIXL failed during the post of the {what} ({ch.peer}): {type(err).__name__}: {err}"
+            ) from err
         if state == "ERR":
-            handle.release()
-            raise self._fail(ch, f"NIXL reported an error posting the WRITE {s.src}->{s.dst} tag {s.tag}")
+            try:
+                handle.release()
+            except Exception:  # the ERR is what the caller hears of
+                pass
+            raise self._fail(ch, f"NIXL reported an error posting the {what} to {ch.peer}")
         if not sealed:
             self._tag(s, i, ch, tags)  # while the WRITE flies (the send buffer does not change until it is done)
         return handle
@@ -356,21 +396,29 @@ class NixlComm(Communicator):
                 for ch, entries in tags.items():  # sealed, beside the WRITEs: the receiver checks what landed
                     ch.queue_control({"op": "nixl.mac", "tags": entries})
                     ch.flush()
-                still = []
-                for handle, s in flying:
-                    state = agent.check_xfer_state(handle)
+                still: list[tuple[Any, SendOp]] = []
+                for n, (handle, s) in enumerate(flying):
+                    ch = self._remote[s.dst]
+                    what = f"WRITE {s.src}->{s.dst} tag {s.tag}"
+                    try:
+                        state = _nixl(f"poll of the {what}", ch.peer, agent.check_xfer_state, handle)
+                    except PeerError as err:  # e.g. the peer died with the bytes in flight
+                        flying = still + flying[n:]  # released (NIXL cancels what it can) on the way out
+                        self._fail(ch, str(err))
+                        raise
                     if state == "PROC":
                         still.append((handle, s))
                         continue
-                    handle.release()
+                    _nixl(f"release of the {what}", ch.peer, handle.release)
                     progress = True
                     if state != "DONE":
-                        raise self._fail(
-                            self._remote[s.dst], f"NIXL reported the WRITE {s.src}->{s.dst} tag {s.tag} failed"
-                        )
+                        flying = still + flying[n + 1 :]
+                        raise self._fail(ch, f"NIXL reported the {what} to {ch.peer} failed (state {state!r})")
                 flying = still
                 if waiting:
-                    for i in self._agent.arrived(set(waiting)):
+                    ids = set(waiting)
+                    peers = ", ".join(sorted({self._remote[r.src].peer for r in waiting.values()}))
+                    for i in _nixl("reading of notifications", peers, self._agent.arrived, ids):
                         landed[i] = waiting.pop(i)
                         progress = True
                 for i in [i for i in landed if i in self._tags or self._remote[landed[i].src].session is None]:

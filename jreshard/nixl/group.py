@@ -23,6 +23,7 @@ JSON (dicts with string keys, lists, numbers, strings).
 from __future__ import annotations
 
 import os
+import secrets
 import select
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -75,7 +76,7 @@ class ProcessGroup:
         *,
         index: int,
         count: int,
-        key: bytes,
+        key: bytes | None,
         timeout_s: float,
         host: str = "127.0.0.1",
     ) -> ProcessGroup:
@@ -86,14 +87,18 @@ class ProcessGroup:
           address: ``"HOST:PORT"`` (the source's process 0 binds it, the others connect), or a file
             path both programs can reach (process 0 binds ``host`` and writes its address there).
           index, count: this process's index in its program and the program's process count.
-          key: the shared secret.
+          key: the shared secret; ``None`` with a file ``address``: process 0 draws a fresh key and
+            writes it into the file beside its address (readable by its owner only), so whoever can
+            read the file can join (the MPI transport's rendezvous, where no secret is configured).
           timeout_s: the deadline for the whole rendezvous.
           host: the local address to listen on: process 0's, when ``address`` is a file; every other
             process's listener for its peers, where the default (loopback) and ``"0.0.0.0"`` mean
             the interface that reaches process 0.
 
         Raises:
-          TransferTimeoutError: not every process joined within ``timeout_s``.
+          TransferTimeoutError: not every process joined within ``timeout_s``; or the address file
+            names an address where nothing listens (a stale file, left by a process 0 that is gone)
+            and no fresh one replaced it within ``timeout_s`` (the message says so).
           AuthenticationError: a peer does not hold the key.
           ValueError: ``role``, ``index`` or ``count`` are inconsistent.
         """
@@ -103,20 +108,30 @@ class ProcessGroup:
             raise ValueError(f"ProcessGroup.join: index={index!r}, count={count!r} must satisfy 0 <= index < count")
         deadline = time.monotonic() + timeout_s
         given = _address(address)
+        if key is None and given is not None:
+            raise ValueError("ProcessGroup.join: key=None needs a file address (the key is written there)")
         if role == "source" and index == 0:
             listener = listen(*(given or (host, 0)))
             if given is None:
                 bound = format_address(host, listener.getsockname()[1])
-                with open(address + ".tmp", "w") as f:
+                if key is None:
+                    key = secrets.token_bytes(32)
+                    bound += "\n" + key.hex()
+                fd = os.open(address + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
                     f.write(bound)
                 os.replace(address + ".tmp", address)
             try:
+                assert key is not None
                 return cls._coordinate(listener, count, key, deadline, timeout_s)
             finally:
                 if given is None and os.path.exists(address):
                     os.remove(address)
-        where = given or parse_address(address, timeout_s=timeout_s)
-        ch = connect(where, "process 0 (source)", key=key, timeout_s=max(0.05, deadline - time.monotonic()))
+        if given is not None:
+            assert key is not None
+            ch = connect(given, "process 0 (source)", key=key, timeout_s=max(0.05, deadline - time.monotonic()))
+        else:
+            ch, key = _connect_file(address, key, deadline, timeout_s)
         try:
             mine = ch.sock.getsockname()[0] if host in _ANY or host == "127.0.0.1" else host
             listener = listen(mine, 0)
@@ -304,6 +319,23 @@ class ProcessGroup:
             select.select([self._channels[p] for p in waiting if not self._channels[p].eof], [], [], min(left, 0.01))
         return out
 
+    def gone(self, processes: Sequence[int]) -> list[int]:
+        """Those of ``processes`` whose connection closed (they exited, were killed, or closed the group),
+        read without waiting: the liveness of every peer, beside whatever carries the weights."""
+        out = []
+        for p in sorted(set(processes) - {self.rank}):
+            ch = self._channels[p]
+            if p not in self._closed:
+                try:
+                    ch.pump()
+                except PeerError:
+                    self._closed.add(p)
+                if ch.eof or any(m.get("op") == "bye" for m in ch.inbox):
+                    self._closed.add(p)
+            if p in self._closed:
+                out.append(p)
+        return out
+
     def notify_closed(self) -> None:
         """Tell every other process that this one is closing (best effort; never blocks long)."""
         for p, ch in self._channels.items():
@@ -318,6 +350,61 @@ class ProcessGroup:
         for ch in self._channels.values():
             ch.close()
         self._listener.close()
+
+
+def _read_file(address: str, deadline: float, timeout_s: float) -> tuple[tuple[str, int], bytes | None]:
+    """The address (and the key, when process 0 drew one) in the file ``address``, waited for."""
+    while True:
+        try:
+            with open(address) as f:
+                text = f.read()
+            break
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(
+                    f"ProcessGroup: the address file {address!r} did not appear within timeout_s={timeout_s} "
+                    "(the source side's process 0 writes it)"
+                ) from None
+            time.sleep(0.02)
+    first, _, rest = text.strip().partition("\n")
+    try:
+        where = _address(first.strip())
+        if where is None:
+            raise ValueError("no HOST:PORT")
+        return where, bytes.fromhex(rest.strip()) if rest.strip() else None
+    except ValueError as err:
+        raise ValueError(
+            f"ProcessGroup: the address file {address!r} holds {text[:200]!r}, not an address (a file of an older "
+            "jreshard, or not a rendezvous file): delete it and start the source side"
+        ) from err
+
+
+def _connect_file(address: str, key: bytes | None, deadline: float, timeout_s: float) -> tuple[Channel, bytes]:
+    """Connect to process 0 at the address in the file ``address``. Nobody listening there means the file
+    is stale (its writer is gone) or about to be replaced: it is read again until ``deadline``."""
+    stale = None
+    while True:
+        where, drawn = _read_file(address, deadline, timeout_s)
+        mine = key if key is not None else drawn
+        if mine is None:
+            raise ValueError(
+                f"ProcessGroup: the address file {address!r} holds no key and none is configured: set the "
+                "same Options(secret=...) or $JRESHARD_SECRET on both sides"
+            )
+        try:
+            left = max(0.05, deadline - time.monotonic())
+            return connect(where, "process 0 (source)", key=mine, timeout_s=left, retry=False), mine
+        except PeerError as err:
+            if not isinstance(err.__cause__, ConnectionRefusedError):
+                raise
+            stale = format_address(*where)
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError(
+                f"ProcessGroup: the address file {address!r} is stale: it names {stale}, where nothing listens "
+                f"(the source that wrote it is gone), and no source replaced it within timeout_s={timeout_s}. "
+                "Start the source side, or delete the file"
+            )
+        time.sleep(0.05)
 
 
 def _wait_op(ch: Channel, op: str, deadline: float, timeout_s: float) -> dict:
