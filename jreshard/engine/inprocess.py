@@ -16,10 +16,18 @@ every leaf of the group at once:
    memory; otherwise fresh shards, counted in the report.
 3. **Copies.** Every stage's copy classes, for the whole group, as batched strided
    copies (:mod:`jreshard.engine.strided`).
-4. **Results.** Each destination shard is imported through DLPack as memory its device
-   already holds (zero-copy, and no host-to-device transfer: every ``jax.transfer_guard``
-   setting allows it), and each global array is assembled from its shards in one call; the
-   pool takes the block back when jax lets it go.
+4. **Results.** Each global array is made over its shards in one call of jax's batched put
+   (zero-copy on CPU) where the transfer guard allows it, else each shard is imported through
+   DLPack as memory its device already holds (no host-to-device transfer: every
+   ``jax.transfer_guard`` setting allows it) and the array assembled from them; the pool takes
+   the block back when jax lets it go.
+
+The host work of a many-leaf call is mostly per leaf: jax builds a Python object per source
+shard when its shards are first read (about 3 us each), and one call makes each result.
+Copying on the copy threads while this thread reads the sources, or while ``transfer_into``
+donates the next chunk of ``into`` leaves, measured no faster on two shared cores (the GIL
+passes between the threads at every chunk), so every copy of a call starts once its sources
+are read and its destinations held.
 """
 
 from __future__ import annotations
@@ -162,9 +170,24 @@ _IMPORT = _dlpack_import()
 _ASSEMBLE = _array_impl()
 
 
-def _batched_put() -> Any:
-    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU), or
-    ``None`` where this jax has none of that private signature."""
+class _BatchedPut:
+    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU):
+    ``put(shape, dtype, sharding, views, devices, weak)``, or :meth:`raw` with an aval made once
+    (by :meth:`aval`) for many arrays of one shape and dtype."""
+
+    __slots__ = ("aval", "raw")
+
+    def __init__(self, raw: Any, aval: Any):
+        self.raw, self.aval = raw, aval
+
+    def __call__(
+        self, shape: tuple[int, ...], dtype: Any, sharding: Any, views: Sequence[Any], devices: Any, weak: bool
+    ) -> Any:
+        return self.raw(self.aval(shape, dtype, weak), sharding, views, devices, True)
+
+
+def _batched_put() -> _BatchedPut | None:
+    """:class:`_BatchedPut`, or ``None`` where this jax has none of that private signature."""
     try:
         from jax._src import core
         from jax._src.lib import xla_client as xc
@@ -172,10 +195,7 @@ def _batched_put() -> Any:
         fn = xc.batched_device_put
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions: DLPack import only
         return None
-    aval = cache(max_size=4096)(core.ShapedArray)
-    return lambda shape, dtype, sharding, views, devices, weak: fn(
-        aval(shape, dtype, weak), sharding, views, devices, True
-    )
+    return _BatchedPut(fn, cache(max_size=4096)(core.ShapedArray))
 
 
 _PUT = _batched_put()
@@ -221,7 +241,7 @@ def _make_array(
     Raises:
       TransferError: jax copied a buffer instead of aliasing it, or a dtype has no DLPack type (sub-byte).
     """
-    if _put_allowed() if put is None else put:
+    if _PUT is not None and (_put_allowed() if put is None else put):
         return _PUT(shape, dtype, sharding, views, devices, weak_type)
     shards = [_IMPORT(v, d) for v, d in zip(views, devices, strict=True)]
     for v, d, a in zip(views, devices, shards, strict=True):
@@ -245,7 +265,7 @@ def _padded(nbytes: int) -> int:
 
 def _fresh(
     dst: Layout, n: int, pool: BufferPool, order: Sequence[int] | None = None
-) -> tuple[np.ndarray, list[Sequence[np.ndarray]]]:
+) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     """Destination shards of layout ``dst`` for ``n`` leaves: one pool block per slot, cut per leaf.
 
     Returns ``(addresses (n, slots), views[leaf])``, each leaf's views in slot order, or in ``order``
@@ -448,7 +468,7 @@ def _claim_into(
 
 def _into_destinations(
     prep: Prepared, src_ptr: list[np.ndarray], pool: BufferPool, builder: ReportBuilder
-) -> tuple[list[np.ndarray], list[list[Sequence[np.ndarray]]], dict[int, tuple[Any, tuple[int, ...]]]]:
+) -> tuple[list[np.ndarray], list[list[list[np.ndarray]]], dict[int, tuple[Any, tuple[int, ...]]]]:
     """The destination shards of ``transfer_into``, per group: ``(addresses, fresh views, donated)``.
 
     ``into`` leaves owned exclusively are donated (their memory taken over, ``donated[leaf] =
@@ -474,7 +494,7 @@ def _into_destinations(
         if donated[i][1] != own[i][0]:  # jax copied: the result is in fresh memory, not into's
             builder.add_unowned(_storage(donated[i][0]), i, NotInPlace.NOT_HANDED_OVER)
     dst_ptr: list[np.ndarray] = []
-    views: list[list[Sequence[np.ndarray]]] = []
+    views: list[list[list[np.ndarray]]] = []
     for g in shape.groups:
         p = np.zeros((len(g.leaves), len(g.dst.ranks)), dtype=np.int64)
         if g.common_dst is not None and all(i in donated for i in g.leaves):  # the steady state: one call
@@ -482,7 +502,7 @@ def _into_destinations(
             dst_ptr.append(p)
             views.append([[] for _ in g.leaves])
             continue
-        v_g: list[Sequence[np.ndarray]] = []
+        v_g: list[list[np.ndarray]] = []
         for j, i in enumerate(g.leaves):
             if i in donated:
                 p[j, list(g.dst_order[j])] = donated[i][1]
@@ -572,7 +592,7 @@ def run_local(
 def _results(
     prep: Prepared,
     g: Group,
-    views: list[Sequence[np.ndarray]],
+    views: Sequence[Sequence[np.ndarray]],
     dst_ptr: np.ndarray,
     donated: dict[int, tuple[Any, tuple[int, ...]]],
     put: bool,
@@ -582,6 +602,8 @@ def _results(
     shards ``views[j]`` (in the order jax assembles them where the group has one order, ``g.common_dst``,
     else in slot order) with addresses ``dst_ptr`` (slot order); each result's addresses are remembered."""
     leaves, targets, common = prep.leaves, prep.targets, g.common_dst
+    batched = _PUT if put else None
+    avals: dict[bool, Any] = {}  # weak_type -> aval: every leaf of a group has one shape and dtype
     made: list[Any] = []
     rows = (dst_ptr[:, list(common)] if common is not None else dst_ptr).tolist()
     made_rows: list[list[int]] = []
@@ -597,8 +619,16 @@ def _results(
         else:
             order = g.dst_order[j]
             shards, devices, row = [views[j][k] for k in order], g.devices[j], [rows[j][k] for k in order]
-        out[i] = _make_array(leaf.shape, leaf.dtype, sharding, shards, devices, leaf.weak_type, put)
-        made.append(out[i])
+        if batched is not None:
+            weak = leaf.weak_type
+            aval = avals.get(weak)
+            if aval is None:
+                aval = avals[weak] = batched.aval(leaf.shape, leaf.dtype, weak)
+            a = batched.raw(aval, sharding, shards, devices, True)
+        else:
+            a = _make_array(leaf.shape, leaf.dtype, sharding, shards, devices, leaf.weak_type, put)
+        out[i] = a
+        made.append(a)
         made_rows.append(row)
     _remember_all(made, made_rows, by_jax=False)
 
@@ -606,7 +636,7 @@ def _results(
 def _buffers(
     prep: Prepared,
     src_shards: list[list[Sequence[Any]]],
-    views: list[list[Sequence[np.ndarray]]],
+    views: Sequence[Sequence[Sequence[np.ndarray]]],
     donated: dict[int, tuple[Any, tuple[int, ...]]],
 ) -> tuple[strided.Buffers, strided.Buffers]:
     """The buffers a call's copies may read and write (the ``JRESHARD_CHECK_BOUNDS`` mode), sized from the
