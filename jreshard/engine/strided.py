@@ -62,6 +62,7 @@ __all__ = [
 
 LARGE_PIECE = 256 << 10  # bytes: pieces at least this big are copied one by one
 _CHUNK_BYTES = 1 << 20  # bytes of pieces per gather/scatter call: the temporary stays in cache
+_MAX_VIEW_BYTES = 1 << 60  # numpy refuses arrays whose size in bytes overflows its index type
 _KERNEL_CHUNK_BYTES = 4 << 20  # bytes of pieces per compiled call (no temporary: only the balance of threads)
 STREAM_MIN = 1 << 20  # bytes: a class that moves at least this much is written with streaming stores
 
@@ -76,9 +77,6 @@ _KERNEL: Any = _kernel_module
 def compiled() -> bool:
     """Whether the compiled strided copies (``jreshard/engine/_strided.c``) were built and load."""
     return _KERNEL is not None
-
-
-_MAX_VIEW_BYTES = 1 << 60  # numpy refuses arrays whose size in bytes overflows its index type
 
 
 class _Raw:
@@ -214,7 +212,8 @@ def _compiled(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) ->
 
 
 def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
-    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses) through fancy indexing."""
+    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses): the compiled kernel's where it was
+    built, else through fancy indexing."""
     if _KERNEL is not None and len(cls.outer) <= 8:
         return _compiled(cls, src, dst, threads)
     jobs: list[Callable[[], None]] = []
