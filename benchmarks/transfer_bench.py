@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shlex
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -56,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import views
+from jreshard.engine import strided
 from jreshard.engine.buffers import aligned_empty
 from jreshard.engine.pool import default_pool
 from jreshard.views import native
@@ -358,7 +361,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.layers = 3, 4
-    print(f"$ python benchmarks/transfer_bench.py{' --quick' if args.quick else ''}")
+    print("$ JAX_PLATFORMS=cpu python benchmarks/transfer_bench.py " + shlex.join(sys.argv[1:]))
+    kernel = "compiled" if strided.compiled() else "numpy (jreshard/engine/_strided.c not built)"
+    print(f"in-process copies: {kernel}")
     print(f"jax {jax.__version__}, {len(jax.devices())} CPU devices, {os.cpu_count()} cores, {args.repeats} repeats")
     bw = warm_bandwidth()
     print(f"warm np.copyto bandwidth at the start (8 MiB calls): {bw / 1e9:.2f} GB/s")

@@ -16,10 +16,18 @@ every leaf of the group at once:
    memory; otherwise fresh shards, counted in the report.
 3. **Copies.** Every stage's copy classes, for the whole group, as batched strided
    copies (:mod:`jreshard.engine.strided`).
-4. **Results.** Each destination shard is imported through DLPack as memory its device
-   already holds (zero-copy, and no host-to-device transfer: every ``jax.transfer_guard``
-   setting allows it), and each global array is assembled from its shards in one call; the
-   pool takes the block back when jax lets it go.
+4. **Results.** Each global array is made over its shards in one call of jax's batched put
+   (zero-copy on CPU) where the transfer guard allows it, else each shard is imported through
+   DLPack as memory its device already holds (no host-to-device transfer: every
+   ``jax.transfer_guard`` setting allows it) and the array assembled from them; the pool takes
+   the block back when jax lets it go.
+
+The host work of a many-leaf call is mostly per leaf: jax builds a Python object per source
+shard when its shards are first read (about 3 us each), and one call makes each result.
+Copying on the copy threads while this thread reads the sources, or while ``transfer_into``
+donates the next chunk of ``into`` leaves, measured no faster on two shared cores (the GIL
+passes between the threads at every chunk), so every copy of a call starts once its sources
+are read and its destinations held.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from jreshard.engine import strided
 from jreshard.engine.buffers import Capsule, dlpack_type, retype_capsule
 from jreshard.engine.copies import CopyLowering, addresses, lower_local
 from jreshard.engine.pool import ALIGN, BufferPool, default_pool
-from jreshard.engine.prepared import Kind, Mode, Prepared, sharding_of
+from jreshard.engine.prepared import Group, Kind, Mode, Prepared, sharding_of
 from jreshard.errors import TransferError
 from jreshard.options import Options
 from jreshard.report import NotInPlace, ReportBuilder, ReportPhase
@@ -162,9 +170,24 @@ _IMPORT = _dlpack_import()
 _ASSEMBLE = _array_impl()
 
 
-def _batched_put() -> Any:
-    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU), or
-    ``None`` where this jax has none of that private signature."""
+class _BatchedPut:
+    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU):
+    ``put(shape, dtype, sharding, views, devices, weak)``, or :meth:`raw` with an aval made once
+    (by :meth:`aval`) for many arrays of one shape and dtype."""
+
+    __slots__ = ("aval", "raw")
+
+    def __init__(self, raw: Any, aval: Any):
+        self.raw, self.aval = raw, aval
+
+    def __call__(
+        self, shape: tuple[int, ...], dtype: Any, sharding: Any, views: Sequence[Any], devices: Any, weak: bool
+    ) -> Any:
+        return self.raw(self.aval(shape, dtype, weak), sharding, views, devices, True)
+
+
+def _batched_put() -> _BatchedPut | None:
+    """:class:`_BatchedPut`, or ``None`` where this jax has none of that private signature."""
     try:
         from jax._src import core
         from jax._src.lib import xla_client as xc
@@ -172,13 +195,16 @@ def _batched_put() -> Any:
         fn = xc.batched_device_put
     except (ImportError, AttributeError):  # pragma: no cover - other jax versions: DLPack import only
         return None
-    aval = cache(max_size=4096)(core.ShapedArray)
-    return lambda shape, dtype, sharding, views, devices, weak: fn(
-        aval(shape, dtype, weak), sharding, views, devices, True
-    )
+    return _BatchedPut(fn, cache(max_size=4096)(core.ShapedArray))
 
 
 _PUT = _batched_put()
+
+
+def _put_allowed() -> bool:
+    """Whether :func:`_make_array` may make arrays with jax's batched put now (it exists here, and the
+    transfer guard allows it)."""
+    return _PUT is not None and _host_to_device_allowed()
 
 
 def _host_to_device_allowed() -> bool:
@@ -192,7 +218,13 @@ def _host_to_device_allowed() -> bool:
 
 
 def _make_array(
-    shape: tuple[int, ...], dtype: Any, sharding: Any, views: list[np.ndarray], devices: Any, weak_type: bool = False
+    shape: tuple[int, ...],
+    dtype: Any,
+    sharding: Any,
+    views: Sequence[np.ndarray],
+    devices: Any,
+    weak_type: bool = False,
+    put: bool | None = None,
 ) -> Any:
     """A global array over pool buffers ``views`` (one per device, in ``devices`` order), zero-copy,
     committed to ``sharding`` and weakly typed where the source was (as ``jax.device_put`` keeps it).
@@ -203,10 +235,13 @@ def _make_array(
     already holds (no host-to-device transfer: every guard setting allows it; about 20 us a shard),
     and the array assembled from them.
 
+    ``put``: whether the batched put may be used (:func:`_put_allowed`, asked once for a whole call);
+    ``None`` asks here.
+
     Raises:
       TransferError: jax copied a buffer instead of aliasing it, or a dtype has no DLPack type (sub-byte).
     """
-    if _PUT is not None and _host_to_device_allowed():
+    if _PUT is not None and (_put_allowed() if put is None else put):
         return _PUT(shape, dtype, sharding, views, devices, weak_type)
     shards = [_IMPORT(v, d) for v, d in zip(views, devices, strict=True)]
     for v, d, a in zip(views, devices, shards, strict=True):
@@ -228,15 +263,18 @@ def _padded(nbytes: int) -> int:
     return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
 
 
-def _fresh(dst: Layout, n: int, pool: BufferPool) -> tuple[np.ndarray, list[list[np.ndarray]]]:
+def _fresh(
+    dst: Layout, n: int, pool: BufferPool, order: Sequence[int] | None = None
+) -> tuple[np.ndarray, list[list[np.ndarray]]]:
     """Destination shards of layout ``dst`` for ``n`` leaves: one pool block per slot, cut per leaf.
 
-    Returns ``(addresses (n, slots), views[leaf][slot])``.
+    Returns ``(addresses (n, slots), views[leaf])``, each leaf's views in slot order, or in ``order``
+    (the slots in the order jax assembles the leaf's shards) where given.
     """
     dtype = dst.np_dtype
     shapes = tuple(dst.box_of(r).shape for r in dst.ranks)
     ptr = np.zeros((n, len(shapes)), dtype=np.int64)
-    views: list[list[np.ndarray]] = [[] for _ in range(n)]
+    cols: list[list[np.ndarray]] = []
     for k, shape in enumerate(shapes):
         count = math.prod(shape)
         step = _padded(storage_bytes(dtype, count))
@@ -246,9 +284,9 @@ def _fresh(dst: Layout, n: int, pool: BufferPool) -> tuple[np.ndarray, list[list
         # each leaf's C-contiguous shard view without a Python slice per leaf.
         per_leaf = block.view(dtype).reshape(n, step // dtype.itemsize)[:, :count].reshape(n, *shape)
         # (Iterating a 1-D array yields numpy scalars, copies taken now: rank-0 shards index with `...`.)
-        for j, v in enumerate(per_leaf if shape else (per_leaf[j, ...] for j in range(n))):
-            views[j].append(v)
-    return ptr, views
+        cols.append(list(per_leaf) if shape else [per_leaf[j, ...] for j in range(n)])
+    slots = range(len(shapes)) if order is None else order
+    return ptr, [list(v) for v in zip(*(cols[k] for k in slots), strict=True)]
 
 
 # id -> (weakref, shard addresses, whether jax allocated the memory) of the arrays returned here.
@@ -261,17 +299,24 @@ def _remember(a: Any, ptrs: Sequence[int], by_jax: bool) -> None:
 
     Reading them back costs a dictionary lookup, where jax builds a Python object per shard. An
     entry is used only while its weak reference still gives the very same array; dead entries are
-    dropped every few thousand records.
+    dropped whenever the table has doubled since the last sweep.
     """
-    global _RECORDED
-    _KNOWN[id(a)] = (weakref.ref(a), tuple(ptrs), by_jax)
-    _RECORDED += 1
-    if _RECORDED % 4096 == 0:
-        for key in [k for k, (ref, _, _) in _KNOWN.items() if ref() is None]:
-            del _KNOWN[key]
+    _remember_all([a], [ptrs], by_jax)
 
 
-_RECORDED = 0
+def _remember_all(arrays: Sequence[Any], ptrs: Sequence[Sequence[int]], by_jax: bool) -> None:
+    """:func:`_remember` for many arrays (``ptrs[k]``: the addresses of ``arrays[k]``)."""
+    global _SWEEP_AT
+    known, ref = _KNOWN, weakref.ref
+    for a, p in zip(arrays, ptrs, strict=True):
+        known[id(a)] = (ref(a), tuple(p), by_jax)
+    if len(known) > _SWEEP_AT:
+        for key in [k for k, (r, _, _) in known.items() if r() is None]:
+            del known[key]
+        _SWEEP_AT = max(4096, 2 * len(known))
+
+
+_SWEEP_AT = 4096
 
 
 def _addresses_of(a: Any) -> tuple[tuple[int, ...], bool]:
@@ -308,8 +353,12 @@ def _donate(
     # One call per device assignment (in order: jit needs every argument on the same one) and sharding
     # kind (jit cannot mix a GSPMDSharding with NamedShardings in one call).
     by_devices: dict[Any, list[int]] = {}
+    keys: dict[int, Any] = {}  # id(sharding) -> its key (the shardings stay alive through the call)
     for i, a in enumerate(arrays):
-        key = (tuple(d.id for d in a.sharding._device_assignment), type(a.sharding))
+        sh = a.sharding
+        key = keys.get(id(sh))
+        if key is None:
+            key = keys[id(sh)] = (tuple(d.id for d in sh._device_assignment), type(sh))
         by_devices.setdefault(key, []).append(i)
     out: list[tuple[Any, tuple[int, ...]]] = [(None, ())] * len(arrays)
     for idx in by_devices.values():
@@ -317,7 +366,10 @@ def _donate(
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             kinds = tuple((type(a.sharding), a.sharding, weak[i]) for i, a in zip(idx, group, strict=True))
-            moved = [_rewrapped(m, a.sharding) for m, a in zip(_identity(kinds)(*group), group, strict=True)]
+            moved = [
+                m if m.sharding is a.sharding else _rewrapped(m, a.sharding)
+                for m, a in zip(_identity(kinds)(*group), group, strict=True)
+            ]
         jax.block_until_ready(moved)
         trust = [by_jax[i] and a.is_deleted() for i, a in zip(idx, group, strict=True)]
         sample = [k for k in range(len(idx)) if trust[k]]
@@ -382,6 +434,14 @@ def _claim_into(
     Not when it is deleted, shares a buffer with any source leaf, or shares one with an
     ``into`` leaf claimed before it (the same array twice).
     """
+    targets = prep.targets
+    moved = [i for g in prep.shape.groups for i in g.leaves]
+    if all(not targets[i].is_deleted() and targets[i].size for i in moved):
+        entries = [_addresses_of(targets[i]) for i in moved]
+        flat = [p for addrs, _ in entries for p in addrs if p]
+        distinct = set(flat)
+        if len(distinct) == len(flat) and distinct.isdisjoint(src_ptrs):  # the steady state: all owned
+            return dict(zip(moved, entries, strict=True)), {}
     claimed: set[int] = set()
     own: dict[int, tuple[tuple[int, ...], bool]] = {}
     why: dict[int, NotInPlace | None] = {}  # None: a zero-size into leaf (no byte to place)
@@ -417,7 +477,7 @@ def _into_destinations(
     or another reference to it) are counted as not in place, with the reason.
     """
     leaves, shape = prep.leaves, prep.shape
-    every_src = {int(v) for p in src_ptr for v in p.ravel().tolist()} - {0}
+    every_src = set(np.concatenate([p.ravel() for p in src_ptr]).tolist()) - {0}
     for i, kind in enumerate(shape.kinds):  # kept leaves are sources an into leaf may name too
         if kind is Kind.KEEP and leaves[i].size:
             every_src |= _raw_pointers(_arrays(leaves[i]))
@@ -437,8 +497,8 @@ def _into_destinations(
     views: list[list[list[np.ndarray]]] = []
     for g in shape.groups:
         p = np.zeros((len(g.leaves), len(g.dst.ranks)), dtype=np.int64)
-        if len(set(g.dst_order)) == 1 and all(i in donated for i in g.leaves):  # the steady state: one call
-            p[:, list(g.dst_order[0])] = np.array([donated[i][1] for i in g.leaves], dtype=np.int64)
+        if g.common_dst is not None and all(i in donated for i in g.leaves):  # the steady state: one call
+            p[:, list(g.common_dst)] = np.array([donated[i][1] for i in g.leaves], dtype=np.int64)
             dst_ptr.append(p)
             views.append([[] for _ in g.leaves])
             continue
@@ -448,7 +508,7 @@ def _into_destinations(
                 p[j, list(g.dst_order[j])] = donated[i][1]
                 v_g.append([])
             else:
-                one_p, one_v = _fresh(g.dst, 1, pool)
+                one_p, one_v = _fresh(g.dst, 1, pool, g.common_dst)
                 p[j] = one_p[0]
                 v_g.append(one_v[0])
                 if why[i] is not None:
@@ -485,14 +545,16 @@ def run_local(
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
         jax.block_until_ready([leaves[i] for g in shape.groups for i in g.leaves])
-        src_shards = {i: _arrays(leaves[i]) for g in shape.groups for i in g.leaves}  # (each read builds arrays)
+        # Each group's source shards, read once per leaf (jax builds the single-device arrays on the
+        # first read), and their addresses.
+        src_shards = [[_arrays(leaves[i]) for i in g.leaves] for g in shape.groups]
         src_ptr = [
-            _pointers([src_shards[i] for i in g.leaves], g.src_order, len(g.src.ranks), _has_empty(g.src))
-            for g in shape.groups
+            _pointers(arrs, g.src_order, len(g.src.ranks), _has_empty(g.src))
+            for g, arrs in zip(shape.groups, src_shards, strict=True)
         ]
         donated: dict[int, tuple[Any, tuple[int, ...]]] = {}
         if prep.mode is Mode.TRANSFER:
-            fresh = [_fresh(g.dst, len(g.leaves), pool) for g in shape.groups]
+            fresh = [_fresh(g.dst, len(g.leaves), pool, g.common_dst) for g in shape.groups]
             dst_ptr, views = [p for p, _ in fresh], [v for _, v in fresh]
         else:
             dst_ptr, views, donated = _into_destinations(prep, src_ptr, pool, builder)
@@ -512,31 +574,69 @@ def run_local(
                 ) from err
             raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
     with builder.timed(ReportPhase.BUFFERS):
+        put = _put_allowed()
         for g, low, v_g, dp in zip(shape.groups, lowerings, views, dst_ptr, strict=True):
             for link, nb in low.link_bytes:
                 builder.add_bytes(link, nb * len(g.leaves))
-            rows = dp.tolist()
-            for j, i in enumerate(g.leaves):
-                if i in donated:
+            if prep.mode is Mode.TRANSFER or not all(i in donated for i in g.leaves):
+                _results(prep, g, v_g, dp, donated, put, out)
+            else:  # the steady state of transfer_into: every leaf donated
+                _remember_all([donated[i][0] for i in g.leaves], [donated[i][1] for i in g.leaves], by_jax=True)
+                for i in g.leaves:
                     out[i] = donated[i][0]
-                    _remember(out[i], donated[i][1], by_jax=True)
-                    continue
-                order = g.dst_order[j]
-                leaf = leaves[i]
-                sharding = sharding_of(prep.targets[i])  # the caller's object (equal to the cached one)
-                out[i] = _make_array(
-                    tuple(leaf.shape), leaf.dtype, sharding, [v_g[j][k] for k in order], g.devices[j], leaf.weak_type
-                )
-                _remember(out[i], [rows[j][k] for k in order], by_jax=False)
         del src_ptr
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)
     return out
 
 
+def _results(
+    prep: Prepared,
+    g: Group,
+    views: Sequence[Sequence[np.ndarray]],
+    dst_ptr: np.ndarray,
+    donated: dict[int, tuple[Any, tuple[int, ...]]],
+    put: bool,
+    out: list[Any],
+) -> None:
+    """Fill ``out`` with the result leaves of group ``g``: the donated arrays, and arrays made over the fresh
+    shards ``views[j]`` (in the order jax assembles them where the group has one order, ``g.common_dst``,
+    else in slot order) with addresses ``dst_ptr`` (slot order); each result's addresses are remembered."""
+    leaves, targets, common = prep.leaves, prep.targets, g.common_dst
+    batched = _PUT if put else None
+    avals: dict[bool, Any] = {}  # weak_type -> aval: every leaf of a group has one shape and dtype
+    made: list[Any] = []
+    rows = (dst_ptr[:, list(common)] if common is not None else dst_ptr).tolist()
+    made_rows: list[list[int]] = []
+    for j, i in enumerate(g.leaves):
+        if i in donated:
+            out[i] = donated[i][0]
+            _remember(out[i], donated[i][1], by_jax=True)
+            continue
+        leaf, t = leaves[i], targets[i]
+        sharding = t if isinstance(t, jax.sharding.Sharding) else sharding_of(t)  # the caller's object
+        if common is not None:
+            shards, devices, row = views[j], g.devices[0], rows[j]
+        else:
+            order = g.dst_order[j]
+            shards, devices, row = [views[j][k] for k in order], g.devices[j], [rows[j][k] for k in order]
+        if batched is not None:
+            weak = leaf.weak_type
+            aval = avals.get(weak)
+            if aval is None:
+                aval = avals[weak] = batched.aval(leaf.shape, leaf.dtype, weak)
+            a = batched.raw(aval, sharding, shards, devices, True)
+        else:
+            a = _make_array(leaf.shape, leaf.dtype, sharding, shards, devices, leaf.weak_type, put)
+        out[i] = a
+        made.append(a)
+        made_rows.append(row)
+    _remember_all(made, made_rows, by_jax=False)
+
+
 def _buffers(
     prep: Prepared,
-    src_shards: dict[int, Sequence[Any]],
-    views: list[list[list[np.ndarray]]],
+    src_shards: list[list[Sequence[Any]]],
+    views: Sequence[Sequence[Sequence[np.ndarray]]],
     donated: dict[int, tuple[Any, tuple[int, ...]]],
 ) -> tuple[strided.Buffers, strided.Buffers]:
     """The buffers a call's copies may read and write (the ``JRESHARD_CHECK_BOUNDS`` mode), sized from the
@@ -552,7 +652,8 @@ def _buffers(
                 written.extend((v.ctypes.data, v.ctypes.data + v.nbytes) for v in v_g[j])
     read = [
         (_pointer(s), _pointer(s) + storage_bytes(np.dtype(s.dtype), s.size))
-        for arrs in src_shards.values()
+        for group in src_shards
+        for arrs in group
         for s in arrs
     ]
     return strided.Buffers.of(read + written), strided.Buffers.of(written)

@@ -41,6 +41,7 @@ class Group:
       dst_order: per leaf, for each device of its target sharding (in the order jax
         assembles them), the destination slot it holds.
       devices: per leaf, the target sharding's devices in that order.
+      common_dst: ``dst_order``'s one entry when every leaf has the same, else ``None`` (derived).
     """
 
     src: Layout
@@ -49,6 +50,13 @@ class Group:
     src_order: tuple[tuple[int, ...], ...]
     dst_order: tuple[tuple[int, ...], ...]
     devices: tuple[list[Any], ...]
+    common_dst: tuple[int, ...] | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        # The one destination order every leaf shares (then its devices are the same too: a slot is a
+        # device id of the layout), or None: the runners build a whole group's shards in one pass.
+        if self.dst_order and len(set(self.dst_order)) == 1:
+            object.__setattr__(self, "common_dst", self.dst_order[0])
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

@@ -15,6 +15,12 @@ costs one numpy call per class and chunk, not one per piece:
   cache-sized temporary, then a scatter), with the GIL released, on two threads
   when the machine has two cores.
 
+Where the compiled kernel was built (``_strided.c``, :func:`compiled`), a chunk of pieces is
+one call of it instead: each run is copied straight from source to destination (no
+temporary), runs of 256 bytes or more with streaming stores in calls that move at least
+:data:`STREAM_MIN` bytes, and the GIL is released for the whole chunk. numpy's copies are the
+reference it is tested against.
+
 Large pieces (:data:`LARGE_PIECE`) are copied one by one with ``np.copyto`` on
 views of the piece itself, cut along their outermost extent across threads.
 
@@ -35,14 +41,18 @@ import math
 import os
 import threading
 from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 __all__ = [
     "LARGE_PIECE",
+    "STREAM_MIN",
     "Buffers",
     "CopyClass",
     "checking_bounds",
+    "compiled",
     "copy_classes",
     "executor",
     "raw_view",
@@ -53,6 +63,20 @@ __all__ = [
 LARGE_PIECE = 256 << 10  # bytes: pieces at least this big are copied one by one
 _CHUNK_BYTES = 1 << 20  # bytes of pieces per gather/scatter call: the temporary stays in cache
 _MAX_VIEW_BYTES = 1 << 60  # numpy refuses arrays whose size in bytes overflows its index type
+_KERNEL_CHUNK_BYTES = 4 << 20  # bytes of pieces per compiled call (no temporary: only the balance of threads)
+STREAM_MIN = 1 << 20  # bytes: a class that moves at least this much is written with streaming stores
+
+_kernel_module: ModuleType | None
+try:
+    from jreshard.engine import _strided as _kernel_module
+except ImportError:  # not built (no compiler, or a checkout run in place): numpy's copies
+    _kernel_module = None
+_KERNEL: Any = _kernel_module
+
+
+def compiled() -> bool:
+    """Whether the compiled strided copies (``jreshard/engine/_strided.c``) were built and load."""
+    return _KERNEL is not None
 
 
 class _Raw:
@@ -169,8 +193,29 @@ def executor() -> concurrent.futures.ThreadPoolExecutor:
     return _THREADS
 
 
+def _compiled(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
+    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses) with the compiled kernel, a chunk of
+    pieces a call (at least one chunk per thread)."""
+    kernel = _KERNEL
+    src = np.ascontiguousarray(src, dtype=np.int64)
+    dst = np.ascontiguousarray(dst, dtype=np.int64)
+    n = len(src)
+    stream = cls.piece_bytes * n >= STREAM_MIN
+    step = max(1, min(_KERNEL_CHUNK_BYTES // max(cls.piece_bytes, 1), -(-n // threads)))
+    outer, ss, ds = cls.outer, cls.src_strides, cls.dst_strides
+
+    def job(a: int, b: int) -> Callable[[], None]:
+        s, d = src[a:b], dst[a:b]  # (the closure keeps the address tables alive while the call runs)
+        return lambda: kernel.copy_pieces(s.ctypes.data, d.ctypes.data, b - a, cls.run, outer, ss, ds, stream)
+
+    return [job(a, min(a + step, n)) for a in range(0, n, step)]
+
+
 def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
-    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses) through fancy indexing."""
+    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses): the compiled kernel's where it was
+    built, else through fancy indexing."""
+    if _KERNEL is not None and len(cls.outer) <= 8:
+        return _compiled(cls, src, dst, threads)
     jobs: list[Callable[[], None]] = []
     lo_s, lo_d = int(src.min()), int(dst.min())
     span_s = int(src.max()) - lo_s + 1
