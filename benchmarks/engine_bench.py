@@ -310,17 +310,23 @@ COLUMNS = (
 """The real path's columns: (name, engine, bytes each message and descriptor row keeps)."""
 
 
-def real_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, columns: tuple = COLUMNS) -> dict:
-    """Run :func:`_worker` in two MPI processes; their measurements."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
+def _job(tmp: str, sched: Any, tensors: list[TensorSpec], rank: int, **more: Any) -> str:
+    """A pickled job for the worker processes in ``tmp``: the schedule, the rank, the byte size of each of its
+    destination shards, and ``more``; its path."""
     sizes = {
         t: spec.dst.box_of(rank).volume * spec.dst.itemsize for t, spec in enumerate(tensors) if rank in spec.dst.ranks
     }
+    path = os.path.join(tmp, "job.pkl")
+    with open(path, "wb") as f:
+        pickle.dump({"schedule": sched, "rank": rank, "sizes": sizes, **more}, f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
+def real_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, columns: tuple = COLUMNS) -> dict:
+    """Run :func:`_worker` in two MPI processes; their measurements."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "job.pkl")
-        with open(path, "wb") as f:
-            job = {"schedule": sched, "rank": rank, "sizes": sizes, "repeat": repeat, "columns": columns}
-            pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
+        path = _job(tmp, sched, tensors, rank, repeat=repeat, columns=columns)
         env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
         cmd = [str(mpiexec), "-n", "2", sys.executable, str(Path(__file__).resolve()), "--worker", path]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
@@ -417,14 +423,8 @@ def _nixl_worker(path: str, me: int) -> None:
 
 def nixl_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, row_bytes: int = 64) -> dict:
     """Run :func:`_nixl_worker` in two processes; the rank's measurements."""
-    sizes = {
-        t: spec.dst.box_of(rank).volume * spec.dst.itemsize for t, spec in enumerate(tensors) if rank in spec.dst.ranks
-    }
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "job.pkl")
-        with open(path, "wb") as f:
-            job = {"schedule": sched, "rank": rank, "sizes": sizes, "repeat": repeat, "row_bytes": row_bytes}
-            pickle.dump(job, f, protocol=pickle.HIGHEST_PROTOCOL)
+        path = _job(tmp, sched, tensors, rank, repeat=repeat, row_bytes=row_bytes)
         env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
         procs = [
             subprocess.Popen(
