@@ -129,7 +129,7 @@ class Control:
                     silent = sorted(unmatched | set(waiting))
                     self._leftover.extend(waiting.values())
                     raise TransferTimeoutError(
-                        f"no answer within timeout_s={timeout_s} from "
+                        f"no answer within {timeout_s:.3g} s from "
                         f"{', '.join(self._describe(p) for p in silent)}: it died or stopped answering"
                     )
                 time.sleep(sleep)

@@ -162,7 +162,7 @@ class ProcessGroup:
                     c.close()
                 listener.close()
                 raise TransferTimeoutError(
-                    f"ProcessGroup: processes {missing} (role, index) did not join within timeout_s={timeout_s}"
+                    f"ProcessGroup: processes {missing} (role, index) did not join within {timeout_s:.3g} s"
                 )
             # the handshake first; a refused client is logged and dropped
             for c, msg in accept_first(listener, pending, key=key, who="a joining process", wait_s=min(left, 0.05)):
@@ -212,8 +212,7 @@ class ProcessGroup:
                 if left <= 0:
                     missing = sorted(set(range(me + 1, len(table))) - set(channels))
                     raise TransferTimeoutError(
-                        f"ProcessGroup: processes {missing} did not connect to process {me} within "
-                        f"timeout_s={timeout_s}"
+                        f"ProcessGroup: processes {missing} did not connect to process {me} within {timeout_s:.3g} s"
                     )
                 for c, m in accept_first(listener, pending, key=key, who="a peer process", wait_s=min(left, 0.05)):
                     said = m.get("process")
@@ -313,7 +312,7 @@ class ProcessGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TransferTimeoutError(
-                    f"no answer within timeout_s={timeout_s} from "
+                    f"no answer within {timeout_s:.3g} s from "
                     f"{', '.join(self.describe(p) for p in sorted(waiting))}: it died or stopped answering"
                 )
             select.select([self._channels[p] for p in waiting if not self._channels[p].eof], [], [], min(left, 0.01))
@@ -362,7 +361,7 @@ def _read_file(address: str, deadline: float, timeout_s: float) -> tuple[tuple[s
         except FileNotFoundError:
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(
-                    f"ProcessGroup: the address file {address!r} did not appear within timeout_s={timeout_s} "
+                    f"ProcessGroup: the address file {address!r} did not appear within {timeout_s:.3g} s "
                     "(the source side's process 0 writes it)"
                 ) from None
             time.sleep(0.02)
@@ -401,7 +400,7 @@ def _connect_file(address: str, key: bytes | None, deadline: float, timeout_s: f
         if time.monotonic() > deadline:
             raise TransferTimeoutError(
                 f"ProcessGroup: the address file {address!r} is stale: it names {stale}, where nothing listens "
-                f"(the source that wrote it is gone), and no source replaced it within timeout_s={timeout_s}. "
+                f"(the source that wrote it is gone), and no source replaced it within {timeout_s:.3g} s. "
                 "Start the source side, or delete the file"
             )
         time.sleep(0.05)
@@ -411,7 +410,7 @@ def _wait_op(ch: Channel, op: str, deadline: float, timeout_s: float) -> dict:
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TransferTimeoutError(f"{ch.peer} sent no {op!r} within timeout_s={timeout_s}")
+            raise TransferTimeoutError(f"{ch.peer} sent no {op!r} within {timeout_s:.3g} s")
         msg = ch.recv_control(timeout_s=left)
         if msg.get("op") == op:
             return msg
