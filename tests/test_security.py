@@ -27,6 +27,7 @@ from jreshard.elastic import ElasticReplica, ElasticTrainer
 from jreshard.engine.comm import RecvOp
 from jreshard.errors import AuthenticationError
 from jreshard.nixl import NixlAgent, NixlComm
+from jreshard.nixl import agent as agent_module
 from jreshard.nixl import comm as comm_module
 from jreshard.nixl.group import ProcessGroup
 
@@ -456,7 +457,7 @@ def test_the_session_keys_differ_per_connection_and_per_direction():
     echo = auth.Session(KEY, ns, nc, client=True)
     assert echo.open(b"h", sealed) is None  # reflected back to its sender: not its receiving key
     assert s.open(b"h", sealed) == b"same words"
-    assert comm_module._label(1, 0, 1, 2) != comm_module._label(1, 0, 1, 3)
+    assert agent_module.label(1, 0, 1, 2) != agent_module.label(1, 0, 1, 3)
 
 
 _PROBE = """
