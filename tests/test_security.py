@@ -28,7 +28,6 @@ from jreshard.engine.comm import RecvOp
 from jreshard.errors import AuthenticationError
 from jreshard.nixl import NixlAgent, NixlComm
 from jreshard.nixl import agent as agent_module
-from jreshard.nixl import comm as comm_module
 from jreshard.nixl.group import ProcessGroup
 
 pytestmark = pytest.mark.timeout(120)
