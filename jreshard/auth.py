@@ -36,11 +36,10 @@ import os
 import secrets
 import struct
 from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
 
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from cryptography.hazmat.primitives.poly1305 import Poly1305
+from jreshard.errors import BackendUnavailableError
 
 __all__ = [
     "ANSWER_BYTES",
@@ -70,6 +69,37 @@ MIN_SECRET_BYTES = 16
 SECRET_ENV = "JRESHARD_SECRET"
 SECRET_FILE_ENV = "JRESHARD_SECRET_FILE"
 TAG_BYTES = 16  # a ChaCha20-Poly1305 frame's tag, and a Poly1305 MAC
+
+
+class _Crypto:
+    """The primitives of ``cryptography`` a session uses, imported on first use (connections between programs
+    need the package; one program's transfers do not)."""
+
+    def __init__(self) -> None:
+        try:
+            from cryptography.hazmat.primitives import hashes
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+            from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+            from cryptography.hazmat.primitives.poly1305 import Poly1305
+        except ImportError as err:
+            raise BackendUnavailableError(
+                "connections between programs (RefitGroup.connect, jreshard.elastic, NIXL groups) are encrypted "
+                f"with the cryptography package: pip install 'jreshard[net]' ({err})"
+            ) from err
+        self.hashes: ModuleType | Any = hashes
+        self.AESGCM, self.ChaCha20Poly1305, self.HKDF, self.Poly1305 = AESGCM, ChaCha20Poly1305, HKDF, Poly1305
+
+
+_CRYPTO: _Crypto | None = None
+
+
+def _crypto() -> _Crypto:
+    global _CRYPTO
+    if _CRYPTO is None:
+        _CRYPTO = _Crypto()
+    return _CRYPTO
+
+
 _SESSION_INFO = b"jreshard session v1: client->server, server->client, transfer MACs"
 
 
@@ -192,12 +222,13 @@ class Session:
 
     def __init__(self, key: bytes, server_nonce: bytes, client_nonce: bytes, *, client: bool):
         salt = server_nonce + client_nonce
-        okm = HKDF(algorithm=hashes.SHA256(), length=160, salt=salt, info=_SESSION_INFO).derive(key)
+        c = _crypto()
+        okm = c.HKDF(algorithm=c.hashes.SHA256(), length=160, salt=salt, info=_SESSION_INFO).derive(key)
         c2s, s2c, self._mac_key, data_c2s, data_s2c = (okm[i : i + 32] for i in range(0, 160, 32))
-        self._send = ChaCha20Poly1305(c2s if client else s2c)
-        self._recv = ChaCha20Poly1305(s2c if client else c2s)
-        self._data_send = AESGCM(data_c2s if client else data_s2c)
-        self._data_recv = AESGCM(data_s2c if client else data_c2s)
+        self._send = c.ChaCha20Poly1305(c2s if client else s2c)
+        self._recv = c.ChaCha20Poly1305(s2c if client else c2s)
+        self._data_send = c.AESGCM(data_c2s if client else data_s2c)
+        self._data_recv = c.AESGCM(data_s2c if client else data_c2s)
         self.sent = 0
         self.received = 0
         self.data_sent = 0
@@ -265,4 +296,4 @@ class Session:
           (16, True, False, False)
         """
         one_time = hashlib.blake2b(label, key=self._mac_key, digest_size=32, person=b"jreshard mac").digest()
-        return Poly1305.generate_tag(one_time, data)  # type: ignore[arg-type]
+        return _crypto().Poly1305.generate_tag(one_time, data)  # type: ignore[arg-type]
