@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "mpi_bodies"))
 
 import numpy as np
 from engine_groups import case, check, shards_for
+from pair_channel import channel
 
 from jreshard.auth import resolve_secret
-from jreshard.channel import connect, format_address, listen, parse_address
 from jreshard.engine.comm import RecvOp
 from jreshard.engine.rounds import execute
 from jreshard.errors import TransferTimeoutError
@@ -31,24 +31,7 @@ from jreshard.schedule.steps import build_schedule
 
 def main() -> None:
     me, address_file = int(sys.argv[1]), sys.argv[2]
-    key = resolve_secret(None)
-    if me == 0:
-        from jreshard.channel import Channel
-
-        server = listen("127.0.0.1", 0)
-        with open(address_file + ".tmp", "w") as f:
-            f.write(format_address(*server.getsockname()[:2]))
-        os.replace(address_file + ".tmp", address_file)
-        server.setblocking(True)
-        server.settimeout(30)
-        sock, _ = server.accept()
-        ch = Channel.server(sock, "process 1", key=key)
-        deadline = time.monotonic() + 10
-        while not ch.authenticated and time.monotonic() < deadline:
-            ch.pump()
-            time.sleep(0.001)
-    else:
-        ch = connect(parse_address(address_file, timeout_s=30), "process 0", key=key, timeout_s=30)
+    ch = channel(me, address_file, resolve_secret(None))
     ranks = [r for r in range(8) if r % 2 == me]
     plan, pairs, globals_ = case(8)
     options = Options(chunk_bytes=96, staging_bytes=1024, max_group_ops=7, timeout_s=20.0)
