@@ -68,9 +68,12 @@ def test_a_failing_stage_and_a_timeout_are_recorded_line_by_line(tmp_path):
     if gpu_check.gpu_count()[0]:
         pytest.skip("this machine has a GPU: the stages would pass")
     path = tmp_path / "gpu_check.jsonl"
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")  # the stage's interpreter never starts it
     stages = [
         gpu_check.Stage(name="kernel", full_s=120, quick_s=120),
-        gpu_check.Stage(name="pytest", full_s=1, quick_s=1),
+        gpu_check.Stage(name="pytest", full_s=1, quick_s=1, env={"PYTHONPATH": str(hang)}),
     ]
     failed, rows = gpu_check.run_stages(path, True, stages, min_stage_s=0.5)
     recs = [json.loads(line) for line in path.read_text().splitlines()]
