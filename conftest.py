@@ -23,7 +23,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 def held_port():
     """``held_port()`` is a free port for a jax coordinator that a child process starts, held (bound, not
     listening, ``SO_REUSEPORT``) until the test ends, so nothing else can take it before the coordinator binds."""
-    from jreshard._ports import reserved_port
+    from jreshard.net.ports import reserved_port
 
     with ExitStack() as stack:
         yield lambda: stack.enter_context(reserved_port())

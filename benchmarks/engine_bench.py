@@ -345,7 +345,7 @@ def _nixl_worker(path: str, me: int) -> None:
     """One of the two processes of the NIXL path: process 0 the rank (``execute`` over ``NixlComm`` and
     :class:`CpuBuffers`), process 1 every peer of it (the mirrored rounds replayed over its own ``NixlComm``),
     connected by an authenticated channel on loopback, one NIXL agent (UCX) each."""
-    from jreshard.channel import Channel, connect, format_address, listen, parse_address
+    from jreshard.net.channel import Channel, connect, format_address, listen, parse_address
     from jreshard.nixl import NixlAgent, NixlComm
 
     with open(path, "rb") as f:

@@ -48,11 +48,11 @@ import sys
 import numpy as np
 from plan_bench_local import local_schedule, peak_mib, peer_mail_process, print_local, profile, timed
 
-from jreshard._cache import clear_caches
 from jreshard.cost import predict
 from jreshard.models import refit, refit_topology
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
+from jreshard.sharding.caches import clear_caches
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts, rank_program
 from jreshard.sharding.simulate import simulate_layouts

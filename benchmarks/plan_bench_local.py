@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from jreshard._cache import clear_caches
 from jreshard.models import refit, refit_topology
 from jreshard.options import Options
 from jreshard.schedule.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, pair_paced
+from jreshard.sharding.caches import clear_caches
 from jreshard.sharding.planner import rank_programs
 from jreshard.sharding.program import RECV, SEND
 from jreshard.sharding.rows import TensorSpec

@@ -11,7 +11,6 @@ import typing as _typing
 
 from jreshard import baselines as baselines
 from jreshard import cost as cost
-from jreshard._cache import clear_caches as clear_caches
 from jreshard.errors import AuthenticationError as AuthenticationError
 from jreshard.errors import BackendUnavailableError as BackendUnavailableError
 from jreshard.errors import IndivisibleError as IndivisibleError
@@ -24,9 +23,9 @@ from jreshard.errors import TransferError as TransferError
 from jreshard.errors import TransferTimeoutError as TransferTimeoutError
 from jreshard.options import Backend as Backend
 from jreshard.options import Options as Options
-from jreshard.planning import plan as plan
 from jreshard.report import TransferReport as TransferReport
 from jreshard.sharding.box import Box as Box
+from jreshard.sharding.caches import clear_caches as clear_caches
 from jreshard.sharding.layout import Layout as Layout
 from jreshard.sharding.plan import Message as Message
 from jreshard.sharding.plan import Plan as Plan
@@ -37,6 +36,7 @@ from jreshard.sharding.rows import Phase as Phase
 from jreshard.sharding.topology import Link as Link
 from jreshard.sharding.topology import Links as Links
 from jreshard.sharding.topology import Topology as Topology
+from jreshard.sharding.trees import plan as plan
 
 if _typing.TYPE_CHECKING:
     from jreshard.api import transfer as transfer

@@ -1,7 +1,7 @@
 """transfer() and transfer_into(): move jax arrays and pytrees between shardings.
 
 **Which backend.** ``options.backend`` and where the arrays live pick the
-transport (:func:`jreshard.routes.select_backend`), and the choice is final:
+transport (:func:`jreshard.call.routes.select_backend`), and the choice is final:
 an explicit backend that cannot start raises :class:`BackendUnavailableError`
 saying why, never falling back to another.
 
@@ -12,17 +12,17 @@ saying why, never falling back to another.
   their buffers, destination shards come from a pool of memory jax has released
   (:mod:`jreshard.engine.pool`), and the global array is never materialised on the
   host. On GPUs in one process the engine below runs over local copies.
-- ``mpi``: :func:`jreshard.routes.transfer_multiprocess`, the message-passing
+- ``mpi``: :func:`jreshard.call.routes.transfer_multiprocess`, the message-passing
   engine over MPI; every process of the cluster calls ``transfer``.
 - ``nccl``: the same engine over ``NcclComm``, in one process with GPUs or across
   the processes of a ``jax.distributed`` cluster (through
-  :func:`jreshard.routes.transfer_multiprocess`). Not run on GPU.
+  :func:`jreshard.call.routes.transfer_multiprocess`). Not run on GPU.
 - ``xla``: the plan compiled into one jitted ``shard_map`` of ``ppermute``s over the devices
   (:mod:`jreshard.xla`), in one process or across the processes of a ``jax.distributed``
   cluster (every process calls). Only when asked for. Not run on GPU or TPU.
 
 All the work that depends only on shapes, dtypes and shardings is cached
-(:mod:`jreshard.frontdoor`): the second transfer of the same pytree spends no time
+(:mod:`jreshard.call.front`): the second transfer of the same pytree spends no time
 planning. Every check runs before any byte is written.
 ``report=True`` returns a :class:`~jreshard.report.TransferReport` with the result.
 """
@@ -33,13 +33,13 @@ from typing import Any
 
 import jax
 
-from jreshard import repack
+from jreshard.call import repack
+from jreshard.call.front import Mode, flatten, prepare
+from jreshard.call.normalize import normalize
+from jreshard.call.routes import route, run_engine, target_shardings
 from jreshard.errors import BackendUnavailableError
-from jreshard.frontdoor import Mode, flatten, prepare
-from jreshard.normalize import normalize
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
-from jreshard.routes import route, run_engine, target_shardings
 from jreshard.sharding.topology import Topology
 from jreshard.types import PyTree
 
@@ -168,7 +168,7 @@ def _run_repacked(
     builder: ReportBuilder,
     x: PyTree,
 ) -> list[Any]:
-    """A call with leaves the engine cannot address as they are (:mod:`jreshard.repack`): those are
+    """A call with leaves the engine cannot address as they are (:mod:`jreshard.call.repack`): those are
     encoded on their devices, moved as plain arrays, and decoded at their targets.
 
     Order: every check, then the encoded leaves' transfer (new arrays: nothing of the caller's is
@@ -234,12 +234,12 @@ def _run_views(
                 "transfer_into of views runs in one process; across processes, call jreshard.transfer on every "
                 "process (its results are new arrays)"
             )
-        from jreshard.transfer_views import transfer_cluster
+        from jreshard.call.views import transfer_cluster
 
         builder = ReportBuilder(Backend.MPI, "views across processes: MPI")
         result = transfer_cluster(x, target, topology=topology, options=options, report=builder)
         return (result, builder.build()) if report else result
-    from jreshard import transfer_views as execute
+    from jreshard.call import views as execute
 
     builder = ReportBuilder(Backend.LOCAL, "views run in one process")
     run = execute.transfer_into if mode is Mode.INTO else execute.transfer
@@ -259,7 +259,7 @@ def transfer(
         sharding (of the leaf's shape; of another dtype, the leaf is cast to it), or ``None``
         (keep that leaf where it is). Sources are ``jax.Array``s, numpy arrays or scalars
         (placed by ``jax.device_put``); leaves in or to ``pinned_host`` / ``unpinned_host``
-        memory move with ``jax.device_put`` in this process (:mod:`jreshard.normalize`). It
+        memory move with ``jax.device_put`` in this process (:mod:`jreshard.call.normalize`). It
         runs outside ``jax.jit``, and under any ``jax.transfer_guard`` that allows
         ``jax.device_put`` between the same devices.
       topology: ranks and domains (default: ``Topology.from_devices``, rank = ``device.id``);
@@ -378,7 +378,7 @@ def transfer_with(
       ``(result, stats, programs)``: the moved pytree, what the engine did, and the programs
       ``{rank: RankProgram}`` of ``comm``'s ranks it ran (each planned alone, no whole plan).
     """
-    from jreshard.routes import transfer_multiprocess
+    from jreshard.call.routes import transfer_multiprocess
 
     return transfer_multiprocess(
         x, target, topology=topology, options=options, transport=comm, buffers=buffers, report=report, details=True

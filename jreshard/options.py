@@ -39,7 +39,7 @@ class Options:
         same way on every rank.
       secret: the shared key that programs connecting over the network (elastic refit,
         ``RefitGroup`` over NIXL) prove they hold before any declaration or byte moves
-        (HMAC-SHA256 challenge-response, :mod:`jreshard.auth`); at least 16 bytes. ``None``:
+        (HMAC-SHA256 challenge-response, :mod:`jreshard.net.auth`); at least 16 bytes. ``None``:
         the ``JRESHARD_SECRET`` environment variable, or the file named by
         ``JRESHARD_SECRET_FILE``. Never printed (not in the repr) and not part of a plan's key.
       encrypt: seal the weights on the wire too (NIXL between programs: each message encrypted with

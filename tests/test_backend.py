@@ -12,10 +12,10 @@ import warnings
 
 import pytest
 
+from jreshard.call.routes import Placement, select_backend
 from jreshard.errors import BackendUnavailableError, cuda_extra
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase, TransferReport
-from jreshard.routes import Placement, select_backend
 from jreshard.sharding.topology import Link
 
 CPU_HERE = Placement(platforms=frozenset({"cpu"}), single_process=True)

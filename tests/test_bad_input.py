@@ -52,8 +52,8 @@ def test_host_values_are_refused_by_transfer_into_with_the_fix(value):
 
 
 def test_memory_kind_into_moves_through_device_memory_into_the_into_arrays():
-    """transfer moves host memory kinds (jreshard.normalize); transfer_into moves them through device memory
-    and places the result into the into array, in place (jreshard.repack)."""
+    """transfer moves host memory kinds (jreshard.call.normalize); transfer_into moves them through device memory
+    and places the result into the into array, in place (jreshard.call.repack)."""
     pinned = INFER.with_memory_kind("pinned_host")
     x = _x()
     into = {"layer": {"w": jax.device_put(jnp.zeros((8, 8)), pinned)}}

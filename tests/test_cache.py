@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jreshard._cache import cache, clear_caches
+from jreshard.sharding.caches import cache, clear_caches
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 

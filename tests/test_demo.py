@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from jreshard.demo import DemoConfig, main, run
+from jreshard.cli.demo import DemoConfig, main, run
 
 
 def test_demo_prints_the_table_and_refits_exactly():

@@ -17,11 +17,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreshard import LayoutMismatchError, Options, PeerError, TransferTimeoutError
-from jreshard.channel import Channel, connect, parse_address
 from jreshard.elastic import CatchUp, ElasticReplica, ElasticTrainer, ReplicaState
 from jreshard.elastic import membership as membership_module
 from jreshard.elastic import replica as replica_module
 from jreshard.engine.comm import RecvOp, SendOp
+from jreshard.net.channel import Channel, connect, parse_address
 from jreshard.nixl import NixlAgent, NixlComm
 
 pytestmark = pytest.mark.timeout(60)
@@ -299,7 +299,7 @@ def test_constructor_arguments_are_checked(monkeypatch):
 
 
 def test_a_replica_whose_processes_do_not_all_join_is_refused_naming_them():
-    from jreshard.refit_decl import declare_local
+    from jreshard.refit.decl import declare_local
 
     tr = ElasticTrainer(params(0), devices=list(D[:2]), options=Options(timeout_s=0.5, secret=KEY))
     decl = declare_local("destination", like(1), list(D[2:4]), None)
@@ -322,7 +322,7 @@ def test_a_replica_whose_processes_do_not_all_join_is_refused_naming_them():
 
 def test_wrong_keys_garbage_huge_frames_and_stalled_peers_are_refused_and_the_trainer_serves_on(caplog):
     from jreshard.errors import AuthenticationError
-    from jreshard.refit_decl import declare_local
+    from jreshard.refit.decl import declare_local
 
     opts = Options(timeout_s=1.0, chunk_bytes=64, staging_bytes=1024, secret=KEY)
     tr = ElasticTrainer(params(0), devices=list(D[:2]), options=opts)

@@ -2,7 +2,7 @@
 
 Every jax.tree_util / jax.tree flattening function is wrapped to count the calls whose tree is ``x`` or
 ``target`` (by identity); the target's flattening up to ``x``'s structure goes through
-``jreshard.frontdoor._up_to``, counted the same way.
+``jreshard.call.front._up_to``, counted the same way.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
-from jreshard import frontdoor, routes
+from jreshard.call import front as frontdoor
+from jreshard.call import routes
+from jreshard.call.routes import BackendChoice
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.recording import RecordingComm
 from jreshard.options import Backend
-from jreshard.routes import BackendChoice
 from jreshard.sharding.topology import Topology
 
 DEVS = np.array(jax.devices())

@@ -79,9 +79,9 @@ def test_the_cast_kernel_on_the_gpu_is_views_casts_bit_for_bit(env, src, dst):
 def test_cast_and_block_fp8_views_on_one_gpu(env):
     """A float32 matrix cast to bfloat16 and quantised to block FP8 (weights and scales), on one GPU."""
     from jreshard import Options, Topology, views
+    from jreshard.call.views import transfer_cluster
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.gpu_local import CupyLocalComm
-    from jreshard.transfer_views import transfer_cluster
     from jreshard.views import quantize_fp8_reference
 
     cupy, jax, device = env

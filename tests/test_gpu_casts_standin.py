@@ -120,9 +120,9 @@ def test_the_views_matrix_through_cupy_buffers_on_the_numpy_standin():
     from mpi_launch import BODIES
 
     from jreshard import Options, Topology, views
+    from jreshard.call.views import transfer_cluster
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.gpu_local import CupyLocalComm
-    from jreshard.transfer_views import transfer_cluster
 
     sys.path.insert(0, str(BODIES))
     from views_cases import SPECS, bits, build, globals_, references

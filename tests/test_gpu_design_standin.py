@@ -186,9 +186,9 @@ def test_pack_of_round_r_plus_1_does_not_wait_for_the_sends_of_round_r(cp):
 def test_nothing_is_issued_on_the_legacy_default_stream(installed):
     from jax.sharding import SingleDeviceSharding
 
+    from jreshard.call.routes import transfer_multiprocess
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.gpu_local import CupyLocalComm
-    from jreshard.routes import transfer_multiprocess
 
     cp = installed
     devs = jax.devices()[:3]
@@ -244,9 +244,9 @@ def test_final_waits_poll_no_slower_than_every_100_us(monkeypatch):
 def test_transfer_into_on_gpus_returns_arrays_over_the_into_buffers(installed):
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from jreshard.call.routes import transfer_multiprocess
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.gpu_local import CupyLocalComm
-    from jreshard.routes import transfer_multiprocess
 
     cp = installed
     devs = jax.devices()[:4]
@@ -270,9 +270,9 @@ def test_transfer_into_on_gpus_returns_arrays_over_the_into_buffers(installed):
 
 
 def test_an_into_leaf_that_is_also_a_source_is_not_donated(installed):
+    from jreshard.call.routes import transfer_multiprocess
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.gpu_local import CupyLocalComm
-    from jreshard.routes import transfer_multiprocess
 
     cp = installed
     dev = jax.devices()[0]

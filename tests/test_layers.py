@@ -20,17 +20,14 @@ _NAMES = ["base", "sharding", "schedule", "engine", "transport", "top"]
 
 # (module prefix, layer): the longest matching prefix decides.
 _LAYERS = [
-    ("jreshard._cache", BASE),
-    ("jreshard._ports", BASE),  # a port held for a jax coordinator until it has bound it
-    # the shared secret and the authenticated control connections every cross-program transport uses
-    ("jreshard.auth", BASE),
-    ("jreshard.channel", BASE),
+    # the shared secret, the authenticated control connections every cross-program transport uses, and
+    # a port held for a jax coordinator until it has bound it
+    ("jreshard.net", BASE),
     ("jreshard.errors", BASE),
     ("jreshard.options", BASE),
     ("jreshard.types", BASE),
     ("jreshard.sharding", SHARDING),
     ("jreshard.report", SHARDING),
-    ("jreshard.planning", SHARDING),
     ("jreshard.cost", SHARDING),
     ("jreshard.baselines", SHARDING),
     # the view algebra, casts, quantisation and the lowering to pieces: numpy only
@@ -47,7 +44,7 @@ _TRANSPORTS = ("jreshard.mpi", "jreshard.nccl", "jreshard.nixl", "jreshard.xla")
 _LIBRARIES = ("mpi4py", "cupy", "cupyx", "nixl", "nixl_cu12", "nixl_cu13", "pynvml")
 
 
-# Modules placed by their exact name: the views facade re-exports the views' transfer (jreshard.transfer_views).
+# Modules placed by their exact name: the views facade re-exports the views' transfer (jreshard.call.views).
 _EXACT = {"jreshard.views": TOP}
 
 

@@ -165,7 +165,7 @@ def test_sharding_imports_no_transport(path):
         n for n in names if n.split(".")[0] in {"cupy", "mpi4py", "cupyx", "pynvml"} or n.startswith("jreshard.nccl")
     }
     assert not banned, f"{path.name} imports {banned}"
-    if path.name != "jax.py":
+    if path.name not in ("jax.py", "trees.py"):  # the two adapters of jax values; both import jax lazily
         assert not {n for n in names if n.split(".")[0] in {"jax", "jaxlib"}}, f"{path.name} imports jax"
 
 

@@ -117,7 +117,7 @@ def test_many_leaves_equal_device_put_and_own_new_memory():
 
 
 def _prepared(x):
-    from jreshard.frontdoor import Mode, flatten, prepare
+    from jreshard.call.front import Mode, flatten, prepare
 
     leaves, treedef, targets = flatten(x, TP)
     return prepare(leaves, treedef, targets, Mode.TRANSFER, None, jreshard.Options())

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jreshard import auth
-from jreshard.channel import Channel, connect, listen, parse_address
 from jreshard.errors import AuthenticationError, PeerError, TransferTimeoutError
+from jreshard.net import auth
+from jreshard.net.channel import Channel, connect, listen, parse_address
 
 pytest.importorskip("nixl_cu12", reason="the NIXL tests need nixl-cu12 (pip install --no-deps nixl-cu12)")
 

@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from mpi_launch import launch, need_mpi, program, results
 from strategies import plan_case
 
-from jreshard._cache import clear_caches
 from jreshard.engine.loopback import LocalComm
 from jreshard.engine.mail import comm_mail
 from jreshard.engine.rounds import Shards, execute
 from jreshard.options import Options
 from jreshard.schedule.pairsched import pair_chunk_bytes, pair_paced, pair_schedule
 from jreshard.schedule.steps import STAGING, Schedule
+from jreshard.sharding.caches import clear_caches
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts, rank_programs
 from jreshard.sharding.rows import TensorSpec

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from jreshard._ports import reserved_port
 from jreshard.mpi.cluster import coordinator_host
+from jreshard.net.ports import reserved_port
 
 ROOT = Path(__file__).parent.parent
 
 COORDINATOR = """
 import sys, jax
-from jreshard._ports import reserved_port
+from jreshard.net.ports import reserved_port
 def start(port):
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0, initialization_timeout=30)
     print("coordinator up:", jax.process_count(), flush=True)

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 from mpi_launch import BODIES, launch, need_mpi, program, results
 
 import jreshard
+from jreshard.call.routes import transfer_multiprocess
 from jreshard.engine.loopback import LocalComm
-from jreshard.routes import transfer_multiprocess
 from jreshard.sharding.topology import Topology
 
 sys.path.insert(0, str(BODIES))

@@ -3,7 +3,7 @@ problems in good English, and a peer that closes the group is noticed at once (u
 
 import pytest
 
-from jreshard.refit_decl import leaf_differences, problems, validate
+from jreshard.refit.decl import leaf_differences, problems, validate
 
 
 def decl(role, params, ndev=1):

@@ -21,11 +21,12 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jreshard import Options, PeerError, TransferTimeoutError, auth
-from jreshard.channel import Channel, connect, listen, parse_address
+from jreshard import Options, PeerError, TransferTimeoutError
 from jreshard.elastic import ElasticReplica, ElasticTrainer
 from jreshard.engine.comm import RecvOp
 from jreshard.errors import AuthenticationError
+from jreshard.net import auth
+from jreshard.net.channel import Channel, connect, listen, parse_address
 from jreshard.nixl import NixlAgent, NixlComm
 from jreshard.nixl import agent as agent_module
 from jreshard.nixl.group import ProcessGroup
@@ -352,7 +353,7 @@ def _accepted(listener: socket.socket, key: bytes) -> Channel:
 
 
 def test_past_the_limit_the_oldest_silent_connection_is_displaced_and_told_why(monkeypatch):
-    from jreshard import channel as channel_module
+    from jreshard.net import channel as channel_module
 
     monkeypatch.setattr(channel_module, "MAX_UNAUTHENTICATED_PER_HOST", 1)
     listener = listen("127.0.0.1", 0)
@@ -377,7 +378,7 @@ def test_past_the_limit_the_oldest_silent_connection_is_displaced_and_told_why(m
 
 
 def test_a_connection_that_answered_is_not_displaced(monkeypatch):
-    from jreshard import channel as channel_module
+    from jreshard.net import channel as channel_module
 
     monkeypatch.setattr(channel_module, "MAX_UNAUTHENTICATED_PER_HOST", 1)
     listener = listen("127.0.0.1", 0)
@@ -586,7 +587,7 @@ _PATTERN = b"jreshard weights"  # 16 bytes, repeated through the buffer sent
 _TWO_AGENTS = """
 import socket, sys, threading
 import numpy as np
-from jreshard.channel import Channel, connect, listen
+from jreshard.net.channel import Channel, connect, listen
 from jreshard.engine.comm import RecvOp, SendOp
 from jreshard.nixl import NixlAgent, NixlComm
 

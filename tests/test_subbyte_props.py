@@ -11,7 +11,7 @@ The oracle is ``jax.device_put`` of the same values from the host onto the targe
 packed array between device assignments runs a collective permute that copies one byte per value
 into buffers holding two or four values a byte, overrunning them (valgrind: "Invalid write ... 0 bytes
 after a block of size 2", in ``InProcessCommunicator::CollectivePermute``). jreshard never hands a
-packed array to that path (``jreshard.repack``).
+packed array to that path (``jreshard.call.repack``).
 
 :func:`test_the_properties_under_malloc_check` runs this file again in a child process with glibc's
 checking allocator loaded (``MALLOC_CHECK_=3`` takes effect only with ``libc_malloc_debug.so`` preloaded

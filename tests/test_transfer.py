@@ -16,10 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import api
+from jreshard.call.front import _shape
 from jreshard.engine import pool
 from jreshard.engine.recording import RecordingComm
 from jreshard.errors import BackendUnavailableError, IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
-from jreshard.frontdoor import _shape
 from jreshard.schedule.pairsched import MAIL_TAG
 from jreshard.sharding.topology import Link, Topology
 
@@ -335,7 +335,7 @@ def test_threaded_copies_equal_device_put():
 def test_multiprocess_path_over_any_transport():
     """transfer_multiprocess runs the plan over the transport it is given (NCCL passes its own):
     here a RecordingComm in one process, checked against device_put and the plan's bytes."""
-    from jreshard.routes import transfer_multiprocess
+    from jreshard.call.routes import transfer_multiprocess
 
     devs = np.array(jax.devices())
     src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))

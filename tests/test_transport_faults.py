@@ -26,8 +26,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jreshard import Options, PeerError, RefitGroup, TransferError
-from jreshard.channel import Channel, listen
 from jreshard.engine.comm import RecvOp, SendOp
+from jreshard.net.channel import Channel, listen
 from jreshard.nixl import NixlAgent, NixlComm
 
 pytestmark = pytest.mark.timeout(90)

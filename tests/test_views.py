@@ -279,8 +279,8 @@ def test_scalars_from_integer_indices():
 
 
 def test_views_on_another_platform_are_refused_by_name():
+    from jreshard.call.views import _check_cpu
     from jreshard.errors import BackendUnavailableError
-    from jreshard.transfer_views import _check_cpu
 
     class Device:
         platform = "gpu"

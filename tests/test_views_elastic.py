@@ -252,13 +252,13 @@ def test_a_views_refit_that_breaks_midway_leaves_the_previous_version(monkeypatc
 
 
 def _decls(tree: dict, recipe=RECIPE) -> list[dict]:
-    from jreshard.refit_decl import declare_local
+    from jreshard.refit.decl import declare_local
 
     return [declare_local("destination", tree, list(D[4:8]), None, recipe)]
 
 
 def test_the_catch_up_choice_takes_only_a_peer_of_the_joiners_form():
-    from jreshard.refit_decl import declare_local
+    from jreshard.refit.decl import declare_local
 
     trainer = [declare_local("source", params(0), list(D[:4]), None)]
     same, other = _decls(like()), _decls(like(c=jnp.float32))
@@ -280,7 +280,7 @@ def test_the_catch_up_choice_takes_only_a_peer_of_the_joiners_form():
     assert t > 0 and p > 0
     # the views' prediction reads the schedule's chunks: the bytes the bound counts, at the network rate
     from jreshard.cost import Port
-    from jreshard.refit_views import predict_group
+    from jreshard.refit.views import predict_group
 
     pv = from_trainer.views
     pred = predict_group(pv.schedule, pv.lowerings, from_trainer.topology, from_trainer.options)

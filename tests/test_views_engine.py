@@ -185,7 +185,7 @@ def test_views_over_a_device_memory_transport_twin():
     sys.path.insert(0, str(BODIES))
     from device_like import DeviceLikeBuffers, DeviceOnlyComm
 
-    from jreshard.transfer_views import transfer_cluster
+    from jreshard.call.views import transfer_cluster
 
     fused, dst = _transposed_fused()
     topo = Topology.uniform(range(8), domain_size=4)

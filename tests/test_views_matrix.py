@@ -25,9 +25,9 @@ from mpi_launch import BODIES, launch, need_mpi, program, results
 
 import jreshard
 from jreshard import Layout, Options, Topology, views
+from jreshard.call.views import transfer_cluster
 from jreshard.engine.recording import RecordingComm
 from jreshard.sharding.topology import Link
-from jreshard.transfer_views import transfer_cluster
 
 sys.path.insert(0, str(BODIES))
 from views_cases import SPECS, bits, build, globals_, network_bound, references

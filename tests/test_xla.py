@@ -141,7 +141,7 @@ def test_padding_is_bounded_and_counted():
 
 
 def test_a_typed_prng_key_moves_as_its_key_data():
-    """The front door repacks key arrays (jreshard.repack) before the program sees them: bit for bit."""
+    """The front door repacks key arrays (jreshard.call.repack) before the program sees them: bit for bit."""
     a = NamedSharding(Mesh(np.array(DEVS[:2]), ("x",)), P("x"))
     b = NamedSharding(Mesh(np.array(DEVS[2:4]), ("x",)), P("x"))
     keys = jax.device_put(jax.random.split(jax.random.key(0, impl="rbg"), 4), a)

@@ -24,10 +24,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jreshard.channel import Channel, accept_first, connect, listen, make_room
 from jreshard.elastic.pairs import pair_plan, run_pair, source_shards
 from jreshard.elastic.types import PushReport
 from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
+from jreshard.net.channel import Channel, accept_first, connect, listen, make_room
 from jreshard.options import Options
 
 __all__ = ["Followers", "FollowerService", "gather_followers"]

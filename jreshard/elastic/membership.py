@@ -14,11 +14,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.channel import Channel, make_room
 from jreshard.elastic.followers import Followers
 from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
 from jreshard.errors import JReshardError, TransferError
+from jreshard.net.channel import Channel, make_room
 from jreshard.options import Options
 
 __all__ = ["Membership"]

@@ -5,11 +5,11 @@ Every refit of elastic refit is between exactly two processes, a *source*
 *destination* replica, so one replica's failure touches no other transfer.
 Ranks are numbered source devices first, then destination devices; each
 side is its own fast-link domain. Both processes compute the same plan from
-the two declarations (the dicts of :mod:`jreshard.refit_decl`).
+the two declarations (the dicts of :mod:`jreshard.refit.decl`).
 
 A replica may declare views of the trainer's parameters, as a :class:`jreshard.RefitGroup`'s
 destination does: leaves of another dtype (casts) and a ``recipe``. A pair from the trainer to
-such a replica moves views: lowered and scheduled once (:mod:`jreshard.refit_views`, cached with
+such a replica moves views: lowered and scheduled once (:mod:`jreshard.refit.views`, cached with
 the plan), run through the one round loop. A pair from a peer replica copies the arrays the peer
 holds, which are already in the destination's form, as plain arrays; it is only made between
 replicas of the same form (:func:`same_form`: the same names, shapes, dtypes and recipe).
@@ -23,11 +23,11 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.channel import Channel
 from jreshard.elastic.types import CatchUp
 from jreshard.engine.rounds import ExecStats
+from jreshard.net.channel import Channel
 from jreshard.options import Options
-from jreshard.refit_decl import (
+from jreshard.refit.decl import (
     GroupViews,
     declare_local,
     group_layouts,
@@ -95,7 +95,7 @@ class Pair:
         from jreshard import cost
 
         if self.views is not None:
-            from jreshard.refit_views import predict_group
+            from jreshard.refit.views import predict_group
 
             assert self.options is not None
             pv = self.views
@@ -196,7 +196,7 @@ def _pair_plan(key: str, options: Options) -> Pair:
     decls, n_src, links = json.loads(key)
     decls = {int(p): d for p, d in decls.items()}
     if needs_views(decls):
-        from jreshard.refit_views import lower_group, schedule_group
+        from jreshard.refit.views import lower_group, schedule_group
 
         gv = group_views(decls)
         topology = Topology.from_domains(gv.domains, devices={r: r for r in gv.domains}, **dict(links))
@@ -283,7 +283,7 @@ def run_pair(
     The bytes move as NIXL WRITEs (:class:`~jreshard.nixl.comm.NixlComm`, this process's shared
     agent); the connections carry the agents' metadata and the receive descriptors. A pair of plain
     arrays runs the rank-local schedule; a pair of views runs the views' schedule
-    (:func:`jreshard.refit_views.run_group`), both through the one round loop.
+    (:func:`jreshard.refit.views.run_group`), both through the one round loop.
 
     Args:
       pair: the plan every process computed.
@@ -308,7 +308,7 @@ def run_pair(
     options = dataclasses.replace(options, relays=False)
     sources, targets = (shards, {}) if source else ({}, shards)
     if pair.views is not None:
-        from jreshard.refit_views import run_group
+        from jreshard.refit.views import run_group
 
         return run_group(pair.views.group, pair.views.schedule, comm, sources, targets, options=options)
     # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with

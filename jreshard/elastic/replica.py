@@ -9,7 +9,7 @@ In each process a background thread owns the sockets: the connection to the
 trainer (pushes and catch-ups arrive there), and a listener where the
 processes of a joining replica fetch the version this one holds. Every
 connection, to the trainer and between replicas, is authenticated both ways
-with the shared secret before anything is read (:mod:`jreshard.auth`); the
+with the shared secret before anything is read (:mod:`jreshard.net.auth`); the
 bytes of every version move over NIXL (:mod:`jreshard.nixl`). Each version
 lands in fresh buffers, is *staged*, and is *committed* (swapped in under a
 lock) only when the trainer says every process of the replica staged it, so
@@ -27,8 +27,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jreshard.auth import resolve_secret
-from jreshard.channel import Channel, connect, listen, make_room, parse_address
 from jreshard.elastic.pairs import (
     check_like,
     leaves_by_name,
@@ -41,8 +39,10 @@ from jreshard.elastic.pairs import (
 from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import Arrival
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
+from jreshard.net.auth import resolve_secret
+from jreshard.net.channel import Channel, connect, listen, make_room, parse_address
 from jreshard.options import Options
-from jreshard.refit_decl import declare_local, problems
+from jreshard.refit.decl import declare_local, problems
 
 __all__ = ["ElasticReplica"]
 

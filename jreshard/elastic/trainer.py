@@ -1,7 +1,7 @@
 """ElasticTrainer: serves versioned refits to inference replicas that join, leave and fail at any time.
 
 The trainer listens on ``host:port`` (any interface). A replica connects, proves
-it holds the shared secret (and checks the trainer does; :mod:`jreshard.auth`), sends its
+it holds the shared secret (and checks the trainer does; :mod:`jreshard.net.auth`), sends its
 declaration (names, shapes, dtypes, the boxes of its devices) and is checked
 against the trainer's; a mismatch is refused with every problem listed. Each
 replica has its own connection, so one replica joining, leaving or dying
@@ -33,16 +33,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jreshard.auth import resolve_secret
-from jreshard.channel import Channel, format_address, listen, parse_address
 from jreshard.elastic.followers import Followers, FollowerService, gather_followers
 from jreshard.elastic.membership import Membership
 from jreshard.elastic.pairs import check_like, leaves_by_name
 from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
 from jreshard.errors import PeerError, TransferTimeoutError
+from jreshard.net.auth import resolve_secret
+from jreshard.net.channel import Channel, format_address, listen, parse_address
 from jreshard.options import Options
-from jreshard.refit_decl import declare_local
+from jreshard.refit.decl import declare_local
 
 __all__ = ["ElasticTrainer"]
 

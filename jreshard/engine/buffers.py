@@ -170,11 +170,11 @@ def export_source(shard: Any) -> np.ndarray:
 
 def _refuse_packed(array: Any, what: str) -> None:
     """A view sized ``size * itemsize`` would run past a packed sub-byte buffer (it holds two or four values
-    a byte, while jax reports one byte a value): such arrays reach the engine widened (jreshard.repack)."""
+    a byte, while jax reports one byte a value): such arrays reach the engine widened (jreshard.call.repack)."""
     if packed_bits(np.dtype(array.dtype)) is not None:
         raise TransferError(
             f"{what}: a {array.dtype}{list(array.shape)} buffer packs values below a byte, and its byte views "
-            "would be sized one byte a value; the fix is jreshard.repack.encode first (transfer does it)"
+            "would be sized one byte a value; the fix is jreshard.call.repack.encode first (transfer does it)"
         )
 
 

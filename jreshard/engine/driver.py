@@ -8,7 +8,7 @@ shardings, no communication), then their rounds, agreed with their peers by a
 few small messages (:func:`jreshard.schedule.pairsched.pair_schedule`); no process
 builds the whole plan or every rank's schedule. It runs them through the shared
 engine (:func:`jreshard.engine.rounds.execute`) over the transport it is given (chosen and built by
-:mod:`jreshard.routes`: MPI, NCCL, or local copies). A device's
+:mod:`jreshard.call.routes`: MPI, NCCL, or local copies). A device's
 rank is its ``device.id``, which is unique in a jax cluster.
 
 **Device buffers.** The scheduling mail travels in the ``buffers``' memory, as
@@ -40,7 +40,6 @@ from jreshard.engine.comm import Communicator
 from jreshard.engine.mail import comm_mail
 from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.options import Options
-from jreshard.planning import layout_pairs
 from jreshard.report import ReportBuilder
 from jreshard.schedule.pairsched import pair_schedule
 from jreshard.schedule.steps import Schedule, build_schedule
@@ -49,6 +48,7 @@ from jreshard.sharding.plan import Plan, RankProgram
 from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
+from jreshard.sharding.trees import layout_pairs
 
 __all__ = ["assemble", "run_leaves", "run_plan", "run_schedule", "schedule_local"]
 
@@ -65,7 +65,7 @@ def run_plan(
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """Run this process's ranks of ``plan`` on its global schedule and return the new destination shards.
 
-    For callers that hold the whole plan (the elastic pairs); :func:`jreshard.routes.transfer_multiprocess` and
+    For callers that hold the whole plan (the elastic pairs); :func:`jreshard.call.routes.transfer_multiprocess` and
     ``RefitGroup`` plan and schedule only this process's ranks (:func:`run_schedule`).
 
     Args:
@@ -157,7 +157,7 @@ def run_leaves(
     """Move flat leaves to their target shardings through the message-passing engine: every process of
     the cluster calls it with the same leaves and shardings.
 
-    The front door (:func:`jreshard.frontdoor.flatten`) flattened the pytree and read each
+    The front door (:func:`jreshard.call.front.flatten`) flattened the pytree and read each
     target's sharding; this takes its output and never flattens again.
 
     Args:

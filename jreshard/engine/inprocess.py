@@ -41,7 +41,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard._cache import cache
 from jreshard.engine import strided
 from jreshard.engine.buffers import Capsule, dlpack_type, retype_capsule
 from jreshard.engine.copies import CopyLowering, addresses, lower_local
@@ -50,6 +49,7 @@ from jreshard.engine.prepared import Group, Kind, Mode, Prepared, sharding_of
 from jreshard.errors import TransferError
 from jreshard.options import Options
 from jreshard.report import NotInPlace, ReportBuilder, ReportPhase
+from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts

@@ -1,7 +1,7 @@
 """MPI cluster set-up: ``jax.distributed`` over MPI processes, and one transport per MPI communicator.
 
 :func:`cluster_comm` is the :class:`~jreshard.mpi.comm.MpiComm` the router
-(:func:`jreshard.routes.transfer_multiprocess`) hands the engine across processes. The jax
+(:func:`jreshard.call.routes.transfer_multiprocess`) hands the engine across processes. The jax
 processes must be the MPI processes of ``comm``
 (``MPI.COMM_WORLD`` by default), e.g. started by :func:`initialize` under ``mpiexec``.
 """
@@ -12,9 +12,9 @@ import socket
 from contextlib import ExitStack
 from typing import Any
 
-from jreshard._ports import reserved_port
 from jreshard.errors import BackendUnavailableError
 from jreshard.mpi.comm import MpiComm, import_mpi
+from jreshard.net.ports import reserved_port
 
 __all__ = ["cluster_comm", "initialize"]
 

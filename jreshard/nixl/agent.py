@@ -11,7 +11,7 @@ When a root is garbage collected its registration is released at the next call (
 :meth:`NixlAgent.close` releases all of them.
 
 **Peers.** The agent's metadata (its UCX addresses) is introduced to a peer over an authenticated
-:class:`~jreshard.channel.Channel` (never through NIXL's own listener, which authenticates nothing);
+:class:`~jreshard.net.channel.Channel` (never through NIXL's own listener, which authenticates nothing);
 a registration a peer has not yet seen travels as partial metadata with the descriptors that use
 it. The remote keys of registered memory are therefore only ever sent to authenticated peers, and
 only sealed (the channel encrypts every frame): someone who reads the wire does not learn them.
@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.channel import Channel
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
+from jreshard.net.channel import Channel
 
 __all__ = ["NOTICE", "NixlAgent", "Region", "import_nixl", "interface_of", "label"]
 

@@ -1,7 +1,7 @@
 """NixlComm: the engine's :class:`Communicator` over NIXL, one-sided WRITEs with a notification each.
 
 One process drives its ``local_ranks`` through one :class:`~jreshard.nixl.agent.NixlAgent`; every
-other rank is reached through the authenticated :class:`~jreshard.channel.Channel` of the process
+other rank is reached through the authenticated :class:`~jreshard.net.channel.Channel` of the process
 that drives it, which carries only small control messages (agent metadata, receive descriptors,
 failures). A group (:meth:`NixlComm.exchange`) runs as:
 
@@ -22,7 +22,7 @@ failures). A group (:meth:`NixlComm.exchange`) runs as:
 **Integrity.** On a connection with a session (every one between programs), the sender of each
 message sends, inside the sealed channel (``nixl.mac``), a Poly1305 tag of the bytes it writes,
 under a one-time key derived from the session and the receive's id, ranks and tag
-(:meth:`jreshard.auth.Session.mac`); the receiver computes the tag of what landed and compares
+(:meth:`jreshard.net.auth.Session.mac`); the receiver computes the tag of what landed and compares
 before the group returns. A byte altered on the wire (UCX over TCP is plain text) is
 :class:`PeerError` before anything is unpacked or published. Device (CuPy) buffers are not tagged:
 a message from or into GPU memory is checked by nothing but the transport.
@@ -30,7 +30,7 @@ a message from or into GPU memory is checked by nothing but the transport.
 **Encryption** (``encrypt=True``, the receiver's ``Options.encrypt``). The receiver posts, for each
 receive, a fresh landing buffer ``16`` bytes longer (registered for this exchange, released with
 it); the sender encrypts its bytes with AES-256-GCM under its direction's data key
-(:meth:`jreshard.auth.Session.seal_into`, the message's label authenticated with them) into a buffer
+(:meth:`jreshard.net.auth.Session.seal_into`, the message's label authenticated with them) into a buffer
 of its own, WRITEs that, and sends the message's sequence number inside the sealed channel; the
 receiver decrypts what landed into the receive buffer. Nothing of the weights crosses the wire in
 the clear, and a byte altered fails the message's tag (:class:`PeerError`). A sender with
@@ -65,11 +65,11 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.auth import TAG_BYTES
-from jreshard.channel import Channel
 from jreshard.engine.comm import Communicator, Group, PreparedGroups, RecvOp, SendOp
 from jreshard.engine.loopback import match_and_copy
 from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
+from jreshard.net.auth import TAG_BYTES
+from jreshard.net.channel import Channel
 from jreshard.nixl.agent import NOTICE, NixlAgent, label
 
 __all__ = ["NixlComm"]

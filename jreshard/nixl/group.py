@@ -6,12 +6,12 @@ other, small objects exchanged all-to-all with a deadline, and a transport for t
 
 **Rendezvous.** Process 0 of the source side listens at the group's address (``"HOST:PORT"`` it
 binds, or a file it writes its address to). Every other process connects to it, authenticates
-(:mod:`jreshard.auth`; a wrong key, garbage or silence is refused and does not stop the
+(:mod:`jreshard.net.auth`; a wrong key, garbage or silence is refused and does not stop the
 rendezvous), and says its role, its index in its side, its side's size and where it listens. Once
 every process of both sides has joined, process 0 sends each the table: processes are numbered
 sources first, then destinations, each side in index order. Then every pair of processes that is
 not yet connected connects (the higher number to the lower), so each process holds one
-authenticated :class:`~jreshard.channel.Channel` to each other process.
+authenticated :class:`~jreshard.net.channel.Channel` to each other process.
 
 **Control.** :meth:`ProcessGroup.allgather` has the contract of the MPI control plane's
 (:class:`jreshard.mpi.control.Control`): every process calls the group's operations in the same
@@ -29,8 +29,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jreshard.channel import Channel, accept_first, connect, format_address, listen, parse_address
 from jreshard.errors import PeerError, TransferTimeoutError
+from jreshard.net.channel import Channel, accept_first, connect, format_address, listen, parse_address
 from jreshard.nixl.agent import NixlAgent
 from jreshard.nixl.comm import NixlComm
 

@@ -50,10 +50,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from jreshard.channel import Channel
 from jreshard.engine.comm import REGIONS, Group, PreparedGroups, ops_of_rows
 from jreshard.engine.loopback import match
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
+from jreshard.net.channel import Channel
 from jreshard.nixl.agent import NOTICE, label
 
 NixlComm = Any

@@ -60,11 +60,11 @@ from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 
 import numpy as np
 
-from jreshard._cache import register_clear
 from jreshard.options import Options
 from jreshard.schedule.chunktable import chunk_boxes, segment_starts
 from jreshard.schedule.pairtables import SEND_KIND, after_arrivals, build_steps, message_table, round_groups, spans
 from jreshard.schedule.steps import STAGE_ALIGN, TAG_CHUNK_BITS, Schedule, _local_tables, _Shapes
+from jreshard.sharding.caches import register_clear
 from jreshard.sharding.plan import RankProgram
 from jreshard.sharding.rows import TensorSpec
 

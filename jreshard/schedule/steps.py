@@ -41,11 +41,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from jreshard._cache import cache
 from jreshard.errors import TransferError
 from jreshard.options import Options
 from jreshard.schedule import kernels
 from jreshard.sharding.box import Box, intersect
+from jreshard.sharding.caches import cache
 from jreshard.sharding.plan import Message, Plan
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link

@@ -24,8 +24,8 @@ import functools
 
 import numpy as np
 
-from jreshard._cache import cache
 from jreshard.sharding.box import Box, intersect
+from jreshard.sharding.caches import cache
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.pieces import disjoint
 from jreshard.sharding.topology import Topology

@@ -13,8 +13,8 @@ import dataclasses
 
 import numpy as np
 
-from jreshard._cache import cache
 from jreshard.sharding.box import Box
+from jreshard.sharding.caches import cache
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.overlap import Overlaps, overlaps_of
 from jreshard.sharding.pieces import SourceIndex, disjoint, source_index

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jreshard._cache import cache
+from jreshard.sharding.caches import cache
 
 __all__ = ["dtype_name", "numpy_dtype", "packed_bits", "storage_bytes", "value_bits"]
 

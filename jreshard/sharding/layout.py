@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jreshard._cache import cache
 from jreshard.errors import IndivisibleError, LayoutError, LayoutJSONError
 from jreshard.sharding.box import Box
+from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype, packed_bits
 
 __all__ = ["Layout", "normalize_spec"]
@@ -100,7 +100,7 @@ class Layout:
             raise LayoutError(
                 f"Layout: dtype={name} packs {8 // bits} values a byte, and layouts "
                 "address whole bytes; jreshard.transfer moves such arrays as one byte a value "
-                "(jreshard.repack), and plans describe them as uint8"
+                "(jreshard.call.repack), and plans describe them as uint8"
             )
         ranks = tuple(int(r) for r in self.ranks)
         boxes = tuple(self.boxes)

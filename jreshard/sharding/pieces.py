@@ -18,9 +18,9 @@ import math
 
 import numpy as np
 
-from jreshard._cache import cache
 from jreshard.errors import LayoutError
 from jreshard.sharding.box import Box
+from jreshard.sharding.caches import cache
 from jreshard.sharding.layout import Layout
 
 __all__ = ["SourceIndex", "disjoint", "overlapping", "pieces_of", "source_index"]

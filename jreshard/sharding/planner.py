@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jreshard._cache import cache, register_clear
 from jreshard.options import Options
+from jreshard.sharding.caches import cache, register_clear
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.program import RankProgram, stamped_program

@@ -36,10 +36,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jreshard._cache import cache
 from jreshard.errors import LayoutMismatchError
 from jreshard.options import Options
 from jreshard.sharding.box import Box, intersect
+from jreshard.sharding.caches import cache
 from jreshard.sharding.context import Context, context, fan_link
 from jreshard.sharding.landings import domain_needs
 from jreshard.sharding.layout import Layout

@@ -43,8 +43,8 @@ from jreshard.views.quant import QuantWeights as QuantWeights
 from jreshard.views.quant import quantize_fp8_reference as quantize_fp8_reference
 
 if TYPE_CHECKING:
-    from jreshard.transfer_views import transfer as transfer
-    from jreshard.transfer_views import transfer_into as transfer_into
+    from jreshard.call.views import transfer as transfer
+    from jreshard.call.views import transfer_into as transfer_into
 
 __all__ = [
     "LeafLowering",
@@ -141,7 +141,7 @@ def has_views(x: Any) -> bool:
     return any(isinstance(leaf, View) for leaf in jax.tree_util.tree_leaves(x, is_leaf=lambda v: isinstance(v, View)))
 
 
-_LAZY = {"transfer": "jreshard.transfer_views", "transfer_into": "jreshard.transfer_views"}
+_LAZY = {"transfer": "jreshard.call.views", "transfer_into": "jreshard.call.views"}
 
 
 def __getattr__(name: str) -> object:

@@ -19,11 +19,11 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
-from jreshard._cache import cache
 from jreshard.engine.prepared import Mode
 from jreshard.errors import LayoutError, LayoutMismatchError
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.sharding.caches import cache
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts

@@ -16,9 +16,9 @@ def body() -> dict:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from jreshard.call.routes import transfer_multiprocess
     from jreshard.mpi.cluster import initialize
     from jreshard.options import Options
-    from jreshard.routes import transfer_multiprocess
 
     initialize()
     devs = jax.devices()

@@ -19,10 +19,10 @@ def body() -> dict:
     from jax.sharding import PartitionSpec as P
     from no_whole_plan import guard
 
+    from jreshard.call.routes import transfer_multiprocess
     from jreshard.mpi.cluster import cluster_comm as _cluster_comm
     from jreshard.mpi.cluster import initialize
     from jreshard.options import Options
-    from jreshard.routes import transfer_multiprocess
 
     initialize()
     programmed = guard(setattr)

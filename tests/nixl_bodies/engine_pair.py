@@ -20,10 +20,10 @@ import numpy as np
 from engine_groups import case, check, shards_for
 from pair_channel import channel
 
-from jreshard.auth import resolve_secret
 from jreshard.engine.comm import RecvOp
 from jreshard.engine.rounds import execute
 from jreshard.errors import TransferTimeoutError
+from jreshard.net.auth import resolve_secret
 from jreshard.nixl import NixlAgent, NixlComm
 from jreshard.options import Options
 from jreshard.schedule.steps import build_schedule

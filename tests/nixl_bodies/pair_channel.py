@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from jreshard.channel import Channel, connect, format_address, listen, parse_address
+from jreshard.net.channel import Channel, connect, format_address, listen, parse_address
 
 
 def channel(me: int, address_file: str, key: bytes):

@@ -6,7 +6,7 @@ wraps it in a ``functools.lru_cache`` of a fixed size and records it, so that
 schedules) at once, as ``jax.clear_caches`` does for JAX.
 
 Example:
-  >>> from jreshard._cache import cache, clear_caches
+  >>> from jreshard.sharding.caches import cache, clear_caches
   >>> @cache(max_size=8)
   ... def square(x: int) -> int:
   ...     return x * x

@@ -35,7 +35,7 @@ leaves naming the trainer's parameters, or ``None``) says how the server's tenso
 are made from the trainer's: fused ``qkv`` with repeated key/value heads, ``gate_up``,
 stacked experts, block FP8. Both declarations are checked against each other (names,
 shapes, dtypes, every parameter a recipe reads) before any byte moves. Such a group
-lowers its views once on every process (:mod:`jreshard.refit_views`: the whole
+lowers its views once on every process (:mod:`jreshard.refit.views`: the whole
 lowering: every rank's pieces) and runs its ranks of them through the same round
 loop, casting while packing and unpacking in the CPU backend.
 
@@ -66,7 +66,7 @@ from jreshard.mpi.comm import MpiComm, import_mpi
 from jreshard.mpi.control import Control
 from jreshard.mpi.live import LiveComm
 from jreshard.options import Options
-from jreshard.refit_decl import (
+from jreshard.refit.decl import (
     GroupViews,
     declare_leaves,
     declare_local,
@@ -77,7 +77,7 @@ from jreshard.refit_decl import (
     problems,
     validate,
 )
-from jreshard.refit_views import lower_group, run_group, schedule_group
+from jreshard.refit.views import lower_group, run_group, schedule_group
 from jreshard.schedule.steps import Schedule
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.rows import TensorSpec
@@ -289,7 +289,7 @@ class RefitGroup:
         (bounded, authenticated; the control plane and the liveness of every peer), the source's process 0
         hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
         and calling) and the weights move over the merged communicator."""
-        from jreshard.auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
+        from jreshard.net.auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
         from jreshard.nixl.group import ProcessGroup
 
         MPI = import_mpi()
@@ -331,7 +331,7 @@ class RefitGroup:
     def _connect_nixl(cls, role: Role, params: Any, address: str, host: str, **kwargs: Any) -> RefitGroup:
         import jax
 
-        from jreshard.auth import resolve_secret
+        from jreshard.net.auth import resolve_secret
         from jreshard.nixl.group import ProcessGroup
 
         options = Options.of(kwargs.get("options"))

@@ -19,11 +19,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard._cache import cache
-from jreshard.describe import describe
+from jreshard.call.describe import describe
 from jreshard.engine.prepared import Group, Kind, Mode, Prepared, Shape
 from jreshard.errors import IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
 from jreshard.options import Options
+from jreshard.sharding.caches import cache
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology

@@ -285,7 +285,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m jreshard.demo [--refits N] [--layers L] [--d-model D] [--vocab V]``."""
+    """``python -m jreshard.cli.demo [--refits N] [--layers L] [--d-model D] [--vocab V]``."""
     parser = argparse.ArgumentParser(prog="python -m jreshard demo", description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jreshard.cli_args import LAYOUT_SYNTAX, add_case_args, parse_layout, png_path
+from jreshard.cli.args import LAYOUT_SYNTAX, add_case_args, parse_layout, png_path
 
 __all__ = ["main", "parse_layout"]
 
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 type=png_path,
                 help="save a picture: the tensor's shards and moves (one tensor) or per-rank loads (a model)",
             )
-    from jreshard import demo as demo_module  # stdlib-only import; jax starts inside run_from_args
+    from jreshard.cli import demo as demo_module  # stdlib-only import; jax starts inside run_from_args
 
     d = sub.add_parser("demo", help="the main job: refit a small transformer on 8 CPU devices, beside jax.device_put")
     demo_module.add_arguments(d)

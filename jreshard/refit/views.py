@@ -1,8 +1,8 @@
 """What a group that moves views runs: its lowering, its schedule, and one refit into fresh shards.
 
-Two programs whose declarations differ by casts or a destination's recipe (:mod:`jreshard.refit_decl`,
+Two programs whose declarations differ by casts or a destination's recipe (:mod:`jreshard.refit.decl`,
 ``validate(..., views=True)`` then ``group_views``) move views. Every process of both programs lowers
-the same :class:`~jreshard.refit_decl.GroupViews` to the same pieces (:mod:`jreshard.views.lowering`,
+the same :class:`~jreshard.refit.decl.GroupViews` to the same pieces (:mod:`jreshard.views.lowering`,
 the whole lowering: every rank's), builds the same engine schedule from them
 (:mod:`jreshard.schedule.viewsched`), and runs its own ranks of it through the one round loop over the
 transport it is given (:func:`jreshard.engine.viewrun.run_view_schedule`), casting while packing and
@@ -18,7 +18,7 @@ from typing import Any
 from jreshard.engine.comm import Communicator
 from jreshard.engine.rounds import ExecStats
 from jreshard.options import Options
-from jreshard.refit_decl import GroupViews
+from jreshard.refit.decl import GroupViews
 from jreshard.schedule.viewsched import ViewSchedule
 from jreshard.sharding.cost import LoadTable, Prediction, predict_loads
 from jreshard.sharding.topology import Link, Topology

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jreshard._cache import cache
+from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import packed_bits
 
 __all__ = [
@@ -206,7 +206,7 @@ def encodings(leaves: Sequence[Any], into: Sequence[Any] | None = None) -> list[
     With ``into`` (``transfer_into``'s arrays), a leaf read from or written into host memory
     (``pinned_host``, ``unpinned_host``) moves through device memory and is placed into its ``into``
     array by a jitted ``device_put`` that takes the ``into`` memory over (``transfer`` leaves of
-    host memory are ``jax.device_put``'s: :mod:`jreshard.normalize`).
+    host memory are ``jax.device_put``'s: :mod:`jreshard.call.normalize`).
     """
     encs = [_encoding_of_dtype(leaf.dtype) if isinstance(leaf, jax.Array) else None for leaf in leaves]
     for i, t in enumerate(into or ()):
@@ -231,9 +231,9 @@ def plan_leaves(
     Raises:
       LayoutError, LayoutMismatchError: as the front door does for other leaves.
     """
+    from jreshard.call.front import _check_leaf, target_sharding
     from jreshard.engine.prepared import Mode
     from jreshard.errors import LayoutMismatchError
-    from jreshard.frontdoor import _check_leaf, target_sharding
 
     out: list[LeafPlan | None] = [None] * len(leaves)
     for i, (leaf, t, enc) in enumerate(zip(leaves, targets, encs, strict=True)):

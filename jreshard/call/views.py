@@ -33,7 +33,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard._cache import register_clear
 from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
@@ -47,6 +46,7 @@ from jreshard.mpi.comm import import_mpi
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.schedule.viewsched import ViewSchedule, view_schedule
+from jreshard.sharding.caches import register_clear
 from jreshard.sharding.dtypes import dtype_name, storage_bytes
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout

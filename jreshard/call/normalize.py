@@ -26,9 +26,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard.describe import describe
+from jreshard.call.describe import describe
+from jreshard.call.front import _renamed, leaf_names
 from jreshard.errors import LayoutMismatchError, TopologyError
-from jreshard.frontdoor import _renamed, leaf_names
 from jreshard.types import PyTree
 
 __all__ = ["Normalized", "normalize"]
@@ -134,7 +134,7 @@ def _bits(dtype: Any) -> int:
 
 
 def normalize(leaves: list[Any], treedef: Any, targets: list[Any], x: PyTree, target: PyTree) -> Normalized:
-    """A call's flat leaves and targets (the front door's :func:`~jreshard.frontdoor.flatten` of ``x`` and
+    """A call's flat leaves and targets (the front door's :func:`~jreshard.call.front.flatten` of ``x`` and
     ``target``) with every leaf in the front door's terms (module docstring); nothing is flattened again.
 
     Host and host-memory leaves come back already placed (``jax.device_put``) with target ``None``;

@@ -263,7 +263,7 @@ def route(leaves: Sequence[Any], targets: Sequence[Any], options: Options) -> tu
 
 def target_shardings(targets: Sequence[Any]) -> list[Any]:
     """Per flat target, its sharding (``None``: the leaf is kept)."""
-    from jreshard.frontdoor import target_sharding
+    from jreshard.call.front import target_sharding
 
     out = []
     for i, t in enumerate(targets):
@@ -399,8 +399,8 @@ def transfer_multiprocess(
       TransferTimeoutError: a peer process did not answer within ``options.timeout_s``.
       LayoutMismatchError, LayoutError: the trees, shapes or dtypes disagree.
     """
+    from jreshard.call.front import flatten
     from jreshard.engine.driver import run_leaves
-    from jreshard.frontdoor import flatten
 
     if transport is None:
         from jreshard.mpi.cluster import cluster_comm

@@ -2,7 +2,7 @@
 
 Every connection between two jreshard programs (trainer and replica, replica and replica, the two
 sides of a ``RefitGroup`` over NIXL) runs this exchange before any declaration, descriptor or byte
-of weights; :mod:`jreshard.channel` drives it over the socket. With ``K`` the key and ``Ns``, ``Nc``
+of weights; :mod:`jreshard.net.channel` drives it over the socket. With ``K`` the key and ``Ns``, ``Nc``
 32 random bytes drawn by the server and the client (``secrets.token_bytes``):
 
 1. server -> client: ``MAGIC || Ns`` (the challenge, :data:`CHALLENGE_BYTES` bytes);
@@ -21,7 +21,7 @@ a key for the tags of the transfer's bytes, and one AES-256-GCM key per directio
 when they are encrypted (:class:`Session`). Every control frame after the
 handshake is sealed under its direction's key with its sequence number as the nonce, so a frame that
 was read, altered, replayed, reordered or dropped on the way is refused and ends the connection
-(:mod:`jreshard.channel`). A relay that passes the handshake through untouched learns neither key:
+(:mod:`jreshard.net.channel`). A relay that passes the handshake through untouched learns neither key:
 it cannot read what follows, nor speak in it.
 
 The key: ``Options.secret``, else the environment variable ``JRESHARD_SECRET`` (its UTF-8 bytes),

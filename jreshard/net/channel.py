@@ -5,11 +5,11 @@ descriptors of the NIXL transport) between two processes on any hosts. Weights n
 they move over a transfer engine (:mod:`jreshard.nixl`).
 
 - **Authenticated.** Before anything else, both ends prove they hold the shared secret
-  (:mod:`jreshard.auth`). The client side does it in :func:`connect`; the server side in
+  (:mod:`jreshard.net.auth`). The client side does it in :func:`connect`; the server side in
   :meth:`Channel.pump`, without blocking, so a server thread that owns many connections keeps
   serving while a slow, silent or hostile client is refused.
 - **Sealed.** Every frame after the handshake is encrypted and authenticated with the session's
-  ChaCha20-Poly1305 keys (:class:`jreshard.auth.Session`, derived from the handshake), its sequence
+  ChaCha20-Poly1305 keys (:class:`jreshard.net.auth.Session`, derived from the handshake), its sequence
   number in its direction as the nonce: someone on the path reads nothing, and a frame that was
   altered, replayed, reordered, dropped or injected is refused (:class:`AuthenticationError`) and
   ends the connection.
@@ -40,8 +40,8 @@ import struct
 import time
 from typing import Any, TypeVar
 
-from jreshard import auth
 from jreshard.errors import AuthenticationError, JReshardError, PeerError, TransferTimeoutError
+from jreshard.net import auth
 
 __all__ = [
     "HANDSHAKE_S",
@@ -58,7 +58,7 @@ __all__ = [
     "parse_address",
 ]
 
-log = logging.getLogger("jreshard.channel")
+log = logging.getLogger("jreshard.net.channel")
 
 _HEADER = struct.Struct("!BQ")  # kind, nbytes
 _CONTROL = 1  # a plain frame: only on a channel built without a session (a socketpair in one process)
@@ -140,7 +140,7 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 def connect(
     address: tuple[str, int], peer: str, *, key: bytes, timeout_s: float, retry: bool = True, **kw: int
 ) -> Channel:
-    """Connect to ``address`` and authenticate both ways (the client side of :mod:`jreshard.auth`).
+    """Connect to ``address`` and authenticate both ways (the client side of :mod:`jreshard.net.auth`).
 
     Args:
       address: ``(host, port)``.
