@@ -46,6 +46,16 @@ def _grouped(xs, axis, groups):
     return jnp.concatenate([jnp.split(x, groups, axis=axis)[i] for i in range(groups) for x in xs], axis=axis)
 
 
+def _reshapes(shape):
+    """Shapes of as many elements: two neighbouring axes merged, one axis split in two, all flattened."""
+    out = [(math.prod(shape),)]
+    for d in range(len(shape) - 1):
+        out.append((*shape[:d], shape[d] * shape[d + 1], *shape[d + 2 :]))
+    for d, n in enumerate(shape):
+        out += [(*shape[:d], f, n // f, *shape[d + 1 :]) for f in (2, 4) if n % f == 0 and n > f]
+    return out
+
+
 @st.composite
 def compositions(draw):
     """(view, jnp value) pairs built by the same random program, with the source arrays."""
@@ -59,7 +69,7 @@ def compositions(draw):
         arr = jax.device_put(full, draw(shardings(shape)))
         nodes.append((views.as_view(arr), full))
     for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["cast", "concat", "stack", "slice", "transpose", "unstack"]))
+        op = draw(st.sampled_from(["cast", "concat", "stack", "slice", "transpose", "unstack", "reshape"]))
         v, x = nodes[-1]
         if op == "cast":
             d = draw(st.sampled_from(CAST_DTYPES))
@@ -67,6 +77,9 @@ def compositions(draw):
         elif op == "transpose" and v.ndim > 1:
             perm = draw(st.permutations(list(range(v.ndim))))
             nodes.append((views.transpose(v, perm), jnp.transpose(x, perm)))
+        elif op == "reshape" and v.ndim:
+            shape = draw(st.sampled_from(_reshapes(v.shape)))
+            nodes.append((views.reshape(v, shape), jnp.reshape(x, shape)))
         elif op == "slice" and v.shape[0] > 1:
             a = draw(st.integers(0, v.shape[0] - 1))
             if draw(st.booleans()) or v.ndim == 1:

@@ -29,6 +29,7 @@ from jreshard.views.algebra import Cast as Cast
 from jreshard.views.algebra import Concat as Concat
 from jreshard.views.algebra import Index as Index
 from jreshard.views.algebra import Leaf as Leaf
+from jreshard.views.algebra import Reshape as Reshape
 from jreshard.views.algebra import Stack as Stack
 from jreshard.views.algebra import Transpose as Transpose
 from jreshard.views.algebra import View as View
@@ -58,6 +59,7 @@ __all__ = [
     "param",
     "quantize_fp8",
     "quantize_fp8_reference",
+    "reshape",
     "stack",
     "transfer",
     "transfer_into",
@@ -110,6 +112,26 @@ def unstack(x: Any, axis: int = 0) -> list[View]:
         raise ValueError(f"unstack: axis={axis} is out of range for shape {v.shape}")
     axis %= v.ndim
     return [Index(v, (slice(None),) * axis + (i,)) for i in range(v.shape[axis])]
+
+
+def reshape(x: Any, shape: Sequence[int]) -> View:
+    """``jnp.reshape(x, shape)``, lazily (row-major; one ``-1`` is inferred).
+
+    Merges and splits axes without gathering: a trainer's ``[embed, heads, head_dim]`` kernel
+    becomes an engine's ``[embed, heads * head_dim]`` one region per head.
+
+    Raises:
+      ValueError: ``shape`` holds another number of elements than ``x``.
+
+    Example:
+      >>> import numpy as np
+      >>> from jreshard.views.bounds import evaluate
+      >>> from jreshard.views.casts import cast
+      >>> q = Leaf(np.arange(12).reshape(2, 3, 2))  # [embed, heads, head_dim]
+      >>> evaluate(reshape(q, (2, -1)), lambda leaf: leaf.source, cast).tolist()
+      [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    """
+    return Reshape(as_view(x, "reshape(x)"), shape)
 
 
 def transpose(x: Any, perm: Sequence[int] | None = None) -> View:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +27,7 @@ from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
 from jreshard.views.casts import check_cast_dtype
 
-__all__ = ["Cast", "Concat", "Index", "Leaf", "Mapped", "Stack", "Transpose", "View", "as_view"]
+__all__ = ["Cast", "Concat", "Index", "Leaf", "Mapped", "Reshape", "Stack", "Transpose", "View", "as_view"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,7 +81,7 @@ class View(abc.ABC):
     """A lazy tensor: a shape, a dtype, and how each of its boxes maps onto source leaves (abstract).
 
     Final implementations: :class:`Leaf`, :class:`Cast`, :class:`Transpose`, :class:`Index`,
-    :class:`Stack`, :class:`Concat`, and the two outputs of block quantisation.
+    :class:`Reshape`, :class:`Stack`, :class:`Concat`, and the two outputs of block quantisation.
     """
 
     shape: tuple[int, ...]
@@ -374,3 +375,120 @@ class Concat(View):
 
     def signature(self, leaf_key: Any) -> tuple:
         return ("concat", self.axis, self.groups, tuple(p.signature(leaf_key) for p in self.parts))
+
+
+def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The axes of ``src`` and ``dst`` cut into consecutive groups of equal element counts.
+
+    A row-major reshape maps each group's flat range onto itself: group ``(ins, outs)`` holds
+    source axes ``ins`` and result axes ``outs``. Axes of extent 1 join the next group (or
+    form the last one), so a side may be empty where all its axes have extent 1.
+    """
+    if math.prod(src) == 0:
+        return ((tuple(range(len(src))), tuple(range(len(dst)))),)
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        ins, outs, pi, pj = [], [], 1, 1
+        while i < len(src) and src[i] == 1:
+            ins.append(i)
+            i += 1
+        while j < len(dst) and dst[j] == 1:
+            outs.append(j)
+            j += 1
+        if i < len(src) and j < len(dst):
+            ins.append(i)
+            outs.append(j)
+            pi, pj, i, j = src[i], dst[j], i + 1, j + 1
+            while pi != pj:
+                if pi < pj:
+                    ins.append(i)
+                    pi, i = pi * src[i], i + 1
+                else:
+                    outs.append(j)
+                    pj, j = pj * dst[j], j + 1
+        groups.append((tuple(ins), tuple(outs)))
+    return tuple(groups)
+
+
+class Reshape(View):
+    """``jnp.reshape(x, shape)``: the same elements in row-major order, regrouped into other axes.
+
+    Each region of the result is a run along the innermost source axis of its group (the
+    other axes of the group fixed), so a box of the result reads at most one region per row
+    of the group's innermost axes: merging ``(heads, head_dim)`` into one axis costs one
+    region per head, never a gathered copy.
+    """
+
+    __slots__ = ("dtype", "groups", "shape", "x")
+
+    def __init__(self, x: View, shape: Sequence[int]):
+        dims = [int(n) for n in shape]
+        if dims.count(-1) > 1 or any(n < -1 for n in dims):
+            raise ValueError(f"reshape: shape={tuple(shape)} has a negative extent (at most one -1 is inferred)")
+        if -1 in dims:
+            known = math.prod(n for n in dims if n != -1)
+            if known == 0 or x.size % known:
+                raise ValueError(f"reshape: cannot infer the -1 of shape={tuple(shape)} from {x.size} elements")
+            dims[dims.index(-1)] = x.size // known
+        if math.prod(dims) != x.size:
+            raise ValueError(f"reshape: a view of shape {x.shape} ({x.size} elements) cannot have shape {tuple(dims)}")
+        self.x, self.dtype, self.shape = x, x.dtype, tuple(dims)
+        self.groups = _reshape_groups(x.shape, self.shape)
+
+    def _runs(self, ins: tuple[int, ...], outs: tuple[int, ...], box: Box) -> list[tuple]:
+        """One group's runs: ``(source lo, source hi, result index of the outer axes, result start)``."""
+        src, dst = [self.x.shape[a] for a in ins], [self.shape[o] for o in outs]
+        if not outs:
+            return [((0,) * len(ins), (1,) * len(ins), (), 0)]
+        if not ins:
+            return [((), (), tuple(box.lo[o] for o in outs[:-1]), box.lo[outs[-1]])]
+        strides = [math.prod(dst[k + 1 :]) for k in range(len(dst))]
+        inner = src[-1]
+        lo, hi = box.lo[outs[-1]], box.hi[outs[-1]]
+        runs = []
+        for idx in itertools.product(*(range(box.lo[o], box.hi[o]) for o in outs[:-1])):
+            base = sum(i * st for i, st in zip(idx, strides, strict=False))
+            p, end = base + lo, base + hi
+            while p < end:
+                q0 = p % inner
+                n = min(end - p, inner - q0)
+                outer = []
+                rest = p // inner
+                for size in reversed(src[:-1]):
+                    rest, r = divmod(rest, size)
+                    outer.append(r)
+                outer.reverse()
+                runs.append(((*outer, q0), (*(v + 1 for v in outer), q0 + n), idx, p - base))
+                p += n
+        return runs
+
+    def regions(self, box: Box) -> list[Mapped]:
+        if any(a >= b for a, b in zip(box.lo, box.hi, strict=True)):
+            return []
+        out = []
+        per_group = [self._runs(ins, outs, box) for ins, outs in self.groups]
+        for combo in itertools.product(*per_group):
+            lo, hi = [0] * self.x.ndim, [0] * self.x.ndim
+            for (ins, _), (r_lo, r_hi, _, _) in zip(self.groups, combo, strict=True):
+                for a, v, w in zip(ins, r_lo, r_hi, strict=True):
+                    lo[a], hi[a] = v, w
+            for m in self.x.regions(Box(tuple(lo), tuple(hi))):
+                b_lo, b_hi, axes = [0] * self.ndim, [1] * self.ndim, [-1] * self.ndim
+                for (ins, outs), (r_lo, _, idx, start) in zip(self.groups, combo, strict=True):
+                    for o, i in zip(outs, idx, strict=False):
+                        b_lo[o], b_hi[o] = i, i + 1
+                    if outs and ins:
+                        a, o = ins[-1], outs[-1]
+                        b_lo[o] = start + m.box.lo[a] - r_lo[-1]
+                        b_hi[o] = start + m.box.hi[a] - r_lo[-1]
+                        axes[o] = m.axes[a]
+                    elif outs:
+                        b_lo[outs[-1]], b_hi[outs[-1]] = start, start + 1
+                out.append(m.moved(Box(tuple(b_lo), tuple(b_hi)), tuple(axes)))
+        return out
+
+    def operands(self) -> tuple[View, ...]:
+        return (self.x,)
+
+    def signature(self, leaf_key: Any) -> tuple:
+        return ("reshape", self.shape, self.x.signature(leaf_key))

@@ -21,7 +21,7 @@ import numpy as np
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
-from jreshard.views.algebra import Cast, Concat, Index, Leaf, Stack, Transpose, View
+from jreshard.views.algebra import Cast, Concat, Index, Leaf, Reshape, Stack, Transpose, View
 from jreshard.views.casts import wire_cut
 
 __all__ = ["brute_force_network_bound", "evaluate"]
@@ -47,6 +47,8 @@ def evaluate(
         return on_cast(evaluate(view.x, value, on_cast), view.dtype)
     if isinstance(view, Transpose):
         return np.transpose(evaluate(view.x, value, on_cast), view.perm)
+    if isinstance(view, Reshape):
+        return np.reshape(evaluate(view.x, value, on_cast), view.shape)
     if isinstance(view, Index):
         x = evaluate(view.x, value, on_cast)
         idx = tuple(slice(a, b) if k else a for (a, b), k in zip(view.spans, view.keep, strict=True))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jreshard.sharding.dtypes import dtype_name
-from jreshard.views.algebra import Cast, Concat, Index, Leaf, Stack, Transpose, View
+from jreshard.views.algebra import Cast, Concat, Index, Leaf, Reshape, Stack, Transpose, View
 from jreshard.views.quant import QuantScales, QuantWeights
 
 __all__ = ["Param", "decode", "encode", "param", "reads"]
@@ -111,7 +111,7 @@ def reads(form: Any) -> list[tuple[str, tuple[int, ...], str]]:
 
 def _children(f: Any) -> list:
     kind = f[0]
-    if kind in ("cast", "transpose"):
+    if kind in ("cast", "transpose", "reshape"):
         return [f[2]]
     if kind == "index" or kind == "fp8":
         return [f[3]]
@@ -136,6 +136,8 @@ def decode(form: Any, leaf: Callable[[str], Leaf]) -> View:
         return Cast(decode(form[2], leaf), form[1])
     if kind == "transpose":
         return Transpose(decode(form[2], leaf), form[1])
+    if kind == "reshape":
+        return Reshape(decode(form[2], leaf), form[1])
     if kind == "index":
         spans, keep = form[1], form[2]
         idx = tuple(slice(a, b) if k else a for (a, b), k in zip(spans, keep, strict=True))
