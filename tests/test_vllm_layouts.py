@@ -230,3 +230,20 @@ def test_a_jax_trainer_moves_into_vllms_tp_layout_shard_to_shard():
         for name, arr in out.items():
             (shard,) = [x for x in arr.addressable_shards if x.device == devs[4 + r]]
             np.testing.assert_array_equal(np.asarray(shard.data), want[name], err_msg=f"{name} rank {r}")
+
+
+def test_the_layouts_import_and_run_without_jax():
+    """A PyTorch server has no jax: the layouts and views it declares need numpy alone."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['jax'] = None; sys.modules['jaxlib'] = None\n"
+        "from jreshard.integrations import vllm\n"
+        "m = vllm.DecoderShape(vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4,"
+        " num_kv_heads=1, head_dim=4)\n"
+        "print(len(vllm.vllm_views(vllm.trainer_params(m), m, 2)), len(vllm.vllm_shards(m, 1, 2)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["9", "9"]
