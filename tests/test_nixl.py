@@ -54,6 +54,40 @@ def test_the_engine_runs_the_mpi_refit_over_nixl_between_two_processes(tmp_path)
     assert 1.0 <= got[1]["elapsed"] < 5.0  # the 1 s timeout, with a loaded host's slack
 
 
+def test_a_write_given_up_keeps_its_memory_until_nixl_is_done_with_it(tmp_path):
+    """A receiver SIGSTOPped with a 64 MiB WRITE to it running (UCX over TCP, which cannot cancel a put): the
+    sender's exchange times out, its send buffer is dropped and dead registrations are released, then the
+    receiver continues. The WRITE given up goes on reading that buffer: the agent keeps it, and its
+    registration, until NIXL has finished it (released under it, UCX's heap was corrupted: a crash at the
+    next refit, or "double free" at exit)."""
+    body = ROOT / "tests" / "nixl_bodies" / "given_up_write.py"
+    env = _env() | {"UCX_TLS": "tcp,self", "PYTHONPATH": os.pathsep.join([str(body.parent), str(ROOT)])}
+    address = str(tmp_path / "address")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(body), str(p), address, "64"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for p in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=50)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for out in outs:
+        assert "UCX  WARN" not in out and "UCX  ERROR" not in out and "free()" not in out, out
+    sender, receiver = (json.loads(out.strip().splitlines()[-1]) for out in outs)
+    assert sender["error"] == "TransferTimeoutError" and sender["unfinished"] == 1, sender
+    assert sender["registered_while_unfinished"] >= 64 << 20, sender  # kept while the WRITE ran
+    assert sender["registered_after"] == 0, sender  # released once it finished
+    assert receiver["late_write_landed"], receiver  # into the buffer it abandoned, kept alive for it
+
+
 # ---- authentication -----------------------------------------------------------------------------
 def test_the_secret_comes_from_options_the_environment_or_a_file(tmp_path):
     f = tmp_path / "key"

@@ -25,6 +25,17 @@ agent made for a ``host`` (a local address, not a wildcard) restricts it to that
 interface (UCX's ``UCX_NET_DEVICES``, set only while the agent's UCX context is made): one made for
 ``127.0.0.1`` listens on loopback only. Shared-memory transports (same host) are unaffected.
 
+**WRITEs given up.** A transfer handle released while its WRITE is still running does not stop it: UCX
+cannot cancel a put, so the WRITE goes on reading its send buffer through that buffer's registration, for
+as long as the peer takes to read it (a peer that stopped, or stopped making progress, reads it later). A
+registration released, or memory freed, under it corrupts UCX's heap (a source SIGSTOPped past
+``timeout_s`` and resumed crashed in its next group, once the version it had been sending was freed).
+So a communicator that gives up a WRITE hands its handle to :meth:`NixlAgent.retire` with the buffers it
+reads: the agent keeps them, and the registrations under them, until NIXL reports the WRITE finished
+(done, failed, or its peer gone: polled at every later call into the agent), and only then releases the
+handle and lets them go. The notification the finished WRITE carries releases the receiver's abandoned
+buffer on the other side.
+
 **Memory types.** Host buffers (numpy) are ``DRAM``; a buffer with ``__cuda_array_interface__`` (CuPy)
 is ``VRAM`` on its device (not run on GPU).
 """
@@ -53,6 +64,8 @@ from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutE
 from jreshard.net.channel import Channel
 
 __all__ = ["NOTICE", "NixlAgent", "Region", "import_nixl", "interface_of", "label"]
+
+_UNFINISHED: list[Any] = []  # WRITEs still running when their agent closed: kept (with their memory) for good
 
 NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows
 
@@ -140,6 +153,15 @@ class Region:
     address: int
     nbytes: int
     key: tuple[str, int, int, int]  # the registration it lies in
+
+
+class _Retired:
+    """A WRITE given up while it may still run: its handle, what it reads, and what is released after it."""
+
+    __slots__ = ("descs", "dlists", "handle", "keep")
+
+    def __init__(self, handle: Any, keep: tuple[Any, ...], dlists: tuple[Any, ...], descs: tuple[Any, ...]):
+        self.handle, self.keep, self.dlists, self.descs = handle, keep, dlists, descs
 
 
 class _Registration:
@@ -241,6 +263,9 @@ class NixlAgent:
         self._abandoned: dict[int, Any] = {}  # receive id -> its buffer, kept alive for a late WRITE
         self._expected: dict[int, str] = {}  # receive id -> the only agent whose notification counts
         self.ignored = 0  # notifications ignored: from an unexpected agent, or for no awaited id
+        self._retired: list[_Retired] = []  # WRITEs given up and maybe still running (retire)
+        self._pins: dict[int, int] = {}  # id of registration descs -> how many retired WRITEs read through them
+        self._deferred: dict[int, Any] = {}  # id -> registration descs released once no retired WRITE reads them
         self.registrations = 0
         self._pid = os.getpid()
         self.closed = False
@@ -273,6 +298,7 @@ class NixlAgent:
         mem, device, addr, nbytes, root, raddr, rbytes = _describe(buffer)
         key = (mem, device, raddr, rbytes)
         with self._lock:
+            self._reap()
             self._release_dead()
             reg = self._regs.get(key)
             if reg is not None and reg.root() is not root:  # an older root at the same place: replace it
@@ -295,7 +321,78 @@ class NixlAgent:
             del self._regs[reg.key]
         for told in self._told.values():
             told.discard(reg.key)
-        self._agent.deregister_memory(reg.descs)
+        self.deregister(reg.descs)
+
+    def descs_of(self, key: tuple[str, int, int, int]) -> Any:
+        """The registration descriptors of registration ``key`` (a :class:`Region`'s), ``None`` if released."""
+        reg = self._regs.get(key)
+        return None if reg is None else reg.descs
+
+    def deregister(self, descs: Any) -> None:
+        """Release the registration ``descs`` now, or, while a retired WRITE still reads through it, once none
+        does."""
+        with self._lock:
+            if self._pins.get(id(descs)):
+                self._deferred[id(descs)] = descs
+                return
+            self._agent.deregister_memory(descs)
+
+    # ---- WRITEs given up ------------------------------------------------------------------------
+    def retire(
+        self, handle: Any, *, keep: tuple[Any, ...] = (), dlists: tuple[Any, ...] = (), descs: tuple[Any, ...] = ()
+    ) -> None:
+        """Give up the WRITE of ``handle`` (see the module docstring): it is released once NIXL no longer runs
+        it, then ``dlists`` (its prepared descriptor lists) are, and until then ``keep`` (the buffers it reads)
+        stays alive and the registrations ``descs`` stay registered (:meth:`deregister` waits for it).
+
+        Never raises: a NIXL error here means the WRITE is over (its peer is gone)."""
+        with self._lock:
+            r = _Retired(handle, tuple(keep), tuple(dlists), tuple(d for d in descs if d is not None))
+            for d in r.descs:
+                self._pins[id(d)] = self._pins.get(id(d), 0) + 1
+            self._retired.append(r)
+            self._reap()
+
+    @property
+    def unfinished(self) -> int:
+        """WRITEs given up that NIXL still runs (:meth:`retire`), polled now."""
+        with self._lock:
+            self._reap()
+            return len(self._retired)
+
+    def _reap(self) -> None:
+        """Release every retired WRITE that NIXL no longer runs, and what waited on it."""
+        if not self._retired:
+            return
+        still = []
+        for r in self._retired:
+            try:
+                running = self._agent.check_xfer_state(r.handle) == "PROC"
+            except Exception:  # nixl's own errors (its peer is gone): UCX failed the WRITE, nothing runs
+                running = False
+            if not running:
+                try:
+                    r.handle.release()
+                except Exception:  # NIXL could not release it: still active, try again at the next call
+                    running = True
+            if running:
+                still.append(r)
+                continue
+            for dl in r.dlists:
+                try:
+                    dl.release()
+                except Exception:  # a descriptor list NIXL refuses to release leaks, nothing worse
+                    pass
+            for d in r.descs:
+                n = self._pins[id(d)] - 1
+                if n:
+                    self._pins[id(d)] = n
+                    continue
+                del self._pins[id(d)]
+                gone = self._deferred.pop(id(d), None)
+                if gone is not None:
+                    self._agent.deregister_memory(gone)
+        self._retired = still
 
     def _release_dead(self) -> None:
         while self._dead:
@@ -387,6 +484,7 @@ class NixlAgent:
         """Which of ``ids`` have been notified by their expected agent (``{id: agent}``), removed from the
         store. Any other notification is ignored (and counted in :attr:`ignored`)."""
         with self._lock:
+            self._reap()
             for agent, msgs in self._agent.get_new_notifs().items():
                 for m in msgs:
                     digits = m[len(NOTICE) :] if m.startswith(NOTICE) else b""
@@ -417,14 +515,20 @@ class NixlAgent:
                     self._expected.pop(i, None)
 
     def close(self) -> None:
-        """Release every registration and forget every peer."""
+        """Release every registration and forget every peer (a retired WRITE that still runs keeps its memory
+        and registration for the life of the process)."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
+            self._reap()
             self._release_dead()
             for reg in list(self._regs.values()):
                 self._deregister(reg)
+            if self._retired:  # still running: their handles, buffers and registrations are kept for good
+                _UNFINISHED.append((self._agent, self._retired, self._deferred))
+                log.warning("NixlAgent.close: %d WRITEs given up still run; their memory is kept", len(self._retired))
+                self._retired, self._pins, self._deferred = [], {}, {}
             for name in set(self._peers.values()):
                 if name != self.name:
                     try:

@@ -46,7 +46,9 @@ releasing, notifying, reading notifications, introducing the agents: e.g. ``nixl
 when a WRITE is polled after its peer died), naming the peer and the phase; every peer of a failed
 exchange is told at once. Either way the communicator is *broken* (fail-stop, like NCCL): the receives
 it gave up are abandoned (their buffers kept alive until a late WRITE's notification, so no write
-lands in reused memory) and other channels are untouched. The caller drops the failed peer's
+lands in reused memory), the WRITEs it gave up are retired (:meth:`NixlAgent.retire`: UCX cannot cancel
+them, so their send buffers and registrations are kept until NIXL is done with them) and other channels
+are untouched. The caller drops the failed peer's
 connection (descriptors it posted may still sit on it) and goes on with the others.
 
 Messages between two local ranks are copies (``match_and_copy``).
@@ -83,6 +85,8 @@ _NOTICE_GRACE_S = 1.0  # after a peer's connection closes, how long its last not
 
 # A posted receive as the sender holds it: (id, address, nbytes, memory type, device, sealed).
 _Posted = tuple[int, int, int, str, int, bool]
+# A WRITE in flight: (transfer handle, its send, the buffer it reads, that buffer's registration descriptors).
+_Write = tuple[Any, SendOp, Any, Any]
 
 
 def _host(buffer: Any) -> bool:
@@ -290,8 +294,8 @@ class NixlComm(Communicator):
             pass
         return PeerError(f"NixlComm.exchange: {error}")
 
-    def _start(self, s: SendOp, post: _Posted, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> Any:
-        """Start the WRITE of ``s`` into ``post`` (its tag added to ``tags``); the transfer handle, or
+    def _start(self, s: SendOp, post: _Posted, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> _Write | None:
+        """Start the WRITE of ``s`` into ``post`` (its tag added to ``tags``); the WRITE in flight, or
         ``None`` when already done."""
         i, addr, n, mem, dev, sealed = post
         if self.encrypt and not sealed:
@@ -325,7 +329,7 @@ class NixlComm(Communicator):
             _nixl(f"notification of the empty {what}", ch.peer, agent.send_notif, peer, notice)
             return None
         local = _nixl(f"registration of the {what}", ch.peer, self._agent.region, buffer)
-        handle = None
+        write = None
         try:
             handle = agent.initialize_xfer(
                 "WRITE",
@@ -334,25 +338,20 @@ class NixlComm(Communicator):
                 peer,
                 notice,
             )
+            write = (handle, s, buffer, self._agent.descs_of(local.key))
             state = agent.transfer(handle)
         except Exception as err:  # nixl raises its own exception types
-            if handle is not None:
-                try:
-                    handle.release()
-                except Exception:  # the refusal is what the caller hears of
-                    pass
+            if write is not None:
+                self._retire(write)  # a part may have started: released when NIXL is done with it
             raise self._fail(
                 ch, f"NIXL failed during the post of the {what} ({ch.peer}): {type(err).__name__}: {err}"
             ) from err
         if state == "ERR":
-            try:
-                handle.release()
-            except Exception:  # the ERR is what the caller hears of
-                pass
+            self._retire(write)
             raise self._fail(ch, f"NIXL reported an error posting the {what} to {ch.peer}")
         if not sealed:
             self._tag(s, i, ch, tags)  # while the WRITE flies (the send buffer does not change until it is done)
-        return handle
+        return write
 
     @staticmethod
     def _tag(s: SendOp, i: int, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> None:
@@ -364,7 +363,7 @@ class NixlComm(Communicator):
     def _run(self, sends: Sequence[SendOp], waiting: dict[int, RecvOp], timeout_s: float) -> None:
         agent = self._agent.nixl
         unsent = collections.deque(sends)
-        flying: list[tuple[Any, SendOp]] = []
+        flying: list[_Write] = []
         channels = list(
             dict.fromkeys(
                 [self._channel(s.dst, "destination") for s in sends] + [self._remote[r.src] for r in waiting.values()]
@@ -388,26 +387,26 @@ class NixlComm(Communicator):
                     if not queue:
                         blocked.append(s)
                         continue
-                    handle = self._start(s, queue.popleft(), self._remote[s.dst], tags)
-                    if handle is not None:
-                        flying.append((handle, s))
+                    write = self._start(s, queue.popleft(), self._remote[s.dst], tags)
+                    if write is not None:
+                        flying.append(write)
                     progress = True
                 unsent.extend(blocked)
                 for ch, entries in tags.items():  # sealed, beside the WRITEs: the receiver checks what landed
                     ch.queue_control({"op": "nixl.mac", "tags": entries})
                     ch.flush()
-                still: list[tuple[Any, SendOp]] = []
-                for n, (handle, s) in enumerate(flying):
+                still: list[_Write] = []
+                for n, (handle, s, *_) in enumerate(flying):
                     ch = self._remote[s.dst]
                     what = f"WRITE {s.src}->{s.dst} tag {s.tag}"
                     try:
                         state = _nixl(f"poll of the {what}", ch.peer, agent.check_xfer_state, handle)
                     except PeerError as err:  # e.g. the peer died with the bytes in flight
-                        flying = still + flying[n:]  # released (NIXL cancels what it can) on the way out
+                        flying = still + flying[n:]  # retired on the way out
                         self._fail(ch, str(err))
                         raise
                     if state == "PROC":
-                        still.append((handle, s))
+                        still.append(flying[n])
                         continue
                     _nixl(f"release of the {what}", ch.peer, handle.release)
                     progress = True
@@ -447,11 +446,13 @@ class NixlComm(Communicator):
                         time.sleep(sleep)
                 sleep = min(2 * sleep + 1e-5, _MAX_SLEEP_S)
         finally:
-            for handle, _ in flying:  # a failed group: NIXL cancels what it can
-                try:
-                    handle.release()
-                except Exception:
-                    pass
+            for write in flying:  # a failed group: each WRITE still running is retired, not released under UCX
+                self._retire(write)
+
+    def _retire(self, write: _Write) -> None:
+        """Hand a WRITE given up to the agent, with the buffer it reads (:meth:`NixlAgent.retire`)."""
+        handle, _, buffer, descs = write
+        self._agent.retire(handle, keep=(buffer,), descs=(descs,))
 
     def _check(self, i: int, r: RecvOp) -> None:
         """Compare the bytes that landed for receive ``i`` with the tag its sender sent."""
@@ -485,7 +486,7 @@ class NixlComm(Communicator):
         )
 
     def _timeout(
-        self, unsent: list[SendOp], flying: list[tuple[Any, SendOp]], waiting: dict[int, RecvOp], timeout_s: float
+        self, unsent: list[SendOp], flying: list[_Write], waiting: dict[int, RecvOp], timeout_s: float
     ) -> TransferTimeoutError:
         parts = []
         if waiting:
@@ -497,7 +498,7 @@ class NixlComm(Communicator):
             peers = sorted({self._remote[s.dst].peer for s in unsent})
             parts.append(f"ranks {_short(silent)} did not post their receives ({', '.join(peers)})")
         if flying:
-            parts.append(f"{len(flying)} WRITEs to ranks {_short([s.dst for _, s in flying])} did not complete")
+            parts.append(f"{len(flying)} WRITEs to ranks {_short([w[1].dst for w in flying])} did not complete")
         return TransferTimeoutError(
             f"NixlComm.exchange: no answer within timeout_s={timeout_s}: {'; '.join(parts)}. A peer died or "
             "stopped answering; this communicator is now broken"

@@ -25,7 +25,9 @@ What is made once, and what a step costs:
 Failure is as :class:`~jreshard.nixl.comm.NixlComm`'s: every wait bounded by ``timeout_s`` from its group's start
 (:class:`TransferTimeoutError` naming the ranks and peers that did not post or write), a peer whose connection
 closes with work outstanding is :class:`PeerError` within a second, a ``nixl.fail``, a transfer NIXL reports
-``ERR`` or descriptors that do not match are :class:`PeerError`; the communicator is then broken.
+``ERR`` or descriptors that do not match are :class:`PeerError`; the communicator is then broken. A piece's
+WRITE that may still run is retired (:meth:`NixlAgent.retire <jreshard.nixl.agent.NixlAgent.retire>`), with the
+step's buffers and the program's registrations kept until NIXL is done with it.
 
 Not covered here, so :meth:`NixlComm.prepare` returns ``None`` and the step runs per operation:
 ``encrypt=True`` (each message sealed under its own sequence number into a fresh landing buffer). A peer
@@ -54,7 +56,7 @@ from jreshard.engine.comm import REGIONS, Group, PreparedGroups, ops_of_rows
 from jreshard.engine.loopback import match
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.net.channel import Channel
-from jreshard.nixl.agent import NOTICE, label
+from jreshard.nixl.agent import NOTICE, NixlAgent, label
 
 NixlComm = Any
 """The communicator that makes these, :class:`jreshard.nixl.comm.NixlComm` (which imports this module when it
@@ -157,6 +159,15 @@ class _Piece:
         if not self.made:
             self.handle, self.flying = None, False
 
+    def retire(self, agent: NixlAgent, keep: tuple[Any, ...], descs: tuple[Any, ...]) -> None:
+        """Hand the WRITE posted last, which may still run, to ``agent`` with the memory it reads
+        (:meth:`NixlAgent.retire`: UCX cannot cancel it), then release the other handles."""
+        for key, made in list(self.made.items()):
+            if made[0] is self.handle:
+                del self.made[key]
+                agent.retire(made[0], keep=keep, dlists=made[1:], descs=descs)
+        self.drop()
+
 
 class _Out:
     """This program's sends to one peer process."""
@@ -233,7 +244,7 @@ class NixlPrepared(PreparedGroups):
         self._started = np.full(len(groups), -1, np.int64)  # the step each group was last started in
         self._buffers: Sequence[Any] | None = None  # the step's buffers, while it runs
         self.posts = self.prepped = 0  # descriptor lists posted to senders; WRITE handles made
-        self._finalizer = weakref.finalize(self, _deregister, self._agent.nixl, self._regs)
+        self._finalizer = weakref.finalize(self, _deregister, self._agent, self._regs)
 
     # ---- binding --------------------------------------------------------------------------------
     def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
@@ -305,7 +316,7 @@ class NixlPrepared(PreparedGroups):
             descs, _ = self._regs.pop(key)
             for told in self._told.values():
                 told.discard(key)
-            agent.deregister_memory(descs)
+            self._agent.deregister(descs)  # later, while a WRITE given up still reads through it
 
     # ---- the sending side -------------------------------------------------------------------------
     def _claim(self, ch: Channel, out: _Out) -> None:
@@ -426,7 +437,7 @@ class NixlPrepared(PreparedGroups):
         except (PeerError, TransferTimeoutError):
             raise
         except Exception as err:  # nixl raises its own exception types
-            piece.drop()
+            self._retire(piece)  # a part may have started
             raise self._comm._fail(ch, f"NIXL refused the WRITEs of a group to {ch.peer}: {err}") from err
         piece.posted = self._step
         session = ch.session
@@ -624,7 +635,12 @@ class NixlPrepared(PreparedGroups):
         for out in self._out.values():
             for piece in out.by_group.values():
                 if piece.flying:
-                    piece.drop()
+                    self._retire(piece)
+
+    def _retire(self, piece: _Piece) -> None:
+        """Retire ``piece``'s WRITE, keeping this step's buffers and every registration of this program until NIXL
+        is done with it."""
+        piece.retire(self._agent, tuple(self._buffers or ()), tuple(d for d, _ in self._regs.values()))
 
     def finish(self) -> None:
         self._buffers = None
@@ -638,6 +654,8 @@ class NixlPrepared(PreparedGroups):
     def release(self) -> None:
         for out in self._out.values():
             for piece in out.by_group.values():
+                if piece.flying:
+                    self._retire(piece)
                 piece.drop()
         for ch, out in self._out.items():
             if out.token is not None:
@@ -651,7 +669,7 @@ class NixlPrepared(PreparedGroups):
 def _deregister(agent: Any, regs: dict[tuple[int, int], tuple[Any, str]]) -> None:
     for descs, _ in regs.values():
         try:
-            agent.deregister_memory(descs)
+            agent.deregister(descs)  # later, while a WRITE given up still reads through it
         except Exception:  # the agent may be gone already
             pass
     regs.clear()
