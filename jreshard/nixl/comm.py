@@ -157,10 +157,10 @@ class NixlComm(Communicator):
         who = ", ".join(ch.peer for ch in channels) or "no peer"
         _nixl("introduction of the agents", who, functools.partial(agent.introduce, channels, timeout_s=timeout_s))
 
-    prepares: bool = os.environ.get("JRESHARD_NIXL_PREPARED", "0") == "1"
-    """Whether :meth:`prepare` makes prepared groups: off unless ``JRESHARD_NIXL_PREPARED=1`` (or set on the class or a
-    communicator), until an elastic replica of two processes serving a joiner over prepared groups stops timing out
-    now and then (tests/test_elastic.py); every group runs per operation otherwise."""
+    prepares: bool = os.environ.get("JRESHARD_NIXL_PREPARED", "1") != "0"
+    """Whether :meth:`prepare` makes prepared groups (:mod:`jreshard.nixl.prepared`): on unless
+    ``JRESHARD_NIXL_PREPARED=0`` (or set off on the class or a communicator); off, every group runs per operation.
+    Both sides of a transfer must agree (a side that does not prepare refuses a peer's prepared descriptors)."""
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -169,11 +169,15 @@ class NixlComm(Communicator):
     def prepare(self, groups: Sequence[Group]) -> PreparedGroups | None:
         """Prepared WRITE handles and receives for every group of a program (:mod:`jreshard.nixl.prepared`);
         ``None`` (per operation) with ``encrypt=True`` or :attr:`prepares` off."""
-        if self.encrypt or not self.prepares:
+        if not self._prepares():
             return None
         from jreshard.nixl.prepared import NixlPrepared
 
         return NixlPrepared(self, groups)
+
+    def _prepares(self) -> bool:
+        """Whether :meth:`prepare` makes prepared groups (``encrypt=True`` runs per operation)."""
+        return self.prepares and not self.encrypt
 
     def _check_open(self) -> None:
         if self.broken is not None:
@@ -247,14 +251,22 @@ class NixlComm(Communicator):
         """Read ``ch``: posted receives into the queues, a peer's failure raised (a closed connection
         is judged by the caller: a peer may close once it has written everything)."""
         ch.pump()
-        for msg in ch.take({"nixl.post", "nixl.fail", "nixl.mac", "nixl.pdesc"}):
+        # A peer's prepared descriptors (nixl.pdesc) are posted when its program starts, which may be while this
+        # side still runs the per-operation exchanges before its own program (the scheduling mail): where this
+        # side prepares too they are left for its program; where it never does, they are a mismatch.
+        ops = (
+            {"nixl.post", "nixl.fail", "nixl.mac"}
+            if self._prepares()
+            else {"nixl.post", "nixl.fail", "nixl.mac", "nixl.pdesc"}
+        )
+        for msg in ch.take(ops):
             if msg["op"] == "nixl.pdesc":  # a receiver that prepared its groups (in the clear)
                 raise self._fail(
                     ch,
                     f"{ch.peer} posted its receives in the clear, but this side has Options(encrypt=True): set "
                     "encrypt=True on both sides"
                     if self.encrypt
-                    else f"{ch.peer} prepared its groups and this side did not (JRESHARD_NIXL_PREPARED=1 on one side "
+                    else f"{ch.peer} prepared its groups and this side did not (JRESHARD_NIXL_PREPARED=0 on this side "
                     "only): set it the same on both sides",
                 )
             if msg["op"] == "nixl.fail":
