@@ -24,6 +24,7 @@ SLACK_S = 5.0  # past timeout_s, for a loaded host
 
 def start(tmp_path: Path, role: str, mode: str, **extra: str) -> subprocess.Popen:
     env = env_for(tmp_path, 1, {"JRESHARD_ADDRESS": str(tmp_path / "address"), "JRESHARD_TIMEOUT": str(TIMEOUT_S)})
+    env.pop("UCX_LOG_LEVEL", None)  # UCX's noise, or its absence, as a user who set nothing sees it
     env |= {"UCX_TLS": "tcp,self", "PYTHONFAULTHANDLER": "1"} | extra  # TCP, as between hosts
     cmd = [str(MPIEXEC), "-n", "1", sys.executable, str(BODIES / "connect_faults.py"), role, mode]
     return subprocess.Popen(
@@ -93,6 +94,7 @@ def test_a_peer_killed_mid_refit_the_survivor_raises_exits_cleanly_and_refits_wi
     assert live.returncode == 0 and fresh.returncode == 0, outs  # no signal, no MPICH crash at exit
     for text in outs.values():
         assert "Segmentation fault" not in text and "BAD TERMINATION" not in text, text
+        assert "UCX  WARN" not in text, text  # no UCX noise by default (its warnings at MPI_Finalize, below)
     r = result(tmp_path, survivor, "again")
     (failed,) = r["failures"]
     assert failed["version"] == 3 and failed["seconds"] < TIMEOUT_S + SLACK_S, failed
@@ -117,3 +119,17 @@ def test_a_peer_that_dies_inside_the_mpi_join_makes_the_survivor_exit_saying_why
     assert "jreshard: RefitGroup.connect: process 1 (destination) died while the two launches were joining" in out
     assert "MPI_Comm_accept" in out and "exits with status 75" in out and "Segmentation fault" not in out, out
     assert time.monotonic() - t0 < TIMEOUT_S + SLACK_S  # once the victim is gone: at once, never a hang
+
+
+def test_ucx_warnings_after_a_killed_peer_print_where_the_user_asks_for_them(tmp_path):
+    """The survivor of a killed source, as above, with ``UCX_LOG_LEVEL=warn`` set by the user: UCX's warnings
+    about the requests the dead peer left behind print at MPI_Finalize (jreshard keeps a level the user set;
+    unset, it loads UCX at level error, and the test above finds no warning)."""
+    need_mpi()
+    live = start(tmp_path, "destination", "again", UCX_LOG_LEVEL="warn")
+    dying = start(tmp_path, "source", "die:3", UCX_LOG_LEVEL="warn")
+    finish(dying)
+    fresh = start(tmp_path, "source", "ok", JRESHARD_FIRST="3")
+    out, _ = finish(live), finish(fresh)
+    assert live.returncode == 0, out
+    assert "UCX  WARN" in out and "was not returned to mpool ucp_requests" in out, out

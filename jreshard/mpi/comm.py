@@ -38,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -67,14 +68,34 @@ _MAX_SLEEP_S = 1e-3  # polling backs off to this: keeps 8 processes on 2 cores r
 _YIELD_S = 2e-4  # a prepared group's wait first polls yielding the core this long (the compiled replay's YIELD_NS)
 
 
+UCX_LOG_LEVEL = "error"
+"""UCX's log level while jreshard's import of mpi4py loads the MPI library (see :func:`import_mpi`)."""
+
+
 def import_mpi() -> Any:
-    """``mpi4py.MPI``, or :class:`BackendUnavailableError` saying what to install."""
+    """``mpi4py.MPI``, or :class:`BackendUnavailableError` saying what to install.
+
+    Where this call is the one that loads the MPI library (nothing imported ``mpi4py.MPI`` before) and
+    ``UCX_LOG_LEVEL`` is not set, UCX (MPICH's transport) is loaded at log level :data:`UCX_LOG_LEVEL`:
+    after a peer was killed, UCX otherwise prints warnings at ``MPI_Finalize`` about the requests the dead
+    peer left behind (``mpool.c ... was not returned to mpool ucp_requests``), noise beside the
+    ``PeerError`` jreshard already raised. UCX's errors still print, and jreshard's own errors are
+    exceptions. UCX reads the variable once, when its library loads: it is set only for that import and
+    removed after, so it reaches neither child processes nor another UCX (NIXL's). ``UCX_LOG_LEVEL=warn``
+    (or any level) in the environment keeps UCX's own choice.
+    """
+    quiet = "mpi4py.MPI" not in sys.modules and "UCX_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["UCX_LOG_LEVEL"] = UCX_LOG_LEVEL
     try:
         from mpi4py import MPI
     except ImportError as err:  # pragma: no cover - mpi4py is a dev dependency
         raise BackendUnavailableError(
             f"backend 'mpi' needs mpi4py and an MPI library: pip install 'jreshard[mpi]' ({err})"
         ) from err
+    finally:
+        if quiet:
+            os.environ.pop("UCX_LOG_LEVEL", None)
     return MPI
 
 
