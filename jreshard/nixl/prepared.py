@@ -608,8 +608,9 @@ class NixlPrepared(PreparedGroups):
             parts.append(f"ranks {ranks} did not post their receives ({peers})")
             if any(m.get("op") == "nixl.post" for ch in set(unsent) for m in ch.inbox):
                 parts.append(
-                    "they post one exchange at a time, as a receiver with Options(encrypt=True) does, while this "
-                    "side sends from prepared groups (encrypt=False): set encrypt=True on both sides"
+                    "they post one exchange at a time, as a receiver with Options(encrypt=True) or "
+                    "JRESHARD_NIXL_PREPARED=0 does, while this side sends from prepared groups: set both the same on "
+                    "both sides"
                 )
         if flying:
             parts.append(f"the WRITEs to {', '.join(sorted({ch.peer for ch in flying}))} did not complete")
