@@ -18,6 +18,7 @@ from jreshard.errors import LayoutError as LayoutError
 from jreshard.errors import LayoutJSONError as LayoutJSONError
 from jreshard.errors import LayoutMismatchError as LayoutMismatchError
 from jreshard.errors import PeerError as PeerError
+from jreshard.errors import RefitCancelledError as RefitCancelledError
 from jreshard.errors import TopologyError as TopologyError
 from jreshard.errors import TransferError as TransferError
 from jreshard.errors import TransferTimeoutError as TransferTimeoutError
@@ -100,5 +101,6 @@ __all__ = [
     "TransferError",
     "TransferTimeoutError",
     "PeerError",
+    "RefitCancelledError",
     "AuthenticationError",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "LayoutJSONError",
     "LayoutMismatchError",
     "PeerError",
+    "RefitCancelledError",
     "TopologyError",
     "TransferError",
     "TransferTimeoutError",
@@ -82,6 +83,10 @@ class TransferTimeoutError(TransferError):
 
 class PeerError(TransferError):
     """A peer reported a failure or disagreed on the declared layouts."""
+
+
+class RefitCancelledError(TransferError):
+    """A background refit this process cancelled (``PullHandle.cancel``); its previous version stays."""
 
 
 class AuthenticationError(PeerError):

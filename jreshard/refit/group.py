@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import enum
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -243,6 +244,7 @@ class RefitGroup:
         self._decl = mine
         self.version: int | None = None
         self._broken: str | None = None
+        self._background: Any = None  # the PullHandle of a pull_async in flight (refit/background.py)
 
     @classmethod
     def connect(
@@ -410,7 +412,7 @@ class RefitGroup:
             raise PeerError("refit not started (nothing moved):\n  " + "\n  ".join(bad), destination_intact=True)
         return versions.pop()
 
-    def _run(self, sources: dict, targets: dict) -> dict:
+    def _run(self, sources: dict, targets: dict, abort: Any = None) -> dict:
         err = ""
         cause: BaseException | None = None
         shards: dict = {}
@@ -426,6 +428,8 @@ class RefitGroup:
                     self._tensors, self._schedule, self._comm, sources, targets, options=self.options
                 )
             self.sent_bytes = dict(stats.sent_bytes)
+            if abort is not None and abort(True):  # a background pull cancelled: vote against the commit
+                raise PeerError("the destination cancelled the refit (PullHandle.cancel)")
         except Exception as e:  # any failure: the group is broken, and the commit vote still runs
             # (a transport's own exception type, a ValueError of options that cannot schedule, ...):
             # every other process hears of it at once instead of waiting out its timeout
@@ -491,7 +495,69 @@ class RefitGroup:
         self._run(sources, {})
         self.version = int(version)
 
-    def pull(self, *, into: Any = None, like: Any = None, timeout_s: float | None = None) -> tuple[Any, int]:
+    def pull_async(
+        self,
+        *,
+        into: Any = None,
+        like: Any = None,
+        timeout_s: float | None = None,
+        shadow: Any = "keep",
+        max_shadow_bytes: int | None = None,
+    ) -> Any:
+        """Start :meth:`pull` in the background and return its :class:`~jreshard.refit.background.PullHandle`
+        (``ready()``, ``result()``, ``flip()``, ``cancel()``): the server keeps stepping on the arrays it
+        holds while the new version lands in fresh buffers, then flips between two steps.
+
+        Args:
+          into: the current parameter tree, as :meth:`pull` (left untouched unless ``shadow="release"``).
+          like: an abstract tree instead, as :meth:`pull`.
+          timeout_s: how long to wait for the source side to start, as :meth:`pull`.
+          shadow: ``"keep"`` or ``"release"`` (:class:`~jreshard.refit.background.Shadow`): whether the flip
+            deletes the old arrays (``into``).
+          max_shadow_bytes: refuse (before any byte moves) when this process's shards of the new version,
+            held beside the current ones until the flip, exceed it.
+
+        Raises:
+          ValueError: this process is a source, a background pull is already in flight, or the shadow is
+            over ``max_shadow_bytes``.
+        """
+        from jreshard.refit.background import PullHandle, Shadow, shadow_bytes
+
+        if self.role is not Role.DESTINATION:
+            raise ValueError(f"RefitGroup.pull_async: this process is a {self.role.value}; call push()")
+        if self._background is not None:
+            raise ValueError("RefitGroup.pull_async: a background pull is in flight; flip or cancel it first")
+        try:
+            mode = Shadow(shadow)
+        except ValueError:
+            raise ValueError(f"RefitGroup.pull_async: shadow={shadow!r}; expected 'keep' or 'release'") from None
+        tree = into if into is not None else like
+        if tree is None:
+            raise ValueError("RefitGroup.pull_async: pass into=<current params> or like=<abstract tree>")
+        if mode is Shadow.RELEASE and into is None:
+            raise ValueError("RefitGroup.pull_async: shadow='release' deletes into= at the flip; pass into=")
+        nbytes = shadow_bytes(tree)
+        if max_shadow_bytes is not None:
+            if isinstance(max_shadow_bytes, bool) or not isinstance(max_shadow_bytes, int) or max_shadow_bytes < 0:
+                raise ValueError(f"RefitGroup.pull_async: max_shadow_bytes={max_shadow_bytes!r}: a byte count >= 0")
+            if nbytes > max_shadow_bytes:
+                raise ValueError(
+                    f"RefitGroup.pull_async: the shadow copy needs {nbytes} bytes on this process, over "
+                    f"max_shadow_bytes={max_shadow_bytes}; raise it, or pull() between steps (no second copy)"
+                )
+        self._check_usable()
+        self._background = PullHandle(self, into=into, like=like, timeout_s=timeout_s, shadow=mode, nbytes=nbytes)
+        return self._background
+
+    def pull(
+        self,
+        *,
+        into: Any = None,
+        like: Any = None,
+        timeout_s: float | None = None,
+        _phases: dict | None = None,
+        _abort: Any = None,
+    ) -> tuple[Any, int]:
         """Receive the next version: ``(new arrays, version)``, shaped like ``into`` (or ``like``).
 
         ``into`` / ``like`` must match this side's declaration; neither is
@@ -514,11 +580,17 @@ class RefitGroup:
         tree = into if into is not None else like
         if tree is None:
             raise ValueError("RefitGroup.pull: pass into=<current params> or like=<abstract tree>")
+        if self._background is not None and _phases is None:
+            raise ValueError("RefitGroup.pull: a background pull is in flight; flip or cancel it first")
         self._check_usable()
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)  # the one flattening of the call
         error = self._local_check(flat)
+        if not error and _abort is not None and _abort(False):
+            error = "the destination cancelled the refit (PullHandle.cancel)"
         vote = {"role": "destination", "error": error, "version": None}
         version = self._begin(vote, timeout_s or self.options.timeout_s)
+        phases = {} if _phases is None else _phases  # when each phase ended, for a background pull's report
+        phases["begun"] = time.monotonic()
         leaves = self._indexed(flat)
         targets = {}
         for t, a in leaves:
@@ -526,11 +598,13 @@ class RefitGroup:
                 r = self._rank_of(d)
                 if r is not None:
                     targets[(t, r)] = d
-        shards = self._run({}, targets)
+        shards = self._run({}, targets, _abort)
+        phases["moved"] = time.monotonic()
         out = []
         for t, a in leaves:
             mine = {d: shards[(t, self._rank_of(d))] for d in a.sharding.addressable_devices}
             out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine))
+        phases["assembled"] = time.monotonic()
         self.version = version
         return jax.tree_util.tree_unflatten(treedef, out), version
 

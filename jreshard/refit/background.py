@@ -1,0 +1,277 @@
+"""Receive a refit while serving: a pull in a background thread into shadow buffers, then one flip.
+
+A server that must keep answering while the next version arrives starts the pull in the
+background, keeps running its jitted steps on the arrays it holds, and switches to the new
+version with one call between two of its steps::
+
+    handle = group.pull_async(into=params)       # returns at once; the receive runs in a thread
+    while serving:
+        out = step(params, batch)                 # the current version, undisturbed
+        if handle.ready():
+            params, version = handle.flip()       # between two steps: the new tree, whole
+            handle = group.pull_async(into=params)
+
+Why a thread and not ``jax``'s own asynchrony: a refit between programs is host work (the
+control plane's votes, the transport's waits, the engine's unpack into fresh buffers) that must
+run while the server's Python loop dispatches steps. ``jax`` dispatch is thread-safe, the
+jitted step runs without the GIL, and every wait of the receive releases the GIL (MPI's and
+NIXL's polls sleep, the sockets ``select``, the engine's compiled replay and copies run
+without it), so the thread only takes the GIL for its Python bookkeeping; the benchmark
+``benchmarks/serve_bench.py`` measures what that costs the server.
+
+Memory. The new version lands in fresh buffers (the *shadow*: a second copy of this process's
+shards) while the current one serves; :class:`Shadow` says what happens to the old one at the
+flip, ``max_shadow_bytes`` bounds the shadow (refused before any byte moves), and the report
+states its size. Applying staged pieces into the live arrays at the flip is not offered: the
+flip would then copy the whole version between two steps, a pause that grows with the model.
+
+Atomic. The handle hands out the new tree only after every process of the group committed it
+(the group's commit vote): a refit that fails at any point raises from :meth:`PullHandle.result`
+and :meth:`PullHandle.flip`, and the arrays the server holds stay the previous version, whole.
+:meth:`PullHandle.cancel` makes this process vote against the refit at the next point it can
+(before the data, or at the commit vote): every process then keeps its previous version.
+
+Verified boxes (hashing every box on both sides before the commit vote) plug in at the commit
+vote of :meth:`jreshard.refit.RefitGroup.pull`, which this handle runs unchanged; nothing here
+needs to change for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+from typing import Any
+
+from jreshard.errors import RefitCancelledError, TransferTimeoutError
+
+__all__ = ["PullHandle", "ServeReport", "Shadow", "shadow_bytes"]
+
+
+class Shadow(enum.Enum):
+    """What the flip does with the version the server held.
+
+    ``KEEP``: nothing; the old arrays live until the caller drops them (two copies until then).
+    ``RELEASE``: the flip deletes the old arrays (``into``, donated as ``jax.jit`` donates), so their
+    memory returns at the flip rather than when the last reference goes; a step already dispatched on
+    them completes first (XLA holds a buffer until its last use is done).
+    """
+
+    KEEP = "keep"
+    RELEASE = "release"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ServeReport:
+    """One background refit, measured on this process.
+
+    Attributes:
+      version: the version received.
+      wait_s: from the start of the pull to the source starting the refit (the begin vote).
+      wire_s: the data phase, wall time: the round loop (the wire, and the unpack it overlaps) and the
+        commit vote.
+      assemble_s: building the new ``jax.Array`` s from the received shards.
+      processing_s: CPU time the receive thread used (its host processing: votes, rounds, unpack,
+        assembly): what the receive can take from the server's own host work.
+      pause_s: inside :meth:`PullHandle.flip`: from the call (the server's last step on the old
+        version has been dispatched) to its return (the first step on the new one may start).
+      shadow_bytes: the bytes of the shadow copy this process held (its shards of the new version).
+    """
+
+    version: int
+    wait_s: float
+    wire_s: float
+    assemble_s: float
+    processing_s: float
+    pause_s: float
+    shadow_bytes: int
+
+    def summary(self) -> str:
+        """One line, milliseconds.
+
+        Example:
+          >>> r = ServeReport(version=3, wait_s=0.01, wire_s=0.2, assemble_s=0.001, processing_s=0.05,
+          ...                 pause_s=2e-5, shadow_bytes=1 << 20)
+          >>> print(r.summary())
+          version 3: wait 10.0 ms, wire 200.0 ms, assemble 1.0 ms, receive CPU 50.0 ms, pause 0.020 ms, shadow 1.0 MiB
+        """
+        return (
+            f"version {self.version}: wait {1e3 * self.wait_s:.1f} ms, wire {1e3 * self.wire_s:.1f} ms, "
+            f"assemble {1e3 * self.assemble_s:.1f} ms, receive CPU {1e3 * self.processing_s:.1f} ms, "
+            f"pause {1e3 * self.pause_s:.3f} ms, shadow {self.shadow_bytes / 2**20:.1f} MiB"
+        )
+
+
+def shadow_bytes(tree: Any) -> int:
+    """The bytes of this process's shards of ``tree`` (arrays or ``ShapeDtypeStruct`` with shardings):
+    what a shadow copy of it holds.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import NamedSharding, Mesh, PartitionSpec as P
+      >>> s = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
+      >>> shadow_bytes({"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=s)})
+      128
+    """
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = leaf.sharding
+        per = int(np.prod(sharding.shard_shape(tuple(leaf.shape)), dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        total += per * len(sharding.addressable_devices)
+    return total
+
+
+class PullHandle:
+    """A refit received in the background (final; made by :meth:`jreshard.refit.RefitGroup.pull_async`).
+
+    The receive starts at construction, in a daemon thread, and runs :meth:`RefitGroup.pull` unchanged,
+    so its checks, its votes and its bounds (``timeout_s``, ``options.timeout_s``) are those of a pull.
+    """
+
+    def __init__(
+        self,
+        group: Any,  # the RefitGroup (which imports this module: named here, not imported)
+        *,
+        into: Any,
+        like: Any,
+        timeout_s: float | None,
+        shadow: Shadow,
+        nbytes: int,
+    ):
+        self._group = group
+        self._into = into
+        self._shadow = shadow
+        self._nbytes = nbytes
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._committing = False  # past the last point where a cancel can stop the refit
+        self._done = threading.Event()
+        self._flipped = False
+        self._out: tuple[Any, int] | None = None
+        self._error: BaseException | None = None
+        self._phases: dict[str, float] = {}
+        self._cpu_s = 0.0
+        self.report: ServeReport | None = None
+        self._thread = threading.Thread(
+            target=self._receive, args=(into, like, timeout_s), name="jreshard-pull-async", daemon=True
+        )
+        self._t0 = time.monotonic()
+        self._thread.start()
+
+    def _receive(self, into: Any, like: Any, timeout_s: float | None) -> None:
+        import jax
+
+        c0 = time.thread_time()
+        try:
+            tree, version = self._group.pull(
+                into=into, like=like, timeout_s=timeout_s, _phases=self._phases, _abort=self._abort
+            )
+            jax.block_until_ready(tree)  # resident before ready() says so: the flip never waits on it
+            self._out = (tree, version)
+        except BaseException as err:  # handed to result() / flip()
+            if self._cancel.is_set():
+                cancelled = cancelled_error()
+                cancelled.__cause__ = err
+                err = cancelled
+            self._error = err
+        finally:
+            self._cpu_s = time.thread_time() - c0
+            self._group._background = None
+            self._done.set()
+
+    def _abort(self, final: bool) -> bool:
+        """Asked by the pull before the begin vote and before the commit vote (``final``): vote against?"""
+        with self._lock:
+            if self._cancel.is_set():
+                return True
+            self._committing = self._committing or final
+            return False
+
+    def ready(self) -> bool:
+        """Whether the refit has finished (committed by every process, or failed): ``flip`` will not wait."""
+        return self._done.is_set()
+
+    def result(self, timeout_s: float | None = None) -> tuple[Any, int]:
+        """Wait for the refit (at most ``timeout_s``; default ``options.timeout_s``) and flip to it.
+
+        Returns:
+          ``(new tree, version)``, shaped like ``into`` (or ``like``).
+
+        Raises:
+          TransferTimeoutError: the refit is still running after ``timeout_s`` (it goes on; ask again).
+          RefitCancelledError: :meth:`cancel` stopped it; the previous version stays.
+          PeerError, TransferTimeoutError, ValueError: the refit failed (as :meth:`RefitGroup.pull`); the
+            previous version stays.
+        """
+        wait = self._group.options.timeout_s if timeout_s is None else timeout_s
+        if not self._done.wait(wait):
+            raise TransferTimeoutError(
+                f"PullHandle.result: the background refit is still running after timeout_s={wait} "
+                "(it goes on, bounded by options.timeout_s; call result() again, or cancel())"
+            )
+        return self.flip()
+
+    def flip(self) -> tuple[Any, int]:
+        """Switch to the received version: one call between two steps (the refit must be :meth:`ready`).
+
+        Returns ``(new tree, version)``; with :attr:`Shadow.RELEASE` the old arrays (``into``) are deleted.
+        A second call returns the same tree.
+
+        Raises:
+          ValueError: the refit has not finished (ask :meth:`ready`, or wait with :meth:`result`).
+          RefitCancelledError, PeerError, TransferTimeoutError: as :meth:`result`.
+        """
+        t0 = time.monotonic()
+        if not self._done.is_set():
+            raise ValueError("PullHandle.flip: the refit is still running; flip once ready() is True, or result()")
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None  # set whenever the thread ended without an error
+        if not self._flipped:
+            self._flipped = True
+            if self._shadow is Shadow.RELEASE and self._into is not None:
+                import jax
+
+                for a in jax.tree_util.tree_leaves(self._into):
+                    a.delete()
+            self._into = None
+            p = self._phases
+            self.report = ServeReport(
+                version=self._out[1],
+                wait_s=p.get("begun", self._t0) - self._t0,
+                wire_s=p.get("moved", 0.0) - p.get("begun", 0.0),
+                assemble_s=p.get("assembled", 0.0) - p.get("moved", 0.0),
+                processing_s=self._cpu_s,
+                pause_s=time.monotonic() - t0,
+                shadow_bytes=self._nbytes,
+            )
+        return self._out
+
+    def cancel(self) -> bool:
+        """Stop the refit: this process votes against it at the next point it can (before the data moves,
+        or at the commit vote), so every process of the group keeps its previous version.
+
+        Returns ``True`` if the refit will not be handed out (:meth:`result` then raises
+        :class:`RefitCancelledError`), ``False`` if it is past its commit vote (it will be handed out, or
+        fails on its own). This process's begin vote goes out as soon as the pull starts, so a cancel is
+        nearly always carried by the commit vote: the refit then fails for the whole group, which is
+        broken (as after any failure after data moved; every process keeps its previous version): form
+        a new group. Does not wait; ``ready()`` says when the thread is done.
+        """
+        with self._lock:
+            if self._committing or self._done.is_set():
+                return False
+            self._cancel.set()
+            return True
+
+
+def cancelled_error() -> RefitCancelledError:
+    """The error a cancelled background pull raises (one message for both points it can stop at)."""
+    return RefitCancelledError(
+        "RefitGroup.pull_async: cancelled by this process (PullHandle.cancel); the previous version stays",
+        destination_intact=True,
+    )

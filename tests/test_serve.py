@@ -1,0 +1,214 @@
+"""Refit while serving, in one process: a RefitGroup over NIXL between two threads (the source on two CPU
+devices, the destination on two others, every byte a NIXL WRITE of this process's agent to itself), the
+destination receiving in the background while its jitted steps keep running, then flipping.
+
+The same paths between programs, with faults injected, are in test_netns_faults.py (background receive
+on the destination side); the benchmark is benchmarks/serve_bench.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jreshard import Options, PeerError, RefitCancelledError, RefitGroup
+from jreshard.refit import ServeReport, Shadow
+
+pytest.importorskip("nixl_cu12", reason="the NIXL tests need nixl-cu12")
+pytestmark = pytest.mark.timeout(120)
+
+D = jax.devices()
+OPTS = Options(timeout_s=10.0, secret=b"serve-test-key-0123456789abcdef", chunk_bytes=1 << 14, staging_bytes=1 << 16)
+SHAPE = (64, 32)
+SRC = NamedSharding(Mesh(np.array(D[:2]), ("fsdp",)), P("fsdp"))
+DST = NamedSharding(Mesh(np.array(D[2:4]).reshape(1, 2), ("dp", "tp")), P(None, "tp"))
+DST_B = NamedSharding(DST.mesh, P())
+SRC_LIKE = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=SRC) for k, s in (("w", SHAPE), ("b", (32,)))}
+DST_LIKE = {
+    "w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=DST),
+    "b": jax.ShapeDtypeStruct((32,), np.float32, sharding=DST_B),
+}
+
+
+def value(v: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(v)
+    return {"w": rng.standard_normal(SHAPE, np.float32), "b": rng.standard_normal(32, np.float32)}
+
+
+def holds(tree: dict, v: int) -> bool:
+    return all(np.array_equal(np.asarray(tree[k]), x) for k, x in value(v).items())
+
+
+class Source:
+    """The trainer in a thread: forms the group, then pushes each version handed to it; records errors."""
+
+    def __init__(self, address: str):
+        self.todo: list[int] = []
+        self.errors: list[BaseException] = []
+        self.pushed: list[int] = []
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self.run, args=(address,), daemon=True)
+        self.thread.start()
+
+    def run(self, address: str) -> None:
+        g = RefitGroup.connect("source", SRC_LIKE, address=address, transport="nixl", devices=D[:2], options=OPTS)
+        try:
+            while True:
+                with self.cv:
+                    self.cv.wait_for(lambda: bool(self.todo))
+                    v = self.todo.pop(0)
+                if v < 0:
+                    return
+                try:
+                    g.push({k: jax.device_put(x, SRC) for k, x in value(v).items()}, version=v)
+                    self.pushed.append(v)
+                except PeerError as err:
+                    self.errors.append(err)
+                    if "not started" not in str(err):
+                        return
+        finally:
+            g.close()
+
+    def push(self, v: int) -> None:
+        with self.cv:
+            self.todo.append(v)
+            self.cv.notify_all()
+
+
+@pytest.fixture
+def pair(tmp_path):
+    src = Source(str(tmp_path / "address"))
+    dst = RefitGroup.connect(
+        "destination", DST_LIKE, address=str(tmp_path / "address"), transport="nixl", devices=D[2:4], options=OPTS
+    )
+    src.push(1)
+    tree, v = dst.pull(like=DST_LIKE)
+    assert v == 1 and holds(tree, 1)
+    yield src, dst, tree
+    src.push(-1)
+    src.thread.join(20)
+    dst.close()
+
+
+def _gate(group: RefitGroup) -> threading.Event:
+    """Hold the destination's data phase until the returned event is set (the refit stays in flight)."""
+    gate, run = threading.Event(), group._run
+
+    def held(sources, targets, abort=None):
+        assert gate.wait(20)
+        return run(sources, targets, abort)
+
+    group._run = held  # type: ignore[method-assign]
+    return gate
+
+
+@jax.jit
+def step(params, x):
+    return jnp.tanh(x @ params["w"].T + params["b"].sum())
+
+
+def test_the_server_steps_on_its_version_while_the_next_arrives_then_flips(pair):
+    src, dst, tree = pair
+    gate = _gate(dst)
+    h = dst.pull_async(into=tree)
+    src.push(2)
+    x = jnp.ones((4, 32), np.float32)
+    before = np.asarray(step(tree, x))
+    steps = 0
+    while steps < 20:  # the refit is held in flight: every one of these steps runs on version 1
+        assert not h.ready()
+        np.testing.assert_array_equal(np.asarray(step(tree, x)), before)
+        steps += 1
+    with pytest.raises(ValueError, match="still running"):
+        h.flip()
+    gate.set()
+    new, v = h.result(timeout_s=10)
+    assert v == 2 and holds(new, 2) and holds(tree, 1)  # the old tree kept (Shadow.KEEP) and untouched
+    assert h.flip()[1] == 2 and h.cancel() is False  # a second flip: the same tree; too late to cancel
+    r = h.report
+    assert isinstance(r, ServeReport) and r.version == 2
+    assert r.shadow_bytes == 4 * (64 * 32 + 32 * 2)  # two devices: half of w each, the whole of b each
+    assert r.wire_s > 0 and r.processing_s > 0 and 0 <= r.pause_s < r.wire_s
+    assert not np.array_equal(np.asarray(step(new, x)), before)
+
+
+def test_release_deletes_the_old_version_at_the_flip_and_the_shadow_is_bounded(pair):
+    src, dst, tree = pair
+    need = 4 * (64 * 32 + 32 * 2)
+    with pytest.raises(ValueError, match=f"needs {need} bytes on this process, over max_shadow_bytes={need - 1}"):
+        dst.pull_async(into=tree, max_shadow_bytes=need - 1)
+    with pytest.raises(ValueError, match="shadow='bogus'"):
+        dst.pull_async(into=tree, shadow="bogus")
+    with pytest.raises(ValueError, match=r"release.*pass into="):
+        dst.pull_async(like=DST_LIKE, shadow=Shadow.RELEASE)
+    h = dst.pull_async(into=tree, shadow="release", max_shadow_bytes=need)
+    with pytest.raises(ValueError, match="in flight"):
+        dst.pull(into=tree)
+    with pytest.raises(ValueError, match="in flight"):
+        dst.pull_async(into=tree)
+    src.push(2)
+    new, v = h.result()
+    assert v == 2 and holds(new, 2) and all(a.is_deleted() for a in tree.values())
+
+
+def test_a_cancel_while_waiting_for_the_source_fails_that_refit_and_a_new_group_refits(pair, tmp_path):
+    src, dst, tree = pair
+    h = dst.pull_async(into=tree)
+    time.sleep(0.05)  # the begin vote is out: the cancel is carried by the commit vote
+    assert h.cancel() is True and h.cancel() is True
+    src.push(2)
+    with pytest.raises(RefitCancelledError, match="cancelled"):
+        h.result()
+    deadline = time.monotonic() + 10
+    while not src.errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "cancelled" in str(src.errors[0]) and src.pushed == [1]
+    assert dst.version == 1 and holds(tree, 1)
+    src.thread.join(20)
+    dst.close()
+    again = Source(str(tmp_path / "again"))  # both sides form a new group and refit
+    dst2 = RefitGroup.connect(
+        "destination", DST_LIKE, address=str(tmp_path / "again"), transport="nixl", devices=D[2:4], options=OPTS
+    )
+    again.push(2)
+    new, v = dst2.pull_async(into=tree).result()
+    assert v == 2 and holds(new, 2)
+    again.push(-1)
+    again.thread.join(20)
+    dst2.close()
+
+
+def test_a_cancel_after_the_data_moved_fails_the_refit_on_both_sides_and_keeps_the_old_version(pair):
+    src, dst, tree = pair
+    gate = _gate(dst)
+    h = dst.pull_async(into=tree)
+    src.push(2)
+    deadline = time.monotonic() + 10
+    while "begun" not in h._phases and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert h.cancel() is True  # the data phase is held: the commit vote is still ahead
+    gate.set()
+    with pytest.raises(RefitCancelledError) as caught:
+        h.result()
+    assert isinstance(caught.value.__cause__, PeerError) and "keeps its previous version" in str(caught.value.__cause__)
+    while not src.errors and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "cancelled" in str(src.errors[0]) and src.pushed == [1]
+    assert dst.version == 1 and holds(tree, 1)
+    with pytest.raises(PeerError, match="broken"):  # fail-stop, as after any failure after data moved
+        dst.pull_async(into=tree)
+
+
+def test_a_source_that_leaves_mid_background_pull_leaves_the_server_on_its_version(pair):
+    src, dst, tree = pair
+    h = dst.pull_async(into=tree)
+    src.push(-1)  # the source closes instead of pushing
+    with pytest.raises(PeerError, match="closed"):
+        h.result()
+    assert dst.version == 1 and holds(tree, 1)
