@@ -9,8 +9,18 @@ from jreshard.elastic.replica import ElasticReplica as ElasticReplica
 from jreshard.elastic.trainer import ElasticTrainer as ElasticTrainer
 from jreshard.elastic.types import Arrival as Arrival
 from jreshard.elastic.types import CatchUp as CatchUp
+from jreshard.elastic.types import Publication as Publication
 from jreshard.elastic.types import PushReport as PushReport
 from jreshard.elastic.types import ReplicaInfo as ReplicaInfo
 from jreshard.elastic.types import ReplicaState as ReplicaState
 
-__all__ = ["Arrival", "CatchUp", "ElasticReplica", "ElasticTrainer", "PushReport", "ReplicaInfo", "ReplicaState"]
+__all__ = [
+    "Arrival",
+    "CatchUp",
+    "ElasticReplica",
+    "Publication",
+    "ElasticTrainer",
+    "PushReport",
+    "ReplicaInfo",
+    "ReplicaState",
+]

@@ -16,6 +16,13 @@ lock) only when the trainer says every process of the replica staged it, so
 :meth:`ElasticReplica.pull` never returns a half-updated tree, in any process.
 The trainer's end is noticed at once (its connection closes); a pull then
 returns the last version held, and raises once it has nothing newer.
+
+Publication. A replica hands out only the trainer's latest committed version
+(:class:`~jreshard.elastic.types.Publication`): one that joins, re-joins, or
+recovers with weights it held before (``held=``) is ``syncing`` until it has
+committed the version the trainer holds, and one the trainer dropped, or whose
+trainer vanished without a word, is ``stale``; :meth:`ElasticReplica.pull` hands
+out neither unless asked (``allow_stale=True``).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from jreshard.elastic.pairs import (
     target_devices,
 )
 from jreshard.elastic.service import stop_service
-from jreshard.elastic.types import Arrival
+from jreshard.elastic.types import Arrival, Publication
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address
@@ -69,6 +76,9 @@ class ElasticReplica:
         :func:`jreshard.views.param` leaves naming the trainer's parameters (fused ``qkv`` with
         repeated key/value heads, stacked experts, block FP8) or ``None`` (the trainer's leaf of that
         name, cast to this leaf's dtype). The same in every process of the replica.
+      held: ``(tree, version)``: weights this process holds from before (a server restarted with its
+        last weights, or joining again after its trainer went away), shaped like ``like``. They are
+        handed out only with ``pull(allow_stale=True)`` until the trainer's latest version is committed.
 
     Raises:
       LayoutMismatchError: the trainer refused the declaration (every problem listed: names, shapes,
@@ -89,6 +99,7 @@ class ElasticReplica:
         links: dict[str, float] | None = None,
         host: str | None = None,
         recipe: Any = None,
+        held: tuple[Any, int] | None = None,
     ):
         import jax
 
@@ -114,6 +125,11 @@ class ElasticReplica:
             raise ValueError("ElasticReplica: " + "; ".join(self._decl["errors"]))
         self._like = leaves_by_name(like)
         self._treedef = jax.tree_util.tree_structure(like)
+        if held is not None:  # checked before anything connects
+            if not (isinstance(held, tuple) and len(held) == 2 and isinstance(held[1], int)):
+                what = f"a tuple with version {held[1]!r}" if isinstance(held, tuple) else type(held).__name__
+                raise ValueError(f"ElasticReplica: held must be (tree, version: int), not {what}")
+            check_like(held[0], self._decl, "destination", self._devices, "ElasticReplica: held")
         import_nixl()  # NIXL present before anyone connects; the agent is made for the interface below
         ch = connect(parse_address(address, timeout_s=timeout), "the trainer", key=self._key, timeout_s=timeout)
         try:
@@ -161,9 +177,13 @@ class ElasticReplica:
             raise
         self._staged: tuple[int, Any, list[tuple[str, Any]], Arrival] | None = None
         self._cv = threading.Condition()
-        self._tree: Any = None
-        self._held: list[tuple[str, Any]] = []
-        self._version: int | None = None
+        self._tree: Any = None if held is None else held[0]
+        self._held: list[tuple[str, Any]] = [] if held is None else leaves_by_name(held[0])
+        self._version: int | None = None if held is None else held[1]
+        latest = msg.get("version")
+        self._latest: int | None = latest if isinstance(latest, int) else None  # the trainer's, as told
+        self._synced = False  # committed a version from this trainer
+        self._bye = False  # the trainer closed cleanly: its last version is final
         self.arrivals: list[Arrival] = []
         self._gone: str | None = None
         self._stop = False
@@ -177,27 +197,67 @@ class ElasticReplica:
         with self._cv:
             return self._version
 
-    def pull(self, *, newer_than: int | None = None, timeout_s: float | None = None) -> tuple[Any, int]:
-        """The latest committed ``(tree, version)``; waits for one newer than ``newer_than`` (if given).
+    @property
+    def publication(self) -> Publication:
+        """``syncing``, ``current`` or ``stale`` (:class:`~jreshard.elastic.types.Publication`): whether the
+        weights held may be handed out; a server refuses traffic unless ``current``."""
+        with self._cv:
+            return self._publication()
+
+    def _publication(self) -> Publication:
+        ahead = self._latest is not None and (self._version is None or self._version < self._latest)
+        if self._gone is not None:
+            final = self._bye and self._synced and not ahead
+            return Publication.CURRENT if final else Publication.STALE
+        return Publication.CURRENT if self._synced and not ahead else Publication.SYNCING
+
+    def ready(self, *, newer_than: int | None = None) -> bool:
+        """Whether :meth:`pull` would return at once with a current version newer than ``newer_than``:
+        a server asks between two steps, then flips with ``pull``."""
+        with self._cv:
+            fresh = self._version is not None and (newer_than is None or self._version > newer_than)
+            return fresh and self._publication() is Publication.CURRENT
+
+    def pull(
+        self, *, newer_than: int | None = None, timeout_s: float | None = None, allow_stale: bool = False
+    ) -> tuple[Any, int]:
+        """The latest committed ``(tree, version)``, once current; waits for one newer than ``newer_than``.
+
+        The version held is handed out only when :attr:`publication` is ``current``: a replica that is
+        syncing (joining, or recovered with ``held=`` weights) waits for the trainer's latest version, one
+        that is stale raises. The call is the flip: the tree returned is whole, and stays so.
+
+        Args:
+          newer_than: wait for a version newer than this.
+          timeout_s: how long to wait (default ``options.timeout_s``).
+          allow_stale: hand out what is held even when it is not current (syncing or stale).
 
         Raises:
-          PeerError: the trainer is gone (closed or died) and nothing newer is held; or this replica left.
-          TransferTimeoutError: nothing newer within ``timeout_s`` (default ``options.timeout_s``).
+          PeerError: the replica is stale (the trainer is gone without closing, or dropped it, or it left)
+            and nothing newer is held; or the trainer closed and nothing newer is held.
+          TransferTimeoutError: nothing newer, or nothing current, within ``timeout_s``.
         """
         timeout = self.options.timeout_s if timeout_s is None else timeout_s
 
         def fresh() -> bool:
             return self._version is not None and (newer_than is None or self._version > newer_than)
 
+        def good() -> bool:
+            return fresh() and (allow_stale or self._publication() is Publication.CURRENT)
+
         with self._cv:
-            self._cv.wait_for(lambda: fresh() or self._gone is not None, timeout)
-            if fresh():
+            self._cv.wait_for(lambda: good() or self._gone is not None, timeout)
+            if good():
                 return self._tree, self._version  # type: ignore[return-value]
+            state = self._publication().value
             if self._gone is not None:
-                raise PeerError(f"replica {self.name!r}: {self._gone}; it holds version {self._version}")
+                raise PeerError(
+                    f"replica {self.name!r}: {self._gone}; it holds version {self._version} ({state}"
+                    + (", pull(allow_stale=True) hands it out)" if fresh() else ")")
+                )
             raise TransferTimeoutError(
                 f"replica {self.name!r}: no version newer than {newer_than} within timeout_s={timeout} "
-                f"(it holds {self._version})"
+                f"(it holds {self._version}, {state}; the trainer's latest is {self._latest})"
             )
 
     def leave(self) -> None:
@@ -278,8 +338,13 @@ class ElasticReplica:
                 ch.close()
                 return
             version = int(v or 0)
+            if op == "catchup":  # the trainer's latest committed version: syncing until it is committed here
+                with self._cv:
+                    self._latest = max(version, self._latest or 0)
             try:
                 if op == "bye":
+                    with self._cv:
+                        self._bye = True
                     self._set_gone("the trainer closed")
                 elif op == "commit":
                     self._commit(version)
@@ -354,6 +419,7 @@ class ElasticReplica:
         self._staged = None
         with self._cv:
             self._tree, self._held, self._version = tree, leaves, version
+            self._latest, self._synced = max(version, self._latest or 0), True
             self.arrivals.append(arrival)
             self._cv.notify_all()
         at = {"op": "at", "version": version, "source": arrival.source}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Arrival", "CatchUp", "PushReport", "ReplicaInfo", "ReplicaState"]
+__all__ = ["Arrival", "CatchUp", "Publication", "PushReport", "ReplicaInfo", "ReplicaState"]
 
 
 class CatchUp(enum.Enum):
@@ -29,6 +29,23 @@ class ReplicaState(enum.Enum):
     JOINING = "joining"  # connected, catching up to the latest committed version
     READY = "ready"  # holds a committed version, receives every push
     GONE = "gone"  # left, closed, died or failed; its slot is released
+
+
+class Publication(enum.Enum):
+    """Whether a replica may hand out the weights it holds (:attr:`ElasticReplica.publication`).
+
+    ``SYNCING``: connected to the trainer, but not yet holding the trainer's latest committed version
+    (nothing yet, or a version it recovered with while the latest is on its way). ``CURRENT``: it holds
+    the trainer's latest committed version, as far as the trainer has told it (the trainer closed cleanly
+    after it: its last version is final). ``STALE``: it holds a version it cannot vouch for: the
+    trainer went away without a word, or this replica was dropped or left. A server refuses traffic
+    unless ``CURRENT``; :meth:`ElasticReplica.pull` hands out only a current version unless asked for
+    ``allow_stale=True``.
+    """
+
+    SYNCING = "syncing"
+    CURRENT = "current"
+    STALE = "stale"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 
 Modes: ``ok``; ``die:V:N``: SIGKILL itself at its ``N``-th receive exchange of version ``V`` (mid-WRITE:
 some bytes in, some not); ``rejoin``: when the trainer goes, report what it holds and join the
-trainer that replaces it, under the same name. Pulls every version to ``$JRESHARD_STEPS`` (hashing what it holds against
-every version after each), then leaves. One JSON line per event: ``ready``, ``pulled``, ``end``.
+trainer that replaces it, under the same name, with the weights it held (``held=``: handed out again
+only once current). Pulls every version to ``$JRESHARD_STEPS`` (hashing what it holds against every
+version after each), then leaves. One JSON line per event: ``ready``, ``pulled``, ``rejoined``, ``end``.
 """
 
 from __future__ import annotations
@@ -72,14 +73,19 @@ def main() -> None:
     like = {"w": jax.ShapeDtypeStruct(shape(), np.float32, sharding=sharding)}
     opts = Options(timeout_s=timeout, chunk_bytes=1 << 18, staging_bytes=1 << 21)
 
-    def join() -> ElasticReplica:
+    def join(held=None) -> ElasticReplica:
         """Join the trainer at the address file; a file left by a trainer that is gone is read again
         until its new trainer replaces it (bounded)."""
         deadline = time.monotonic() + 90
         while True:
             try:
                 return ElasticReplica(
-                    like, os.environ["JRESHARD_ADDRESS"], name=name, host=os.environ["JRESHARD_HOST"], options=opts
+                    like,
+                    os.environ["JRESHARD_ADDRESS"],
+                    name=name,
+                    host=os.environ["JRESHARD_HOST"],
+                    options=opts,
+                    held=held,
                 )
             except (PeerError, TransferTimeoutError) as err:
                 if time.monotonic() > deadline:
@@ -96,11 +102,12 @@ def main() -> None:
             why = f"{type(err).__name__}: {err}"
             if mode != "rejoin" or rejoins or version is None:
                 break
-            tree, have = rep.pull()  # the trainer is gone: what this replica holds, whole
+            tree, have = rep.pull(allow_stale=True)  # the trainer is gone: what this replica holds, whole
             say(event="trainer-lost", version=have, held=held(tree, steps), why=why)
             rep.leave()
             rejoins += 1
-            rep = join()  # the new trainer: this replica comes back under its name
+            rep = join(held=(tree, have))  # the new trainer: back under its name, with what it held
+            say(event="rejoined", publication=rep.publication.value, version=have)
             version, why = None, ""
             continue
         say(event="pulled", version=version, held=held(tree, steps))
