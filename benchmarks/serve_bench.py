@@ -1,0 +1,249 @@
+"""Refit while serving: the server's steps/s and its pause per refit, background receive against blocking.
+
+Run: ``.venv/bin/python benchmarks/serve_bench.py [--mib 32] [--every 20] [--refits 8] [--transports nixl,mpi]``.
+
+One launch (``mpiexec -n 1 : -n 1``) starts two programs, each on one CPU device: a *trainer* that
+holds the parameters of a small transformer (float32, about ``--mib`` MiB) and pushes version after
+version, and a *server* that runs a jitted decode loop over them: each step one forward pass of the
+transformer over a batch of sequences, the argmax of the last position appended as the next token
+(the step waits for its result, as a sampler does). Both programs form a ``RefitGroup`` over MPI
+(``COMM_WORLD``) and one over NIXL (``RefitGroup.connect(transport="nixl")``), with the same
+declaration and Options. Per transport, the server runs three phases:
+
+- *idle*: ``--idle-steps`` steps with no refit (a warm-up), then the ``--every`` steps between two
+  refits of the next phase, each stretch timed: steps/s idle is their median, measured at the same
+  times as the refits (other programs load this machine: a ratio of neighbours is what holds);
+- *background*: every ``--every`` steps it starts ``group.pull_async(into=params)`` and keeps stepping;
+  between two steps, once ``handle.ready()``, ``handle.flip()`` switches to the new version;
+  ``--refits`` times. Steps/s *during refit* counts the steps done between the start of a pull and its
+  flip, over that time;
+- *blocking*: every ``--every`` steps it calls ``group.pull(into=params)`` between two steps.
+
+The *pause* of a refit is what the issue defines: from the end of the server's last step on the old
+version to the start of its first step on the new one (background: the ``flip`` call and the loop
+around it; blocking: the whole ``pull``). The first refit of each phase and transport is not counted
+(it builds the schedule and registers the buffers). Every refit's ``ServeReport`` (wait for the
+trainer, wire, assemble, receive CPU) is summed up beside it. The trainer program shares the
+machine's cores with the server: its pack and send are part of what the server competes with.
+
+Printed: per transport a row of medians (steps/s idle, during background refits as a % of idle,
+pause median and max, blocking pause, wire ms, receive CPU ms); the load average before and after;
+and last, over every transport: ``serve: pause <median> ms (<max> max), throughput during refit
+<pct>% of idle, blocking pause <ms> ms`` (pauses over every background refit of every transport;
+throughput the lowest transport's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "serve-bench-shared-key-0123456789"
+
+
+def model_shapes(mib: int, d: int = 256, vocab: int = 4096) -> dict[str, tuple[int, ...]]:
+    """The transformer's parameters: an embedding, then layers of (norm, qkv, out, up, down) to about ``mib`` MiB."""
+    per_layer = 4 * (d + 3 * d * d + d * d + 4 * d * d + 4 * d * d)
+    layers = max(1, ((mib << 20) - 4 * vocab * d) // per_layer)
+    shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d)}
+    for i in range(layers):
+        shapes |= {f"l{i}_norm": (d,), f"l{i}_qkv": (d, 3 * d), f"l{i}_out": (d, d)}
+        shapes |= {f"l{i}_up": (d, 4 * d), f"l{i}_down": (4 * d, d)}
+    return shapes
+
+
+def make_step(shapes: dict[str, tuple[int, ...]], heads: int = 4):
+    """A jitted decode step: ``(params, tokens[B, T]) -> tokens[B, T]`` shifted left, the argmax appended."""
+    import jax
+    import jax.numpy as jnp
+
+    layers = sum(1 for k in shapes if k.endswith("_qkv"))
+
+    def forward(p, tokens):
+        x = p["embed"][tokens]  # [B, T, d]
+        b, t, d = x.shape
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        for i in range(layers):
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p[f"l{i}_norm"]
+            q, k, v = jnp.split(h @ p[f"l{i}_qkv"], 3, -1)
+            q, k, v = (z.reshape(b, t, heads, d // heads) for z in (q, k, v))
+            a = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // heads)
+            a = jax.nn.softmax(jnp.where(mask, a, -1e9), -1)
+            x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, d) @ p[f"l{i}_out"]
+            x = x + jax.nn.gelu(x @ p[f"l{i}_up"]) @ p[f"l{i}_down"]
+        logits = x[:, -1] @ p["embed"].T
+        return jnp.concatenate([tokens[:, 1:], jnp.argmax(logits, -1)[:, None].astype(tokens.dtype)], 1)
+
+    return jax.jit(forward)
+
+
+def trainer(groups: dict, shapes: dict, versions: int) -> dict:
+    import jax
+    import numpy as np
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    rng = np.random.default_rng(0)
+    base = {k: (rng.standard_normal(s).astype(np.float32) * 0.05) for k, s in shapes.items()}
+    for group in groups.values():
+        for v in range(1, versions + 1):
+            group.push({k: jax.device_put(x + 1e-3 * v, sharding) for k, x in base.items()}, version=v)
+    return {}
+
+
+def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
+    import jax
+    import numpy as np
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding) for k, s in shapes.items()}
+    step = make_step(shapes)
+    out: dict = {}
+    for name, group in groups.items():
+        params, _ = group.pull(like=like)  # version 1: the server starts on it
+        tokens = jax.device_put(np.arange(a.batch * a.seq, dtype=np.int32).reshape(a.batch, a.seq) % 4096)
+        for _ in range(3):
+            tokens = step(params, tokens).block_until_ready()
+
+        def run(n: int, params, tokens):
+            for _ in range(n):
+                tokens = step(params, tokens).block_until_ready()
+            return tokens
+
+        t0 = time.perf_counter()
+        tokens = run(a.idle_steps, params, tokens)
+        idle = a.idle_steps / (time.perf_counter() - t0)
+        rec: dict = {"idle": idle, "idle_rate": [], "bg_rate": [], "bg_pause": [], "block_pause": [], "reports": []}
+        rec["first_step"] = []
+        for _ in range(a.refits + 1):  # background: the first is a warm-up
+            t0 = time.perf_counter()
+            tokens = run(a.every, params, tokens)  # the steps between two refits: idle, measured at the same times
+            rec["idle_rate"].append(a.every / (time.perf_counter() - t0))
+            h = group.pull_async(into=params)
+            t_start, steps = time.perf_counter(), 0
+            while not h.ready():
+                tokens = step(params, tokens).block_until_ready()
+                steps += 1
+            end_old = time.perf_counter()
+            params, _ = h.flip()
+            start_new = time.perf_counter()
+            tokens = step(params, tokens).block_until_ready()
+            rec["first_step"].append(time.perf_counter() - start_new)
+            rec["bg_rate"].append(steps / max(end_old - t_start, 1e-9))
+            rec["bg_pause"].append(start_new - end_old)
+            r = h.report
+            rec["reports"].append([r.wait_s, r.wire_s, r.assemble_s, r.processing_s, steps, end_old - t_start])
+        for _ in range(a.refits + 1):  # blocking
+            tokens = run(a.every, params, tokens)
+            end_old = time.perf_counter()
+            params, _ = group.pull(into=params)
+            rec["block_pause"].append(time.perf_counter() - end_old)
+        for k in ("idle_rate", "bg_rate", "bg_pause", "block_pause", "reports", "first_step"):
+            rec[k] = rec[k][1:]
+        out[name] = rec
+    return out
+
+
+def worker(a: argparse.Namespace) -> None:
+    import jax
+
+    from jreshard import Options, RefitGroup
+
+    shapes = model_shapes(a.mib)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    import numpy as np
+
+    like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding) for k, s in shapes.items()}
+    opts = Options(timeout_s=300.0, chunk_bytes=4 << 20, staging_bytes=32 << 20)
+    groups = {}
+    for t in a.transports.split(","):
+        if t == "mpi":
+            groups[t] = RefitGroup(a.role, like, options=opts)
+        else:
+            groups[t] = RefitGroup.connect(a.role, like, address=a.address, transport="nixl", options=opts)
+    versions = 1 + 2 * (a.refits + 1)
+    result = trainer(groups, shapes, versions) if a.role == "source" else server(groups, shapes, a)
+    for g in groups.values():
+        g.close()
+    nbytes = sum(4 * int(np.prod(s)) for s in shapes.values())
+    with open(f"{a.result}.{a.role}", "w") as f:
+        json.dump({"bytes": nbytes, "transports": result}, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=32)
+    ap.add_argument("--every", type=int, default=20, help="server steps between two refits")
+    ap.add_argument("--refits", type=int, default=8, help="timed refits per phase and transport")
+    ap.add_argument("--idle-steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--transports", default="nixl,mpi")
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--role", choices=["source", "destination"])
+    ap.add_argument("--address", default="")
+    ap.add_argument("--result", default="")
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return
+    env = dict(os.environ)
+    env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "JRESHARD_SECRET": SECRET}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result")
+        me = [sys.executable, __file__, "--worker", "--address", os.path.join(tmp, "address"), "--result", result]
+        for k in ("mib", "every", "refits", "idle_steps", "batch", "seq", "transports"):
+            me += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+        cmd = [str(mpiexec), "-n", "1", *me, "--role", "source", ":", "-n", "1", *me, "--role", "destination"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+        try:
+            with open(f"{result}.destination") as f:
+                got = json.load(f)
+        except FileNotFoundError:
+            raise SystemExit(f"the server wrote no result:\n{(done.stdout + done.stderr)[-4000:]}") from None
+    load1 = os.getloadavg()[0]
+    ms = 1e3
+    print(
+        f"model {got['bytes'] / 2**20:.1f} MiB float32, batch {a.batch} x {a.seq} tokens, a refit every {a.every} steps"
+    )
+    print(
+        "| transport | steps/s idle | during refit, % of idle | pause ms median [max] | first step on the new "
+        "version, ms (idle step) | blocking pause ms | wire ms | receive CPU ms | steps per refit |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    pauses, blocking, pcts = [], [], []
+    for name, r in got["transports"].items():
+        idle = statistics.median(r["idle_rate"])
+        pct = 100 * statistics.median(r["bg_rate"]) / idle
+        reps = r["reports"]
+        print(
+            f"| {name} | {idle:.1f} | {pct:.0f}% | {ms * statistics.median(r['bg_pause']):.3f} "
+            f"[{ms * max(r['bg_pause']):.3f}] | {ms * statistics.median(r['first_step']):.1f} ({ms / idle:.1f}) | "
+            f"{ms * statistics.median(r['block_pause']):.1f} | "
+            f"{ms * statistics.median(x[1] for x in reps):.1f} | {ms * statistics.median(x[3] for x in reps):.1f} | "
+            f"{statistics.median(x[4] for x in reps):.0f} |"
+        )
+        pauses += r["bg_pause"]
+        blocking += r["block_pause"]
+        pcts.append(pct)
+    print(
+        f"load average (1 min): {load0:.2f} before, {load1:.2f} after (other programs on this machine share its cores)"
+    )
+    print(
+        f"serve: pause {ms * statistics.median(pauses):.3f} ms ({ms * max(pauses):.3f} max), "
+        f"throughput during refit {min(pcts):.0f}% of idle, blocking pause {ms * statistics.median(blocking):.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
