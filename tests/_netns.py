@@ -4,16 +4,25 @@
 to the bridge by a veth pair, with an address in 10.213.X.0/24 (X from the test process's id, so
 workers do not clash), loopback up, and the host's link held to a rate with ``tc ... tbf`` (the
 kernel here has no netem). Everything it made is deleted in :meth:`Network.close`, on failure too.
+
+Packet loss (``loss=``): the kernel here has neither netem nor a packet filter, so each host gets a TUN
+device instead of a veth, and a relay thread of the test process moves every IPv4 packet from the
+sender's TUN to the receiver's, dropping each with probability ``loss`` (seeded): TCP (the control
+plane, UCX's and MPI's bytes) sees real loss and retransmits.
 :class:`Program` runs a command inside a namespace and collects the JSON lines it prints.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import queue
+import random
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -40,10 +49,63 @@ def _ip(*args: str) -> None:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
-class Network:
-    """A bridge and ``hosts`` namespaces on it (see the module docstring)."""
+_TUNSETIFF, _IFF_TUN, _IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
 
-    def __init__(self, hosts: Sequence[str], *, rate: str = "60mbit"):
+
+class _Relay:
+    """Moves IPv4 packets between TUN devices by destination address, dropping each with probability ``loss``."""
+
+    def __init__(self, loss: float, seed: int):
+        self.loss, self.rng = loss, random.Random(seed)
+        self.fds: dict[bytes, int] = {}  # a host's address (4 bytes) -> its TUN's descriptor
+        self.passed = self.dropped = 0
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._run, name="netns-relay", daemon=True)
+
+    def add(self, name: str, address: str) -> None:
+        fd = os.open("/dev/net/tun", os.O_RDWR)
+        fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TUN | _IFF_NO_PI))
+        self.fds[bytes(int(x) for x in address.split("."))] = fd
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        fds = list(self.fds.values())
+        while True:
+            ready, _, _ = select.select([*fds, self._stop_r], [], [])
+            if self._stop_r in ready:
+                return
+            for fd in ready:
+                try:
+                    packet = os.read(fd, 65536)
+                except OSError:
+                    continue
+                out = self.fds.get(packet[16:20]) if len(packet) >= 20 and packet[0] >> 4 == 4 else None
+                if out is None:
+                    continue
+                if self.rng.random() < self.loss:
+                    self.dropped += 1
+                    continue
+                try:
+                    os.write(out, packet)
+                    self.passed += 1
+                except OSError:  # the receiver's link is down: lost
+                    self.dropped += 1
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            os.write(self._stop_w, b"x")
+            self._thread.join(5)
+        for fd in [*self.fds.values(), self._stop_r, self._stop_w]:
+            os.close(fd)
+        self.fds.clear()
+
+
+class Network:
+    """A bridge and ``hosts`` namespaces on it (see the module docstring); with ``loss``, a lossy relay."""
+
+    def __init__(self, hosts: Sequence[str], *, rate: str = "60mbit", loss: float = 0.0, seed: int = 0):
         tag = os.getpid() % 100000
         self.subnet = f"10.213.{os.getpid() % 250 + 1}"
         self.hub = f"jrs{tag}h"
@@ -51,7 +113,11 @@ class Network:
         self.dev: dict[str, str] = {}
         self.addr: dict[str, str] = {}
         self._made: list[str] = []
+        self.relay: _Relay | None = _Relay(loss, seed) if loss > 0 else None
         try:
+            if self.relay is not None:
+                self._tuns(hosts, tag, rate)
+                return
             _ip("netns", "add", self.hub)
             self._made.append(self.hub)
             _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
@@ -75,6 +141,23 @@ class Network:
             self.close()
             raise
 
+    def _tuns(self, hosts: Sequence[str], tag: int, rate: str) -> None:
+        """Each host a namespace with a TUN device on the relay (no bridge)."""
+        assert self.relay is not None
+        for i, h in enumerate(hosts):
+            ns, dev, addr = f"jrs{tag}{h}", f"jt{tag}{i}", f"{self.subnet}.{i + 1}"
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+            self.relay.add(dev, addr)
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            tc = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
+            subprocess.run([*tc, "burst", "64kb", "latency", "100ms"], check=True, capture_output=True)
+            self.ns[h], self.dev[h], self.addr[h] = ns, dev, addr
+        self.relay.start()
+
     def link(self, host: str, up: bool) -> None:
         """Take ``host``'s link down or bring it up."""
         _ip("-n", self.ns[host], "link", "set", self.dev[host], "up" if up else "down")
@@ -90,6 +173,9 @@ class Network:
                     pass
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
 
 
 class Program:

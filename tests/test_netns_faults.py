@@ -37,6 +37,7 @@ SEED = int(os.environ.get("JRESHARD_FAULT_SEED", str(int(time.time()) % 100000))
 TIMEOUT_S = 5.0
 STEPS = 5
 HANG_S = TIMEOUT_S + 10.0
+LOSS = 0.05  # the fraction of packets the lossy relay drops (fault "loss")
 JRESHARD_ERRORS = ("PeerError", "TransferTimeoutError", "AuthenticationError")
 
 pytestmark = [pytest.mark.timeout(300 if not FULL else 3600)]
@@ -86,15 +87,18 @@ def _check_side(p: Program, role: str, log: list[str]) -> None:
         assert e["held"] == [e["version"]], (p.name, "a mix, or not the version pulled", e, log)
 
 
-def _refit_run(tmp_path: Path, transport: str, fault: str, victim: str, rng: random.Random) -> None:
-    log = [f"seed={SEED} transport={transport} fault={fault} victim={victim}"]
-    net = Network(["s", "d"])
+def _refit_run(
+    tmp_path: Path, transport: str, fault: str, victim: str, rng: random.Random, background: bool = False
+) -> None:
+    log = [f"seed={SEED} transport={transport} fault={fault} victim={victim} background={background}"]
+    bg = {"JRESHARD_BACKGROUND": "1"} if background else {}
+    net = Network(["s", "d"], loss=LOSS if fault == "loss" else 0.0, seed=rng.randrange(1 << 30))
     hosts = {"source": "s", "destination": "d"}
     progs: list[Program] = []
     try:
         for f in ("address", "go"):
             (tmp_path / f).unlink(missing_ok=True)
-        sides = {r: _side(tmp_path, net, hosts[r], r, transport, r) for r in ("source", "destination")}
+        sides = {r: _side(tmp_path, net, hosts[r], r, transport, r, **bg) for r in ("source", "destination")}
         progs += sides.values()
         for p in sides.values():
             p.wait_event("ready", 180)
@@ -114,7 +118,7 @@ def _refit_run(tmp_path: Path, transport: str, fault: str, victim: str, rng: ran
             if victim == "source":  # the new source goes on from the version the destination lacks
                 failed = survivor.wait_event("failed", HANG_S)
                 first = str((failed["held_version"] or 0) + 1)
-            fresh = _side(tmp_path, net, hosts[victim], victim, transport, f"new {victim}", JRESHARD_FIRST=first)
+            fresh = _side(tmp_path, net, hosts[victim], victim, transport, f"new {victim}", JRESHARD_FIRST=first, **bg)
             progs.append(fresh)
             rest = [survivor, fresh]
         elif fault == "stop":
@@ -122,10 +126,12 @@ def _refit_run(tmp_path: Path, transport: str, fault: str, victim: str, rng: ran
             time.sleep(TIMEOUT_S + 1.5)
             hit.signal(signal.SIGCONT)
             rest = [survivor, hit]
-        else:
+        elif fault == "link":
             net.link(hosts[victim], up=False)
             time.sleep(2.0)
             net.link(hosts[victim], up=True)
+            rest = [survivor, hit]
+        else:  # loss: every packet of the whole run, both ways, dropped with probability LOSS
             rest = [survivor, hit]
         for p in rest:
             code = p.finish(120)
@@ -139,22 +145,39 @@ def _refit_run(tmp_path: Path, transport: str, fault: str, victim: str, rng: ran
             assert survivor.of("failed"), (survivor.tail(), log)  # it saw its peer die, and said so
         pulled = [e["version"] for p in progs if "destination" in p.name for e in p.of("pulled")]
         assert pulled == sorted(pulled) and pulled[-1] == STEPS, (pulled, log)  # never back to an older one
+        if background:  # the destination served on its version while the next one arrived
+            served = [e["served"] for p in progs if "destination" in p.name for e in p.of("pulled")]
+            assert sum(served) > 0, (served, log)
+        if net.relay is not None:
+            assert net.relay.dropped > 0, log
     finally:
         for p in progs:
             p.kill()
         net.close()
 
 
-CASES = [(t, f, v) for t in ("nixl", "mpi") for f in ("kill", "stop", "link") for v in ("source", "destination")]
-BOUNDED = [("nixl", "kill", "destination"), ("mpi", "kill", "source")]
+CASES = [
+    (t, f, v, b)
+    for t in ("nixl", "mpi")
+    for f in ("kill", "stop", "link")
+    for v in ("source", "destination")
+    for b in (False, True)
+] + [(t, "loss", "destination", b) for t in ("nixl", "mpi") for b in (False, True)]
+BOUNDED = [
+    ("nixl", "kill", "destination", False),
+    ("mpi", "kill", "source", False),
+    ("mpi", "kill", "destination", True),
+    ("nixl", "loss", "destination", True),
+]
 
 
-@pytest.mark.parametrize(("transport", "fault", "victim"), CASES if FULL else BOUNDED)
-def test_refit_group_survives_a_fault_at_a_random_moment(tmp_path, transport, fault, victim):
-    rng = random.Random(f"{SEED}-{transport}-{fault}-{victim}")
+@pytest.mark.parametrize(("transport", "fault", "victim", "background"), CASES if FULL else BOUNDED)
+def test_refit_group_survives_a_fault_at_a_random_moment(tmp_path, transport, fault, victim, background):
+    """``background``: the destination receives with ``pull_async`` while it keeps serving, and flips."""
+    rng = random.Random(f"{SEED}-{transport}-{fault}-{victim}-{background}")
     for run in range(RUNS):
         (tmp_path / f"run{run}").mkdir()
-        _refit_run(tmp_path / f"run{run}", transport, fault, victim, rng)
+        _refit_run(tmp_path / f"run{run}", transport, fault, victim, rng, background)
 
 
 # ---- elastic ------------------------------------------------------------------------------------

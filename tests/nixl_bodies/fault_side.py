@@ -7,10 +7,14 @@ one the source listens on), ``JRESHARD_TIMEOUT``, versions ``JRESHARD_FIRST``..`
 failure the group is closed and this side connects again at the same address, and goes on from the
 version that failed; twice at most).
 
+``JRESHARD_BACKGROUND=1``: the destination receives in the background (``pull_async``) while it keeps
+running a jitted step on the version it holds, and flips between two steps.
+
 One JSON line per event on stdout: ``ready`` (pid), ``formed``, ``start`` (a version's refit begins),
-``pushed`` / ``pulled``, ``failed`` (the error, its type, seconds, and which versions the arrays held
-then match), ``end``. A destination hashes what it holds after every refit and after every failure
-and names every version whose hash it matches: exactly one, or the arrays are a mix.
+``pushed`` / ``pulled`` (with the serving steps run during the receive), ``failed`` (the error, its type,
+seconds, and which versions the arrays held then match), ``end``. A destination hashes every shard it
+holds after every refit and after every failure and names every version all of whose shards match:
+exactly one, or the arrays are a mix.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def main() -> None:
     address, host = os.environ["JRESHARD_ADDRESS"], os.environ.get("JRESHARD_HOST", "127.0.0.1")
     timeout = float(os.environ.get("JRESHARD_TIMEOUT", "5"))
     first, steps = int(os.environ.get("JRESHARD_FIRST", "1")), int(os.environ.get("JRESHARD_STEPS", "4"))
+    background = os.environ.get("JRESHARD_BACKGROUND") == "1"
     rows = max(2, int(float(os.environ.get("JRESHARD_MIB", "1")) * 256))  # 1 MiB: 256 rows of 1024 float32
     shape = (rows - rows % 2, 1024)
     opts = Options(timeout_s=timeout, chunk_bytes=1 << 18, staging_bytes=1 << 21)
@@ -54,7 +59,7 @@ def main() -> None:
     def digest(a: np.ndarray) -> str:
         return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
-    hashes = {v: digest(value(v)) for v in range(0, steps + 1)}
+    values = {v: value(v) for v in range(0, steps + 1)}
     devs = jax.devices()
     if role == "source":
         sharding = NamedSharding(Mesh(np.array(devs), ("fsdp",)), P("fsdp"))
@@ -76,10 +81,24 @@ def main() -> None:
                 say(event="retry", error=str(err)[:300])
 
     def held(tree) -> list[int]:
+        """Every version all of whose shards this process holds (each shard hashed on its own)."""
         if tree is None:
             return [0]  # nothing pulled yet: the destination's "previous version" is its initial state
-        h = digest(np.asarray(tree["w"]))
-        return [v for v, x in hashes.items() if x == h]
+        got = [(s.index, digest(np.asarray(s.data))) for s in tree["w"].addressable_shards]
+        return [v for v, x in values.items() if all(digest(x[i]) == h for i, h in got)]
+
+    serve = jax.jit(lambda w: (w * w).sum())  # the server's step, on the version it holds
+
+    def receive(tree, t0: float):
+        """One refit on the destination: blocking, or in the background while serving (bounded either way)."""
+        if not background or tree is None:
+            return (*group.pull(like=like), 0)
+        handle = group.pull_async(into=tree)
+        served = 0
+        while not handle.ready() and time.monotonic() < t0 + 3 * timeout + 10:
+            serve(tree["w"]).block_until_ready()
+            served += 1
+        return (*handle.result(timeout_s=1.0), served)
 
     say(event="ready", pid=os.getpid())
     go = os.environ.get("JRESHARD_GO")
@@ -96,9 +115,9 @@ def main() -> None:
                 group.push({"w": jax.device_put(value(v), sharding)}, version=v)
                 say(event="pushed", version=v)
             else:
-                new, got = group.pull(like=like)
+                new, got, served = receive(tree, t0)
                 tree = new
-                say(event="pulled", version=got, held=held(tree), asked=v)
+                say(event="pulled", version=got, held=held(tree), asked=v, served=served)
                 v = got
         except (TransferError, JReshardError) as err:
             closed = isinstance(err, PeerError) and "closed the group" in str(err)
