@@ -1,14 +1,16 @@
 """Refit while serving: the server's steps/s and its pause per refit, background receive against blocking.
 
-Run: ``.venv/bin/python benchmarks/serve_bench.py [--mib 32] [--every 20] [--refits 8] [--transports nixl,mpi]``.
+Run: ``.venv/bin/python benchmarks/serve_bench.py [--mib 32] [--every 20] [--refits 24] [--transports nixl,mpi]``.
 
 One launch (``mpiexec -n 1 : -n 1``) starts two programs, each on one CPU device: a *trainer* that
 holds the parameters of a small transformer (float32, about ``--mib`` MiB) and pushes version after
 version, and a *server* that runs a jitted decode loop over them: each step one forward pass of the
-transformer over a batch of sequences, the argmax of the last position appended as the next token
-(the step waits for its result, as a sampler does). Both programs form a ``RefitGroup`` over MPI
-(``COMM_WORLD``) and one over NIXL (``RefitGroup.connect(transport="nixl")``), with the same
-declaration and Options. Per transport, the server runs three phases:
+transformer over a batch of ``--batch`` sequences of ``--seq`` tokens, the argmax of the last position
+appended as the next token (the step waits for its result, as a sampler does). Both programs form a
+``RefitGroup`` over MPI (``COMM_WORLD``) and one over NIXL (``RefitGroup.connect(transport="nixl")``), with the same
+declaration and Options. The server's XLA runs its step on one thread (``--server-threads 1``), so on a
+2-core machine the other core is left to the receive and the trainer. Per transport, the server runs
+three phases:
 
 - *idle*: ``--idle-steps`` steps with no refit (a warm-up), then the ``--every`` steps between two
   refits of the next phase, each stretch timed: steps/s idle is their median, measured at the same
@@ -16,7 +18,9 @@ declaration and Options. Per transport, the server runs three phases:
 - *background*: every ``--every`` steps it starts ``group.pull_async(into=params)`` and keeps stepping;
   between two steps, once ``handle.ready()``, ``handle.flip()`` switches to the new version;
   ``--refits`` times. Steps/s *during refit* counts the steps done between the start of a pull and its
-  flip, over that time;
+  flip, over that time; *throughput during refit* is the steps of every refit window over their total
+  time, against the steps of the stretches between refits over theirs (the two interleaved, so a load
+  that drifts falls on both); per refit, the rate against the stretch just before it (min, median, max);
 - *blocking*: every ``--every`` steps it calls ``group.pull(into=params)`` between two steps.
 
 The *pause* of a refit is what the issue defines: from the end of the server's last step on the old
@@ -26,8 +30,11 @@ around it; blocking: the whole ``pull``). The first refit of each phase and tran
 trainer, wire, assemble, receive CPU) is summed up beside it. The trainer program shares the
 machine's cores with the server: its pack and send are part of what the server competes with.
 
-Printed: per transport a row of medians (steps/s idle, during background refits as a % of idle,
-pause median and max, blocking pause, wire ms, receive CPU ms); the load average before and after;
+Printed: per transport a row of medians (steps/s idle, during background refits as a % of idle with
+its range, pause median and max, blocking pause, wire ms, receive CPU ms, steps per refit); a second
+row: an idle step and the first step on the new version, and the *dispatch* time of a step (the Python
+call that queues it, which needs the GIL) idle and during refits, median and 99th percentile: a receive
+thread holding the GIL would show there; the load average before and after;
 and last, over every transport: ``serve: pause <median> ms (<max> max), throughput during refit
 <pct>% of idle, blocking pause <ms> ms`` (pauses over every background refit of every transport;
 throughput the lowest transport's).
@@ -112,24 +119,36 @@ def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
         for _ in range(3):
             tokens = step(params, tokens).block_until_ready()
 
-        def run(n: int, params, tokens):
+        def timed(params, tokens, into: list):
+            """One step; ``into`` gets its dispatch time (the Python call, which needs the GIL)."""
+            t = time.perf_counter()
+            y = step(params, tokens)
+            into.append(time.perf_counter() - t)
+            return y.block_until_ready()
+
+        dispatch: dict[str, list] = {"idle": [], "refit": []}
+
+        def run(n: int, params, tokens, into: list):
             for _ in range(n):
-                tokens = step(params, tokens).block_until_ready()
+                tokens = timed(params, tokens, into)
             return tokens
 
         t0 = time.perf_counter()
-        tokens = run(a.idle_steps, params, tokens)
+        tokens = run(a.idle_steps, params, tokens, [])
         idle = a.idle_steps / (time.perf_counter() - t0)
         rec: dict = {"idle": idle, "idle_rate": [], "bg_rate": [], "bg_pause": [], "block_pause": [], "reports": []}
-        rec["first_step"] = []
+        rec["first_step"], rec["idle_s"] = [], []
         for _ in range(a.refits + 1):  # background: the first is a warm-up
             t0 = time.perf_counter()
-            tokens = run(a.every, params, tokens)  # the steps between two refits: idle, measured at the same times
+            tokens = run(
+                a.every, params, tokens, dispatch["idle"]
+            )  # the steps between two refits: idle, measured at the same times
             rec["idle_rate"].append(a.every / (time.perf_counter() - t0))
+            rec["idle_s"].append(time.perf_counter() - t0)
             h = group.pull_async(into=params)
             t_start, steps = time.perf_counter(), 0
             while not h.ready():
-                tokens = step(params, tokens).block_until_ready()
+                tokens = timed(params, tokens, dispatch["refit"])
                 steps += 1
             end_old = time.perf_counter()
             params, _ = h.flip()
@@ -140,18 +159,23 @@ def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
             rec["bg_pause"].append(start_new - end_old)
             r = h.report
             rec["reports"].append([r.wait_s, r.wire_s, r.assemble_s, r.processing_s, steps, end_old - t_start])
+        rec["dispatch"] = {k: sorted(v) for k, v in dispatch.items()}
         for _ in range(a.refits + 1):  # blocking
-            tokens = run(a.every, params, tokens)
+            tokens = run(a.every, params, tokens, dispatch["idle"])
             end_old = time.perf_counter()
             params, _ = group.pull(into=params)
             rec["block_pause"].append(time.perf_counter() - end_old)
-        for k in ("idle_rate", "bg_rate", "bg_pause", "block_pause", "reports", "first_step"):
+        for k in ("idle_rate", "idle_s", "bg_rate", "bg_pause", "block_pause", "reports", "first_step"):
             rec[k] = rec[k][1:]
         out[name] = rec
     return out
 
 
 def worker(a: argparse.Namespace) -> None:
+    if a.role == "source" and a.trainer_nice:
+        os.nice(a.trainer_nice)
+    if a.role == "destination" and a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
     import jax
 
     from jreshard import Options, RefitGroup
@@ -181,11 +205,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=32)
     ap.add_argument("--every", type=int, default=20, help="server steps between two refits")
-    ap.add_argument("--refits", type=int, default=8, help="timed refits per phase and transport")
+    ap.add_argument("--refits", type=int, default=24, help="timed refits per phase and transport")
     ap.add_argument("--idle-steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=8)
     ap.add_argument("--transports", default="nixl,mpi")
+    ap.add_argument(
+        "--server-threads",
+        type=int,
+        default=1,
+        choices=[0, 1],
+        help="1: the server's XLA runs its step on one thread (the other core left to the receive and the trainer); "
+        "0: XLA's default, every core",
+    )
+    ap.add_argument("--trainer-nice", type=int, default=0, help="the trainer program's nice value")
+    ap.add_argument(
+        "--switch-interval", type=float, default=0.0, help="the server's sys.setswitchinterval (0: Python's)"
+    )
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--role", choices=["source", "destination"])
     ap.add_argument("--address", default="")
@@ -202,46 +238,79 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result")
         me = [sys.executable, __file__, "--worker", "--address", os.path.join(tmp, "address"), "--result", result]
-        for k in ("mib", "every", "refits", "idle_steps", "batch", "seq", "transports"):
+        for k in (
+            "mib",
+            "every",
+            "refits",
+            "idle_steps",
+            "batch",
+            "seq",
+            "transports",
+            "trainer_nice",
+            "switch_interval",
+        ):
             me += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-        cmd = [str(mpiexec), "-n", "1", *me, "--role", "source", ":", "-n", "1", *me, "--role", "destination"]
+        xla = ["-env", "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false"] if a.server_threads == 1 else []
+        cmd = [str(mpiexec), "-n", "1", *me, "--role", "source", ":", "-n", "1", *xla, *me, "--role", "destination"]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
         try:
             with open(f"{result}.destination") as f:
                 got = json.load(f)
         except FileNotFoundError:
             raise SystemExit(f"the server wrote no result:\n{(done.stdout + done.stderr)[-4000:]}") from None
-    load1 = os.getloadavg()[0]
-    ms = 1e3
+    report(got, a, load0, os.getloadavg()[0])
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def report(got: dict, a: argparse.Namespace, load0: float, load1: float) -> None:
+    """Print the tables and the last line from the server's record."""
+    ms, med = 1e3, statistics.median
     print(
         f"model {got['bytes'] / 2**20:.1f} MiB float32, batch {a.batch} x {a.seq} tokens, a refit every {a.every} steps"
     )
     print(
-        "| transport | steps/s idle | during refit, % of idle | pause ms median [max] | first step on the new "
-        "version, ms (idle step) | blocking pause ms | wire ms | receive CPU ms | steps per refit |"
+        "| transport | steps/s idle | during refit, % of idle [per refit: min-median-max] | pause ms, median [max] | "
+        "blocking pause ms | wire ms | receive CPU ms | steps per refit |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     pauses, blocking, pcts = [], [], []
     for name, r in got["transports"].items():
-        idle = statistics.median(r["idle_rate"])
-        pct = 100 * statistics.median(r["bg_rate"]) / idle
+        idle = med(r["idle_rate"])
+        ratios = sorted(b / i for b, i in zip(r["bg_rate"], r["idle_rate"], strict=True))  # paired: same moment
         reps = r["reports"]
+        during = sum(x[4] for x in reps) / sum(x[5] for x in reps)  # every refit window pooled
+        pct = 100 * during / (a.every * len(r["idle_s"]) / sum(r["idle_s"]))
         print(
-            f"| {name} | {idle:.1f} | {pct:.0f}% | {ms * statistics.median(r['bg_pause']):.3f} "
-            f"[{ms * max(r['bg_pause']):.3f}] | {ms * statistics.median(r['first_step']):.1f} ({ms / idle:.1f}) | "
-            f"{ms * statistics.median(r['block_pause']):.1f} | "
-            f"{ms * statistics.median(x[1] for x in reps):.1f} | {ms * statistics.median(x[3] for x in reps):.1f} | "
-            f"{statistics.median(x[4] for x in reps):.0f} |"
+            f"| {name} | {idle:.1f} | {pct:.0f}% "
+            f"[{100 * ratios[0]:.0f}-{100 * med(ratios):.0f}-{100 * ratios[-1]:.0f}%] | "
+            f"{ms * med(r['bg_pause']):.3f} [{ms * max(r['bg_pause']):.3f}] | {ms * med(r['block_pause']):.1f} | "
+            f"{ms * med(x[1] for x in reps):.1f} | {ms * med(x[3] for x in reps):.1f} | {med(x[4] for x in reps):.0f} |"
         )
         pauses += r["bg_pause"]
         blocking += r["block_pause"]
         pcts.append(pct)
+    print()
+    print(
+        "| transport | step ms idle | first step on the new version ms | dispatch ms idle, median [p99] | "
+        "during refit |"
+    )
+    print("|---|---|---|---|---|")
+    for name, r in got["transports"].items():
+        d = r["dispatch"]
+        print(
+            f"| {name} | {ms / med(r['idle_rate']):.1f} | {ms * med(r['first_step']):.1f} | "
+            f"{ms * med(d['idle']):.3f} [{ms * _pct(d['idle'], 0.99):.3f}] | "
+            f"{ms * med(d['refit']):.3f} [{ms * _pct(d['refit'], 0.99):.3f}] |"
+        )
     print(
         f"load average (1 min): {load0:.2f} before, {load1:.2f} after (other programs on this machine share its cores)"
     )
     print(
-        f"serve: pause {ms * statistics.median(pauses):.3f} ms ({ms * max(pauses):.3f} max), "
-        f"throughput during refit {min(pcts):.0f}% of idle, blocking pause {ms * statistics.median(blocking):.1f} ms"
+        f"serve: pause {ms * med(pauses):.3f} ms ({ms * max(pauses):.3f} max), "
+        f"throughput during refit {min(pcts):.0f}% of idle, blocking pause {ms * med(blocking):.1f} ms"
     )
 
 
