@@ -183,7 +183,7 @@ def test_refit_group_survives_a_fault_at_a_random_moment(tmp_path, transport, fa
 # ---- elastic ------------------------------------------------------------------------------------
 def _elastic_run(tmp_path: Path, fault: str, rng: random.Random) -> None:
     log = [f"seed={SEED} elastic fault={fault}"]
-    net = Network(["t", "a", "b", "c"])
+    net = Network(["t", "a", "b", "c"], loss=LOSS if fault == "loss" else 0.0, seed=rng.randrange(1 << 30))
     progs: list[Program] = []
     body = ROOT / "tests" / "elastic_bodies"
     try:
@@ -228,7 +228,8 @@ def _elastic_run(tmp_path: Path, fault: str, rng: random.Random) -> None:
         elif fault == "stop":
             lost = trainer.wait_event("lost", 120, name="r2")
             assert reps["r2"].finish(120) == 0, reps["r2"].tail()
-        else:  # a 2 s outage is shorter than timeout_s: TCP carries on, or r2 is dropped and joins again
+        else:  # link: a 2 s outage is shorter than timeout_s: TCP carries on, or r2 is dropped and joins again
+            # (loss: 5% of every packet of the run; as a short outage, for r2)
             trainer.wait_event("pushed", 120, version=at)
             if any(e["name"] == "r2" for e in trainer.of("lost")):
                 lost = trainer.of("lost")[0]
@@ -280,10 +281,13 @@ def _trainer_killed(tmp_path: Path, trainer: Program, reps: dict, start, log: li
         for e in r.of("pulled"):
             assert e["held"] == [e["version"]], (n, "a mix", e, log)
         assert r.of("pulled")[-1]["version"] == STEPS, (n, r.tail(), log)
+        back = r.of("rejoined")  # it came back with the version it held: syncing, and handed out nothing older
+        assert back and back[0]["publication"] == "syncing", (n, back, log)
+        assert all(e["version"] >= first for e in r.of("pulled") if e["t"] > back[0]["t"]), (n, r.tail(), log)
 
 
 @pytest.mark.parametrize(
-    "fault", ["kill-mid-write", "kill-random", "stop", "link", "kill-trainer"] if FULL else ["kill-mid-write"]
+    "fault", ["kill-mid-write", "kill-random", "stop", "link", "loss", "kill-trainer"] if FULL else ["kill-mid-write"]
 )
 def test_elastic_survives_a_fault_mid_push(tmp_path, fault):
     rng = random.Random(f"{SEED}-elastic-{fault}")

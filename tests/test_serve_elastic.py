@@ -82,6 +82,8 @@ def test_a_replica_rejoining_with_stale_weights_hands_out_none_until_current(mon
         gate.set()
         tree, v = back.pull(timeout_s=5.0)
         assert v == 3 and exact(tree, 3) and back.publication is Publication.CURRENT
+        arrival = back.arrivals[-1]
+        assert arrival.version == 3 and arrival.nbytes == 4 * 16 * 8 and 0 < arrival.cpu_s
         assert tr.wait(version=3) == ("r1", "r2")
         assert exact(r2.pull()[0], 3)
     finally:

@@ -392,7 +392,7 @@ class ElasticReplica:
         this replica's form: ``peer``); stage it and say so."""
         import jax
 
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.thread_time()
         pair = pair_plan(src_decls, self._decls, self.options, self._links, peer=peer)
         targets = target_devices(pair, self._like, self._devices, self._index)
         shards, _ = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options)
@@ -408,7 +408,12 @@ class ElasticReplica:
                 (name, jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, arrays, dtype=a.dtype))
             )
         tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
-        self._staged = (version, tree, leaves, Arrival(version, source, time.monotonic() - t0, nbytes))
+        self._staged = (
+            version,
+            tree,
+            leaves,
+            Arrival(version, source, time.monotonic() - t0, nbytes, time.thread_time() - c0),
+        )
         self._trainer.send_control({"op": "have", "version": version}, timeout_s=self.options.timeout_s)
 
     def _commit(self, version: int) -> None:

@@ -55,14 +55,18 @@ class Arrival:
     Attributes:
       version: the version.
       source: ``"trainer"`` or ``"replica '<name>'"`` (a peer that held it).
-      seconds: from the first control message to the commit, measured.
+      seconds: from the first control message to the staged version (the wire and this process's
+        processing; the commit follows when every process of the replica has staged it), measured.
       nbytes: bytes this replica received.
+      cpu_s: CPU time the receiving (service) thread used for it: what the receive took from the host
+        while the server kept serving.
     """
 
     version: int
     source: str
     seconds: float
     nbytes: int
+    cpu_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
