@@ -3,7 +3,8 @@
 
 The trainer holds ``w`` (float32, rows split over its two devices) and ``b`` (float32, replicated); the
 receiver (``sys.modules["jax"] = None`` before anything of jreshard is imported) declares ``w`` split by
-columns over its two slots and ``b`` as bfloat16 (a cast) in slot 1. Its first pull hands one buffer too
+columns over its two slots (slot 1's memory a PyTorch tensor, through ``jreshard.torch.host_bytes``) and
+``b`` as bfloat16 (a cast) in slot 1. Its first pull hands one buffer too
 few: refused on both sides, nothing moved, the group usable; then two versions land bit for bit.
 """
 
@@ -62,9 +63,18 @@ def destination() -> dict:
     w = Tensor(name="['w']", shape=SHAPE_W, dtype="float32", boxes=((0, Box((0, 0), (8, 3))), (1, Box((0, 3), (8, 6)))))
     b = Tensor(name="['b']", shape=SHAPE_B, dtype="bfloat16", boxes=((1, Box((0,), (6,))),))
     ep = Endpoint(Declaration(tensors=(w, b), slots=2), options=Options(timeout_s=30.0))
+    try:
+        import torch
+
+        from jreshard.torch import host_bytes
+
+        held = torch.zeros((8, 3), dtype=torch.float32)  # a PyTorch tensor as the memory of one box
+        slot1 = host_bytes(held)
+    except ImportError:  # no torch extra here: a numpy array
+        held = slot1 = np.zeros((8, 3), np.float32)
     buffers = {
         ("['w']", 0): np.zeros((8, 3), np.float32),
-        ("['w']", 1): np.zeros((8, 3), np.float32),
+        ("['w']", 1): slot1,
         ("['b']", 1): np.zeros(6, ml_dtypes.bfloat16),
     }
     refused = ""
@@ -79,7 +89,7 @@ def destination() -> dict:
         exact.append(
             got == v
             and np.array_equal(buffers[("['w']", 0)], want["['w']"][:, :3])
-            and np.array_equal(buffers[("['w']", 1)], want["['w']"][:, 3:])
+            and np.array_equal(np.asarray(held), want["['w']"][:, 3:])
             and np.array_equal(
                 buffers[("['b']", 1)].view(np.uint16), want["['b']"].astype(ml_dtypes.bfloat16).view(np.uint16)
             )
