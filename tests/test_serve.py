@@ -100,9 +100,9 @@ def _gate(group: RefitGroup) -> threading.Event:
     """Hold the destination's data phase until the returned event is set (the refit stays in flight)."""
     gate, run = threading.Event(), group._run
 
-    def held(sources, targets, abort=None):
+    def held(sources, targets, **kw):
         assert gate.wait(20)
-        return run(sources, targets, abort)
+        return run(sources, targets, **kw)
 
     group._run = held  # type: ignore[method-assign]
     return gate
