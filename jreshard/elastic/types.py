@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jreshard.engine.digest import DigestCost
+
 __all__ = ["Arrival", "CatchUp", "PushReport", "ReplicaInfo", "ReplicaState"]
 
 
@@ -40,12 +42,15 @@ class Arrival:
       source: ``"trainer"`` or ``"replica '<name>'"`` (a peer that held it).
       seconds: from the first control message to the commit, measured.
       nbytes: bytes this replica received.
+      digest: what verifying its boxes cost this process (:class:`~jreshard.engine.digest.DigestCost`: the
+        keyed MACs of every message it received), ``None`` if nothing was verified.
     """
 
     version: int
     source: str
     seconds: float
     nbytes: int
+    digest: DigestCost | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

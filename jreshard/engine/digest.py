@@ -1,0 +1,310 @@
+"""Box digests: what each sender sent and each receiver landed, compared before a version is published.
+
+A refit between programs moves every destination box as messages between ranks; the bytes of each
+message are those its sender packed and those its receiver unpacks into the box. :class:`DigestComm`
+wraps a process's :class:`Communicator` and digests, message by message, the bytes of every message
+that crosses to or from another process: a send's bytes before they are posted (packed, they do not
+change until the group completes), a receive's once it landed (before anything unpacks them). Per
+stream ``(src rank, dst rank)`` the messages' digests, in the order the two ranks matched them, fold
+into one :func:`stream digest <Digests.streams>`; the sending and the receiving process each hold
+theirs, the caller exchanges them (the commit vote of a group, the staging answer of an elastic
+replica) and :func:`mismatches` compares them. Every destination box is the union of the streams
+into its rank, so two equal digests for every stream mean every destination box holds what its
+sources sent; a message altered on the wire, dropped or written by someone else makes its stream
+differ, and the version is refused everywhere before it is published.
+
+Two digests share this machinery (``digest`` of :class:`Digests`, one call per message):
+
+- **a keyed MAC**, when the programs share a secret: the caller's function (a Poly1305 tag under a
+  one-time key derived from the connection's session, the refit's nonce and the message's label,
+  :meth:`jreshard.net.auth.Session.mac`); nobody without the secret can make a stream match;
+- **a plain fast hash** for ``Options(verify=True)`` (:func:`plain`: XXH3-128 from the ``xxhash``
+  package), which catches corruption (a flipped bit, a short or misplaced write), not an attacker.
+
+Copies between two ranks of one process cross no wire and are not digested. Device (CuPy)
+buffers are digested from a host copy of their bytes (not run on GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+import numpy as np
+
+from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups, RecvOp, Row, SendOp
+from jreshard.errors import BackendUnavailableError
+
+__all__ = ["DigestComm", "DigestCost", "Digester", "Digests", "mismatches", "plain", "stream_key"]
+
+Digester = Callable[[int, bytes, Any], bytes]
+"""``digest(peer rank, label, bytes) -> digest`` of one message; ``label`` names the message (its ranks, tag and
+occurrence) and the peer is the rank at the other end (a keyed digest uses the key it shares with that peer)."""
+
+
+def plain() -> Digester:
+    """The digest of ``Options(verify=True)`` without a secret: XXH3-128 (``xxhash``, about 30 GB/s on one core).
+
+    Raises:
+      BackendUnavailableError: ``xxhash`` is not installed (``pip install 'jreshard[verify]'``).
+
+    Example:
+      >>> d = plain()
+      >>> d(0, b"m", b"weights") == d(1, b"m", b"weights"), d(0, b"m", b"weights") == d(0, b"m", b"weightz")
+      (True, False)
+    """
+    try:
+        import xxhash
+    except ImportError:
+        raise BackendUnavailableError(
+            "Options(verify=True) hashes with the xxhash package, which is not installed: "
+            "pip install 'jreshard[verify]' (or xxhash)"
+        ) from None
+    h = xxhash.xxh3_128_digest
+
+    def digest(peer: int, label: bytes, data: Any) -> bytes:
+        return h(label) + h(data)
+
+    return digest
+
+
+def _host(buffer: Any) -> Any:
+    """The bytes of ``buffer`` in host memory: itself, or a host copy of a device (CuPy) array (not run on GPU)."""
+    if hasattr(buffer, "__cuda_array_interface__"):
+        return np.ascontiguousarray(buffer.get())  # not run on GPU
+    return buffer
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DigestCost:
+    """What digesting one refit cost one process.
+
+    Attributes:
+      kind: ``"mac"`` (keyed, a shared secret) or ``"hash"`` (``verify=True``).
+      seconds: wall time spent computing digests (on the refit's critical path).
+      nbytes: bytes digested (sent and received across processes).
+      messages: messages digested.
+    """
+
+    kind: str
+    seconds: float
+    nbytes: int
+    messages: int
+
+
+def stream_key(src: int, dst: int) -> str:
+    """The name of the stream from rank ``src`` to rank ``dst`` in a vote (a JSON object key)."""
+    return f"{src}>{dst}"
+
+
+class Digests:
+    """The running digests of one refit on one process (final).
+
+    Args:
+      local: the ranks this process drives (messages between two of them are not digested).
+      digest: the digest of one message (:data:`Digester`).
+      kind: ``"mac"`` or ``"hash"`` (reported).
+
+    Example:
+      >>> a, b = Digests((0,), plain(), "hash"), Digests((1,), plain(), "hash")
+      >>> msg = np.arange(8, dtype=np.uint8)
+      >>> a.add(0, 1, 7, msg); b.add(0, 1, 7, msg.copy())
+      >>> mismatches(a.streams()["sent"], b.streams()["landed"])
+      []
+      >>> msg[3] ^= 1; b.add(0, 1, 8, msg); a.add(0, 1, 8, np.arange(8, dtype=np.uint8))
+      >>> mismatches(a.streams()["sent"], b.streams()["landed"])
+      [(0, 1, 'differ')]
+    """
+
+    __slots__ = ("_count", "_digest", "_local", "_parts", "kind", "messages", "nbytes", "seconds")
+
+    def __init__(self, local: Sequence[int], digest: Digester, kind: str):
+        self._local = frozenset(local)
+        self._digest = digest
+        self.kind = kind
+        self._parts: dict[tuple[int, int], list[tuple[int, int, bytes]]] = {}
+        self._count: dict[tuple[int, int, int], int] = {}
+        self.seconds = 0.0
+        self.nbytes = 0
+        self.messages = 0
+
+    def add(self, src: int, dst: int, tag: int, buffer: Any) -> None:
+        """Digest one message ``src -> dst`` under ``tag`` (its ``n``-th under that key in this refit)."""
+        t0 = time.perf_counter()
+        key = (src, dst, tag)
+        n = self._count.get(key, 0)
+        self._count[key] = n + 1
+        peer = dst if src in self._local else src
+        data = _host(buffer)
+        d = self._digest(peer, struct.pack("!qqqq", src, dst, tag, n), data)
+        self._parts.setdefault((src, dst), []).append((tag, n, d))
+        self.nbytes += int(data.nbytes) if hasattr(data, "nbytes") else len(data)
+        self.messages += 1
+        self.seconds += time.perf_counter() - t0
+
+    def streams(self) -> dict[str, dict[str, str]]:
+        """``{"sent": {stream: digest}, "landed": {stream: digest}}`` (hex; streams by :func:`stream_key`): per
+        stream, the digests of its messages folded in the order ``(tag, occurrence)``."""
+        out: dict[str, dict[str, str]] = {"sent": {}, "landed": {}}
+        for (src, dst), parts in self._parts.items():
+            h = hashlib.blake2b(digest_size=16, person=b"jreshard boxes")
+            for tag, n, d in sorted(parts):
+                h.update(struct.pack("!qqH", tag, n, len(d)) + d)
+            out["sent" if src in self._local else "landed"][stream_key(src, dst)] = h.hexdigest()
+        return out
+
+    def cost(self) -> DigestCost:
+        return DigestCost(kind=self.kind, seconds=self.seconds, nbytes=self.nbytes, messages=self.messages)
+
+
+def mismatches(sent: Mapping[str, str], landed: Mapping[str, str]) -> list[tuple[int, int, str]]:
+    """The streams whose two digests disagree: ``(src, dst, why)``, why ``"differ"``, ``"not received"``
+    (the sender digested it, no receiver did) or ``"not sent"``; sorted.
+
+    Raises:
+      ValueError: a stream name that is not ``"src>dst"`` (a malformed vote).
+    """
+    out = []
+    for k in set(sent) | set(landed):
+        try:
+            src, dst = (int(x) for x in str(k).split(">"))
+        except ValueError:
+            raise ValueError(f"mismatches: {k!r} is not a stream name 'src>dst'") from None
+        if k not in landed:
+            out.append((src, dst, "not received"))
+        elif k not in sent:
+            out.append((src, dst, "not sent"))
+        elif sent[k] != landed[k]:
+            out.append((src, dst, "differ"))
+    return sorted(out)
+
+
+class DigestComm(Communicator):
+    """A communicator that digests every message crossing processes (final); see the module docstring.
+
+    Between refits it passes messages through undigested; :meth:`begin` starts a refit's digests and
+    :meth:`end` returns them. Made once per group and kept (replays are cached per communicator).
+
+    Args:
+      inner: the transport's communicator.
+    """
+
+    def __init__(self, inner: Communicator):
+        self.inner = inner
+        self.posts_ahead = inner.posts_ahead
+        self.pipelines_packs = inner.pipelines_packs
+        self._mine = frozenset(inner.local_ranks)
+        self.digests: Digests | None = None
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        return self.inner.local_ranks
+
+    def begin(self, digests: Digests) -> None:
+        """Digest every message from now on into ``digests``."""
+        self.digests = digests
+
+    def end(self) -> Digests | None:
+        """Stop digesting; the refit's digests (``None`` if none were begun)."""
+        d, self.digests = self.digests, None
+        return d
+
+    def _sends(self, ops: Sequence[tuple[int, int, int, Any]]) -> None:
+        d = self.digests
+        if d is not None:
+            for src, dst, tag, b in ops:
+                if dst not in self._mine:
+                    d.add(src, dst, tag, b)
+
+    def _recvs(self, ops: Sequence[tuple[int, int, int, Any]]) -> None:
+        d = self.digests
+        if d is not None:
+            for src, dst, tag, b in ops:
+                if src not in self._mine:
+                    d.add(src, dst, tag, b)
+
+    def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
+        self._sends([(s.src, s.dst, s.tag, s.buffer) for s in sends])
+        self.inner.exchange(sends, recvs, timeout_s=timeout_s)
+        self._recvs([(r.src, r.dst, r.tag, r.buffer) for r in recvs])
+
+    def exchange_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
+    ) -> None:
+        self._sends(_ops(sends, buffers))
+        self.inner.exchange_rows(sends, recvs, buffers, timeout_s=timeout_s)
+        self._recvs(_ops(recvs, buffers))
+
+    def start_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
+    ) -> Posted:
+        self._sends(_ops(sends, buffers))  # while the group before, if any, is on the wire
+        return _DigestPosted(self, self.inner.start_rows(sends, recvs, buffers, timeout_s=timeout_s), recvs, buffers)
+
+    def prepare(self, groups: Sequence[Group]) -> PreparedGroups | None:
+        inner = self.inner.prepare(groups)
+        return None if inner is None else _DigestPrepared(self, inner, groups)
+
+    def close(self) -> None:
+        from jreshard.engine import replay
+
+        replay.release(self)
+        self.inner.close()
+
+
+def _ops(rows: Sequence[Row], buffers: Sequence[Any]) -> list[tuple[int, int, int, Any]]:
+    return [(s, d, t, buffers[b][o : o + n]) for s, d, t, b, o, n in rows]
+
+
+class _DigestPosted(Posted):
+    __slots__ = ("_buffers", "_comm", "_inner", "_recvs")
+
+    def __init__(self, comm: DigestComm, inner: Posted, recvs: Sequence[Row], buffers: Sequence[Any]):
+        self._comm, self._inner, self._recvs, self._buffers = comm, inner, recvs, buffers
+
+    def wait(self) -> None:
+        self._inner.wait()
+        self._comm._recvs(_ops(self._recvs, self._buffers))
+
+    def abort(self, why: str) -> None:
+        self._inner.abort(why)
+
+
+class _DigestPrepared(PreparedGroups):
+    """The transport's prepared groups, each group's messages digested as it starts and completes. The compiled
+    replay cannot digest, so a digested refit replays its prepared groups from Python (``native`` is None)."""
+
+    native = None
+
+    def __init__(self, comm: DigestComm, inner: PreparedGroups, groups: Sequence[Group]):
+        self._comm, self._inner, self._groups = comm, inner, list(groups)
+        self._buffers: Sequence[Any] = ()
+
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
+        self._inner.bind(addresses, sizes, buffers)
+        self._buffers = buffers
+
+    def finish(self) -> None:
+        self._inner.finish()
+        self._buffers = ()
+
+    def start(self, group: int, timeout_s: float) -> None:
+        self._comm._sends(_ops(self._groups[group][0], self._buffers))
+        self._inner.start(group, timeout_s)
+
+    def wait(self, group: int) -> None:
+        self._inner.wait(group)
+        self._comm._recvs(_ops(self._groups[group][1], self._buffers))
+
+    def abort(self, group: int, why: str) -> None:
+        self._inner.abort(group, why)
+
+    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> NoReturn:
+        self._inner.failed(group, code, request, value, timeout_s)
+
+    def release(self) -> None:
+        self._inner.release()
