@@ -59,6 +59,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import jreshard.refit.boxes as boxes
 from jreshard.engine.digest import DigestComm, DigestCost, Digests
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
@@ -67,7 +68,6 @@ from jreshard.mpi.comm import MpiComm, import_mpi
 from jreshard.mpi.control import Control
 from jreshard.mpi.live import LiveComm
 from jreshard.options import Options
-from jreshard.refit import boxes
 from jreshard.refit.decl import (
     GroupViews,
     declare_leaves,
