@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import struct
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -276,13 +277,20 @@ class _DigestPosted(Posted):
 
 class _DigestPrepared(PreparedGroups):
     """The transport's prepared groups, each group's messages digested as it starts and completes. The compiled
-    replay cannot digest, so a digested refit replays its prepared groups from Python (``native`` is None)."""
+    replay cannot digest, so a digested refit replays its prepared groups from Python (``native`` is None).
+    It holds its communicator weakly: the replays are cached per communicator, which must be free to go."""
 
     native = None
 
     def __init__(self, comm: DigestComm, inner: PreparedGroups, groups: Sequence[Group]):
-        self._comm, self._inner, self._groups = comm, inner, list(groups)
+        self._ref, self._inner, self._groups = weakref.ref(comm), inner, list(groups)
         self._buffers: Sequence[Any] = ()
+
+    @property
+    def _comm(self) -> DigestComm:
+        comm = self._ref()
+        assert comm is not None  # a replay runs only on a live communicator
+        return comm
 
     def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
         self._inner.bind(addresses, sizes, buffers)
