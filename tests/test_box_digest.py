@@ -99,10 +99,13 @@ def test_verify_is_validated_and_needs_xxhash(monkeypatch):
 
 
 def test_the_mode_of_a_group():
+    sealed = [object(), object()]  # a session on every connection
     assert boxes.mode(Options(), None) is None  # one MPI universe, nothing asked: nothing digested
     assert boxes.mode(Options(verify=True), None) == "hash"
-    assert boxes.mode(Options(), [object(), object()]) == "mac"  # sessions on every connection
-    assert boxes.mode(Options(verify=True), [object(), None]) == "hash"
+    assert boxes.mode(Options(), sealed, always=True) == "mac"  # NIXL between programs: always
+    assert boxes.mode(Options(), sealed) is None  # two MPI launches: MPI is trusted unless asked
+    assert boxes.mode(Options(verify=True), sealed) == "mac"
+    assert boxes.mode(Options(verify=True), [object(), None], always=True) == "hash"
 
 
 def test_a_mismatch_names_the_streams_ranks_and_boxes():

@@ -83,7 +83,7 @@ class PairDigests:
         """Agree the nonces (the destination waits for them), and wrap ``comm`` so every message is digested."""
         ranks = {p: pair.ranks(p) for p in channels}
         source = process < pair.n_src
-        kind = boxes.mode(options, [ch.session for ch in channels.values()])
+        kind = boxes.mode(options, [ch.session for ch in channels.values()], always=True)
         if kind is None:
             return cls(comm, None, channels, ranks, source, options.timeout_s)
         nonces: dict[int, str] = {}

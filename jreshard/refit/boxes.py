@@ -4,11 +4,12 @@ The digests themselves are :mod:`jreshard.engine.digest` (every message crossing
 sides). This module decides, for a group or an elastic pair, which digest to use and compares what the
 two sides report:
 
-- programs that share a secret (every connection between them carries a session: ``RefitGroup`` over
-  NIXL or two MPI launches, elastic refits) always compare **keyed MACs**: Poly1305 tags under one-time
-  keys derived from the session of the two processes at the ends of the stream, the refit's nonce (drawn
-  by the source side and sent inside the sealed channel) and the message's label;
-- ``Options(verify=True)`` without a secret (one MPI universe) compares **plain XXH3-128 hashes**;
+- where the weights cross NIXL between programs that share a secret (``RefitGroup`` over NIXL, elastic
+  refits), always **keyed MACs**: Poly1305 tags under one-time keys derived from the session of the two
+  processes at the ends of the stream, the refit's nonce (drawn by the source side and sent inside the
+  sealed channel) and the message's label;
+- over MPI, trusted as MPI is, only with ``Options(verify=True)``: keyed MACs between two launches (they
+  share a secret), **plain XXH3-128 hashes** in one MPI universe;
 - otherwise nothing is digested and a refit costs nothing more.
 
 A mismatch is :class:`~jreshard.errors.IntegrityError` naming each stream's ranks, their processes and
@@ -32,10 +33,18 @@ __all__ = ["boxes_at", "check", "digests_for", "keyed", "mode", "new_nonce", "st
 _MAC_LABEL = b"jreshard box mac "
 
 
-def mode(options: Options, sessions: Sequence[Any] | None) -> str | None:
-    """``"mac"`` when every connection to a peer has a session (``sessions``: each peer connection's session,
-    ``None`` for a group with no connections of its own), ``"hash"`` for ``options.verify``, else ``None``."""
-    if sessions and all(s is not None for s in sessions):
+def mode(options: Options, sessions: Sequence[Any] | None, *, always: bool = False) -> str | None:
+    """Which digest a refit uses: ``"mac"``, ``"hash"`` or ``None`` (nothing digested).
+
+    Args:
+      options: ``options.verify`` asks for digests.
+      sessions: each peer connection's session (``None``: the group has no connections of its own).
+      always: the weights cross a transport jreshard connects itself (NIXL): MACs whenever every connection
+        has a session, asked or not. Otherwise (MPI, trusted like MPI) only ``verify`` digests: MACs where
+        there are sessions (two launches), plain hashes where there are none (one MPI universe).
+    """
+    keyed = bool(sessions) and all(s is not None for s in sessions or ())
+    if keyed and (always or options.verify):
         return "mac"
     return "hash" if options.verify else None
 

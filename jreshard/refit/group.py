@@ -172,11 +172,13 @@ class RefitGroup:
       digest_cost: what digesting the last refit's messages cost this process (:class:`DigestCost`: seconds,
         bytes, messages), or ``None`` when nothing is digested (one MPI universe without ``verify``).
 
-    Verified boxes. Between two launches (the processes share a secret) every message crossing processes is
-    tagged on both sides with a keyed MAC, and with ``Options(verify=True)`` in one MPI universe hashed; the
-    commit vote carries every stream's digests and every process compares them before the version is
-    published (:mod:`jreshard.refit.boxes`). A mismatch is :class:`~jreshard.errors.IntegrityError` on every
-    process of both sides, the destinations keep their previous version, and the group stays usable.
+    Verified boxes. Over NIXL (the processes share a secret) every message crossing processes is tagged on
+    both sides with a keyed MAC; over MPI only with ``Options(verify=True)`` (MACs between two launches,
+    XXH3-128 hashes in one MPI universe; such a refit replays its prepared groups from Python, not in the
+    compiled loop). The commit vote carries every stream's digests and every process compares them before
+    the version is published (:mod:`jreshard.refit.boxes`). A mismatch is
+    :class:`~jreshard.errors.IntegrityError` on every process of both sides, the destinations keep their
+    previous version, and the group stays usable.
 
     Raises:
       LayoutMismatchError: the declarations disagree (same message on every process).
@@ -253,7 +255,7 @@ class RefitGroup:
         self._rank_process = dict(rank_process)
         peers = [p for p in self._roles if p != self._control.rank]
         sessions = None if _group is None else [_group.channel(p).session for p in peers]
-        self._digest_kind = boxes.mode(self.options, sessions)
+        self._digest_kind = boxes.mode(self.options, sessions, always=_group is not None and comm is None)
         self._wire = self._comm  # the transport itself
         if self._digest_kind is not None:
             if _group is not None and comm is None:  # NIXL: the box MACs check every message
