@@ -10,7 +10,9 @@ once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so wha
 machine runs at a moment falls on all alike. Each version runs, in both processes:
 
 - ``mpi``: the MPI group (one MPI universe: nothing digested);
-- ``mpi-verify``: a second MPI group with ``Options(verify=True)`` (every message hashed with XXH3-128 on
+- ``mpi-python``: a second MPI group whose prepared groups replay from Python, not in the compiled loop, and
+  digest nothing (what a digested refit over MPI runs, without the digests: the two parts of verify's cost);
+- ``mpi-verify``: a third MPI group with ``Options(verify=True)`` (every message hashed with XXH3-128 on
   both sides, the digests compared in the commit vote);
 - ``nixl``: the NIXL group as jreshard runs it (the box MACs: every message's Poly1305 tag on both sides,
   compared in the commit vote);
@@ -50,7 +52,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
-TRANSPORTS = ("mpi", "mpi-verify", "nixl", "nixl-plain", "nixl-tags", "nixl-encrypt")
+TRANSPORTS = ("mpi", "mpi-python", "mpi-verify", "nixl", "nixl-plain", "nixl-tags", "nixl-encrypt")
 GROUP = {"nixl-plain": "nixl", "nixl-tags": "nixl"}  # the others: a group of their own name
 
 
@@ -78,6 +80,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     from jax.sharding import PartitionSpec as P
 
     from jreshard import Options, RefitGroup
+    from jreshard.engine.digest import DigestComm
 
     shapes = tree_shapes(mib)
     devs = jax.devices()
@@ -95,6 +98,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20)
     groups = {
         "mpi": RefitGroup(role, like, options=opts),
+        "mpi-python": RefitGroup(role, like, options=opts),
         "mpi-verify": RefitGroup(role, like, options=dataclasses.replace(opts, verify=True)),
         "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
         "nixl-encrypt": RefitGroup.connect(
@@ -107,6 +111,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
             k: jax.make_array_from_callback(s, sharding[k], lambda i, s=s: np.ones(s, np.float32)[i])
             for k, s in shapes.items()
         }
+    groups["mpi-python"]._comm = DigestComm(groups["mpi-python"]._comm)  # no digests begun: the replay only
     nixl = groups["nixl"]
     boxed, wire = nixl._comm, nixl._wire  # the benchmark's switch: the group's digesting communicator, or not
     seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
@@ -203,6 +208,7 @@ def main() -> None:
         ("nixl", "nixl-plain", "box MACs: NIXL / NIXL without them"),
         ("nixl-tags", "nixl-plain", "per-message tags (replaced): NIXL tagged / NIXL plain"),
         ("mpi-verify", "mpi", "verify: MPI verify=True / MPI"),
+        ("mpi-python", "mpi", "verify's replay from Python alone: MPI replayed from Python / MPI"),
         ("nixl-encrypt", "nixl", "encrypt: NIXL encrypted / NIXL"),
         ("nixl-encrypt", "nixl-plain", "encrypt + box MACs: NIXL encrypted / NIXL plain"),
     ):

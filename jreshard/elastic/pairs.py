@@ -320,17 +320,21 @@ def run_pair(
     comm.tags = digests.digests is None  # the box MACs check every message
     options = dataclasses.replace(options, relays=False)
     sources, targets = (shards, {}) if source else ({}, shards)
-    if pair.views is not None:
-        from jreshard.refit.views import run_group
+    try:
+        if pair.views is not None:
+            from jreshard.refit.views import run_group
 
-        out = run_group(pair.views.group, pair.views.schedule, digests.comm, sources, targets, options=options)
-    else:
-        # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
-        # the other side's processes by mail over the same connections (relays off, as the plan was made).
-        tensors = pair.plan.tensors
-        layouts = [(t.src, t.dst) for t in tensors]
-        _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
-        out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options)
+            out = run_group(pair.views.group, pair.views.schedule, digests.comm, sources, targets, options=options)
+        else:
+            # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
+            # the other side's processes by mail over the same connections (relays off, as the plan was made).
+            tensors = pair.plan.tensors
+            layouts = [(t.src, t.dst) for t in tensors]
+            _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
+            out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options)
+    except BaseException:
+        digests.abandon()
+        raise
     cost = digests.finish()
     if costs is not None and cost is not None:
         costs.append(cost)

@@ -112,6 +112,11 @@ class PairDigests:
         out._boxes = lambda src, dst: boxes.boxes_at(src, dst, names, layouts)
         return out
 
+    def abandon(self) -> None:
+        """The rounds failed: stop digesting (the worker let go of the buffers)."""
+        if self.digests is not None:
+            self.comm.end()
+
     def finish(self) -> DigestCost | None:
         """After the rounds: the source sends its streams' digests; the destination compares (its cost, or None).
 
@@ -122,7 +127,10 @@ class PairDigests:
         d = self.digests
         if d is None:
             return None
-        self.comm.end()
+        try:
+            self.comm.finish()
+        finally:
+            self.comm.end()
         mine = d.streams()
         if self._source:
             for p, ch in self._channels.items():

@@ -27,6 +27,7 @@ buffers are digested from a host copy of their bytes (not run on GPU).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import struct
@@ -86,13 +87,16 @@ class DigestCost:
 
     Attributes:
       kind: ``"mac"`` (keyed, a shared secret) or ``"hash"`` (``verify=True``).
-      seconds: wall time spent computing digests (on the refit's critical path).
+      seconds: time spent computing digests (on :class:`DigestComm`'s worker thread, overlapped with the
+        transfer where it can be).
+      waited_s: the part of it the refit waited for (on its critical path).
       nbytes: bytes digested (sent and received across processes).
       messages: messages digested.
     """
 
     kind: str
     seconds: float
+    waited_s: float
     nbytes: int
     messages: int
 
@@ -121,7 +125,7 @@ class Digests:
       [(0, 1, 'differ')]
     """
 
-    __slots__ = ("_count", "_digest", "_local", "_parts", "kind", "messages", "nbytes", "seconds")
+    __slots__ = ("_count", "_digest", "_local", "_parts", "kind", "messages", "nbytes", "seconds", "waited")
 
     def __init__(self, local: Sequence[int], digest: Digester, kind: str):
         self._local = frozenset(local)
@@ -130,6 +134,7 @@ class Digests:
         self._parts: dict[tuple[int, int], list[tuple[int, int, bytes]]] = {}
         self._count: dict[tuple[int, int, int], int] = {}
         self.seconds = 0.0
+        self.waited = 0.0
         self.nbytes = 0
         self.messages = 0
 
@@ -159,7 +164,9 @@ class Digests:
         return out
 
     def cost(self) -> DigestCost:
-        return DigestCost(kind=self.kind, seconds=self.seconds, nbytes=self.nbytes, messages=self.messages)
+        return DigestCost(
+            kind=self.kind, seconds=self.seconds, waited_s=self.waited, nbytes=self.nbytes, messages=self.messages
+        )
 
 
 def mismatches(sent: Mapping[str, str], landed: Mapping[str, str]) -> list[tuple[int, int, str]]:
@@ -187,8 +194,15 @@ def mismatches(sent: Mapping[str, str], landed: Mapping[str, str]) -> list[tuple
 class DigestComm(Communicator):
     """A communicator that digests every message crossing processes (final); see the module docstring.
 
-    Between refits it passes messages through undigested; :meth:`begin` starts a refit's digests and
-    :meth:`end` returns them. Made once per group and kept (replays are cached per communicator).
+    Between refits it passes messages through undigested; :meth:`begin` starts a refit's digests, :meth:`finish`
+    waits for the last ones (raising a digest's failure) and :meth:`end` stops. Made once per group and kept
+    (replays are cached per communicator).
+
+    The digests run on a worker thread (the MAC primitive releases the GIL), overlapped with the transfer: a
+    group's sends are digested while the group is on the wire (joined before the group returns, so before
+    the caller packs into those buffers again), its receives while the caller unpacks them (joined before the
+    next group is posted, so before anything lands there again). The time the caller waited on the worker
+    is :attr:`DigestCost.waited_s`.
 
     Args:
       inner: the transport's communicator.
@@ -200,6 +214,8 @@ class DigestComm(Communicator):
         self.pipelines_packs = inner.pipelines_packs
         self._mine = frozenset(inner.local_ranks)
         self.digests: Digests | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future | None = None  # the last group's receives, being digested
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -207,44 +223,69 @@ class DigestComm(Communicator):
 
     def begin(self, digests: Digests) -> None:
         """Digest every message from now on into ``digests``."""
+        self.end()
         self.digests = digests
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-digest")
+
+    def finish(self) -> None:
+        """Wait until every message so far is digested.
+
+        Raises:
+          whatever a digest raised (e.g. ``BackendUnavailableError``, or a malformed nonce's ``PeerError``).
+        """
+        self._join(self._pending)
+        self._pending = None
 
     def end(self) -> Digests | None:
-        """Stop digesting; the refit's digests (``None`` if none were begun)."""
+        """Stop digesting (never raises: a failed refit ends here too); the refit's digests (``None`` if none)."""
         d, self.digests = self.digests, None
+        pool, self._pool, self._pending = self._pool, None, None
+        if pool is not None:
+            pool.shutdown(wait=True)  # a digest still running reads buffers the caller is about to let go
         return d
 
-    def _sends(self, ops: Sequence[tuple[int, int, int, Any]]) -> None:
-        d = self.digests
-        if d is not None:
-            for src, dst, tag, b in ops:
-                if dst not in self._mine:
-                    d.add(src, dst, tag, b)
+    def _submit(self, ops: list[tuple[int, int, int, Any]]) -> concurrent.futures.Future | None:
+        d, pool = self.digests, self._pool
+        if d is None or pool is None or not ops:
+            return None
+        return pool.submit(_add, d, ops)
+
+    def _join(self, fut: concurrent.futures.Future | None) -> None:
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()
+            if self.digests is not None:
+                self.digests.waited += time.perf_counter() - t0
+
+    def _sends(self, ops: Sequence[tuple[int, int, int, Any]]) -> concurrent.futures.Future | None:
+        """Start digesting a group's sends to other processes (after the last group's receives are digested)."""
+        self.finish()
+        return self._submit([o for o in ops if o[1] not in self._mine])
 
     def _recvs(self, ops: Sequence[tuple[int, int, int, Any]]) -> None:
-        d = self.digests
-        if d is not None:
-            for src, dst, tag, b in ops:
-                if src not in self._mine:
-                    d.add(src, dst, tag, b)
+        """Start digesting a group's receives from other processes (joined by the next group, or :meth:`finish`)."""
+        self._pending = self._submit([o for o in ops if o[0] not in self._mine])
 
     def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
-        self._sends([(s.src, s.dst, s.tag, s.buffer) for s in sends])
+        fut = self._sends([(s.src, s.dst, s.tag, s.buffer) for s in sends])
         self.inner.exchange(sends, recvs, timeout_s=timeout_s)
+        self._join(fut)
         self._recvs([(r.src, r.dst, r.tag, r.buffer) for r in recvs])
 
     def exchange_rows(
         self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
     ) -> None:
-        self._sends(_ops(sends, buffers))
+        fut = self._sends(_ops(sends, buffers))
         self.inner.exchange_rows(sends, recvs, buffers, timeout_s=timeout_s)
+        self._join(fut)
         self._recvs(_ops(recvs, buffers))
 
     def start_rows(
         self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
     ) -> Posted:
-        self._sends(_ops(sends, buffers))  # while the group before, if any, is on the wire
-        return _DigestPosted(self, self.inner.start_rows(sends, recvs, buffers, timeout_s=timeout_s), recvs, buffers)
+        fut = self._sends(_ops(sends, buffers))
+        posted = self.inner.start_rows(sends, recvs, buffers, timeout_s=timeout_s)
+        return _DigestPosted(self, posted, fut, recvs, buffers)
 
     def prepare(self, groups: Sequence[Group]) -> PreparedGroups | None:
         inner = self.inner.prepare(groups)
@@ -253,8 +294,14 @@ class DigestComm(Communicator):
     def close(self) -> None:
         from jreshard.engine import replay
 
+        self.end()
         replay.release(self)
         self.inner.close()
+
+
+def _add(d: Digests, ops: Sequence[tuple[int, int, int, Any]]) -> None:
+    for src, dst, tag, b in ops:
+        d.add(src, dst, tag, b)
 
 
 def _ops(rows: Sequence[Row], buffers: Sequence[Any]) -> list[tuple[int, int, int, Any]]:
@@ -262,13 +309,21 @@ def _ops(rows: Sequence[Row], buffers: Sequence[Any]) -> list[tuple[int, int, in
 
 
 class _DigestPosted(Posted):
-    __slots__ = ("_buffers", "_comm", "_inner", "_recvs")
+    __slots__ = ("_buffers", "_comm", "_fut", "_inner", "_recvs")
 
-    def __init__(self, comm: DigestComm, inner: Posted, recvs: Sequence[Row], buffers: Sequence[Any]):
-        self._comm, self._inner, self._recvs, self._buffers = comm, inner, recvs, buffers
+    def __init__(
+        self,
+        comm: DigestComm,
+        inner: Posted,
+        fut: concurrent.futures.Future | None,
+        recvs: Sequence[Row],
+        buffers: Sequence[Any],
+    ):
+        self._comm, self._inner, self._fut, self._recvs, self._buffers = comm, inner, fut, recvs, buffers
 
     def wait(self) -> None:
         self._inner.wait()
+        self._comm._join(self._fut)
         self._comm._recvs(_ops(self._recvs, self._buffers))
 
     def abort(self, why: str) -> None:
@@ -285,6 +340,7 @@ class _DigestPrepared(PreparedGroups):
     def __init__(self, comm: DigestComm, inner: PreparedGroups, groups: Sequence[Group]):
         self._ref, self._inner, self._groups = weakref.ref(comm), inner, list(groups)
         self._buffers: Sequence[Any] = ()
+        self._sent: dict[int, concurrent.futures.Future | None] = {}  # started group -> its sends' digests
 
     @property
     def _comm(self) -> DigestComm:
@@ -299,13 +355,15 @@ class _DigestPrepared(PreparedGroups):
     def finish(self) -> None:
         self._inner.finish()
         self._buffers = ()
+        self._sent.clear()
 
     def start(self, group: int, timeout_s: float) -> None:
-        self._comm._sends(_ops(self._groups[group][0], self._buffers))
+        self._sent[group] = self._comm._sends(_ops(self._groups[group][0], self._buffers))
         self._inner.start(group, timeout_s)
 
     def wait(self, group: int) -> None:
         self._inner.wait(group)
+        self._comm._join(self._sent.pop(group, None))
         self._comm._recvs(_ops(self._groups[group][1], self._buffers))
 
     def abort(self, group: int, why: str) -> None:

@@ -486,6 +486,8 @@ class RefitGroup:
                 shards, stats = run_schedule(
                     self._tensors, self._schedule, self._comm, sources, targets, options=self.options
                 )
+            if digests is not None:
+                self._comm.finish()  # every message digested (a digest's failure fails the refit here)
             self.sent_bytes = dict(stats.sent_bytes)
         except Exception as e:  # any failure: the group is broken, and the commit vote still runs
             # (a transport's own exception type, a ValueError of options that cannot schedule, ...):
