@@ -14,7 +14,7 @@ machine runs at a moment falls on all alike. Each version runs, in both processe
   digest nothing (what a digested refit over MPI runs, without the digests: the two parts of verify's cost);
 - ``mpi-verify``: a third MPI group with ``Options(verify=True)`` (every message hashed with XXH3-128 on
   both sides, the digests compared in the commit vote);
-- ``nixl``: the NIXL group as jreshard runs it (the box MACs: every message's Poly1305 tag on both sides,
+- ``nixl``: the NIXL group as jreshard runs it (the box MACs: every message's AES-GMAC tag on both sides,
   compared in the commit vote);
 - ``nixl-plain``: the same group with the box MACs switched off (a switch of this benchmark only, by
   swapping the group's communicator for its transport): its ratio to ``nixl`` is the cost of the MACs;

@@ -237,7 +237,7 @@ def test_a_byte_flipped_in_flight_over_nixl_is_refused_on_both_sides(tmp_path):
     for role in ("source", "destination"):
         got = seen[role]
         assert [g[0] for g in got] == [1, 2, 3] and got[0][1] == got[2][1] == "ok", got
-        assert "keyed MACs (Poly1305)" in got[1][1] and "do not match" in got[1][1], got
+        assert "keyed MACs (AES-GMAC)" in got[1][1] and "do not match" in got[1][1], got
         assert "received from rank 0 of process 0 (source)" in got[1][1] or "from rank 1 of process 0" in got[1][1]
     assert seen["holds"] == [(1, True), (1, True), (3, True)]  # the refused version left version 1 whole
     nbytes = 4 * (32 * 16 + 16)  # w and b cross once (b's second destination copy is a local fan-out)
@@ -245,3 +245,22 @@ def test_a_byte_flipped_in_flight_over_nixl_is_refused_on_both_sides(tmp_path):
     assert all(c.kind == "mac" and c.nbytes == nbytes and c.seconds > 0 for c in dst), dst
     src = seen["cost"]["source"]
     assert all(c.kind == "mac" and c.nbytes == nbytes for c in src), src
+
+
+def test_a_box_mac_past_the_librarys_limit_is_tagged_in_pieces(monkeypatch):
+    """AES-GCM takes under 2**31 bytes a call: a longer buffer is tagged in pieces (made small here), each piece
+    under its own nonce, so a byte flipped in any piece, or two pieces swapped, changes the tag."""
+    from jreshard.net import auth
+
+    s = auth.Session(b"k" * 16, bytes(32), bytes(32), client=True)
+    monkeypatch.setattr(auth, "_GMAC_PIECE", 16)
+    data = np.arange(40, dtype=np.uint8)
+    tag = s.box_mac(b"m", data)
+    assert len(tag) == 3 * 16 and tag == s.box_mac(b"m", data.copy())
+    for i in (0, 17, 39):
+        other = data.copy()
+        other[i] ^= 1
+        assert s.box_mac(b"m", other) != tag
+    swapped = np.concatenate([data[16:32], data[:16], data[32:]])
+    assert s.box_mac(b"m", swapped) != tag
+    assert len(s.box_mac(b"m", np.zeros(0, np.uint8))) == 16  # an empty message still has a tag

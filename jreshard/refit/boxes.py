@@ -5,7 +5,7 @@ sides). This module decides, for a group or an elastic pair, which digest to use
 two sides report:
 
 - where the weights cross NIXL between programs that share a secret (``RefitGroup`` over NIXL, elastic
-  refits), always **keyed MACs**: Poly1305 tags under one-time keys derived from the session of the two
+  refits), always **keyed MACs**: AES-256-GMAC tags under one-time keys derived from the session of the two
   processes at the ends of the stream, the refit's nonce (drawn by the source side and sent inside the
   sealed channel) and the message's label;
 - over MPI, trusted as MPI is, only with ``Options(verify=True)``: keyed MACs between two launches (they
@@ -55,8 +55,9 @@ def new_nonce() -> str:
 
 
 def keyed(session: Any, nonce: str) -> Callable[[bytes, Any], bytes]:
-    """The keyed MAC of one connection's messages in one refit: ``mac(label, bytes)``, a Poly1305 tag under the
-    one-time key ``session`` derives for the refit's ``nonce`` (hex, drawn fresh for each refit) and ``label``.
+    """The keyed MAC of one connection's messages in one refit: ``mac(label, bytes)``, an AES-GMAC tag under the
+    one-time key ``session`` derives for the refit's ``nonce`` (hex, drawn fresh for each refit) and ``label``
+    (:meth:`jreshard.net.auth.Session.box_mac`).
 
     Raises:
       PeerError: ``nonce`` is not 16 bytes of hex (a malformed vote or message).
@@ -68,7 +69,7 @@ def keyed(session: Any, nonce: str) -> Callable[[bytes, Any], bytes]:
     if len(raw) != 16:
         raise PeerError(f"the refit's nonce for the box MACs is malformed ({nonce!r:.80})")
     prefix = _MAC_LABEL + raw
-    return lambda label, data: session.mac(prefix + label, data)
+    return lambda label, data: session.box_mac(prefix + label, data)
 
 
 def digests_for(
@@ -158,7 +159,7 @@ def check(
     bad = mismatches(sent, landed)
     if not bad:
         return
-    what = "keyed MACs (Poly1305)" if kind == "mac" else "hashes (XXH3-128, Options(verify=True))"
+    what = "keyed MACs (AES-GMAC)" if kind == "mac" else "hashes (XXH3-128, Options(verify=True))"
     lines = []
     for src, dst, why in bad[:8]:
         state = {"differ": "differ", "not received": "were sent but not received", "not sent": "were not sent"}[why]
