@@ -31,7 +31,8 @@ recorded beside it. Both groups must have sent the same bytes on every link (che
 
 Printed: per transport, bytes per refit, median [min-max] seconds of the timed pushes, GB/s at the
 median, the median CPU milliseconds per refit of the source and of the destination, and the median
-seconds each side spent digesting (``DigestCost``, with the bytes digested); then the ratios (the
+seconds each side spent digesting (``DigestCost``: on the digest thread, and the part the refit waited
+for), and the bytes digested; then the ratios (the
 ratio of the medians, and the median and the [min-max] of the same version's ratios), and the load
 average before and after. The last line is the cost of the box MACs, of ``verify`` and of ``encrypt``.
 """
@@ -116,7 +117,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     boxed, wire = nixl._comm, nixl._wire  # the benchmark's switch: the group's digesting communicator, or not
     seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
-    digest: dict[str, list[list[float]]] = {t: [] for t in TRANSPORTS}  # [seconds, bytes] per refit
+    digest: dict[str, list[list[float]]] = {t: [] for t in TRANSPORTS}  # [seconds, bytes, waited] per refit
     pushed: dict = {}  # group -> its last version
     for v in range(warmup + repeats):
         for name in TRANSPORTS if v % 2 == 0 else TRANSPORTS[::-1]:
@@ -134,7 +135,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
             seconds[name].append(time.perf_counter() - t0)
             cpu[name].append(_cpu_s() - c0)
             cost = None if plain else group.digest_cost
-            digest[name].append([0.0, 0] if cost is None else [cost.seconds, cost.nbytes])
+            digest[name].append([0.0, 0, 0.0] if cost is None else [cost.seconds, cost.nbytes, cost.waited_s])
     sent = {t: {link.name: n for link, n in g.sent_bytes.items()} for t, g in groups.items()}
     for g in groups.values():
         g.close()
@@ -187,20 +188,21 @@ def main() -> None:
         raise RuntimeError(f"the groups sent different bytes: {src['sent']}")
     print(
         "| transport | MB per refit | s, median [min-max] | GB/s (median) | CPU ms per refit, source + destination "
-        "| digest ms per refit, source + destination (MB digested) |"
+        "| digest ms per refit, source + destination (of it waited for) | MB digested |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     med = {}
     for name in TRANSPORTS:
         t = src["seconds"][name]
         med[name] = statistics.median(t)
         cpu_s, cpu_d = (1e3 * statistics.median(r["cpu"][name]) for r in (src, dst))
         dig_s, dig_d = (1e3 * statistics.median(d[0] for d in r["digest"][name]) for r in (src, dst))
+        wait_s, wait_d = (1e3 * statistics.median(d[2] for d in r["digest"][name]) for r in (src, dst))
         hashed = statistics.median(d[1] for d in dst["digest"][name]) / 1e6
         print(
             f"| {name} | {src['bytes'] / 1e6:.1f} | {med[name]:.4f} "
             f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} "
-            f"| {dig_s:.1f} + {dig_d:.1f} ({hashed:.1f}) |"
+            f"| {dig_s:.1f} + {dig_d:.1f} ({wait_s:.1f} + {wait_d:.1f}) | {hashed:.1f} |"
         )
     ratio = {}
     for top, bottom, label in (
