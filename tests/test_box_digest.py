@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from mpi_launch import launch, need_mpi, program, results
+from mpi_launch import MPIEXEC, launch, need_mpi, program, results, start_and_wait
 
 from jreshard import IntegrityError, Options
 from jreshard.engine.digest import Digests, mismatches, plain, stream_key
@@ -120,24 +120,28 @@ def test_a_mismatch_names_the_streams_ranks_and_boxes():
     assert e.value.streams == ((0, 2),) and e.value.destination_intact
 
 
-@pytest.mark.parametrize("verify", ["on", "off"])
+@pytest.mark.parametrize("verify", ["on", "off", "connect"])
 def test_a_byte_flipped_in_flight_over_mpi_is_refused_on_both_sides(tmp_path, verify):
-    """One MPI universe, one source and one destination process: with verify on, version 2's flipped byte
-    is refused by both, the destination holds version 1 whole, and version 3 lands whole; with verify off
-    nothing is digested (no cost reported) and every version lands."""
+    """One source and one destination process over MPI, in one universe (``on``: hashes; ``off``) or as two
+    launches (``connect``: keyed MACs): with verify on, version 2's flipped byte is refused by both, the
+    destination holds version 1 whole, and version 3 lands whole; with verify off nothing is digested (no
+    cost reported) and every version lands."""
     need_mpi()
-    launch(
-        [
-            program(1, "refit_verify_body.py", "source", verify),
-            program(1, "refit_verify_body.py", "destination", verify),
-        ],
-        tmp_path,
-        devices=1,
-        timeout_s=120,
-    )
-    got = results(tmp_path, "verify-source") | results(tmp_path, "verify-destination")
-    assert len(got) == 2 and all("error" not in r for r in got.values()), got
-    src, dst = got[0], got[1]
+    if verify == "connect":
+        env = {"JRESHARD_ADDRESS": str(tmp_path / "address")}
+        cmds = [[str(MPIEXEC), *program(1, BODY, role, verify)] for role in ("source", "destination")]
+        start_and_wait(cmds, tmp_path, devices=1, timeout_s=120, env=env)
+    else:
+        launch(
+            [program(1, BODY, "source", verify), program(1, BODY, "destination", verify)],
+            tmp_path,
+            devices=1,
+            timeout_s=120,
+        )
+    src, dst = results(tmp_path, "verify-source"), results(tmp_path, "verify-destination")
+    assert len(src) == len(dst) == 1, (src, dst)
+    src, dst = next(iter(src.values())), next(iter(dst.values()))
+    assert "error" not in src and "error" not in dst, (src, dst)
     if verify == "off":
         assert [s[:2] for s in src["seen"]] == [[1, "ok"], [2, "ok"], [3, "ok"]]
         assert [s[:2] for s in dst["seen"]] == [[1, "ok"], [2, "ok"], [3, "ok"]]
@@ -145,17 +149,17 @@ def test_a_byte_flipped_in_flight_over_mpi_is_refused_on_both_sides(tmp_path, ve
         return
     assert [s[:2] for s in src["seen"]] == [[1, "ok"], [2, "refused"], [3, "ok"]]
     assert [s[:2] for s in dst["seen"]] == [[1, "ok"], [2, "refused"], [3, "ok"]]
+    kind = "mac" if verify == "connect" else "hash"
     for side in (src, dst):
-        assert (
-            "rank 1 of process 1 (destination) received from rank 0 of process 0 (source) differ" in side["seen"][1][2]
-        )
-        assert "XXH3" in side["seen"][1][2] and "['w'] Box" in side["seen"][1][2]
+        why = side["seen"][1][2]
+        assert "rank 1 of process 1 (destination) received from rank 0 of process 0 (source) differ" in why
+        assert ("AES-GMAC" if kind == "mac" else "XXH3") in why and "['w'] Box" in why
     assert dst["seen"][1][3] == {"holds": 1, "whole": True}  # refused: the previous version, whole
     assert dst["seen"][2][2] == {"holds": 3, "whole": True} and dst["version"] == src["version"] == 3
     nbytes = 4 * (64 * 32 + 32)
     for side in (src, dst):
         kinds = {c[0] for c in side["costs"]}
-        assert kinds == {"hash"} and all(c[1] == nbytes and c[2] > 2 and c[3] > 0 for c in side["costs"]), side["costs"]
+        assert kinds == {kind} and all(c[1] == nbytes and c[2] > 2 and c[3] > 0 for c in side["costs"]), side["costs"]
 
 
 def _nixl_pair(tmp_path, opts: Options, versions, flip_at: int | None):

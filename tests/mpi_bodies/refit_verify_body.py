@@ -1,5 +1,7 @@
-"""``Options(verify=...)`` of a RefitGroup in one MPI universe: ``refit_verify_body.py source|destination
-on|off`` under one MPMD mpiexec. Three versions; with ``on`` the destination flips one byte of one message
+"""``Options(verify=...)`` of a RefitGroup over MPI: ``refit_verify_body.py source|destination on|off|connect``,
+``on``/``off`` under one MPMD mpiexec (one MPI universe: hashes), ``connect`` as two launches meeting at
+``$JRESHARD_ADDRESS`` (the processes share a secret: keyed MACs), both with ``verify=True``. Three versions;
+with ``verify`` the destination flips one byte of one message
 of version 2 as it lands (tests/_faulty_comm.py), which both sides must refuse, keeping version 1, and
 version 3 must then land whole. Each side records what it saw and its digest costs."""
 
@@ -20,7 +22,8 @@ def value(v: int, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def body() -> dict:
-    role, verify = sys.argv[1], sys.argv[2] == "on"
+    role, mode = sys.argv[1], sys.argv[2]
+    verify = mode in ("on", "connect")
     sds = refit_side(role, SHAPES)
 
     import jax
@@ -29,7 +32,11 @@ def body() -> dict:
     from jreshard.options import Options
     from jreshard.refit import RefitGroup
 
-    group = RefitGroup(role, sds, options=Options(timeout_s=30.0, chunk_bytes=2048, staging_bytes=8192, verify=verify))
+    opts = Options(timeout_s=30.0, chunk_bytes=2048, staging_bytes=8192, verify=verify)
+    if mode == "connect":
+        group = RefitGroup.connect(role, sds, address=os.environ["JRESHARD_ADDRESS"], options=opts)
+    else:
+        group = RefitGroup(role, sds, options=opts)
     seen: list = []
     costs: list = []
     held = None
