@@ -12,7 +12,8 @@ import pytest
 from mpi_launch import MPIEXEC, launch, need_mpi, program, results, start_and_wait
 
 from jreshard import IntegrityError, Options
-from jreshard.engine.digest import Digests, mismatches, plain, stream_key
+from jreshard.engine.comm import Communicator
+from jreshard.engine.digest import DigestComm, Digests, mismatches, plain, stream_key
 from jreshard.errors import BackendUnavailableError
 from jreshard.refit import boxes
 
@@ -268,3 +269,57 @@ def test_a_box_mac_past_the_librarys_limit_is_tagged_in_pieces(monkeypatch):
     swapped = np.concatenate([data[16:32], data[:16], data[32:]])
     assert s.box_mac(b"m", swapped) != tag
     assert len(s.box_mac(b"m", np.zeros(0, np.uint8))) == 16  # an empty message still has a tag
+
+
+class _Wire(Communicator):
+    """Ranks ``local`` of one process; messages to or from other processes go through the shared ``wire``
+    dict (a sender's exchange files them, a receiver's takes them), so two of these are two programs."""
+
+    def __init__(self, local, wire, flip=None):
+        self._local, self.wire, self.flip = tuple(local), wire, flip
+
+    @property
+    def local_ranks(self):
+        return self._local
+
+    def exchange(self, sends, recvs, *, timeout_s):
+        for s in sends:
+            self.wire.setdefault((s.src, s.dst, s.tag), []).append(np.array(s.buffer, copy=True))
+        for r in recvs:
+            got = self.wire[(r.src, r.dst, r.tag)].pop(0)
+            if self.flip is not None and self.flip == (r.src, r.dst, r.tag):
+                got[0] ^= 1
+            r.buffer[:] = got
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("flip", [None, (0, 2, 5)])
+def test_digest_comm_digests_what_crosses_and_only_that(overlap, flip):
+    """A sender (ranks 0, 1) and a receiver (ranks 2, 3), each behind a DigestComm, exchange rows through
+    exchange_rows and start_rows: every message between them is digested on both sides (the oracle: the
+    bytes listed), a message between two ranks of one side is not, the streams agree unless one byte was
+    flipped on the wire, and then exactly that stream differs."""
+    wire: dict = {}
+    a = DigestComm(_Wire((0, 1), wire))
+    b = DigestComm(_Wire((2, 3), wire, flip))
+    a.overlap = b.overlap = overlap
+    da, db = Digests((0, 1), plain(), "hash"), Digests((2, 3), plain(), "hash")
+    a.begin(da)
+    b.begin(db)
+    rng = np.random.default_rng(0)
+    src = [rng.integers(0, 256, 64, dtype=np.uint8), np.zeros(0, np.uint8)]
+    dst = [np.zeros(64, np.uint8)]
+    rows = [(0, 2, 5, 0, 0, 32), (1, 3, 6, 0, 32, 32), (0, 1, 7, 0, 0, 16)]  # the last stays inside the sender
+    a.exchange_rows(rows, [], src, timeout_s=1.0)
+    b.exchange_rows([], [(0, 2, 5, 0, 0, 32)], dst, timeout_s=1.0)
+    b.start_rows([], [(1, 3, 6, 0, 32, 32)], dst, timeout_s=1.0).wait()
+    a.finish()
+    b.finish()
+    assert a.end() is da and b.end() is db and a.digests is None
+    assert np.array_equal(dst[0][32:], src[0][32:])
+    assert da.messages == db.messages == 2 and da.nbytes == db.nbytes == 64  # not the sender's own copy
+    assert set(da.streams()["sent"]) == {stream_key(0, 2), stream_key(1, 3)}
+    want = [] if flip is None else [(0, 2, "differ")]
+    assert mismatches(da.streams()["sent"], db.streams()["landed"]) == want
+    if not overlap:  # inline, every digest is waited for
+        assert db.waited >= db.seconds > 0

@@ -216,6 +216,7 @@ class DigestComm(Communicator):
         self.digests: Digests | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None  # the last group's receives, being digested
+        self.overlap = True  # digest on a worker thread (False: in the caller's thread, where each group is)
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
@@ -225,7 +226,8 @@ class DigestComm(Communicator):
         """Digest every message from now on into ``digests``."""
         self.end()
         self.digests = digests
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-digest")
+        if self.overlap:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jreshard-digest")
 
     def finish(self) -> None:
         """Wait until every message so far is digested.
@@ -246,7 +248,12 @@ class DigestComm(Communicator):
 
     def _submit(self, ops: list[tuple[int, int, int, Any]]) -> concurrent.futures.Future | None:
         d, pool = self.digests, self._pool
-        if d is None or pool is None or not ops:
+        if d is None or not ops:
+            return None
+        if pool is None:  # not overlapped: now, and all of it waited for
+            t0 = time.perf_counter()
+            _add(d, ops)
+            d.waited += time.perf_counter() - t0
             return None
         return pool.submit(_add, d, ops)
 
