@@ -198,11 +198,16 @@ class DigestComm(Communicator):
     waits for the last ones (raising a digest's failure) and :meth:`end` stops. Made once per group and kept
     (replays are cached per communicator).
 
-    The digests run on a worker thread (the MAC primitive releases the GIL), overlapped with the transfer: a
-    group's sends are digested while the group is on the wire (joined before the group returns, so before
-    the caller packs into those buffers again), its receives while the caller unpacks them (joined before the
-    next group is posted, so before anything lands there again). The time the caller waited on the worker
-    is :attr:`DigestCost.waited_s`.
+    Where the digests run. By default in the caller's thread: a group's sends just before it is posted (they
+    were just packed), its receives as soon as it completed (they just landed), both while the bytes are
+    still in cache. With :attr:`overlap` set, on a worker thread beside the transfer instead (the MAC and the
+    hash release the GIL): a group's sends while the group is on the wire (joined before the group returns,
+    so before the caller packs into those buffers again), its receives while the caller unpacks them (joined
+    before the next group is posted, so before anything lands there again). On the 2-core development
+    machine, loaded, the worker made the digests two to three times slower and the refit slower than inline
+    (``benchmarks/nixl_bench.py``, rows ``nixl`` and ``nixl-overlap``), so inline is the default; the worker
+    may pay where a core is free for it (not measured). The time the caller waited for digests is
+    :attr:`DigestCost.waited_s` (inline: all of it).
 
     Args:
       inner: the transport's communicator.
@@ -216,7 +221,7 @@ class DigestComm(Communicator):
         self.digests: Digests | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future | None = None  # the last group's receives, being digested
-        self.overlap = True  # digest on a worker thread (False: in the caller's thread, where each group is)
+        self.overlap = False  # digest on a worker thread beside the transfer (False: in the caller's thread)
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
