@@ -7,12 +7,24 @@ processes form two ``RefitGroup`` objects with the same declaration and Options 
 staging): one over MPI (``COMM_WORLD``), one over NIXL (``RefitGroup.connect(..., transport="nixl")``,
 which meets at an address file and uses no MPI). Then they push version after version, each version
 once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so whatever else the
-machine runs at a moment falls on both transports alike. The NIXL group runs each version twice: as
-jreshard runs it (every message's bytes checked against its sender's Poly1305 tag, sent inside the
-sealed control channel), and ``nixl-untagged``, with the tags switched off in both processes (a
-switch of this benchmark only, by patching ``jreshard.nixl.comm``): their ratio is the cost of the
-integrity check. A third NIXL group has ``Options(encrypt=True)`` (``nixl-encrypt``: every message
-sealed with AES-256-GCM before it leaves and opened after it lands).
+machine runs at a moment falls on all alike. Each version runs, in both processes:
+
+- ``mpi``: the MPI group (one MPI universe: nothing digested);
+- ``mpi-python``: a second MPI group whose prepared groups replay from Python, not in the compiled loop, and
+  digest nothing (what a digested refit over MPI runs, without the digests: the two parts of verify's cost);
+- ``mpi-verify``: a third MPI group with ``Options(verify=True)`` (every message hashed with XXH3-128 on
+  both sides, the digests compared in the commit vote);
+- ``nixl``: the NIXL group as jreshard runs it (the box MACs: every message's AES-GMAC tag on both sides,
+  compared in the commit vote);
+- ``nixl-overlap``: the same group with the box MACs computed on a worker thread beside the transfer
+  (``DigestComm.overlap``) instead of in the refit's own thread as each group is posted and completes (the
+  two placements of the same work);
+- ``nixl-plain``: the same group with the box MACs switched off (a switch of this benchmark only, by
+  swapping the group's communicator for its transport): its ratio to ``nixl`` is the cost of the MACs;
+- ``nixl-tags``: the same group with NIXL's per-message tags instead (what the box MACs replaced: each
+  message's tag sent beside its WRITE and checked as it lands), for comparison;
+- ``nixl-encrypt``: a NIXL group with ``Options(encrypt=True)`` (every message sealed with AES-256-GCM
+  before it leaves and opened after it lands; the box MACs on too, as jreshard runs it).
 
 The first ``--warmup`` versions are not timed (the first refit of each group makes its schedule, the
 NIXL agent's first registrations and the first pages of every buffer); then ``--repeats`` versions
@@ -21,9 +33,11 @@ time of the source's push and of the destination's pull (user + system, from ``g
 recorded beside it. Both groups must have sent the same bytes on every link (checked).
 
 Printed: per transport, bytes per refit, median [min-max] seconds of the timed pushes, GB/s at the
-median, and the median CPU milliseconds per refit of the source and of the destination; then NIXL /
-MPI and NIXL / NIXL untagged: the ratio of the medians and the median of the ratios of the same
-version's pushes, and the load average before and after.
+median, the median CPU milliseconds per refit of the source and of the destination, and the median
+seconds each side spent digesting (``DigestCost``: on the digest thread, and the part the refit waited
+for), and the bytes digested; then the ratios (the
+ratio of the medians, and the median and the [min-max] of the same version's ratios), and the load
+average before and after. The last line is the cost of the box MACs, of ``verify`` and of ``encrypt``.
 """
 
 from __future__ import annotations
@@ -42,8 +56,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
-TRANSPORTS = ("mpi", "nixl", "nixl-untagged", "nixl-encrypt")
-GROUP = {"mpi": "mpi", "nixl": "nixl", "nixl-untagged": "nixl", "nixl-encrypt": "nixl-encrypt"}
+TRANSPORTS = ("mpi", "mpi-python", "mpi-verify", "nixl", "nixl-overlap", "nixl-plain", "nixl-tags", "nixl-encrypt")
+GROUP = {"nixl-plain": "nixl", "nixl-tags": "nixl", "nixl-overlap": "nixl"}  # the others: a group of their own name
 
 
 def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
@@ -70,11 +84,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     from jax.sharding import PartitionSpec as P
 
     from jreshard import Options, RefitGroup
-    from jreshard.nixl import comm as nixl_comm
-
-    tagged = nixl_comm._host
-    untagged = [False]
-    nixl_comm._host = lambda buffer: not untagged[0] and tagged(buffer)  # the benchmark's switch for the tags
+    from jreshard.engine.digest import DigestComm
 
     shapes = tree_shapes(mib)
     devs = jax.devices()
@@ -92,6 +102,8 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20)
     groups = {
         "mpi": RefitGroup(role, like, options=opts),
+        "mpi-python": RefitGroup(role, like, options=opts),
+        "mpi-verify": RefitGroup(role, like, options=dataclasses.replace(opts, verify=True)),
         "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
         "nixl-encrypt": RefitGroup.connect(
             role, like, address=address + ".encrypt", transport="nixl", options=dataclasses.replace(opts, encrypt=True)
@@ -103,13 +115,20 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
             k: jax.make_array_from_callback(s, sharding[k], lambda i, s=s: np.ones(s, np.float32)[i])
             for k, s in shapes.items()
         }
+    groups["mpi-python"]._comm = DigestComm(groups["mpi-python"]._comm)  # no digests begun: the replay only
+    nixl = groups["nixl"]
+    boxed, wire = nixl._comm, nixl._wire  # the benchmark's switch: the group's digesting communicator, or not
     seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
     cpu: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    digest: dict[str, list[list[float]]] = {t: [] for t in TRANSPORTS}  # [seconds, bytes, waited] per refit
     pushed: dict = {}  # group -> its last version
     for v in range(warmup + repeats):
         for name in TRANSPORTS if v % 2 == 0 else TRANSPORTS[::-1]:
-            untagged[0] = name == "nixl-untagged"
-            group = groups[GROUP[name]]
+            plain = name in ("nixl-plain", "nixl-tags")
+            nixl._comm, nixl._digest_kind = (wire, None) if plain else (boxed, "mac")
+            wire.tags = name == "nixl-tags"
+            boxed.overlap = name == "nixl-overlap"
+            group = groups[GROUP.get(name, name)]
             c0, t0 = _cpu_s(), time.perf_counter()
             if params is not None:
                 pushed[group] = pushed.get(group, -1) + 1
@@ -119,12 +138,15 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
                 del tree
             seconds[name].append(time.perf_counter() - t0)
             cpu[name].append(_cpu_s() - c0)
+            cost = None if plain else group.digest_cost
+            digest[name].append([0.0, 0, 0.0] if cost is None else [cost.seconds, cost.nbytes, cost.waited_s])
     sent = {t: {link.name: n for link, n in g.sent_bytes.items()} for t, g in groups.items()}
     for g in groups.values():
         g.close()
     nbytes = sum(4 * int(np.prod(s)) for s in shapes.values())
     out = {"bytes": nbytes, "sent": sent}
     out |= {"seconds": {t: seconds[t][warmup:] for t in TRANSPORTS}, "cpu": {t: cpu[t][warmup:] for t in TRANSPORTS}}
+    out |= {"digest": {t: digest[t][warmup:] for t in TRANSPORTS}}
     with open(f"{result}.{role}", "w") as f:  # a file each: the two processes share stdout
         json.dump(out, f)
 
@@ -166,31 +188,50 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     src, dst = run(a.mib, a.warmup, a.repeats)
     load1 = os.getloadavg()[0]
-    if not src["sent"]["mpi"] == src["sent"]["nixl"] == src["sent"]["nixl-encrypt"]:
-        raise RuntimeError(f"the two groups sent different bytes: {src['sent']}")
-    print("| transport | MB per refit | s, median [min-max] | GB/s (median) | CPU ms per refit, source + destination |")
-    print("|---|---|---|---|---|")
+    if not src["sent"]["mpi"] == src["sent"]["nixl"] == src["sent"]["nixl-encrypt"] == src["sent"]["mpi-verify"]:
+        raise RuntimeError(f"the groups sent different bytes: {src['sent']}")
+    print(
+        "| transport | MB per refit | s, median [min-max] | GB/s (median) | CPU ms per refit, source + destination "
+        "| digest ms per refit, source + destination (of it waited for) | MB digested |"
+    )
+    print("|---|---|---|---|---|---|---|")
     med = {}
     for name in TRANSPORTS:
         t = src["seconds"][name]
         med[name] = statistics.median(t)
         cpu_s, cpu_d = (1e3 * statistics.median(r["cpu"][name]) for r in (src, dst))
+        dig_s, dig_d = (1e3 * statistics.median(d[0] for d in r["digest"][name]) for r in (src, dst))
+        wait_s, wait_d = (1e3 * statistics.median(d[2] for d in r["digest"][name]) for r in (src, dst))
+        hashed = statistics.median(d[1] for d in dst["digest"][name]) / 1e6
         print(
             f"| {name} | {src['bytes'] / 1e6:.1f} | {med[name]:.4f} "
-            f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} |"
+            f"[{min(t):.4f}-{max(t):.4f}] | {src['bytes'] / med[name] / 1e9:.2f} | {cpu_s:.0f} + {cpu_d:.0f} "
+            f"| {dig_s:.1f} + {dig_d:.1f} ({wait_s:.1f} + {wait_d:.1f}) | {hashed:.1f} |"
         )
+    ratio = {}
     for top, bottom, label in (
         ("nixl", "mpi", "NIXL / MPI"),
-        ("nixl", "nixl-untagged", "NIXL / NIXL untagged"),
-        ("nixl-encrypt", "nixl", "NIXL encrypted / NIXL"),
+        ("nixl", "nixl-plain", "box MACs: NIXL / NIXL without them"),
+        ("nixl-overlap", "nixl-plain", "box MACs on a worker thread: NIXL / NIXL without them"),
+        ("nixl-tags", "nixl-plain", "per-message tags (replaced): NIXL tagged / NIXL plain"),
+        ("mpi-verify", "mpi", "verify: MPI verify=True / MPI"),
+        ("mpi-python", "mpi", "verify's replay from Python alone: MPI replayed from Python / MPI"),
+        ("nixl-encrypt", "nixl", "encrypt: NIXL encrypted / NIXL"),
+        ("nixl-encrypt", "nixl-plain", "encrypt + box MACs: NIXL encrypted / NIXL plain"),
     ):
-        pairs = zip(src["seconds"][top], src["seconds"][bottom], strict=True)
-        per_version = statistics.median(n / m for n, m in pairs)
+        per = [n / m for n, m in zip(src["seconds"][top], src["seconds"][bottom], strict=True)]
+        ratio[top, bottom] = statistics.median(per)
         print(
             f"{label} time: {med[top] / med[bottom]:.2f} (medians of {a.repeats} pushes each); "
-            f"{per_version:.2f} (median of the {a.repeats} versions' ratios)"
+            f"{ratio[top, bottom]:.2f} [{min(per):.2f}-{max(per):.2f}] (median [min-max] of the {a.repeats} "
+            "versions' ratios)"
         )
     print(f"load average (1 min) before {load0:.2f}, after {load1:.2f}")
+    print(
+        f"cost over a plain refit (median of per-version ratios): box MACs "
+        f"{100 * (ratio['nixl', 'nixl-plain'] - 1):+.0f}%, verify {100 * (ratio['mpi-verify', 'mpi'] - 1):+.0f}%, "
+        f"encrypt {100 * (ratio['nixl-encrypt', 'nixl'] - 1):+.0f}% (on top of the MACs)"
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from jreshard import cost as cost
 from jreshard.errors import AuthenticationError as AuthenticationError
 from jreshard.errors import BackendUnavailableError as BackendUnavailableError
 from jreshard.errors import IndivisibleError as IndivisibleError
+from jreshard.errors import IntegrityError as IntegrityError
 from jreshard.errors import LayoutError as LayoutError
 from jreshard.errors import LayoutJSONError as LayoutJSONError
 from jreshard.errors import LayoutMismatchError as LayoutMismatchError
@@ -102,5 +103,6 @@ __all__ = [
     "TransferTimeoutError",
     "PeerError",
     "RefitCancelledError",
+    "IntegrityError",
     "AuthenticationError",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "AuthenticationError",
     "BackendUnavailableError",
     "IndivisibleError",
+    "IntegrityError",
     "JReshardError",
     "LayoutError",
     "LayoutJSONError",
@@ -87,6 +88,16 @@ class PeerError(TransferError):
 
 class RefitCancelledError(TransferError):
     """A background refit this process cancelled (``PullHandle.cancel``); its previous version stays."""
+
+
+class IntegrityError(PeerError):
+    """The bytes a destination received are not those its source sent (their digests differ): the version
+    was refused on every process and every destination keeps its previous one. ``streams`` lists the
+    ``(source rank, destination rank)`` pairs that differ."""
+
+    def __init__(self, message: str, *, streams: tuple[tuple[int, int], ...] = ()):
+        super().__init__(message, destination_intact=True)
+        self.streams = streams
 
 
 class AuthenticationError(PeerError):

@@ -45,6 +45,11 @@ class Options:
       encrypt: seal the weights on the wire too (NIXL between programs: each message encrypted with
         AES-256-GCM under keys derived from the handshake before it leaves, opened after it lands);
         host buffers only. Set it on both sides; a receiver's setting decides how it receives.
+      verify: hash every message of a refit between programs on both sides (XXH3-128, the ``xxhash``
+        package: ``pip install 'jreshard[verify]'``) and compare the digests of every destination box's
+        streams before the version is published (:mod:`jreshard.engine.digest`); a mismatch refuses the
+        version everywhere. Programs that share a secret always compare keyed MACs instead (the secure
+        sibling); ``verify`` then adds nothing. Set it on both sides.
 
     Example:
       >>> Options(backend="mpi", chunk_bytes=1 << 20).backend
@@ -61,6 +66,7 @@ class Options:
     max_group_ops: int = 2048
     secret: bytes | None = dataclasses.field(default=None, repr=False)
     encrypt: bool = False
+    verify: bool = False
 
     def __post_init__(self) -> None:
         b = self.backend
@@ -92,6 +98,8 @@ class Options:
             raise ValueError(f"Options: secret must be None or bytes of length >= 16 (got {shown})")
         if not isinstance(self.encrypt, bool):
             raise TypeError(f"Options: encrypt={self.encrypt!r} must be True or False")
+        if not isinstance(self.verify, bool):
+            raise TypeError(f"Options: verify={self.verify!r} must be True or False")
         if not isinstance(self.relays, bool):
             raise TypeError(f"Options: relays={self.relays!r} must be True or False")
         if (

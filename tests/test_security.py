@@ -193,35 +193,38 @@ def test_bytes_altered_on_the_way_fail_the_refit_and_every_replica_keeps_its_ver
     try:
         assert trainer.push(params(1), version=1).committed == ("r1",)
         assert r.pull(newer_than=0, timeout_s=5.0)[1] == 1
-        checked = []
-        real = NixlComm._check
+        flipped = []
+        real = NixlComm.exchange
 
-        def altered(self, i, recv):  # one bit of what landed flipped, as a writer on the wire would
-            if recv.buffer.nbytes:
-                recv.buffer[0] ^= 1
-            checked.append(i)
-            return real(self, i, recv)
+        def altered(self, sends, recvs, *, timeout_s):  # one bit of the first weights the replica gets flipped
+            real(self, sends, recvs, timeout_s=timeout_s)
+            for recv in recvs:
+                weights = recv.dst >= 2 and recv.tag < 1 << 30  # the replica's ranks; not the schedule's mail
+                if weights and recv.src not in self.local_ranks and recv.buffer.nbytes and not flipped:
+                    recv.buffer[0] ^= 1
+                    flipped.append(recv)
 
-        monkeypatch.setattr(NixlComm, "_check", altered)
+        monkeypatch.setattr(NixlComm, "exchange", altered)
+        monkeypatch.setattr(NixlComm, "prepares", False)  # the bit is flipped on the per-operation path
         report = trainer.push(params(2), version=2)
-        assert checked and list(report.lost) == ["r1"]
+        assert len(flipped) == 1 and list(report.lost) == ["r1"]
+        assert "refit refused: the keyed MACs (AES-GMAC) of 1 stream(s) do not match" in report.lost["r1"]
         tree, version = r.pull(allow_stale=True)  # dropped: stale, handed out only when asked
         assert version == 1 and exact(tree, 1)
-        with pytest.raises(PeerError, match="not the bytes the sender wrote"):
+        with pytest.raises(PeerError, match=r"do not match .* every destination keeps its previous version"):
             r.pull(newer_than=1, timeout_s=5.0)
     finally:
         r.leave()
 
 
-def test_every_message_of_a_refit_is_checked_against_its_senders_tag(trainer, monkeypatch):
-    counts = []
-    real = NixlComm._check
-    monkeypatch.setattr(NixlComm, "_check", lambda self, i, r: counts.append(r.buffer.nbytes) or real(self, i, r))
+def test_every_byte_of_a_refit_is_maced_on_both_sides(trainer):
     r = ElasticReplica(like(1), trainer.address, name="r1", devices=list(D[2:4]), options=OPTS)
     try:
         assert trainer.push(params(1), version=1).committed == ("r1",)
         assert exact(r.pull(newer_than=0, timeout_s=5.0)[0], 1)
-        assert sum(counts) >= sum(4 * np.prod(s) for s in SHAPES.values())  # every byte of the version
+        cost = r.arrivals[-1].digest
+        assert cost is not None and cost.kind == "mac" and cost.seconds > 0
+        assert cost.nbytes >= sum(4 * np.prod(s) for s in SHAPES.values())  # every byte of the version
     finally:
         r.leave()
 

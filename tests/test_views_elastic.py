@@ -115,8 +115,8 @@ class Sent:
         real = pairs_module.run_pair
         for module, who in ((membership_module, "trainer"), (replica_module, "replica")):
 
-            def spy(pair, process, channels, *, shards, options, who=who):
-                out, stats = real(pair, process, channels, shards=shards, options=options)
+            def spy(pair, process, channels, *, shards, options, who=who, **kw):
+                out, stats = real(pair, process, channels, shards=shards, options=options, **kw)
                 if process < pair.n_src:  # a sender
                     with self._lock:
                         self.by.append((who, int(stats.sent_bytes.get(Link.NETWORK, 0))))

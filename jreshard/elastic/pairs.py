@@ -281,7 +281,13 @@ def target_devices(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: 
 
 
 def run_pair(
-    pair: Pair, process: int, channels: Mapping[int, Channel], *, shards: Mapping, options: Options
+    pair: Pair,
+    process: int,
+    channels: Mapping[int, Channel],
+    *,
+    shards: Mapping,
+    options: Options,
+    costs: list | None = None,
 ) -> tuple[dict, ExecStats]:
     """Run ``process``'s side of ``pair`` over NIXL: the only call into the engine.
 
@@ -297,11 +303,14 @@ def run_pair(
         exchanges with.
       shards: ``source_shards(...)`` on a source process, ``target_devices(...)`` on a destination.
       options: chunking, staging and ``timeout_s``.
+      costs: if given, the refit's :class:`~jreshard.engine.digest.DigestCost` on this process is appended
+        (every message is MACed: :mod:`jreshard.elastic.verify`).
 
     Returns:
       ``({(tensor, rank): new single-device array}, engine statistics)``: the arrays on a destination
       (fresh buffers), ``{}`` on a source; the statistics count the bytes this process's ranks sent.
     """
+    from jreshard.elastic.verify import PairDigests
     from jreshard.engine.driver import run_schedule, schedule_local
     from jreshard.nixl import NixlAgent, NixlComm
 
@@ -310,15 +319,28 @@ def run_pair(
     comm = NixlComm(
         NixlAgent.shared(), pair.ranks(process), remote, timeout_s=options.timeout_s, encrypt=options.encrypt
     )
+    # every message crossing to the other process is MACed on both sides (or hashed: Options.verify), and
+    # the destination compares before anything is staged (jreshard.elastic.verify)
+    digests = PairDigests.start(pair, process, channels, comm, options)
+    comm.tags = digests.digests is None  # the box MACs check every message
     options = dataclasses.replace(options, relays=False)
     sources, targets = (shards, {}) if source else ({}, shards)
-    if pair.views is not None:
-        from jreshard.refit.views import run_group
+    try:
+        if pair.views is not None:
+            from jreshard.refit.views import run_group
 
-        return run_group(pair.views.group, pair.views.schedule, comm, sources, targets, options=options)
-    # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
-    # the other side's processes by mail over the same connections (relays off, as the plan was made).
-    tensors = pair.plan.tensors
-    layouts = [(t.src, t.dst) for t in tensors]
-    _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
-    return run_schedule(tensors, sched, comm, sources, targets, options=options)
+            out = run_group(pair.views.group, pair.views.schedule, digests.comm, sources, targets, options=options)
+        else:
+            # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
+            # the other side's processes by mail over the same connections (relays off, as the plan was made).
+            tensors = pair.plan.tensors
+            layouts = [(t.src, t.dst) for t in tensors]
+            _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
+            out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options)
+    except BaseException:
+        digests.abandon()
+        raise
+    cost = digests.finish()
+    if costs is not None and cost is not None:
+        costs.append(cost)
+    return out

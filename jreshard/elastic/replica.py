@@ -395,7 +395,8 @@ class ElasticReplica:
         t0, c0 = time.monotonic(), time.thread_time()
         pair = pair_plan(src_decls, self._decls, self.options, self._links, peer=peer)
         targets = target_devices(pair, self._like, self._devices, self._index)
-        shards, _ = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options)
+        costs: list = []
+        shards, _ = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs)
         index = {n: t for t, n in enumerate(pair.dst_names)}
         base = pair.bases[pair.n_src + self._index]
         leaves, nbytes = [], 0
@@ -408,12 +409,9 @@ class ElasticReplica:
                 (name, jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, arrays, dtype=a.dtype))
             )
         tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
-        self._staged = (
-            version,
-            tree,
-            leaves,
-            Arrival(version, source, time.monotonic() - t0, nbytes, time.thread_time() - c0),
-        )
+        arrival = Arrival(version, source, time.monotonic() - t0, nbytes, time.thread_time() - c0,
+                          costs[0] if costs else None)  # fmt: skip
+        self._staged = (version, tree, leaves, arrival)
         self._trainer.send_control({"op": "have", "version": version}, timeout_s=self.options.timeout_s)
 
     def _commit(self, version: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jreshard.engine.digest import DigestCost
+
 __all__ = ["Arrival", "CatchUp", "Publication", "PushReport", "ReplicaInfo", "ReplicaState"]
 
 
@@ -60,6 +62,8 @@ class Arrival:
       nbytes: bytes this replica received.
       cpu_s: CPU time the receiving (service) thread used for it: what the receive took from the host
         while the server kept serving.
+      digest: what verifying its boxes cost this process (:class:`~jreshard.engine.digest.DigestCost`: the
+        keyed MACs of every message it received), ``None`` if nothing was verified.
     """
 
     version: int
@@ -67,6 +71,7 @@ class Arrival:
     seconds: float
     nbytes: int
     cpu_s: float = 0.0
+    digest: DigestCost | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -193,6 +193,9 @@ def check_proof(key: bytes, client_nonce: bytes, server_nonce: bytes, message: b
     return len(message) == PROOF_BYTES and hmac.compare_digest(message, proof(key, server_nonce, client_nonce))
 
 
+_GMAC_PIECE = 1 << 30  # the most one AES-GCM call authenticates (the library takes under 2**31 bytes)
+
+
 class Session:
     """The keys of one authenticated connection, derived from the handshake (final).
 
@@ -282,6 +285,34 @@ class Session:
         except Exception:  # cryptography.exceptions.InvalidTag, or sizes that do not match
             return False
         return True
+
+    def box_mac(self, label: bytes, data: object) -> bytes:
+        """An AES-256-GMAC tag of ``data`` (a contiguous buffer of bytes) under a one-time key for ``label``: the
+        box MACs of a refit (:mod:`jreshard.refit.boxes`). Twice as fast as :meth:`mac` on CPUs with AES and
+        carry-less multiply instructions (GHASH), which it uses through the ``cryptography`` package.
+
+        The one-time key is ``BLAKE2b(key=the session's MAC key, label)``, so each label must name one message
+        of this session (the box MACs' labels hold a nonce drawn for each refit). A buffer past 1 GiB is
+        tagged in 1 GiB pieces (the library's limit), their tags concatenated.
+
+        Example:
+          >>> s = Session(b"k" * 16, bytes(32), bytes(32), client=True)
+          >>> t = s.box_mac(b"refit 1 message 7", b"weights")
+          >>> len(t), t == s.box_mac(b"refit 1 message 7", b"weights"), t == s.box_mac(b"refit 1 message 7", b"weightz")
+          (16, True, False)
+          >>> t == s.box_mac(b"refit 2 message 7", b"weights")
+          False
+        """
+        one_time = hashlib.blake2b(label, key=self._mac_key, digest_size=32, person=b"jreshard gmac").digest()
+        gmac = _crypto().AESGCM(one_time)
+        view = memoryview(data)  # type: ignore[arg-type]
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        n = len(view)
+        return b"".join(
+            gmac.encrypt(struct.pack("!IQ", 2, i), b"", view[lo : lo + _GMAC_PIECE])
+            for i, lo in enumerate(range(0, max(n, 1), _GMAC_PIECE))
+        )
 
     def mac(self, label: bytes, data: object) -> bytes:
         """A Poly1305 tag of ``data`` (any contiguous buffer) under a one-time key for ``label``.

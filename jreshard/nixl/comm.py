@@ -19,13 +19,15 @@ failures). A group (:meth:`NixlComm.exchange`) runs as:
    (receive ids are random; :class:`~jreshard.nixl.agent.NixlAgent`) and, on a sealed connection,
    its bytes match the tag the sender sent (below). The group returns when all are.
 
-**Integrity.** On a connection with a session (every one between programs), the sender of each
-message sends, inside the sealed channel (``nixl.mac``), a Poly1305 tag of the bytes it writes,
-under a one-time key derived from the session and the receive's id, ranks and tag
+**Integrity.** On a connection with a session (every one between programs), unless :attr:`NixlComm.tags`
+is off, the sender of each message sends, inside the sealed channel (``nixl.mac``), a Poly1305 tag of the
+bytes it writes, under a one-time key derived from the session and the receive's id, ranks and tag
 (:meth:`jreshard.net.auth.Session.mac`); the receiver computes the tag of what landed and compares
 before the group returns. A byte altered on the wire (UCX over TCP is plain text) is
 :class:`PeerError` before anything is unpacked or published. Device (CuPy) buffers are not tagged:
-a message from or into GPU memory is checked by nothing but the transport.
+a message from or into GPU memory is checked by nothing but the transport. ``RefitGroup`` and elastic refits
+switch these tags off: they MAC every message of a refit themselves and compare whole streams before a
+version is published (:mod:`jreshard.engine.digest`), which covers what the tags did.
 
 **Encryption** (``encrypt=True``, the receiver's ``Options.encrypt``). The receiver posts, for each
 receive, a fresh landing buffer ``16`` bytes longer (registered for this exchange, released with
@@ -148,6 +150,7 @@ class NixlComm(Communicator):
         self._posted: dict[tuple[int, int, int], collections.deque[_Posted]] = {}  # posts not yet written to
         self._tags: dict[int, tuple[bytes | None, int | None]] = {}  # receive id -> its sender's tag, sequence
         self.verified = 0  # messages whose bytes were checked against their sender's tag (or opened)
+        self.tags = True  # tag every message (off where the caller digests the whole refit: jreshard.engine.digest)
         self.encrypt = bool(encrypt)
         if self.encrypt and any(ch.session is None for ch in self._remote.values()):
             raise ValueError("NixlComm: encrypt=True needs authenticated connections (with a session) to every peer")
@@ -336,7 +339,7 @@ class NixlComm(Communicator):
         notice = NOTICE + str(i).encode()
         what = f"WRITE {s.src}->{s.dst} tag {s.tag}"
         if nbytes == 0:
-            if not sealed:
+            if not sealed and self.tags:
                 self._tag(s, i, ch, tags)
             _nixl(f"notification of the empty {what}", ch.peer, agent.send_notif, peer, notice)
             return None
@@ -361,7 +364,7 @@ class NixlComm(Communicator):
         if state == "ERR":
             self._retire(write)
             raise self._fail(ch, f"NIXL reported an error posting the {what} to {ch.peer}")
-        if not sealed:
+        if not sealed and self.tags:
             self._tag(s, i, ch, tags)  # while the WRITE flies (the send buffer does not change until it is done)
         return write
 
@@ -432,7 +435,7 @@ class NixlComm(Communicator):
                     for i in _nixl("reading of notifications", peers, self._agent.arrived, ids):
                         landed[i] = waiting.pop(i)
                         progress = True
-                for i in [i for i in landed if i in self._tags or self._remote[landed[i].src].session is None]:
+                for i in [i for i in landed if self._tagged(i, landed[i])]:
                     self._check(i, landed.pop(i))
                 if not unsent and not flying and not waiting and not landed and not any(ch.sending for ch in channels):
                     self._outbound.clear()  # every encrypted copy was written
@@ -465,6 +468,10 @@ class NixlComm(Communicator):
         """Hand a WRITE given up to the agent, with the buffer it reads (:meth:`NixlAgent.retire`)."""
         handle, _, buffer, descs = write
         self._agent.retire(handle, keep=(buffer,), descs=(descs,))
+
+    def _tagged(self, i: int, r: RecvOp) -> bool:
+        """Whether receive ``i`` can be checked now: its sender's tag (or sequence) came, or none will."""
+        return i in self._tags or self._remote[r.src].session is None or (not self.tags and i not in self._landing)
 
     def _check(self, i: int, r: RecvOp) -> None:
         """Compare the bytes that landed for receive ``i`` with the tag its sender sent."""

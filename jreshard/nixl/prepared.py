@@ -441,7 +441,7 @@ class NixlPrepared(PreparedGroups):
             raise self._comm._fail(ch, f"NIXL refused the WRITEs of a group to {ch.peer}: {err}") from err
         piece.posted = self._step
         session = ch.session
-        if session is not None:  # while the WRITE flies (the send buffers do not change until it is done)
+        if session is not None and self._comm.tags:  # while the WRITE flies (its send buffers do not change)
             tags = [
                 session.mac(label(mac_id(i, k), r[_SRC], r[_DST], r[_TAG]), _memory(a, r[_N])).hex()
                 for k, (r, a) in enumerate(zip(rows.tolist(), local.tolist(), strict=True))
@@ -544,7 +544,7 @@ class NixlPrepared(PreparedGroups):
             landed = [i for i in ids if i in self._landed]
             for i in landed:
                 ch, _ = self._landed[i]
-                if ch.session is None or i in self._hub.tags:
+                if ch.session is None or not self._comm.tags or i in self._hub.tags:
                     self._check(i, *self._landed.pop(i))
             left = [i for i in ids if i in self._waiting or i in self._landed]
             if not unsent and not flying and not left and not any(ch.sending for ch in channels):
@@ -580,7 +580,7 @@ class NixlPrepared(PreparedGroups):
         """Compare the bytes that landed for receive ``i`` with the tags its sender sent, message by message, as
         the per-operation path compares one (:meth:`NixlComm._check`)."""
         tags = self._hub.tags.pop(i, None)
-        if ch.session is None:
+        if ch.session is None or not self._comm.tags:
             return
         addr = self._addr
         assert addr is not None

@@ -61,7 +61,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jreshard.refit.boxes as boxes
 from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.digest import DigestComm, DigestCost, Digests
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
@@ -178,6 +180,16 @@ class RefitGroup:
 
     Attributes:
       sent_bytes: the bytes this process's ranks sent in the last refit, by link (empty before one).
+      digest_cost: what digesting the last refit's messages cost this process (:class:`DigestCost`: seconds,
+        bytes, messages), or ``None`` when nothing is digested (one MPI universe without ``verify``).
+
+    Verified boxes. Over NIXL (the processes share a secret) every message crossing processes is tagged on
+    both sides with a keyed MAC; over MPI only with ``Options(verify=True)`` (MACs between two launches,
+    XXH3-128 hashes in one MPI universe; such a refit replays its prepared groups from Python, not in the
+    compiled loop). The commit vote carries every stream's digests and every process compares them before
+    the version is published (:mod:`jreshard.refit.boxes`). A mismatch is
+    :class:`~jreshard.errors.IntegrityError` on every process of both sides, the destinations keep their
+    previous version, and the group stays usable.
 
     Raises:
       LayoutMismatchError: the declarations disagree (same message on every process).
@@ -253,6 +265,17 @@ class RefitGroup:
             self._comm = _group.communicator(
                 rank_process, timeout_s=self.options.timeout_s, encrypt=self.options.encrypt
             )
+        self._rank_process = dict(rank_process)
+        peers = [p for p in self._roles if p != self._control.rank]
+        sessions = None if _group is None else [_group.channel(p).session for p in peers]
+        self._digest_kind = boxes.mode(self.options, sessions, always=_group is not None and comm is None)
+        self._wire = self._comm  # the transport itself
+        if self._digest_kind is not None:
+            if _group is not None and comm is None:  # NIXL: the box MACs check every message
+                self._wire.tags = False
+            self._comm = DigestComm(self._comm)
+        self._nonce = ""
+        self.digest_cost: DigestCost | None = None
         self._decl = mine
         self.version: int | None = None
         self._broken: str | None = None
@@ -422,7 +445,41 @@ class RefitGroup:
             bad.append(f"the source processes push different versions {sorted(versions)}")
         if bad:
             raise PeerError("refit not started (nothing moved):\n  " + "\n  ".join(bad), destination_intact=True)
+        self._nonce = str(next(v.get("nonce") for _, v in sorted(votes.items()) if v["role"] == "source"))
         return versions.pop()
+
+    def _digests(self) -> Digests | None:
+        """This refit's digests (``None``: none taken)."""
+        kind = self._digest_kind
+        if kind is None:
+            return None
+        channel = self._control.channel if kind == "mac" else None
+        return boxes.digests_for(
+            kind,
+            self._comm.local_ranks,
+            lambda r: boxes.keyed(channel(self._rank_process[r]).session, self._nonce),  # type: ignore[misc]
+        )
+
+    def _rank_name(self, r: int) -> str:
+        return f"rank {r} of {self._describe(self._rank_process.get(r, -1))}"
+
+    def _boxes_of(self, src: int, dst: int) -> str:
+        """The destination boxes at rank ``dst`` that rank ``src`` may fill, as text."""
+        if self._views is None:
+            return boxes.boxes_at(src, dst, self.names, self._pairs)
+        gv = self._views
+        return boxes.boxes_at(src, dst, gv.dst_names, [(None, d) for d in gv.dsts])
+
+    def _check_digests(self, votes: dict) -> None:
+        """Compare every stream's digests in the commit ``votes``; :class:`IntegrityError` on a difference."""
+        sent: dict[str, str] = {}
+        landed: dict[str, str] = {}
+        for p, v in sorted(votes.items()):
+            s, r = boxes.streams_of(v, self._describe(p))
+            sent.update(s)
+            landed.update(r)
+        assert self._digest_kind is not None
+        boxes.check(sent, landed, describe=self._rank_name, boxes=self._boxes_of, kind=self._digest_kind)
 
     def _run(self, sources: dict, targets: dict, given: dict | None = None, abort: Any = None) -> dict:
         """The bytes of one refit, then the commit vote. ``given``: ``{(tensor, rank): 1-D uint8}``
@@ -431,17 +488,23 @@ class RefitGroup:
         err = ""
         cause: BaseException | None = None
         shards: dict = {}
+        digests = self._digests()
+        if digests is not None:
+            assert isinstance(self._comm, DigestComm)
+            self._comm.begin(digests)
         try:
             if self._views is not None:
                 shards, stats = self._move_views(self._views, sources, targets, given)
             else:
                 if self._schedule is None:
                     _, _, self._schedule = schedule_local(
-                        self._pairs, self.names, self.topology, self.options, self._comm
+                        self._pairs, self.names, self.topology, self.options, self._wire
                     )
                 shards, stats = run_schedule(
                     self._tensors, self._schedule, self._comm, sources, targets, options=self.options, given=given
                 )
+            if digests is not None:
+                self._comm.finish()  # every message digested (a digest's failure fails the refit here)
             self.sent_bytes = dict(stats.sent_bytes)
             if abort is not None and abort(True):  # a background pull cancelled: vote against the commit
                 raise PeerError("the destination cancelled the refit (PullHandle.cancel)")
@@ -451,10 +514,19 @@ class RefitGroup:
             err = f"{type(e).__name__}: {e}"
             self._broken = err
             cause = e
+        finally:
+            if digests is not None:
+                assert isinstance(self._comm, DigestComm)
+                self._comm.end()
+                self.digest_cost = digests.cost()
         failed: list[str] = [f"{self._describe(self._control.rank)}: {err}"] if err else []
+        vote: dict[str, Any] = {"error": err}
+        if digests is not None and not err:
+            vote["digests"] = digests.streams()
+        votes: dict = {}
         try:
             votes = self._control.allgather(
-                {"error": err},
+                vote,
                 timeout_s=0.0 if err else self.options.timeout_s,  # a failed process only tells the others
                 stop=lambda p, v: bool(v["error"]),
             )
@@ -472,6 +544,8 @@ class RefitGroup:
                 "refit failed; the destination keeps its previous version:\n  " + "\n  ".join(failed),
                 destination_intact=True,
             ) from cause
+        if digests is not None:
+            self._check_digests(votes)  # on every process alike: all hold every vote
         return shards
 
     def _move_views(
@@ -502,7 +576,8 @@ class RefitGroup:
         self._check_usable()
         flat = jax.tree_util.tree_flatten_with_path(params)[0]  # the one flattening of the call
         error = self._local_check(flat)
-        self._begin({"role": "source", "error": error, "version": int(version)}, self.options.timeout_s)
+        vote = {"role": "source", "error": error, "version": int(version), "nonce": boxes.new_nonce()}
+        self._begin(vote, self.options.timeout_s)
         sources = {}
         for t, a in self._indexed(flat):
             for sh in a.addressable_shards:
@@ -696,7 +771,7 @@ class RefitGroup:
         communicators (MPI's kept, unfreed, when broken: a dead peer never answers). Between two launches
         the notice goes over the side channel, and never to a peer whose connection closed."""
         self._control.notify_closed()
-        mpi = isinstance(self._comm, (MpiComm, LiveComm))
+        mpi = isinstance(self._wire, (MpiComm, LiveComm))
         if self._broken is None or not mpi:  # sockets close at once, MPI may block
             self._comm.close()
         if self._broken is None or not isinstance(self._control, Control):

@@ -47,8 +47,8 @@ def count_sent(module):
     """Record the network bytes every sending ``run_pair`` of ``module`` sent (the engine's statistics)."""
     real = module.run_pair
 
-    def spy(pair, process, channels, *, shards, options):
-        out, stats = real(pair, process, channels, shards=shards, options=options)
+    def spy(pair, process, channels, *, shards, options, **kw):
+        out, stats = real(pair, process, channels, shards=shards, options=options, **kw)
         if process < pair.n_src:
             SENT.append(int(stats.sent_bytes.get(Link.NETWORK, 0)))
         return out, stats

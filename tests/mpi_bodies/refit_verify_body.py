@@ -1,0 +1,71 @@
+"""``Options(verify=...)`` of a RefitGroup over MPI: ``refit_verify_body.py source|destination on|off|connect``,
+``on``/``off`` under one MPMD mpiexec (one MPI universe: hashes), ``connect`` as two launches meeting at
+``$JRESHARD_ADDRESS`` (the processes share a secret: keyed MACs), both with ``verify=True``. Three versions;
+with ``verify`` the destination flips one byte of one message
+of version 2 as it lands (tests/_faulty_comm.py), which both sides must refuse, keeping version 1, and
+version 3 must then land whole. Each side records what it saw and its digest costs."""
+
+import os
+import sys
+
+import numpy as np
+from _common import main, refit_side
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
+from _faulty_comm import plant, unplant
+
+SHAPES = {"w": (64, 32), "b": (32,)}
+
+
+def value(v: int, shape: tuple[int, ...]) -> np.ndarray:
+    return (np.arange(np.prod(shape), dtype=np.float32) + 1000 * v).reshape(shape)
+
+
+def body() -> dict:
+    role, mode = sys.argv[1], sys.argv[2]
+    verify = mode in ("on", "connect")
+    sds = refit_side(role, SHAPES)
+
+    import jax
+
+    from jreshard.errors import IntegrityError
+    from jreshard.options import Options
+    from jreshard.refit import RefitGroup
+
+    opts = Options(timeout_s=30.0, chunk_bytes=2048, staging_bytes=8192, verify=verify)
+    if mode == "connect":
+        group = RefitGroup.connect(role, sds, address=os.environ["JRESHARD_ADDRESS"], options=opts)
+    else:
+        group = RefitGroup(role, sds, options=opts)
+    seen: list = []
+    costs: list = []
+    held = None
+    for v in (1, 2, 3):
+        flip = plant(group, nth=2) if verify and v == 2 and role == "destination" else None
+        try:
+            if role == "source":
+                tree = {k: jax.device_put(value(v, s), sds[k].sharding) for k, s in SHAPES.items()}
+                group.push(tree, version=v)
+                seen.append([v, "ok"])
+            else:
+                tree, got = group.pull(like=sds)
+                exact = all(np.array_equal(np.asarray(tree[k]), value(got, s)) for k, s in SHAPES.items())
+                held = (tree, got)
+                seen.append([got, "ok" if exact else "wrong bytes"])
+        except IntegrityError as err:
+            seen.append([v, "refused", str(err)])
+        finally:
+            if flip is not None:
+                unplant(group, flip)
+        c = group.digest_cost
+        costs.append(None if c is None else [c.kind, c.nbytes, c.messages, c.seconds])
+        if role == "destination" and held is not None:  # what the server holds after each refit
+            tree, got = held
+            whole = all(np.array_equal(np.asarray(tree[k]), value(got, s)) for k, s in SHAPES.items())
+            seen[-1].append({"holds": got, "whole": whole})
+    group.close()
+    return {"seen": seen, "costs": costs, "version": group.version}
+
+
+if __name__ == "__main__":
+    main("verify-" + sys.argv[1], body)
