@@ -36,7 +36,8 @@ import numpy as np
 from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
-from jreshard.engine.inprocess import _addresses_of, _arrays, _donate, _fresh, _make_array, _read, _remember
+from jreshard.engine.inprocess import _fresh, _make_array
+from jreshard.engine.ownership import remember_all, shard_addresses, shard_arrays, take
 from jreshard.engine.pool import default_pool
 from jreshard.engine.viewcopy import Program, compile_program, execute_pieces
 from jreshard.engine.viewrun import run_view_schedule
@@ -192,7 +193,7 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
         if not ranks:
             continue
         order = addressable_order(leaf.source.sharding)
-        shards = {d.id: a for d, a in zip(order, _arrays(leaf.source), strict=True)}
+        shards = {d.id: a for d, a in zip(order, shard_arrays(leaf.source), strict=True)}
         for r in ranks:
             if r not in shards:
                 raise TransferError(f"source leaf {i}: rank {r}'s shard is not addressable in this process")
@@ -304,21 +305,18 @@ def transfer_into(
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
         arrays, boxes = _sources(lowerings, srcs, layouts)
-        owned = _claim(into_leaves, {p for leaf in srcs for p in _read(leaf.source)} - {0})
-        donated = _donate(
-            [into_leaves[t] for t in owned], [c[0] for c in owned.values()], [c[1] for c in owned.values()]
-        )
-        taken = dict(zip(owned, donated, strict=True))  # leaf -> (the array that owns the memory now, addresses)
+        sources = {p for leaf in srcs for p in shard_addresses(leaf.source)} - {0}
+        taken = take(into_leaves, range(len(into_leaves)), sources, builder)
         bufs: list[dict[int, np.ndarray]] = []
         fresh: dict[int, list[np.ndarray]] = {}
         for t, d in enumerate(dsts):
-            if t in taken:
-                shards = {s.device.id: s.data for s in taken[t][0].addressable_shards}
+            if t in taken.donated:
+                shards = {s.device.id: s.data for s in taken.donated[t][0].addressable_shards}
                 bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
             else:
                 fresh[t] = _fresh(d, 1, pool)[1][0]
                 bufs.append(dict(zip(d.ranks, fresh[t], strict=True)))
-                builder.add_unowned(sum(b.nbytes for b in fresh[t]))
+                taken.count(builder, t, sum(b.nbytes for b in fresh[t]))
     with builder.timed(ReportPhase.COPY):
         try:
             execute_pieces(lowerings, program, views, arrays, boxes, bufs, threads)
@@ -331,30 +329,13 @@ def transfer_into(
     with builder.timed(ReportPhase.BUFFERS):
         del arrays, bufs
         out = [
-            taken[t][0] if t in taken else _assemble(d, sh, fresh[t])
+            taken.donated[t][0] if t in taken.donated else _assemble(d, sh, fresh[t])
             for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True))
         ]
-        for a, addrs in taken.values():
-            _remember(a, addrs, by_jax=True)
+        remember_all([a for a, _ in taken.donated.values()], [p for _, p in taken.donated.values()], by_jax=True)
     _count(builder, lowerings)
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)
     return treedef.unflatten(out)
-
-
-def _claim(into_leaves: list[Any], src_ptrs: set[int]) -> dict[int, tuple[tuple[int, ...], bool]]:
-    """``{leaf: (shard addresses, allocated by jax)}`` of the ``into`` leaves that may be written in place:
-    live, sharing no buffer with a source or with an ``into`` leaf claimed before."""
-    claimed: set[int] = set()
-    own: dict[int, tuple[tuple[int, ...], bool]] = {}
-    for t, a in enumerate(into_leaves):
-        if a.is_deleted():
-            continue
-        addrs, by_jax = _addresses_of(a)
-        ptrs = set(addrs) - {0}
-        if not (ptrs & src_ptrs) and not (ptrs & claimed):
-            own[t] = (addrs, by_jax)
-            claimed |= ptrs
-    return own
 
 
 _SCHEDULES: dict[tuple, ViewSchedule] = {}  # by the lowering's key and the chunking options
