@@ -15,6 +15,8 @@ process, the repacked sub-byte and key leaves, the XLA program) asks this module
    report (``not_in_place_bytes``) with its reason: the unclaimed leaves' fresh buffers, and the
    donations jax answered with a copy (:attr:`~jreshard.report.NotInPlace.NOT_HANDED_OVER`).
 
+jax is imported when first needed: the engine's other paths (a receiver without jax) import this module too.
+
 Reading shard addresses from jax builds a Python object per shard; :func:`remember` records the
 addresses of the arrays jreshard returns, so the next call reads them back with one dictionary lookup.
 """
@@ -27,7 +29,6 @@ import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from jreshard.report import NotInPlace, ReportBuilder
@@ -177,6 +178,8 @@ def claim(into: Sequence[Any], leaves: Sequence[int], sources: Collection[int]) 
 
 def source_addresses(leaves: Sequence[Any]) -> set[int]:
     """The buffer addresses of every live jax array among ``leaves`` (0 left out)."""
+    import jax
+
     out: set[int] = set()
     for a in leaves:
         if isinstance(a, jax.Array) and not a.is_deleted():
@@ -206,6 +209,8 @@ def donate(
       weak: the ``weak_type`` each output takes (the source leaf's, as ``jax.device_put`` keeps it);
         default each input's.
     """
+    import jax
+
     weak = [a.weak_type for a in arrays] if weak is None else weak
     # One call per device assignment (in order: jit needs every argument on the same one) and sharding
     # kind (jit cannot mix a GSPMDSharding with NamedShardings in one call).
@@ -300,6 +305,8 @@ def _identity(kinds: tuple[tuple[type, Any, bool], ...]) -> Any:
     Keyed by ``(type, sharding, weak)``: shardings of two kinds can compare equal, and the outputs
     must keep each argument's kind.
     """
+    import jax
+
     shardings = tuple(s for _, s, _ in kinds)
     weaks = tuple(w for _, _, w in kinds)
 
