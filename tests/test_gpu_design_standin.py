@@ -67,7 +67,7 @@ def installed():
 def run_split(cp, namespace: str, *, repeat: int = 1):
     """Column stripes on ranks 0, 3, 6 to 2 x 2 tiles on ranks 1, 2, 4, 5, all on one GPU (seven device
     keys: NCCL rank 0 sends to itself), scheduled as the GPU routes do: for two arenas in the bound."""
-    from jreshard.schedule.steps import build_schedule
+    from schedule_oracle import build_schedule
 
     opts = Options(backend="nccl", chunk_bytes=1 << 10, staging_bytes=4 << 10, timeout_s=10.0)
     src = Layout.from_boxes(SHAPE, "float32", SRC_BOXES)

@@ -43,48 +43,15 @@ from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.schedule.pairsched import pair_schedule
-from jreshard.schedule.steps import Schedule, build_schedule
+from jreshard.schedule.steps import Schedule
 from jreshard.sharding.dtypes import storage_bytes
-from jreshard.sharding.plan import Plan, RankProgram
+from jreshard.sharding.plan import RankProgram
 from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 from jreshard.sharding.trees import layout_pairs
 
-__all__ = ["assemble", "run_leaves", "run_plan", "run_schedule", "schedule_local"]
-
-
-def run_plan(
-    plan: Plan,
-    comm: Communicator,
-    sources: Mapping[tuple[int, int], Any],
-    targets: Mapping[tuple[int, int], Any],
-    *,
-    options: Options | None = None,
-    buffers: Buffers | None = None,
-    report: ReportBuilder | None = None,
-) -> tuple[dict[tuple[int, int], Any], ExecStats]:
-    """Run this process's ranks of ``plan`` on its global schedule and return the new destination shards.
-
-    For callers that hold the whole plan (the elastic pairs); :func:`jreshard.call.routes.transfer_multiprocess` and
-    ``RefitGroup`` plan and schedule only this process's ranks (:func:`run_schedule`).
-
-    Args:
-      plan: the plan every process computed.
-      comm: the transport; its local ranks are this process's.
-      sources: ``{(tensor, rank): single-device jax array}``, the source shards held here.
-      targets: ``{(tensor, rank): jax device}``, the destination shards to make here.
-      options: chunking, staging, timeout.
-      buffers: buffer operations (default numpy on CPU).
-      report: where the engine adds its phases, bytes per link and messages.
-
-    Returns:
-      ``({(tensor, rank): single-device jax array}, stats)``. The arrays alias
-      freshly allocated buffers: nothing the caller holds is written.
-    """
-    options = options or plan.options
-    sched = build_schedule(plan, options)
-    return run_schedule(plan.tensors, sched, comm, sources, targets, options=options, buffers=buffers, report=report)
+__all__ = ["assemble", "run_leaves", "run_schedule", "schedule_local"]
 
 
 def run_schedule(
@@ -103,11 +70,15 @@ def run_schedule(
 
     Args:
       tensors: the tensors the schedule moves (their destination layouts size the new shards).
-      schedule: the rounds, from :func:`~jreshard.schedule.pairsched.pair_schedule` or
-        :func:`~jreshard.schedule.steps.build_schedule`.
-      comm, sources, targets, options, buffers, report: as for :func:`run_plan`.
-      given: destination buffers to write into instead of new ones (``transfer_into``);
-        those keys come back as the buffers themselves, not imported arrays.
+      schedule: the rounds of ``comm``'s local ranks (:func:`schedule_local`).
+      comm: the transport; its local ranks are this process's.
+      sources: ``{(tensor, rank): single-device array}``, the source shards held here.
+      targets: ``{(tensor, rank): device}``, the destination shards to make here.
+      options: chunking, staging, timeout.
+      buffers: buffer operations (default numpy on CPU).
+      report: where the engine adds its phases, bytes per link and messages.
+      given: destination buffers to write into instead of new ones (``transfer_into``, a receiving
+        endpoint's); those keys come back as the buffers themselves, not imported arrays.
     """
     given = given or {}
     buffers = buffers or CpuBuffers()
