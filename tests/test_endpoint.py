@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jreshard.errors import LayoutError
-from jreshard.refit.endpoint import Declaration, Region, Tensor, byte_view
+from jreshard.refit.endpoint import Declaration, RawMemory, Tensor, byte_view
 from jreshard.sharding.box import Box
 
 W = Tensor(name="['w']", shape=(8, 6), dtype="float32", boxes=((0, Box((0, 0), (8, 3))), (1, Box((0, 3), (8, 6)))))
@@ -55,7 +55,7 @@ def test_buffers_are_viewed_in_place_and_refused_by_name():
     byte_view(raw, 6, "raw")[:] = 7
     assert raw == bytearray([7] * 6)
     bf = np.zeros(3, ml_dtypes.bfloat16)
-    region = byte_view(Region(bf.ctypes.data, bf.nbytes), 6, "region")
+    region = byte_view(RawMemory(bf.ctypes.data, bf.nbytes), 6, "region")
     region[:] = 1
     assert bf.view(np.uint16).tolist() == [0x0101] * 3
     with pytest.raises(LayoutError, match="w holds 96 bytes, but its box takes 100"):

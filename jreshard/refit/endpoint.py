@@ -7,7 +7,7 @@ refit group as an :class:`Endpoint`:
   per tensor, the boxes this process holds, each in one of its ``slots`` (a device, or any memory
   the receiver keeps apart; slot ``i`` is the process's ``i``-th rank of the group);
 - **buffers**: per ``(tensor name, slot)``, writable contiguous memory of exactly that box's bytes
-  in row-major order: a numpy array, anything with the buffer protocol, or a :class:`Region`
+  in row-major order: a numpy array, anything with the buffer protocol, or a :class:`RawMemory`
   (an address and a size, for memory another library owns);
 - **control plane**: the votes and declarations of the group (an MPI communicator, or the
   authenticated TCP group of ``transport="nixl"``) and its transport for the bytes;
@@ -38,7 +38,7 @@ from jreshard.refit.group import RefitGroup, Role
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype, storage_bytes
 
-__all__ = ["Declaration", "Endpoint", "Region", "Tensor", "byte_view", "receive"]
+__all__ = ["Declaration", "Endpoint", "RawMemory", "Tensor", "byte_view", "receive"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,7 +124,7 @@ class Declaration:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Region:
+class RawMemory:
     """Memory another library owns, as an address and a size in bytes (kept alive by the caller)."""
 
     address: int
@@ -132,16 +132,16 @@ class Region:
 
     def __post_init__(self) -> None:
         if self.address <= 0 or self.nbytes < 0:
-            raise LayoutError(f"Region: address={self.address:#x}, nbytes={self.nbytes} must be positive")
+            raise LayoutError(f"RawMemory: address={self.address:#x}, nbytes={self.nbytes} must be positive")
 
 
 def byte_view(buffer: Any, nbytes: int, what: str) -> np.ndarray:
-    """A writable 1-D ``uint8`` view of ``buffer`` (numpy, the buffer protocol, or a :class:`Region`), zero-copy.
+    """A writable 1-D ``uint8`` view of ``buffer`` (numpy, the buffer protocol, or a :class:`RawMemory`), zero-copy.
 
     Raises:
       LayoutError: the buffer is read-only, not contiguous, or not ``nbytes`` long (``what`` names it).
     """
-    if isinstance(buffer, Region):
+    if isinstance(buffer, RawMemory):
         raw = (ctypes.c_uint8 * buffer.nbytes).from_address(buffer.address)
         view = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
     elif isinstance(buffer, np.ndarray):
@@ -153,7 +153,7 @@ def byte_view(buffer: Any, nbytes: int, what: str) -> np.ndarray:
             mem = memoryview(buffer)
         except TypeError:
             raise LayoutError(
-                f"{what} is {type(buffer).__name__}; expected a numpy array, a buffer or a Region(address, nbytes)"
+                f"{what} is {type(buffer).__name__}; expected a numpy array, a buffer or a RawMemory(address, nbytes)"
             ) from None
         if not mem.c_contiguous:
             raise LayoutError(f"{what} is not C-contiguous")
