@@ -39,7 +39,7 @@ from jreshard.call.normalize import normalize
 from jreshard.call.routes import route, run_engine, target_shardings
 from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
-from jreshard.report import ReportBuilder, ReportPhase, TransferReport
+from jreshard.report import NotInPlace, ReportBuilder, ReportPhase, TransferReport
 from jreshard.sharding.topology import Topology
 from jreshard.types import PyTree
 
@@ -193,9 +193,12 @@ def _run_repacked(
     why = repack.exclusive_into(leaves, targets, moved) if mode is Mode.INTO else {}
     for i, m in zip(moved, sub, strict=True):
         owned = mode is Mode.INTO and i not in why
+        before = repack.held_addresses(targets[i]) if owned else frozenset()
         out[i] = repack.decode(m, encs[i], plan[i].sharding, targets[i] if owned else None)  # type: ignore[arg-type,union-attr]
         if i in why:
             builder.add_unowned(repack.storage_of(leaves[i]), i, why[i])
+        elif owned and before != repack.held_addresses(out[i]):  # XLA copied: into's memory was not reused
+            builder.add_unowned(repack.storage_of(out[i]), i, NotInPlace.NOT_HANDED_OVER)
     return out
 
 

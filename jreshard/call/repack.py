@@ -276,6 +276,15 @@ def exclusive_into(leaves: Sequence[Any], targets: Sequence[Any], moved: Sequenc
     return claim(targets, moved, source_addresses(leaves)).why
 
 
+def held_addresses(a: Any) -> frozenset[int]:
+    """The buffer addresses of ``a``'s non-empty addressable shards (a key array's: its key data's)."""
+    from jreshard.engine.ownership import shard_addresses
+
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return frozenset(shard_addresses(a)) - {0}
+
+
 def storage_of(a: Any) -> int:
     """Bytes of ``a``'s addressable shards as its devices hold them (packed for sub-byte dtypes)."""
     from jreshard.sharding.dtypes import storage_bytes
