@@ -298,7 +298,10 @@ def _into_destinations(
         if kind is Kind.KEEP and leaves[i].size:
             every_src |= _raw_pointers(shard_arrays(leaves[i]))
     moved = [i for g in shape.groups for i in g.leaves]
-    taken = take(prep.targets, moved, every_src, builder, [a.weak_type for a in leaves])
+    weak = [False] * len(leaves)  # the weak_type each result takes: its source leaf's (key arrays have none)
+    for i in moved:
+        weak[i] = leaves[i].weak_type
+    taken = take(prep.targets, moved, every_src, builder, weak)
     donated = taken.donated
     dst_ptr: list[np.ndarray] = []
     views: list[list[list[np.ndarray]]] = []

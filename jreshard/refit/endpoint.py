@@ -16,8 +16,8 @@ refit group as an :class:`Endpoint`:
   committed it.
 
 The bytes land in the caller's buffers; nothing is assembled. :class:`jreshard.RefitGroup`'s destination
-is the first user of the same loop (:func:`receive`): it hands it fresh host buffers and makes its jax
-arrays over them, so another framework's receiver needs an endpoint, never a change to the engine.
+runs the same loop (``RefitGroup._receive``): it hands it fresh host buffers and makes its jax arrays over
+them, so another framework's receiver needs an endpoint, never a change to the engine.
 
 This module imports no jax (a test imports it, and runs a refit, with jax blocked). CPU memory only:
 the engine reads and writes the buffers from the host (GPU memory: not run on GPU).
@@ -38,7 +38,7 @@ from jreshard.refit.group import RefitGroup, Role
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype, storage_bytes
 
-__all__ = ["Declaration", "Endpoint", "RawMemory", "Tensor", "byte_view", "receive"]
+__all__ = ["Declaration", "Endpoint", "RawMemory", "Tensor", "byte_view"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,25 +165,6 @@ def byte_view(buffer: Any, nbytes: int, what: str) -> np.ndarray:
     return view
 
 
-def receive(
-    group: RefitGroup, error: str, buffers: Mapping[tuple[int, int], np.ndarray], timeout_s: float | None
-) -> int:
-    """One refit on a destination process of ``group``: the begin vote (``error``: this process's local
-    problem, or ``""``), the bytes into ``buffers`` (``{(tensor, rank): 1-D uint8}``, every shard this
-    process receives), the commit vote. Returns the version, once every process of the group committed it.
-
-    Raises:
-      PeerError, TransferTimeoutError: a process rejected the refit or failed; nothing is committed and
-        the caller's buffers hold neither version for sure (the caller's earlier arrays are untouched).
-    """
-    group._check_usable()
-    vote = {"role": "destination", "error": error, "version": None}
-    version = group._begin(vote, timeout_s or group.options.timeout_s)
-    group._run({}, {k: k[1] for k in buffers}, given=dict(buffers))
-    group.version = version
-    return version
-
-
 class Endpoint:
     """A receiving process of a refit group that holds its tensors in its own buffers, without jax (final).
 
@@ -212,7 +193,8 @@ class Endpoint:
         self.declaration = declaration
         self._group = RefitGroup(
             Role.DESTINATION,
-            declaration,
+            None,
+            _declared=declaration.message(Role.DESTINATION.value),
             comm=comm,
             devices=list(range(declaration.slots)),
             options=options,
@@ -278,7 +260,7 @@ class Endpoint:
         except LayoutError as err:
             error = f"LayoutError: {err}"
         try:
-            return receive(self._group, error, flat, timeout_s)
+            return self._group._receive(error, flat, timeout_s)
         except Exception as err:
             if error:
                 raise LayoutError(f"Endpoint.pull: {error[len('LayoutError: ') :]}") from err

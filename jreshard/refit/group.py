@@ -195,16 +195,15 @@ class RefitGroup:
         links: dict[str, float] | None = None,
         recipe: Any = None,
         _group: Any = None,
+        _declared: dict | None = None,
     ):
-        from jreshard.refit.endpoint import Declaration
-
         self.role = Role(role)
         self.options = options or Options()
         self._devices = list(_local_devices() if devices is None else devices)
         if recipe is not None and self.role is not Role.DESTINATION:
             raise ValueError("RefitGroup: recipe= is the destination's (how its tensors are made); a source has none")
-        if isinstance(params, Declaration):  # an Endpoint's: declared without jax, its devices are slots
-            mine = params.message(self.role.value)
+        if _declared is not None:  # an Endpoint's declaration, made without jax: its devices are slots
+            mine = _declared
         else:
             mine = declare_local(self.role.value, params, self._devices, domain, recipe)
         if _group is None:  # one MPI universe
@@ -550,9 +549,7 @@ class RefitGroup:
         for d, keys in by_device.items():
             sizes = [storage_bytes(meta[k][1], math.prod(meta[k][0])) for k in keys]
             given.update(zip(keys, backend.allocate(sizes, d), strict=True))
-        from jreshard.refit.endpoint import receive
-
-        version = receive(self, error, given, timeout_s)
+        version = self._receive(error, given, timeout_s)
         out = []
         for t, a in leaves:
             mine = {
@@ -562,6 +559,23 @@ class RefitGroup:
             }
             out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine))
         return jax.tree_util.tree_unflatten(treedef, out), version
+
+    def _receive(self, error: str, given: dict[tuple[int, int], Any], timeout_s: float | None) -> int:
+        """The pull loop of a destination process (:meth:`pull`, and :class:`~jreshard.refit.endpoint.Endpoint`'s
+        without jax): the begin vote (``error``: this process's local problem, or ``""``), the bytes into
+        ``given`` (``{(tensor, rank): 1-D uint8 buffer}``, every shard this process receives), the commit
+        vote. Returns the version once every process of the group committed it.
+
+        Raises:
+          PeerError, TransferTimeoutError: a process rejected the refit or failed; nothing is committed and
+            ``given`` holds neither version for sure (the caller's earlier arrays are untouched).
+        """
+        self._check_usable()
+        vote = {"role": "destination", "error": error, "version": None}
+        version = self._begin(vote, timeout_s or self.options.timeout_s)
+        self._run({}, {k: k[1] for k in given}, given=given)  # (host buffers: a shard's device is its rank)
+        self.version = version
+        return version
 
     def _dst_layout(self, t: int) -> Any:
         """The destination layout of this side's tensor ``t``."""
