@@ -34,12 +34,12 @@ from typing import Any
 import jax
 
 from jreshard.call import repack
-from jreshard.call.front import Mode, flatten, prepare
+from jreshard.call.front import Call, Mode, flatten, prepare
 from jreshard.call.normalize import normalize
 from jreshard.call.routes import route, run_engine, target_shardings
 from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
-from jreshard.report import ReportBuilder, ReportPhase, TransferReport
+from jreshard.report import NotInPlace, ReportBuilder, ReportPhase, TransferReport
 from jreshard.sharding.topology import Topology
 from jreshard.types import PyTree
 
@@ -101,7 +101,8 @@ def _run_flat_tree(
 ) -> Any:
     """:func:`_run` after the flattening."""
     if _has_views(leaves):
-        return _run_views(x, target, mode, topology, options, report, leaves, targets)
+        call = Call(mode=mode, leaves=leaves, treedef=treedef, targets=targets, x=x)
+        return _run_views(call, topology, options, report)
     norm = None
     if mode is Mode.TRANSFER:  # array targets, casts, host data and host memory: what device_put takes
         norm = normalize(leaves, treedef, targets, x, target)
@@ -192,9 +193,12 @@ def _run_repacked(
     why = repack.exclusive_into(leaves, targets, moved) if mode is Mode.INTO else {}
     for i, m in zip(moved, sub, strict=True):
         owned = mode is Mode.INTO and i not in why
+        before = repack.held_addresses(targets[i]) if owned else frozenset()
         out[i] = repack.decode(m, encs[i], plan[i].sharding, targets[i] if owned else None)  # type: ignore[arg-type,union-attr]
         if i in why:
             builder.add_unowned(repack.storage_of(leaves[i]), i, why[i])
+        elif owned and before != repack.held_addresses(out[i]):  # XLA copied: into's memory was not reused
+            builder.add_unowned(repack.storage_of(out[i]), i, NotInPlace.NOT_HANDED_OVER)
     return out
 
 
@@ -204,20 +208,12 @@ def _has_views(leaves: list[Any]) -> bool:
     return any(isinstance(v, View) for v in leaves)
 
 
-def _run_views(
-    x: PyTree,
-    target: PyTree,
-    mode: Mode,
-    topology: Topology | None,
-    options: Options,
-    report: bool,
-    leaves: list[Any],
-    targets: list[Any],
-) -> Any:
+def _run_views(call: Call, topology: Topology | None, options: Options, report: bool) -> Any:
     """A pytree with views among its leaves (casts, fused parameters...): :mod:`jreshard.views`, in one
     process, or across the processes of a multi-controller cluster over MPI (``transfer`` only)."""
     from jreshard.views.algebra import View
 
+    leaves, targets, mode = call.leaves, call.targets, call.mode
     devices = {d for v in leaves if isinstance(v, View) for leaf in v.leaves() for d in leaf.source.sharding.device_set}
     _, single = route([v for v in leaves if isinstance(v, jax.Array)], targets, options)
     single = single and all(d.process_index == jax.process_index() for d in devices)
@@ -234,16 +230,15 @@ def _run_views(
                 "transfer_into of views runs in one process; across processes, call jreshard.transfer on every "
                 "process (its results are new arrays)"
             )
-        from jreshard.call.views import transfer_cluster
+        from jreshard.call.views import run_cluster
 
         builder = ReportBuilder(Backend.MPI, "views across processes: MPI")
-        result = transfer_cluster(x, target, topology=topology, options=options, report=builder)
+        result = run_cluster(call, topology=topology, options=options, report=builder)
         return (result, builder.build()) if report else result
     from jreshard.call import views as execute
 
     builder = ReportBuilder(Backend.LOCAL, "views run in one process")
-    run = execute.transfer_into if mode is Mode.INTO else execute.transfer
-    result = run(x, target, topology=topology, report=builder, threads=options.copy_threads)
+    result = execute.run(call, topology=topology, report=builder, threads=options.copy_threads)
     return (result, builder.build()) if report else result
 
 

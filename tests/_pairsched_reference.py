@@ -7,6 +7,7 @@ import collections
 from collections.abc import Generator, Mapping, Sequence
 
 import numpy as np
+from schedule_oracle import _in_place, _steps
 
 from jreshard.options import Options
 from jreshard.schedule import kernels
@@ -16,10 +17,8 @@ from jreshard.schedule.steps import (
     SRC,
     STAGE_ALIGN,
     Schedule,
-    _in_place,
     _local_tables,
     _Shapes,
-    _steps,
     chunk_pieces,
     tag_of,
 )

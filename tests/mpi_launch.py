@@ -35,7 +35,7 @@ def env_for(out: Path, devices: int, extra: dict[str, str] | None = None) -> dic
         JAX_NUM_CPU_DEVICES=str(devices),
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
         JRESHARD_MPI_OUT=str(out),
-        PYTHONPATH=os.pathsep.join([str(BODIES), str(ROOT)]),
+        PYTHONPATH=os.pathsep.join([str(BODIES), str(BODIES.parent), str(ROOT)]),  # tests/: its oracles
         OMP_NUM_THREADS="1",
     )
     env.update(extra or {})

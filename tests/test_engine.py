@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from schedule_oracle import build_schedule
 
 from jreshard.engine import rounds as rounds_module
 from jreshard.engine.buffers import CpuBuffers
@@ -20,7 +21,7 @@ from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.schedule import kernels
 from jreshard.schedule.ranksteps import RankSteps
-from jreshard.schedule.steps import STAGE_ALIGN, STAGING, build_schedule, chunk_pieces
+from jreshard.schedule.steps import STAGE_ALIGN, STAGING, chunk_pieces
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout

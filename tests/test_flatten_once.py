@@ -1,4 +1,5 @@
-"""One front door: each transfer / transfer_into call flattens ``x`` once and ``target`` once, whatever route runs it.
+"""One front door: each call flattens ``x`` once and ``target`` once, whatever path runs it: arrays on
+every route, views in one process and across processes, ``RefitGroup``, ``ElasticTrainer.push``.
 
 Every jax.tree_util / jax.tree flattening function is wrapped to count the calls whose tree is ``x`` or
 ``target`` (by identity); the target's flattening up to ``x``'s structure goes through
@@ -179,3 +180,66 @@ def test_refit_group_push_and_pull_flatten_their_tree_once(tmp_path):
     assert len(got) == 2 and all("error" not in r for r in got.values()), got
     assert sorted(r["flattenings"] for r in got.values()) == [1, 1]
     assert [r["value"] for r in got.values() if r["value"] is not None] == [3.0]
+
+
+def _fused(seed=4):
+    from jreshard import views
+
+    x = _tree(seed)
+    return x, {"f": views.astype(views.concat([x["a"], x["b"][0].astype(jnp.float32)], axis=1), jnp.bfloat16)}
+
+
+@pytest.mark.parametrize("mode", ["transfer", "transfer_into"])
+def test_views_flatten_x_and_target_once(counted, mode):
+    """A tree with views among its leaves, in one process: the front door's flattening is the only one."""
+    _, tree = _fused()
+    dst = NamedSharding(Mesh(DEVS[4:], ("y",)), P("y"))
+    if mode == "transfer":
+        target = {"f": dst}
+        counted.watch(tree, target)
+        out = jreshard.transfer(tree, target)
+    else:
+        target = {"f": jax.device_put(jnp.zeros((8, 12), jnp.bfloat16), dst)}
+        counted.watch(tree, target)
+        out = jreshard.transfer_into(tree, target)
+    assert out["f"].dtype == jnp.bfloat16 and out["f"].sharding == dst
+    assert (counted(tree), counted(target)) == (1, 1)
+
+
+def test_views_across_processes_flatten_once(counted):
+    """The views' cluster path (every rank here, over a recording transport) flattens once too."""
+    from jreshard.call.views import transfer_cluster
+
+    _, tree = _fused(5)
+    target = {"f": DST}
+    topo = Topology.uniform(range(8), domain_size=4)
+    counted.watch(tree, target)
+    out = transfer_cluster(tree, target, topology=topo, transport=RecordingComm(range(8), topo))
+    assert out["f"].dtype == jnp.bfloat16
+    assert (counted(tree), counted(target)) == (1, 1)
+
+
+def test_elastic_push_flattens_the_parameters_once(counted):
+    """ElasticTrainer.push checks the tree against its declaration and sends its leaves: one flattening."""
+    from jreshard.elastic import ElasticReplica, ElasticTrainer
+
+    devs = list(DEVS)
+    src = NamedSharding(Mesh(DEVS[:2], ("fsdp",)), P("fsdp"))
+    dst = NamedSharding(Mesh(DEVS[2:4], ("tp",)), P(None, "tp"))
+
+    def params(v):
+        return {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8) + v, src)}
+
+    opts = jreshard.Options(timeout_s=5.0, chunk_bytes=64, staging_bytes=1024, secret=b"flatten-once-key-0123456789")
+    like = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=dst)}
+    with ElasticTrainer(params(0), devices=devs[:2], options=opts) as trainer:
+        replica = ElasticReplica(like, trainer.address, name="r", devices=devs[2:4], options=opts)
+        trainer.wait(count=1)
+        tree = params(1)
+        counted.watch(tree)
+        trainer.push(tree, version=1)
+        assert counted(tree) == 1
+        got, version = replica.pull()
+        assert version == 1
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(tree["w"]))
+        replica.leave()

@@ -188,12 +188,13 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     after every exchange, and stream-ordered (``NcclComm.buffers()``)."""
     cupy, jax, gpu = env
     nccl_or_skip()
+    from schedule_oracle import build_schedule
+
     from jreshard.engine.rounds import Shards, execute
     from jreshard.nccl.cupy_nccl import NcclComm
     from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.rendezvous import KeyValueRendezvous
     from jreshard.options import Options
-    from jreshard.schedule.steps import build_schedule
     from jreshard.sharding.layout import Layout
     from jreshard.sharding.planner import plan_layouts
     from jreshard.sharding.topology import Topology

@@ -87,8 +87,10 @@ class DeviceRecordingBuffers(CpuBuffers):
         return super().staging(nbytes, device)
 
 
-def test_run_plan_stages_each_rank_on_its_own_device():
-    from jreshard.engine.driver import run_plan
+def test_run_schedule_stages_each_rank_on_its_own_device():
+    from schedule_oracle import build_schedule
+
+    from jreshard.engine.driver import run_schedule
 
     devs = jax.devices()[:3]
     shape = (16, 64)
@@ -98,11 +100,13 @@ def test_run_plan_stages_each_rank_on_its_own_device():
     plan = plan_layouts([(src, dst)], topo, Options(chunk_bytes=1 << 10, staging_bytes=1 << 12))
     host = np.arange(16 * 64, dtype=np.float32).reshape(shape)
     backend = DeviceRecordingBuffers()
-    out, _ = run_plan(
-        plan,
+    out, _ = run_schedule(
+        plan.tensors,
+        build_schedule(plan),
         LocalComm([d.id for d in devs]),
         {(0, devs[0].id): jax.device_put(host, devs[0])},
         {(0, devs[1].id): devs[1], (0, devs[2].id): devs[2]},
+        options=plan.options,
         buffers=backend,
     )
     np.testing.assert_array_equal(np.asarray(out[(0, devs[2].id)]), host[:, 32:])
@@ -149,8 +153,9 @@ class CountingBuffers(CpuBuffers):
 
 
 def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
+    from schedule_oracle import build_schedule
+
     from jreshard.engine.rounds import Shards, execute
-    from jreshard.schedule.steps import build_schedule
 
     shape = (32, 64)
     src = Layout.from_boxes(shape, "float32", {0: Box((0, 0), shape)})

@@ -33,7 +33,7 @@ from jreshard.nccl import cupy_nccl, gpu_buffers
 from jreshard.nccl.cupy_nccl import NcclComm, destroy_cached_communicators
 from jreshard.nccl.nccl_support import DEADLINES
 from jreshard.nccl.rendezvous import KeyValueRendezvous
-from jreshard.options import Options
+from jreshard.options import Backend, Options
 from jreshard.schedule import kernels as K
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
@@ -67,7 +67,7 @@ def installed():
 def run_split(cp, namespace: str, *, repeat: int = 1):
     """Column stripes on ranks 0, 3, 6 to 2 x 2 tiles on ranks 1, 2, 4, 5, all on one GPU (seven device
     keys: NCCL rank 0 sends to itself), scheduled as the GPU routes do: for two arenas in the bound."""
-    from jreshard.schedule.steps import build_schedule
+    from schedule_oracle import build_schedule
 
     opts = Options(backend="nccl", chunk_bytes=1 << 10, staging_bytes=4 << 10, timeout_s=10.0)
     src = Layout.from_boxes(SHAPE, "float32", SRC_BOXES)
@@ -281,6 +281,37 @@ def test_an_into_leaf_that_is_also_a_source_is_not_donated(installed):
     out = transfer_multiprocess({"a": x, "b": x}, {"a": x, "b": None}, transport=CupyLocalComm([dev.id], bufs),
                                 buffers=bufs, into=True)  # fmt: skip
     assert not x.is_deleted() and np.array_equal(np.asarray(out["a"]), np.arange(8.0))
+
+
+def test_transfer_into_on_gpus_counts_every_byte_not_written_in_place(installed):
+    """The engine's transfer_into in one process reports the into leaves it gave fresh buffers, and why, as
+    the CPU path does: a leaf that is also a source, and the same into array twice."""
+    from jreshard.call.routes import transfer_multiprocess
+    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.report import NotInPlace, ReportBuilder
+
+    cp = installed
+    devs = jax.devices()[:2]
+    x = jax.device_put(jnp.arange(8.0), devs[0])
+    y = jax.device_put(jnp.arange(8.0) + 1, devs[0])
+    z = jax.device_put(jnp.zeros(8), devs[1])
+    bufs = CupyBuffers(cupy=cp, timeout_s=10.0)
+    builder = ReportBuilder(Backend.LOCAL)
+    out = transfer_multiprocess({"a": x, "b": y, "c": y}, {"a": x, "b": z, "c": z},
+                                transport=CupyLocalComm([d.id for d in devs], bufs), buffers=bufs, into=True,
+                                report=builder)  # fmt: skip
+    bufs.release()
+    rep = builder.build()
+    for k, want in (("a", x), ("b", y), ("c", y)):
+        np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(want))
+    assert rep.not_in_place == ((0, NotInPlace.SHARES_A_SOURCE), (2, NotInPlace.SHARES_ANOTHER_INTO))
+    assert rep.not_in_place_bytes == 2 * 8 * 4 and not x.is_deleted() and z.is_deleted()
+    owned = jax.device_put(jnp.zeros(8), devs[1])
+    builder = ReportBuilder(Backend.LOCAL)
+    transfer_multiprocess(y, owned, transport=CupyLocalComm([d.id for d in devs], bufs), buffers=bufs, into=True,
+                          report=builder)  # fmt: skip
+    assert builder.build().not_in_place_bytes == 0 and owned.is_deleted()
 
 
 def test_results_are_allocated_through_xla_small_ones_in_one_block_per_device(installed):

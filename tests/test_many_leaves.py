@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
-from jreshard.engine import inprocess, strided
+from jreshard.engine import ownership, strided
 from jreshard.engine.copies import geometry
 from jreshard.errors import TransferError
 
@@ -168,8 +168,8 @@ def test_steady_state_into_that_a_source_shares_is_not_written_in_place():
 def test_remembered_addresses_are_swept_as_results_die():
     for seed in range(12):
         jreshard.transfer(_leaves(500, side=8, seed=seed), TP)
-    live = sum(1 for ref, _, _ in inprocess._KNOWN.values() if ref() is not None)
-    assert len(inprocess._KNOWN) <= max(4096, 2 * live) + 500
+    live = sum(1 for ref, _, _ in ownership._KNOWN.values() if ref() is not None)
+    assert len(ownership._KNOWN) <= max(4096, 2 * live) + 500
 
 
 def test_a_group_with_one_destination_order_says_so():
@@ -207,7 +207,7 @@ def test_a_donation_that_fails_leaves_into_as_it_was(monkeypatch):
     def fail(*args, **kwargs):
         raise RuntimeError("injected donation failure")
 
-    monkeypatch.setattr(inprocess, "_donate", fail)
+    monkeypatch.setattr(ownership, "donate", fail)
     with pytest.raises(RuntimeError, match="injected donation failure"):
         jreshard.transfer_into(_leaves(300, seed=30), held)
     for a, w in zip(held, want, strict=True):

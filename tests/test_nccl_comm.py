@@ -392,11 +392,11 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
     """execute() with NcclComm.buffers(): every kernel and every send/receive on the GPU's one
     stream, packs before their group and unpacks after it, no host wait until the end."""
     from cupy_standins import FakeDeviceArray, fake_cupy
+    from schedule_oracle import build_schedule
 
     from jreshard.engine.rounds import Shards, execute
     from jreshard.nccl import cuda_kernels as CK
     from jreshard.options import Options
-    from jreshard.schedule.steps import build_schedule
     from jreshard.sharding.box import Box
     from jreshard.sharding.layout import Layout
     from jreshard.sharding.planner import plan_layouts

@@ -217,3 +217,23 @@ def test_transfer_into_says_which_leaves_were_not_in_place_and_why():
     assert rep2.not_in_place == () and rep2.not_in_place_bytes == 0
     shared = jreshard.transfer_into({"p": x["p"], "q": x["q"]}, {"p": x["q"], "q": again["q"]}, report=True)[1]
     assert shared.not_in_place == ((0, NotInPlace.SHARES_A_SOURCE),)
+
+
+def test_a_repacked_leaf_whose_decode_did_not_reuse_into_is_counted(monkeypatch):
+    """Sub-byte leaves are decoded over their donated ``into`` (call/repack.py); where XLA answers the donation
+    with new memory (simulated: the decode's result copied), the report says so for that leaf."""
+    from jreshard.call import repack
+    from jreshard.report import NotInPlace
+
+    devs = np.array(jax.devices())
+    a = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+    b = NamedSharding(Mesh(devs[4:], ("y",)), P("y"))
+    x = {"q": jax.device_put(jnp.arange(64, dtype=jnp.int4) % 7, a), "f": jax.device_put(jnp.arange(64.0), a)}
+    into = {"q": jax.device_put(jnp.zeros(64, jnp.int4), b), "f": jax.device_put(jnp.zeros(64), b)}
+    out, rep = jreshard.transfer_into(x, into, report=True)
+    assert rep.not_in_place == ()  # decoded in place
+    real = repack.decode
+    monkeypatch.setattr(repack, "decode", lambda *args: jax.jit(lambda v: v + 0, out_shardings=b)(real(*args)))
+    again, rep = jreshard.transfer_into(x, out, report=True)
+    np.testing.assert_array_equal(np.asarray(again["q"]), np.asarray(x["q"]))
+    assert rep.not_in_place == ((1, NotInPlace.NOT_HANDED_OVER),) and rep.not_in_place_bytes == 32

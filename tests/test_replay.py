@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from schedule_oracle import build_schedule
 
 from jreshard.engine import replay
 from jreshard.engine.buffers import CpuBuffers
@@ -20,7 +21,6 @@ from jreshard.engine.rounds import Shards, execute
 from jreshard.errors import PeerError, TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
-from jreshard.schedule.steps import build_schedule
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology

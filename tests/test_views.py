@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import jreshard
 from jreshard import Layout, Topology, views
 from jreshard.errors import LayoutError, LayoutMismatchError
+from jreshard.report import NotInPlace
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.views.casts import CAST_DTYPES, cast, cast_into, wire_cut
 from jreshard.views.lowering import lower_tree
@@ -188,10 +189,20 @@ def test_views_report_counts_the_lowerings_bytes():
     (low,) = lower_tree([fused], leaves, layouts, [Layout.from_sharding(dst, fused.shape, fused.dtype)], topo)
     assert (rep.network_bytes, rep.fast_bytes, rep.local_bytes) == (low.network_bytes, low.fast_bytes, low.local_bytes)
     assert rep.network_bytes > 0 and rep.copy_s > 0 and rep.not_in_place_bytes == 0
+    # out's memory came from jreshard's pool, which jax cannot take over: the first transfer_into writes
+    # fresh memory (its shard addresses change) and says so; the next one, over jax's memory, is in place.
+    ptrs = [s.data.unsafe_buffer_pointer() for s in out.addressable_shards]
     again, rep2 = jreshard.transfer_into(fused, out, topology=topo, report=True)
-    assert rep2.moved_bytes == rep.moved_bytes and rep2.not_in_place_bytes == 0 and out.is_deleted()
+    assert rep2.moved_bytes == rep.moved_bytes and out.is_deleted()
+    assert [s.data.unsafe_buffer_pointer() for s in again.addressable_shards] != ptrs
+    held = sum(s.data.nbytes for s in again.addressable_shards)  # (replicas included)
+    assert rep2.not_in_place == ((0, NotInPlace.NOT_HANDED_OVER),) and rep2.not_in_place_bytes == held
+    ptrs = [s.data.unsafe_buffer_pointer() for s in again.addressable_shards]
+    third, rep3 = jreshard.transfer_into(fused, again, topology=topo, report=True)
+    assert [s.data.unsafe_buffer_pointer() for s in third.addressable_shards] == ptrs
+    assert rep3.not_in_place == () and rep3.not_in_place_bytes == 0
     ref = jnp.concatenate([x[0][:, :12], x[1][:, :12], x[0][:, 12:], x[1][:, 12:]], axis=1)
-    _assert_shards_equal(again, jax.device_put(ref.astype(jnp.bfloat16), dst))
+    _assert_shards_equal(third, jax.device_put(ref.astype(jnp.bfloat16), dst))
 
 
 def test_errors_name_the_argument():

@@ -14,6 +14,8 @@ its key path and shows the values.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -29,7 +31,18 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 from jreshard.types import PyTree
 
-__all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "flatten", "prepare", "target_sharding"]
+__all__ = [
+    "Call",
+    "Group",
+    "Kind",
+    "LeafTarget",
+    "Mode",
+    "Prepared",
+    "Shape",
+    "flatten",
+    "prepare",
+    "target_sharding",
+]
 
 
 def _format_type() -> Any:
@@ -127,6 +140,64 @@ def flatten(x: PyTree, target: PyTree, what: str = "target") -> tuple[list[Any],
         except LayoutError as err:  # name the leaf by its key path (the error path only)
             raise LayoutError(_renamed(str(err), leaf_names(treedef, x))) from None
     return leaves, treedef, targets
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafTarget:
+    """What one leaf of a call becomes, once its target is checked.
+
+    Attributes:
+      sharding: the result's sharding (``None``: the leaf is returned as it is).
+      dtype: the result's dtype.
+      view: the view that computes the result (a call with views among its leaves), else ``None``.
+    """
+
+    sharding: Any
+    dtype: Any
+    view: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Call:
+    """One ``transfer`` / ``transfer_into`` call, flattened once: every path reads its leaves from here.
+
+    Attributes:
+      mode: new arrays, or writes into the caller's ``into`` arrays.
+      leaves: ``x``'s leaves (arrays, views, host data).
+      treedef: ``x``'s tree structure (results are unflattened with it).
+      targets: per leaf, its target leaf as given (``into`` arrays for ``Mode.INTO``), flattened up to
+        ``x``'s structure, device and spec targets already turned into shardings.
+      resolved: per leaf, its checked :class:`LeafTarget`, once the path that runs the call has
+        checked the targets (:meth:`with_targets`); empty before.
+      x: the tree itself, read only to name a leaf by its key path in an error message.
+    """
+
+    mode: Mode
+    leaves: list[Any]
+    treedef: Any
+    targets: list[Any]
+    resolved: tuple[LeafTarget, ...] = ()
+    x: PyTree = None
+
+    @classmethod
+    def of(cls, x: PyTree, target: PyTree, mode: Mode) -> Call:
+        """``x`` and its target (``into`` for ``Mode.INTO``), flattened once (:func:`flatten`).
+
+        Raises:
+          LayoutMismatchError: the target does not match the structure of ``x``.
+        """
+        leaves, treedef, targets = flatten(x, target, "into" if mode is Mode.INTO else "target")
+        return cls(mode=mode, leaves=leaves, treedef=treedef, targets=targets, x=x)
+
+    def with_targets(self, resolved: Sequence[LeafTarget]) -> Call:
+        """This call with its checked per-leaf targets."""
+        if len(resolved) != len(self.leaves):
+            raise ValueError(f"Call.with_targets: {len(resolved)} targets for {len(self.leaves)} leaves")
+        return dataclasses.replace(self, resolved=tuple(resolved))
+
+    def unflatten(self, out: Sequence[Any]) -> PyTree:
+        """The result tree: ``out`` (one per leaf) in ``x``'s structure."""
+        return self.treedef.unflatten(list(out))
 
 
 def _up_to(treedef: Any, target: PyTree) -> list[Any]:

@@ -183,12 +183,12 @@ def decode(moved: Any, enc: Encoding, sharding: Any, into: Any = None) -> Any:
     does for ``jax.device_put``'s result; a jitted wrap with a ``GSPMDSharding`` output would give the
     key array a sharding of the key data's rank, which jax refuses to read.
     """
-    from jreshard.engine.inprocess import _rewrapped
+    from jreshard.engine.ownership import rewrapped
 
     if enc.kind == "key" and into is None:
         return jax.random.wrap_key_data(moved, impl=_impl_name(enc.dtype))
     out = _decoder(enc, sharding, False)(moved) if into is None else _decoder(enc, sharding, True)(moved, into)
-    return _rewrapped(out, sharding)  # (the cached decoder was made for an equal sharding object)
+    return rewrapped(out, sharding)  # (the cached decoder was made for an equal sharding object)
 
 
 @cache(max_size=256)
@@ -267,35 +267,22 @@ def plan_leaves(
     return out
 
 
-def _pointers(a: Any) -> set[int]:
-    return {int(s.data.unsafe_buffer_pointer()) for s in a.addressable_shards if s.data.size}
-
-
 def exclusive_into(leaves: Sequence[Any], targets: Sequence[Any], moved: Sequence[int]) -> dict[int, Any]:
     """For the moved leaves whose ``into`` array may not be donated, why (a
-    :class:`~jreshard.report.NotInPlace`): deleted, or sharing a buffer with a source leaf or with an
-    ``into`` leaf claimed before it. The others are donated to their decode."""
-    from jreshard.report import NotInPlace
+    :class:`~jreshard.report.NotInPlace`, by the ownership rule :func:`jreshard.engine.ownership.claim`).
+    The others are donated to their decode."""
+    from jreshard.engine.ownership import claim, source_addresses
 
-    sources: set[int] = set()
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            sources |= _pointers(leaf)
-    claimed: set[int] = set()
-    why: dict[int, Any] = {}
-    for i in moved:
-        t = targets[i]
-        if t.is_deleted():
-            why[i] = NotInPlace.DELETED
-            continue
-        ptrs = _pointers(t)
-        if ptrs & sources:
-            why[i] = NotInPlace.SHARES_A_SOURCE
-        elif ptrs & claimed:
-            why[i] = NotInPlace.SHARES_ANOTHER_INTO
-        else:
-            claimed |= ptrs
-    return why
+    return claim(targets, moved, source_addresses(leaves)).why
+
+
+def held_addresses(a: Any) -> frozenset[int]:
+    """The buffer addresses of ``a``'s non-empty addressable shards (a key array's: its key data's)."""
+    from jreshard.engine.ownership import shard_addresses
+
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return frozenset(shard_addresses(a)) - {0}
 
 
 def storage_of(a: Any) -> int:

@@ -27,16 +27,19 @@ destination shard, only the blocks that shard needs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jreshard.call.front import Call, LeafTarget, Mode
 from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
-from jreshard.engine.inprocess import _addresses_of, _arrays, _donate, _fresh, _make_array, _read, _remember
+from jreshard.engine.inprocess import _fresh, _make_array
+from jreshard.engine.ownership import remember_all, shard_addresses, shard_arrays, take
 from jreshard.engine.pool import default_pool
 from jreshard.engine.viewcopy import Program, compile_program, execute_pieces
 from jreshard.engine.viewrun import run_view_schedule
@@ -55,7 +58,7 @@ from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.lowering import LeafLowering, lower_tree
 from jreshard.views.quant import _Quant
 
-__all__ = ["lower_views", "transfer", "transfer_cluster", "transfer_into"]
+__all__ = ["lower_views", "run", "run_cluster", "transfer", "transfer_cluster", "transfer_into"]
 
 _CACHE: dict[tuple, tuple[list[LeafLowering], Program]] = {}
 register_clear(_CACHE.clear)
@@ -63,25 +66,26 @@ _LOWERED: dict[tuple, list[LeafLowering]] = {}
 register_clear(_LOWERED.clear)
 
 
-def _is_view(x: Any) -> bool:
-    return isinstance(x, View)
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sources:
+    """The distinct source arrays a call's views read (each once, whatever the number of views over it),
+    their layouts, and per leaf of the call the layout of its result."""
+
+    leaves: list[Leaf]
+    layouts: list[Layout]
+    dsts: list[Layout]
 
 
-def _targets(views: list, treedef: Any, target: Any) -> list:
-    if isinstance(target, (jax.sharding.Sharding, jax.ShapeDtypeStruct)):
-        return [target] * len(views)
-    try:
-        return treedef.flatten_up_to(target)
-    except (ValueError, TypeError) as err:
-        raise LayoutMismatchError(f"target does not match the structure of the views: {err}") from None
+def _front(call: Call) -> tuple[Call, _Sources]:
+    """Check the call's leaves and targets (never flattening again); returns the call with its per-leaf
+    :class:`~jreshard.call.front.LeafTarget` (sharding, dtype, the view that computes it) and the sources.
 
-
-def _front(x: Any, target: Any, what: str) -> tuple:
-    """Flatten and check; returns (treedef, views, shardings, leaves, layouts, dst layouts)."""
-    flat, treedef = jax.tree_util.tree_flatten(x, is_leaf=_is_view)
-    tgts = _targets(flat, treedef, target)
-    views, shardings = [], []
-    for i, (leaf, t) in enumerate(zip(flat, tgts, strict=True)):
+    Raises:
+      LayoutError, LayoutMismatchError, TypeError: a bad target, an ``into`` of another dtype, a bad view.
+    """
+    what = "into" if call.mode is Mode.INTO else "transfer"
+    resolved = []
+    for i, (leaf, t) in enumerate(zip(call.leaves, call.targets, strict=True)):
         v = as_view(leaf, f"{what}: leaf {i}")
         if what == "into":
             if not isinstance(t, jax.Array):
@@ -109,11 +113,10 @@ def _front(x: Any, target: Any, what: str) -> tuple:
                 dst=(tuple(shape), want),
                 what="dtype",
             )
-        views.append(v.astype(dtype))
-        shardings.append(sh)
+        resolved.append(LeafTarget(sh, dtype, v.astype(dtype)))
     leaves: dict[int, Leaf] = {}
-    for v in views:
-        for leaf in v.leaves():
+    for r in resolved:
+        for leaf in r.view.leaves():
             leaves.setdefault(id(leaf.source), leaf)
     srcs = list(leaves.values())
     for j, leaf in enumerate(srcs):
@@ -123,10 +126,10 @@ def _front(x: Any, target: Any, what: str) -> tuple:
         if a.is_deleted():
             raise LayoutError(f"{what}: source leaf {j} has been deleted or donated; pass a live array")
     _check_cpu([(f"source leaf {j}", leaf.source.sharding) for j, leaf in enumerate(srcs)], what)
-    _check_cpu([(f"target leaf {i}", sh) for i, sh in enumerate(shardings)], what)
+    _check_cpu([(f"target leaf {i}", r.sharding) for i, r in enumerate(resolved)], what)
     layouts = [Layout.from_sharding(leaf.source.sharding, leaf.shape, leaf.dtype) for leaf in srcs]
-    dsts = [Layout.from_sharding(sh, v.shape, v.dtype) for v, sh in zip(views, shardings, strict=True)]
-    return treedef, views, shardings, srcs, layouts, dsts
+    dsts = [Layout.from_sharding(r.sharding, r.view.shape, r.view.dtype) for r in resolved]
+    return call.with_targets(resolved), _Sources(srcs, layouts, dsts)
 
 
 def _check_cpu(named: list[tuple[str, Any]], what: str) -> None:
@@ -192,7 +195,7 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
         if not ranks:
             continue
         order = addressable_order(leaf.source.sharding)
-        shards = {d.id: a for d, a in zip(order, _arrays(leaf.source), strict=True)}
+        shards = {d.id: a for d, a in zip(order, shard_arrays(leaf.source), strict=True)}
         for r in ranks:
             if r not in shards:
                 raise TransferError(f"source leaf {i}: rank {r}'s shard is not addressable in this process")
@@ -229,9 +232,20 @@ def transfer(
       LayoutMismatchError: structure or shapes differ; LayoutError: a bad target or a deleted source;
       TypeError: a cast views do not support.
     """
+    return run(Call.of(x, target, Mode.TRANSFER), topology=topology, report=report, threads=threads)
+
+
+def run(
+    call: Call, *, topology: Topology | None = None, report: ReportBuilder | None = None, threads: int | None = None
+) -> Any:
+    """Run one flattened call of views in this process (:func:`transfer` or :func:`transfer_into` by its mode)."""
+    if call.mode is Mode.INTO:
+        return _run_into(call, topology, report, threads)
     builder = report or ReportBuilder(Backend.LOCAL)
     with builder.timed(ReportPhase.PLAN):
-        treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
+        call, sources = _front(call)
+        srcs, layouts, dsts = sources.leaves, sources.layouts, sources.dsts
+        views, shardings = [r.view for r in call.resolved], [r.sharding for r in call.resolved]
         lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
     pool = default_pool()
     fresh0 = pool.stats().fresh_bytes
@@ -256,7 +270,7 @@ def transfer(
         out = [_assemble(d, sh, b) for d, sh, b in zip(dsts, shardings, bufs, strict=True)]
     _count(builder, lowerings)
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)
-    return treedef.unflatten(out)
+    return call.unflatten(out)
 
 
 def _assemble(d: Layout, sharding: Any, shards: list[np.ndarray]) -> Any:
@@ -295,30 +309,33 @@ def transfer_into(
       TransferError: a copy failed; the donated ``into`` arrays are consumed and the
         results were not returned (``destination_intact=False``).
     """
+    return run(Call.of(x, into, Mode.INTO), topology=topology, report=report, threads=threads)
+
+
+def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | None, threads: int | None) -> Any:
     builder = report or ReportBuilder(Backend.LOCAL)
     with builder.timed(ReportPhase.PLAN):
-        treedef, views, shardings, srcs, layouts, dsts = _front(x, into, "into")
-        into_leaves = treedef.flatten_up_to(into)
+        call, sources = _front(call)
+        srcs, layouts, dsts = sources.leaves, sources.layouts, sources.dsts
+        views, shardings = [r.view for r in call.resolved], [r.sharding for r in call.resolved]
+        into_leaves = call.targets
         lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
     pool = default_pool()
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
         arrays, boxes = _sources(lowerings, srcs, layouts)
-        owned = _claim(into_leaves, {p for leaf in srcs for p in _read(leaf.source)} - {0})
-        donated = _donate(
-            [into_leaves[t] for t in owned], [c[0] for c in owned.values()], [c[1] for c in owned.values()]
-        )
-        taken = dict(zip(owned, donated, strict=True))  # leaf -> (the array that owns the memory now, addresses)
+        src_ptrs = {p for leaf in srcs for p in shard_addresses(leaf.source)} - {0}
+        taken = take(into_leaves, range(len(into_leaves)), src_ptrs, builder)
         bufs: list[dict[int, np.ndarray]] = []
         fresh: dict[int, list[np.ndarray]] = {}
         for t, d in enumerate(dsts):
-            if t in taken:
-                shards = {s.device.id: s.data for s in taken[t][0].addressable_shards}
+            if t in taken.donated:
+                shards = {s.device.id: s.data for s in taken.donated[t][0].addressable_shards}
                 bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
             else:
                 fresh[t] = _fresh(d, 1, pool)[1][0]
                 bufs.append(dict(zip(d.ranks, fresh[t], strict=True)))
-                builder.add_unowned(sum(b.nbytes for b in fresh[t]))
+                taken.count(builder, t, sum(b.nbytes for b in fresh[t]))
     with builder.timed(ReportPhase.COPY):
         try:
             execute_pieces(lowerings, program, views, arrays, boxes, bufs, threads)
@@ -331,30 +348,13 @@ def transfer_into(
     with builder.timed(ReportPhase.BUFFERS):
         del arrays, bufs
         out = [
-            taken[t][0] if t in taken else _assemble(d, sh, fresh[t])
+            taken.donated[t][0] if t in taken.donated else _assemble(d, sh, fresh[t])
             for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True))
         ]
-        for a, addrs in taken.values():
-            _remember(a, addrs, by_jax=True)
+        remember_all([a for a, _ in taken.donated.values()], [p for _, p in taken.donated.values()], by_jax=True)
     _count(builder, lowerings)
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)
-    return treedef.unflatten(out)
-
-
-def _claim(into_leaves: list[Any], src_ptrs: set[int]) -> dict[int, tuple[tuple[int, ...], bool]]:
-    """``{leaf: (shard addresses, allocated by jax)}`` of the ``into`` leaves that may be written in place:
-    live, sharing no buffer with a source or with an ``into`` leaf claimed before."""
-    claimed: set[int] = set()
-    own: dict[int, tuple[tuple[int, ...], bool]] = {}
-    for t, a in enumerate(into_leaves):
-        if a.is_deleted():
-            continue
-        addrs, by_jax = _addresses_of(a)
-        ptrs = set(addrs) - {0}
-        if not (ptrs & src_ptrs) and not (ptrs & claimed):
-            own[t] = (addrs, by_jax)
-            claimed |= ptrs
-    return own
+    return call.unflatten(out)
 
 
 _SCHEDULES: dict[tuple, ViewSchedule] = {}  # by the lowering's key and the chunking options
@@ -403,11 +403,27 @@ def transfer_cluster(
       TransferTimeoutError: a peer did not answer within ``options.timeout_s``.
       LayoutMismatchError, LayoutError: as for :func:`jreshard.views.transfer`, on every process.
     """
+    call = Call.of(x, target, Mode.TRANSFER)
+    return run_cluster(call, topology=topology, options=options, transport=transport, buffers=buffers, report=report)
+
+
+def run_cluster(
+    call: Call,
+    *,
+    topology: Topology | None = None,
+    options: Options | None = None,
+    transport: Communicator | None = None,
+    buffers: Buffers | None = None,
+    report: ReportBuilder | None = None,
+) -> Any:
+    """:func:`transfer_cluster` of one flattened call."""
     options = options or Options()
     builder = report or ReportBuilder(Backend.MPI)
     backend = buffers or CpuBuffers()
     with builder.timed(ReportPhase.PLAN):
-        treedef, views, shardings, srcs, layouts, dsts = _front(x, target, "transfer")
+        call, sources = _front(call)
+        srcs, layouts, dsts = sources.leaves, sources.layouts, sources.dsts
+        views, shardings = [r.view for r in call.resolved], [r.sharding for r in call.resolved]
         key, lowerings, topo = lower_views(views, srcs, layouts, dsts, topology)
         quant = tuple((v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in views)
         if transport is None:
@@ -455,4 +471,4 @@ def transfer_cluster(
                 if dev.id in mine
             }
             out.append(assemble(d.shape, d.np_dtype, sh, here))
-    return treedef.unflatten(out)
+    return call.unflatten(out)

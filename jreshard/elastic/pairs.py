@@ -29,7 +29,7 @@ from jreshard.net.channel import Channel
 from jreshard.options import Options
 from jreshard.refit.decl import (
     GroupViews,
-    declare_local,
+    declare_leaves,
     group_layouts,
     group_views,
     leaf_differences,
@@ -111,14 +111,19 @@ def leaves_by_name(tree: Any) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p) or "x", a) for p, a in leaves]
 
 
-def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: str) -> None:
-    """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration."""
-    now = declare_local(role, tree, devices, None)
+def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: str) -> list[tuple[str, Any]]:
+    """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration; returns
+    ``tree``'s ``[(key path, leaf)]`` (:func:`leaves_by_name`), from its one flattening."""
+    import jax
+
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    now = declare_leaves(role, flat, devices, None)
     if now["errors"]:
         raise ValueError(f"{who}: " + "; ".join(now["errors"]))
     diff = leaf_differences(now["params"], decl["params"])
     if diff:
         raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
+    return [(jax.tree_util.keystr(p) or "x", a) for p, a in flat]
 
 
 def _decls(

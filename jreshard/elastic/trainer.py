@@ -35,7 +35,7 @@ from typing import Any
 
 from jreshard.elastic.followers import Followers, FollowerService, gather_followers
 from jreshard.elastic.membership import Membership
-from jreshard.elastic.pairs import check_like, leaves_by_name
+from jreshard.elastic.pairs import check_like
 from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
 from jreshard.errors import PeerError, TransferTimeoutError
@@ -259,9 +259,9 @@ class ElasticTrainer:
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"ElasticTrainer.push: version={version!r} must be an int")
-        check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push")
+        leaves = check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push")  # one flattening
         if self._follower is not None:
-            return self._follower_push(self._follower, version, leaves_by_name(params), block)
+            return self._follower_push(self._follower, version, leaves, block)
         with self._cv:
             if self._stop:
                 raise PeerError(f"ElasticTrainer.push: the trainer stopped serving ({self._fatal})")
@@ -270,7 +270,6 @@ class ElasticTrainer:
             if last is not None and version <= last:
                 raise ValueError(f"ElasticTrainer.push: version={version} must be greater than {last}")
             box: dict = {"version": version, "done": False}
-            leaves = leaves_by_name(params)
             self._jobs.append((lambda: self._m.push(version, leaves), box))
             self._wake_w.send(b"x")
         if not block:

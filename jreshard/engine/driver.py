@@ -38,52 +38,20 @@ import numpy as np
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.mail import comm_mail
+from jreshard.engine.ownership import source_addresses, storage, take
 from jreshard.engine.rounds import ExecStats, Shards, execute
-from jreshard.options import Options
+from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.schedule.pairsched import pair_schedule
-from jreshard.schedule.steps import Schedule, build_schedule
+from jreshard.schedule.steps import Schedule
 from jreshard.sharding.dtypes import storage_bytes
-from jreshard.sharding.plan import Plan, RankProgram
+from jreshard.sharding.plan import RankProgram
 from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 from jreshard.sharding.trees import layout_pairs
 
-__all__ = ["assemble", "run_leaves", "run_plan", "run_schedule", "schedule_local"]
-
-
-def run_plan(
-    plan: Plan,
-    comm: Communicator,
-    sources: Mapping[tuple[int, int], Any],
-    targets: Mapping[tuple[int, int], Any],
-    *,
-    options: Options | None = None,
-    buffers: Buffers | None = None,
-    report: ReportBuilder | None = None,
-) -> tuple[dict[tuple[int, int], Any], ExecStats]:
-    """Run this process's ranks of ``plan`` on its global schedule and return the new destination shards.
-
-    For callers that hold the whole plan (the elastic pairs); :func:`jreshard.call.routes.transfer_multiprocess` and
-    ``RefitGroup`` plan and schedule only this process's ranks (:func:`run_schedule`).
-
-    Args:
-      plan: the plan every process computed.
-      comm: the transport; its local ranks are this process's.
-      sources: ``{(tensor, rank): single-device jax array}``, the source shards held here.
-      targets: ``{(tensor, rank): jax device}``, the destination shards to make here.
-      options: chunking, staging, timeout.
-      buffers: buffer operations (default numpy on CPU).
-      report: where the engine adds its phases, bytes per link and messages.
-
-    Returns:
-      ``({(tensor, rank): single-device jax array}, stats)``. The arrays alias
-      freshly allocated buffers: nothing the caller holds is written.
-    """
-    options = options or plan.options
-    sched = build_schedule(plan, options)
-    return run_schedule(plan.tensors, sched, comm, sources, targets, options=options, buffers=buffers, report=report)
+__all__ = ["assemble", "run_leaves", "run_schedule", "schedule_local"]
 
 
 def run_schedule(
@@ -102,11 +70,15 @@ def run_schedule(
 
     Args:
       tensors: the tensors the schedule moves (their destination layouts size the new shards).
-      schedule: the rounds, from :func:`~jreshard.schedule.pairsched.pair_schedule` or
-        :func:`~jreshard.schedule.steps.build_schedule`.
-      comm, sources, targets, options, buffers, report: as for :func:`run_plan`.
-      given: destination buffers to write into instead of new ones (``transfer_into``);
-        those keys come back as the buffers themselves, not imported arrays.
+      schedule: the rounds of ``comm``'s local ranks (:func:`schedule_local`).
+      comm: the transport; its local ranks are this process's.
+      sources: ``{(tensor, rank): single-device array}``, the source shards held here.
+      targets: ``{(tensor, rank): device}``, the destination shards to make here.
+      options: chunking, staging, timeout.
+      buffers: buffer operations (default numpy on CPU).
+      report: where the engine adds its phases, bytes per link and messages.
+      given: destination buffers to write into instead of new ones (``transfer_into``, a receiving
+        endpoint's); those keys come back as the buffers themselves, not imported arrays.
     """
     given = given or {}
     buffers = buffers or CpuBuffers()
@@ -170,11 +142,11 @@ def run_leaves(
         that take part.
       buffers: the buffer operations (default numpy on CPU; ``CupyBuffers`` on GPUs).
       report: a report builder the engine adds its phases, bytes and messages to.
-      into: per leaf, the array to write into (``transfer_into``, one process), or ``None``: each one
-        owned exclusively (not deleted, not sharing a buffer with a source or another target) is
-        donated to an identity computation, the engine writes into the donated memory through
-        ``buffers.writable_view``, and the result leaf is the donated output; the others get
-        fresh buffers.
+      into: per leaf, the array to write into (``transfer_into``, one process), or ``None``: the leaves
+        the ownership rule claims (:mod:`jreshard.engine.ownership`) are donated, the engine writes
+        into the donated memory through ``buffers.writable_view``, and the result leaf is the donated
+        output; the others get fresh buffers. Bytes written anywhere but ``into``'s own memory are
+        counted in ``report`` (``not_in_place_bytes``, with the reason).
 
     Returns:
       ``(result leaves, stats, programs)``: the moved leaves (see the module docstring for
@@ -211,7 +183,9 @@ def run_leaves(
         for d in shardings[i].device_set:
             if d.process_index == me:
                 targets[(t, d.id)] = d
-    owned = _donated_targets(leaves, into, moved) if into is not None else {}
+    builder = report or ReportBuilder(Backend.LOCAL)
+    taken = take(into, moved, source_addresses(leaves), builder) if into is not None else None
+    owned = {i: a for i, (a, _) in taken.donated.items()} if taken is not None else {}
     buffers = buffers or CpuBuffers()
     given = {
         (t, sh.device.id): buffers.writable_view(sh.data)
@@ -231,42 +205,9 @@ def run_leaves(
         a, sharding = leaves[i], shardings[i]
         mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
         out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine)
+        if taken is not None:  # an into leaf not claimed: its bytes went to fresh buffers
+            taken.count(builder, i, storage(out[i]))
     return out, stats, programs
-
-
-def _donated_targets(x_leaves: Sequence[Any], tgt: Sequence[Any], moved: Sequence[int]) -> dict[int, Any]:
-    """``{leaf: donated output}`` for the target arrays that only the caller holds: each is donated to
-    an identity computation (one per device set), so the output owns its memory and the target is
-    deleted, as ``jax.jit(..., donate_argnums=...)`` does. A target that is deleted, shares a buffer
-    with a source leaf, or appears twice is left alone (it gets fresh buffers)."""
-    import warnings
-
-    import jax
-
-    src_ptrs = {sh.data.unsafe_buffer_pointer() for a in x_leaves for sh in a.addressable_shards}
-    seen: set[int] = set()
-    mine: list[int] = []
-    for i in moved:
-        t = tgt[i]
-        if not isinstance(t, jax.Array) or t.is_deleted():
-            continue
-        ptrs = {sh.data.unsafe_buffer_pointer() for sh in t.addressable_shards}
-        if ptrs & (src_ptrs | seen):
-            continue
-        seen |= ptrs
-        mine.append(i)
-    groups: dict[Any, list[int]] = {}
-    for i in mine:
-        groups.setdefault(frozenset(tgt[i].sharding.device_set), []).append(i)
-    out: dict[int, Any] = {}
-    for idx in groups.values():
-        arrays = [tgt[i] for i in idx]
-        ident = jax.jit(lambda *xs: xs, donate_argnums=tuple(range(len(arrays))),
-                        out_shardings=tuple(a.sharding for a in arrays))  # fmt: skip
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            out.update(zip(idx, ident(*arrays), strict=True))
-    return out
 
 
 def schedule_local(

@@ -33,8 +33,6 @@ are read and its destinations held.
 from __future__ import annotations
 
 import math
-import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,11 +42,19 @@ import numpy as np
 from jreshard.engine import strided
 from jreshard.engine.buffers import Capsule, dlpack_type, retype_capsule
 from jreshard.engine.copies import CopyLowering, addresses, lower_local
+from jreshard.engine.ownership import (
+    remember,
+    remember_all,
+    shard_arrays,
+    shard_pointer,
+    take,
+    with_weak_type,
+)
 from jreshard.engine.pool import ALIGN, BufferPool, default_pool
 from jreshard.engine.prepared import Group, Kind, Mode, Prepared, sharding_of
 from jreshard.errors import TransferError
 from jreshard.options import Options
-from jreshard.report import NotInPlace, ReportBuilder, ReportPhase
+from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.layout import Layout
@@ -71,18 +77,6 @@ def _host_topology(ranks: tuple[int, ...]) -> Topology:
     return Topology.from_devices([devices[r] for r in ranks])
 
 
-def _arrays(a: Any) -> Sequence[Any]:
-    """The single-device arrays of ``a`` in ``addressable_data`` order."""
-    try:
-        return a._arrays  # jax's own list: no Shard objects built
-    except AttributeError:  # pragma: no cover - other jax versions
-        return [a.addressable_data(i) for i in range(len(a.addressable_shards))]
-
-
-def _pointer(a: Any) -> int:
-    return 0 if a.size == 0 else int(a.unsafe_buffer_pointer())
-
-
 def _raw_pointers(shards: Sequence[Any]) -> set[int]:
     """The buffer addresses of non-empty single-device arrays."""
     return {s.unsafe_buffer_pointer() for s in shards}
@@ -98,7 +92,7 @@ def _pointers(shards: list[Sequence[Any]], orders: Sequence[Sequence[int]], slot
         return out
     out = np.zeros((len(shards), slots), dtype=np.int64)
     for j, arrs in enumerate(shards):
-        out[j, list(orders[j])] = [_pointer(s) for s in arrs]
+        out[j, list(orders[j])] = [shard_pointer(s) for s in arrs]
     return out
 
 
@@ -134,7 +128,7 @@ def _public_assemble(shape: tuple[int, ...], dtype: Any, sharding: Any, shards: 
 
 def _rewrapped_weak(a: Any) -> Any:  # pragma: no cover - other jax versions only
     """``a`` weakly typed, through a jitted no-op (the public path has no constructor for it)."""
-    return jax.jit(lambda v: _with_weak_type(v, True), out_shardings=a.sharding)(a)
+    return jax.jit(lambda v: with_weak_type(v, True), out_shardings=a.sharding)(a)
 
 
 def _dlpack_import() -> Any:
@@ -289,210 +283,26 @@ def _fresh(
     return ptr, [list(v) for v in zip(*(cols[k] for k in slots), strict=True)]
 
 
-# id -> (weakref, shard addresses, whether jax allocated the memory) of the arrays returned here.
-_KNOWN: dict[int, tuple[Any, tuple[int, ...], bool]] = {}
-
-
-def _remember(a: Any, ptrs: Sequence[int], by_jax: bool) -> None:
-    """Record the shard addresses (``addressable_data`` order) of an array this module returns, and whether
-    jax allocated its memory (a donated output) or the buffer pool did (a ``transfer`` result).
-
-    Reading them back costs a dictionary lookup, where jax builds a Python object per shard. An
-    entry is used only while its weak reference still gives the very same array; dead entries are
-    dropped whenever the table has doubled since the last sweep.
-    """
-    _remember_all([a], [ptrs], by_jax)
-
-
-def _remember_all(arrays: Sequence[Any], ptrs: Sequence[Sequence[int]], by_jax: bool) -> None:
-    """:func:`_remember` for many arrays (``ptrs[k]``: the addresses of ``arrays[k]``)."""
-    global _SWEEP_AT
-    known, ref = _KNOWN, weakref.ref
-    for a, p in zip(arrays, ptrs, strict=True):
-        known[id(a)] = (ref(a), tuple(p), by_jax)
-    if len(known) > _SWEEP_AT:
-        for key in [k for k, (r, _, _) in known.items() if r() is None]:
-            del known[key]
-        _SWEEP_AT = max(4096, 2 * len(known))
-
-
-_SWEEP_AT = 4096
-
-
-def _addresses_of(a: Any) -> tuple[tuple[int, ...], bool]:
-    """The shard addresses of ``a`` in ``addressable_data`` order (0 for an empty shard), and whether
-    jax is known to have allocated them."""
-    entry = _KNOWN.get(id(a))
-    if entry is not None and entry[0]() is a:
-        return entry[1], entry[2]
-    return _read(a), False
-
-
-def _donate(
-    arrays: list[Any], before: list[tuple[int, ...]], by_jax: list[bool], weak: list[bool] | None = None
-) -> list[tuple[Any, tuple[int, ...]]]:
-    """New arrays that own the memory of ``arrays`` (deleted), with their shard addresses.
-
-    ``arrays`` are donated to an identity computation, one call per device set for the
-    whole pytree, as ``jax.jit(..., donate_argnums=...)`` would: every array that shared the
-    memory is deleted, and the outputs take it over. jax aliases an output to its input when
-    it allocated the input itself (an earlier output of this function: ``by_jax``); an input
-    it did not take over (not deleted: something outside jax holds it), or one whose memory
-    came from elsewhere (the buffer pool), comes back as a copy. Addresses are therefore
-    reused only for inputs jax allocated and took over, after a spot check of up to 8 of them
-    against jax's own answer; every other output's addresses are read from jax.
-
-    Args:
-      arrays: global arrays.
-      before: their shard addresses (``addressable_data`` order).
-      by_jax: whether jax allocated each one's memory.
-      weak: the ``weak_type`` each output takes (the source leaf's, as ``jax.device_put`` keeps it);
-        default each input's.
-    """
-    weak = [a.weak_type for a in arrays] if weak is None else weak
-    # One call per device assignment (in order: jit needs every argument on the same one) and sharding
-    # kind (jit cannot mix a GSPMDSharding with NamedShardings in one call).
-    by_devices: dict[Any, list[int]] = {}
-    keys: dict[int, Any] = {}  # id(sharding) -> its key (the shardings stay alive through the call)
-    for i, a in enumerate(arrays):
-        sh = a.sharding
-        key = keys.get(id(sh))
-        if key is None:
-            key = keys[id(sh)] = (tuple(d.id for d in sh._device_assignment), type(sh))
-        by_devices.setdefault(key, []).append(i)
-    out: list[tuple[Any, tuple[int, ...]]] = [(None, ())] * len(arrays)
-    for idx in by_devices.values():
-        group = [arrays[i] for i in idx]
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            kinds = tuple((type(a.sharding), a.sharding, weak[i]) for i, a in zip(idx, group, strict=True))
-            moved = [
-                m if m.sharding is a.sharding else _rewrapped(m, a.sharding)
-                for m, a in zip(_identity(kinds)(*group), group, strict=True)
-            ]
-        jax.block_until_ready(moved)
-        trust = [by_jax[i] and a.is_deleted() for i, a in zip(idx, group, strict=True)]
-        sample = [k for k in range(len(idx)) if trust[k]]
-        sample = sample[:: max(1, len(sample) // 8)][:8]
-        if any(_read(moved[k]) != before[idx[k]] for k in sample):
-            trust = [False] * len(idx)  # an output did not alias its input: read every address from jax
-        for k, (i, m) in enumerate(zip(idx, moved, strict=True)):
-            out[i] = (m, before[i] if trust[k] else _read(m))
-    return out
-
-
-def _read(a: Any) -> tuple[int, ...]:
-    return tuple(_pointer(s) for s in _arrays(a))
-
-
-@cache(max_size=64)
-def _identity(kinds: tuple[tuple[type, Any, bool], ...]) -> Any:
-    """An identity computation that takes its arguments' memory, keeps their shardings and gives each
-    output the ``weak_type`` asked for.
-
-    Keyed by ``(type, sharding, weak)``: shardings of two kinds can compare equal, and the outputs
-    must keep each argument's kind.
-    """
-    shardings = tuple(s for _, s, _ in kinds)
-    weaks = tuple(w for _, _, w in kinds)
-
-    def same(*xs: Any) -> tuple[Any, ...]:
-        return tuple(_with_weak_type(x, w) for x, w in zip(xs, weaks, strict=True))
-
-    return jax.jit(same, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
-
-
-def _rewrapped(a: Any, sharding: Any) -> Any:
-    """``a`` carrying the very ``sharding`` object (an equal one came out of the cached computation), over the
-    same buffers: what ``jax.device_put`` returns carries its target's object."""
-    if a.sharding is sharding:
-        return a
-    try:
-        from jax._src.array import ArrayImpl
-    except ImportError:  # pragma: no cover - another jax: an equal sharding object
-        return a
-    if type(a) is not ArrayImpl:  # a key array (its own class): it keeps the equal object
-        return a
-    return ArrayImpl(a.aval, sharding, list(_arrays(a)), committed=True)
-
-
-def _with_weak_type(x: Any, weak: bool) -> Any:
-    """``x`` with ``weak_type=weak``, a no-op in the compiled program (jax has no public spelling of it)."""
-    if x.weak_type == weak:
-        return x
-    from jax._src.lax import lax as lax_internal
-
-    return lax_internal._convert_element_type(x, x.dtype, weak_type=weak)
-
-
-def _claim_into(
-    prep: Prepared, src_ptrs: set[int]
-) -> tuple[dict[int, tuple[tuple[int, ...], bool]], dict[int, NotInPlace | None]]:
-    """For each moved leaf, the addresses of its ``into`` array (and whether jax allocated them) when it
-    may be written in place; for the others, why not.
-
-    Not when it is deleted, shares a buffer with any source leaf, or shares one with an
-    ``into`` leaf claimed before it (the same array twice).
-    """
-    targets = prep.targets
-    moved = [i for g in prep.shape.groups for i in g.leaves]
-    if all(not targets[i].is_deleted() and targets[i].size for i in moved):
-        entries = [_addresses_of(targets[i]) for i in moved]
-        flat = [p for addrs, _ in entries for p in addrs if p]
-        distinct = set(flat)
-        if len(distinct) == len(flat) and distinct.isdisjoint(src_ptrs):  # the steady state: all owned
-            return dict(zip(moved, entries, strict=True)), {}
-    claimed: set[int] = set()
-    own: dict[int, tuple[tuple[int, ...], bool]] = {}
-    why: dict[int, NotInPlace | None] = {}  # None: a zero-size into leaf (no byte to place)
-    for g in prep.shape.groups:
-        for i in g.leaves:
-            t = prep.targets[i]
-            if t.is_deleted():
-                why[i] = NotInPlace.DELETED
-                continue
-            if t.size == 0:  # nothing to write in place (and jax's donation mis-shapes empty shards)
-                why[i] = None
-                continue
-            addrs, by_jax = _addresses_of(t)
-            ptrs = set(addrs) - {0}
-            if ptrs & src_ptrs:
-                why[i] = NotInPlace.SHARES_A_SOURCE
-            elif ptrs & claimed:
-                why[i] = NotInPlace.SHARES_ANOTHER_INTO
-            else:
-                own[i] = (addrs, by_jax)
-                claimed |= ptrs
-    return own, why
-
-
 def _into_destinations(
     prep: Prepared, src_ptr: list[np.ndarray], pool: BufferPool, builder: ReportBuilder
 ) -> tuple[list[np.ndarray], list[list[list[np.ndarray]]], dict[int, tuple[Any, tuple[int, ...]]]]:
     """The destination shards of ``transfer_into``, per group: ``(addresses, fresh views, donated)``.
 
-    ``into`` leaves owned exclusively are donated (their memory taken over, ``donated[leaf] =
-    (new array, addresses)``); the others get fresh shards from the pool. Both a leaf that was
-    not donated and one whose donation jax answered with a copy (memory it did not allocate,
-    or another reference to it) are counted as not in place, with the reason.
+    The ``into`` leaves the ownership rule gives (:func:`~jreshard.engine.ownership.take`) are donated
+    (their memory taken over, ``donated[leaf] = (new array, addresses)``); the others get fresh shards
+    from the pool, counted as not in place with the rule's reason.
     """
     leaves, shape = prep.leaves, prep.shape
     every_src = set(np.concatenate([p.ravel() for p in src_ptr]).tolist()) - {0}
     for i, kind in enumerate(shape.kinds):  # kept leaves are sources an into leaf may name too
         if kind is Kind.KEEP and leaves[i].size:
-            every_src |= _raw_pointers(_arrays(leaves[i]))
-    own, why = _claim_into(prep, every_src)
-    mine = [i for g in shape.groups for i in g.leaves if i in own]
-    taken = _donate(
-        [prep.targets[i] for i in mine],
-        [own[i][0] for i in mine],
-        [own[i][1] for i in mine],
-        [leaves[i].weak_type for i in mine],
-    )
-    donated = dict(zip(mine, taken, strict=True))
-    for i in mine:
-        if donated[i][1] != own[i][0]:  # jax copied: the result is in fresh memory, not into's
-            builder.add_unowned(_storage(donated[i][0]), i, NotInPlace.NOT_HANDED_OVER)
+            every_src |= _raw_pointers(shard_arrays(leaves[i]))
+    moved = [i for g in shape.groups for i in g.leaves]
+    weak = [False] * len(leaves)  # the weak_type each result takes: its source leaf's (key arrays have none)
+    for i in moved:
+        weak[i] = leaves[i].weak_type
+    taken = take(prep.targets, moved, every_src, builder, weak)
+    donated = taken.donated
     dst_ptr: list[np.ndarray] = []
     views: list[list[list[np.ndarray]]] = []
     for g in shape.groups:
@@ -511,16 +321,10 @@ def _into_destinations(
                 one_p, one_v = _fresh(g.dst, 1, pool, g.common_dst)
                 p[j] = one_p[0]
                 v_g.append(one_v[0])
-                if why[i] is not None:
-                    builder.add_unowned(sum(x.nbytes for x in one_v[0]), i, why[i])
+                taken.count(builder, i, sum(x.nbytes for x in one_v[0]))
         dst_ptr.append(p)
         views.append(v_g)
     return dst_ptr, views, donated
-
-
-def _storage(a: Any) -> int:
-    """Bytes of ``a``'s addressable shards."""
-    return sum(storage_bytes(np.dtype(s.dtype), s.size) for s in _arrays(a))
 
 
 def run_local(
@@ -547,7 +351,7 @@ def run_local(
         jax.block_until_ready([leaves[i] for g in shape.groups for i in g.leaves])
         # Each group's source shards, read once per leaf (jax builds the single-device arrays on the
         # first read), and their addresses.
-        src_shards = [[_arrays(leaves[i]) for i in g.leaves] for g in shape.groups]
+        src_shards = [[shard_arrays(leaves[i]) for i in g.leaves] for g in shape.groups]
         src_ptr = [
             _pointers(arrs, g.src_order, len(g.src.ranks), _has_empty(g.src))
             for g, arrs in zip(shape.groups, src_shards, strict=True)
@@ -581,7 +385,7 @@ def run_local(
             if prep.mode is Mode.TRANSFER or not all(i in donated for i in g.leaves):
                 _results(prep, g, v_g, dp, donated, put, out)
             else:  # the steady state of transfer_into: every leaf donated
-                _remember_all([donated[i][0] for i in g.leaves], [donated[i][1] for i in g.leaves], by_jax=True)
+                remember_all([donated[i][0] for i in g.leaves], [donated[i][1] for i in g.leaves], by_jax=True)
                 for i in g.leaves:
                     out[i] = donated[i][0]
         del src_ptr
@@ -610,7 +414,7 @@ def _results(
     for j, i in enumerate(g.leaves):
         if i in donated:
             out[i] = donated[i][0]
-            _remember(out[i], donated[i][1], by_jax=True)
+            remember(out[i], donated[i][1], by_jax=True)
             continue
         leaf, t = leaves[i], targets[i]
         sharding = t if isinstance(t, jax.sharding.Sharding) else sharding_of(t)  # the caller's object
@@ -630,7 +434,7 @@ def _results(
         out[i] = a
         made.append(a)
         made_rows.append(row)
-    _remember_all(made, made_rows, by_jax=False)
+    remember_all(made, made_rows, by_jax=False)
 
 
 def _buffers(
@@ -646,12 +450,12 @@ def _buffers(
     for g, v_g in zip(prep.shape.groups, views, strict=True):
         for j, i in enumerate(g.leaves):
             if i in donated:
-                for s in _arrays(donated[i][0]):
-                    written.append((_pointer(s), _pointer(s) + storage_bytes(np.dtype(s.dtype), s.size)))
+                for s in shard_arrays(donated[i][0]):
+                    written.append((shard_pointer(s), shard_pointer(s) + storage_bytes(np.dtype(s.dtype), s.size)))
             else:
                 written.extend((v.ctypes.data, v.ctypes.data + v.nbytes) for v in v_g[j])
     read = [
-        (_pointer(s), _pointer(s) + storage_bytes(np.dtype(s.dtype), s.size))
+        (shard_pointer(s), shard_pointer(s) + storage_bytes(np.dtype(s.dtype), s.size))
         for group in src_shards
         for arrs in group
         for s in arrs

@@ -55,10 +55,12 @@ with two launches the other program survives and raises within the timeout.
 from __future__ import annotations
 
 import enum
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
 
+from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
@@ -79,12 +81,20 @@ from jreshard.refit.decl import (
 )
 from jreshard.refit.views import lower_group, run_group, schedule_group
 from jreshard.schedule.steps import Schedule
+from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link, Topology
 from jreshard.views.lowering import LeafLowering
 
 __all__ = ["RefitGroup", "Role"]
+
+
+def _local_devices() -> list[Any]:
+    import jax
+
+    return list(jax.local_devices())
+
 
 MPI_JOIN_EXIT = 75  # the exit status of a process whose MPI accept/connect a dead peer left hanging (EX_TEMPFAIL)
 
@@ -185,15 +195,17 @@ class RefitGroup:
         links: dict[str, float] | None = None,
         recipe: Any = None,
         _group: Any = None,
+        _declared: dict | None = None,
     ):
-        import jax
-
         self.role = Role(role)
         self.options = options or Options()
-        self._devices = list(jax.local_devices() if devices is None else devices)
+        self._devices = list(_local_devices() if devices is None else devices)
         if recipe is not None and self.role is not Role.DESTINATION:
             raise ValueError("RefitGroup: recipe= is the destination's (how its tensors are made); a source has none")
-        mine = declare_local(self.role.value, params, self._devices, domain, recipe)
+        if _declared is not None:  # an Endpoint's declaration, made without jax: its devices are slots
+            mine = _declared
+        else:
+            mine = declare_local(self.role.value, params, self._devices, domain, recipe)
         if _group is None:  # one MPI universe
             MPI = import_mpi()
             comm = MPI.COMM_WORLD if comm is None else comm
@@ -410,20 +422,22 @@ class RefitGroup:
             raise PeerError("refit not started (nothing moved):\n  " + "\n  ".join(bad), destination_intact=True)
         return versions.pop()
 
-    def _run(self, sources: dict, targets: dict) -> dict:
+    def _run(self, sources: dict, targets: dict, given: dict | None = None) -> dict:
+        """The bytes of one refit, then the commit vote. ``given``: ``{(tensor, rank): 1-D uint8}``
+        destination buffers to write into instead of fresh ones (they come back as they are)."""
         err = ""
         cause: BaseException | None = None
         shards: dict = {}
         try:
             if self._views is not None:
-                shards, stats = self._move_views(self._views, sources, targets)
+                shards, stats = self._move_views(self._views, sources, targets, given)
             else:
                 if self._schedule is None:
                     _, _, self._schedule = schedule_local(
                         self._pairs, self.names, self.topology, self.options, self._comm
                     )
                 shards, stats = run_schedule(
-                    self._tensors, self._schedule, self._comm, sources, targets, options=self.options
+                    self._tensors, self._schedule, self._comm, sources, targets, options=self.options, given=given
                 )
             self.sent_bytes = dict(stats.sent_bytes)
         except Exception as e:  # any failure: the group is broken, and the commit vote still runs
@@ -455,14 +469,16 @@ class RefitGroup:
             ) from cause
         return shards
 
-    def _move_views(self, gv: GroupViews, sources: dict, targets: dict) -> tuple[dict, ExecStats]:
+    def _move_views(
+        self, gv: GroupViews, sources: dict, targets: dict, given: dict | None = None
+    ) -> tuple[dict, ExecStats]:
         """This process's ranks of the group's views through the round loop (the schedule built at the first
         refit and kept): ``({(destination leaf, rank): new shard}, stats)``."""
         if self._view_schedule is None:
             self._view_schedule = schedule_group(
                 gv, self.lowerings, self.topology, self.options, pipelined=self._comm.pipelines_packs
             )
-        return run_group(gv, self._view_schedule, self._comm, sources, targets, options=self.options)
+        return run_group(gv, self._view_schedule, self._comm, sources, targets, options=self.options, given=given)
 
     def push(self, params: Any, *, version: int) -> None:
         """Send ``params`` (matching the declaration) as ``version`` to the destination side.
@@ -514,25 +530,56 @@ class RefitGroup:
         tree = into if into is not None else like
         if tree is None:
             raise ValueError("RefitGroup.pull: pass into=<current params> or like=<abstract tree>")
-        self._check_usable()
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)  # the one flattening of the call
-        error = self._local_check(flat)
-        vote = {"role": "destination", "error": error, "version": None}
-        version = self._begin(vote, timeout_s or self.options.timeout_s)
-        leaves = self._indexed(flat)
-        targets = {}
+        error = self._local_check(flat) if self._broken is None else ""
+        leaves = self._indexed(flat) if not error else []
+        # Fresh host buffers for this process's shards, one block per device (the endpoint's pull loop
+        # writes into them), and jax arrays over them once every process has committed.
+        backend = CpuBuffers()
+        meta: dict[tuple[int, int], tuple[tuple[int, ...], Any, Any]] = {}
+        by_device: dict[Any, list[tuple[int, int]]] = {}
         for t, a in leaves:
+            layout = self._dst_layout(t)
             for d in a.sharding.addressable_devices:
                 r = self._rank_of(d)
                 if r is not None:
-                    targets[(t, r)] = d
-        shards = self._run({}, targets)
+                    meta[(t, r)] = (layout.box_of(r).shape, layout.np_dtype, d)
+                    by_device.setdefault(d, []).append((t, r))
+        given: dict[tuple[int, int], Any] = {}
+        for d, keys in by_device.items():
+            sizes = [storage_bytes(meta[k][1], math.prod(meta[k][0])) for k in keys]
+            given.update(zip(keys, backend.allocate(sizes, d), strict=True))
+        version = self._receive(error, given, timeout_s)
         out = []
         for t, a in leaves:
-            mine = {d: shards[(t, self._rank_of(d))] for d in a.sharding.addressable_devices}
+            mine = {
+                d: backend.import_shard(given[(t, r)], *meta[(t, r)])
+                for d in a.sharding.addressable_devices
+                if (r := self._rank_of(d)) is not None
+            }
             out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine))
-        self.version = version
         return jax.tree_util.tree_unflatten(treedef, out), version
+
+    def _receive(self, error: str, given: dict[tuple[int, int], Any], timeout_s: float | None) -> int:
+        """The pull loop of a destination process (:meth:`pull`, and :class:`~jreshard.refit.endpoint.Endpoint`'s
+        without jax): the begin vote (``error``: this process's local problem, or ``""``), the bytes into
+        ``given`` (``{(tensor, rank): 1-D uint8 buffer}``, every shard this process receives), the commit
+        vote. Returns the version once every process of the group committed it.
+
+        Raises:
+          PeerError, TransferTimeoutError: a process rejected the refit or failed; nothing is committed and
+            ``given`` holds neither version for sure (the caller's earlier arrays are untouched).
+        """
+        self._check_usable()
+        vote = {"role": "destination", "error": error, "version": None}
+        version = self._begin(vote, timeout_s or self.options.timeout_s)
+        self._run({}, {k: k[1] for k in given}, given=given)  # (host buffers: a shard's device is its rank)
+        self.version = version
+        return version
+
+    def _dst_layout(self, t: int) -> Any:
+        """The destination layout of this side's tensor ``t``."""
+        return self._tensors[t].dst if self._views is None else self._views.dsts[t]
 
     def _indexed(self, flat: Sequence[tuple[Any, Any]]) -> list[tuple[int, Any]]:
         """``(plan tensor index, leaf)`` of a flattened tree's ``(key path, leaf)`` pairs, in its own leaf

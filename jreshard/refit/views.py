@@ -93,8 +93,10 @@ def run_group(
     targets: Mapping[tuple[int, int], Any],
     *,
     options: Options,
+    given: Mapping[tuple[int, int], Any] | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
-    """This process's ranks (``comm.local_ranks``) of ``vs`` through the one round loop, into fresh buffers.
+    """This process's ranks (``comm.local_ranks``) of ``vs`` through the one round loop, into fresh buffers
+    (or into ``given`` ones).
 
     Args:
       gv: the group's views.
@@ -103,6 +105,8 @@ def run_group(
       sources: ``{(source leaf, rank): single-device jax array}`` of this process's source shards.
       targets: ``{(destination leaf, rank): jax device}`` of the destination shards this process makes.
       options: chunking, staging, ``timeout_s``.
+      given: ``{(destination leaf, rank): 1-D uint8 buffer}`` to write into instead of fresh buffers
+        (a receiving endpoint's); those come back as the buffers themselves, not jax arrays.
 
     Returns:
       ``({(destination leaf, rank): new single-device jax array}, this process's engine statistics)``.
@@ -115,10 +119,12 @@ def run_group(
     src = {k: backend.export_source(a) for k, a in sources.items()}
     devices = {r: next(iter(a.devices())) for (_, r), a in sources.items()}
     devices |= {r: d for (_, r), d in targets.items()}
+    given = given or {}
     by_device: dict[Any, list[tuple[int, int]]] = {}
     for k, device in targets.items():
-        by_device.setdefault(device, []).append(k)
-    dst: dict[tuple[int, int], Any] = {}
+        if k not in given:
+            by_device.setdefault(device, []).append(k)
+    dst: dict[tuple[int, int], Any] = {k: v for k, v in given.items() if k in targets}
     for device, keys in by_device.items():  # one block per device for all its destination shards
         sizes = [storage_bytes(gv.dsts[t].np_dtype, gv.dsts[t].box_of(r).volume) for t, r in keys]
         dst.update(zip(keys, backend.allocate(sizes, device), strict=True))
@@ -126,7 +132,9 @@ def run_group(
         vs, gv.views, gv.layouts, gv.dsts, comm, src, dst, options=options, buffers=backend, devices=devices
     )
     out = {
-        (t, r): backend.import_shard(buf, gv.dsts[t].box_of(r).shape, gv.dsts[t].np_dtype, targets[(t, r)])
+        (t, r): buf
+        if (t, r) in given
+        else backend.import_shard(buf, gv.dsts[t].box_of(r).shape, gv.dsts[t].np_dtype, targets[(t, r)])
         for (t, r), buf in dst.items()
     }
     return out, stats

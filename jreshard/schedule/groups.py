@@ -94,11 +94,13 @@ def group_rounds(schedule: Schedule, max_ops: int) -> RoundGroups:
 
     Example:
       >>> import numpy as np, jreshard
-      >>> from jreshard.schedule.steps import build_schedule
+      >>> from jreshard.engine.driver import schedule_local
+      >>> from jreshard.engine.loopback import LocalComm
       >>> src = jreshard.Layout.from_mesh(np.arange(4), ("x",), ("x",), (64,), "float32")
       >>> dst = jreshard.Layout.replicated(range(4, 8), (64,), "float32")
-      >>> p = jreshard.plan([src] * 3, [dst] * 3, jreshard.Topology.uniform(range(8), domain_size=4))
-      >>> sched = build_schedule(p, jreshard.Options(chunk_bytes=64))
+      >>> topo = jreshard.Topology.uniform(range(8), domain_size=4)
+      >>> opts = jreshard.Options(chunk_bytes=64)
+      >>> _, _, sched = schedule_local([(src, dst)] * 3, ["a", "b", "c"], topo, opts, LocalComm(range(8)))
       >>> rank_op_counts(sched)[4]  # (sends, receives) of rank 4: it forwards what it got to ranks 5-7
       (9, 12)
       >>> [group_rounds(sched, m).rank_groups(sched, 4) for m in (100, 3, 2)]  # one group per round, or more

@@ -19,10 +19,11 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
+from jreshard.engine.ownership import claim, shard_pointer, source_addresses
 from jreshard.engine.prepared import Mode
 from jreshard.errors import LayoutError, LayoutMismatchError
 from jreshard.options import Options
-from jreshard.report import ReportBuilder, ReportPhase
+from jreshard.report import NotInPlace, ReportBuilder, ReportPhase
 from jreshard.sharding.caches import cache
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
@@ -129,24 +130,9 @@ def _targets(leaves: list[Any], targets: list[Any], shardings: list[Any], mode: 
     return out
 
 
-def _pointers(a: jax.Array) -> set[int]:
-    return {s.data.unsafe_buffer_pointer() for s in a.addressable_shards if s.data.size}
-
-
-def _owned(leaves: list[Any], into: list[Any], moved: list[int]) -> list[bool]:
-    """Per moved leaf, whether its ``into`` array may be donated: live, and sharing no buffer with a
-    source or with another ``into`` leaf."""
-    taken = set().union(*(_pointers(x) for x in leaves)) if leaves else set()
-    out = []
-    for i in moved:
-        t = into[i]
-        if t.is_deleted():
-            out.append(False)
-            continue
-        mine = _pointers(t)
-        out.append(not (mine & taken))
-        taken |= mine
-    return out
+def _reused(before: tuple[int, ...], blocks: Any) -> bool:
+    """Whether the output ``blocks`` lie in the memory of the donated ``into`` shards (addresses ``before``)."""
+    return set(before) - {0} <= {shard_pointer(b) for b in blocks}
 
 
 def _stack(blocks: dict[Any, jax.Array], block: tuple[int, ...], compiled: Compiled, spare: Any) -> Any:
@@ -197,7 +183,8 @@ def run_xla(
             )
             for i in moved
         )
-        donate = tuple(_owned(leaves, targets, moved)) if mode is Mode.INTO else (False,) * len(moved)
+        claims = claim(targets, moved, source_addresses(leaves)) if mode is Mode.INTO else None
+        donate = tuple(claims is not None and i in claims.owned for i in moved)
     result = (
         list(leaves) if mode is Mode.TRANSFER else [leaves[i] if t is None else None for i, t in enumerate(targets)]
     )
@@ -256,8 +243,10 @@ def run_xla(
             arrays = [blocks[d] if plan.dst_block[t] else jnp.reshape(blocks[d], ()) for d in order]
             result[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, sh, arrays, dtype=leaves[i].dtype)
             nbytes = sum(a.nbytes for a in arrays)
-            if mode is Mode.INTO and not donate[t]:
-                builder.add_unowned(nbytes)
+            if claims is not None and not donate[t]:
+                builder.add_unowned(nbytes, i, claims.why[i])
+            elif claims is not None and not _reused(claims.owned[i][0], blocks.values()):
+                builder.add_unowned(nbytes, i, NotInPlace.NOT_HANDED_OVER)  # XLA copied: into's memory unused
             if not (mode is Mode.INTO and donate[t]):
                 builder.add_fresh(nbytes)
         del outs

@@ -84,12 +84,12 @@ def check(pairs, globals_, shards) -> int:
 
 def body() -> dict:
     from mpi4py import MPI
+    from schedule_oracle import build_schedule
 
     from jreshard.engine.comm import Communicator
     from jreshard.engine.rounds import execute
     from jreshard.mpi.comm import MpiComm
     from jreshard.options import Options
-    from jreshard.schedule.steps import build_schedule
 
     class Counting(Communicator):
         """Delegates to MpiComm and logs every exchange's (sends, receives) per local rank."""

@@ -21,10 +21,12 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "mpi_bodies"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/: the schedule oracle
 
 import numpy as np
 from engine_groups import case, check, shards_for
 from pair_channel import channel
+from schedule_oracle import build_schedule
 
 from jreshard.engine import replay
 from jreshard.engine.rounds import execute
@@ -32,7 +34,6 @@ from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.nixl import NixlAgent, NixlComm
 from jreshard.options import Options
-from jreshard.schedule.steps import build_schedule
 
 
 def prepared_of(comm):
