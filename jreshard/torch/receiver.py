@@ -12,8 +12,8 @@ version through the shared engine (:class:`jreshard.refit.Endpoint`), versioned 
   A refit that fails midway leaves them part old, part new, and the error says so
   (``destination_intact=False``); pull again before using them.
 
-CPU tensors here; CUDA tensors' addresses are taken the same way, but the engine writes host memory
-(not run on GPU).
+CPU tensors here. CUDA tensors are staged on the host and copied to the device with ``torch`` at the commit
+(``in_place=True`` refuses them: the engine writes host memory); not run on GPU.
 """
 
 from __future__ import annotations
@@ -65,9 +65,18 @@ class Receiver:
     def __init__(self, endpoint: Endpoint, shards: Mapping[str, Shard], *, in_place: bool = False):
         self.endpoint, self.in_place = endpoint, bool(in_place)
         self._targets: dict[tuple[str, int], tuple[int, int]] = {}
+        self._device: dict[tuple[str, int], Any] = {}  # tensors off the host: copied with torch at the commit
         for name, s in shards.items():
-            if s.box.volume:
-                self._targets[(name, 0)] = tensor_region(s.tensor, s.local_box or _whole(s.tensor), what=name)
+            if not s.box.volume:
+                continue
+            self._targets[(name, 0)] = tensor_region(s.tensor, s.local_box or _whole(s.tensor), what=name)
+            if str(s.tensor.device) != "cpu":
+                if self.in_place:
+                    raise ValueError(
+                        f"{name}: in_place=True writes host memory, but the tensor is on {s.tensor.device}; "
+                        "use the staged default (the bytes land on the host and are copied to the device)"
+                    )
+                self._device[(name, 0)] = s.tensor
         self._buffers: dict[tuple[str, int], Any]
         if self.in_place:
             self._buffers = {k: RawMemory(a, n) for k, (a, n) in self._targets.items()}
@@ -163,7 +172,10 @@ class Receiver:
         if not self.in_place:
             for key, (address, nbytes) in self._targets.items():
                 src = self._buffers[key]
-                ctypes.memmove(address, src.ctypes.data, nbytes)
+                if key in self._device:
+                    _to_device(self._device[key], address, src)
+                else:
+                    ctypes.memmove(address, src.ctypes.data, nbytes)
         return version
 
     def close(self) -> None:
@@ -175,6 +187,15 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _to_device(t: Any, address: int, src: np.ndarray) -> None:
+    """Copy the host bytes ``src`` into device tensor ``t`` at ``address`` (inside it). Not run on GPU."""
+    import torch
+
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    start = address - int(t.data_ptr())
+    flat[start : start + src.size].copy_(torch.from_numpy(src))
 
 
 def _whole(t: Any) -> Box:

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for _vllm_reference
@@ -73,10 +74,11 @@ def run_trainer() -> None:
     v = 1
     while v <= VERSIONS:
         state["v"] = v
+        t0 = time.monotonic()
         try:
             group.push(params(v), version=v)
         except (PeerError, TransferError) as err:
-            say(event="failed", version=v, error=f"{type(err).__name__}: {err}"[:300])
+            say(event="failed", version=v, error=f"{type(err).__name__}: {err}"[:300], seconds=time.monotonic() - t0)
             group.close()
             if mode != "replace":
                 return
