@@ -128,7 +128,7 @@ class Receiver:
         decl = cls.declaration(shards, recipe=recipe)
         endpoint = Endpoint.connect(decl, address=address, index=index, count=count, host=host, options=options,
                                     links=links)  # fmt: skip
-        return cls(endpoint, shards, in_place=in_place)
+        return cls._made(endpoint, shards, in_place)
 
     @classmethod
     def over_mpi(
@@ -143,7 +143,15 @@ class Receiver:
     ) -> Receiver:
         """Join the group of one MPI launch (``comm`` spans both sides; default ``MPI.COMM_WORLD``)."""
         endpoint = Endpoint(cls.declaration(shards, recipe=recipe), comm=comm, options=options, links=links)
-        return cls(endpoint, shards, in_place=in_place)
+        return cls._made(endpoint, shards, in_place)
+
+    @classmethod
+    def _made(cls, endpoint: Endpoint, shards: Mapping[str, Shard], in_place: bool) -> Receiver:
+        try:
+            return cls(endpoint, shards, in_place=in_place)
+        except BaseException:  # leave the group at once: its other processes must not wait for this one
+            endpoint.close()
+            raise
 
     @property
     def version(self) -> int | None:
