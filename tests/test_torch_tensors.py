@@ -130,3 +130,39 @@ def test_a_vllm_like_module_declares_exactly_the_shards(cfg, tp):
             assert tuple(params[name].shape) == s.local_shape, name
             address, nbytes = tensor_region(params[name], s.local_box, what=name)  # one run, even when padded
             assert nbytes == int(np.prod(s.box.shape)) * 4 and address == params[name].data_ptr()
+
+
+def test_a_receiver_commits_staged_bytes_and_refuses_device_tensors_in_place():
+    """The commit of the staged default copies each box into its tensor's region (the padding rows stay); a
+    tensor off the host is refused with ``in_place=True`` by name, before any connection."""
+    from jreshard.torch.receiver import Receiver, Shard
+
+    class _NoEndpoint:
+        version = None
+
+        def pull(self, buffers, *, timeout_s=None):
+            for i, buf in enumerate(buffers.values()):
+                buf[:] = np.arange(buf.size, dtype=np.uint8) + i
+            return 7
+
+    t = torch.full((4, 2), -1.0)
+    shard = Shard(t, (3, 2), Box((0, 0), (3, 2)), Box((0, 0), (3, 2)))  # 3 real rows, 1 padding row
+    rx = Receiver(_NoEndpoint(), {"emb": shard})
+    assert rx.pull() == 7
+    want = torch.from_numpy(np.arange(24, dtype=np.uint8)).view(torch.float32).reshape(3, 2)
+    assert torch.equal(t[:3], want) and bool((t[3] == -1.0).all())
+
+    class _Elsewhere:  # what Receiver reads of a device tensor
+        device, dtype, shape = "cuda:0", torch.float32, (2,)
+
+        def is_contiguous(self):
+            return True
+
+        def element_size(self):
+            return 4
+
+        def data_ptr(self):
+            return 4096
+
+    with pytest.raises(ValueError, match="w: in_place=True writes host memory, but the tensor is on cuda:0"):
+        Receiver(_NoEndpoint(), {"w": Shard(_Elsewhere(), (2,), Box((0,), (2,)))}, in_place=True)

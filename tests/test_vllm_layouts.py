@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from _vllm_reference import hf_names, trainer, vllm_rank
 
 from jreshard.integrations import vllm
 from jreshard.views.bounds import evaluate
@@ -15,88 +16,6 @@ from jreshard.views.casts import cast
 
 LLAMA = dict(vocab_size=1000, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8, num_kv_heads=2,
              head_dim=4)  # fmt: skip
-
-
-def _trainer(model: vllm.DecoderShape, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    shapes = vllm._trainer_shapes(model, vllm.TUNIX_NAMES)
-    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
-
-
-def _hf(model: vllm.DecoderShape, t: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The trainer's weights under Hugging Face names and orientations (``[out, in]``), as a checkpoint has them."""
-    n = vllm.TUNIX_NAMES
-    out = {"model.embed_tokens.weight": t[n.embed], "model.norm.weight": t[n.final_norm]}
-    if not model.tie_word_embeddings:
-        out["lm_head.weight"] = t[n.lm_head].T
-    for i in range(model.num_layers):
-        f = {k: getattr(n, k).format(i=i) for k in vllm.TrainerNames.__dataclass_fields__}
-        p = f"model.layers.{i}."
-        for x in "qkv":
-            w = t[f[x]]
-            out[p + f"self_attn.{x}_proj.weight"] = w.transpose(1, 2, 0).reshape(-1, w.shape[0])
-            if model.qkv_bias:
-                out[p + f"self_attn.{x}_proj.bias"] = t[f[x + "_bias"]]
-        o = t[f["o"]]
-        out[p + "self_attn.o_proj.weight"] = o.reshape(-1, o.shape[2]).T
-        out[p + "mlp.gate_proj.weight"] = t[f["gate"]].T
-        out[p + "mlp.up_proj.weight"] = t[f["up"]].T
-        out[p + "mlp.down_proj.weight"] = t[f["down"]].T
-        out[p + "input_layernorm.weight"] = t[f["input_norm"]]
-        out[p + "post_attention_layernorm.weight"] = t[f["post_norm"]]
-        if model.qk_norm:
-            out[p + "self_attn.q_norm.weight"] = t[f["q_norm"]]
-            out[p + "self_attn.k_norm.weight"] = t[f["k_norm"]]
-    return out
-
-
-def _vllm_rank(model: vllm.DecoderShape, hf: dict[str, np.ndarray], r: int, tp: int) -> dict[str, np.ndarray]:
-    """What vLLM's weight loaders put in TP rank ``r``'s parameters, re-enacted step by step."""
-    m, h = model, model.head_dim
-    heads = m.num_heads // tp
-    if tp >= m.num_kv_heads:
-        kv, replicas = 1, tp // m.num_kv_heads
-    else:
-        kv, replicas = m.num_kv_heads // tp, 1
-    out = {}
-
-    def vocab(w):  # VocabParallelEmbedding.weight_loader: the real rows, zeros after them
-        per = -(-m.vocab_size // 64) * 64 // tp
-        start, end = min(r * per, m.vocab_size), min((r + 1) * per, m.vocab_size)
-        p = np.zeros((per, w.shape[1]), w.dtype)
-        p[: end - start] = w[start:end]
-        return p
-
-    out["model.embed_tokens.weight"] = vocab(hf["model.embed_tokens.weight"])
-    if not m.tie_word_embeddings:
-        out["lm_head.weight"] = vocab(hf["lm_head.weight"])
-    out["model.norm.weight"] = hf["model.norm.weight"]
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}."
-        for kind in ("weight", "bias") if m.qkv_bias else ("weight",):
-            q, k, v = (hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv")
-            qs, ks = heads * h, kv * h
-            dst = np.zeros((qs + 2 * ks, *q.shape[1:]), q.dtype)
-            dst[:qs] = q[r * qs : (r + 1) * qs]  # shard_id "q": this rank's query heads
-            shard = r // replicas  # shard_id "k"/"v": the rank's key/value shard, replicated
-            dst[qs : qs + ks] = k[shard * ks : (shard + 1) * ks]
-            dst[qs + ks :] = v[shard * ks : (shard + 1) * ks]
-            out[p + f"self_attn.qkv_proj.{kind}"] = dst
-        o = hf[p + "self_attn.o_proj.weight"]
-        n = o.shape[1] // tp
-        out[p + "self_attn.o_proj.weight"] = o[:, r * n : (r + 1) * n]
-        gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
-        n = gate.shape[0] // tp
-        out[p + "mlp.gate_up_proj.weight"] = np.concatenate([gate[r * n : (r + 1) * n], up[r * n : (r + 1) * n]])
-        down = hf[p + "mlp.down_proj.weight"]
-        n = down.shape[1] // tp
-        out[p + "mlp.down_proj.weight"] = down[:, r * n : (r + 1) * n]
-        for nm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            out[p + nm] = hf[p + nm]
-        if m.qk_norm:
-            for nm in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-                out[p + nm] = hf[p + nm]
-    return out
 
 
 CASES = [
@@ -114,12 +33,12 @@ CASES = [
 @pytest.mark.parametrize(("cfg", "tp"), CASES)
 def test_every_rank_holds_what_vllms_loaders_put_there(cfg, tp):
     model = vllm.DecoderShape(**cfg)
-    t = _trainer(model)
-    hf = _hf(model, t)
+    t = trainer(model)
+    hf = hf_names(model, t)
     views = vllm.vllm_views(t, model, tp, dtype="float32")
     full = {name: evaluate(v, lambda leaf: leaf.source, cast) for name, v in views.items()}
     for r in range(tp):
-        want = _vllm_rank(model, hf, r, tp)
+        want = vllm_rank(model, hf, r, tp)
         shards = vllm.vllm_shards(model, r, tp)
         assert set(shards) == set(want) == set(views)
         for name, s in shards.items():
@@ -144,7 +63,7 @@ def test_the_ranks_tile_every_view_once_and_padding_is_never_written():
 
 def test_a_cast_view_is_what_the_server_dtype_gives():
     model = vllm.DecoderShape(**LLAMA)
-    t = _trainer(model)
+    t = trainer(model)
     v = vllm.vllm_views(t, model, 2)["model.layers.0.mlp.down_proj.weight"]
     assert v.dtype == "bfloat16"
     got = evaluate(v, lambda leaf: leaf.source, cast)
@@ -156,7 +75,7 @@ def test_a_server_declares_the_same_views_over_named_trainer_parameters():
 
     model = vllm.DecoderShape(**LLAMA, qkv_bias=True)
     named = vllm.vllm_views(vllm.trainer_params(model), model, 4)
-    real = vllm.vllm_views(_trainer(model), model, 4)
+    real = vllm.vllm_views(trainer(model), model, 4)
     assert {k: v.shape for k, v in named.items()} == {k: v.shape for k, v in real.items()}
     assert all(encode(v) for v in named.values())  # every view travels in the named form
 
@@ -192,7 +111,7 @@ def test_a_layout_vllm_would_refuse_is_refused_by_name(cfg, rank, tp, match):
 
 def test_a_trainer_parameter_of_another_shape_is_named():
     model = vllm.DecoderShape(**LLAMA)
-    t = _trainer(model)
+    t = trainer(model)
     t["layers.1.mlp.up_proj.kernel"] = t["layers.1.mlp.up_proj.kernel"][:, :32]
     with pytest.raises(ValueError, match=r"'layers.1.mlp.up_proj.kernel' has shape \(32, 32\)"):
         vllm.vllm_views(t, model, 2)
@@ -211,7 +130,7 @@ def test_a_jax_trainer_moves_into_vllms_tp_layout_shard_to_shard():
     if len(devs) < 8:
         pytest.skip("needs 8 devices")
     model = vllm.DecoderShape(**dict(LLAMA, vocab_size=1024, num_layers=1))
-    t = _trainer(model, seed=3)
+    t = trainer(model, seed=3)
     fsdp = Mesh(devs[:4], ("fsdp",))
     arrays = {
         k: jax.device_put(v, NamedSharding(fsdp, P("fsdp" if v.shape[0] % 4 == 0 else None))) for k, v in t.items()
@@ -224,9 +143,9 @@ def test_a_jax_trainer_moves_into_vllms_tp_layout_shard_to_shard():
         split = [d for d in range(len(s.view_shape)) if s.box.shape[d] != s.view_shape[d]]
         spec[name] = NamedSharding(tp, P(*("tp" if d in split else None for d in range(len(s.view_shape)))))
     out = jviews.transfer(views, spec)
-    hf = _hf(model, t)
+    hf = hf_names(model, t)
     for r in range(4):
-        want = _vllm_rank(model, hf, r, 4)
+        want = vllm_rank(model, hf, r, 4)
         for name, arr in out.items():
             (shard,) = [x for x in arr.addressable_shards if x.device == devs[4 + r]]
             np.testing.assert_array_equal(np.asarray(shard.data), want[name], err_msg=f"{name} rank {r}")

@@ -59,7 +59,9 @@ __all__ = [
     "DecoderShape",
     "TrainerNames",
     "VllmShard",
+    "flat_key",
     "pad_vocab",
+    "receiver_shards",
     "trainer_params",
     "vllm_shards",
     "vllm_views",
@@ -174,10 +176,21 @@ def _trainer_shapes(m: DecoderShape, n: TrainerNames) -> dict[str, tuple[int, ..
     return out
 
 
-def trainer_params(model: DecoderShape, dtype: Any = "float32", names: TrainerNames = TUNIX_NAMES) -> dict[str, View]:
+def flat_key(name: str) -> str:
+    """The name a trainer's flat dict ``{name: array}`` gives its leaf in a refit group (``['name']``)."""
+    return f"[{name!r}]"
+
+
+def trainer_params(
+    model: DecoderShape,
+    dtype: Any = "float32",
+    names: TrainerNames = TUNIX_NAMES,
+    key: Callable[[str], str] = lambda name: name,
+) -> dict[str, View]:
     """The trainer's parameters as named leaves (:func:`jreshard.views.param`), for a program that
-    declares views of another program's tree (a server): name -> leaf of the trainer's shape."""
-    return {name: param(name, shape, dtype) for name, shape in _trainer_shapes(model, names).items()}
+    declares views of another program's tree (a server): name -> leaf of the trainer's shape, named
+    ``key(name)`` (the name the trainer's tree gives it in the group: :func:`flat_key` for a flat dict)."""
+    return {name: param(key(name), shape, dtype) for name, shape in _trainer_shapes(model, names).items()}
 
 
 def _kv_layout(m: DecoderShape, tp: int) -> tuple[int, int]:
@@ -348,3 +361,48 @@ def vllm_shards(model: DecoderShape, tp_rank: int, tp_size: int) -> dict[str, Vl
         out["lm_head.weight"] = _vocab("lm_head.weight", m, r, tp)
     assert all(math.prod(s.local_box.shape) == math.prod(s.box.shape) for s in out.values())
     return out
+
+
+def receiver_shards(
+    tensors: Mapping[str, Any],
+    model: DecoderShape,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    source_dtype: Any = "float32",
+    names: TrainerNames = TUNIX_NAMES,
+    key: Callable[[str], str] = flat_key,
+) -> tuple[dict[str, Any], dict[str, View]]:
+    """``(shards, recipe)`` for :class:`jreshard.torch.Receiver` on vLLM's TP rank ``tp_rank``.
+
+    Args:
+      tensors: the rank's parameters by vLLM name (``dict(model.named_parameters())``), each
+        contiguous, of the shape vLLM allocates; their dtype is the server's.
+      model, tp_rank, tp_size: the decoder and the rank.
+      source_dtype: the trainer's parameter dtype; names, key: where and under what names the
+        trainer keeps each weight (:func:`trainer_params`).
+
+    Raises:
+      LayoutError: a parameter the layout needs is missing, or has another shape than vLLM allocates
+        (names the parameter and both shapes); parameters of more than one dtype.
+    """
+    from jreshard.errors import LayoutError
+    from jreshard.torch import tensor_dtype
+    from jreshard.torch.receiver import Shard
+
+    layout = vllm_shards(model, tp_rank, tp_size)
+    missing = sorted(set(layout) - set(tensors))
+    if missing:
+        raise LayoutError(f"receiver_shards: the rank's parameters lack {missing}")
+    dtypes = sorted({tensor_dtype(tensors[n]) for n in layout})
+    if len(dtypes) != 1:
+        raise LayoutError(f"receiver_shards: the parameters have dtypes {dtypes}; vLLM's weights take one")
+    shards = {}
+    for name, s in layout.items():
+        shape = tuple(int(n) for n in tensors[name].shape)
+        if shape != s.local_shape:
+            raise LayoutError(f"receiver_shards: {name} has shape {shape}; vLLM allocates {s.local_shape} on rank "
+                              f"{tp_rank} of {tp_size}")  # fmt: skip
+        shards[name] = Shard(tensors[name], s.view_shape, s.box, s.local_box)
+    views = vllm_views(trainer_params(model, source_dtype, names, key), model, tp_size, dtypes[0], names)
+    return shards, views

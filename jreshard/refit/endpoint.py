@@ -91,6 +91,10 @@ class Declaration:
         dtypes; the boxes are each one's own).
       slots: how many ranks this process drives (every box's slot is below it).
       domain: its fast-link domain id (default: its own).
+      recipe: ``{tensor name: view}`` for tensors made from the source's parameters by a view (a fused,
+        transposed or cast parameter: :mod:`jreshard.views`, its leaves :func:`jreshard.views.param` named
+        as the source names its parameters); views or their encoded form. Other tensors take the source
+        parameter of their name (cast to their dtype).
 
     Example:
       >>> w = Tensor(name="['w']", shape=(4, 2), dtype="float32", boxes=((0, Box((0, 0), (2, 2))),))
@@ -101,9 +105,19 @@ class Declaration:
     tensors: tuple[Tensor, ...]
     slots: int
     domain: int | None = None
+    recipe: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", tuple(self.tensors))
+        if self.recipe is not None:
+            from jreshard.views.algebra import View
+            from jreshard.views.named import encode
+
+            forms = {k: encode(v) if isinstance(v, View) else v for k, v in self.recipe.items()}
+            unknown = sorted(set(forms) - {t.name for t in self.tensors})
+            if unknown:
+                raise LayoutError(f"Declaration: the recipe makes {unknown}, which are not among the tensors")
+            object.__setattr__(self, "recipe", forms)
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or self.slots < 1:
             raise LayoutError(f"Declaration: slots={self.slots!r} must be an int >= 1")
         names = [t.name for t in self.tensors]
@@ -120,7 +134,10 @@ class Declaration:
             [t.name, list(t.shape), t.dtype, [[s, list(b.lo), list(b.hi)] for s, b in sorted(t.boxes)]]
             for t in self.tensors
         ]
-        return {"role": role, "ndev": self.slots, "domain": self.domain, "params": params, "errors": []}
+        out = {"role": role, "ndev": self.slots, "domain": self.domain, "params": params, "errors": []}
+        if self.recipe is not None:
+            out["recipe"] = dict(self.recipe)
+        return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,6 +8,8 @@ take a ``torch.Tensor`` and read only its dtype, shape, strides, device and ``da
   one contiguous run of the tensor's own memory (sizes come from the tensor, never from a dtype's claim).
 - :func:`host_bytes`: a CPU tensor's memory as a writable numpy ``uint8`` array over the same bytes (no
   copy), the buffer form jreshard's CPU engine writes into.
+- :class:`~jreshard.torch.receiver.Receiver` (``jreshard.torch.Receiver``, loaded on first use): a process of
+  a refit group's receiving side whose parameters are PyTorch tensors.
 
 CUDA tensors give their device address the same way; that path is not run on GPU.
 """
@@ -21,7 +23,7 @@ import numpy as np
 
 from jreshard.sharding.box import Box
 
-__all__ = ["TORCH_DTYPES", "host_bytes", "tensor_dtype", "tensor_region"]
+__all__ = ["TORCH_DTYPES", "Receiver", "Shard", "host_bytes", "tensor_dtype", "tensor_region"]
 
 # torch dtype name (``str(torch.float32)`` without ``torch.``) -> jreshard's dtype name
 TORCH_DTYPES = {
@@ -112,3 +114,11 @@ def _byte_dtype() -> Any:
     import torch
 
     return torch.uint8
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Receiver", "Shard"):
+        from jreshard.torch import receiver
+
+        return getattr(receiver, name)
+    raise AttributeError(f"module 'jreshard.torch' has no attribute {name!r}")
