@@ -27,3 +27,7 @@ def held_port():
 
     with ExitStack() as stack:
         yield lambda: stack.enter_context(reserved_port())
+
+
+# Scripts a test launches, not modules: they read their command line when imported.
+collect_ignore_glob = ["tests/torch_bodies/*.py"]

@@ -29,7 +29,7 @@ from jreshard.errors import LayoutError, TransferError
 from jreshard.options import Options
 from jreshard.refit.endpoint import Declaration, Endpoint, RawMemory, Tensor
 from jreshard.sharding.box import Box
-from jreshard.torch import tensor_dtype, tensor_region
+from jreshard.torch.tensors import tensor_dtype, tensor_region
 
 __all__ = ["Receiver", "Shard"]
 
