@@ -265,7 +265,9 @@ def _worker(path: str) -> None:
         comm = kinds[kind](world, rank_process)
         if world.Get_rank() == 0:
             times, cpu, reports = [], [], []
-            for _ in range(repeat + 1):
+            for step in range(repeat + 1):
+                if step == 1:
+                    _counters(None)
                 world.Barrier()
                 rep = ReportBuilder(Backend.MPI)
                 c0, t0 = time.thread_time(), time.perf_counter()
@@ -284,22 +286,44 @@ def _worker(path: str) -> None:
                 "kind": kind,
             }
             out[name]["peer_busy"] = world.recv(source=1)
+            _counters(f"{name}, the rank", repeat * len(cut.rounds))
         else:
             rounds, nbytes = mirror_rounds(cut, row_bytes)
             peer = replay.Replay(rounds, replay.ops_of(rounds, (False,) * len(rounds), {}, 0), comm)
             busy: list[float] = []
             scratch = [np.zeros(nbytes, np.uint8)]
-            for _ in range(repeat + 1):
+            for step in range(repeat + 1):
+                if step == 1:
+                    _counters(None)
                 world.Barrier()
                 t0 = time.perf_counter()
                 phases = peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
                 busy.append(time.perf_counter() - t0 - phases[4])
             peer.release()
+            _counters(f"{name}, the peers", repeat * len(cut.rounds))
             world.send(busy, dest=0)
         comm.close()
     if world.Get_rank() == 0:
         out["compiled"] = replay.compiled_replay()
         print("RESULT " + json.dumps(out), flush=True)
+
+
+def _counters(label: str | None, rounds: int = 1) -> None:
+    """Where the compiled replay's time went, when ``_replay.c`` was built with ``-DREPLAY_PROFILE`` (a profiling
+    build; a release has no counters and this does nothing): clear the counters (``label`` None), or print them per
+    round to stderr (the parent passes those lines on)."""
+    read = getattr(replay._native, "profile", None)
+    if read is None:
+        return
+    start, poll, polls, failed, copy, waits = read()
+    if label is not None and waits:  # the compiled replay ran
+        print(
+            f"   replay counters ({label}): start {start / rounds / 1e3:.2f} us, polls {poll / rounds / 1e3:.2f} us "
+            f"({polls / rounds:.1f} a round, {failed / rounds:.1f} found nothing), packs and unpacks "
+            f"{copy / rounds / 1e3:.2f} us per round",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 COLUMNS = (
@@ -331,6 +355,7 @@ def real_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, col
         cmd = [str(mpiexec), "-n", "2", sys.executable, str(Path(__file__).resolve()), "--worker", path]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    sys.stderr.write("".join(ln + "\n" for ln in done.stderr.splitlines() if "replay counters" in ln))
     if done.returncode or line is None:
         raise SystemExit(f"engine_bench: the MPI run failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}")
     return json.loads(line[len("RESULT ") :])

@@ -138,12 +138,10 @@ class NativeGroups:
         between ranks of this process, copied when their group starts (buffers index the step's buffer list).
       requests: the requests' handles, ``req_size`` bytes each, back to back (re-made handles are written here).
       expect: per request, the bytes a receive must get (``-1`` for a send).
-      statuses: scratch for the statuses of the largest group, ``status_size`` bytes each.
-      indices: scratch int32 for the indices of the largest group.
+      status: scratch for one status, ``status_size`` bytes.
       byte_type: the handle of the byte datatype, for ``count``.
-      undefined: what ``test`` returns as the count of a group whose requests all completed (``MPI_UNDEFINED``).
-      start, test, count: addresses of C functions with the signatures of ``MPI_Startall``, ``MPI_Testsome`` and
-        ``MPI_Get_count``.
+      start, test, count: addresses of C functions with the signatures of ``MPI_Startall``, ``MPI_Test`` (a group's
+        requests are polled one at a time, in order) and ``MPI_Get_count``.
     """
 
     groups: np.ndarray
@@ -151,11 +149,9 @@ class NativeGroups:
     requests: np.ndarray
     req_size: int
     expect: np.ndarray
-    statuses: np.ndarray
+    status: np.ndarray
     status_size: int
-    indices: np.ndarray
     byte_type: int
-    undefined: int
     start: int
     test: int
     count: int

@@ -338,8 +338,7 @@ class Replay:
             self._args = (
                 ops.ctypes.data, len(ops), n.groups.ctypes.data, len(n.groups), n.copies.ctypes.data, len(n.copies),
                 addr.ctypes.data, size.ctypes.data, len(addr), n.expect.ctypes.data, n.requests.ctypes.data,
-                n.req_size, n.statuses.ctypes.data, n.status_size, n.indices.ctypes.data, n.byte_type, n.undefined,
-                n.start, n.test, n.count,
+                n.req_size, n.status.ctypes.data, n.status_size, n.byte_type, n.start, n.test, n.count,
             )  # fmt: skip
         times, fail = self._times, self._fail
         times[:] = 0
