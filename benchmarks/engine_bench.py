@@ -225,9 +225,18 @@ def mirror_rounds(prog: CompiledRounds, row_bytes: int) -> tuple[tuple, int]:
 
 def _worker(path: str) -> None:
     """One of the two MPI processes of the real path (see the module docstring)."""
+    with open(path, "rb") as f:
+        job = pickle.load(f)
+    import mpi4py
+
+    mpi4py.rc.thread_level = job["thread_level"]  # read when MPI is initialised, below
     from mpi4py import MPI
 
     from jreshard.mpi.comm import MpiComm
+
+    level = {"multiple": MPI.THREAD_MULTIPLE, "serialized": MPI.THREAD_SERIALIZED}[job["thread_level"]]
+    if MPI.Query_thread() != level:  # MPI was initialised before the level was set
+        raise SystemExit(f"engine_bench: MPI runs at thread level {MPI.Query_thread()}, not {job['thread_level']}")
 
     class PerOpMpiComm(MpiComm):
         """MpiComm with no prepared groups: every group posted afresh, operation by operation (the engine's
@@ -236,8 +245,6 @@ def _worker(path: str) -> None:
         def prepare(self, groups):
             return None
 
-    with open(path, "rb") as f:
-        job = pickle.load(f)
     sched, rank, sizes, repeat = job["schedule"], job["rank"], job["sizes"], job["repeat"]
     world = MPI.COMM_WORLD
     opts = Options()
@@ -333,6 +340,10 @@ COLUMNS = (
 )
 """The real path's columns: (name, engine, bytes each message and descriptor row keeps)."""
 
+SERIALIZED = (("prepared, serialized", "prepared", 0),)
+"""The column run again in processes that initialise MPI at ``MPI_THREAD_SERIALIZED`` (``mpi4py.rc.thread_level =
+"serialized"``) instead of mpi4py's default ``MPI_THREAD_MULTIPLE``, where MPICH takes a lock in every call."""
+
 
 def _job(tmp: str, sched: Any, tensors: list[TensorSpec], rank: int, **more: Any) -> str:
     """A pickled job for the worker processes in ``tmp``: the schedule, the rank, the byte size of each of its
@@ -346,11 +357,19 @@ def _job(tmp: str, sched: Any, tensors: list[TensorSpec], rank: int, **more: Any
     return path
 
 
-def real_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, columns: tuple = COLUMNS) -> dict:
-    """Run :func:`_worker` in two MPI processes; their measurements."""
+def real_path(
+    sched: Any,
+    tensors: list[TensorSpec],
+    rank: int,
+    repeat: int,
+    columns: tuple = COLUMNS,
+    thread_level: str = "multiple",
+) -> dict:
+    """Run :func:`_worker` in two MPI processes, MPI initialised at ``thread_level`` (mpi4py's names); their
+    measurements."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
-        path = _job(tmp, sched, tensors, rank, repeat=repeat, columns=columns)
+        path = _job(tmp, sched, tensors, rank, repeat=repeat, columns=columns, thread_level=thread_level)
         env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
         cmd = [str(mpiexec), "-n", "2", sys.executable, str(Path(__file__).resolve()), "--worker", path]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
@@ -546,22 +565,28 @@ def main(argv: list[str] | None = None) -> None:
         for what, share in profile(run, top=12):
             print(f"   {share * 100:5.1f}%  {what}")
     predicted = simulate_layouts(r.pairs, topo, Options(), r.names).prediction.seconds
+    load = os.getloadavg()[0]
     real = real_path(sched, tensors, rank, args.repeat)
     compiled = real.pop("compiled")
+    serialized = real_path(sched, tensors, rank, args.repeat, SERIALIZED, "serialized")
+    serialized.pop("compiled")
+    load = max(load, os.getloadavg()[0])
     rounds = real["prepared"]["rounds"]
     print(f"== engine host cost: {args.model} {n} + {n}, destination rank {rank}, {rounds} rounds")
     print(
         f"   real path: execute() over CpuBuffers and MpiComm, 2 MPI processes (the rank; one playing all its "
         f"peers), {real['prepared']['ops']} messages a step; compiled replay "
-        f"{'built' if compiled else 'NOT built (replayed from Python)'}"
+        f"{'built' if compiled else 'NOT built (replayed from Python)'}; MPI_THREAD_MULTIPLE (mpi4py's default) but "
+        f"where the column says serialized; {os.cpu_count()} cores, load average up to {load:.1f} during the runs"
     )
     print("   per column: the step that prepares, then per round the median [min-max] of the others: the wall time;")
-    print("   the engine's host time (the wall time less the time it waited idle: from the first poll of a group that")
-    print("   found it incomplete to its completion; per-op posts do not tell, so there it is the wall time); and the")
-    print("   CPU time of the engine's thread (its polls while it waits included, sleep and preemption not)")
+    print("   the engine's host time (the wall time less the time it waited idle: the polls that completed nothing")
+    print("   after the first of each stretch of them, and the back-off between them; per-op posts do not tell, so")
+    print("   there it is the wall time); and the CPU time of the engine's thread (its polls while it waits included,")
+    print("   sleep and preemption not)")
     host: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
-    for name, col in real.items():
+    for name, col in {**real, **serialized}.items():
         r = max(col["rounds"], 1)
         wall = [t / r * 1e6 for t in col["times"][1:]]
         host[name] = [(t - i) / r * 1e6 for t, i in zip(col["times"][1:], col["idle"][1:], strict=True)]
