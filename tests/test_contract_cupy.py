@@ -346,6 +346,12 @@ def test_numpy_stand_in_matches_the_real_module(cupy, nccl):
         "ndarray.get": (fake.ndarray.get, cupy.ndarray.get),
         "ndarray.fill": (fake.ndarray.fill, cupy.ndarray.fill),
         "from_dlpack": (fake.from_dlpack, cupy.from_dlpack),
+        # CUDA graph capture (jreshard.nccl.graph): the stand-in keeps what a stream under capture is given
+        "Stream.begin_capture": (fake.cuda.Stream.begin_capture, cupy.cuda.Stream.begin_capture),
+        "Stream.end_capture": (fake.cuda.Stream.end_capture, cupy.cuda.Stream.end_capture),
+        "Stream.is_capturing": (fake.cuda.Stream.is_capturing, cupy.cuda.Stream.is_capturing),
+        "Graph.launch": (fake.cuda.graph.Graph.launch, cupy.cuda.graph.Graph.launch),
+        "Graph.upload": (fake.cuda.graph.Graph.upload, cupy.cuda.graph.Graph.upload),
     }
     for name in ("eventQuery", "memcpy2DAsync", "memcpyPeerAsync", "memcpyAsync", "getDeviceProperties",
                  "deviceGetPCIBusId", "deviceCanAccessPeer", "deviceEnablePeerAccess"):  # fmt: skip

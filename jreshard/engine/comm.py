@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, cast
 
 import numpy as np
@@ -36,6 +36,7 @@ __all__ = [
     "REGIONS",
     "Communicator",
     "NativeGroups",
+    "StepGraph",
     "Posted",
     "PreparedGroups",
     "RecvOp",
@@ -204,6 +205,22 @@ class PreparedGroups(abc.ABC):
         """Free the requests (none may be started)."""
 
 
+class StepGraph(abc.ABC):
+    """A program's steps run as one captured graph on an accelerator (``jreshard.nccl.graph``): what
+    :meth:`Communicator.graph` returns."""
+
+    @abc.abstractmethod
+    def run(
+        self, buffers: Any, bufs: Mapping[int, list], bases: list[Any], timeout_s: float, eager: Callable[[], Any]
+    ) -> np.ndarray:
+        """One step over this step's buffers (``eager()`` runs it the engine's own way); seconds per phase
+        ``[pack, network, fanout, unpack, idle]``."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free what the graph holds."""
+
+
 class Communicator(abc.ABC):
     """Grouped, non-blocking point-to-point messages between jreshard ranks (abstract).
 
@@ -265,6 +282,11 @@ class Communicator(abc.ABC):
           groups: each group's ``(sends, recvs)`` rows, in the order the program runs them; a row's buffer
             indexes the buffer list later given to :meth:`PreparedGroups.bind`.
         """
+        return None
+
+    def graph(self, ops: Any) -> StepGraph | None:
+        """A program's steps captured as one graph (``ops``: its :class:`~jreshard.engine.replay.Ops`), or ``None``
+        (the default): the engine runs every step itself."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract
