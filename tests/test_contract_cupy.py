@@ -203,6 +203,10 @@ def test_cuda_stand_in_matches_the_real_module(cupy, runtime):
     assert params(fake.Stream.wait_event) == declared(cupy.cuda.Stream.wait_event)
     assert params(fake.get_current_stream) == declared(cupy.cuda.get_current_stream)
     assert params(fake.runtime.eventQuery) == declared(runtime.eventQuery) == ["event"]
+    for name in ("begin_capture", "end_capture", "is_capturing"):  # CUDA graph capture (jreshard.nccl.graph)
+        assert params(getattr(fake.Stream, name)) == declared(getattr(cupy.cuda.Stream, name)), name
+    for name in ("launch", "upload"):
+        assert params(getattr(fake.Graph, name)) == declared(getattr(cupy.cuda.graph.Graph, name)), name
     assert isinstance(runtime.CUDARuntimeError(700), RuntimeError) and CUDARuntimeError(700).status == 700
     assert runtime.CUDARuntimeError(600).status == 600  # cudaErrorNotReady: what event_done treats as pending
     assert "does not match the current device" in _stream_device_message(fake)
