@@ -18,7 +18,15 @@ links as ``plan_bench.py`` (GB200 NVL72 racks, 50 GB/s NIC, 900 GB/s NVLink).
 
 Columns, in the same run: the **prepared** engine (the default: the first step prepares, the others replay), the
 **per-op** engine (the same rounds with every group posted afresh, operation by operation, as before prepared
-refits), and the null transport and null buffers (the round loop alone, no bytes and no messages).
+refits), and the null transport and null buffers (the round loop alone, no bytes and no messages); then the
+prepared column again in processes that initialise MPI at ``MPI_THREAD_SERIALIZED`` (mpi4py's default is
+``MULTIPLE``, where MPICH takes a lock in every call). The headline line is mpi4py's default.
+
+**Host time** is the wall time of a replayed step less the time the engine waited idle (``TransferReport.idle_s``:
+its polls that completed nothing, after the first of each stretch, and the back-off between them), per round. It
+counts the polls that received a message, and preemption by other processes: on a loaded host it grows, and the
+load average of the runs is printed beside it (the CPU time of the engine's thread too, which counts the idle
+polls but not preemption).
 
 Run: ``JAX_PLATFORMS=cpu python benchmarks/engine_bench.py [--repeat 7]``. The schedule is built as
 ``plan_bench.py`` builds it (its peers' side of the mail answered from their own programs, computed in a
