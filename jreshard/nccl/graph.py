@@ -14,7 +14,8 @@ stream under capture and from then on launches the captured graph: one host call
   peer on the first message between them, which cannot happen inside a capture.
 - **What the graph holds.** Every pack and unpack is the byte kernel of :mod:`jreshard.nccl.cuda_kernels`, run
   over a launch table that lives in one device buffer; every exchange group is one NCCL group. Everything runs on
-  the NCCL stream of this process's GPU, in the program's order (one stream orders it all: no fences).
+  the NCCL stream of this process's GPU, in the program's order (one stream orders it all: no fences), captured
+  in CuPy's default mode (``streamCaptureModeRelaxed``: the kernel may be compiled and loaded inside the capture).
 - **Every step.** The launch tables are rebuilt on the host from this step's shard addresses (source and
   destination shards move between steps) and copied to the device in one host-to-device copy before the launch,
   so the kernels read this step's addresses. Each launch's rows and blocks are baked into the graph: where they
