@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from cupy_numpy import make_cupy
+from schedule_oracle import build_schedule
 
 from jreshard.engine import replay
 from jreshard.engine.replay import ops_of
@@ -18,7 +19,6 @@ from jreshard.nccl.graph import GraphRefit, why_eager
 from jreshard.nccl.rendezvous import KeyValueRendezvous
 from jreshard.options import Options
 from jreshard.schedule import kernels as K
-from jreshard.schedule.steps import build_schedule
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
