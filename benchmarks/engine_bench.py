@@ -18,7 +18,15 @@ links as ``plan_bench.py`` (GB200 NVL72 racks, 50 GB/s NIC, 900 GB/s NVLink).
 
 Columns, in the same run: the **prepared** engine (the default: the first step prepares, the others replay), the
 **per-op** engine (the same rounds with every group posted afresh, operation by operation, as before prepared
-refits), and the null transport and null buffers (the round loop alone, no bytes and no messages).
+refits), and the null transport and null buffers (the round loop alone, no bytes and no messages); then the
+prepared column again in processes that initialise MPI at ``MPI_THREAD_SERIALIZED`` (mpi4py's default is
+``MULTIPLE``, where MPICH takes a lock in every call). The headline line is mpi4py's default.
+
+**Host time** is the wall time of a replayed step less the time the engine waited idle (``TransferReport.idle_s``:
+its polls that completed nothing, after the first of each stretch, and the back-off between them), per round. It
+counts the polls that received a message, and preemption by other processes: on a loaded host it grows, and the
+load average of the runs is printed beside it (the CPU time of the engine's thread too, which counts the idle
+polls but not preemption).
 
 Run: ``JAX_PLATFORMS=cpu python benchmarks/engine_bench.py [--repeat 7]``. The schedule is built as
 ``plan_bench.py`` builds it (its peers' side of the mail answered from their own programs, computed in a
@@ -225,9 +233,18 @@ def mirror_rounds(prog: CompiledRounds, row_bytes: int) -> tuple[tuple, int]:
 
 def _worker(path: str) -> None:
     """One of the two MPI processes of the real path (see the module docstring)."""
+    with open(path, "rb") as f:
+        job = pickle.load(f)
+    import mpi4py
+
+    mpi4py.rc.thread_level = job["thread_level"]  # read when MPI is initialised, below
     from mpi4py import MPI
 
     from jreshard.mpi.comm import MpiComm
+
+    level = {"multiple": MPI.THREAD_MULTIPLE, "serialized": MPI.THREAD_SERIALIZED}[job["thread_level"]]
+    if MPI.Query_thread() != level:  # MPI was initialised before the level was set
+        raise SystemExit(f"engine_bench: MPI runs at thread level {MPI.Query_thread()}, not {job['thread_level']}")
 
     class PerOpMpiComm(MpiComm):
         """MpiComm with no prepared groups: every group posted afresh, operation by operation (the engine's
@@ -236,8 +253,6 @@ def _worker(path: str) -> None:
         def prepare(self, groups):
             return None
 
-    with open(path, "rb") as f:
-        job = pickle.load(f)
     sched, rank, sizes, repeat = job["schedule"], job["rank"], job["sizes"], job["repeat"]
     world = MPI.COMM_WORLD
     opts = Options()
@@ -265,7 +280,9 @@ def _worker(path: str) -> None:
         comm = kinds[kind](world, rank_process)
         if world.Get_rank() == 0:
             times, cpu, reports = [], [], []
-            for _ in range(repeat + 1):
+            for step in range(repeat + 1):
+                if step == 1:
+                    _counters(None)
                 world.Barrier()
                 rep = ReportBuilder(Backend.MPI)
                 c0, t0 = time.thread_time(), time.perf_counter()
@@ -284,22 +301,44 @@ def _worker(path: str) -> None:
                 "kind": kind,
             }
             out[name]["peer_busy"] = world.recv(source=1)
+            _counters(f"{name}, the rank", repeat * len(cut.rounds))
         else:
             rounds, nbytes = mirror_rounds(cut, row_bytes)
             peer = replay.Replay(rounds, replay.ops_of(rounds, (False,) * len(rounds), {}, 0), comm)
             busy: list[float] = []
             scratch = [np.zeros(nbytes, np.uint8)]
-            for _ in range(repeat + 1):
+            for step in range(repeat + 1):
+                if step == 1:
+                    _counters(None)
                 world.Barrier()
                 t0 = time.perf_counter()
                 phases = peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
                 busy.append(time.perf_counter() - t0 - phases[4])
             peer.release()
+            _counters(f"{name}, the peers", repeat * len(cut.rounds))
             world.send(busy, dest=0)
         comm.close()
     if world.Get_rank() == 0:
         out["compiled"] = replay.compiled_replay()
         print("RESULT " + json.dumps(out), flush=True)
+
+
+def _counters(label: str | None, rounds: int = 1) -> None:
+    """Where the compiled replay's time went, when ``_replay.c`` was built with ``-DREPLAY_PROFILE`` (a profiling
+    build; a release has no counters and this does nothing): clear the counters (``label`` None), or print them per
+    round to stderr (the parent passes those lines on)."""
+    read = getattr(replay._native, "profile", None)
+    if read is None:
+        return
+    start, poll, polls, failed, copy, waits = read()
+    if label is not None and waits:  # the compiled replay ran
+        print(
+            f"   replay counters ({label}): start {start / rounds / 1e3:.2f} us, polls {poll / rounds / 1e3:.2f} us "
+            f"({polls / rounds:.1f} a round, {failed / rounds:.1f} found nothing), packs and unpacks "
+            f"{copy / rounds / 1e3:.2f} us per round",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 COLUMNS = (
@@ -308,6 +347,10 @@ COLUMNS = (
     ("prepared, 64 B rows", "prepared", 64),
 )
 """The real path's columns: (name, engine, bytes each message and descriptor row keeps)."""
+
+SERIALIZED = (("prepared, serialized", "prepared", 0),)
+"""The column run again in processes that initialise MPI at ``MPI_THREAD_SERIALIZED`` (``mpi4py.rc.thread_level =
+"serialized"``) instead of mpi4py's default ``MPI_THREAD_MULTIPLE``, where MPICH takes a lock in every call."""
 
 
 def _job(tmp: str, sched: Any, tensors: list[TensorSpec], rank: int, **more: Any) -> str:
@@ -322,15 +365,24 @@ def _job(tmp: str, sched: Any, tensors: list[TensorSpec], rank: int, **more: Any
     return path
 
 
-def real_path(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, columns: tuple = COLUMNS) -> dict:
-    """Run :func:`_worker` in two MPI processes; their measurements."""
+def real_path(
+    sched: Any,
+    tensors: list[TensorSpec],
+    rank: int,
+    repeat: int,
+    columns: tuple = COLUMNS,
+    thread_level: str = "multiple",
+) -> dict:
+    """Run :func:`_worker` in two MPI processes, MPI initialised at ``thread_level`` (mpi4py's names); their
+    measurements."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     with tempfile.TemporaryDirectory() as tmp:
-        path = _job(tmp, sched, tensors, rank, repeat=repeat, columns=columns)
+        path = _job(tmp, sched, tensors, rank, repeat=repeat, columns=columns, thread_level=thread_level)
         env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
         cmd = [str(mpiexec), "-n", "2", sys.executable, str(Path(__file__).resolve()), "--worker", path]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    sys.stderr.write("".join(ln + "\n" for ln in done.stderr.splitlines() if "replay counters" in ln))
     if done.returncode or line is None:
         raise SystemExit(f"engine_bench: the MPI run failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}")
     return json.loads(line[len("RESULT ") :])
@@ -521,22 +573,28 @@ def main(argv: list[str] | None = None) -> None:
         for what, share in profile(run, top=12):
             print(f"   {share * 100:5.1f}%  {what}")
     predicted = simulate_layouts(r.pairs, topo, Options(), r.names).prediction.seconds
+    load = os.getloadavg()[0]
     real = real_path(sched, tensors, rank, args.repeat)
     compiled = real.pop("compiled")
+    serialized = real_path(sched, tensors, rank, args.repeat, SERIALIZED, "serialized")
+    serialized.pop("compiled")
+    load = max(load, os.getloadavg()[0])
     rounds = real["prepared"]["rounds"]
     print(f"== engine host cost: {args.model} {n} + {n}, destination rank {rank}, {rounds} rounds")
     print(
         f"   real path: execute() over CpuBuffers and MpiComm, 2 MPI processes (the rank; one playing all its "
         f"peers), {real['prepared']['ops']} messages a step; compiled replay "
-        f"{'built' if compiled else 'NOT built (replayed from Python)'}"
+        f"{'built' if compiled else 'NOT built (replayed from Python)'}; MPI_THREAD_MULTIPLE (mpi4py's default) but "
+        f"where the column says serialized; {os.cpu_count()} cores, load average up to {load:.1f} during the runs"
     )
     print("   per column: the step that prepares, then per round the median [min-max] of the others: the wall time;")
-    print("   the engine's host time (the wall time less the time it waited idle: from the first poll of a group that")
-    print("   found it incomplete to its completion; per-op posts do not tell, so there it is the wall time); and the")
-    print("   CPU time of the engine's thread (its polls while it waits included, sleep and preemption not)")
+    print("   the engine's host time (the wall time less the time it waited idle: the polls that completed nothing")
+    print("   after the first of each stretch of them, and the back-off between them; per-op posts do not tell, so")
+    print("   there it is the wall time); and the CPU time of the engine's thread (its polls while it waits included,")
+    print("   sleep and preemption not)")
     host: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
-    for name, col in real.items():
+    for name, col in {**real, **serialized}.items():
         r = max(col["rounds"], 1)
         wall = [t / r * 1e6 for t in col["times"][1:]]
         host[name] = [(t - i) / r * 1e6 for t, i in zip(col["times"][1:], col["idle"][1:], strict=True)]

@@ -541,6 +541,79 @@ def engine_split(emit, x, g, o, nbytes, shape) -> tuple[bool, float]:
     return ok, st["gbps_median"]
 
 
+def graph(emit, quick):
+    """A prepared refit of many small rounds captured as one CUDA graph (``NcclComm(graphs=True)``) against the
+    eager engine, same schedule, same buffers: host wall time per step (the graph's point: the host's per-round
+    work goes), each result checked against the source."""
+    import cupy as cp
+    import jax
+    import jax.numpy as jnp
+
+    from jreshard.engine import replay
+    from jreshard.engine.driver import schedule_local
+    from jreshard.engine.rounds import Shards, execute
+    from jreshard.nccl.cupy_nccl import NcclComm, destroy_cached_communicators
+    from jreshard.nccl.rendezvous import KeyValueRendezvous
+    from jreshard.options import Options
+    from jreshard.sharding.box import Box
+    from jreshard.sharding.layout import Layout
+    from jreshard.sharding.topology import Topology
+
+    g = gpu()
+    o = g.local_hardware_id
+    rows = 64 if STANDIN else 256 if quick else 1024
+    shape = (rows, 4096)  # float32: 16 KiB rows, 64 KiB chunks, a 2 x 2 tiling of column stripes: many rounds
+    half_r, half_c = rows // 2, shape[1] // 2
+    src_boxes = {0: Box((0, 0), (rows, half_c)), 3: Box((0, half_c), shape)}
+    dst_boxes = {1: Box((0, 0), (half_r, half_c)), 2: Box((0, half_c), (half_r, shape[1])),
+                 4: Box((half_r, 0), (rows, half_c)), 5: Box((half_r, half_c), shape)}  # fmt: skip
+    src = Layout.from_boxes(shape, "float32", src_boxes)
+    dst = Layout.from_boxes(shape, "float32", dst_boxes)
+    ranks = sorted([*src_boxes, *dst_boxes])
+    opts = Options(backend="nccl", chunk_bytes=64 << 10, staging_bytes=256 << 10, timeout_s=60.0)
+    topo = Topology.from_domains(dict.fromkeys(ranks, 0), devices={r: r for r in ranks})
+    x = jax.device_put(jnp.arange(shape[0] * shape[1], dtype=jnp.float32).reshape(shape), g).block_until_ready()
+    host = np.asarray(x)
+
+    def part(box):
+        return np.ascontiguousarray(host[tuple(slice(a, b) for a, b in zip(box.lo, box.hi, strict=True))])
+
+    out: dict[str, list[float]] = {}
+    ok = True
+    reps = 5 if STANDIN else 20
+    for graphs in (False, True):
+        comm = NcclComm(devices=dict.fromkeys(ranks, 0), local_devices=dict.fromkeys(ranks, o),
+                        rendezvous=KeyValueRendezvous.in_process(), namespace=f"gpu-check-graph-{graphs}",
+                        timeout_s=60.0, graphs=graphs)  # fmt: skip
+        bufs = comm.buffers(timeout_s=60.0)
+        # the rounds the front door runs: each rank's own program, paced pair by pair (the mail on the GPU)
+        _, _, sched = schedule_local([(src, dst)], ["x"], topo, opts, comm, bufs, dict.fromkeys(ranks, g))
+        with cp.cuda.Device(o):
+            srcs = {(0, r): cp.asarray(part(b).reshape(-1).view(np.uint8)) for r, b in src_boxes.items()}
+            dsts = {(0, r): cp.zeros(part(b).nbytes, cp.uint8) for r, b in dst_boxes.items()}
+            cp.cuda.Device(o).synchronize()
+
+        def step(comm=comm, bufs=bufs, srcs=srcs, dsts=dsts, sched=sched):
+            execute(sched, comm, Shards(src=srcs, dst=dsts), options=opts, buffers=bufs)
+
+        times = wall_times(step, reps)
+        for r, b in dst_boxes.items():
+            got = cp.asnumpy(dsts[(0, r)]).view(np.float32).reshape(part(b).shape)
+            ok = ok and bool(np.array_equal(got, part(b)))
+        rep = list(replay._by_comm[comm].values())[-1]  # the refit's program (the mail's come before it)
+        name = "graph" if graphs else "eager"
+        out[name] = times
+        extra = {"captures": rep.graph.captures, "launches": rep.graph.launches} if graphs else {}
+        emit(f"{name} engine", "ok" if ok else "FAILED", **stats(times, clock="wall"), rounds=rep.ops.rounds,
+             **extra)  # fmt: skip
+        bufs.release()
+    emit("communicators destroyed", "info", count=destroy_cached_communicators())
+    graph_ms, eager_ms = 1e3 * float(np.median(out["graph"])), 1e3 * float(np.median(out["eager"]))
+    emit("summary", "ok" if ok else "FAILED",
+         text=f"graph replay {graph_ms:.2f} ms a step, eager {eager_ms:.2f} ms ({eager_ms / graph_ms:.2f}x); "
+         f"values equal {ok}")  # fmt: skip
+
+
 def prealloc(emit, quick):
     """With XLA's default preallocation (75% of the GPU) left on: one ``transfer_into``, and the
     engine's two allocations, destination shards (through XLA) and staging (CuPy's pool)."""
@@ -639,6 +712,7 @@ STAGES: dict[str, Callable[..., None]] = {
     "transfer": transfer,
     "prealloc": prealloc,
     "xla": xla,
+    "graph": graph,
     "pytest": pytest_gpu,
 }
 

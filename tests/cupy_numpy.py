@@ -113,8 +113,27 @@ class NumpyCuda:
                 cuda.order.wait(self.ptr, event.ptr)
 
             def synchronize(self):
+                if self.ptr in cuda.capturing:
+                    raise CUDARuntimeError(900)  # cudaErrorStreamCaptureUnsupported
                 cuda.log.append(("synchronize", self.ptr))
                 cuda.order.host_waits(cuda.order._of(self.ptr))
+
+            # Capture: what is issued on a stream under capture is kept, not run; the graph runs it in
+            # order, on this stream, at each launch (the kernels read their tables then, as on a GPU).
+            def begin_capture(self, mode=None):
+                if self.ptr == 0 or self.ptr in cuda.capturing:
+                    raise CUDARuntimeError(900)  # the legacy stream, or a capture already under way
+                cuda.capturing[self.ptr] = []
+                cuda.log.append(("begin_capture", self.ptr))
+
+            def end_capture(self):
+                if self.ptr not in cuda.capturing:
+                    raise CUDARuntimeError(901)  # cudaErrorStreamCaptureInvalidated
+                cuda.log.append(("end_capture", self.ptr))
+                return Graph(self, cuda.capturing.pop(self.ptr))
+
+            def is_capturing(self):
+                return self.ptr in cuda.capturing
 
             @property
             def done(self):
@@ -160,12 +179,39 @@ class NumpyCuda:
                 for clock in list(cuda.order.clock.values()):
                     cuda.order.host_waits(clock)
 
+        class Graph:
+            """``cupy.cuda.graph.Graph``: the operations captured on ``stream``."""
+
+            def __init__(self, stream, ops):
+                self.stream, self.ops = stream, ops
+
+            def launch(self, stream=None):
+                s = stream if stream is not None else cuda.get_current_stream()
+                cuda.log.append(("graph_launch", s.ptr, len(self.ops)))
+                with Device(self.stream.device_id), self.stream:
+                    for op in self.ops:
+                        op()
+
+            def upload(self, stream=None):
+                cuda.log.append(("graph_upload", 0 if stream is None else stream.ptr))
+
         Stream.null = Stream(null=True)
-        self.Stream, self.Event, self.Device = Stream, Event, Device
+        self.Stream, self.Event, self.Device, self.Graph = Stream, Event, Device, Graph
         self.current: dict[int, Any] = {}
+        self.capturing: dict[int, list] = {}  # stream pointer -> the operations captured on it
 
     def get_current_stream(self, device_id=-1):
         return self.current.get(self.device if device_id == -1 else device_id) or self.Stream.null
+
+    def captured(self, stream: Any, op: Any) -> bool:
+        """Keep ``op`` (a call that redoes the operation) when ``stream`` (a stream or its pointer; default the
+        current one) is under capture; whether it was kept."""
+        s = stream if stream is not None else self.get_current_stream()
+        ops = self.capturing.get(s if isinstance(s, int) else s.ptr)
+        if ops is None:
+            return False
+        ops.append(op)
+        return True
 
     def get_elapsed_time(self, start_event, end_event):
         return 1e3 * (end_event.t - start_event.t)
@@ -407,6 +453,8 @@ class RawKernel:
         self.code, self.name, self.options = code, name, tuple(options)
 
     def __call__(self, grid, block, args, **kwargs):
+        if _CUDA.captured(None, lambda: self(grid, block, args, **kwargs)):
+            return
         if self.name == "jreshard_cast":
             self._cast(grid, block, args)
             return
@@ -558,6 +606,8 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
     runtime.deviceEnablePeerAccess = lambda peerDevice: None
 
     def memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream):
+        if cuda.captured(stream, lambda: memcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream)):
+            return
         rows = np.arange(int(height), dtype=np.int64)
         reads = [(src + rows * spitch, int(width))]
         writes = [(dst + rows * dpitch, int(width))]
@@ -566,10 +616,14 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
             _raw(dst + r * dpitch, width)[:] = _raw(src + r * spitch, width)
 
     def memcpyPeerAsync(dst, dstDevice, src, srcDevice, size, stream):
+        if cuda.captured(stream, lambda: memcpyPeerAsync(dst, dstDevice, src, srcDevice, size, stream)):
+            return
         cuda.note("memcpy", size, stream=stream, reads=[(src, size)], writes=[(dst, size)])
         _raw(dst, size)[:] = _raw(src, size)
 
     def memcpyAsync(dst, src, size, kind, stream):
+        if cuda.captured(stream, lambda: memcpyAsync(dst, src, size, kind, stream)):
+            return
         cuda.note("memcpy", size, stream=stream, reads=[(src, size)], writes=[(dst, size)])
         _raw(dst, size)[:] = _raw(src, size)
 
@@ -578,6 +632,7 @@ def make_cupy(cuda: NumpyCuda | None = None) -> types.ModuleType:
     cuda_mod = types.ModuleType("cupy.cuda")
     for name in ("Stream", "Event", "Device", "get_current_stream", "get_elapsed_time"):
         setattr(cuda_mod, name, getattr(cuda, name))
+    cuda_mod.graph = types.SimpleNamespace(Graph=cuda.Graph)
     cuda_mod.runtime = runtime
     cuda_mod.memory = types.SimpleNamespace(OutOfMemoryError=OutOfMemoryError)
     cuda_mod.UnownedMemory = Memory
@@ -630,12 +685,16 @@ def make_nccl(cuda: NumpyCuda) -> types.ModuleType:
             cuda.log.append(("nccl_init", rank))
 
         def send(self, sendbuf, count, datatype, peer, stream):
+            if cuda.captured(stream, lambda: self.send(sendbuf, count, datatype, peer, stream)):
+                return
             cuda.note("send", peer, count, stream=stream, reads=[(sendbuf, count)])
             key = (self.uid, self.rank, int(peer))
             sends[key].append((int(sendbuf), int(count)))
             match(key)
 
         def recv(self, recvbuf, count, datatype, peer, stream):
+            if cuda.captured(stream, lambda: self.recv(recvbuf, count, datatype, peer, stream)):
+                return
             cuda.note("recv", peer, count, stream=stream, writes=[(recvbuf, count)])
             key = (self.uid, int(peer), self.rank)
             recvs[key].append((int(recvbuf), int(count)))

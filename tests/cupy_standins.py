@@ -44,6 +44,7 @@ class RecordingCuda:
 
     def __init__(self):
         self.log: list[tuple] = []
+        self.capturing: set[int] = set()  # the streams under capture
         self.device = 0
         self.event_status = 0  # what cudaEventQuery returns for every event
         self._ptr = 1000
@@ -90,6 +91,31 @@ class RecordingCuda:
             def synchronize(self):
                 cuda.log.append(("synchronize", self.ptr))
 
+            def begin_capture(self, mode=None):
+                self._check("Stream.begin_capture")
+                cuda.capturing.add(self.ptr)
+                cuda.log.append(("begin_capture", self.ptr))
+
+            def end_capture(self):
+                cuda.capturing.discard(self.ptr)
+                cuda.log.append(("end_capture", self.ptr))
+                return Graph(self)
+
+            def is_capturing(self):
+                return self.ptr in cuda.capturing
+
+        class Graph:
+            """``cupy.cuda.graph.Graph``, as ``Stream.end_capture`` returns it: launches and uploads log."""
+
+            def __init__(self, stream):
+                self.stream = stream
+
+            def launch(self, stream=None):
+                cuda.log.append(("graph_launch", None if stream is None else stream.ptr, self.stream.ptr))
+
+            def upload(self, stream=None):
+                cuda.log.append(("graph_upload", None if stream is None else stream.ptr, self.stream.ptr))
+
         class Device:
             def __init__(self, device=None):
                 self.id = cuda.device if device is None else int(device)
@@ -106,7 +132,7 @@ class RecordingCuda:
             cuda.log.append(("eventQuery", event))
             return cuda.event_status
 
-        self.Stream, self.Device, self.Event = Stream, Device, Event
+        self.Stream, self.Device, self.Event, self.Graph = Stream, Device, Event, Graph
 
         def memcpy_async(dst, src, size, kind, stream):
             cuda.log.append(("memcpy", dst, src, size, stream))

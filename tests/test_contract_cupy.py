@@ -203,6 +203,10 @@ def test_cuda_stand_in_matches_the_real_module(cupy, runtime):
     assert params(fake.Stream.wait_event) == declared(cupy.cuda.Stream.wait_event)
     assert params(fake.get_current_stream) == declared(cupy.cuda.get_current_stream)
     assert params(fake.runtime.eventQuery) == declared(runtime.eventQuery) == ["event"]
+    for name in ("begin_capture", "end_capture", "is_capturing"):  # CUDA graph capture (jreshard.nccl.graph)
+        assert params(getattr(fake.Stream, name)) == declared(getattr(cupy.cuda.Stream, name)), name
+    for name in ("launch", "upload"):
+        assert params(getattr(fake.Graph, name)) == declared(getattr(cupy.cuda.graph.Graph, name)), name
     assert isinstance(runtime.CUDARuntimeError(700), RuntimeError) and CUDARuntimeError(700).status == 700
     assert runtime.CUDARuntimeError(600).status == 600  # cudaErrorNotReady: what event_done treats as pending
     assert "does not match the current device" in _stream_device_message(fake)
@@ -346,6 +350,12 @@ def test_numpy_stand_in_matches_the_real_module(cupy, nccl):
         "ndarray.get": (fake.ndarray.get, cupy.ndarray.get),
         "ndarray.fill": (fake.ndarray.fill, cupy.ndarray.fill),
         "from_dlpack": (fake.from_dlpack, cupy.from_dlpack),
+        # CUDA graph capture (jreshard.nccl.graph): the stand-in keeps what a stream under capture is given
+        "Stream.begin_capture": (fake.cuda.Stream.begin_capture, cupy.cuda.Stream.begin_capture),
+        "Stream.end_capture": (fake.cuda.Stream.end_capture, cupy.cuda.Stream.end_capture),
+        "Stream.is_capturing": (fake.cuda.Stream.is_capturing, cupy.cuda.Stream.is_capturing),
+        "Graph.launch": (fake.cuda.graph.Graph.launch, cupy.cuda.graph.Graph.launch),
+        "Graph.upload": (fake.cuda.graph.Graph.upload, cupy.cuda.graph.Graph.upload),
     }
     for name in ("eventQuery", "memcpy2DAsync", "memcpyPeerAsync", "memcpyAsync", "getDeviceProperties",
                  "deviceGetPCIBusId", "deviceCanAccessPeer", "deviceEnablePeerAccess"):  # fmt: skip

@@ -21,7 +21,7 @@ import gpu_stages  # noqa: E402
 
 ORDER = [
     "versions", "nvml", "kernel", "dlpack", "kernel_cases", "sweep", "small_leaves", "nccl", "transfer", "prealloc",
-    "xla", "pytest",
+    "xla", "graph", "pytest",
 ]  # fmt: skip
 
 

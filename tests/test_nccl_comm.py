@@ -13,7 +13,7 @@ import dataclasses
 import threading
 
 import pytest
-from cupy_standins import CUDA_ERROR_NOT_READY, UID13, NcclError, RecordingCuda, RecordingNccl
+from cupy_standins import CUDA_ERROR_NOT_READY, UID13, FakeDeviceArray, NcclError, RecordingCuda, RecordingNccl
 
 from jreshard.engine.comm import RecvOp, SendOp
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
@@ -391,7 +391,7 @@ def test_final_wait_reports_nccl_and_cuda_errors_as_themselves():
 def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
     """execute() with NcclComm.buffers(): every kernel and every send/receive on the GPU's one
     stream, packs before their group and unpacks after it, no host wait until the end."""
-    from cupy_standins import FakeDeviceArray, fake_cupy
+    from cupy_standins import fake_cupy
     from schedule_oracle import build_schedule
 
     from jreshard.engine.rounds import Shards, execute
@@ -437,3 +437,26 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
     assert "eventQuery" not in names[: len(names) - names[::-1].index("groupEnd")]  # no host wait per exchange
     assert names[0] == "launch" and names.index("launch") < names.index("groupStart")  # packed before sent
     assert not calls(cuda.log, "synchronize", "abort")
+
+
+def test_issue_rows_posts_one_group_on_the_given_stream_and_waits_for_nothing():
+    # What a CUDA graph captures (jreshard.nccl.graph): the group's sends and receives on the stream under capture,
+    # in the order both sides derive from the plan, and no event, wait or poll inside the capture.
+    comm, _, cuda = make({0: 0, 1: 0})
+    stream = cuda.Stream(non_blocking=True)
+    buf = FakeDeviceArray(4096, 0, 1 << 20, cuda)
+    stream.begin_capture()
+    cuda.log.clear()
+    comm.issue_rows([(1, 2, 7, 0, 1024, 512), (0, 3, 1, 0, 0, 256)], [(2, 0, 4, 0, 2048, 128)], [buf], stream)
+    graph = stream.end_capture()
+    graph.launch(stream=stream)
+    posts = [e for e in cuda.log if e[0] in ("send", "recv")]
+    assert cuda.log[0] == ("groupStart",) and cuda.log[len(posts) + 1] == ("groupEnd",)
+    assert [(e[0], e[3], e[4], e[6]) for e in posts] == [
+        ("send", (1 << 20) + 0, 256, stream.ptr),  # sends first, by (src, dst, tag): 0 -> 3 ...
+        ("send", (1 << 20) + 1024, 512, stream.ptr),  # ... then 1 -> 2
+        ("recv", (1 << 20) + 2048, 128, stream.ptr),
+    ]
+    assert not [e for e in cuda.log if e[0] in ("record", "eventQuery", "synchronize", "check", "wait_event")]
+    with pytest.raises(ValueError, match=r"bytes 4000\.\.4100 of a buffer of 4096"):
+        comm.issue_rows([(0, 2, 0, 0, 4000, 100)], [], [buf], stream)

@@ -211,22 +211,19 @@ def test_prepared_and_unprepared_rounds_write_the_same_bytes(
 
 
 # The compiled loop's failures, over a stand-in transport made of C functions with MPI's signatures (no MPI): a
-# start and a poll that never complete anything (libc's usleep: returns 0, sleeps a microsecond a request), a
-# start that fails (libc's abs: returns the request count), and a poll that completes with a short receive.
+# start that posts nothing (libc's usleep: returns 0, sleeps a microsecond a request), a poll that never completes
+# its request (libc's sched_yield: returns 0, leaves the flag clear), a start that fails (libc's abs: returns the
+# request count), and a poll that completes with a short receive.
 _LIBC = ctypes.CDLL(None)
-_TEST = ctypes.CFUNCTYPE(
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_void_p,
-    ctypes.POINTER(ctypes.c_int),
-    ctypes.POINTER(ctypes.c_int),
-    ctypes.c_void_p,
-)
+_TEST = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.c_void_p)
 _COUNT = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.POINTER(ctypes.c_int))
 
 
 def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+_NEVER = _address(_LIBC.sched_yield)
 
 
 class _StandInGroups(PreparedGroups):
@@ -238,18 +235,15 @@ class _StandInGroups(PreparedGroups):
             spans.append((at, at + len(sends) + len(recvs), 0, 0))
             expect += [-1] * len(sends) + [row[5] for row in recvs]
             at += len(sends) + len(recvs)
-        widest = max((hi - lo for lo, hi, _, _ in spans), default=1)
         self.native = NativeGroups(
             groups=np.array(spans, np.int64).reshape(-1, 4),
             copies=np.zeros((0, 5), np.int64),
             requests=np.zeros(4 * at, np.uint8),
             req_size=4,
             expect=np.array(expect, np.int64),
-            statuses=np.zeros(64 * widest, np.uint8),
+            status=np.zeros(64, np.uint8),
             status_size=64,
-            indices=np.zeros(widest, np.int32),
             byte_type=0,
-            undefined=-32766,
             start=start,
             test=test,
             count=count,
@@ -309,7 +303,7 @@ needs_native = pytest.mark.skipif(not replay.compiled_replay(), reason="the comp
 @needs_native
 def test_the_compiled_loop_stops_at_its_deadline_and_hands_the_group_back():
     usleep = _address(_LIBC.usleep)
-    comm, step = _receiver_step((usleep, usleep, usleep), timeout_s=0.3)
+    comm, step = _receiver_step((usleep, _NEVER, usleep), timeout_s=0.3)
     t0 = time.monotonic()
     with pytest.raises(PeerError, match="stand-in failure 1 in group 0"):
         step()
@@ -320,7 +314,7 @@ def test_the_compiled_loop_stops_at_its_deadline_and_hands_the_group_back():
 @needs_native
 def test_the_compiled_loop_reports_a_start_the_transport_refused():
     usleep = _address(_LIBC.usleep)
-    comm, step = _receiver_step((_address(_LIBC.abs), usleep, usleep), timeout_s=5.0)
+    comm, step = _receiver_step((_address(_LIBC.abs), _NEVER, usleep), timeout_s=5.0)
     with pytest.raises(PeerError, match="stand-in failure 2"):
         step()
     (failed,) = [c for c in comm.prepared.calls if c[0] == "failed"]
@@ -329,17 +323,15 @@ def test_the_compiled_loop_reports_a_start_the_transport_refused():
 
 @needs_native
 def test_the_compiled_loop_refuses_a_receive_of_other_than_the_planned_bytes():
-    def completes_all(n, reqs, out, indices, statuses):
-        out[0] = n
-        for i in range(n):
-            indices[i] = i
+    def completes(request, flag, status):
+        flag[0] = 1
         return 0
 
     def one_byte_short(status, datatype, got):
         got[0] = 255  # every message of the plan carries 256 bytes
         return 0
 
-    keep = (_TEST(completes_all), _COUNT(one_byte_short))  # alive while the loop may call them
+    keep = (_TEST(completes), _COUNT(one_byte_short))  # alive while the loop may call them
     usleep = _address(_LIBC.usleep)
     comm, step = _receiver_step((usleep, _address(keep[0]), _address(keep[1])), timeout_s=5.0)
     with pytest.raises(PeerError, match="stand-in failure 3"):
@@ -351,7 +343,7 @@ def test_the_compiled_loop_refuses_a_receive_of_other_than_the_planned_bytes():
 @needs_native
 def test_a_signal_while_the_compiled_loop_waits_gives_the_group_up_and_raises():
     usleep = _address(_LIBC.usleep)
-    comm, step = _receiver_step((usleep, usleep, usleep), timeout_s=60.0)
+    comm, step = _receiver_step((usleep, _NEVER, usleep), timeout_s=60.0)
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt

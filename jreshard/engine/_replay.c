@@ -20,11 +20,11 @@
  * byte sizes (``addresses``, read from this step's shard and staging buffers). ``validate`` checks every row
  * and every local copy against those sizes; the caller runs it whenever a size changed since the last check,
  * so ``run`` trusts them. The transport is three C functions given by address, with MPI's signatures
- * (MPI_Startall, MPI_Testsome, MPI_Get_count; ``undefined`` is MPI_UNDEFINED): the requests are opaque handles of ``req_size`` bytes, the
- * statuses ``status_size`` bytes; this file includes no MPI header and links no MPI library.
+ * (MPI_Startall, MPI_Test, MPI_Get_count): the requests are opaque handles of ``req_size`` bytes, the status
+ * ``status_size`` bytes; this file includes no MPI header and links no MPI library.
  *
  * ``run`` adds each operation's time to its phase (pack, network, fan-out, unpack; ``times[4]`` gets the part of
- * the waits spent idle, after a poll found the group incomplete) and returns 0; on a failure
+ * the waits spent idle, see wait_group) and returns 0; on a failure
  * it stops at once and fills ``fail`` = (code, group, request, value): FAIL_TIMEOUT (a group past its
  * deadline), FAIL_TRANSPORT (a start or poll returned ``value``), FAIL_SIZE (receive ``request`` got ``value``
  * bytes). A signal (Ctrl-C) while it waits raises in Python with ``fail`` = (FAIL_SIGNAL, group, ...), so the
@@ -57,8 +57,18 @@
 #define SIGNAL_EVERY_NS 50000000 /* while sleeping, look for a pending signal every 50 ms */
 
 typedef int (*start_fn)(int, void *);
-typedef int (*test_fn)(int, void *, int *, int *, void *);
+typedef int (*test_fn)(void *, int *, void *);
 typedef int (*count_fn)(const void *, long, int *);
+
+#ifdef REPLAY_PROFILE
+/* Counters of where a replay's time goes, for profiling (built with -DREPLAY_PROFILE only, never in a release: the
+ * clock reads cost; ``profile()`` reads and clears them): ns in starts, ns in polls, polls, polls that completed
+ * nothing, ns in packs and unpacks, groups waited on. */
+static int64_t prof[6];
+#define PROF_ADD(i, v) (prof[i] += (v))
+#else
+#define PROF_ADD(i, v) ((void)0)
+#endif
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -95,26 +105,23 @@ static inline int64_t copy_compact(const int64_t *r, const int64_t *addr, char *
 typedef struct {
     const int64_t *ops, *groups, *copies, *addr, *size, *expect;
     Py_ssize_t nops, ngroups, ncopies, nbuf;
-    char *reqs, *statuses;
-    int *indices;
+    char *reqs, *status;
     Py_ssize_t req_size, status_size;
     long byte_type;
-    int undefined;
     start_fn start;
     test_fn test;
     count_fn count;
 } program;
 
 static int parse(PyObject *args, program *p, int with_transport) {
-    unsigned long long ops, groups, copies, addr, size, expect = 0, reqs = 0, statuses = 0, indices = 0, start = 0,
-                                                         test = 0, count = 0;
+    unsigned long long ops, groups, copies, addr, size, expect = 0, reqs = 0, status = 0, start = 0, test = 0,
+                       count = 0;
     long byte_type = 0;
-    int undefined = 0;
     Py_ssize_t req_size = 0, status_size = 0;
     if (with_transport) {
-        if (!PyArg_ParseTuple(args, "KnKnKnKKnKKnKnKliKKK", &ops, &p->nops, &groups, &p->ngroups, &copies,
-                              &p->ncopies, &addr, &size, &p->nbuf, &expect, &reqs, &req_size, &statuses, &status_size,
-                              &indices, &byte_type, &undefined, &start, &test, &count)) {
+        if (!PyArg_ParseTuple(args, "KnKnKnKKnKKnKnlKKK", &ops, &p->nops, &groups, &p->ngroups, &copies,
+                              &p->ncopies, &addr, &size, &p->nbuf, &expect, &reqs, &req_size, &status, &status_size,
+                              &byte_type, &start, &test, &count)) {
             return 0;
         }
     } else if (!PyArg_ParseTuple(args, "KnKnKnKKn", &ops, &p->nops, &groups, &p->ngroups, &copies, &p->ncopies, &addr,
@@ -123,15 +130,14 @@ static int parse(PyObject *args, program *p, int with_transport) {
     }
     if (p->nops < 0 || p->ngroups < 0 || p->ncopies < 0 || p->nbuf < 0 || req_size < 0 || status_size < 0 ||
         (p->nops && !ops) || (p->ngroups && !groups) || (p->ncopies && !copies) || (p->nbuf && (!addr || !size)) ||
-        (with_transport && p->ngroups && (!start || !test || !count || !statuses || !indices))) {
+        (with_transport && p->ngroups && (!start || !test || !count || !status || !expect || !reqs))) {
         PyErr_SetString(PyExc_ValueError, "replay: a negative count or a null address");
         return 0;
     }
     p->ops = (const int64_t *)(uintptr_t)ops, p->groups = (const int64_t *)(uintptr_t)groups;
     p->copies = (const int64_t *)(uintptr_t)copies, p->addr = (const int64_t *)(uintptr_t)addr;
     p->size = (const int64_t *)(uintptr_t)size, p->expect = (const int64_t *)(uintptr_t)expect;
-    p->reqs = (char *)(uintptr_t)reqs, p->statuses = (char *)(uintptr_t)statuses;
-    p->indices = (int *)(uintptr_t)indices, p->undefined = undefined;
+    p->reqs = (char *)(uintptr_t)reqs, p->status = (char *)(uintptr_t)status;
     p->req_size = req_size, p->status_size = status_size, p->byte_type = byte_type;
     p->start = (start_fn)(uintptr_t)start, p->test = (test_fn)(uintptr_t)test, p->count = (count_fn)(uintptr_t)count;
     return 1;
@@ -194,52 +200,59 @@ static PyObject *py_validate(PyObject *self, PyObject *args) {
     return PyLong_FromLong(-1);
 }
 
-/* Poll group g's requests until all completed or its deadline passed; 0, or a FAIL_ code with fail filled.
- * The poll is MPI_Testsome's: each call completes what it can and says which, so the loop backs off only while
- * nothing completes (a few tight polls, then polls that yield the core for YIELD_NS, then sleeps that double
- * up to MAX_SLEEP_NS), and checks each receive's byte count as it completes. The time from the
- * first poll that completed nothing to the group's completion is added to ``idle``: the host waited on its
- * peers or the wire. */
+/* Wait for group g's requests, in order, until all completed or its deadline passed; 0, or a FAIL_ code with fail
+ * filled. The poll is MPI_Test's on the first request not yet seen complete: a request that completed while an
+ * earlier one was polled costs no progress call when its turn comes, so a group of n requests takes n polls
+ * plus one per poll that found its request incomplete (MPI_Testsome scans every request of the group each
+ * poll: a group of a hundred receives, each landing in its own progress call, costs quadratic time). Each
+ * receive's byte count is checked as it completes. While polls find nothing, the loop backs off: a few tight
+ * polls, then polls that yield the core (sched_yield) for YIELD_NS, then sleeps that double up to MAX_SLEEP_NS.
+ * ``idle`` gets the time from the end of the first poll of each stretch of polls that completed nothing to the
+ * end of its last (the later polls and the back-off between them): the host waited on its peers or the wire. The
+ * polls that completed a request, the first failed one of each stretch and the checks count as the host's work. */
 static int wait_group(const program *p, Py_ssize_t g, int64_t deadline, int64_t *fail, double *idle,
                       PyThreadState **save) {
     const int64_t *gr = p->groups + GROUP_WORDS * g;
-    int n = (int)(gr[1] - gr[0]), left = n;
-    char *reqs = p->reqs + gr[0] * p->req_size;
-    int64_t sleep_ns = 0, signal_at = 0, idle_from = 0;
+    int64_t k = gr[0], hi = gr[1], sleep_ns = 0, signal_at = 0, idle_from = 0, last = 0, waited = 0;
     int polls = 0;
-    while (left > 0) {
-        int out = 0;
-        int rc = p->test(n, reqs, &out, p->indices, p->statuses);
+    while (k < hi) {
+        int flag = 0;
+#ifdef REPLAY_PROFILE
+        int64_t t0 = now_ns();
+#endif
+        int rc = p->test(p->reqs + k * p->req_size, &flag, p->status);
+#ifdef REPLAY_PROFILE
+        PROF_ADD(1, now_ns() - t0), PROF_ADD(2, 1), PROF_ADD(3, !flag);
+#endif
         if (rc != 0) {
             fail[0] = FAIL_TRANSPORT, fail[1] = g, fail[2] = -1, fail[3] = rc;
             return FAIL_TRANSPORT;
         }
-        if (out == p->undefined) { /* every request inactive: all completed */
-            break;
-        }
-        if (out > 0) {
-            for (int j = 0; j < out; j++) { /* a receive that got other than the planned bytes: the sides differ */
-                int64_t k = gr[0] + p->indices[j], want = p->expect[k];
-                if (want < 0) {
-                    continue;
-                }
+        if (flag) {
+            int64_t want = p->expect[k];
+            if (want >= 0) { /* a receive that got other than the planned bytes: the sides differ */
                 int got = -1;
-                rc = p->count(p->statuses + (Py_ssize_t)j * p->status_size, p->byte_type, &got);
+                rc = p->count(p->status, p->byte_type, &got);
                 if (rc != 0 || got != want) {
                     fail[0] = FAIL_SIZE, fail[1] = g, fail[2] = k, fail[3] = rc != 0 ? -1 : got;
                     return FAIL_SIZE;
                 }
             }
-            left -= out;
-            sleep_ns = 0, polls = 0;
+            k++;
+            if (polls) { /* the end of a stretch of failed polls: the next starts anew */
+                last = 0, idle_from = 0, sleep_ns = 0, polls = 0;
+            }
             continue;
         }
         int64_t t = now_ns();
         if (!idle_from) {
             idle_from = t;
         }
+        waited += last ? t - last : 0; /* this poll and the back-off before it, after a stretch's first */
+        last = t;
         if (t > deadline) {
             fail[0] = FAIL_TIMEOUT, fail[1] = g, fail[2] = -1, fail[3] = 0;
+            *idle += (double)waited * 1e-9;
             return FAIL_TIMEOUT;
         }
         if (polls++ < TIGHT_POLLS) {
@@ -266,32 +279,30 @@ static int wait_group(const program *p, Py_ssize_t g, int64_t deadline, int64_t 
             sleep_ns = MAX_SLEEP_NS;
         }
     }
-    if (idle_from) {
-        *idle += (double)(now_ns() - idle_from) * 1e-9;
-    }
+    *idle += (double)waited * 1e-9;
     return 0;
 }
 
-/* run(ops, nops, groups, ngroups, copies, ncopies, addresses, sizes, nbuf, expect, requests, req_size, statuses,
- * status_size, indices, byte_type, undefined, start, test, count, timeout_ns, times, fail): the whole program (see
- * the top); ``statuses`` and ``indices`` (int) hold as many as the largest group has requests. */
+/* run(ops, nops, groups, ngroups, copies, ncopies, addresses, sizes, nbuf, expect, requests, req_size, status,
+ * status_size, byte_type, start, test, count, timeout_ns, times, fail): the whole program (see the top); ``status``
+ * is scratch for one status. */
 static PyObject *py_run(PyObject *self, PyObject *args) {
     (void)self;
     program p = {0};
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    if (n != 23) {
-        PyErr_SetString(PyExc_TypeError, "replay.run takes 23 arguments");
+    if (n != 21) {
+        PyErr_SetString(PyExc_TypeError, "replay.run takes 21 arguments");
         return NULL;
     }
-    PyObject *head = PyTuple_GetSlice(args, 0, 20);
+    PyObject *head = PyTuple_GetSlice(args, 0, 18);
     if (head == NULL) {
         return NULL;
     }
     int ok = parse(head, &p, 1);
     Py_DECREF(head);
-    long long timeout_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(args, 20));
-    unsigned long long times_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 21));
-    unsigned long long fail_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 22));
+    long long timeout_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(args, 18));
+    unsigned long long times_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 19));
+    unsigned long long fail_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 20));
     if (!ok || PyErr_Occurred()) {
         return NULL;
     }
@@ -326,6 +337,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
                 STREAM_FENCE();
             }
             phase = unpack ? 3 : 0;
+            PROF_ADD(4, now_ns() - t);
         } else {
             Py_ssize_t g = (Py_ssize_t)op[1];
             const int64_t *gr = p.groups + GROUP_WORDS * g;
@@ -333,6 +345,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
             if (op[0] == OP_START) {
                 posted[g] = now_ns();
                 int rc = gr[1] > gr[0] ? p.start((int)(gr[1] - gr[0]), p.reqs + gr[0] * p.req_size) : 0;
+                PROF_ADD(0, now_ns() - posted[g]);
                 if (rc != 0) {
                     fail[0] = FAIL_TRANSPORT, fail[1] = g, fail[2] = -1, fail[3] = rc;
                     code = FAIL_TRANSPORT;
@@ -345,6 +358,7 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
                 }
             } else if (gr[1] > gr[0]) {
                 code = wait_group(&p, g, posted[g] + timeout_ns, fail, times + PHASES, &save);
+                PROF_ADD(5, 1);
             }
         }
         int64_t t2 = now_ns();
@@ -396,7 +410,20 @@ static PyObject *py_addresses(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(n);
 }
 
+#ifdef REPLAY_PROFILE
+static PyObject *py_profile(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    PyObject *out = Py_BuildValue("(LLLLLL)", (long long)prof[0], (long long)prof[1], (long long)prof[2],
+                                  (long long)prof[3], (long long)prof[4], (long long)prof[5]);
+    memset(prof, 0, sizeof(prof));
+    return out;
+}
+#endif
+
 static PyMethodDef methods[] = {
+#ifdef REPLAY_PROFILE
+    {"profile", py_profile, METH_NOARGS, "profile(): (start ns, poll ns, polls, empty polls, copy ns, waits); cleared."},
+#endif
     {"run", py_run, METH_VARARGS, "run(...): replay a prepared program (see jreshard/engine/_replay.c)."},
     {"validate", py_validate, METH_VARARGS, "validate(...): -1, or the first operation that leaves its buffers."},
     {"addresses", py_addresses, METH_VARARGS, "addresses(buffers, addresses, sizes, readonly): read buffers."},

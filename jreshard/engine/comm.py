@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, cast
 
 import numpy as np
@@ -36,6 +36,7 @@ __all__ = [
     "REGIONS",
     "Communicator",
     "NativeGroups",
+    "StepGraph",
     "Posted",
     "PreparedGroups",
     "RecvOp",
@@ -138,12 +139,10 @@ class NativeGroups:
         between ranks of this process, copied when their group starts (buffers index the step's buffer list).
       requests: the requests' handles, ``req_size`` bytes each, back to back (re-made handles are written here).
       expect: per request, the bytes a receive must get (``-1`` for a send).
-      statuses: scratch for the statuses of the largest group, ``status_size`` bytes each.
-      indices: scratch int32 for the indices of the largest group.
+      status: scratch for one status, ``status_size`` bytes.
       byte_type: the handle of the byte datatype, for ``count``.
-      undefined: what ``test`` returns as the count of a group whose requests all completed (``MPI_UNDEFINED``).
-      start, test, count: addresses of C functions with the signatures of ``MPI_Startall``, ``MPI_Testsome`` and
-        ``MPI_Get_count``.
+      start, test, count: addresses of C functions with the signatures of ``MPI_Startall``, ``MPI_Test`` (a group's
+        requests are polled one at a time, in order) and ``MPI_Get_count``.
     """
 
     groups: np.ndarray
@@ -151,11 +150,9 @@ class NativeGroups:
     requests: np.ndarray
     req_size: int
     expect: np.ndarray
-    statuses: np.ndarray
+    status: np.ndarray
     status_size: int
-    indices: np.ndarray
     byte_type: int
-    undefined: int
     start: int
     test: int
     count: int
@@ -206,6 +203,22 @@ class PreparedGroups(abc.ABC):
     @abc.abstractmethod
     def release(self) -> None:
         """Free the requests (none may be started)."""
+
+
+class StepGraph(abc.ABC):
+    """A program's steps run as one captured graph on an accelerator (``jreshard.nccl.graph``): what
+    :meth:`Communicator.graph` returns."""
+
+    @abc.abstractmethod
+    def run(
+        self, buffers: Any, bufs: Mapping[int, list], bases: list[Any], timeout_s: float, eager: Callable[[], Any]
+    ) -> np.ndarray:
+        """One step over this step's buffers (``eager()`` runs it the engine's own way); seconds per phase
+        ``[pack, network, fanout, unpack, idle]``."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Free what the graph holds."""
 
 
 class Communicator(abc.ABC):
@@ -269,6 +282,11 @@ class Communicator(abc.ABC):
           groups: each group's ``(sends, recvs)`` rows, in the order the program runs them; a row's buffer
             indexes the buffer list later given to :meth:`PreparedGroups.bind`.
         """
+        return None
+
+    def graph(self, ops: Any) -> StepGraph | None:
+        """A program's steps captured as one graph (``ops``: its :class:`~jreshard.engine.replay.Ops`), or ``None``
+        (the default): the engine runs every step itself."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, not abstract

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from jreshard.engine.buffers import Buffers
-from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups
+from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups, StepGraph
 from jreshard.engine.strided import checking_bounds
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
@@ -243,6 +243,7 @@ class Replay:
         self._key = key  # the compiled program: kept alive, so its id names it while cached
         self.ops = ops
         self.prepared: PreparedGroups | None = comm.prepare(ops.groups)
+        self.graph: StepGraph | None = comm.graph(ops)
         self.steps = self.native_steps = 0
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._checked: np.ndarray | None = None  # the sizes the native rows were last checked against
@@ -250,7 +251,10 @@ class Replay:
         self.intact = True  # whether the step wrote no destination byte before the rounds (no local copies)
 
     def release(self) -> None:
-        """Free the transport's prepared requests."""
+        """Free the transport's prepared requests and graph."""
+        if self.graph is not None:
+            self.graph.release()
+            self.graph = None
         if self.prepared is not None:
             self.prepared.release()
             self.prepared = None
@@ -271,6 +275,10 @@ class Replay:
           ValueError, TransferError: a row or message that would leave its buffer (nothing was posted).
         """
         self.steps += 1
+        if self.graph is not None:
+            return self.graph.run(
+                buffers, bufs, bases, timeout_s, lambda: self._run_python(comm, buffers, bufs, bases, timeout_s, clock)
+            )
         prepared = self.prepared
         native = self.ops.native is not None and buffers.native_rows and prepared is not None
         native = native and prepared is not None and prepared.native is not None
@@ -338,8 +346,7 @@ class Replay:
             self._args = (
                 ops.ctypes.data, len(ops), n.groups.ctypes.data, len(n.groups), n.copies.ctypes.data, len(n.copies),
                 addr.ctypes.data, size.ctypes.data, len(addr), n.expect.ctypes.data, n.requests.ctypes.data,
-                n.req_size, n.statuses.ctypes.data, n.status_size, n.indices.ctypes.data, n.byte_type, n.undefined,
-                n.start, n.test, n.count,
+                n.req_size, n.status.ctypes.data, n.status_size, n.byte_type, n.start, n.test, n.count,
             )  # fmt: skip
         times, fail = self._times, self._fail
         times[:] = 0

@@ -367,7 +367,7 @@ class _MpiPosted(Posted):
 
 @functools.cache
 def _mpi_functions(version: str) -> tuple[int, int, int] | None:
-    """The addresses of ``MPI_Startall``, ``MPI_Testsome`` and ``MPI_Get_count`` in the MPI library this process
+    """The addresses of ``MPI_Startall``, ``MPI_Test`` and ``MPI_Get_count`` in the MPI library this process
     loaded for mpi4py (the one whose ``MPI_Get_library_version`` is ``version``), or ``None`` where it cannot be
     found (then prepared groups are started and polled from Python)."""
     try:
@@ -388,7 +388,7 @@ def _mpi_functions(version: str) -> tuple[int, int, int] | None:
     return None
 
 
-_FUNCTIONS = ("MPI_Startall", "MPI_Testsome", "MPI_Get_count")
+_FUNCTIONS = ("MPI_Startall", "MPI_Test", "MPI_Get_count")
 
 
 _SEND, _PROC, _TAG, _BUF, _OFF, _NBYTES, _SRC, _DST, _JTAG = range(9)  # columns of _MpiPrepared's requests
@@ -440,17 +440,14 @@ class _MpiPrepared(PreparedGroups):
         self._handle_mask = (1 << (8 * req_size)) - 1
         fns = _mpi_functions(MPI.Get_library_version()) if req_size in (4, 8) else None
         if fns is not None and all(fns) and replay.compiled_replay():
-            widest = max((hi - lo for lo, hi, _, _ in spans), default=0)
             self.native = NativeGroups(
                 groups=np.array(spans, np.int64).reshape(-1, 4),
                 copies=self._copies,
                 requests=self._handles,
                 req_size=req_size,
                 expect=np.where(self._meta[:, _SEND] == 1, -1, self._meta[:, _NBYTES]).astype(np.int64),
-                statuses=np.zeros(max(widest, 1) * status_size, np.uint8),
+                status=np.zeros(status_size, np.uint8),
                 status_size=status_size,
-                indices=np.zeros(max(widest, 1), np.int32),
-                undefined=int(MPI.UNDEFINED),
                 byte_type=int(MPI.BYTE.handle)
                 if int(MPI.BYTE.handle) < (1 << 63)
                 else int(MPI.BYTE.handle) - (1 << 64),

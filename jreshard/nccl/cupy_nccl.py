@@ -122,6 +122,8 @@ class NcclComm(Communicator):
       timeout_s: how long creating the communicators may wait for the unique id.
       nccl: the NCCL module (``cupy.cuda.nccl`` by default; a stand-in in CPU tests).
       cuda: the CUDA module (``cupy.cuda`` by default; a stand-in in CPU tests).
+      graphs: run each program's steps after its first as one CUDA graph launch (:mod:`jreshard.nccl.graph`;
+        off by default: not run on GPU).
 
     Raises:
       BackendUnavailableError: CuPy or its NCCL does not import.
@@ -129,7 +131,17 @@ class NcclComm(Communicator):
         device key name different CUDA ordinals.
     """
 
-    __slots__ = ("_cuda", "_deferred", "_device_key", "_group", "_local", "_local_ranks", "_nccl", "_nccl_rank")
+    __slots__ = (
+        "_cuda",
+        "_deferred",
+        "_device_key",
+        "_graphs",
+        "_group",
+        "_local",
+        "_local_ranks",
+        "_nccl",
+        "_nccl_rank",
+    )
 
     def __init__(
         self,
@@ -141,7 +153,9 @@ class NcclComm(Communicator):
         timeout_s: float = 300.0,
         nccl: ModuleType | Any = None,
         cuda: ModuleType | Any = None,
+        graphs: bool = False,
     ):
+        self._graphs = bool(graphs)
         self._nccl = nccl if nccl is not None else import_cupy("cupy.cuda.nccl")
         self._cuda = cuda if cuda is not None else import_cupy("cupy.cuda")
         self._device_key = {int(r): int(k) for r, k in devices.items()}
@@ -275,6 +289,12 @@ class NcclComm(Communicator):
         Raises:
           ValueError: as :meth:`exchange`, or a row that runs past its buffer's end.
         """
+        self._post(self._issue(self._row_ops(sends, recvs, buffers)), timeout_s)
+
+    @staticmethod
+    def _row_ops(
+        sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any]
+    ) -> list[tuple[int, int, int, bool, int, int]]:
         bases: dict[int, tuple[int, int]] = {}
         ops = []
         for rows, is_send in ((sends, True), (recvs, False)):
@@ -287,7 +307,40 @@ class NcclComm(Communicator):
                         f"NcclComm: the message {src}->{dst} tag {tag} is bytes {off}..{off + n} of a buffer of {size}"
                     )
                 ops.append((src, dst, tag, is_send, ptr + off, n))
-        self._post(self._issue(ops), timeout_s)
+        return ops
+
+    def issue_rows(self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], stream: Any) -> None:
+        """Issue one group's sends and receives (rows as for :meth:`exchange_rows`) in one NCCL group on ``stream``,
+        and return: no wait, no watchdog. For a stream under capture (:mod:`jreshard.nccl.graph`), whose launch is
+        waited on, bounded, by its caller. Not run on GPU.
+
+        Raises:
+          ValueError: as :meth:`exchange_rows`.
+        """
+        issued = self._issue(self._row_ops(sends, recvs, buffers))
+        if not issued:
+            return
+        nccl = self._nccl
+        nccl.groupStart()
+        try:
+            for k, is_send, peer, ptr, n, _ in issued:
+                loc = self._local[k]
+                with self._cuda.Device(loc.ordinal):
+                    post = loc.comm.send if is_send else loc.comm.recv
+                    post(ptr, n, nccl.NCCL_UINT8, self._nccl_rank[peer], stream.ptr)
+        finally:
+            nccl.groupEnd()
+
+    def graph(self, ops: Any) -> Any:
+        """With ``graphs=True``: a :class:`~jreshard.nccl.graph.GraphRefit` of the program ``ops`` (the first step
+        eager, the others one CUDA graph launch; eager every step where it cannot be captured, with the reason);
+        else ``None``. Not run on GPU."""
+        if not self._graphs:
+            return None
+        from jreshard.nccl.graph import GraphRefit, why_eager
+
+        ordinals = sorted({loc.ordinal for loc in self._local.values()})
+        return GraphRefit(ops, self, ordinals[0], why_eager(ops, ordinals))
 
     def _post(self, issued: list[tuple], timeout_s: float) -> None:
         if not issued:
