@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from jreshard.engine import delta
 
-PATTERNS = ("none", "one", "sparse", "dense", "all", "edges", "nan_payload", "signed_zero", "runs")
+PATTERNS = ("none", "one", "sparse", "dense", "all", "edges", "nan_payload", "signed_zero", "runs", "far")
 
 
 def _change(rng: np.random.Generator, base: np.ndarray, pattern: str) -> np.ndarray:
@@ -34,6 +34,9 @@ def _change(rng: np.random.Generator, base: np.ndarray, pattern: str) -> np.ndar
     elif pattern == "edges":  # the first and last bytes: the chunk's edges, the last unit partial or not
         new[0] ^= np.uint8(0x80)
         new[-1] ^= np.uint8(0x01)
+    elif pattern == "far":  # two changes far apart: a gap of several varint bytes
+        new[0] ^= np.uint8(1)
+        new[-1] ^= np.uint8(1)
     elif pattern == "runs":
         for _ in range(3):
             lo = int(rng.integers(n))
@@ -96,10 +99,16 @@ def test_choice_follows_the_change() -> None:
     out = np.empty(4096, np.uint8)
     one = base.copy()
     one[100] = 1
-    assert delta.encode(one, base, out, 2)[0] == delta.KIND_RUNS  # 4 + 8 + 2 bytes beat a 256-byte mask
+    assert delta.encode(one, base, out, 2)[:2] == (delta.KIND_GAPS, 4 + 1 + 2)  # count, one gap, one value
+    run = base.copy()
+    run[100:300] = 1
+    assert delta.encode(run, base, out, 2)[:2] == (delta.KIND_RUNS, 4 + 8 + 200)
     scattered = base.copy()
-    scattered[::20] = 1
+    scattered[::4] = 1  # every other unit: a 1-bit mask beats a byte per gap
     assert delta.encode(scattered, base, out, 2)[0] == delta.KIND_MASK
+    random = base.copy()
+    random[np.random.default_rng(0).choice(4096, 100, replace=False)] = 1  # scattered: Adam under bfloat16
+    assert delta.encode(random, base, out, 2)[0] == delta.KIND_GAPS
     assert delta.encode(base ^ np.uint8(1), base, out, 2)[:2] == (delta.KIND_FULL, 4096)
     assert delta.encode(base.copy(), base, out, 2) == (delta.KIND_SAME, 0, 0)
 
@@ -121,7 +130,7 @@ def test_malformed_bodies_raise_and_never_write_outside(nbytes: int, unit: int, 
         flipped[int(rng.integers(size))] ^= np.uint8(1 << int(rng.integers(8)))
         bodies += [cut, flipped, np.concatenate([body, [0]]).astype(np.uint8)]
     for b in bodies:
-        for k in (delta.KIND_SAME, delta.KIND_FULL, delta.KIND_MASK, delta.KIND_RUNS, 9):
+        for k in (*delta.KINDS, 9):
             results = []
             for apply in (delta.apply, delta.apply_numpy):
                 held = np.full(nbytes + 16, 0xAB, np.uint8)

@@ -9,7 +9,9 @@
  *   KIND_MASK  a bitmask of ceil(n / 8) bytes (bit u % 8 of byte u / 8: unit u changed), then the changed
  *              units' new bytes in order;
  *   KIND_RUNS  a little-endian uint32 count of runs, then per run (uint32 first unit, uint32 units), runs
- *              ascending and apart, then the changed units' new bytes in order.
+ *              ascending and apart, then the changed units' new bytes in order;
+ *   KIND_GAPS  a little-endian uint32 count k of changed units, then k LEB128 varints (the units skipped
+ *              before each changed one), then the changed units' new bytes in order.
  * encode() picks the smallest; a body is never longer than the chunk (KIND_FULL is).
  *
  * Nothing about a body is trusted in apply(): every count, run and length is checked against the chunk's
@@ -21,7 +23,8 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { KIND_SAME = 0, KIND_FULL = 1, KIND_MASK = 2, KIND_RUNS = 3 };
+enum { KIND_SAME = 0, KIND_FULL = 1, KIND_MASK = 2, KIND_RUNS = 3, KIND_GAPS = 4 };
+#define MAX_VARINT 5 /* a uint32 in LEB128 */
 #define BLOCK 256 /* bytes compared at once before looking unit by unit */
 
 static int check_unit(long unit) {
@@ -38,10 +41,19 @@ static inline Py_ssize_t unit_size(Py_ssize_t u, Py_ssize_t n, Py_ssize_t nbytes
 
 static inline int differs(const char *a, const char *b, Py_ssize_t len) { return memcmp(a, b, (size_t)len) != 0; }
 
-/* Count the changed units and runs; the changed bytes too. */
+static inline Py_ssize_t varint_size(uint64_t g) {
+    Py_ssize_t b = 1;
+    while (g >= 0x80) {
+        g >>= 7;
+        b++;
+    }
+    return b;
+}
+
+/* Count the changed units and runs; the changed bytes and the bytes of their gaps too. */
 static void count(const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_t unit, Py_ssize_t *changed,
-                  Py_ssize_t *runs, Py_ssize_t *vbytes) {
-    Py_ssize_t n = (nbytes + unit - 1) / unit, k = 0, m = 0, v = 0;
+                  Py_ssize_t *runs, Py_ssize_t *vbytes, Py_ssize_t *gbytes) {
+    Py_ssize_t n = (nbytes + unit - 1) / unit, k = 0, m = 0, v = 0, g = 0, last = -1;
     int prev = 0;
     Py_ssize_t per_block = BLOCK / unit;
     for (Py_ssize_t u0 = 0; u0 < n; u0 += per_block) {
@@ -57,6 +69,8 @@ static void count(const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_t un
             if (c) {
                 k++;
                 v += s;
+                g += varint_size((uint64_t)(u - last - 1));
+                last = u;
                 if (!prev) {
                     m++;
                 }
@@ -67,6 +81,7 @@ static void count(const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_t un
     *changed = k;
     *runs = m;
     *vbytes = v;
+    *gbytes = g;
 }
 
 static inline void put32(char *p, uint32_t v) {
@@ -84,20 +99,26 @@ static inline uint32_t get32(const char *p) {
 }
 
 /* The size of each body, and the choice: the smallest, the whole chunk when nothing smaller. */
-static int choose(Py_ssize_t nbytes, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, Py_ssize_t v, Py_ssize_t *size) {
+static int choose(Py_ssize_t nbytes, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, Py_ssize_t v, Py_ssize_t g,
+                  Py_ssize_t *size) {
     if (k == 0) {
         *size = 0;
         return KIND_SAME;
     }
     Py_ssize_t mask = (n + 7) / 8 + v;
     Py_ssize_t runs = n <= (Py_ssize_t)UINT32_MAX ? 4 + 8 * m + v : nbytes + 1;
-    if (mask < nbytes && mask <= runs) {
+    Py_ssize_t gaps = n <= (Py_ssize_t)UINT32_MAX ? 4 + g + v : nbytes + 1;
+    if (mask < nbytes && mask <= runs && mask <= gaps) {
         *size = mask;
         return KIND_MASK;
     }
-    if (runs < nbytes) {
+    if (runs < nbytes && runs <= gaps) {
         *size = runs;
         return KIND_RUNS;
+    }
+    if (gaps < nbytes) {
+        *size = gaps;
+        return KIND_GAPS;
     }
     *size = nbytes;
     return KIND_FULL;
@@ -113,17 +134,24 @@ static void write_body(int kind, const char *x, const char *y, Py_ssize_t nbytes
         return;
     }
     char *vals;
-    char *runs = NULL;
+    char *runs = NULL, *gaps = NULL;
     uint32_t nruns = 0;
+    Py_ssize_t last = -1;
     if (kind == KIND_MASK) {
         memset(out, 0, (size_t)((n + 7) / 8));
         vals = out + (n + 7) / 8;
     } else {
-        Py_ssize_t k, m, v;
-        count(x, y, nbytes, unit, &k, &m, &v);
-        put32(out, (uint32_t)m);
-        runs = out + 4;
-        vals = out + 4 + 8 * m;
+        Py_ssize_t k, m, v, g;
+        count(x, y, nbytes, unit, &k, &m, &v, &g);
+        if (kind == KIND_RUNS) {
+            put32(out, (uint32_t)m);
+            runs = out + 4;
+            vals = out + 4 + 8 * m;
+        } else {
+            put32(out, (uint32_t)k);
+            gaps = out + 4;
+            vals = out + 4 + g;
+        }
     }
     Py_ssize_t per_block = BLOCK / unit;
     int prev = 0;
@@ -146,6 +174,14 @@ static void write_body(int kind, const char *x, const char *y, Py_ssize_t nbytes
             if (c) {
                 if (kind == KIND_MASK) {
                     out[u / 8] |= (char)(1 << (u % 8));
+                } else if (gaps) {
+                    uint64_t gap = (uint64_t)(u - last - 1);
+                    while (gap >= 0x80) {
+                        *gaps++ = (char)((gap & 0x7f) | 0x80);
+                        gap >>= 7;
+                    }
+                    *gaps++ = (char)gap;
+                    last = u;
                 }
                 memcpy(vals, x + u * unit, (size_t)s);
                 vals += s;
@@ -185,11 +221,11 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "delta.encode: out has %zd bytes, the chunk %zd", o.len, x.len);
         goto done;
     }
-    Py_ssize_t nbytes = x.len, n = (nbytes + unit - 1) / unit, k, m, v, size;
+    Py_ssize_t nbytes = x.len, n = (nbytes + unit - 1) / unit, k, m, v, g, size;
     int kind;
     Py_BEGIN_ALLOW_THREADS;
-    count(x.buf, y.buf, nbytes, unit, &k, &m, &v);
-    kind = choose(nbytes, n, k, m, v, &size);
+    count(x.buf, y.buf, nbytes, unit, &k, &m, &v, &g);
+    kind = choose(nbytes, n, k, m, v, g, &size);
     write_body(kind, x.buf, y.buf, nbytes, unit, o.buf);
     Py_END_ALLOW_THREADS;
     res = Py_BuildValue("inn", kind, size, k);
@@ -303,6 +339,59 @@ static PyObject *apply(PyObject *self, PyObject *args) {
         }
         Py_END_ALLOW_THREADS;
         res = PyLong_FromSsize_t(k);
+        goto done;
+    }
+    if (kind == KIND_GAPS) {
+        if (blen < 4) {
+            res = bad("a gaps body without its count (body, 4)", blen, 4);
+            goto done;
+        }
+        Py_ssize_t cnt = get32(body), at = 4, u = -1, v = 0;
+        if (cnt > n) {
+            res = bad("more changed units than the chunk has (count, units)", cnt, n);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < cnt; i++) { /* every gap decoded and bounded before anything is written */
+            uint64_t gap = 0;
+            int shift = 0, b;
+            do {
+                if (at >= blen || shift >= 7 * MAX_VARINT) {
+                    res = bad("a gap past the body or too long (at, body)", at, blen);
+                    goto done;
+                }
+                b = (unsigned char)body[at++];
+                gap |= (uint64_t)(b & 0x7f) << shift;
+                shift += 7;
+            } while (b & 0x80);
+            if (gap >= (uint64_t)(n - u - 1)) {
+                res = bad("a gap past the chunk (unit, gap)", u, (Py_ssize_t)gap);
+                goto done;
+            }
+            u += (Py_ssize_t)gap + 1;
+            v += unit_size(u, n, nbytes, unit);
+        }
+        if (blen != at + v) {
+            res = bad("a gaps body whose values do not match its gaps (body, expected)", blen, at + v);
+            goto done;
+        }
+        const char *g = body + 4, *vals = body + at;
+        Py_BEGIN_ALLOW_THREADS;
+        u = -1;
+        for (Py_ssize_t i = 0; i < cnt; i++) {
+            uint64_t gap = 0;
+            int shift = 0, b;
+            do {
+                b = (unsigned char)*g++;
+                gap |= (uint64_t)(b & 0x7f) << shift;
+                shift += 7;
+            } while (b & 0x80);
+            u += (Py_ssize_t)gap + 1;
+            Py_ssize_t s = unit_size(u, n, nbytes, unit);
+            memcpy(dst + u * unit, vals, (size_t)s);
+            vals += s;
+        }
+        Py_END_ALLOW_THREADS;
+        res = PyLong_FromSsize_t(cnt);
         goto done;
     }
     PyErr_Format(PyExc_ValueError, "delta.apply: unknown encoding kind %d", kind);

@@ -11,6 +11,9 @@ smallest of:
   ``u``), then the changed units' new bytes in order;
 - :data:`KIND_RUNS`: a little-endian ``uint32`` count of runs, then per run its first unit and its length
   (``uint32`` each; runs ascending, with a gap between two), then the changed units' new bytes;
+- :data:`KIND_GAPS`: a little-endian ``uint32`` count of changed units, then per changed unit the units
+  skipped since the one before as an LEB128 varint (one byte for a gap under 128), then their new bytes:
+  the smallest for changes scattered at random (Adam's updates crossing a bfloat16 rounding boundary);
 - :data:`KIND_FULL`: the chunk itself, whenever nothing above is smaller,
 
 so a body is never longer than the chunk. :func:`apply` writes a body in place over the base; it trusts
@@ -37,10 +40,23 @@ from types import ModuleType
 
 import numpy as np
 
-__all__ = ["KIND_FULL", "KIND_MASK", "KIND_RUNS", "KIND_SAME", "KINDS", "apply", "compiled", "encode", "encode_numpy"]
+__all__ = [
+    "KINDS",
+    "KIND_FULL",
+    "KIND_GAPS",
+    "KIND_MASK",
+    "KIND_RUNS",
+    "KIND_SAME",
+    "apply",
+    "apply_numpy",
+    "compiled",
+    "encode",
+    "encode_numpy",
+]
 
-KIND_SAME, KIND_FULL, KIND_MASK, KIND_RUNS = 0, 1, 2, 3
-KINDS = {KIND_SAME: "same", KIND_FULL: "full", KIND_MASK: "mask", KIND_RUNS: "runs"}
+KIND_SAME, KIND_FULL, KIND_MASK, KIND_RUNS, KIND_GAPS = 0, 1, 2, 3, 4
+KINDS = {KIND_SAME: "same", KIND_FULL: "full", KIND_MASK: "mask", KIND_RUNS: "runs", KIND_GAPS: "gaps"}
+MAX_VARINT = 5  # bytes of a uint32 in LEB128
 UNITS = (1, 2, 4, 8)
 
 
@@ -115,6 +131,38 @@ def _runs(units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return starts, np.flatnonzero(edges == -1) - starts
 
 
+def _varints(values: np.ndarray) -> np.ndarray:
+    """``values`` (non-negative int64) as LEB128 varints, one after the other."""
+    sizes = np.ones(len(values), np.int64)
+    for j in range(1, MAX_VARINT + 2):
+        sizes += values >= (1 << (7 * j))
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    out = np.empty(int(sizes.sum()), np.uint8)
+    for j in range(int(sizes.max(initial=0))):
+        has = sizes > j
+        more = (sizes > j + 1).astype(np.int64) << 7
+        out[starts[has] + j] = ((values[has] >> (7 * j)) & 0x7F) | more[has]
+    return out
+
+
+def _read_varints(region: np.ndarray, count: int) -> tuple[np.ndarray, int] | None:
+    """The first ``count`` LEB128 varints of ``region`` and the bytes they take (``None``: malformed)."""
+    if count == 0:
+        return np.zeros(0, np.int64), 0
+    ends = np.flatnonzero((region & 0x80) == 0)[:count]
+    if len(ends) < count:
+        return None
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    lengths = ends - starts + 1
+    if (lengths > MAX_VARINT).any():
+        return None
+    values = np.zeros(count, np.int64)
+    for j in range(int(lengths.max())):
+        has = lengths > j
+        values[has] |= (region[starts[has] + j].astype(np.int64) & 0x7F) << (7 * j)
+    return values, int(ends[-1]) + 1
+
+
 def encode_numpy(new: np.ndarray, base: np.ndarray, out: np.ndarray, unit: int) -> tuple[int, int, int]:
     """:func:`encode` in numpy (the fallback, and the reference the compiled kernel is tested against)."""
     _check_unit(unit)
@@ -131,20 +179,28 @@ def encode_numpy(new: np.ndarray, base: np.ndarray, out: np.ndarray, unit: int) 
     byte_mask = _unit_bytes(units, nbytes, unit)
     values = new[byte_mask]
     starts, lens = _runs(units)
+    where = np.flatnonzero(units)
+    gaps = _varints(np.diff(np.concatenate([[-1], where])) - 1)
     mask_size = -(-n // 8) + len(values)
     runs_size = 4 + 8 * len(starts) + len(values) if n <= 0xFFFFFFFF else nbytes + 1
-    if mask_size < nbytes and mask_size <= runs_size:
+    gaps_size = 4 + len(gaps) + len(values) if n <= 0xFFFFFFFF else nbytes + 1
+    if mask_size < nbytes and mask_size <= runs_size and mask_size <= gaps_size:
         bits = np.packbits(units, bitorder="little")
         out[: len(bits)] = bits
         out[len(bits) : mask_size] = values
         return KIND_MASK, mask_size, k
-    if runs_size < nbytes:
+    if runs_size < nbytes and runs_size <= gaps_size:
         head = np.empty(1 + 2 * len(starts), "<u4")
         head[0] = len(starts)
         head[1::2], head[2::2] = starts, lens
         out[: 4 * len(head)] = head.view(np.uint8)
         out[4 * len(head) : runs_size] = values
         return KIND_RUNS, runs_size, k
+    if gaps_size < nbytes:
+        out[:4] = np.array([k], "<u4").view(np.uint8)
+        out[4 : 4 + len(gaps)] = gaps
+        out[4 + len(gaps) : gaps_size] = values
+        return KIND_GAPS, gaps_size, k
     out[:nbytes] = new
     return KIND_FULL, nbytes, k
 
@@ -187,6 +243,22 @@ def apply_numpy(body: np.ndarray, kind: int, dst: np.ndarray, unit: int) -> int:
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             units[s:e] = True
         mbytes = 4 + 8 * m
+    elif kind == KIND_GAPS:
+        if blen < 4:
+            raise ValueError(f"delta.apply: a gaps body without its count (body, 4) ({blen}, 4)")
+        count = int(body[:4].view("<u4")[0])
+        if count > n:
+            raise ValueError(f"delta.apply: more changed units than the chunk has (count, units) ({count}, {n})")
+        read = _read_varints(body[4:], count)
+        if read is None:
+            raise ValueError("delta.apply: a gap past the body or too long")
+        gaps, used = read
+        where = np.cumsum(gaps + 1) - 1
+        if count and where[-1] >= n:
+            raise ValueError("delta.apply: a gap past the chunk")
+        units = np.zeros(n, bool)
+        units[where] = True
+        mbytes = 4 + used
     else:
         raise ValueError(f"delta.apply: unknown encoding kind {kind}")
     byte_mask = _unit_bytes(units, nbytes, unit)
