@@ -197,7 +197,9 @@ def test_any_sequence_is_bit_exact(case, per_proc, width, chunk, events, seed) -
                 b.abort()
             continue
         for p, b in bases.items():
-            saved.setdefault(p, (dict(b.sent), dict(b.recv), b.version))
+            saved.setdefault(
+                p, ({k: a.copy() for k, a in b.sent.items()}, {k: a.copy() for k, a in b.recv.items()}, b.version)
+            )
             b.commit(version)
         outs = _run_step.outs  # type: ignore[attr-defined]
         for r, box in zip(dst.ranks, dst.boxes, strict=True):

@@ -25,7 +25,6 @@
 
 enum { KIND_SAME = 0, KIND_FULL = 1, KIND_MASK = 2, KIND_RUNS = 3, KIND_GAPS = 4 };
 #define MAX_VARINT 5 /* a uint32 in LEB128 */
-#define BLOCK 256 /* bytes compared at once before looking unit by unit */
 
 static int check_unit(long unit) {
     if (unit != 1 && unit != 2 && unit != 4 && unit != 8) {
@@ -35,12 +34,6 @@ static int check_unit(long unit) {
     return 1;
 }
 
-static inline Py_ssize_t unit_size(Py_ssize_t u, Py_ssize_t n, Py_ssize_t nbytes, Py_ssize_t unit) {
-    return u == n - 1 ? nbytes - u * unit : unit;
-}
-
-static inline int differs(const char *a, const char *b, Py_ssize_t len) { return memcmp(a, b, (size_t)len) != 0; }
-
 static inline Py_ssize_t varint_size(uint64_t g) {
     Py_ssize_t b = 1;
     while (g >= 0x80) {
@@ -48,40 +41,6 @@ static inline Py_ssize_t varint_size(uint64_t g) {
         b++;
     }
     return b;
-}
-
-/* Count the changed units and runs; the changed bytes and the bytes of their gaps too. */
-static void count(const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_t unit, Py_ssize_t *changed,
-                  Py_ssize_t *runs, Py_ssize_t *vbytes, Py_ssize_t *gbytes) {
-    Py_ssize_t n = (nbytes + unit - 1) / unit, k = 0, m = 0, v = 0, g = 0, last = -1;
-    int prev = 0;
-    Py_ssize_t per_block = BLOCK / unit;
-    for (Py_ssize_t u0 = 0; u0 < n; u0 += per_block) {
-        Py_ssize_t u1 = u0 + per_block < n ? u0 + per_block : n;
-        Py_ssize_t lo = u0 * unit, hi = u1 * unit < nbytes ? u1 * unit : nbytes;
-        if (!differs(x + lo, y + lo, hi - lo)) {
-            prev = 0;
-            continue;
-        }
-        for (Py_ssize_t u = u0; u < u1; u++) {
-            Py_ssize_t s = unit_size(u, n, nbytes, unit);
-            int c = differs(x + u * unit, y + u * unit, s);
-            if (c) {
-                k++;
-                v += s;
-                g += varint_size((uint64_t)(u - last - 1));
-                last = u;
-                if (!prev) {
-                    m++;
-                }
-            }
-            prev = c;
-        }
-    }
-    *changed = k;
-    *runs = m;
-    *vbytes = v;
-    *gbytes = g;
 }
 
 static inline void put32(char *p, uint32_t v) {
@@ -96,6 +55,76 @@ static inline uint32_t get32(const char *p) {
         v |= (uint32_t)(unsigned char)p[i] << (8 * i);
     }
     return v;
+}
+
+/* One bit per unit, set where the unit changed: the one pass over the chunk's bytes. Units are compared as
+ * integers of their width (64 at a time, after a memcmp that skips 64 unchanged units at once). */
+#define DIFF_WORDS(T)                                                                                          \
+    for (Py_ssize_t w = 0; w < full / 64; w++) {                                                               \
+        const char *a = x + w * 64 * (Py_ssize_t)sizeof(T), *b = y + w * 64 * (Py_ssize_t)sizeof(T);           \
+        if (memcmp(a, b, 64 * sizeof(T)) == 0) {                                                               \
+            continue;                                                                                          \
+        }                                                                                                      \
+        uint64_t word = 0;                                                                                     \
+        for (int j = 0; j < 64; j++) {                                                                         \
+            T p, q;                                                                                            \
+            memcpy(&p, a + j * sizeof(T), sizeof(T));                                                          \
+            memcpy(&q, b + j * sizeof(T), sizeof(T));                                                          \
+            word |= (uint64_t)(p != q) << j;                                                                   \
+        }                                                                                                      \
+        bits[w] = word;                                                                                        \
+    }
+
+static void diff_bits(const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_t unit, uint64_t *bits) {
+    Py_ssize_t n = (nbytes + unit - 1) / unit, full = nbytes / unit;
+    memset(bits, 0, (size_t)((n + 63) / 64) * sizeof(uint64_t));
+    switch (unit) {
+    case 1:
+        DIFF_WORDS(uint8_t);
+        break;
+    case 2:
+        DIFF_WORDS(uint16_t);
+        break;
+    case 4:
+        DIFF_WORDS(uint32_t);
+        break;
+    default:
+        DIFF_WORDS(uint64_t);
+        break;
+    }
+    for (Py_ssize_t u = full / 64 * 64; u < n; u++) { /* the last units, the partial one included */
+        Py_ssize_t s = u == n - 1 ? nbytes - u * unit : unit;
+        if (memcmp(x + u * unit, y + u * unit, (size_t)s) != 0) {
+            bits[u / 64] |= (uint64_t)1 << (u % 64);
+        }
+    }
+}
+
+static inline Py_ssize_t unit_size(Py_ssize_t u, Py_ssize_t n, Py_ssize_t nbytes, Py_ssize_t unit) {
+    return u == n - 1 ? nbytes - u * unit : unit;
+}
+
+/* From the bits: changed units, runs, changed bytes, and the bytes of their gaps as varints. */
+static void count(const uint64_t *bits, Py_ssize_t n, Py_ssize_t nbytes, Py_ssize_t unit, Py_ssize_t *changed,
+                  Py_ssize_t *runs, Py_ssize_t *vbytes, Py_ssize_t *gbytes) {
+    Py_ssize_t k = 0, m = 0, g = 0, last = -1;
+    uint64_t carry = 0; /* the bit before this word's first */
+    for (Py_ssize_t w = 0; w < (n + 63) / 64; w++) {
+        uint64_t word = bits[w];
+        k += __builtin_popcountll(word);
+        m += __builtin_popcountll(word & ~((word << 1) | carry));
+        carry = word >> 63;
+        while (word) {
+            Py_ssize_t u = w * 64 + __builtin_ctzll(word);
+            g += varint_size((uint64_t)(u - last - 1));
+            last = u;
+            word &= word - 1;
+        }
+    }
+    *changed = k;
+    *runs = m;
+    *vbytes = k * unit - ((bits[(n - 1) / 64] >> ((n - 1) % 64)) & 1 ? unit * n - nbytes : 0);
+    *gbytes = g;
 }
 
 /* The size of each body, and the choice: the smallest, the whole chunk when nothing smaller. */
@@ -124,7 +153,8 @@ static int choose(Py_ssize_t nbytes, Py_ssize_t n, Py_ssize_t k, Py_ssize_t m, P
     return KIND_FULL;
 }
 
-static void write_body(int kind, const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_t unit, char *out) {
+static void write_body(int kind, const char *x, const uint64_t *bits, Py_ssize_t nbytes, Py_ssize_t unit,
+                       Py_ssize_t m, Py_ssize_t k, Py_ssize_t g, char *out) {
     Py_ssize_t n = (nbytes + unit - 1) / unit;
     if (kind == KIND_FULL) {
         memcpy(out, x, (size_t)nbytes);
@@ -133,72 +163,53 @@ static void write_body(int kind, const char *x, const char *y, Py_ssize_t nbytes
     if (kind == KIND_SAME) {
         return;
     }
-    char *vals;
-    char *runs = NULL, *gaps = NULL;
-    uint32_t nruns = 0;
-    Py_ssize_t last = -1;
+    char *vals, *runs = NULL, *gaps = NULL;
     if (kind == KIND_MASK) {
-        memset(out, 0, (size_t)((n + 7) / 8));
+        for (Py_ssize_t i = 0; i < (n + 7) / 8; i++) {
+            out[i] = (char)((bits[i / 8] >> (8 * (i % 8))) & 0xff);
+        }
         vals = out + (n + 7) / 8;
+    } else if (kind == KIND_RUNS) {
+        put32(out, (uint32_t)m);
+        runs = out + 4;
+        vals = out + 4 + 8 * m;
     } else {
-        Py_ssize_t k, m, v, g;
-        count(x, y, nbytes, unit, &k, &m, &v, &g);
-        if (kind == KIND_RUNS) {
-            put32(out, (uint32_t)m);
-            runs = out + 4;
-            vals = out + 4 + 8 * m;
-        } else {
-            put32(out, (uint32_t)k);
-            gaps = out + 4;
-            vals = out + 4 + g;
-        }
+        put32(out, (uint32_t)k);
+        gaps = out + 4;
+        vals = out + 4 + g;
     }
-    Py_ssize_t per_block = BLOCK / unit;
-    int prev = 0;
-    uint32_t start = 0;
-    for (Py_ssize_t u0 = 0; u0 < n; u0 += per_block) {
-        Py_ssize_t u1 = u0 + per_block < n ? u0 + per_block : n;
-        Py_ssize_t lo = u0 * unit, hi = u1 * unit < nbytes ? u1 * unit : nbytes;
-        if (!differs(x + lo, y + lo, hi - lo)) {
-            if (prev && runs) {
-                put32(runs + 8 * nruns, start);
-                put32(runs + 8 * nruns + 4, (uint32_t)(u0 - start));
-                nruns++;
-            }
-            prev = 0;
-            continue;
-        }
-        for (Py_ssize_t u = u0; u < u1; u++) {
+    Py_ssize_t last = -1, start = -1;
+    for (Py_ssize_t w = 0; w < (n + 63) / 64; w++) {
+        uint64_t word = bits[w];
+        while (word) {
+            Py_ssize_t u = w * 64 + __builtin_ctzll(word);
+            word &= word - 1;
             Py_ssize_t s = unit_size(u, n, nbytes, unit);
-            int c = differs(x + u * unit, y + u * unit, s);
-            if (c) {
-                if (kind == KIND_MASK) {
-                    out[u / 8] |= (char)(1 << (u % 8));
-                } else if (gaps) {
-                    uint64_t gap = (uint64_t)(u - last - 1);
-                    while (gap >= 0x80) {
-                        *gaps++ = (char)((gap & 0x7f) | 0x80);
-                        gap >>= 7;
-                    }
-                    *gaps++ = (char)gap;
-                    last = u;
+            memcpy(vals, x + u * unit, (size_t)s);
+            vals += s;
+            if (gaps) {
+                uint64_t gap = (uint64_t)(u - last - 1);
+                while (gap >= 0x80) {
+                    *gaps++ = (char)((gap & 0x7f) | 0x80);
+                    gap >>= 7;
                 }
-                memcpy(vals, x + u * unit, (size_t)s);
-                vals += s;
-                if (!prev) {
-                    start = (uint32_t)u;
+                *gaps++ = (char)gap;
+            } else if (runs) {
+                if (start < 0) {
+                    start = u;
+                } else if (u != last + 1) {
+                    put32(runs, (uint32_t)start);
+                    put32(runs + 4, (uint32_t)(last + 1 - start));
+                    runs += 8;
+                    start = u;
                 }
-            } else if (prev && runs) {
-                put32(runs + 8 * nruns, start);
-                put32(runs + 8 * nruns + 4, (uint32_t)(u - start));
-                nruns++;
             }
-            prev = c;
+            last = u;
         }
     }
-    if (prev && runs) {
-        put32(runs + 8 * nruns, start);
-        put32(runs + 8 * nruns + 4, (uint32_t)(n - start));
+    if (runs && start >= 0) {
+        put32(runs, (uint32_t)start);
+        put32(runs + 4, (uint32_t)(last + 1 - start));
     }
 }
 
@@ -210,6 +221,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *res = NULL;
+    uint64_t *bits = NULL;
     if (!check_unit(unit)) {
         goto done;
     }
@@ -221,15 +233,24 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "delta.encode: out has %zd bytes, the chunk %zd", o.len, x.len);
         goto done;
     }
-    Py_ssize_t nbytes = x.len, n = (nbytes + unit - 1) / unit, k, m, v, g, size;
-    int kind;
-    Py_BEGIN_ALLOW_THREADS;
-    count(x.buf, y.buf, nbytes, unit, &k, &m, &v, &g);
-    kind = choose(nbytes, n, k, m, v, g, &size);
-    write_body(kind, x.buf, y.buf, nbytes, unit, o.buf);
-    Py_END_ALLOW_THREADS;
+    Py_ssize_t nbytes = x.len, n = (nbytes + unit - 1) / unit, k = 0, m = 0, v = 0, g = 0, size = 0;
+    int kind = KIND_SAME;
+    if (n > 0) {
+        bits = PyMem_RawMalloc((size_t)((n + 63) / 64) * sizeof(uint64_t));
+        if (bits == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS;
+        diff_bits(x.buf, y.buf, nbytes, unit, bits);
+        count(bits, n, nbytes, unit, &k, &m, &v, &g);
+        kind = choose(nbytes, n, k, m, v, g, &size);
+        write_body(kind, x.buf, bits, nbytes, unit, m, k, g, o.buf);
+        Py_END_ALLOW_THREADS;
+    }
     res = Py_BuildValue("inn", kind, size, k);
 done:
+    PyMem_RawFree(bits);
     PyBuffer_Release(&x);
     PyBuffer_Release(&y);
     PyBuffer_Release(&o);
@@ -277,11 +298,12 @@ static PyObject *apply(PyObject *self, PyObject *args) {
             res = bad("a mask body shorter than its mask (body, mask)", blen, mbytes);
             goto done;
         }
-        for (Py_ssize_t u = 0; u < n; u++) {
-            if (body[u / 8] & (1 << (u % 8))) {
-                k++;
-                v += unit_size(u, n, nbytes, unit);
-            }
+        for (Py_ssize_t i = 0; i < mbytes; i++) {
+            k += __builtin_popcount((unsigned char)body[i]);
+        }
+        v = k * unit;
+        if (n > 0 && (body[(n - 1) / 8] & (1 << ((n - 1) % 8)))) {
+            v -= unit * n - nbytes; /* the last unit is partial */
         }
         if (n % 8 && ((unsigned char)body[mbytes - 1] >> (n % 8))) {
             res = bad("a mask with bits past the chunk (units, mask bytes)", n, mbytes);
@@ -293,8 +315,11 @@ static PyObject *apply(PyObject *self, PyObject *args) {
         }
         const char *vals = body + mbytes;
         Py_BEGIN_ALLOW_THREADS;
-        for (Py_ssize_t u = 0; u < n; u++) {
-            if (body[u / 8] & (1 << (u % 8))) {
+        for (Py_ssize_t i = 0; i < mbytes; i++) {
+            unsigned int byte = (unsigned char)body[i];
+            while (byte) {
+                Py_ssize_t u = i * 8 + __builtin_ctz(byte);
+                byte &= byte - 1;
                 Py_ssize_t s = unit_size(u, n, nbytes, unit);
                 memcpy(dst + u * unit, vals, (size_t)s);
                 vals += s;

@@ -70,6 +70,7 @@ class DeltaBases:
         self.recv: dict[ChunkKey, np.ndarray] = {}
         self._pending: tuple[dict[ChunkKey, np.ndarray], dict[ChunkKey, np.ndarray]] | None = None
         self._scratch: dict[str, np.ndarray] = {}
+        self._spare: dict[tuple[str, ChunkKey], np.ndarray] = {}  # the copies the last commit replaced, reused
 
     @property
     def kept_bytes(self) -> int:
@@ -85,6 +86,7 @@ class DeltaBases:
         """The group committed ``version``: its copies become the kept ones (chunks not kept this time go)."""
         if self._pending is None:
             raise ValueError("DeltaBases.commit: no refit began")
+        self._spare = {("sent", k): a for k, a in self.sent.items()} | {("recv", k): a for k, a in self.recv.items()}
         self.sent, self.recv = self._pending
         self._pending = None
         self.version = int(version)
@@ -95,7 +97,17 @@ class DeltaBases:
 
     def clear(self) -> None:
         """Forget every base (the next refit is full)."""
-        self.sent, self.recv, self._pending, self.version = {}, {}, None, None
+        self.sent, self.recv, self._pending, self.version, self._spare = {}, {}, None, None, {}
+
+    def copy_of(self, side: str, key: ChunkKey, data: np.ndarray) -> np.ndarray:
+        """A copy of ``data`` for this refit's ``side`` (``"sent"`` / ``"recv"``) copies, in the memory of the copy
+        the last commit replaced where there is one (no allocation, no page faults from one refit to the next).
+        A kept copy is never written: only the replaced ones, which nothing reads any more."""
+        spare = self._spare.pop((side, key), None)
+        if spare is None or spare.shape != data.shape:
+            return data.copy()
+        spare[...] = data
+        return spare
 
     def scratch(self, name: str, nbytes: int) -> np.ndarray:
         """A reusable buffer of at least ``nbytes`` (the same memory from refit to refit, so a transport that
@@ -116,6 +128,7 @@ class DeltaStats:
       units, changed_units: the comparison units of the chunks it sent, and how many changed.
       chunks, delta_chunks: chunks sent, and how many of them went as a delta (not whole).
       encode_s, apply_s: seconds encoding the chunks it sent, rebuilding the chunks it received.
+      wire_s: seconds in the two exchanges (lengths, then encodings), waits on peers included.
       recv_bytes: the bytes it received (headers and bodies).
     """
 
@@ -128,6 +141,7 @@ class DeltaStats:
     delta_chunks: int = 0
     encode_s: float = 0.0
     apply_s: float = 0.0
+    wire_s: float = 0.0
 
     @property
     def changed_fraction(self) -> float:
@@ -233,7 +247,7 @@ def _exchange(
             body[:] = image
         _HEAD.pack_into(out.data, at, kind, 1 if keep else 0, unit, 0, version if usable else -1)
         if keep:
-            sent_keep[key] = image.copy()
+            sent_keep[key] = held.copy_of("sent", key, image)
             kept_now += n
         lens[i] = HEADER + size
         spans.append((at, HEADER + size))
@@ -243,7 +257,8 @@ def _exchange(
         st.units += -(-n // unit)
         st.changed_units += changed
         st.chunks += 1
-    st.encode_s += clock() - t0
+    t1 = clock()
+    st.encode_s += t1 - t0
     rlens = held.scratch("recv_len", _LEN * len(recvs) + 8)[: _LEN * len(recvs)].view("<i8")
     comm.exchange(
         [SendOp(s, d, t, lens[i : i + 1].view(np.uint8)) for i, (s, d, t, *_) in enumerate(sends)],
@@ -265,7 +280,8 @@ def _exchange(
         [RecvOp(s, d, t, inbox[offsets[i] : offsets[i + 1]]) for i, (s, d, t, *_) in enumerate(recvs)],
         timeout_s=timeout_s,
     )
-    t1 = clock()
+    t2 = clock()
+    st.wire_s += t2 - t1
     for i, (s, d, t, b, off, n) in enumerate(recvs):
         payload = inbox[offsets[i] : offsets[i + 1]]
         st.recv_bytes += len(payload) + _LEN
@@ -289,5 +305,5 @@ def _exchange(
                 f"delta refit: rank {s} sent rank {d} a malformed chunk (tag {t}): {err}", destination_intact=True
             ) from None
         if keep:
-            recv_keep[key] = target.copy()
-    st.apply_s += clock() - t1
+            recv_keep[key] = held.copy_of("recv", key, target)
+    st.apply_s += clock() - t2

@@ -45,6 +45,7 @@ class DeltaReport:
       recv_bytes: the bytes this process's ranks received.
       changed_fraction: the changed comparison units over all units this process sent (1.0 when off).
       encode_s, apply_s: seconds spent encoding what it sent and rebuilding what it received.
+      wire_s: seconds in the delta exchanges (waits on peers included).
       seconds: the refit's wall time on this process (begin vote to commit).
       kept_bytes: the bytes this process keeps to diff the next refit against (sent and received chunks).
       kept_limit: :attr:`Options.delta_bytes`.
@@ -59,6 +60,7 @@ class DeltaReport:
     changed_fraction: float
     encode_s: float
     apply_s: float
+    wire_s: float
     seconds: float
     kept_bytes: int
     kept_limit: int
@@ -158,6 +160,7 @@ class GroupDelta:
                 changed_fraction=1.0,
                 encode_s=0.0,
                 apply_s=0.0,
+                wire_s=0.0,
                 seconds=seconds,
                 kept_bytes=0,
                 kept_limit=self.bases.limit,
@@ -176,6 +179,7 @@ class GroupDelta:
             changed_fraction=st.changed_fraction,
             encode_s=st.encode_s,
             apply_s=st.apply_s,
+            wire_s=st.wire_s,
             seconds=seconds,
             kept_bytes=self.bases.kept_bytes,
             kept_limit=self.bases.limit,
