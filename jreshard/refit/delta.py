@@ -23,10 +23,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 from jreshard.engine.deltarounds import DeltaBases, DeltaRefit
 from jreshard.options import Delta, Options
+from jreshard.sharding.dtypes import numpy_dtype
 
 __all__ = ["DeltaReport", "GroupDelta", "wire_unit"]
 
@@ -84,7 +83,7 @@ def wire_unit(dtypes: Iterable[Any]) -> int:
     """The comparison unit of a group's chunks: the smallest itemsize of the dtypes its destinations receive
     (1, 2, 4 or 8; a sub-byte or odd-sized dtype compares byte by byte). A unit spanning two elements
     would count both as changed when one is; a smaller unit is never wrong, only larger on the wire."""
-    sizes = [np.dtype(d).itemsize for d in dtypes]
+    sizes = [numpy_dtype(d).itemsize for d in dtypes]
     unit = min(sizes, default=1)
     return unit if unit in (1, 2, 4, 8) else 1
 
