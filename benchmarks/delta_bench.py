@@ -14,8 +14,9 @@ with ``loopback`` both run here.
 
 For each learning rate, both programs form two groups with the same declarations and Options but
 ``delta="off"`` and ``delta="on"``. The trainer takes ``--steps`` Adam steps on synthetic next-token data
-(seeded); after each step it pushes the new version through the full group, then through the delta group,
-so whatever else the machine does falls on both alike. A push is timed on the trainer from its begin vote
+(seeded); after each step it pushes the new version through both groups, in alternating order (full first
+at odd steps, delta first at even ones), so whatever else the machine does falls on both alike; the server
+pulls in the same order and hashes what it pulled only after both. A push is timed on the trainer from its begin vote
 to every process having committed. Bytes: what the trainer sent (the full group: its network bytes; the
 delta group: encodings, headers and length messages, ``group.delta_report``). Bit-exact: the server hashes
 every pulled version of both groups, the trainer hashes ``params.astype(bfloat16)`` of every version; a
@@ -115,6 +116,11 @@ def digest(tree) -> str:
 # ----------------------------------------------------------------------------------------------- programs
 
 
+def _order(version: int) -> tuple[str, str]:
+    """The order of the two refits of ``version``: alternating, so neither always goes first."""
+    return ("off", "on") if version % 2 else ("on", "off")
+
+
 def _options(delta: str):
     from jreshard import Options
 
@@ -158,7 +164,8 @@ def trainer(args: argparse.Namespace) -> None:
             jax.block_until_ready(params)
             oracle = digest(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
             out = {"event": "pushed", "lr": lr, "version": v, "oracle": oracle}
-            for mode, group in groups.items():
+            for mode in _order(v):
+                group = groups[mode]
                 t0 = time.perf_counter()
                 group.push(params, version=v)
                 seconds = time.perf_counter() - t0
@@ -204,12 +211,12 @@ def server(args: argparse.Namespace) -> None:
             )
         for v in range(1, args.steps + 1):
             out: dict = {"event": "pulled", "lr": lr, "version": v}
-            for mode, group in groups.items():
-                tree, got = group.pull(like=like)
+            trees = {}
+            for mode in _order(v):  # nothing but the pulls between the two: the hashes come after
+                trees[mode], got = groups[mode].pull(like=like)
                 assert got == v, (got, v)
-                out[mode] = digest(tree)
-                if mode == "on":
-                    out["apply_s"] = group.delta_report.apply_s
+            out |= {mode: digest(tree) for mode, tree in trees.items()}
+            out["apply_s"] = groups["on"].delta_report.apply_s
             say(**out)
         for group in groups.values():
             group.close()
