@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -250,3 +251,41 @@ def test_sparse_change_sends_little() -> None:
     assert st_.sent_bytes < 300, st_
     fan = refits[1].stats  # the destination's fan-out to its replica: a delta too
     assert fan.changed_units <= 1 and fan.sent_bytes < 300 + fan.full_bytes // 100, fan
+
+
+def test_options_delta_is_validated_before_anything_moves() -> None:
+    from jreshard.options import Delta
+
+    assert Options().delta is Delta.AUTO and Options(delta="ON").delta is Delta.ON
+    assert Options(delta=Delta.OFF).delta is Delta.OFF
+    with pytest.raises(ValueError, match=r"delta='sometimes'.*'off', 'on', 'auto'"):
+        Options(delta="sometimes")
+    with pytest.raises(ValueError, match="delta_bytes=-1"):
+        Options(delta_bytes=-1)
+    with pytest.raises(ValueError, match="delta_bytes=True"):
+        Options(delta_bytes=True)
+    with pytest.raises(ValueError, match="limit"):
+        DeltaBases(-5)
+
+
+def test_group_reports_why_a_refit_is_full() -> None:
+    """GroupDelta decides from the begin votes: who holds which base, and who has deltas off."""
+    from jreshard.refit.delta import GroupDelta
+
+    names = {0: "process 0 (source)", 1: "process 1 (destination)"}
+    gd = GroupDelta(Options(delta="on"), 2, {0: 0, 1: 1}, names.__getitem__)
+    votes = {0: {"delta": True, "delta_base": None}, 1: {"delta": True, "delta_base": None}}
+    rf = gd.start(votes, 0)
+    assert rf is not None and rf.peer_base(1) is None
+    gd.bases.begin()
+    gd.commit(1, 0)
+    assert gd.report is not None and gd.report.mode == "full" and "first refit" in gd.report.reasons[0]
+    votes = {0: {"delta": True, "delta_base": 1}, 1: {"delta": True, "delta_base": 0}}  # it missed version 1
+    assert gd.start(votes, 0) is not None
+    gd.bases.begin()
+    gd.commit(2, 0)
+    assert "process 1 (destination) holds version 0, this process's bases are 1" in gd.report.reasons
+    votes = {0: {"delta": True, "delta_base": 2}, 1: {"delta": False, "delta_base": None}}
+    assert gd.start(votes, 0) is None and gd.bases.version is None  # a full refit everywhere; bases dropped
+    gd.commit(3, 1234)
+    assert gd.report.mode == "off" and gd.report.sent_bytes == 1234 and "has delta off" in gd.report.reasons[0]
