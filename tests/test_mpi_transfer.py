@@ -23,9 +23,12 @@ def test_multicontroller_random_layouts(tmp_path, procs, devices):
     assert sum(r["empty"] for r in got.values()) > 0  # some process held no target device: empty result
 
 
-@pytest.mark.parametrize(("trainers", "servers", "devices", "mode"), [(2, 2, 2, "guard"), (4, 4, 1, "ok")])
+@pytest.mark.parametrize(
+    ("trainers", "servers", "devices", "mode"), [(2, 2, 2, "guard"), (4, 4, 1, "ok"), (2, 2, 2, "cast")]
+)
 def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
-    """``guard``: every whole-plan function raises; each process must plan only its own ranks."""
+    """``guard``: every whole-plan function raises; each process must plan only its own ranks. ``cast``: a
+    bfloat16 server, every shard the bits of the trainer's ``astype(bfloat16)``, deltas compared in bfloat16."""
     need_mpi()
     launch(
         [program(trainers, "refit_body.py", "source", mode), program(servers, "refit_body.py", "destination", mode)],
@@ -36,7 +39,7 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
     src, dst = results(tmp_path, "refit-source"), results(tmp_path, "refit-destination")
     assert len(src) == trainers and len(dst) == servers
     for r in (*src.values(), *dst.values()):
-        assert "error" not in r, r
+        assert "error" not in r, r.get("error")
         assert r["versions"] == [1, 2, 3, 4, 5]
         if mode == "guard":
             assert r["programmed"] == r["mine"] and len(r["mine"]) == devices

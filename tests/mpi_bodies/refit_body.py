@@ -65,7 +65,9 @@ def body() -> dict:
         spec = {}
         for k, s in shapes().items():
             spec[k] = P() if len(s) == 1 else P("tp", None) if k.endswith(("wo", "w2")) else P(None, "tp")
-    sds = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, spec[k])) for k, s in shapes().items()}
+    # ``cast``: the server declares bfloat16 (a float32 trainer, the bits of x.astype(bfloat16) on the server)
+    dtype = jax.numpy.bfloat16 if mode == "cast" and role == "destination" else np.float32
+    sds = {k: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, spec[k])) for k, s in shapes().items()}
     opts = Options(
         timeout_s=float(os.environ.get("JRESHARD_TIMEOUT", "30")),
         chunk_bytes=512,
@@ -99,7 +101,9 @@ def body() -> dict:
 
     def make(version):
         return {
-            k: jax.make_array_from_callback(s.shape, s.sharding, lambda i, k=k, s=s: value(k, s.shape, version)[i])
+            k: jax.make_array_from_callback(
+                s.shape, s.sharding, lambda i, k=k, s=s: value(k, s.shape, version)[i].astype(s.dtype)
+            )
             for k, s in sds.items()
         }
 
@@ -108,11 +112,13 @@ def body() -> dict:
         for k, a in tree.items():
             assert a.sharding == sds[k].sharding, (k, a.sharding)
             for sh in a.addressable_shards:
-                np.testing.assert_array_equal(np.asarray(sh.data), value(k, a.shape, version)[sh.index])
+                want = value(k, a.shape, version).astype(a.dtype)[sh.index]
+                assert np.asarray(sh.data).tobytes() == want.tobytes(), (k, version)
                 n += sh.data.nbytes
         return n
 
-    log = {"versions": [], "bytes": [], "network_bytes": None if mode == "guard" else group.plan.stats().network_bytes}
+    planned = None if mode in ("guard", "cast") else group.plan.stats().network_bytes  # a cast moves views
+    log = {"versions": [], "bytes": [], "network_bytes": planned}
     current = make(0) if role == "destination" else None
     for v in range(1, steps + 1):
         if victim and v == 3:
