@@ -217,6 +217,7 @@ class FollowerService:
                 c.close()
             if c.eof:
                 del self._attached[k]
+                self._deltas.forget(k[0])  # what this process kept for that replica goes with it
         try:
             self._leader.pump()
         except JReshardError as err:
