@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from schedule_oracle import build_schedule
 
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.engine.deltarounds import HEADER, DeltaBases, DeltaRefit
 from jreshard.engine.rounds import Shards, execute
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.options import Options
-from jreshard.schedule.steps import build_schedule
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
