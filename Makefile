@@ -19,7 +19,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.demo-installed
 SOURCES := pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_casts.c jreshard/schedule/_rows.c \
-	jreshard/schedule/_rows.h jreshard/engine/_replay.c jreshard/engine/_strided.c jreshard/_stream.h
+	jreshard/schedule/_rows.h jreshard/engine/_replay.c jreshard/engine/_strided.c jreshard/engine/_delta.c jreshard/_stream.h
 
 .PHONY: test demo docs lint bench clean
 
@@ -32,6 +32,7 @@ $(STAMP): $(SOURCES)
 	$(BIN)/python -c "from jreshard.schedule import kernels; assert kernels.compiled_rows(), 'the compiled byte rows were not built'"
 	$(BIN)/python -c "from jreshard.engine import replay; assert replay.compiled_replay(), 'the compiled replay was not built'"
 	$(BIN)/python -c "from jreshard.engine import strided; assert strided.compiled(), 'the compiled strided copies were not built'"
+	$(BIN)/python -c "from jreshard.engine import delta; assert delta.compiled(), 'the compiled delta kernels were not built'"
 	touch $(STAMP)
 
 $(DEMO_STAMP): $(SOURCES)

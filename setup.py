@@ -1,5 +1,5 @@
 """jreshard's compiled parts: float32 <-> bfloat16 casts for views, the byte rows of descriptor tables, the
-in-process strided copies, and the replay of prepared refits.
+in-process strided copies, the replay of prepared refits, and the delta encode/apply of delta refits.
 
 All are optional: where no C compiler is found the build goes on without them, and
 ``jreshard.views.native`` and ``jreshard.schedule.kernels`` fall back to numpy (same bytes, slower).
@@ -31,6 +31,12 @@ setup(
             "jreshard.engine._strided",
             ["jreshard/engine/_strided.c"],
             depends=["jreshard/_stream.h"],
+            optional=True,
+            extra_compile_args=FLAGS,
+        ),
+        Extension(
+            "jreshard.engine._delta",
+            ["jreshard/engine/_delta.c"],
             optional=True,
             extra_compile_args=FLAGS,
         ),

@@ -24,6 +24,7 @@ from jreshard.errors import TopologyError as TopologyError
 from jreshard.errors import TransferError as TransferError
 from jreshard.errors import TransferTimeoutError as TransferTimeoutError
 from jreshard.options import Backend as Backend
+from jreshard.options import Delta as Delta
 from jreshard.options import Options as Options
 from jreshard.report import TransferReport as TransferReport
 from jreshard.sharding.box import Box as Box
@@ -73,6 +74,7 @@ __all__ = [
     "TransferReport",
     "Options",
     "Backend",
+    "Delta",
     "RefitGroup",
     "clear_caches",
     # layouts, topologies, plans

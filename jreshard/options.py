@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["Backend", "Options"]
+__all__ = ["Backend", "Delta", "Options"]
 
 
 class Backend(enum.Enum):
@@ -16,6 +16,14 @@ class Backend(enum.Enum):
     MPI = "mpi"  # mpi4py (CPU buffers, or CUDA-aware MPI)
     NCCL = "nccl"  # cupy.cuda.nccl point-to-point
     XLA = "xla"  # the plan compiled into one jitted shard_map of ppermutes (jreshard.xla); not run on GPU or TPU
+
+
+class Delta(enum.Enum):
+    """Whether versioned refits send only what changed (:attr:`Options.delta`)."""
+
+    OFF = "off"  # every refit sends every byte
+    ON = "on"  # every refit between programs sends, per chunk, what changed since the receiver's version
+    AUTO = "auto"  # on between programs (RefitGroup, elastic replicas); a transfer() in one process never diffs
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +58,14 @@ class Options:
         streams before the version is published (:mod:`jreshard.engine.digest`); a mismatch refuses the
         version everywhere. Programs that share a secret always compare keyed MACs instead (the secure
         sibling); ``verify`` then adds nothing. Set it on both sides.
+      delta: ``"off"``, ``"on"`` or ``"auto"`` (or a :class:`Delta`): versioned refits between programs
+        (``RefitGroup``, elastic replicas) send, for each chunk of the plan, only what changed since the
+        version its receiver holds, compared bit for bit in the wire dtype; a receiver whose version the
+        sender cannot encode against gets the whole chunk. ``"auto"`` is on between programs; a
+        ``transfer()`` has no earlier version and never diffs. Every process of a group must have it on
+        for a refit to use it (else the refit is full and its report says why).
+      delta_bytes: the most bytes of sent chunks one process keeps, in the wire dtype, to diff the next
+        refit against (its receivers keep the same chunks); chunks past it are sent whole every refit.
 
     Example:
       >>> Options(backend="mpi", chunk_bytes=1 << 20).backend
@@ -67,6 +83,8 @@ class Options:
     secret: bytes | None = dataclasses.field(default=None, repr=False)
     encrypt: bool = False
     verify: bool = False
+    delta: Delta = Delta.AUTO
+    delta_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         b = self.backend
@@ -100,6 +118,18 @@ class Options:
             raise TypeError(f"Options: encrypt={self.encrypt!r} must be True or False")
         if not isinstance(self.verify, bool):
             raise TypeError(f"Options: verify={self.verify!r} must be True or False")
+        d = self.delta
+        if not isinstance(d, Delta):
+            try:
+                d = Delta(d.lower() if isinstance(d, str) else d)
+            except ValueError:
+                raise ValueError(
+                    f"Options: delta={self.delta!r}; expected one of {[m.value for m in Delta]} "
+                    '("auto": on between programs)'
+                ) from None
+            object.__setattr__(self, "delta", d)
+        if not isinstance(self.delta_bytes, int) or isinstance(self.delta_bytes, bool) or self.delta_bytes < 0:
+            raise ValueError(f"Options: delta_bytes={self.delta_bytes!r} must be an int >= 0 (0: keep nothing)")
         if not isinstance(self.relays, bool):
             raise TypeError(f"Options: relays={self.relays!r} must be True or False")
         if (

@@ -161,6 +161,16 @@ def test_replica_killed_mid_version_5(tmp_path, programs):
     _exact(reps["r3"], [5, 6])
     assert [v for v, _ in reps["r3"]["arrivals"]] == [5, 6]
     assert sorted(out["pushes"]["6"]["committed"]) == ["r1", "r3"]
+    # deltas (on by default): r1 takes every version after its first as a delta, the killed one included;
+    # the replacement's first push is a delta when it caught up from the trainer, else full ("no base")
+    modes = {v: p["delta"] for v, p in out["pushes"].items()}
+    assert [modes[str(v)]["r1"][0] for v in range(1, 7)] == ["full"] + ["delta"] * 5, modes
+    assert all(m[1] < m[2] for v in range(2, 7) for m in [modes[str(v)]["r1"]]), modes
+    r3 = modes["6"]["r3"]
+    if out["joined"]["r3"] == "trainer":
+        assert r3[0] == "delta" and r3[1] < r3[2], r3
+    else:
+        assert r3[0] == "full" and any("process 0 holds no base" in why for why in r3[3]), r3
 
 
 def test_clean_leave_and_rejoin_waits_all_and_any(tmp_path, programs):

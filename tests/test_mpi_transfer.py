@@ -23,9 +23,12 @@ def test_multicontroller_random_layouts(tmp_path, procs, devices):
     assert sum(r["empty"] for r in got.values()) > 0  # some process held no target device: empty result
 
 
-@pytest.mark.parametrize(("trainers", "servers", "devices", "mode"), [(2, 2, 2, "guard"), (4, 4, 1, "ok")])
+@pytest.mark.parametrize(
+    ("trainers", "servers", "devices", "mode"), [(2, 2, 2, "guard"), (4, 4, 1, "ok"), (2, 2, 2, "cast")]
+)
 def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
-    """``guard``: every whole-plan function raises; each process must plan only its own ranks."""
+    """``guard``: every whole-plan function raises; each process must plan only its own ranks. ``cast``: a
+    bfloat16 server, every shard the bits of the trainer's ``astype(bfloat16)``, deltas compared in bfloat16."""
     need_mpi()
     launch(
         [program(trainers, "refit_body.py", "source", mode), program(servers, "refit_body.py", "destination", mode)],
@@ -36,13 +39,19 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
     src, dst = results(tmp_path, "refit-source"), results(tmp_path, "refit-destination")
     assert len(src) == trainers and len(dst) == servers
     for r in (*src.values(), *dst.values()):
-        assert "error" not in r, r
+        assert "error" not in r, r.get("error")
         assert r["versions"] == [1, 2, 3, 4, 5]
         if mode == "guard":
             assert r["programmed"] == r["mine"] and len(r["mine"]) == devices
     # every destination shard byte was checked against numpy at every version
     per_version = [sum(r["bytes"][v] for r in dst.values()) for v in range(5)]
     assert len(set(per_version)) == 1 and per_version[0] > 0
+    # deltas are on between programs by default: the first refit is full, the later ones send the changes
+    for r in src.values():
+        assert [m for m, *_ in r["delta"]] == ["full", "delta", "delta", "delta", "delta"], r["delta"]
+        full, later = r["delta"][0], r["delta"][1:]
+        assert full[1] >= full[2] > 0  # whole chunks and their headers
+        assert all(sent < 0.6 * whole for _, sent, whole, _ in later), later
 
 
 def test_mismatched_declarations_rejected_on_both_sides(tmp_path):
@@ -65,11 +74,19 @@ def test_mismatched_declarations_rejected_on_both_sides(tmp_path):
     assert "process 3 (destination): declares device CpuDevice(id=0) that it does not have" in msg
 
 
+@pytest.mark.parametrize("delta", ["off", "on"])
 @pytest.mark.parametrize("victim", ["source", "destination"])
-def test_peer_killed_mid_refit(tmp_path, victim):
+def test_peer_killed_mid_refit(tmp_path, victim, delta):
+    """A SIGKILLed process in the data phase of version 3: its peers raise within the timeout and keep version 2
+    (with deltas on too: the killed refit's chunks travel as deltas, and what survives is still version 2)."""
     need_mpi()
     timeout = 3.0
-    env = {"JRESHARD_TIMEOUT": str(timeout), "JRESHARD_ADDRESS": str(tmp_path / "address"), "JRESHARD_EXPECT": "2"}
+    env = {
+        "JRESHARD_TIMEOUT": str(timeout),
+        "JRESHARD_ADDRESS": str(tmp_path / "address"),
+        "JRESHARD_EXPECT": "2",
+        "JRESHARD_DELTA": delta,
+    }
     mode = f"kill-{victim}"
     cmds = [
         [str(MPIEXEC), *program(2, "refit_body.py", "source", mode)],
@@ -82,7 +99,10 @@ def test_peer_killed_mid_refit(tmp_path, victim):
     assert len(survivors) == 2  # the victim's own program is torn down by its launcher
     for r in survivors.values():
         assert r["failed_at"] == 3 and r["versions"] == [1, 2], r
-        assert r["native_steps"] >= 3, r  # versions 1 and 2, then 3: waiting in the compiled replay when it failed
+        if delta == "off":  # versions 1 and 2, then 3: waiting in the compiled replay when it failed
+            assert r["native_steps"] >= 3, r
+        else:  # version 2 went as a delta, version 3 was one when the peer died
+            assert [m for m, *_ in r["delta"]] == ["full", "delta"], r
         # a silent peer is timed out; a dead one is seen at once, its connection to the control plane closed
         said = ("Timeout", "did not answer", "no answer", "closed the group", "is gone")
         assert any(s in r["error"] for s in said), r

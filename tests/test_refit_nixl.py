@@ -43,6 +43,10 @@ def test_five_versioned_refits_between_two_launches_are_bit_exact(tmp_path):
     got, sent = events(dst), events(src)
     assert src.returncode == 0 and dst.returncode == 0, (sent, got)
     assert [e["version"] for e in sent if e.get("event") == "pushed"] == [1, 2, 3, 4, 5]
+    deltas = [e["delta"] for e in sent if e.get("event") == "pushed"]
+    assert [d[0] for d in deltas] == ["full", "delta", "delta", "delta", "delta"], deltas  # on between programs
+    assert all(d[1] < d[2] for d in deltas[1:]) and deltas[0][1] > deltas[0][2], deltas
+    assert [e["delta"][0] for e in got if e.get("event") == "pulled"] == ["full"] + ["delta"] * 4
     result = got[-1]
     assert result["checked"] == [1, 2, 3, 4, 5] and result["bad"] == [], result
     assert "closed the group" in result["end"]  # the source's close is seen at once
@@ -64,3 +68,7 @@ def test_a_destination_killed_mid_pull_leaves_the_source_going_on_with_a_new_one
     assert failed["version"] == 2 and "closed the connection" in failed["error"] and failed["seconds"] < 20.0
     assert [e["version"] for e in sent if e.get("event") == "pushed"] == [1, 3, 4, 5]
     assert got[-1]["checked"] == [3, 4, 5] and got[-1]["bad"] == [], got
+    # the rejoined destination holds no base: its first refit is full and says why, the next ones are deltas
+    deltas = [e["delta"] for e in sent if e.get("event") == "pushed"]
+    assert [d[0] for d in deltas] == ["full", "full", "delta", "delta"], deltas
+    assert "no base" in deltas[1][3][0], deltas

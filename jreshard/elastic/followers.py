@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jreshard.elastic.delta import TrainerBases, unit_of
 from jreshard.elastic.pairs import pair_plan, run_pair, source_shards
 from jreshard.elastic.types import PushReport
 from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
@@ -49,9 +50,20 @@ class Followers:
         self.addresses: list[list[Any] | None] = [None] + [joins[p]["data"] for p in sorted(joins)]
         self._timeout_s = timeout_s
 
-    def dispatch(self, member: int, name: str, decls: list[dict], version: int) -> None:
-        """Tell every follower to run its part of the refit of ``version`` to replica ``member``."""
-        msg = {"op": "send", "member": member, "name": name, "decls": decls, "version": version}
+    def dispatch(
+        self,
+        member: int,
+        name: str,
+        decls: list[dict],
+        version: int,
+        *,
+        delta: bool = False,
+        bases: list[int | None] | None = None,
+    ) -> None:
+        """Tell every follower to run its part of the refit of ``version`` to replica ``member`` (as delta rounds
+        against the replica processes' ``bases`` with ``delta``)."""
+        msg = {"op": "send", "member": member, "name": name, "decls": decls, "version": version, "delta": delta}
+        msg["bases"] = list(bases or [None] * len(decls))
         for p, ch in self._channels.items():
             try:
                 ch.send_control(msg, timeout_s=self._timeout_s)
@@ -146,6 +158,7 @@ class FollowerService:
     ):
         self.options, self._links, self._key = options, links, key
         self._process, self._devices = process, list(devices)
+        self._deltas = TrainerBases(options)  # what this process last sent each replica (delta refits)
         self._listener = listen(host, 0)
         self._leader = connect(leader, "the trainer's process 0", key=key, timeout_s=options.timeout_s)
         bound = self._listener.getsockname()
@@ -204,6 +217,7 @@ class FollowerService:
                 c.close()
             if c.eof:
                 del self._attached[k]
+                self._deltas.forget(k[0])  # what this process kept for that replica goes with it
         try:
             self._leader.pump()
         except JReshardError as err:
@@ -261,8 +275,18 @@ class FollowerService:
             pair = pair_plan(self.trainer_decls, decls, self.options, self._links)
             chs = {pair.n_src + j: self._attached[(member, j)] for j in range(len(decls))}
             shards = source_shards(pair, leaves, self._devices, self._process)
-            run_pair(pair, self._process, chs, shards=shards, options=self.options)
+            delta = None
+            if msg.get("delta") is True:  # as process 0 decided: both ends run delta rounds
+                said = msg.get("bases") or []
+                bases = [b if isinstance(b, int) and not isinstance(b, bool) else None for b in said]
+                bases += [None] * (len(decls) - len(bases))
+                ranks = [pair.ranks(pair.n_src + j) for j in range(len(decls))]
+                delta = self._deltas.refit(member, bases[: len(decls)], ranks, unit_of(decls))
+            run_pair(pair, self._process, chs, shards=shards, options=self.options, delta=delta)
+            if delta is not None:
+                self._deltas.sent(member, version)
         except (JReshardError, KeyError, ValueError):
+            self._deltas.failed(member)
             for j in range(len(decls)):  # this replica's connections may hold stale descriptors now
                 c = self._attached.pop((member, j), None)
                 if c is not None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jreshard.elastic.delta import TrainerBases, delta_on, pair_report, unit_of
 from jreshard.elastic.followers import Followers
 from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
@@ -40,6 +41,8 @@ class _Member:  # mutable bookkeeping of the service thread; the public view is 
     via_peer: str = ""  # the replica it is catching up from, while it is
     have: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that staged it
     at: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that committed it
+    delta: bool = False  # it takes delta refits (its hello said so)
+    bases: list[int | None] = dataclasses.field(default_factory=list)  # per process, the base version it holds
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(self.name, self.id, self.state, self.version, self.caught_up_from, self.error)
@@ -112,6 +115,7 @@ class Membership:
         self._pending: list[tuple[Channel, float]] = []
         self._forming: dict[str, tuple[dict[int, tuple[Channel, dict]], float]] = {}  # multi-process joiners
         self._next_id = 1
+        self._deltas = TrainerBases(options)  # what this process last sent each replica (delta refits)
 
     @property
     def version(self) -> int | None:
@@ -244,6 +248,7 @@ class Membership:
         for p, (ch, _) in enumerate(hellos):
             ch.peer = f"replica {name!r}" + (f" (process {p})" if len(hellos) > 1 else "")
         m = _Member(ident, name, [ch for ch, _ in hellos], decls, peer_addresses)
+        m.delta, m.bases = all(bool(h.get("delta")) for _, h in hellos), [None] * len(hellos)
         with self.cv:  # a member before its welcome: a wait that returns after the replica's join counts it
             v = None if self.committed is None else self.committed[0]
             m.state = ReplicaState.JOINING if v is not None else ReplicaState.READY
@@ -290,26 +295,52 @@ class Membership:
                 )
                 return
             m.via_peer = ""
-            m.send({"op": "catchup", "version": v, "from": "trainer"}, self.options.timeout_s)
+            m.send(
+                {"op": "catchup", "version": v, "from": "trainer", "delta": self._use_delta(m)}, self.options.timeout_s
+            )
             self._out_version = v
             self._send(m, leaves)
         except Exception as err:  # any failure (the transport's included) drops this replica only
             self._drop(m, f"catching up to version {v}: {_why(err)}")
 
-    def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> None:
-        """Refit ``m`` to ``self._out_version``: every follower its shards, this process its own."""
+    def _use_delta(self, m: _Member) -> bool:
+        """Whether refits to ``m`` run as delta rounds (both ends have deltas on)."""
+        return delta_on(self.options) and m.delta
+
+    def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> Any:
+        """Refit ``m`` to ``self._out_version``: every follower its shards, this process its own; the report
+        of this process's part (:func:`jreshard.elastic.delta.pair_report`)."""
+        t0 = time.monotonic()
         pair = pair_plan(self._decls, m.decls, self.options, self._links)
+        use = self._use_delta(m)
+        bases = list(m.bases)
         if self._followers is not None:
-            self._followers.dispatch(m.id, m.name, m.decls, self._out_version)
+            self._followers.dispatch(m.id, m.name, m.decls, self._out_version, delta=use, bases=bases)
         shards = source_shards(pair, leaves, self._devices, 0)
         chs = {pair.n_src + p: ch for p, ch in enumerate(m.channels)}
-        run_pair(pair, 0, chs, shards=shards, options=self.options)
+        ranks = [pair.ranks(pair.n_src + j) for j in range(len(m.channels))]
+        delta = self._deltas.refit(m.id, bases, ranks, unit_of(m.decls)) if use else None
+        before = None if delta is None else delta.bases.version
+        try:
+            _, stats = run_pair(pair, 0, chs, shards=shards, options=self.options, delta=delta)
+        except BaseException:
+            self._deltas.failed(m.id)
+            raise
+        self._deltas.sent(m.id, self._out_version)
+        why = (
+            "" if use else ("the trainer has delta off" if not delta_on(self.options) else "the replica has delta off")
+        )
+        full = sum(stats.sent_bytes.values())
+        return pair_report(self._out_version, m.name, delta, before, bases, why, time.monotonic() - t0, full)
 
     def _message(self, m: _Member, process: int, msg: dict) -> None:
         op = msg.get("op")
         if op in ("have", "at"):  # the replica's processes swap a version in only when all of them hold it
             v = int(msg["version"])
             seen = m.have if op == "have" else m.at
+            if op == "at":  # the version its kept chunks are of (None: none): what the next refit encodes against
+                base = msg.get("base")
+                m.bases[process] = int(base) if isinstance(base, int) and not isinstance(base, bool) else None
             seen.setdefault(v, set()).add(process)
             if len(seen[v]) < len(m.channels):
                 return
@@ -342,6 +373,7 @@ class Membership:
         with self.cv:
             if self.members.pop(m.id, None) is None:
                 return
+            self._deltas.forget(m.id)
             m.state, m.error = ReplicaState.GONE, why
             self.gone = [*self.gone[-1023:], m.info()]  # the last 1024 departures
             before = self._lost.get(m.name)  # a name that left twice since the last report: both reasons
@@ -358,11 +390,12 @@ class Membership:
         for m in [m for m in self.members.values() if m.state is ReplicaState.JOINING]:
             self._drop(m, f"did not catch up within timeout_s={self.options.timeout_s}")
         targets = list(self.members.values())
+        deltas = {}
         for m in targets:
             try:
-                m.send({"op": "refit", "version": version}, self.options.timeout_s)
+                m.send({"op": "refit", "version": version, "delta": self._use_delta(m)}, self.options.timeout_s)
                 self._out_version = version
-                self._send(m, leaves)
+                deltas[m.name] = self._send(m, leaves)
             except Exception as err:  # any failure (the transport's included) drops this replica only
                 self._drop(m, f"during version {version}: {_why(err)}")
             self.poll(0.0)  # register the replicas done so far ("any k at v" sees them early)
@@ -385,7 +418,7 @@ class Membership:
         done = tuple(m.name for m in targets if m.version == version)  # (one may have left since: it did commit)
         with self.cv:  # every departure since the previous report: during this push, or between the two
             lost, self._lost = self._lost, {}
-        report = PushReport(version, done, lost, time.monotonic() - t0)
+        report = PushReport(version, done, lost, time.monotonic() - t0, deltas)
         if self._followers is not None:
             self._followers.pushed(report)
         return report

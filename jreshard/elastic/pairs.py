@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jreshard.elastic.types import CatchUp
+from jreshard.engine.deltarounds import DeltaRefit
 from jreshard.engine.rounds import ExecStats
 from jreshard.net.channel import Channel
 from jreshard.options import Options
@@ -288,6 +289,7 @@ def run_pair(
     shards: Mapping,
     options: Options,
     costs: list | None = None,
+    delta: DeltaRefit | None = None,
 ) -> tuple[dict, ExecStats]:
     """Run ``process``'s side of ``pair`` over NIXL: the only call into the engine.
 
@@ -305,6 +307,7 @@ def run_pair(
       options: chunking, staging and ``timeout_s``.
       costs: if given, the refit's :class:`~jreshard.engine.digest.DigestCost` on this process is appended
         (every message is MACed: :mod:`jreshard.elastic.verify`).
+      delta: send what changed since the receivers' bases (:mod:`jreshard.elastic.delta`); both ends alike.
 
     Returns:
       ``({(tensor, rank): new single-device array}, engine statistics)``: the arrays on a destination
@@ -329,14 +332,16 @@ def run_pair(
         if pair.views is not None:
             from jreshard.refit.views import run_group
 
-            out = run_group(pair.views.group, pair.views.schedule, digests.comm, sources, targets, options=options)
+            out = run_group(
+                pair.views.group, pair.views.schedule, digests.comm, sources, targets, options=options, delta=delta
+            )
         else:
             # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
             # the other side's processes by mail over the same connections (relays off, as the plan was made).
             tensors = pair.plan.tensors
             layouts = [(t.src, t.dst) for t in tensors]
             _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
-            out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options)
+            out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options, delta=delta)
     except BaseException:
         digests.abandon()
         raise

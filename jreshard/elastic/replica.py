@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jreshard.elastic.delta import ReplicaBases
 from jreshard.elastic.pairs import (
     check_like,
     leaves_by_name,
@@ -119,6 +120,7 @@ class ElasticReplica:
         self._key = resolve_secret(self.options.secret, who="ElasticReplica")
         timeout = self.options.timeout_s
         self._links = dict(links or {})
+        self._deltas = ReplicaBases(self.options)  # the chunks of the version it holds, for delta refits
         self._devices = list(jax.local_devices() if devices is None else devices)
         self._decl = declare_local("destination", like, self._devices, None, recipe)
         if self._decl["errors"]:
@@ -141,7 +143,13 @@ class ElasticReplica:
         try:
             NixlAgent.shared(bind)  # UCX on the interface that reaches the trainer (or host's)
             port = self._listener.getsockname()[1]
-            hello = {"op": "hello", "name": name, "decl": self._decl, "peer_address": [bind, port]}
+            hello = {
+                "op": "hello",
+                "name": name,
+                "decl": self._decl,
+                "peer_address": [bind, port],
+                "delta": self._deltas.on,
+            }
             ch.send_control(hello | {"process": self._index, "processes": self._processes}, timeout_s=timeout)
             msg = ch.recv_control(timeout_s=timeout)
         except JReshardError:
@@ -349,7 +357,8 @@ class ElasticReplica:
                 elif op == "commit":
                     self._commit(version)
                 elif op in ("refit", "catchup") and msg.get("from") != "peer":
-                    self._receive(self._sources, self._trainer_decls, version, "trainer", peer=False)
+                    delta = msg.get("delta") is True
+                    self._receive(self._sources, self._trainer_decls, version, "trainer", peer=False, delta=delta)
                 elif op == "catchup":
                     try:
                         self._fetch(msg, version, f"replica {msg['peer']!r}")
@@ -387,7 +396,9 @@ class ElasticReplica:
             for ch in peers.values():
                 ch.close()
 
-    def _receive(self, chs: dict[int, Channel], src_decls: list, version: int, source: str, *, peer: bool) -> None:
+    def _receive(
+        self, chs: dict[int, Channel], src_decls: list, version: int, source: str, *, peer: bool, delta: bool = False
+    ) -> None:
         """Run this process's destination side of a refit from ``src_decls`` (the trainer's, or a peer's of
         this replica's form: ``peer``); stage it and say so."""
         import jax
@@ -396,7 +407,11 @@ class ElasticReplica:
         pair = pair_plan(src_decls, self._decls, self.options, self._links, peer=peer)
         targets = target_devices(pair, self._like, self._devices, self._index)
         costs: list = []
-        shards, _ = run_pair(pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs)
+        refit = self._deltas.refit(delta and not peer, 1)  # the unit comes with each chunk
+        shards, _ = run_pair(
+            pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs, delta=refit
+        )
+        self._deltas.staged(version)
         index = {n: t for t, n in enumerate(pair.dst_names)}
         base = pair.bases[pair.n_src + self._index]
         leaves, nbytes = [], 0
@@ -425,7 +440,8 @@ class ElasticReplica:
             self._latest, self._synced = max(version, self._latest or 0), True
             self.arrivals.append(arrival)
             self._cv.notify_all()
-        at = {"op": "at", "version": version, "source": arrival.source}
+        self._deltas.committed(version)
+        at = {"op": "at", "version": version, "source": arrival.source, "base": self._deltas.version}
         self._trainer.send_control(at, timeout_s=self.options.timeout_s)
 
     def _peers(self, pending: list[tuple[Channel, float]], fetches: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 from jreshard.engine.digest import DigestCost
 
@@ -108,12 +109,15 @@ class PushReport:
         ``committed`` and ``lost`` committed this version and left after it, or joined again under
         that name after it was lost.
       seconds: wall time of the push, measured.
+      delta: ``{name: report}`` of this trainer process's refit of each replica it sent to: a delta or full,
+        and why (:class:`~jreshard.refit.delta.DeltaReport`; empty on the other trainer processes).
     """
 
     version: int
     committed: tuple[str, ...]
     lost: dict[str, str]
     seconds: float
+    delta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         """One line: the version, who committed it, who was lost and why.

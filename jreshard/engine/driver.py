@@ -37,6 +37,7 @@ import numpy as np
 
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
+from jreshard.engine.deltarounds import DeltaRefit
 from jreshard.engine.mail import comm_mail
 from jreshard.engine.ownership import source_addresses, storage, take
 from jreshard.engine.rounds import ExecStats, Shards, execute
@@ -65,6 +66,7 @@ def run_schedule(
     buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
     given: Mapping[tuple[int, int], Any] | None = None,
+    delta: DeltaRefit | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """Run ``schedule`` (rounds of this process's ranks) and return the new destination shards.
 
@@ -79,6 +81,7 @@ def run_schedule(
       report: where the engine adds its phases, bytes per link and messages.
       given: destination buffers to write into instead of new ones (``transfer_into``, a receiving
         endpoint's); those keys come back as the buffers themselves, not imported arrays.
+      delta: send what changed since the receivers' bases (:mod:`jreshard.engine.deltarounds`).
     """
     given = given or {}
     buffers = buffers or CpuBuffers()
@@ -101,7 +104,14 @@ def run_schedule(
     for (_, r), a in sources.items():
         devices.setdefault(r, next(iter(a.devices())))
     stats = execute(
-        schedule, comm, Shards(src=src, dst=dst), options=options, buffers=buffers, devices=devices, report=report
+        schedule,
+        comm,
+        Shards(src=src, dst=dst),
+        options=options,
+        buffers=buffers,
+        devices=devices,
+        report=report,
+        delta=delta,
     )
     out = {k: dst[k] if k in given else buffers.import_shard(dst[k], *meta[k]) for k in dst}
     return out, stats

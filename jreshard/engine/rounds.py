@@ -57,6 +57,7 @@ import numpy as np
 
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator, Row
+from jreshard.engine.deltarounds import DeltaRefit, run_delta_rounds
 from jreshard.engine.replay import ops_of, replay_of
 from jreshard.errors import TransferError
 from jreshard.options import Backend, Options
@@ -124,6 +125,7 @@ def execute(
     buffers: Buffers[Any] | None = None,
     devices: Mapping[int, Device] | None = None,
     report: ReportBuilder | None = None,
+    delta: DeltaRefit | None = None,
 ) -> ExecStats:
     """Run the rounds of ``schedule`` that belong to ``comm.local_ranks``.
 
@@ -137,6 +139,8 @@ def execute(
       devices: ``{rank: jax device}`` of the local ranks, so each staging arena is
         allocated on its rank's device (default: the buffers' current device).
       report: where to add phase times, bytes per link, messages and staging.
+      delta: send each chunk as what changed since the base its receiver holds
+        (:mod:`jreshard.engine.deltarounds`; CPU buffers), instead of replaying the prepared program.
 
     Returns:
       What was moved, and the peak staging of each local rank.
@@ -178,18 +182,25 @@ def execute(
         segments[r] = len(bases)
         bases += bufs[r]
         bases += arenas[r]
-    ahead = prog.ahead if comm.posts_ahead else (False,) * len(prog.rounds)
-    nbuf = 2 * schedule.ntensors
-    replay, fresh = replay_of(
-        comm, prog, lambda: ops_of(prog.rounds, ahead, segments, nbuf), posts_ahead=comm.posts_ahead
-    )
-    replay.intact = local_bytes == 0  # a step that fails before its rounds has written no destination byte
-    if not buffers.native_rows:
-        buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
     t3 = clock()
-    pack_s, network_s, fanout_s, unpack_rounds_s, idle_s = replay.run(
-        comm, buffers, bufs, bases, options.timeout_s, clock
-    ).tolist()
+    if delta is not None:
+        fresh, idle_s = True, 0.0
+        pack_s, network_s, fanout_s, unpack_rounds_s = run_delta_rounds(
+            prog.rounds, comm, buffers, bufs, bases, options.timeout_s, delta, clock
+        )
+    else:
+        ahead = prog.ahead if comm.posts_ahead else (False,) * len(prog.rounds)
+        nbuf = 2 * schedule.ntensors
+        replay, fresh = replay_of(
+            comm, prog, lambda: ops_of(prog.rounds, ahead, segments, nbuf), posts_ahead=comm.posts_ahead
+        )
+        replay.intact = local_bytes == 0  # a step that fails before its rounds has written no destination byte
+        if not buffers.native_rows:
+            buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
+        t3 = clock()
+        pack_s, network_s, fanout_s, unpack_rounds_s, idle_s = replay.run(
+            comm, buffers, bufs, bases, options.timeout_s, clock
+        ).tolist()
     t4 = clock()
     buffers.synchronize()
     unpack_s += unpack_rounds_s + clock() - t4

@@ -35,6 +35,7 @@ import numpy as np
 
 from jreshard.engine.buffers import Buffers, CpuBuffers, aligned_empty
 from jreshard.engine.comm import Communicator
+from jreshard.engine.deltarounds import DeltaRefit
 from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
@@ -81,6 +82,7 @@ def run_view_schedule(
     buffers: Buffers | None = None,
     devices: Mapping[int, Any] | None = None,
     report: ReportBuilder | None = None,
+    delta: DeltaRefit | None = None,
 ) -> ExecStats:
     """Run this process's ranks (``comm.local_ranks``) of ``vs``.
 
@@ -95,6 +97,7 @@ def run_view_schedule(
       buffers: buffer operations (default numpy on CPU).
       devices: ``{rank: jax device}`` for the staging arenas.
       report: where the engine adds phases, bytes per link, messages and staging.
+      delta: send what changed since the receivers' bases (:mod:`jreshard.engine.deltarounds`).
 
     Raises:
       TransferError: a buffer the schedule needs is missing (nothing was written).
@@ -131,7 +134,14 @@ def run_view_schedule(
         if encodes:
             buffers.synchronize()  # uploaded before the first pack reads them
     stats = execute(
-        vs.schedule, comm, Shards(src=src, dst=dst), options=options, buffers=buffers, devices=devices, report=report
+        vs.schedule,
+        comm,
+        Shards(src=src, dst=dst),
+        options=options,
+        buffers=buffers,
+        devices=devices,
+        report=report,
+        delta=delta,
     )
     with rep.timed(ReportPhase.UNPACK):
         _tiles(vs, views, dsts, buffers, dst, devices, mine)

@@ -82,6 +82,7 @@ from jreshard.refit.decl import (
     problems,
     validate,
 )
+from jreshard.refit.delta import DeltaReport, GroupDelta, wire_unit
 from jreshard.refit.views import lower_group, run_group, schedule_group
 from jreshard.schedule.steps import Schedule
 from jreshard.sharding.dtypes import storage_bytes
@@ -179,7 +180,8 @@ class RefitGroup:
         (the source leaf of that name, cast to this leaf's dtype).
 
     Attributes:
-      sent_bytes: the bytes this process's ranks sent in the last refit, by link (empty before one).
+      sent_bytes: the bytes this process's ranks sent in the last refit, by link (empty before one), as a full
+        refit sends them; what a delta refit sent instead is in :attr:`delta_report`.
       digest_cost: what digesting the last refit's messages cost this process (:class:`DigestCost`: seconds,
         bytes, messages), or ``None`` when nothing is digested (one MPI universe without ``verify``).
 
@@ -280,6 +282,9 @@ class RefitGroup:
         self.version: int | None = None
         self._broken: str | None = None
         self._background: Any = None  # the PullHandle of a pull_async in flight (refit/background.py)
+        wire = [d.np_dtype for _, d in pairs] if self._views is None else [d.np_dtype for d in self._views.dsts]
+        self._delta = GroupDelta(self.options, wire_unit(wire), rank_process, self._describe)  # refit/delta.py
+        self._votes: dict = {}
 
     @classmethod
     def connect(
@@ -402,6 +407,13 @@ class RefitGroup:
             ) from None
 
     @property
+    def delta_report(self) -> DeltaReport | None:
+        """What the last committed refit sent from this process against a full refit (``None`` before one):
+        mode and why chunks went whole, full and sent bytes, the changed fraction, encode and apply times,
+        and the bytes kept to diff the next refit against (:class:`~jreshard.refit.delta.DeltaReport`)."""
+        return self._delta.report
+
+    @property
     def lowerings(self) -> list[LeafLowering]:
         """Per destination leaf, its pieces and bytes by link (a group that moves views; else ``ValueError``)."""
         if self._lowerings is None:
@@ -439,6 +451,7 @@ class RefitGroup:
 
     def _begin(self, vote: dict, timeout_s: float) -> int:
         votes = self._control.allgather(vote, timeout_s=timeout_s)
+        self._votes = votes
         bad = [f"{self._describe(p)}: {v['error']}" for p, v in sorted(votes.items()) if v["error"]]
         versions = {v["version"] for v in votes.values() if v["role"] == "source"}
         if len(versions) > 1:
@@ -493,15 +506,23 @@ class RefitGroup:
             assert isinstance(self._comm, DigestComm)
             self._comm.begin(digests)
         try:
+            delta = self._delta.start(self._votes, self._control.rank)
             if self._views is not None:
-                shards, stats = self._move_views(self._views, sources, targets, given)
+                shards, stats = self._move_views(self._views, sources, targets, given, delta)
             else:
                 if self._schedule is None:
                     _, _, self._schedule = schedule_local(
                         self._pairs, self.names, self.topology, self.options, self._wire
                     )
                 shards, stats = run_schedule(
-                    self._tensors, self._schedule, self._comm, sources, targets, options=self.options, given=given
+                    self._tensors,
+                    self._schedule,
+                    self._comm,
+                    sources,
+                    targets,
+                    options=self.options,
+                    given=given,
+                    delta=delta,
                 )
             if digests is not None:
                 self._comm.finish()  # every message digested (a digest's failure fails the refit here)
@@ -540,6 +561,7 @@ class RefitGroup:
             failed.append(f"commit vote: {e}")
         if failed:
             self._broken = self._broken or failed[0]
+            self._delta.abort()
             raise PeerError(
                 "refit failed; the destination keeps its previous version:\n  " + "\n  ".join(failed),
                 destination_intact=True,
@@ -549,7 +571,7 @@ class RefitGroup:
         return shards
 
     def _move_views(
-        self, gv: GroupViews, sources: dict, targets: dict, given: dict | None = None
+        self, gv: GroupViews, sources: dict, targets: dict, given: dict | None = None, delta: Any = None
     ) -> tuple[dict, ExecStats]:
         """This process's ranks of the group's views through the round loop (the schedule built at the first
         refit and kept): ``({(destination leaf, rank): new shard}, stats)``."""
@@ -557,7 +579,9 @@ class RefitGroup:
             self._view_schedule = schedule_group(
                 gv, self.lowerings, self.topology, self.options, pipelined=self._comm.pipelines_packs
             )
-        return run_group(gv, self._view_schedule, self._comm, sources, targets, options=self.options, given=given)
+        return run_group(
+            gv, self._view_schedule, self._comm, sources, targets, options=self.options, given=given, delta=delta
+        )
 
     def push(self, params: Any, *, version: int) -> None:
         """Send ``params`` (matching the declaration) as ``version`` to the destination side.
@@ -577,6 +601,7 @@ class RefitGroup:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]  # the one flattening of the call
         error = self._local_check(flat)
         vote = {"role": "source", "error": error, "version": int(version), "nonce": boxes.new_nonce()}
+        vote |= self._delta.vote()
         self._begin(vote, self.options.timeout_s)
         sources = {}
         for t, a in self._indexed(flat):
@@ -586,6 +611,7 @@ class RefitGroup:
                     sources[(t, r)] = sh.data
         self._run(sources, {})
         self.version = int(version)
+        self._delta.commit(self.version, sum(self.sent_bytes.values()))
 
     def pull_async(
         self,
@@ -727,7 +753,7 @@ class RefitGroup:
             ``given`` holds neither version for sure (the caller's earlier arrays are untouched).
         """
         self._check_usable()
-        vote = {"role": "destination", "error": error, "version": None}
+        vote = {"role": "destination", "error": error, "version": None, **self._delta.vote()}
         version = self._begin(vote, timeout_s or self.options.timeout_s)
         if phases is not None:
             phases["begun"] = time.monotonic()
@@ -735,6 +761,7 @@ class RefitGroup:
         if phases is not None:
             phases["moved"] = time.monotonic()
         self.version = version
+        self._delta.commit(version, sum(self.sent_bytes.values()))
         return version
 
     def _dst_layout(self, t: int) -> Any:

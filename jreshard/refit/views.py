@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jreshard.engine.comm import Communicator
+from jreshard.engine.deltarounds import DeltaRefit
 from jreshard.engine.rounds import ExecStats
 from jreshard.options import Options
 from jreshard.refit.decl import GroupViews
@@ -94,6 +95,7 @@ def run_group(
     *,
     options: Options,
     given: Mapping[tuple[int, int], Any] | None = None,
+    delta: DeltaRefit | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """This process's ranks (``comm.local_ranks``) of ``vs`` through the one round loop, into fresh buffers
     (or into ``given`` ones).
@@ -107,6 +109,7 @@ def run_group(
       options: chunking, staging, ``timeout_s``.
       given: ``{(destination leaf, rank): 1-D uint8 buffer}`` to write into instead of fresh buffers
         (a receiving endpoint's); those come back as the buffers themselves, not jax arrays.
+      delta: send what changed since the receivers' bases (:mod:`jreshard.engine.deltarounds`).
 
     Returns:
       ``({(destination leaf, rank): new single-device jax array}, this process's engine statistics)``.
@@ -129,7 +132,17 @@ def run_group(
         sizes = [storage_bytes(gv.dsts[t].np_dtype, gv.dsts[t].box_of(r).volume) for t, r in keys]
         dst.update(zip(keys, backend.allocate(sizes, device), strict=True))
     stats = run_view_schedule(
-        vs, gv.views, gv.layouts, gv.dsts, comm, src, dst, options=options, buffers=backend, devices=devices
+        vs,
+        gv.views,
+        gv.layouts,
+        gv.dsts,
+        comm,
+        src,
+        dst,
+        options=options,
+        buffers=backend,
+        devices=devices,
+        delta=delta,
     )
     out = {
         (t, r): buf

@@ -67,6 +67,9 @@ def main():
         r = tr.push(params(v), version=v, **kw)
         if r is not None:
             out["pushes"][v] = {"committed": list(r.committed), "lost": r.lost, "seconds": time.monotonic() - t0}
+            out["pushes"][v]["delta"] = {
+                n: [d.mode, d.sent_bytes, d.full_bytes, list(d.reasons)] for n, d in r.delta.items()
+            }
         say(event="pushed", version=v)
 
     if scenario == "join":

@@ -26,8 +26,10 @@ def shapes() -> dict:
 
 
 def value(name: str, shape: tuple, version: int) -> np.ndarray:
+    """Every version differs from the one before in about 2 of every 13 elements (a delta has work)."""
     salt = sum(map(ord, name))
-    return ((np.arange(np.prod(shape)) % 9973) + salt * 0.5 + version * 1000).astype(np.float32).reshape(shape)
+    i = np.arange(np.prod(shape))
+    return ((i % 9973) + salt * 0.5 + version * 1000 * (i % 13 == version % 13)).astype(np.float32).reshape(shape)
 
 
 def body() -> dict:
@@ -63,8 +65,15 @@ def body() -> dict:
         spec = {}
         for k, s in shapes().items():
             spec[k] = P() if len(s) == 1 else P("tp", None) if k.endswith(("wo", "w2")) else P(None, "tp")
-    sds = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, spec[k])) for k, s in shapes().items()}
-    opts = Options(timeout_s=float(os.environ.get("JRESHARD_TIMEOUT", "30")), chunk_bytes=512, staging_bytes=1 << 16)
+    # ``cast``: the server declares bfloat16 (a float32 trainer, the bits of x.astype(bfloat16) on the server)
+    dtype = jax.numpy.bfloat16 if mode == "cast" and role == "destination" else np.float32
+    sds = {k: jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, spec[k])) for k, s in shapes().items()}
+    opts = Options(
+        timeout_s=float(os.environ.get("JRESHARD_TIMEOUT", "30")),
+        chunk_bytes=512,
+        staging_bytes=1 << 16,
+        delta=os.environ.get("JRESHARD_DELTA", "auto"),
+    )
     kwargs = {}
     if mode == "mismatch":
         if role == "destination":
@@ -92,7 +101,9 @@ def body() -> dict:
 
     def make(version):
         return {
-            k: jax.make_array_from_callback(s.shape, s.sharding, lambda i, k=k, s=s: value(k, s.shape, version)[i])
+            k: jax.make_array_from_callback(
+                s.shape, s.sharding, lambda i, k=k, s=s: value(k, s.shape, version)[i].astype(s.dtype)
+            )
             for k, s in sds.items()
         }
 
@@ -101,11 +112,13 @@ def body() -> dict:
         for k, a in tree.items():
             assert a.sharding == sds[k].sharding, (k, a.sharding)
             for sh in a.addressable_shards:
-                np.testing.assert_array_equal(np.asarray(sh.data), value(k, a.shape, version)[sh.index])
+                want = value(k, a.shape, version).astype(a.dtype)[sh.index]
+                assert np.asarray(sh.data).tobytes() == want.tobytes(), (k, version)
                 n += sh.data.nbytes
         return n
 
-    log = {"versions": [], "bytes": [], "network_bytes": None if mode == "guard" else group.plan.stats().network_bytes}
+    planned = None if mode in ("guard", "cast") else group.plan.stats().network_bytes  # a cast moves views
+    log = {"versions": [], "bytes": [], "network_bytes": planned}
     current = make(0) if role == "destination" else None
     for v in range(1, steps + 1):
         if victim and v == 3:
@@ -156,6 +169,8 @@ def body() -> dict:
                 log["previous_intact_bytes"] = check(current, v - 1)
             break
         log["versions"].append(group.version)
+        rep = group.delta_report
+        log.setdefault("delta", []).append([rep.mode, rep.sent_bytes, rep.full_bytes, rep.recv_bytes])
     log.pop("error", None) if "failed_at" not in log else None
     if programmed is not None:
         log |= {"programmed": sorted(set(programmed)), "mine": list(group._comm.local_ranks)}

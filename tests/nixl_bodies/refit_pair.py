@@ -30,12 +30,18 @@ OPTIONS = Options(timeout_s=20.0, chunk_bytes=128, staging_bytes=1024)  # the re
 
 
 def value(k: str, version: int) -> np.ndarray:
-    n = int(np.prod(SHAPES[k]))
-    return (np.arange(n, dtype=np.float32) * (1 + (k == "b")) + 1000 * version).reshape(SHAPES[k])
+    """A version differs from the one before in about 2 of every 5 elements (deltas are on by default)."""
+    i = np.arange(int(np.prod(SHAPES[k])), dtype=np.float32)
+    return (i * (1 + (k == "b")) + 1000 * version * (i % 5 == version % 5)).reshape(SHAPES[k])
 
 
 def say(**event) -> None:
     print(json.dumps(event), flush=True)
+
+
+def _delta(group: RefitGroup) -> list:
+    rep = group.delta_report
+    return [rep.mode, rep.sent_bytes, rep.full_bytes, list(rep.reasons)]
 
 
 def source(address: str, mode: str) -> None:
@@ -49,15 +55,15 @@ def source(address: str, mode: str) -> None:
     if mode == "five":
         for v in range(1, 6):
             group.push(params(v), version=v)
-            say(event="pushed", version=v)
+            say(event="pushed", version=v, delta=_delta(group))
         group.close()
         return
     group.push(params(1), version=1)
-    say(event="pushed", version=1)
+    say(event="pushed", version=1, delta=_delta(group))
     t0 = time.monotonic()
     try:
         group.push(params(2), version=2)
-        say(event="pushed", version=2)
+        say(event="pushed", version=2, delta=_delta(group))
     except (PeerError, TransferError) as err:  # the destination died mid-pull
         say(event="failed", version=2, error=f"{type(err).__name__}: {err}", seconds=time.monotonic() - t0)
     group.close()
@@ -65,7 +71,7 @@ def source(address: str, mode: str) -> None:
     say(event="formed")
     for v in (3, 4, 5):
         group.push(params(v), version=v)
-        say(event="pushed", version=v)
+        say(event="pushed", version=v, delta=_delta(group))
     group.close()
 
 
@@ -122,7 +128,7 @@ def destination(address: str, mode: str) -> None:
             ):
                 bad.append([v, k])
         checked.append(v)
-        say(event="pulled", version=v, registrations=NixlAgent.shared().registrations)
+        say(event="pulled", version=v, registrations=NixlAgent.shared().registrations, delta=_delta(group))
     say(checked=checked, bad=bad, end=end)
 
 
