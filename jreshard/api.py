@@ -36,7 +36,7 @@ import jax
 from jreshard.call import repack
 from jreshard.call.front import Call, Mode, flatten, prepare
 from jreshard.call.normalize import normalize
-from jreshard.call.routes import route, run_engine, target_shardings
+from jreshard.call.routes import route, run_engine, runner, target_shardings
 from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
 from jreshard.report import NotInPlace, ReportBuilder, ReportPhase, TransferReport
@@ -137,8 +137,7 @@ def _run_flat(
         if choice.backend is Backend.LOCAL or (single_process and choice.backend is not Backend.XLA):
             prep = prepare(leaves, treedef, targets, mode, topology, options, x)
     if choice.backend is Backend.XLA:
-        from jreshard.xla.run import run_xla
-
+        run_xla = runner(choice.backend.value)
         shardings = (
             target_shardings(targets) if mode is Mode.TRANSFER else [getattr(t, "sharding", None) for t in targets]
         )

@@ -11,7 +11,7 @@ import pytest
 from cupy_standins import fake_nvml
 
 from jreshard.errors import TopologyError
-from jreshard.nccl.nvml import domain_key, local_domain_keys, topology_from_domain_keys
+from jreshard.cuda.nvml import domain_key, local_domain_keys, topology_from_domain_keys
 
 
 @pytest.mark.parametrize("versioned", [True, False])

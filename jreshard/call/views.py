@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jreshard.call.front import Call, LeafTarget, Mode
+from jreshard.call.routes import cluster_transport
 from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
@@ -44,8 +45,6 @@ from jreshard.engine.pool import default_pool
 from jreshard.engine.viewcopy import Program, compile_program, execute_pieces
 from jreshard.engine.viewrun import run_view_schedule
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
-from jreshard.mpi.cluster import cluster_comm
-from jreshard.mpi.comm import import_mpi
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.schedule.viewsched import ViewSchedule, view_schedule
@@ -56,7 +55,7 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.lowering import LeafLowering, lower_tree
-from jreshard.views.quant import _Quant
+from jreshard.views.quant import QuantView as _Quant
 
 __all__ = ["lower_views", "run", "run_cluster", "transfer", "transfer_cluster", "transfer_into"]
 
@@ -427,7 +426,7 @@ def run_cluster(
         key, lowerings, topo = lower_views(views, srcs, layouts, dsts, topology)
         quant = tuple((v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in views)
         if transport is None:
-            transport = cluster_comm(import_mpi().COMM_WORLD)
+            transport = cluster_transport("mpi")
         sched_opts = (options.chunk_bytes, options.staging_bytes)
         vs = _schedule(
             (key, sched_opts), lowerings, tuple(layouts), tuple(dsts), topo, options, quant, transport.pipelines_packs

@@ -313,9 +313,11 @@ def run_pair(
       ``({(tensor, rank): new single-device array}, engine statistics)``: the arrays on a destination
       (fresh buffers), ``{}`` on a source; the statistics count the bytes this process's ranks sent.
     """
+    from jreshard.call.routes import kit
     from jreshard.elastic.verify import PairDigests
     from jreshard.engine.driver import run_schedule, schedule_local
-    from jreshard.nixl import NixlAgent, NixlComm
+
+    NixlAgent, NixlComm = kit("nixl").agent, kit("nixl").comm
 
     source = process < pair.n_src
     remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}

@@ -104,8 +104,9 @@ class ElasticReplica:
     ):
         import jax
 
-        from jreshard.nixl import NixlAgent
-        from jreshard.nixl.agent import import_nixl
+        from jreshard.call.routes import kit
+
+        NixlAgent, import_nixl = kit("nixl").agent, kit("nixl").import_nixl
 
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")

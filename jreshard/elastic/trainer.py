@@ -96,7 +96,9 @@ class ElasticTrainer:
         self._decl = declare_local("source", params, self._devices, None)
         if self._decl["errors"]:
             raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
-        from jreshard.nixl import NixlAgent
+        from jreshard.call.routes import kit
+
+        NixlAgent = kit("nixl").agent
 
         NixlAgent.shared(host)  # NIXL present and its agent made (UCX on host's interface) before anyone connects
         self._process, processes = jax.process_index(), jax.process_count()

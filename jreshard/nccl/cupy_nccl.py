@@ -44,12 +44,11 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+from jreshard.cuda.runtime import device_pointer, event_done
 from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl.nccl_support import (
     Watchdog,
-    device_pointer,
-    event_done,
     import_cupy,
     run_bounded,
     uid_argument,
@@ -217,7 +216,7 @@ class NcclComm(Communicator):
         return self._local_ranks
 
     def buffers(self, *, timeout_s: float = 300.0, cupy: Any = None) -> Any:
-        """A :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` on this communicator's streams,
+        """A :class:`~jreshard.cuda.buffers.CupyBuffers` on this communicator's streams,
         and from now on exchanges that do not wait on the host. Not run on GPU.
 
         Sends and receives then run on this communicator's stream per GPU, packs and unpacks on
@@ -225,7 +224,7 @@ class NcclComm(Communicator):
         ``synchronize()`` at the end of a refit, which polls NCCL's errors while it waits and
         aborts every communicator past ``timeout_s``.
         """
-        from jreshard.nccl.gpu_buffers import CupyBuffers
+        from jreshard.cuda.buffers import CupyBuffers
 
         self._deferred = True
         streams = {loc.ordinal: loc.stream for loc in self._local.values()}

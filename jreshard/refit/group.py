@@ -62,14 +62,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jreshard.refit.boxes as boxes
+from jreshard.call.routes import kit, program_transport
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.digest import DigestComm, DigestCost, Digests
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
-from jreshard.mpi.comm import MpiComm, import_mpi
-from jreshard.mpi.control import Control
-from jreshard.mpi.live import LiveComm
 from jreshard.options import Options
 from jreshard.refit.decl import (
     GroupViews,
@@ -99,6 +97,9 @@ def _local_devices() -> list[Any]:
 
     return list(jax.local_devices())
 
+
+_MPI = kit("mpi")  # the transports, by name from the registry (jreshard.call.routes)
+MpiComm, Control, LiveComm, import_mpi = _MPI.comm, _MPI.control, _MPI.live, _MPI.import_mpi
 
 MPI_JOIN_EXIT = 75  # the exit status of a process whose MPI accept/connect a dead peer left hanging (EX_TEMPFAIL)
 
@@ -319,10 +320,8 @@ class RefitGroup:
         ``options.timeout_s``; a peer that dies is seen within it, and the surviving side can
         ``connect`` again with a new peer.
         """
-        if transport == "nixl":
+        if program_transport(transport, "RefitGroup.connect") == "nixl":
             return cls._connect_nixl(Role(role), params, address, host, **kwargs)
-        if transport != "mpi":
-            raise ValueError(f"RefitGroup.connect: transport={transport!r}; expected 'mpi' or 'nixl'")
         return cls._connect_mpi(Role(role), params, address, host, comm, **kwargs)
 
     @classmethod
@@ -332,7 +331,8 @@ class RefitGroup:
         hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
         and calling) and the weights move over the merged communicator."""
         from jreshard.net.auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
-        from jreshard.nixl.group import ProcessGroup
+
+        ProcessGroup = kit("nixl").group
 
         MPI = import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -374,7 +374,8 @@ class RefitGroup:
         import jax
 
         from jreshard.net.auth import resolve_secret
-        from jreshard.nixl.group import ProcessGroup
+
+        ProcessGroup = kit("nixl").group
 
         options = Options.of(kwargs.get("options"))
         key = resolve_secret(options.secret, who="RefitGroup.connect")

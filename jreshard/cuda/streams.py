@@ -1,4 +1,4 @@
-"""The streams of :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` on each GPU, and the events that link them.
+"""The streams of :class:`~jreshard.cuda.buffers.CupyBuffers` on each GPU, and the events that link them.
 Not run on GPU.
 
 Three streams per GPU, none of them the legacy default stream:

@@ -1,4 +1,4 @@
-"""The DLPack hand-over from CuPy to JAX on CUDA GPUs, for :class:`~jreshard.nccl.gpu_buffers.CupyBuffers`.
+"""The DLPack hand-over from CuPy to JAX on CUDA GPUs, for :class:`~jreshard.cuda.buffers.CupyBuffers`.
 Not run on GPU.
 
 :class:`Typed` hands JAX a CuPy destination buffer re-typed to its real DLPack type (bfloat16,

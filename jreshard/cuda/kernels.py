@@ -233,7 +233,7 @@ def _build(src: np.ndarray, sstr: np.ndarray, dst: np.ndarray, dstr: np.ndarray,
     tiles = -(-units // TILE_UNITS)
     if int(tiles.sum()) > MAX_BLOCKS:
         raise ValueError(
-            f"cuda_kernels: a launch of {len(table)} pieces ({int(table[:, K.NBYTES].sum())} bytes) needs "
+            f"kernels: a launch of {len(table)} pieces ({int(table[:, K.NBYTES].sum())} bytes) needs "
             f"{int(tiles.sum())} blocks, over CUDA's grid limit of {MAX_BLOCKS}: the fix is a smaller "
             "Options.chunk_bytes"
         )

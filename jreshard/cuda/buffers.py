@@ -2,13 +2,13 @@
 
 The GPU :class:`~jreshard.engine.buffers.Buffers`. Buffers are 1-D ``uint8``
 CuPy arrays; pack, unpack and copy are one ``RawKernel`` launch per descriptor
-table (:mod:`jreshard.nccl.cuda_kernels`), or plain ``cudaMemcpyAsync`` calls when
+table (:mod:`jreshard.cuda.kernels`), or plain ``cudaMemcpyAsync`` calls when
 a table is a few contiguous runs; a table's cast rows (a view's casts) launch the cast
-kernel of :mod:`jreshard.nccl.cuda_casts` on the same stream, after its byte rows.
+kernel of :mod:`jreshard.cuda.casts` on the same stream, after its byte rows.
 The launch tables of a whole schedule are built and uploaded once
 (:meth:`CupyBuffers.prepare`, which the engine calls before its first round). Pack,
 send/receive and unpack run on three streams per GPU linked by events, with
-double-buffered staging (:mod:`jreshard.nccl.gpu_streams`); none is the legacy
+double-buffered staging (:mod:`jreshard.cuda.streams`); none is the legacy
 default stream.
 
 Destination shards are allocated through XLA (one jitted allocation per device and
@@ -47,13 +47,13 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from jreshard.cuda import casts as CC
+from jreshard.cuda import kernels as CK
+from jreshard.cuda.dlpack import Typed
+from jreshard.cuda.runtime import event_done
+from jreshard.cuda.streams import GpuStreams
 from jreshard.engine.buffers import KDLCUDA, Buffers, Capsule, dlpack_type, retype_capsule
 from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
-from jreshard.nccl import cuda_casts as CC
-from jreshard.nccl import cuda_kernels as CK
-from jreshard.nccl.gpu_dlpack import Typed
-from jreshard.nccl.gpu_streams import GpuStreams
-from jreshard.nccl.nccl_support import event_done
 from jreshard.schedule import kernels as K
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
@@ -90,7 +90,7 @@ class CupyBuffers(Buffers[CupyArray]):
     Stream order, no host waits until the end. On each GPU, packs and local copies run
     on a pack stream, sends and receives on the comm stream (``NcclComm``'s, with
     :meth:`NcclComm.buffers`), unpacks on an unpack stream; :meth:`fence` (before each
-    exchange) and the staging arenas' events order them (:mod:`jreshard.nccl.gpu_streams`),
+    exchange) and the staging arenas' events order them (:mod:`jreshard.cuda.streams`),
     and the engine alternates two staging arenas by round (:attr:`staging_buffers`), so
     round ``k + 1`` packs while round ``k`` is on the wire. Only :meth:`synchronize`
     (the end of a refit) blocks the host, polling events every 20-100 µs for at most
@@ -334,7 +334,7 @@ class CupyBuffers(Buffers[CupyArray]):
 
     @staticmethod
     def _launches(byte: np.ndarray, cast: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        """The parts of a table (:func:`cuda_casts.split`) that launch a kernel: ``("copy", byte rows)``
+        """The parts of a table (:func:`casts.split`) that launch a kernel: ``("copy", byte rows)``
         unless they are a few contiguous runs (``cudaMemcpyAsync``), ``("cast", cast rows)``."""
         out = [("copy", byte)] if len(byte) and not _plain(byte, byte) else []
         return out + ([("cast", cast)] if len(cast) else [])

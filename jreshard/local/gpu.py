@@ -2,7 +2,7 @@
 
 The engine's path for GPUs in one process (``backend="local"`` on GPUs). A send and its
 receive become one ``cudaMemcpyAsync`` on the GPU's comm stream of the
-:class:`~jreshard.nccl.gpu_buffers.CupyBuffers` in use; between two GPUs, one
+:class:`~jreshard.cuda.buffers.CupyBuffers` in use; between two GPUs, one
 ``cudaMemcpyPeerAsync`` on the sender's comm stream, after an event of the receiver's and
 followed by one the receiver's waits for. Copies are so ordered with the packs and unpacks
 of both GPUs exactly as NCCL's sends and receives are (the buffers' ``fence``), without a
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jreshard.cuda.runtime import device_pointer
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.engine.loopback import match
 from jreshard.errors import PeerError
-from jreshard.nccl.nccl_support import device_pointer
 
 __all__ = ["CupyLocalComm"]
 
