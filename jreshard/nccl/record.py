@@ -71,7 +71,7 @@ def _open(devices: Mapping[int, Device], single_process: bool, options: Options,
 
 RECORD: TransportRecord[None] = TransportRecord(
     name="nccl",
-    summary="NCCL sends and receives between CUDA device buffers",
+    summary="NCCL moves CUDA device buffers between GPUs",
     serves=frozenset({Reach.GPU_ONE_PROCESS, Reach.GPU_PROCESSES}),
     auto=frozenset({Reach.GPU_PROCESSES}),
     probe=_probe,
