@@ -622,8 +622,8 @@ def prealloc(emit, quick):
     import jax.numpy as jnp
 
     import jreshard
-    from jreshard.errors import TransferError
     from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.errors import TransferError
 
     g = gpu()
     o = g.local_hardware_id

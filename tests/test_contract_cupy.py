@@ -25,8 +25,8 @@ from cupy_standins import CUDARuntimeError, NcclError, RecordingCuda, RecordingN
 
 from jreshard.cuda import casts as CC
 from jreshard.cuda import kernels as CK
-from jreshard.nccl.cupy_nccl import NcclComm, device_pointer
 from jreshard.cuda.runtime import event_done
+from jreshard.nccl.cupy_nccl import NcclComm, device_pointer
 from jreshard.nccl.nccl_support import uid_argument, uid_to_bytes
 from jreshard.nccl.rendezvous import KeyValueRendezvous
 

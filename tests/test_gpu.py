@@ -190,9 +190,9 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     nccl_or_skip()
     from schedule_oracle import build_schedule
 
+    from jreshard.cuda.buffers import CupyBuffers
     from jreshard.engine.rounds import Shards, execute
     from jreshard.nccl.cupy_nccl import NcclComm
-    from jreshard.cuda.buffers import CupyBuffers
     from jreshard.nccl.rendezvous import KeyValueRendezvous
     from jreshard.options import Options
     from jreshard.sharding.layout import Layout

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from cupy_standins import RecordingCuda, fake_cupy
 
+from jreshard.cuda.buffers import CupyBuffers
+from jreshard.cuda.dlpack import Typed as _Typed
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.loopback import LocalComm
 from jreshard.errors import TransferError
-from jreshard.cuda.buffers import CupyBuffers
-from jreshard.cuda.dlpack import Typed as _Typed
 from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout

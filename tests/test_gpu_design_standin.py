@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from cupy_numpy import install, make_cupy, uninstall
 
-from jreshard.engine.rounds import Shards, execute
 from jreshard.cuda import buffers as gpu_buffers
+from jreshard.engine.rounds import Shards, execute
 from jreshard.nccl import cupy_nccl
 from jreshard.nccl.cupy_nccl import NcclComm, destroy_cached_communicators
 from jreshard.nccl.nccl_support import DEADLINES

@@ -442,7 +442,7 @@ def _buffers(
     src_shards: list[list[Sequence[Any]]],
     views: Sequence[Sequence[Sequence[np.ndarray]]],
     donated: dict[int, tuple[Any, tuple[int, ...]]],
-) -> tuple[strided.Buffers, strided.Buffers]:
+) -> tuple[strided.AddressRanges, strided.AddressRanges]:
     """The buffers a call's copies may read and write (the ``JRESHARD_CHECK_BOUNDS`` mode), sized from the
     buffers themselves: jax's shards by their dtype's storage (packed sub-byte dtypes counted as packed),
     the pool's by their numpy views."""
@@ -460,4 +460,4 @@ def _buffers(
         for arrs in group
         for s in arrs
     ]
-    return strided.Buffers.of(read + written), strided.Buffers.of(written)
+    return strided.AddressRanges.of(read + written), strided.AddressRanges.of(written)

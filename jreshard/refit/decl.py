@@ -396,7 +396,7 @@ class GroupViews:
 
     Attributes:
       src_names, dst_names: the leaf names of each side (the source's order; the destination's).
-      leaves: one view leaf per source parameter (over a :class:`~jreshard.views.named.Param`).
+      leaves: one view leaf per source parameter (over a :class:`~jreshard.views.named.NamedParam`).
       layouts: the source leaves' layouts over the group's ranks.
       views: per destination leaf, the view that makes it, in the destination's dtype.
       dsts: the destination leaves' layouts.

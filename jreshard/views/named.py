@@ -20,11 +20,11 @@ from jreshard.sharding.dtypes import dtype_name
 from jreshard.views.algebra import Cast, Concat, Index, Leaf, Reshape, Stack, Transpose, View
 from jreshard.views.quant import QuantScales, QuantWeights
 
-__all__ = ["Param", "decode", "encode", "param", "reads"]
+__all__ = ["NamedParam", "decode", "encode", "param", "reads"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Param:
+class NamedParam:
     """A source parameter named by a program's declaration (no data; two objects are two leaves).
 
     Attributes:
@@ -59,12 +59,12 @@ def param(name: str, shape: Sequence[int], dtype: Any) -> Leaf:
     dims = tuple(int(n) for n in shape)
     if any(n < 0 for n in dims):
         raise ValueError(f"param({name!r}): shape={dims} has a negative extent")
-    return Leaf(Param(name, dims, dtype_name(dtype)))
+    return Leaf(NamedParam(name, dims, dtype_name(dtype)))
 
 
 def _leaf_form(leaf: Leaf) -> list:
     src = leaf.source
-    if not isinstance(src, Param):
+    if not isinstance(src, NamedParam):
         raise TypeError(
             f"a recipe reads a {type(src).__name__} of shape {leaf.shape}; a program's recipe names the source's "
             "parameters instead: build it on jreshard.views.param(name, shape, dtype)"

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jreshard.xla.lanes import from_bytes, from_lanes, lane_dtype, to_bytes, to_lanes
-from jreshard.xla.plan_program import SRC, Copy, Pack, Received, XlaPlan
+from jreshard.xla.plan_program import SRC, BoxCopy, Pack, Received, XlaPlan
 
 __all__ = ["AXIS", "Compiled", "compile_program", "stacked_shape"]
 
@@ -131,7 +131,7 @@ def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int], widths
     return branch
 
 
-def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy], widths: Sequence[int]) -> Any:
+def _unpack_branch(received: Sequence[Received], copies: Sequence[BoxCopy], widths: Sequence[int]) -> Any:
     def branch(src: tuple, dst: tuple, bufs: tuple) -> tuple:
         before = dst
         out = list(dst)

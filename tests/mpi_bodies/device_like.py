@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from jreshard.cuda import casts as CC
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
-from jreshard.cuda import casts as CC
 from jreshard.schedule import kernels as K
 from jreshard.schedule.pairsched import MAIL_TAG
 from jreshard.sharding.dtypes import numpy_dtype
