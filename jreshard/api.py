@@ -37,18 +37,20 @@ from jreshard.call import repack
 from jreshard.call.front import Call, Mode, flatten, prepare
 from jreshard.call.normalize import normalize
 from jreshard.call.routes import route, run_engine, runner, target_shardings
+from jreshard.engine.buffers import Buffers
+from jreshard.engine.comm import Communicator
 from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
 from jreshard.report import NotInPlace, ReportBuilder, ReportPhase, TransferReport
 from jreshard.sharding.topology import Topology
-from jreshard.types import PyTree
+from jreshard.types import PyTree, Target, TreeDef
 
 __all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]
 
 
 def _run(
     x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options | None, report: bool
-) -> Any:
+) -> PyTree:
     """The one path of every call: flatten once, route, check, run, assemble."""
     options = Options.of(options)
     Topology.check_arg(topology)
@@ -61,7 +63,7 @@ def _run(
         return _run_flat_tree(x, target, mode, topology, options, report, leaves, treedef, targets)
 
 
-def _mesh_resolved(t: Any) -> Any:
+def _mesh_resolved(t: Target) -> Target:
     """A ``ShapeDtypeStruct`` target given a ``PartitionSpec`` (which jax resolves against the context mesh
     each time its sharding is read) as one with that ``NamedSharding``, read while the mesh is set."""
     if isinstance(t, jax.ShapeDtypeStruct) and isinstance(getattr(t, "_sharding", None), jax.sharding.PartitionSpec):
@@ -96,9 +98,9 @@ def _run_flat_tree(
     options: Options,
     report: bool,
     leaves: list[Any],
-    treedef: Any,
+    treedef: TreeDef,
     targets: list[Any],
-) -> Any:
+) -> PyTree:
     """:func:`_run` after the flattening."""
     if _has_views(leaves):
         call = Call(mode=mode, leaves=leaves, treedef=treedef, targets=targets, x=x)
@@ -121,7 +123,7 @@ def _run_flat_tree(
 
 def _run_flat(
     leaves: list[Any],
-    treedef: Any,
+    treedef: TreeDef,
     targets: list[Any],
     mode: Mode,
     topology: Topology | None,
@@ -159,7 +161,7 @@ def _run_flat(
 
 def _run_repacked(
     leaves: list[Any],
-    treedef: Any,
+    treedef: TreeDef,
     targets: list[Any],
     encs: list[repack.Encoding | None],
     mode: Mode,
@@ -242,8 +244,8 @@ def _run_views(call: Call, topology: Topology | None, options: Options, report: 
 
 
 def transfer(
-    x: Any, target: Any, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
-) -> Any:
+    x: PyTree, target: PyTree, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
+) -> PyTree:
     """Move ``x`` (a jax.Array or a pytree of them) to ``target`` shardings.
 
     Args:
@@ -301,8 +303,8 @@ def transfer(
 
 
 def transfer_into(
-    x: Any, into: Any, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
-) -> Any:
+    x: PyTree, into: PyTree, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
+) -> PyTree:
     """Write ``x`` into the existing arrays ``into`` (same structure, shapes and dtypes), in one process.
 
     **Ownership.** ``transfer_into`` consumes ``into`` the way
@@ -358,11 +360,11 @@ def transfer_into(
 def transfer_with(
     x: PyTree,
     target: PyTree,
-    comm: Any,
+    comm: Communicator,
     *,
     topology: Topology | None = None,
     options: Options | None = None,
-    buffers: Any = None,
+    buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`transfer` through the message-passing engine over ``comm`` (whose local ranks are every

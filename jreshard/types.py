@@ -14,23 +14,36 @@ from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 __all__ = [
     "Array",
+    "ByteBuffer",
     "ControlObject",
     "ControlPlane",
     "CudaEvent",
+    "CudaKernel",
     "CudaStream",
     "CupyArray",
     "CupyModule",
+    "DLPackCapsule",
+    "DType",
     "Device",
+    "NumpyIndex",
     "Json",
-    "Leaf",
     "MpiCommunicator",
     "MpiModule",
+    "MplAxes",
+    "MplFigure",
+    "NcclCommunicator",
+    "NixlHandle",
     "NixlModule",
+    "NvmlHandle",
+    "NvmlModule",
     "PyTree",
     "Rank",
     "ShardKey",
     "Sharding",
     "Target",
+    "TreeDef",
+    "TreeLeaf",
+    "XlaExecutable",
 ]
 
 PyTree: TypeAlias = Any
@@ -46,9 +59,27 @@ Sharding: TypeAlias = Any
 Array: TypeAlias = Any
 """A ``jax.Array``: a global array of a call, or the single-device array of one shard."""
 
-Leaf: TypeAlias = Any
+TreeLeaf: TypeAlias = Any
 """A leaf of a call's pytree as the caller gave it: a ``jax.Array``, a view
 (:class:`jreshard.views.algebra.View`), a numpy array or a Python scalar."""
+
+TreeDef: TypeAlias = Any
+"""A ``jax.tree_util.PyTreeDef``: the structure of a pytree without its leaves."""
+
+DType: TypeAlias = Any
+"""A dtype as callers name one: a ``numpy.dtype``, a jax or ``ml_dtypes`` scalar type, or its name."""
+
+NumpyIndex: TypeAlias = Any
+"""A numpy-style index: an int, a slice, ``None``, ``...`` or a tuple of them."""
+
+ByteBuffer: TypeAlias = Any
+"""One 1-D ``uint8`` buffer a transport reads or writes: a numpy array on CPU, a CuPy array on GPU."""
+
+DLPackCapsule: TypeAlias = Any
+"""A DLPack ``PyCapsule`` (``"dltensor"``)."""
+
+XlaExecutable: TypeAlias = Any
+"""A compiled jax program (``jax.stages.Compiled``)."""
 
 Target: TypeAlias = Any
 """What one leaf moves to: a ``Sharding``, a ``jax.ShapeDtypeStruct`` or ``jax.Array`` carrying one, or
@@ -81,6 +112,27 @@ CudaEvent: TypeAlias = Any
 
 NixlModule: TypeAlias = Any
 """The ``nixl_cu12`` (or ``nixl_cu13``) module."""
+
+NixlHandle: TypeAlias = Any
+"""A handle NIXL gives out: an agent, a registration, a prepared descriptor list or a transfer."""
+
+CudaKernel: TypeAlias = Any
+"""A compiled ``cupy.RawKernel``."""
+
+NcclCommunicator: TypeAlias = Any
+"""A ``cupy.cuda.nccl.NcclCommunicator``."""
+
+NvmlModule: TypeAlias = Any
+"""The ``pynvml`` module (or a stand-in with its calls)."""
+
+NvmlHandle: TypeAlias = Any
+"""An NVML device handle."""
+
+MplAxes: TypeAlias = Any
+"""A matplotlib ``Axes``."""
+
+MplFigure: TypeAlias = Any
+"""A matplotlib ``Figure``."""
 
 Rank = int
 """A device taking part in a transfer (``device.id`` in one jax program)."""

@@ -54,7 +54,7 @@ from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.sharding.topology import Topology
-from jreshard.types import Array, Device, Leaf, MpiCommunicator, PyTree, Sharding, Target
+from jreshard.types import Array, Device, MpiCommunicator, PyTree, Sharding, Target, TreeLeaf
 
 if TYPE_CHECKING:
     from jreshard.mpi.record import MpiKit
@@ -299,7 +299,7 @@ def select_backend(
     return BackendChoice(backend=backend, reason=f"requested: {where}; {record.summary}")
 
 
-def route(leaves: Sequence[Leaf], targets: Sequence[Target], options: Options) -> tuple[BackendChoice, bool]:
+def route(leaves: Sequence[TreeLeaf], targets: Sequence[Target], options: Options) -> tuple[BackendChoice, bool]:
     """The backend for a call's flat leaves and targets, and whether one process addresses every device.
 
     Args:

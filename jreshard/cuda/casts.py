@@ -54,6 +54,7 @@ import numpy as np
 from jreshard.cuda import kernels as CK
 from jreshard.schedule import kernels as K
 from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.types import CudaKernel, CudaStream, CupyModule
 from jreshard.views.casts import CAST_DTYPES
 
 __all__ = [
@@ -449,7 +450,7 @@ def byte_rows(table: np.ndarray, itemsize: Sequence[int] | np.ndarray) -> np.nda
 _KERNELS: dict[int, Any] = {}
 
 
-def _kernel(cupy: Any) -> Any:
+def _kernel(cupy: CupyModule) -> CudaKernel:
     """The compiled cast kernel for the current device (compiled once per device). Not run on GPU."""
     dev = cupy.cuda.Device().id
     if dev not in _KERNELS:
@@ -457,14 +458,14 @@ def _kernel(cupy: Any) -> Any:
     return _KERNELS[dev]
 
 
-def launch_uploaded(table: Any, rows: int, blocks: int, stream: Any, cupy: Any) -> None:
+def launch_uploaded(table: Any, rows: int, blocks: int, stream: CudaStream, cupy: CupyModule) -> None:
     """Run a cast launch table already on the device (``kernels.upload``) on ``stream``. Not run on GPU."""
     if rows:
         with stream:
             _kernel(cupy)((blocks,), (CK.THREADS,), (table, np.int32(rows)))
 
 
-def launch(launch_table: np.ndarray, stream: Any, cupy: Any = None) -> None:
+def launch(launch_table: np.ndarray, stream: CudaStream, cupy: CupyModule = None) -> None:
     """Run one cast launch table on ``stream`` (a CuPy stream of the current device), the table copied to
     the device on that stream first. Not run on GPU."""
     if len(launch_table) == 0:

@@ -8,14 +8,14 @@ pending, anything else is raised as ``CUDARuntimeError``. Not run on GPU.
 
 from __future__ import annotations
 
-from typing import Any
+from jreshard.types import CudaEvent, CupyArray, CupyModule
 
 __all__ = ["CUDA_ERROR_NOT_READY", "CUDA_SUCCESS", "device_pointer", "event_done"]
 
 CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600  # cudaSuccess, cudaErrorNotReady
 
 
-def device_pointer(buffer: Any) -> tuple[int, int]:
+def device_pointer(buffer: CupyArray) -> tuple[int, int]:
     """``(device pointer, nbytes)`` of a contiguous 1-D uint8 CUDA buffer.
 
     Reads ``__cuda_array_interface__`` (CuPy arrays, and anything else that speaks it).
@@ -39,7 +39,7 @@ def device_pointer(buffer: Any) -> tuple[int, int]:
     return int(cai["data"][0]), int(shape[0])
 
 
-def event_done(event: Any, runtime: Any) -> bool:
+def event_done(event: CudaEvent, runtime: CupyModule) -> bool:
     """Whether a CUDA event has completed, raising a CUDA error instead of calling it pending.
 
     Args:

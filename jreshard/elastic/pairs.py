@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jreshard.elastic.types import CatchUp
 from jreshard.engine.deltarounds import DeltaRefit
@@ -37,6 +37,11 @@ from jreshard.refit.decl import (
     needs_views,
     validate,
 )
+from jreshard.types import PyTree
+
+if TYPE_CHECKING:
+    from jreshard.schedule.viewsched import ViewSchedule
+    from jreshard.sharding.topology import Topology
 
 __all__ = [
     "Pair",
@@ -59,7 +64,7 @@ class PairViews:
 
     group: GroupViews
     lowerings: tuple[Any, ...]  # jreshard.views.lowering.LeafLowering, one per destination leaf
-    schedule: Any  # jreshard.schedule.viewsched.ViewSchedule
+    schedule: ViewSchedule
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,8 +76,8 @@ class Pair:
     arrays (``plan``, ``views is None``) or views (``views``, ``plan is None``).
     """
 
-    plan: Any  # jreshard.Plan, or None
-    topology: Any  # jreshard.Topology
+    plan: Any  # a Plan, or None where the pair moves views
+    topology: Topology
     names: tuple[str, ...]  # the source's leaf names, in tensor order
     bases: tuple[int, ...]
     n_src: int  # the number of source processes
@@ -104,7 +109,7 @@ class Pair:
         return float(cost.predict(self.plan, self.topology).seconds)
 
 
-def leaves_by_name(tree: Any) -> list[tuple[str, Any]]:
+def leaves_by_name(tree: PyTree) -> list[tuple[str, Any]]:
     """``[(key path, leaf)]`` in the tree's order (the names declarations use)."""
     import jax
 

@@ -51,6 +51,7 @@ from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address
 from jreshard.options import Options
 from jreshard.refit.decl import declare_local, problems
+from jreshard.types import PyTree
 
 __all__ = ["ElasticReplica"]
 
@@ -91,7 +92,7 @@ class ElasticReplica:
 
     def __init__(
         self,
-        like: Any,
+        like: PyTree,
         address: str,
         *,
         name: str | None = None,

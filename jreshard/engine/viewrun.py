@@ -44,6 +44,7 @@ from jreshard.schedule.viewsched import ViewSchedule
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
+from jreshard.types import ByteBuffer
 from jreshard.views.casts import cast_into
 from jreshard.views.quant import QuantView
 
@@ -55,7 +56,7 @@ def _typed(buf: np.ndarray, offset: int, shape: tuple[int, ...], dtype: str) -> 
     return np.ndarray(shape, numpy_dtype(dtype), buffer=buf, offset=offset)
 
 
-def _download_box(buffers: Buffers, buf: Any, held: Box, box: Box, dtype: str) -> np.ndarray:
+def _download_box(buffers: Buffers, buf: ByteBuffer, held: Box, box: Box, dtype: str) -> np.ndarray:
     """The elements of ``box`` of a C-ordered shard holding ``held``, on the host: the byte span from the
     box's first element to its last, downloaded, typed with the shard's strides."""
     item = numpy_dtype(dtype).itemsize

@@ -12,12 +12,15 @@ host wait and without the legacy default stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jreshard.cuda.runtime import device_pointer
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.engine.loopback import match
 from jreshard.errors import PeerError
+
+if TYPE_CHECKING:
+    from jreshard.cuda.buffers import CupyBuffers
 
 __all__ = ["CupyLocalComm"]
 
@@ -32,7 +35,7 @@ class CupyLocalComm(Communicator):
 
     __slots__ = ("_buffers", "_ranks")
 
-    def __init__(self, ranks: Sequence[int], buffers: Any):
+    def __init__(self, ranks: Sequence[int], buffers: CupyBuffers):
         self._ranks = tuple(sorted(int(r) for r in ranks))
         self._buffers = buffers
 

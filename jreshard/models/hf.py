@@ -17,6 +17,7 @@ from typing import Any
 
 from jreshard.models.deepseek import mla_moe
 from jreshard.models.table import Model, Param, ParamRole, gqa_attention
+from jreshard.types import Json
 
 __all__ = ["model_from_hf_config", "read_hf_config"]
 
@@ -41,14 +42,14 @@ def read_hf_config(path: str | os.PathLike[str]) -> Model:
     return model_from_hf_config(cfg, name=str(name), where=os.fspath(path))
 
 
-def _get(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) -> Any:
+def _get(cfg: Mapping[str, Any], key: str, where: str, default: Json = None) -> Json:
     v = cfg.get(key, default)
     if v is None:
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} needs the key {key!r}, which is missing")
     return v
 
 
-def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) -> int:
+def _int(cfg: Mapping[str, Any], key: str, where: str, default: Json = None) -> int:
     v = _get(cfg, key, where, default)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"{where}: {key}={v!r} must be a non-negative int")

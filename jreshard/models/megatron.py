@@ -42,6 +42,7 @@ import numpy as np
 from jreshard.errors import IndivisibleError
 from jreshard.models.table import Model, Param, ParamRole, _fit, _layout
 from jreshard.sharding.layout import Layout
+from jreshard.types import Sharding
 
 __all__ = ["MegatronParallel", "MegatronPlacement", "megatron_layouts", "megatron_placement"]
 
@@ -136,7 +137,7 @@ class MegatronPlacement:
         names = tuple(a for a, _ in self.axes)
         return Layout.from_mesh(self._mesh_ranks(), names, self.spec, tuple(shape), dtype)
 
-    def named_sharding(self, devices: Sequence[Any]) -> Any:
+    def named_sharding(self, devices: Sequence[Any]) -> Sharding:
         """The ``jax.sharding.NamedSharding``, with rank ``r`` on ``devices[r]``."""
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 

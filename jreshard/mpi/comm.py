@@ -61,6 +61,7 @@ from jreshard.engine.comm import (
 )
 from jreshard.engine.loopback import match, match_and_copy
 from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
+from jreshard.types import ByteBuffer, MpiCommunicator, MpiModule
 
 __all__ = ["MpiComm", "import_mpi"]
 
@@ -72,7 +73,7 @@ UCX_LOG_LEVEL = "error"
 """UCX's log level while jreshard's import of mpi4py loads the MPI library (see :func:`import_mpi`)."""
 
 
-def import_mpi() -> Any:
+def import_mpi() -> MpiModule:
     """``mpi4py.MPI``, or :class:`BackendUnavailableError` saying what to install.
 
     Where this call is the one that loads the MPI library (nothing imported ``mpi4py.MPI`` before) and
@@ -105,7 +106,7 @@ def _key_tag(src: int, dst: int, tag: int, tag_ub: int) -> int:
     return h % (tag_ub + 1)
 
 
-def _nbytes(buffer: Any) -> int:
+def _nbytes(buffer: ByteBuffer) -> int:
     return int(buffer.nbytes)
 
 
@@ -136,7 +137,7 @@ class MpiComm(Communicator):
 
     posts_ahead = True  # a posted message moves while the host packs (MPI's progress, the peer's copy, the NIC)
 
-    def __init__(self, comm: Any = None, rank_process: Mapping[int, int] | None = None):
+    def __init__(self, comm: MpiCommunicator = None, rank_process: Mapping[int, int] | None = None):
         MPI = import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         if rank_process is None:

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jreshard.cuda.runtime import device_pointer, event_done
 from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
@@ -56,6 +56,10 @@ from jreshard.nccl.nccl_support import (
     uid_to_bytes,
 )
 from jreshard.nccl.rendezvous import Rendezvous
+from jreshard.types import CudaStream, CupyModule, NcclCommunicator
+
+if TYPE_CHECKING:
+    from jreshard.cuda.buffers import CupyBuffers
 
 __all__ = ["NcclComm", "destroy_cached_communicators", "device_pointer", "uid_from_bytes", "uid_to_bytes"]
 
@@ -70,8 +74,8 @@ class _Local:
 
     ordinal: int
     nccl_rank: int
-    comm: Any
-    stream: Any
+    comm: NcclCommunicator
+    stream: CudaStream
     aborted: bool = False
 
 
@@ -215,7 +219,7 @@ class NcclComm(Communicator):
     def local_ranks(self) -> tuple[int, ...]:
         return self._local_ranks
 
-    def buffers(self, *, timeout_s: float = 300.0, cupy: Any = None) -> Any:
+    def buffers(self, *, timeout_s: float = 300.0, cupy: CupyModule = None) -> CupyBuffers:
         """A :class:`~jreshard.cuda.buffers.CupyBuffers` on this communicator's streams,
         and from now on exchanges that do not wait on the host. Not run on GPU.
 
@@ -248,7 +252,7 @@ class NcclComm(Communicator):
         """``ncclCommAbort`` every communicator of this process (they leave the cache). Not run on GPU."""
         self._abort()
 
-    def stream(self, rank: int) -> Any:
+    def stream(self, rank: int) -> CudaStream:
         """The CuPy stream NCCL uses for local ``rank``'s device (the comm stream of
         :meth:`buffers`, whose packs and unpacks run on streams of their own)."""
         return self._local[self._device_key[rank]].stream

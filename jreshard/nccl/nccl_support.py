@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from jreshard.errors import BackendUnavailableError, TransferTimeoutError, cuda_extra
+from jreshard.types import CupyModule
 
 __all__ = [
     "Watchdog",
@@ -64,7 +65,7 @@ def uid_from_bytes(raw: bytes, *, signed: bool = _SIGNED_CHAR) -> tuple[int, ...
     return tuple(b - 256 if signed and b > 127 else b for b in raw)
 
 
-def _declared_id_type(nccl: Any) -> type | None:
+def _declared_id_type(nccl: CupyModule) -> type | None:
     """``bytes`` or ``tuple``: what ``NcclCommunicator``'s signature line says ``commId`` is."""
     doc = (getattr(nccl.NcclCommunicator, "__doc__", None) or "").lstrip().split("\n", 1)[0]
     if "bytes commId" in doc:
@@ -74,7 +75,7 @@ def _declared_id_type(nccl: Any) -> type | None:
     return None
 
 
-def uid_argument(nccl: Any, raw: bytes, made: Any = None) -> bytes | tuple[int, ...]:
+def uid_argument(nccl: CupyModule, raw: bytes, made: Any = None) -> bytes | tuple[int, ...]:
     """The unique id in the form this CuPy's ``NcclCommunicator`` takes.
 
     Args:

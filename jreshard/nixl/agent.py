@@ -62,6 +62,7 @@ import numpy as np
 
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 from jreshard.net.channel import Channel
+from jreshard.types import ByteBuffer, NixlModule
 
 __all__ = ["NOTICE", "NixlAgent", "Region", "import_nixl", "interface_of", "label"]
 
@@ -78,7 +79,7 @@ def label(i: int, src: int, dst: int, tag: int) -> bytes:
 log = logging.getLogger("jreshard.nixl")
 
 
-def import_nixl() -> Any:
+def import_nixl() -> NixlModule:
     """The ``nixl_cu12`` (or ``nixl_cu13``) module, or :class:`BackendUnavailableError` saying what to install.
 
     NIXL's Python logger prints every agent and backend it makes at INFO level on *stdout*; unless
@@ -173,7 +174,7 @@ class _Registration:
         self.live = True
 
 
-def _describe(buffer: Any) -> tuple[str, int, int, int, Any, int, int]:
+def _describe(buffer: ByteBuffer) -> tuple[str, int, int, int, Any, int, int]:
     """``(mem, device, address, nbytes, root, root address, root nbytes)`` of a 1-D uint8 buffer."""
     cai = getattr(buffer, "__cuda_array_interface__", None)
     if cai is not None:  # CuPy: VRAM (not run on GPU)
@@ -281,7 +282,7 @@ class NixlAgent:
             return agent
 
     @property
-    def nixl(self) -> Any:
+    def nixl(self) -> NixlModule:
         """The ``nixl_agent`` (for the communicator)."""
         return self._agent
 
@@ -293,7 +294,7 @@ class NixlAgent:
             return sum(k[3] for k in self._regs)
 
     # ---- registrations --------------------------------------------------------------------------
-    def region(self, buffer: Any) -> Region:
+    def region(self, buffer: ByteBuffer) -> Region:
         """Where ``buffer`` (contiguous 1-D uint8) lies in registered memory, registering its root if needed."""
         mem, device, addr, nbytes, root, raddr, rbytes = _describe(buffer)
         key = (mem, device, raddr, rbytes)

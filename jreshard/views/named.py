@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from jreshard.sharding.dtypes import dtype_name
+from jreshard.types import DType, Json
 from jreshard.views.algebra import Cast, Concat, Index, Leaf, Reshape, Stack, Transpose, View
 from jreshard.views.quant import QuantScales, QuantWeights
 
@@ -37,7 +37,7 @@ class NamedParam:
     dtype: str
 
 
-def param(name: str, shape: Sequence[int], dtype: Any) -> Leaf:
+def param(name: str, shape: Sequence[int], dtype: DType) -> Leaf:
     """A view leaf standing for the source parameter ``name`` of ``shape`` and ``dtype``.
 
     Args:
@@ -72,7 +72,7 @@ def _leaf_form(leaf: Leaf) -> list:
     return [src.name, list(src.shape), src.dtype]
 
 
-def _lists(x: Any) -> Any:
+def _lists(x: Json) -> Json:
     """A signature with its tuples as lists (what JSON gives back)."""
     if isinstance(x, (tuple, list)):
         return [_lists(v) for v in x]
@@ -93,11 +93,11 @@ def encode(view: View) -> list:
     return _lists(view.signature(_leaf_form))
 
 
-def reads(form: Any) -> list[tuple[str, tuple[int, ...], str]]:
+def reads(form: Json) -> list[tuple[str, tuple[int, ...], str]]:
     """Each source parameter ``(name, shape, dtype)`` the encoded view reads, in first-use order."""
     out: dict[str, tuple[str, tuple[int, ...], str]] = {}
 
-    def walk(f: Any) -> None:
+    def walk(f: Json) -> None:
         if f[0] == "leaf":
             name, shape, dtype = f[1]
             out.setdefault(name, (name, tuple(shape), dtype))
@@ -109,7 +109,7 @@ def reads(form: Any) -> list[tuple[str, tuple[int, ...], str]]:
     return list(out.values())
 
 
-def _children(f: Any) -> list:
+def _children(f: Json) -> list:
     kind = f[0]
     if kind in ("cast", "transpose", "reshape"):
         return [f[2]]
@@ -122,7 +122,7 @@ def _children(f: Any) -> list:
     raise ValueError(f"decode: {kind!r} is not a view in the encoded form {f!r}")
 
 
-def decode(form: Any, leaf: Callable[[str], Leaf]) -> View:
+def decode(form: Json, leaf: Callable[[str], Leaf]) -> View:
     """The view ``form`` encodes, each leaf ``leaf(name)`` (the caller gives one leaf per name).
 
     Raises:

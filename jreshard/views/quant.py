@@ -13,7 +13,7 @@ inference engine reads them back. ``x`` is first cast to float32 like
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -76,7 +76,7 @@ class QuantView(View):
     def operands(self) -> tuple[View, ...]:
         return (self.x,)
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("fp8", self.part, self.block, self.x.signature(leaf_key))
 
     def hull(self, box: Box) -> Box:
