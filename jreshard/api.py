@@ -20,6 +20,10 @@ saying why, never falling back to another.
 - ``xla``: the plan compiled into one jitted ``shard_map`` of ``ppermute``s over the devices
   (:mod:`jreshard.xla`), in one process or across the processes of a ``jax.distributed``
   cluster (every process calls). Only when asked for. Not run on GPU or TPU.
+- ``nixl``: moves weights between two programs (``RefitGroup``, :mod:`jreshard.elastic`); a call
+  with it raises :class:`BackendUnavailableError` naming the backends that can run it.
+
+Each backend is a transport of the registry (:mod:`jreshard.call.routes`), asked by name.
 
 All the work that depends only on shapes, dtypes and shardings is cached
 (:mod:`jreshard.call.front`): the second transfer of the same pytree spends no time

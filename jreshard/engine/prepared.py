@@ -1,6 +1,6 @@
 """The checked value the front door hands down: one call's leaves, targets and cached shape.
 
-:func:`jreshard.call.front.prepare` builds a :class:`Prepared` once per call; the router and
+:func:`jreshard.call.front.prepare` builds a :class:`Prepared` once per call; the registry and
 the runners below it read it and never flatten the pytree again.
 """
 

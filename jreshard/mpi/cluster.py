@@ -1,6 +1,6 @@
 """MPI cluster set-up: ``jax.distributed`` over MPI processes, and one transport per MPI communicator.
 
-:func:`cluster_comm` is the :class:`~jreshard.mpi.comm.MpiComm` the router
+:func:`cluster_comm` is the :class:`~jreshard.mpi.comm.MpiComm` the registry
 (:func:`jreshard.call.routes.transfer_multiprocess`) hands the engine across processes. The jax
 processes must be the MPI processes of ``comm``
 (``MPI.COMM_WORLD`` by default), e.g. started by :func:`initialize` under ``mpiexec``.
