@@ -41,6 +41,8 @@ __all__ = [
     "ShardKey",
     "Sharding",
     "Target",
+    "TorchDType",
+    "TorchTensor",
     "TreeDef",
     "TreeLeaf",
     "XlaExecutable",
@@ -127,6 +129,12 @@ NvmlModule: TypeAlias = Any
 
 NvmlHandle: TypeAlias = Any
 """An NVML device handle."""
+
+TorchTensor: TypeAlias = Any
+"""A ``torch.Tensor`` (jreshard imports torch only where it is asked to)."""
+
+TorchDType: TypeAlias = Any
+"""A ``torch.dtype``."""
 
 MplAxes: TypeAlias = Any
 """A matplotlib ``Axes``."""

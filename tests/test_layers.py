@@ -1,8 +1,8 @@
 """The runtime's layer order, encoded: data flows down, nothing imports up or sideways between transports.
 
     base -> sharding (and the view algebra) -> schedule -> engine -> cuda (the device layer)
-         -> transports (local, mpi, nccl, nixl, xla) -> call (api, the registry) -> programs (refit,
-         elastic, integrations) -> top (the package, the CLI, the views facade)
+         -> transports (local, mpi, nccl, nixl, xla) -> call (api, the registry, the views facade) -> programs (refit,
+         elastic, integrations) -> top (the package, the CLI, the model tables)
 
 ``schedule/`` and ``engine/`` import no transport library (mpi4py, cupy, nixl) and no transport module;
 only ``engine/`` builds and posts sends and receives. Above the transports, only the registry
@@ -60,8 +60,9 @@ _LIBRARIES = ("mpi4py", "cupy", "cupyx", "nixl", "nixl_cu12", "nixl_cu13", "pynv
 REGISTRY = "jreshard.call.routes"
 
 
-# Modules placed by their exact name: the views facade re-exports the views' transfer (jreshard.call.views).
-_EXACT = {"jreshard.views": TOP}
+# Modules placed by their exact name: the views facade re-exports the views' call (jreshard.call.views), so it
+# sits with the calls, below the programs that use it (integrations.vllm) and the model tables (models.fused).
+_EXACT = {"jreshard.views": CALL}
 
 
 def layer(module: str) -> int:

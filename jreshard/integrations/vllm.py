@@ -52,6 +52,7 @@ from typing import Any
 
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
+from jreshard.types import DType
 from jreshard.views import View, astype, concat, param, reshape, transpose
 
 __all__ = [
@@ -234,7 +235,7 @@ def vllm_views(
     trainer: Mapping[str, Any] | Callable[[str], Any],
     model: DecoderShape,
     tp_size: int,
-    dtype: Any = "bfloat16",
+    dtype: DType = "bfloat16",
     names: TrainerNames = TUNIX_NAMES,
 ) -> dict[str, View]:
     """Per vLLM parameter name, the view of the trainer's parameters all ``tp_size`` ranks tile.

@@ -490,5 +490,5 @@ class Reshape(View):
     def operands(self) -> tuple[View, ...]:
         return (self.x,)
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("reshape", self.shape, self.x.signature(leaf_key))
