@@ -62,7 +62,7 @@ import numpy as np
 
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 from jreshard.net.channel import Channel
-from jreshard.types import ByteBuffer, NixlModule
+from jreshard.types import ByteBuffer, NixlHandle, NixlModule
 
 __all__ = ["NOTICE", "NixlAgent", "Region", "import_nixl", "interface_of", "label"]
 
@@ -161,14 +161,14 @@ class _Retired:
 
     __slots__ = ("descs", "dlists", "handle", "keep")
 
-    def __init__(self, handle: Any, keep: tuple[Any, ...], dlists: tuple[Any, ...], descs: tuple[Any, ...]):
+    def __init__(self, handle: NixlHandle, keep: tuple[Any, ...], dlists: tuple[Any, ...], descs: tuple[Any, ...]):
         self.handle, self.keep, self.dlists, self.descs = handle, keep, dlists, descs
 
 
 class _Registration:
     __slots__ = ("descs", "key", "live", "partial", "root")
 
-    def __init__(self, key: tuple[str, int, int, int], descs: Any, root: Any, partial: str):
+    def __init__(self, key: tuple[str, int, int, int], descs: NixlHandle, root: ByteBuffer, partial: str):
         self.key, self.descs, self.partial = key, descs, partial
         self.root = weakref.ref(root)
         self.live = True
@@ -324,12 +324,12 @@ class NixlAgent:
             told.discard(reg.key)
         self.deregister(reg.descs)
 
-    def descs_of(self, key: tuple[str, int, int, int]) -> Any:
+    def descs_of(self, key: tuple[str, int, int, int]) -> NixlHandle:
         """The registration descriptors of registration ``key`` (a :class:`Region`'s), ``None`` if released."""
         reg = self._regs.get(key)
         return None if reg is None else reg.descs
 
-    def deregister(self, descs: Any) -> None:
+    def deregister(self, descs: NixlHandle) -> None:
         """Release the registration ``descs`` now, or, while a retired WRITE still reads through it, once none
         does."""
         with self._lock:
@@ -340,7 +340,12 @@ class NixlAgent:
 
     # ---- WRITEs given up ------------------------------------------------------------------------
     def retire(
-        self, handle: Any, *, keep: tuple[Any, ...] = (), dlists: tuple[Any, ...] = (), descs: tuple[Any, ...] = ()
+        self,
+        handle: NixlHandle,
+        *,
+        keep: tuple[Any, ...] = (),
+        dlists: tuple[Any, ...] = (),
+        descs: tuple[Any, ...] = (),
     ) -> None:
         """Give up the WRITE of ``handle`` (see the module docstring): it is released once NIXL no longer runs
         it, then ``dlists`` (its prepared descriptor lists) are, and until then ``keep`` (the buffers it reads)
