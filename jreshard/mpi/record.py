@@ -13,7 +13,7 @@ from types import ModuleType
 
 from jreshard.engine.record import ImportModule, Opened, Reach, TransportRecord, import_failure
 from jreshard.mpi.cluster import cluster_comm
-from jreshard.mpi.comm import MpiComm, import_mpi
+from jreshard.mpi.comm import MpiComm, import_mpi, quiet_ucx
 from jreshard.mpi.control import Control
 from jreshard.mpi.live import LiveComm
 from jreshard.options import Options
@@ -46,7 +46,8 @@ class MpiKit:
 
 
 def _probe(import_module: ImportModule) -> str | None:
-    mod, why = import_failure(MODULE, import_module)
+    with quiet_ucx():  # this import may be the one that loads MPI (and UCX): as import_mpi loads it
+        mod, why = import_failure(MODULE, import_module)
     return None if mod is not None else f"importing {MODULE} failed ({why})"
 
 
