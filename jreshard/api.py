@@ -213,7 +213,7 @@ def _has_views(leaves: list[Any]) -> bool:
     return any(isinstance(v, View) for v in leaves)
 
 
-def _run_views(call: Call, topology: Topology | None, options: Options, report: bool) -> Any:
+def _run_views(call: Call, topology: Topology | None, options: Options, report: bool) -> PyTree:
     """A pytree with views among its leaves (casts, fused parameters...): :mod:`jreshard.views`, in one
     process, or across the processes of a multi-controller cluster over MPI (``transfer`` only)."""
     from jreshard.views.algebra import View

@@ -288,8 +288,8 @@ def test_transfer_into_on_gpus_counts_every_byte_not_written_in_place(installed)
     """The engine's transfer_into in one process reports the into leaves it gave fresh buffers, and why, as
     the CPU path does: a leaf that is also a source, and the same into array twice."""
     from jreshard.call.routes import transfer_multiprocess
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.local.gpu import CupyLocalComm
     from jreshard.report import NotInPlace, ReportBuilder
 
     cp = installed

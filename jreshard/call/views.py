@@ -53,6 +53,7 @@ from jreshard.sharding.dtypes import dtype_name, storage_bytes
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
+from jreshard.types import PyTree, Sharding, Target
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.lowering import LeafLowering, lower_tree
 from jreshard.views.quant import QuantView as _Quant
@@ -208,7 +209,7 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
 
 def transfer(
     x: Any,
-    target: Any,
+    target: Target,
     *,
     topology: Topology | None = None,
     report: ReportBuilder | None = None,
@@ -272,7 +273,7 @@ def run(
     return call.unflatten(out)
 
 
-def _assemble(d: Layout, sharding: Any, shards: list[np.ndarray]) -> Any:
+def _assemble(d: Layout, sharding: Sharding, shards: list[np.ndarray]) -> Any:
     """A global array over host shards (``d.ranks`` order), zero-copy on CPU."""
     slot = {r: k for k, r in enumerate(d.ranks)}
     devs = addressable_order(sharding)
@@ -288,7 +289,7 @@ def _count(builder: ReportBuilder, lowerings: Sequence[LeafLowering]) -> None:
 
 def transfer_into(
     x: Any,
-    into: Any,
+    into: PyTree,
     *,
     topology: Topology | None = None,
     report: ReportBuilder | None = None,
@@ -374,7 +375,7 @@ def _schedule(
 
 def transfer_cluster(
     x: Any,
-    target: Any,
+    target: Target,
     *,
     topology: Topology | None = None,
     options: Options | None = None,

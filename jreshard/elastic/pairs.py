@@ -117,7 +117,7 @@ def leaves_by_name(tree: PyTree) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p) or "x", a) for p, a in leaves]
 
 
-def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: str) -> list[tuple[str, Any]]:
+def check_like(tree: PyTree, decl: dict, role: str, devices: Sequence[Any], who: str) -> list[tuple[str, Any]]:
     """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration; returns
     ``tree``'s ``[(key path, leaf)]`` (:func:`leaves_by_name`), from its one flattening."""
     import jax

@@ -100,7 +100,7 @@ class ElasticReplica:
         options: Options | None = None,
         links: dict[str, float] | None = None,
         host: str | None = None,
-        recipe: Any = None,
+        recipe: PyTree = None,
         held: tuple[Any, int] | None = None,
     ):
         import jax
@@ -187,7 +187,7 @@ class ElasticReplica:
             raise
         self._staged: tuple[int, Any, list[tuple[str, Any]], Arrival] | None = None
         self._cv = threading.Condition()
-        self._tree: Any = None if held is None else held[0]
+        self._tree: PyTree = None if held is None else held[0]
         self._held: list[tuple[str, Any]] = [] if held is None else leaves_by_name(held[0])
         self._version: int | None = None if held is None else held[1]
         latest = msg.get("version")

@@ -184,7 +184,7 @@ def flat_key(name: str) -> str:
 
 def trainer_params(
     model: DecoderShape,
-    dtype: Any = "float32",
+    dtype: DType = "float32",
     names: TrainerNames = TUNIX_NAMES,
     key: Callable[[str], str] = lambda name: name,
 ) -> dict[str, View]:

@@ -312,7 +312,9 @@ class NcclComm(Communicator):
                 ops.append((src, dst, tag, is_send, ptr + off, n))
         return ops
 
-    def issue_rows(self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], stream: Any) -> None:
+    def issue_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], stream: CudaStream
+    ) -> None:
         """Issue one group's sends and receives (rows as for :meth:`exchange_rows`) in one NCCL group on ``stream``,
         and return: no wait, no watchdog. For a stream under capture (:mod:`jreshard.nccl.graph`), whose launch is
         waited on, bounded, by its caller. Not run on GPU.

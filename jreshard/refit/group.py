@@ -87,6 +87,7 @@ from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link, Topology
+from jreshard.types import Device, PyTree
 from jreshard.views.lowering import LeafLowering
 
 __all__ = ["RefitGroup", "Role"]
@@ -202,14 +203,14 @@ class RefitGroup:
     def __init__(
         self,
         role: Role | str,
-        params: Any,
+        params: PyTree,
         *,
         comm: Any = None,
         devices: Sequence[Any] | None = None,
         domain: int | None = None,
         options: Options | None = None,
         links: dict[str, float] | None = None,
-        recipe: Any = None,
+        recipe: PyTree = None,
         _group: Any = None,
         _declared: dict | None = None,
     ):
@@ -291,7 +292,7 @@ class RefitGroup:
     def connect(
         cls,
         role: Role | str,
-        params: Any,
+        params: PyTree,
         *,
         address: str,
         comm: Any = None,
@@ -325,7 +326,7 @@ class RefitGroup:
         return cls._connect_mpi(Role(role), params, address, host, comm, **kwargs)
 
     @classmethod
-    def _connect_mpi(cls, role: Role, params: Any, address: str, host: str, comm: Any, **kwargs: Any) -> RefitGroup:
+    def _connect_mpi(cls, role: Role, params: PyTree, address: str, host: str, comm: Any, **kwargs: Any) -> RefitGroup:
         """Two MPI launches: every process joins a :class:`~jreshard.nixl.group.ProcessGroup` at ``address``
         (bounded, authenticated; the control plane and the liveness of every peer), the source's process 0
         hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
@@ -370,7 +371,7 @@ class RefitGroup:
             raise
 
     @classmethod
-    def _connect_nixl(cls, role: Role, params: Any, address: str, host: str, **kwargs: Any) -> RefitGroup:
+    def _connect_nixl(cls, role: Role, params: PyTree, address: str, host: str, **kwargs: Any) -> RefitGroup:
         import jax
 
         from jreshard.net.auth import resolve_secret
@@ -584,7 +585,7 @@ class RefitGroup:
             gv, self._view_schedule, self._comm, sources, targets, options=self.options, given=given, delta=delta
         )
 
-    def push(self, params: Any, *, version: int) -> None:
+    def push(self, params: PyTree, *, version: int) -> None:
         """Send ``params`` (matching the declaration) as ``version`` to the destination side.
 
         Returns when every process of the group has committed the new version.
@@ -617,8 +618,8 @@ class RefitGroup:
     def pull_async(
         self,
         *,
-        into: Any = None,
-        like: Any = None,
+        into: PyTree = None,
+        like: PyTree = None,
         timeout_s: float | None = None,
         shadow: Any = "keep",
         max_shadow_bytes: int | None = None,
@@ -671,8 +672,8 @@ class RefitGroup:
     def pull(
         self,
         *,
-        into: Any = None,
-        like: Any = None,
+        into: PyTree = None,
+        like: PyTree = None,
         timeout_s: float | None = None,
         _phases: dict | None = None,
         _abort: Any = None,
@@ -776,7 +777,7 @@ class RefitGroup:
 
         return [(self._index[jax.tree_util.keystr(p) or "x"], a) for p, a in flat]
 
-    def _rank_of(self, device: Any) -> int | None:
+    def _rank_of(self, device: Device) -> int | None:
         try:
             return self._base + self._devices.index(device)
         except ValueError:
