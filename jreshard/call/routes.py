@@ -45,8 +45,6 @@ import importlib.util
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-import jax
-
 from jreshard.engine.buffers import Buffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.record import FindSpec, ImportModule, Reach, TransportRecord
@@ -307,6 +305,8 @@ def route(leaves: Sequence[TreeLeaf], targets: Sequence[Target], options: Option
       targets: per leaf, its target (a sharding, ``ShapeDtypeStruct``, array, or ``None``).
       options: ``options.backend`` is the caller's choice (``auto`` picks).
     """
+    import jax
+
     shardings = set()
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -332,6 +332,8 @@ def route(leaves: Sequence[TreeLeaf], targets: Sequence[Target], options: Option
 
 def target_shardings(targets: Sequence[Target]) -> list[Sharding | None]:
     """Per flat target, its sharding (``None``: the leaf is kept)."""
+    import jax
+
     from jreshard.call.front import target_sharding
 
     out = []
@@ -426,6 +428,8 @@ def transfer_multiprocess(
       TransferTimeoutError: a peer process did not answer within ``options.timeout_s``.
       LayoutMismatchError, LayoutError: the trees, shapes or dtypes disagree.
     """
+    import jax
+
     from jreshard.call.front import flatten
     from jreshard.engine.driver import run_leaves
 
