@@ -175,7 +175,7 @@ def nvml(emit, quick):
 
     import pynvml
 
-    from jreshard.nccl.nvml import local_domain_keys
+    from jreshard.cuda.nvml import local_domain_keys
 
     o = gpu().local_hardware_id
     pynvml.nvmlInit()
@@ -193,7 +193,7 @@ def nvml(emit, quick):
 def kernel(emit, quick):
     import cupy as cp
 
-    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.cuda.buffers import CupyBuffers
     from jreshard.schedule import kernels as K
     from jreshard.sharding.box import Box
 
@@ -222,7 +222,7 @@ def dlpack(emit, quick):
     import jax
     import jax.numpy as jnp
 
-    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.cuda.buffers import CupyBuffers
 
     g = gpu()
     o = g.local_hardware_id
@@ -259,7 +259,7 @@ def dlpack(emit, quick):
 def kernel_cases(emit, quick):
     import cupy as cp
 
-    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.cuda.buffers import CupyBuffers
     from jreshard.schedule import kernels as K
     from jreshard.sharding.box import Box, intersect
 
@@ -314,7 +314,7 @@ def sweep(emit, quick):
     """Pack and unpack bandwidth per unit width and piece rank, against memcpy of the same bytes."""
     import cupy as cp
 
-    from jreshard.nccl import cuda_kernels as CK
+    from jreshard.cuda import kernels as CK
     from jreshard.schedule import kernels as K
     from jreshard.sharding.box import Box
 
@@ -622,8 +622,8 @@ def prealloc(emit, quick):
     import jax.numpy as jnp
 
     import jreshard
+    from jreshard.cuda.buffers import CupyBuffers
     from jreshard.errors import TransferError
-    from jreshard.nccl.gpu_buffers import CupyBuffers
 
     g = gpu()
     o = g.local_hardware_id

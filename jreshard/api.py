@@ -20,6 +20,10 @@ saying why, never falling back to another.
 - ``xla``: the plan compiled into one jitted ``shard_map`` of ``ppermute``s over the devices
   (:mod:`jreshard.xla`), in one process or across the processes of a ``jax.distributed``
   cluster (every process calls). Only when asked for. Not run on GPU or TPU.
+- ``nixl``: moves weights between two programs (``RefitGroup``, :mod:`jreshard.elastic`); a call
+  with it raises :class:`BackendUnavailableError` naming the backends that can run it.
+
+Each backend is a transport of the registry (:mod:`jreshard.call.routes`), asked by name.
 
 All the work that depends only on shapes, dtypes and shardings is cached
 (:mod:`jreshard.call.front`): the second transfer of the same pytree spends no time
@@ -36,19 +40,21 @@ import jax
 from jreshard.call import repack
 from jreshard.call.front import Call, Mode, flatten, prepare
 from jreshard.call.normalize import normalize
-from jreshard.call.routes import route, run_engine, target_shardings
+from jreshard.call.routes import route, run_engine, runner, target_shardings
+from jreshard.engine.buffers import Buffers
+from jreshard.engine.comm import Communicator
 from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
 from jreshard.report import NotInPlace, ReportBuilder, ReportPhase, TransferReport
 from jreshard.sharding.topology import Topology
-from jreshard.types import PyTree
+from jreshard.types import PyTree, Target, TreeDef
 
 __all__ = ["TransferReport", "transfer", "transfer_into", "transfer_with"]
 
 
 def _run(
     x: PyTree, target: PyTree, mode: Mode, topology: Topology | None, options: Options | None, report: bool
-) -> Any:
+) -> PyTree:
     """The one path of every call: flatten once, route, check, run, assemble."""
     options = Options.of(options)
     Topology.check_arg(topology)
@@ -61,7 +67,7 @@ def _run(
         return _run_flat_tree(x, target, mode, topology, options, report, leaves, treedef, targets)
 
 
-def _mesh_resolved(t: Any) -> Any:
+def _mesh_resolved(t: Target) -> Target:
     """A ``ShapeDtypeStruct`` target given a ``PartitionSpec`` (which jax resolves against the context mesh
     each time its sharding is read) as one with that ``NamedSharding``, read while the mesh is set."""
     if isinstance(t, jax.ShapeDtypeStruct) and isinstance(getattr(t, "_sharding", None), jax.sharding.PartitionSpec):
@@ -96,9 +102,9 @@ def _run_flat_tree(
     options: Options,
     report: bool,
     leaves: list[Any],
-    treedef: Any,
+    treedef: TreeDef,
     targets: list[Any],
-) -> Any:
+) -> PyTree:
     """:func:`_run` after the flattening."""
     if _has_views(leaves):
         call = Call(mode=mode, leaves=leaves, treedef=treedef, targets=targets, x=x)
@@ -121,7 +127,7 @@ def _run_flat_tree(
 
 def _run_flat(
     leaves: list[Any],
-    treedef: Any,
+    treedef: TreeDef,
     targets: list[Any],
     mode: Mode,
     topology: Topology | None,
@@ -137,8 +143,7 @@ def _run_flat(
         if choice.backend is Backend.LOCAL or (single_process and choice.backend is not Backend.XLA):
             prep = prepare(leaves, treedef, targets, mode, topology, options, x)
     if choice.backend is Backend.XLA:
-        from jreshard.xla.run import run_xla
-
+        run_xla = runner(choice.backend.value)
         shardings = (
             target_shardings(targets) if mode is Mode.TRANSFER else [getattr(t, "sharding", None) for t in targets]
         )
@@ -160,7 +165,7 @@ def _run_flat(
 
 def _run_repacked(
     leaves: list[Any],
-    treedef: Any,
+    treedef: TreeDef,
     targets: list[Any],
     encs: list[repack.Encoding | None],
     mode: Mode,
@@ -208,7 +213,7 @@ def _has_views(leaves: list[Any]) -> bool:
     return any(isinstance(v, View) for v in leaves)
 
 
-def _run_views(call: Call, topology: Topology | None, options: Options, report: bool) -> Any:
+def _run_views(call: Call, topology: Topology | None, options: Options, report: bool) -> PyTree:
     """A pytree with views among its leaves (casts, fused parameters...): :mod:`jreshard.views`, in one
     process, or across the processes of a multi-controller cluster over MPI (``transfer`` only)."""
     from jreshard.views.algebra import View
@@ -243,8 +248,8 @@ def _run_views(call: Call, topology: Topology | None, options: Options, report: 
 
 
 def transfer(
-    x: Any, target: Any, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
-) -> Any:
+    x: PyTree, target: PyTree, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
+) -> PyTree:
     """Move ``x`` (a jax.Array or a pytree of them) to ``target`` shardings.
 
     Args:
@@ -302,8 +307,8 @@ def transfer(
 
 
 def transfer_into(
-    x: Any, into: Any, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
-) -> Any:
+    x: PyTree, into: PyTree, *, topology: Topology | None = None, options: Options | None = None, report: bool = False
+) -> PyTree:
     """Write ``x`` into the existing arrays ``into`` (same structure, shapes and dtypes), in one process.
 
     **Ownership.** ``transfer_into`` consumes ``into`` the way
@@ -359,11 +364,11 @@ def transfer_into(
 def transfer_with(
     x: PyTree,
     target: PyTree,
-    comm: Any,
+    comm: Communicator,
     *,
     topology: Topology | None = None,
     options: Options | None = None,
-    buffers: Any = None,
+    buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
 ) -> tuple[Any, Any, Any]:
     """:func:`transfer` through the message-passing engine over ``comm`` (whose local ranks are every

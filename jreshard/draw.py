@@ -21,6 +21,7 @@ from typing import Any
 from jreshard.sharding.box import Box, intersect
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link
+from jreshard.types import MplAxes, MplFigure
 
 Plan = Any  # a jreshard.Plan; named here, not imported: the planning house never depends on its pictures
 
@@ -126,11 +127,11 @@ def _label(ranks: Sequence[int]) -> str:
 def draw_plan(
     plan: Plan,
     tensor: int | str = 0,
-    ax: Any = None,
+    ax: MplAxes = None,
     *,
     dims: Sequence[int] | None = None,
     max_copies: int = 4,
-) -> Any:
+) -> MplFigure:
     """Draw one tensor of ``plan``: source and destination shard grids and what moves where.
 
     The source grid is on the left, the destination on the right, one grid per
@@ -216,7 +217,7 @@ def draw_plan(
     boxes(src_grid, src, src.ranks)
     label_box = {"boxstyle": "round,pad=0.2", "facecolor": "white", "alpha": 0.9, "lw": 0}
 
-    def title(grid: Any, text: str) -> None:
+    def title(grid: MplAxes, text: str) -> None:
         ax.text(grid.x0 + 0.5, grid.y0 + h + 0.03, text, ha="center", va="bottom", fontsize=10, weight="bold",
                 bbox=label_box, zorder=7)  # fmt: skip
 
@@ -325,7 +326,7 @@ def _tensor_index(plan: Plan, tensor: int | str) -> int:
     return tensor % len(plan.tensors)
 
 
-def draw_loads(plan: Plan, ax: Any = None, *, title: str | None = None) -> Any:
+def draw_loads(plan: Plan, ax: MplAxes = None, *, title: str | None = None) -> MplFigure:
     """Bar chart of every rank's network and fast-link loads over a whole plan.
 
     Four bars per rank: bytes sent and received over the network (its NIC) and

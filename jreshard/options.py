@@ -9,13 +9,14 @@ __all__ = ["Backend", "Delta", "Options"]
 
 
 class Backend(enum.Enum):
-    """Which transport runs a transfer."""
+    """Which transport runs a transfer: the name of a transport of the registry (:mod:`jreshard.call.routes`)."""
 
     AUTO = "auto"  # local copies in one process; NCCL on GPUs across processes; else MPI
     LOCAL = "local"  # one process, every device addressable: direct copies
     MPI = "mpi"  # mpi4py (CPU buffers, or CUDA-aware MPI)
     NCCL = "nccl"  # cupy.cuda.nccl point-to-point
     XLA = "xla"  # the plan compiled into one jitted shard_map of ppermutes (jreshard.xla); not run on GPU or TPU
+    NIXL = "nixl"  # one-sided NIXL WRITEs between two programs (RefitGroup, jreshard.elastic); no transfer call yet
 
 
 class Delta(enum.Enum):
@@ -31,7 +32,10 @@ class Options:
     """Settings of a transfer. Frozen and hashable: part of every plan cache key.
 
     Args:
-      backend: "auto", "local", "mpi", "nccl" or "xla" (or a :class:`Backend`).
+      backend: "auto", "local", "mpi", "nccl", "xla" or "nixl" (or a :class:`Backend`). ``"nixl"`` moves
+        weights between two programs (``RefitGroup.connect(transport="nixl")``, :mod:`jreshard.elastic`);
+        a ``transfer`` call with it raises :class:`~jreshard.errors.BackendUnavailableError` naming the
+        backends that can run it.
       staging_bytes: the most staging memory one rank may hold at once.
       chunk_bytes: messages are cut into chunks of at most this many bytes;
         the fast-link fan-out of chunk k runs while chunk k+1 crosses the network.

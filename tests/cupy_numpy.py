@@ -3,9 +3,9 @@
 
 "Device memory" is host memory: every array is a numpy array at a 512-byte aligned address,
 and ``data.ptr`` is that address, so the launch tables jreshard builds from pointers are real
-addresses. The pack/unpack/copy kernel runs its numpy model (``cuda_kernels.unit_addresses``:
+addresses. The pack/unpack/copy kernel runs its numpy model (``kernels.unit_addresses``:
 every unit each block and thread would copy) over those addresses, and the cast kernel its own
-(``cuda_casts.element_addresses``, values cast by ``views.casts``); NCCL sends and receives
+(``casts.element_addresses``, values cast by ``views.casts``); NCCL sends and receives
 are matched in issue order per (sender, receiver) and copy the bytes when both are posted.
 Work runs when it is issued, so stream order always holds here; what the stand-in checks is
 *which* stream each operation was issued on and in what order: every operation is appended
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.nccl import cuda_casts as CC
-from jreshard.nccl import cuda_kernels as CK
+from jreshard.cuda import casts as CC
+from jreshard.cuda import kernels as CK
 from jreshard.schedule import kernels as K
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.views.casts import cast_chain

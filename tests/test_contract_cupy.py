@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 from cupy_standins import CUDARuntimeError, NcclError, RecordingCuda, RecordingNccl
 
-from jreshard.nccl import cuda_casts as CC
-from jreshard.nccl import cuda_kernels as CK
+from jreshard.cuda import casts as CC
+from jreshard.cuda import kernels as CK
+from jreshard.cuda.runtime import event_done
 from jreshard.nccl.cupy_nccl import NcclComm, device_pointer
-from jreshard.nccl.nccl_support import event_done, uid_argument, uid_to_bytes
+from jreshard.nccl.nccl_support import uid_argument, uid_to_bytes
 from jreshard.nccl.rendezvous import KeyValueRendezvous
 
 pytestmark = pytest.mark.cupy_contract
@@ -284,7 +285,7 @@ def test_launch_tables_are_what_the_kernel_reads(cupy):
 
 def test_the_cupy_signatures_jreshard_and_gpu_check_call_with(cupy, nccl):
     """The argument names (and so the order and keywords) of every other CuPy call in
-    gpu_buffers.py, cuda_kernels.py and benchmarks/gpu_stages.py, as the installed CuPy declares them."""
+    cuda/buffers.py, cuda/kernels.py and benchmarks/gpu_stages.py, as the installed CuPy declares them."""
     want = {
         cupy.cuda.Event.record: ["stream"],
         cupy.cuda.get_elapsed_time: ["start_event", "end_event"],

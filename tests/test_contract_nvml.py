@@ -14,8 +14,8 @@ import inspect
 import pytest
 from cupy_standins import GpuFabricInfo, GpuFabricInfoV, fake_nvml
 
+from jreshard.cuda import nvml as jnvml
 from jreshard.errors import BackendUnavailableError
-from jreshard.nccl import nvml as jnvml
 
 pytestmark = pytest.mark.cupy_contract
 

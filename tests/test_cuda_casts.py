@@ -1,6 +1,6 @@
 """The GPU cast kernel on CPU: its conversions bit for bit, and its launch's index math.
 
-``cuda_casts.CAST_SOURCE`` is compiled as plain C++ (``blockIdx``/``threadIdx`` looped over on
+``casts.CAST_SOURCE`` is compiled as plain C++ (``blockIdx``/``threadIdx`` looped over on
 the host) and its conversions compared with :func:`jreshard.views.casts.cast` (itself checked
 against ``jnp.astype``) for every ordered pair of ``CAST_DTYPES`` and some longer chains: every
 bit pattern of the 8- and 16-bit dtypes, and for float32 random bit patterns, the special values,
@@ -21,8 +21,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from jreshard.nccl import cuda_casts as CC
-from jreshard.nccl import cuda_kernels as CK
+from jreshard.cuda import casts as CC
+from jreshard.cuda import kernels as CK
 from jreshard.schedule import kernels as K
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.views.casts import CAST_DTYPES, cast_chain

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from strategies import byte_shape
 
-from jreshard.nccl import cuda_kernels as CK
+from jreshard.cuda import kernels as CK
 from jreshard.schedule import kernels as K
 from jreshard.sharding.box import Box, intersect
 

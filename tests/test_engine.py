@@ -406,7 +406,7 @@ def test_a_forwarded_chunk_is_sent_from_the_staging_it_landed_in():
         assert (send_round[fast] == own[fast] - 1).all() and (send_round[~fast] == own[~fast]).all()
     # Buffers whose work is queued on streams (the GPU's) order a pack into an arena after the unpacks that
     # read it, not after a later send from it: there the forwards are packed from the shard as before.
-    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.cuda.buffers import CupyBuffers
 
     assert CpuBuffers.host_ordered and not CupyBuffers.host_ordered
     assert _packs_of_forwarded_bytes(compile_rounds(sched, ranks, two, opts.max_group_ops, from_landing=False)) > 0

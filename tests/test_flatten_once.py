@@ -9,6 +9,7 @@ Every jax.tree_util / jax.tree flattening function is wrapped to count the calls
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jreshard.call import front as frontdoor
 from jreshard.call import routes
 from jreshard.call.routes import BackendChoice
 from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.record import Opened
 from jreshard.engine.recording import RecordingComm
 from jreshard.options import Backend
 from jreshard.sharding.topology import Topology
@@ -137,11 +139,13 @@ def test_nccl_route_flattens_x_and_target_once(counted, monkeypatch):
         def release(self) -> None:
             pass
 
-    def twin(devs, single_process, options):
+    def twin(devs, single_process, options, topology):
         comms.append(Twin(ranks=sorted(devs), topology=Topology.uniform(range(8), domain_size=4)))
-        return comms[-1]
+        return Opened(comm=comms[-1], buffers=comms[-1].buffers(timeout_s=options.timeout_s))
 
-    monkeypatch.setattr(routes, "_nccl_comm", twin)
+    registered = routes.transport
+    nccl = dataclasses.replace(registered("nccl"), open=twin)  # the NCCL record, its communicator twinned
+    monkeypatch.setattr(routes, "transport", lambda name: nccl if name == "nccl" else registered(name))
     monkeypatch.setattr(
         routes, "route", lambda leaves, targets, options: (BackendChoice(backend=Backend.NCCL, reason="test"), True)
     )

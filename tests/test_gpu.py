@@ -88,7 +88,7 @@ def nccl_or_skip():
 
 @pytest.fixture
 def bufs(env):
-    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.cuda.buffers import CupyBuffers
 
     b = CupyBuffers()
     yield b
@@ -190,9 +190,9 @@ def test_one_gpu_nccl_sends_to_itself_through_the_engine(env, stream_ordered):
     nccl_or_skip()
     from schedule_oracle import build_schedule
 
+    from jreshard.cuda.buffers import CupyBuffers
     from jreshard.engine.rounds import Shards, execute
     from jreshard.nccl.cupy_nccl import NcclComm
-    from jreshard.nccl.gpu_buffers import CupyBuffers
     from jreshard.nccl.rendezvous import KeyValueRendezvous
     from jreshard.options import Options
     from jreshard.sharding.layout import Layout

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from cupy_standins import RecordingCuda, fake_cupy
 
+from jreshard.cuda.buffers import CupyBuffers
+from jreshard.cuda.dlpack import Typed as _Typed
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.loopback import LocalComm
 from jreshard.errors import TransferError
-from jreshard.nccl.gpu_buffers import CupyBuffers
-from jreshard.nccl.gpu_dlpack import Typed as _Typed
 from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
@@ -177,7 +177,7 @@ def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
 def test_pack_and_unpack_run_on_their_own_streams_of_the_staging_gpu(monkeypatch):
     """Pack on GPU 1's pack stream; unpack on its unpack stream, after an event of the comm stream
     (where the receives land); the current stream is never used."""
-    from jreshard.nccl import cuda_kernels as CK
+    from jreshard.cuda import kernels as CK
     from jreshard.schedule import kernels as K
 
     monkeypatch.setattr(CK, "_KERNELS", {})  # the stand-in's kernels, cached per device

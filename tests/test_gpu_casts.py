@@ -55,7 +55,7 @@ def env():
 
 @pytest.mark.parametrize("src,dst", list(itertools.product(CAST_DTYPES, CAST_DTYPES)))
 def test_the_cast_kernel_on_the_gpu_is_views_casts_bit_for_bit(env, src, dst):
-    from jreshard.nccl.gpu_buffers import CupyBuffers
+    from jreshard.cuda.buffers import CupyBuffers
 
     cupy, _, device = env
     bufs = CupyBuffers(cupy=cupy)
@@ -80,8 +80,8 @@ def test_cast_and_block_fp8_views_on_one_gpu(env):
     """A float32 matrix cast to bfloat16 and quantised to block FP8 (weights and scales), on one GPU."""
     from jreshard import Options, Topology, views
     from jreshard.call.views import transfer_cluster
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.local.gpu import CupyLocalComm
     from jreshard.views import quantize_fp8_reference
 
     cupy, jax, device = env

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from cupy_numpy import NumpyCuda, make_cupy
 
-from jreshard.nccl import gpu_buffers
+from jreshard.cuda import buffers as gpu_buffers
 from jreshard.schedule import kernels as K
 
 ROWS, COLS = 6, 8
@@ -121,8 +121,8 @@ def test_the_views_matrix_through_cupy_buffers_on_the_numpy_standin():
 
     from jreshard import Options, Topology, views
     from jreshard.call.views import transfer_cluster
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.local.gpu import CupyLocalComm
 
     sys.path.insert(0, str(BODIES))
     from views_cases import SPECS, bits, build, globals_, references

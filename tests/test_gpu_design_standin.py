@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 from cupy_numpy import install, make_cupy, uninstall
 
+from jreshard.cuda import buffers as gpu_buffers
 from jreshard.engine.rounds import Shards, execute
-from jreshard.nccl import cupy_nccl, gpu_buffers
+from jreshard.nccl import cupy_nccl
 from jreshard.nccl.cupy_nccl import NcclComm, destroy_cached_communicators
 from jreshard.nccl.nccl_support import DEADLINES
 from jreshard.nccl.rendezvous import KeyValueRendezvous
@@ -187,8 +188,8 @@ def test_nothing_is_issued_on_the_legacy_default_stream(installed):
     from jax.sharding import SingleDeviceSharding
 
     from jreshard.call.routes import transfer_multiprocess
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.local.gpu import CupyLocalComm
 
     cp = installed
     devs = jax.devices()[:3]
@@ -245,8 +246,8 @@ def test_transfer_into_on_gpus_returns_arrays_over_the_into_buffers(installed):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jreshard.call.routes import transfer_multiprocess
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.local.gpu import CupyLocalComm
 
     cp = installed
     devs = jax.devices()[:4]
@@ -271,8 +272,8 @@ def test_transfer_into_on_gpus_returns_arrays_over_the_into_buffers(installed):
 
 def test_an_into_leaf_that_is_also_a_source_is_not_donated(installed):
     from jreshard.call.routes import transfer_multiprocess
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.local.gpu import CupyLocalComm
 
     cp = installed
     dev = jax.devices()[0]
@@ -287,8 +288,8 @@ def test_transfer_into_on_gpus_counts_every_byte_not_written_in_place(installed)
     """The engine's transfer_into in one process reports the into leaves it gave fresh buffers, and why, as
     the CPU path does: a leaf that is also a source, and the same into array twice."""
     from jreshard.call.routes import transfer_multiprocess
-    from jreshard.nccl.gpu_buffers import CupyBuffers
-    from jreshard.nccl.gpu_local import CupyLocalComm
+    from jreshard.cuda.buffers import CupyBuffers
+    from jreshard.local.gpu import CupyLocalComm
     from jreshard.report import NotInPlace, ReportBuilder
 
     cp = installed

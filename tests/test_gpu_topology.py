@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from cupy_standins import fake_nvml
 
+from jreshard.cuda.nvml import domain_key, local_domain_keys, topology_from_domain_keys
 from jreshard.errors import TopologyError
-from jreshard.nccl.nvml import domain_key, local_domain_keys, topology_from_domain_keys
 
 
 @pytest.mark.parametrize("versioned", [True, False])

@@ -13,7 +13,7 @@ from jreshard.models import (
     MODELS,
     MegatronParallel,
     Param,
-    Role,
+    ParamRole,
     megatron_placement,
     published_configs,
     system_config_from_dict,
@@ -22,10 +22,10 @@ from jreshard.models import (
 from jreshard.models.table import Model
 from jreshard.sharding.box import Box
 
-COL = Param(name="w", shape=(8, 16), role=Role.COLUMN, layer=0)
-ROW = Param(name="o", shape=(16, 8), role=Role.ROW, layer=0)
-EXP = Param(name="e", shape=(8, 4, 6), role=Role.EXPERT_COLUMN, layer=0)
-EXP_ROW = Param(name="d", shape=(8, 6, 4), role=Role.EXPERT_ROW, layer=0)
+COL = Param(name="w", shape=(8, 16), role=ParamRole.COLUMN, layer=0)
+ROW = Param(name="o", shape=(16, 8), role=ParamRole.ROW, layer=0)
+EXP = Param(name="e", shape=(8, 4, 6), role=ParamRole.EXPERT_COLUMN, layer=0)
+EXP_ROW = Param(name="d", shape=(8, 6, 4), role=ParamRole.EXPERT_ROW, layer=0)
 
 
 def boxes(p: Param, side: MegatronParallel, first: int = 0, layers: int = 4) -> dict[int, Box]:
@@ -44,10 +44,12 @@ def test_tp_is_the_fastest_axis_and_cp_holds_replicas():
 
 def test_pp_stages_are_outermost_and_contiguous():
     side = MegatronParallel(num_gpus=8, tp=2, pp=4)
-    stage_of = {i: sorted(boxes(Param(name="w", shape=(8, 16), role=Role.COLUMN, layer=i), side)) for i in range(4)}
+    stage_of = {
+        i: sorted(boxes(Param(name="w", shape=(8, 16), role=ParamRole.COLUMN, layer=i), side)) for i in range(4)
+    }
     assert stage_of == {0: [0, 1], 1: [2, 3], 2: [4, 5], 3: [6, 7]}
-    emb = Param(name="embed_tokens", shape=(10, 4), role=Role.EMBEDDING)
-    head = Param(name="lm_head", shape=(4, 10), role=Role.HEAD)
+    emb = Param(name="embed_tokens", shape=(10, 4), role=ParamRole.EMBEDDING)
+    head = Param(name="lm_head", shape=(4, 10), role=ParamRole.HEAD)
     assert sorted(boxes(emb, side, first=100)) == [100, 101] and sorted(boxes(head, side, first=100)) == [106, 107]
 
 
@@ -72,7 +74,7 @@ def test_fsdp_shards_the_other_dimension_inside_dp():
 
 
 def test_heads_are_split_whole_or_replicated():
-    kv = Param(name="k", shape=(16, 4 * 8), role=Role.COLUMN, layer=0, unit=8)  # 4 heads of 8
+    kv = Param(name="k", shape=(16, 4 * 8), role=ParamRole.COLUMN, layer=0, unit=8)  # 4 heads of 8
     assert megatron_placement(kv, MegatronParallel(num_gpus=8, tp=8), 1, 0).spec == ((), ())
     assert megatron_placement(kv, MegatronParallel(num_gpus=8, tp=4), 1, 0).spec == ((), ("tp",))
 
@@ -149,7 +151,9 @@ def test_the_two_deepseek_v3_trainers_differ_as_published():
     assert (shipped.pp, shipped.ep, shipped.expert_dp, shipped.dense_dp) == (8, 16, 1, 16)
     qwen = cfgs["m2n-qwen235b-128gpus-gb200"]
     assert (qwen.train.tp, qwen.train.cp, qwen.train.dense_dp, qwen.generation.etp) == (2, 2, 4, 8)
-    m = Model(name="x", layers=61, params=(Param(name="e", shape=(256, 16, 8), role=Role.EXPERT_COLUMN, layer=30),))
+    m = Model(
+        name="x", layers=61, params=(Param(name="e", shape=(256, 16, 8), role=ParamRole.EXPERT_COLUMN, layer=30),)
+    )
     src = system_refit(m, cfgs["m2n-dsv3-readme-row-gb200"]).pairs[0][0]
     assert src.ranks == tuple(range(32, 64))  # layer 30 of 61 on stage 1 of 4
     assert src.box_of(32) == src.box_of(48) and src.box_of(33).lo == (16, 0, 0)  # EP16 inside, EDP2 outside

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from jreshard.errors import IndivisibleError, LayoutError, TopologyError
-from jreshard.models import MODELS, Parallelism, Param, Role, deepseek_v3, kimi_k2, refit, refit_topology
+from jreshard.models import MODELS, Parallelism, Param, ParamRole, deepseek_v3, kimi_k2, refit, refit_topology
 from jreshard.models.llama3 import llama3_70b
 from jreshard.models.qwen3 import qwen3_235b
 from jreshard.sharding.box import Box
@@ -95,10 +95,10 @@ def test_fsdp_shards_the_other_dimension():
 
 def test_spec_drops_axes_that_do_not_divide():
     side = Parallelism(name="t", mesh=(("dp", 3), ("tp", 4)), fsdp=("dp",))
-    p = Param(name="w", shape=(10, 12), role=Role.COLUMN, layer=0, unit=6)
+    p = Param(name="w", shape=(10, 12), role=ParamRole.COLUMN, layer=0, unit=6)
     # dim 0 (10) is not divisible by dp=3; dim 1 has 2 units of 6, not divisible by tp=4.
     assert side.spec(p) == ((), ())
-    assert side.spec(Param(name="v", shape=(9, 24), role=Role.COLUMN, layer=0, unit=6)) == (("dp",), ("tp",))
+    assert side.spec(Param(name="v", shape=(9, 24), role=ParamRole.COLUMN, layer=0, unit=6)) == (("dp",), ("tp",))
 
 
 def test_bad_recipes_and_arguments_raise():

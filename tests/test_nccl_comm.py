@@ -394,8 +394,8 @@ def test_the_engine_over_nccl_stand_ins_runs_in_stream_order(monkeypatch):
     from cupy_standins import fake_cupy
     from schedule_oracle import build_schedule
 
+    from jreshard.cuda import kernels as CK
     from jreshard.engine.rounds import Shards, execute
-    from jreshard.nccl import cuda_kernels as CK
     from jreshard.options import Options
     from jreshard.sharding.box import Box
     from jreshard.sharding.layout import Layout

@@ -157,8 +157,8 @@ def test_bounds_mode_refuses_a_copy_past_its_buffer_and_copies_nothing():
     dst = np.zeros(32, np.uint8)
     cls = strided.CopyClass(run=8, outer=(), src_strides=(), dst_strides=())
     bufs = (
-        strided.Buffers.of([(src.ctypes.data, src.ctypes.data + 64)]),
-        strided.Buffers.of([(dst.ctypes.data, dst.ctypes.data + 32)]),
+        strided.AddressRanges.of([(src.ctypes.data, src.ctypes.data + 64)]),
+        strided.AddressRanges.of([(dst.ctypes.data, dst.ctypes.data + 32)]),
     )
     ok = [(cls, np.array([src.ctypes.data], np.int64), np.array([dst.ctypes.data + 24], np.int64))]
     assert strided.copy_classes(ok, bounds=bufs) == 8

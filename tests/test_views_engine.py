@@ -31,7 +31,7 @@ from jreshard.schedule import kernels
 from jreshard.schedule.viewsched import view_schedule
 from jreshard.sharding.topology import Link
 from jreshard.views.lowering import lower_tree
-from jreshard.views.quant import _Quant
+from jreshard.views.quant import QuantView
 
 
 def _run(view, dst, topo, options=None, comm=None, pipelined=False):
@@ -41,7 +41,7 @@ def _run(view, dst, topo, options=None, comm=None, pipelined=False):
     layouts = [Layout.from_sharding(leaf.source.sharding, leaf.shape, leaf.dtype) for leaf in leaves]
     dst_lay = Layout.from_sharding(dst, view.shape, view.dtype)
     (low,) = lower_tree([view], leaves, layouts, [dst_lay], topo)
-    quant = [(view.part, view.block, view.x.dtype)] if isinstance(view, _Quant) else [None]
+    quant = [(view.part, view.block, view.x.dtype)] if isinstance(view, QuantView) else [None]
     vs = view_schedule([low], layouts, [dst_lay], topo, options, quant, pipelined=pipelined)
     src = {}
     for i, leaf in enumerate(leaves):
@@ -144,7 +144,7 @@ def test_the_gpu_launch_of_a_views_pack_table_matches_numpy():
     decrease), replayed in numpy (not run on GPU), writes the same staging as the CPU pack."""
     import ctypes
 
-    from jreshard.nccl import cuda_kernels as CK
+    from jreshard.cuda import kernels as CK
     from jreshard.schedule import kernels as K
 
     fused, dst = _transposed_fused()

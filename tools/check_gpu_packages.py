@@ -46,7 +46,7 @@ PACKAGES = (
 ABSENT = ("matplotlib", "nbformat", "nbclient", "mkdocs")  # not on the GPU machine: must stay absent here
 STAGE_IMPORTS = (
     "jax, jax.numpy, jax.dlpack, numpy, ml_dtypes, cupy, cupy.cuda.nccl, pynvml, pytest, pytest_timeout, hypothesis",
-    "jreshard, jreshard.nccl.gpu_buffers, jreshard.nccl.cupy_nccl, jreshard.nccl.cuda_kernels, jreshard.nccl.nvml",
+    "jreshard, jreshard.cuda.buffers, jreshard.nccl.cupy_nccl, jreshard.cuda.kernels, jreshard.cuda.nvml",
     "jreshard.engine.rounds, jreshard.schedule.pairsched, jreshard.nccl.rendezvous, jreshard.sharding.planner",
 )
 

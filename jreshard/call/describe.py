@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
+
+from jreshard.types import TreeLeaf
 
 __all__ = ["describe"]
 
 _SMALL = (bool, int, float, complex, np.generic, jax.sharding.Sharding, jax.sharding.PartitionSpec)
 
 
-def describe(v: Any) -> str:
+def describe(v: TreeLeaf) -> str:
     """A short description of a value for messages: its type, dtype and shape (and sharding), never its data."""
     if isinstance(v, jax.ShapeDtypeStruct):
         return f"ShapeDtypeStruct({v.dtype}{list(v.shape)}, sharding={v.sharding})"

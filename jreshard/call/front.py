@@ -29,7 +29,7 @@ from jreshard.sharding.caches import cache
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
-from jreshard.types import PyTree
+from jreshard.types import PyTree, Target, TreeDef, TreeLeaf
 
 __all__ = [
     "Call",
@@ -57,11 +57,11 @@ _SPACE = jax.memory.Space
 _OTHER_TARGETS = (jax.Device, jax.sharding.PartitionSpec, _FORMAT, _SPACE)
 
 
-def _is_target_leaf(v: Any) -> bool:
+def _is_target_leaf(v: TreeLeaf) -> bool:
     return v is None or isinstance(v, (jax.sharding.Sharding, jax.ShapeDtypeStruct, jax.Array, *_OTHER_TARGETS))
 
 
-def _normalized(t: Any, leaf: Any, where: str) -> Any:
+def _normalized(t: Target, leaf: TreeLeaf, where: str) -> Any:
     """A target of the other kinds ``jax.device_put`` takes, as the sharding it means there.
 
     - a ``Device``: ``SingleDeviceSharding(device)``;
@@ -200,13 +200,13 @@ class Call:
         return self.treedef.unflatten(list(out))
 
 
-def _up_to(treedef: Any, target: PyTree) -> list[Any]:
+def _up_to(treedef: TreeDef, target: PyTree) -> list[Any]:
     """``target`` flattened up to ``x``'s structure: the one flattening of a call's target tree."""
     tree: Any = treedef  # (jax's stubs do not declare PyTreeDef.flatten_up_to)
     return list(tree.flatten_up_to(target))
 
 
-def _prefix(x: PyTree, target: PyTree, treedef: Any) -> list[Any] | None:
+def _prefix(x: PyTree, target: PyTree, treedef: TreeDef) -> list[Any] | None:
     """``target`` as one target per leaf of ``x`` when it is a tree prefix of ``x`` (as ``jax.device_put``
     takes it: each target leaf applies to the whole subtree below it), else ``None``."""
     try:
@@ -217,13 +217,13 @@ def _prefix(x: PyTree, target: PyTree, treedef: Any) -> list[Any] | None:
         return None
 
 
-def leaf_names(treedef: Any, x: PyTree) -> tuple[str, ...]:
+def leaf_names(treedef: TreeDef, x: PyTree) -> tuple[str, ...]:
     """The key path of every leaf (``"x"`` for a bare array), for messages."""
     paths = jax.tree_util.tree_flatten_with_path(x)[0]
     return tuple(jax.tree_util.keystr(p) or "x" for p, _ in paths)
 
 
-def target_sharding(t: Any, where: str) -> Any:
+def target_sharding(t: Target, where: str) -> Any:
     """The sharding a target leaf asks for (a Sharding, or a ShapeDtypeStruct's or jax.Array's), or ``None``.
 
     Raises:
@@ -248,7 +248,7 @@ def target_sharding(t: Any, where: str) -> Any:
     )
 
 
-def _check_leaf(leaf: Any, where: str) -> None:
+def _check_leaf(leaf: TreeLeaf, where: str) -> None:
     if isinstance(leaf, jax.core.Tracer):
         raise LayoutError(
             f"{where} is a traced value ({type(leaf).__name__}): jreshard moves concrete arrays and runs "
@@ -328,7 +328,7 @@ def _local_devices() -> frozenset:
 
 def prepare(
     leaves: list[Any],
-    treedef: Any,
+    treedef: TreeDef,
     targets: list[Any],
     mode: Mode,
     topology: Topology | None,

@@ -29,7 +29,7 @@ import numpy as np
 from jreshard.call.describe import describe
 from jreshard.call.front import _renamed, leaf_names
 from jreshard.errors import LayoutMismatchError, TopologyError
-from jreshard.types import PyTree
+from jreshard.types import DType, PyTree, Sharding, Target, TreeDef, TreeLeaf
 
 __all__ = ["Normalized", "normalize"]
 
@@ -38,16 +38,16 @@ _HOST_SCALARS = (bool, int, float, complex, np.generic)
 _DEVICE_KINDS = (None, "device")
 
 
-def _is_host(leaf: Any) -> bool:
+def _is_host(leaf: TreeLeaf) -> bool:
     return isinstance(leaf, (np.ndarray, *_HOST_SCALARS)) and not isinstance(leaf, jax.Array)
 
 
-def _on_device(leaf: Any) -> bool:
+def _on_device(leaf: TreeLeaf) -> bool:
     """A concrete jax array (a tracer is one too, but the front door refuses it by name)."""
     return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
 
-def _memory_kind(sharding: Any) -> Any:
+def _memory_kind(sharding: Sharding) -> Any:
     return getattr(sharding, "memory_kind", None)
 
 
@@ -55,11 +55,11 @@ def _memory_kind(sharding: Any) -> Any:
 class _Leaf:
     """What one leaf needs before the front door: a cast to ``dtype`` and a sharding to ask for."""
 
-    sharding: Any
-    dtype: Any  # None: no cast
+    sharding: Sharding
+    dtype: DType  # None: no cast
 
 
-def _wanted(i: int, leaf: Any, t: Any) -> _Leaf | None:
+def _wanted(i: int, leaf: TreeLeaf, t: Target) -> _Leaf | None:
     """The target of leaf ``i`` when it needs this pass (an array target, a cast), else None.
 
     Raises:
@@ -92,7 +92,7 @@ def _wanted(i: int, leaf: Any, t: Any) -> _Leaf | None:
     return _Leaf(sharding, None if dtype == here_dtype else dtype)
 
 
-def _dtype_of(leaf: Any) -> Any:
+def _dtype_of(leaf: TreeLeaf) -> DType:
     """The dtype of a leaf as jax types it: numpy's, or an extended dtype (a typed PRNG key's ``key<fry>``),
     which numpy cannot interpret and which is kept as it is."""
     dtype = getattr(leaf, "dtype", None)
@@ -101,7 +101,7 @@ def _dtype_of(leaf: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(np.asarray(leaf).dtype)  # a Python scalar, as device_put types it
 
 
-def _extended(dtype: Any) -> bool:
+def _extended(dtype: DType) -> bool:
     """A dtype numpy has no counterpart for (typed PRNG keys): never cast, compared as it is."""
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
@@ -129,11 +129,11 @@ class Normalized:
         return out
 
 
-def _bits(dtype: Any) -> int:
+def _bits(dtype: DType) -> int:
     return int(jax.dtypes.itemsize_bits(dtype))
 
 
-def normalize(leaves: list[Any], treedef: Any, targets: list[Any], x: PyTree, target: PyTree) -> Normalized:
+def normalize(leaves: list[Any], treedef: TreeDef, targets: list[Any], x: PyTree, target: PyTree) -> Normalized:
     """A call's flat leaves and targets (the front door's :func:`~jreshard.call.front.flatten` of ``x`` and
     ``target``) with every leaf in the front door's terms (module docstring); nothing is flattened again.
 
@@ -197,7 +197,7 @@ def normalize(leaves: list[Any], treedef: Any, targets: list[Any], x: PyTree, ta
     return Normalized(new_leaves, new_targets, after)
 
 
-def _check_addressable(i: int, leaf: Any, sharding: Any) -> None:
+def _check_addressable(i: int, leaf: TreeLeaf, sharding: Sharding) -> None:
     """Raises TopologyError when a leaf moved by ``jax.device_put`` here has devices of another process."""
     devices = set(sharding.device_set)
     if _on_device(leaf):

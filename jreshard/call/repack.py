@@ -39,6 +39,7 @@ import numpy as np
 
 from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import packed_bits
+from jreshard.types import Array, DType, PyTree, Sharding, TreeLeaf
 
 __all__ = [
     "Encoding",
@@ -69,7 +70,7 @@ class Encoding:
     trailing: tuple[int, ...] = ()
 
 
-def encoding_of(dtype: Any) -> Encoding | None:
+def encoding_of(dtype: DType) -> Encoding | None:
     """The encoding a leaf of ``dtype`` needs, or ``None`` when the engine moves it as it is.
 
     >>> import jax.numpy as jnp
@@ -84,13 +85,13 @@ def encoding_of(dtype: Any) -> Encoding | None:
 
 
 @cache(max_size=64)
-def _key_encoding(dtype: Any) -> Encoding:
+def _key_encoding(dtype: DType) -> Encoding:
     impl = jax.random.key_impl(jax.random.key(0, impl=_impl_name(dtype)))
     data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl)))
     return Encoding(dtype, "key", tuple(data.shape))
 
 
-def _impl_name(dtype: Any) -> Any:
+def _impl_name(dtype: DType) -> Any:
     return dtype._impl  # the PRNGImpl of a key dtype (jax has no public accessor for it)
 
 
@@ -98,7 +99,7 @@ def _unsigned(bits: int) -> Any:
     return {4: jnp.uint4, 2: jnp.uint2}[bits]
 
 
-def encoded_sharding(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> Any:
+def encoded_sharding(enc: Encoding, sharding: Sharding, shape: tuple[int, ...]) -> Any:
     """The sharding of the encoded array for a leaf of ``shape`` with ``sharding``.
 
     A packed leaf keeps its sharding. A key array's data has trailing dimensions, unsplit; the
@@ -112,7 +113,7 @@ def encoded_sharding(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> An
 
 
 @cache(max_size=1024)
-def _key_data_sharding(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> Any:
+def _key_data_sharding(enc: Encoding, sharding: Sharding, shape: tuple[int, ...]) -> Any:
     if isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return sharding
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -126,7 +127,7 @@ def _key_data_sharding(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> 
 
 
 @cache(max_size=1024)
-def _encoder(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> Any:
+def _encoder(enc: Encoding, sharding: Sharding, shape: tuple[int, ...]) -> Any:
     out = encoded_sharding(enc, sharding, shape)
     bits = packed_bits(np.dtype(enc.dtype))
     assert bits is not None
@@ -135,7 +136,7 @@ def _encoder(enc: Encoding, sharding: Any, shape: tuple[int, ...]) -> Any:
 
 
 @cache(max_size=1024)
-def _decoder(enc: Encoding, sharding: Any, donate: bool) -> Any:
+def _decoder(enc: Encoding, sharding: Sharding, donate: bool) -> Any:
     if enc.kind == "memory":
 
         def dec(d: Any, *_: Any) -> Any:
@@ -160,7 +161,7 @@ def _decoder(enc: Encoding, sharding: Any, donate: bool) -> Any:
     return jax.jit(dec, out_shardings=sharding)
 
 
-def encode(leaf: Any, enc: Encoding) -> Any:
+def encode(leaf: TreeLeaf, enc: Encoding) -> Any:
     """``leaf`` as an array the engine moves byte for byte, on the same devices.
 
     A key array's encoding is its key data as jax holds it (``jax.random.key_data`` outside ``jit``: the
@@ -174,7 +175,7 @@ def encode(leaf: Any, enc: Encoding) -> Any:
     return _encoder(enc, leaf.sharding, tuple(leaf.shape))(leaf)
 
 
-def decode(moved: Any, enc: Encoding, sharding: Any, into: Any = None) -> Any:
+def decode(moved: Any, enc: Encoding, sharding: Sharding, into: PyTree = None) -> Any:
     """The leaf back from its moved encoding, with ``sharding``; over ``into``'s memory when given
     (``into`` is donated: XLA writes the result where it was).
 
@@ -192,11 +193,11 @@ def decode(moved: Any, enc: Encoding, sharding: Any, into: Any = None) -> Any:
 
 
 @cache(max_size=256)
-def _encoding_of_dtype(dtype: Any) -> Encoding | None:
+def _encoding_of_dtype(dtype: DType) -> Encoding | None:
     return encoding_of(dtype)
 
 
-def _host_memory(a: Any) -> bool:
+def _host_memory(a: Array) -> bool:
     return isinstance(a, jax.Array) and getattr(a.sharding, "memory_kind", None) not in (None, "device")
 
 
@@ -276,7 +277,7 @@ def exclusive_into(leaves: Sequence[Any], targets: Sequence[Any], moved: Sequenc
     return claim(targets, moved, source_addresses(leaves)).why
 
 
-def held_addresses(a: Any) -> frozenset[int]:
+def held_addresses(a: Array) -> frozenset[int]:
     """The buffer addresses of ``a``'s non-empty addressable shards (a key array's: its key data's)."""
     from jreshard.engine.ownership import shard_addresses
 
@@ -285,7 +286,7 @@ def held_addresses(a: Any) -> frozenset[int]:
     return frozenset(shard_addresses(a)) - {0}
 
 
-def storage_of(a: Any) -> int:
+def storage_of(a: Array) -> int:
     """Bytes of ``a``'s addressable shards as its devices hold them (packed for sub-byte dtypes)."""
     from jreshard.sharding.dtypes import storage_bytes
 

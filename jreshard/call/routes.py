@@ -1,68 +1,178 @@
-"""Backend selection: which transport runs a transfer, and why.
+"""The transport registry: which transport runs a call, and why; the one module above the transports
+that imports them.
 
-``Options.backend`` is one of ``auto``, ``local``, ``mpi``, ``nccl``, ``xla``. An explicit
-choice is checked and either runs or raises :class:`BackendUnavailableError`
-naming what to install; it never falls back to another backend. ``auto`` picks:
+Each transport folder exports one :class:`~jreshard.engine.record.TransportRecord` (its name, where
+it serves, a probe saying why it cannot start, how to make its communicator and buffers or its
+runner); :data:`REGISTRY` names them, one line each. Everything above the transports asks this
+module by name: ``transfer`` (:func:`route`, :func:`run_engine`, :func:`runner`), the views across
+processes (:func:`cluster_transport`), ``RefitGroup`` and the elastic pairs (:func:`kit`,
+:func:`program_transport`).
 
-1. ``local`` when every device of the transfer is addressable in this process
-   (a single-controller program, CPU devices, one host's GPUs: direct copies);
-2. ``nccl`` when the arrays are on CUDA GPUs and ``cupy.cuda.nccl`` imports;
-3. ``mpi`` when the arrays are on CPUs and ``mpi4py.MPI`` imports.
+``Options.backend`` names a transport or ``auto``. An explicit choice is checked and either runs
+or raises :class:`BackendUnavailableError` naming what to install; it never falls back to another
+transport. ``auto`` picks, in registry order, the first transport whose record lists the call's
+:class:`~jreshard.engine.record.Reach` among its ``auto`` reaches:
 
-``auto`` never picks ``xla`` (the plan compiled into one XLA program, :mod:`jreshard.xla`): on
-CPU in one process the direct copies were measured faster (``benchmarks/transfer_bench.py``),
-and it has not been run on GPU or TPU. ``xla`` runs only when asked for; it needs nothing but jax.
+1. ``local`` when every device of the transfer is addressable in this process (a
+   single-controller program, CPU devices, one host's GPUs: direct copies);
+2. ``nccl`` when the arrays are on CUDA GPUs across processes;
+3. ``mpi`` when the arrays are on CPUs across processes.
 
-Arrays on GPUs across processes without an importable NCCL raise rather than
-quietly running MPI: MPI on GPU buffers needs a CUDA-aware MPI, which only the
-caller can vouch for (pass ``backend="mpi"`` to say so).
+and raises if that one cannot start. ``auto`` never picks ``xla`` (the plan compiled into one XLA
+program, :mod:`jreshard.xla`): on CPU in one process the direct copies were measured faster
+(``benchmarks/transfer_bench.py``), and it has not been run on GPU or TPU. ``nixl`` serves two
+programs (``RefitGroup``, :mod:`jreshard.elastic`), not a ``transfer`` call.
 
-Availability is probed by importing the module (``importlib``), through an
-``import_module`` argument so tests can pass a stand-in importer. CuPy's
-``cupy.cuda.nccl`` imports even when libnccl is missing and declares that with
-``available = False``, which is read too.
+Arrays on GPUs across processes without an importable NCCL raise rather than quietly running MPI:
+MPI on GPU buffers needs a CUDA-aware MPI, which only the caller can vouch for (pass
+``backend="mpi"`` to say so).
 
-The router (:func:`route`) reads where the arrays live, picks the backend and says why;
-:func:`run_engine` builds the message-passing transport it picked (MPI, NCCL, or local copies
-between GPUs in one process) and hands it to the engine's multi-process driver
-(:func:`jreshard.engine.driver.transfer_multiprocess`). Nothing below this module imports MPI,
-CuPy or NCCL by name.
+Availability is probed by importing the module (``importlib``), through an ``import_module``
+argument so tests can pass a stand-in importer. CuPy's ``cupy.cuda.nccl`` imports even when libnccl
+is missing and declares that with ``available = False``, which is read too.
+
+``loopback`` and ``recording`` (:mod:`jreshard.engine.loopback`, :mod:`jreshard.engine.recording`)
+are registered the same way: the engine over copies in one process, for tests. They are no
+``Options.backend`` value; :func:`run_engine` runs a call over any registered name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
-import warnings
 from collections.abc import Callable, Iterable, Sequence
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-import jax
-
-from jreshard.errors import BackendUnavailableError, cuda_extra
+from jreshard.engine.buffers import Buffers
+from jreshard.engine.comm import Communicator
+from jreshard.engine.record import FindSpec, ImportModule, Reach, TransportRecord
+from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.sharding.topology import Topology
+from jreshard.types import Array, Device, MpiCommunicator, PyTree, Sharding, Target, TreeLeaf
+
+if TYPE_CHECKING:
+    from jreshard.mpi.record import MpiKit
+    from jreshard.nixl.record import NixlKit
 
 __all__ = [
+    "REGISTRY",
     "BackendChoice",
     "Placement",
+    "cluster_transport",
+    "kit",
+    "program_transport",
     "route",
     "run_engine",
+    "runner",
     "select_backend",
     "target_shardings",
     "transfer_multiprocess",
+    "transport",
 ]
 
-ImportModule = Callable[[str], ModuleType]
-FindSpec = Callable[[str], object]
+# The registry: a transport's name and the module holding its record. Order is auto's preference.
+REGISTRY: dict[str, str] = {
+    "local": "jreshard.local.record",
+    "nccl": "jreshard.nccl.record",
+    "mpi": "jreshard.mpi.record",
+    "xla": "jreshard.xla.record",
+    "nixl": "jreshard.nixl.record",
+    "loopback": "jreshard.engine.loopback",
+    "recording": "jreshard.engine.recording",
+}
 
 # jax device platform names that mean an NVIDIA GPU.
 _CUDA_PLATFORMS = frozenset({"gpu", "cuda"})
-NCCL_MODULE = "cupy.cuda.nccl"
-MPI_MODULE = "mpi4py.MPI"
+
+
+@overload
+def transport(name: Literal["mpi"]) -> TransportRecord[MpiKit]: ...
+@overload
+def transport(name: Literal["nixl"]) -> TransportRecord[NixlKit]: ...
+@overload
+def transport(name: str) -> TransportRecord[Any]: ...
+def transport(name: str) -> TransportRecord[Any]:
+    """The record of the transport called ``name`` (its module imported on first use).
+
+    Raises:
+      ValueError: no transport of that name is registered (the message lists those that are).
+
+    Example:
+      >>> transport("loopback").name, sorted(r.name for r in transport("local").serves)
+      ('loopback', ['CPU_ONE_PROCESS', 'GPU_ONE_PROCESS'])
+    """
+    return _record(str(name))
+
+
+@functools.cache
+def _record(name: str) -> TransportRecord[Any]:
+    module = REGISTRY.get(name)
+    if module is None:
+        raise ValueError(f"transport: name={name!r} is not registered; registered: {sorted(REGISTRY)}")
+    record: TransportRecord[Any] = importlib.import_module(module).RECORD
+    if record.name != name:
+        raise ValueError(f"transport: {module} registers {record.name!r} under the name {name!r}")
+    return record
+
+
+@overload
+def kit(name: Literal["mpi"]) -> MpiKit: ...
+@overload
+def kit(name: Literal["nixl"]) -> NixlKit: ...
+def kit(name: str) -> Any:
+    """What programs (``RefitGroup``, the elastic trainer and replicas) form groups from over the transport
+    ``name``: its record's ``kit``.
+
+    Raises:
+      ValueError: ``name`` is not registered, or forms no groups between programs.
+    """
+    record = transport(name)
+    if record.kit is None:
+        raise ValueError(f"kit: transport {name!r} forms no groups between programs")
+    return record.kit
+
+
+def program_transport(name: object, who: str, *, import_module: ImportModule = importlib.import_module) -> str:
+    """``name`` checked as the transport two programs connect over (``RefitGroup.connect(transport=...)``).
+
+    Returns:
+      the name.
+
+    Raises:
+      ValueError: no registered transport of that name serves two programs (the message names those that do).
+      BackendUnavailableError: it does, but cannot start here (the message says why and what to install).
+    """
+    serving = sorted(n for n in REGISTRY if Reach.PROGRAMS in transport(n).serves)
+    if not isinstance(name, str) or name not in serving:
+        raise ValueError(f"{who}: transport={name!r}; expected one of {serving}")
+    record = transport(name)
+    why = record.probe(import_module)
+    if why is not None:
+        raise BackendUnavailableError(
+            f"{who}: transport {name!r} cannot start: {why}. The fix is {record.fix(importlib.util.find_spec)}"
+        )
+    return name
+
+
+def runner(name: str) -> Callable[..., list[Array]]:
+    """The runner that replaces the engine for the transport ``name`` (XLA's)."""
+    run = transport(name).run
+    if run is None:
+        raise ValueError(f"runner: transport {name!r} runs the engine's rounds, not a runner of its own")
+    return run
+
+
+def cluster_transport(name: str = "mpi") -> Communicator:
+    """The communicator over every process of this jax cluster for the transport ``name`` (MPI's
+    ``COMM_WORLD``): the default of the calls every process makes (views across processes,
+    :func:`transfer_multiprocess`)."""
+    if name != "mpi":
+        raise ValueError(f"cluster_transport: name={name!r}; the cluster-wide default transport is 'mpi'")
+    return kit("mpi").world()
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,8 +184,8 @@ class Placement:
       single_process: every device taking part is addressable from this process.
 
     Example:
-      >>> Placement(platforms=frozenset({"gpu"}), single_process=False).on_gpus
-      True
+      >>> Placement(platforms=frozenset({"gpu"}), single_process=False).reach
+      <Reach.GPU_PROCESSES: 'GPUs across the processes of one program'>
     """
 
     platforms: frozenset[str]
@@ -92,8 +202,13 @@ class Placement:
         """Whether every device is a CUDA GPU."""
         return self.platforms <= _CUDA_PLATFORMS
 
+    @property
+    def reach(self) -> Reach:
+        """The :class:`~jreshard.engine.record.Reach` transports are matched against."""
+        return Reach.of(on_gpus=self.on_gpus, single_process=self.single_process)
+
     @classmethod
-    def of_devices(cls, devices: Iterable[object], process_index: int) -> Placement:
+    def of_devices(cls, devices: Iterable[Device], process_index: int) -> Placement:
         """From jax devices (anything with ``platform`` and ``process_index``).
 
         Args:
@@ -102,8 +217,8 @@ class Placement:
         """
         devices = list(devices)
         return cls(
-            platforms=frozenset(str(d.platform) for d in devices),  # type: ignore[attr-defined]
-            single_process=all(int(d.process_index) == process_index for d in devices),  # type: ignore[attr-defined]
+            platforms=frozenset(str(d.platform) for d in devices),
+            single_process=all(int(d.process_index) == process_index for d in devices),
         )
 
 
@@ -115,40 +230,11 @@ class BackendChoice:
     reason: str
 
 
-def _probe(module: str, import_module: ImportModule) -> str | None:
-    """``None`` when ``module`` imports (and, for NCCL, loaded its library), else why not, in words.
-
-    Warnings raised while importing (CuPy warns when libnccl is missing) are kept
-    for the message instead of being shown.
-    """
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            mod = import_module(module)
-        except (ImportError, OSError) as err:  # OSError: a shared library (libnccl, libmpi) that fails to load
-            return f"{type(err).__name__}: {err}"
-    if module == NCCL_MODULE and mod.available is not True:
-        # cupy.cuda.nccl imports without libnccl and declares it with ``available = False``.
-        said = "; ".join(" ".join(str(w.message).split()) for w in caught)
-        return f"{NCCL_MODULE}.available is False ({said or 'libnccl was not loaded'})"
-    return None
-
-
-def _require_nccl(import_module: ImportModule, find_spec: FindSpec, why: str) -> None:
-    err = _probe(NCCL_MODULE, import_module)
+def _unavailable(record: TransportRecord[Any], why: str, import_module: ImportModule, find_spec: FindSpec) -> None:
+    err = record.probe(import_module)
     if err is not None:
         raise BackendUnavailableError(
-            f"backend 'nccl' {why}cannot start: importing {NCCL_MODULE} failed ({err}). "
-            f"The fix is to install CuPy with NCCL: {cuda_extra(find_spec)}"
-        )
-
-
-def _require_mpi(import_module: ImportModule, why: str) -> None:
-    err = _probe(MPI_MODULE, import_module)
-    if err is not None:
-        raise BackendUnavailableError(
-            f"backend 'mpi' {why}cannot start: importing {MPI_MODULE} failed ({err}). "
-            "The fix is to install mpi4py and an MPI: pip install 'jreshard[mpi]'"
+            f"backend {record.name!r} {why}cannot start: {err}. The fix is {record.fix(find_spec)}"
         )
 
 
@@ -162,7 +248,7 @@ def select_backend(
     """Resolve ``requested`` (``Options.backend``) for arrays placed as ``placement``.
 
     Args:
-      requested: ``Backend.AUTO``/``LOCAL``/``MPI``/``NCCL``/``XLA`` or its name.
+      requested: a :class:`Backend` or its name.
       placement: the platforms of the devices and whether one process addresses them all.
       import_module: imports a module by name (``importlib.import_module``).
       find_spec: finds a module without importing it (``importlib.util.find_spec``);
@@ -173,8 +259,9 @@ def select_backend(
 
     Raises:
       BackendUnavailableError: the backend's module does not import (the message
-        names the pip extra to install), ``local`` was asked for devices that
-        other processes own, or ``nccl`` was asked for arrays that are not on GPUs.
+        names the pip extra to install), or it does not serve arrays placed so (``local`` for
+        devices that other processes own, ``nccl`` for arrays that are not on GPUs, ``nixl``
+        for any ``transfer`` call).
       ValueError: ``requested`` is not a backend name.
 
     Example:
@@ -190,47 +277,27 @@ def select_backend(
         ) from None
     procs = "one process" if placement.single_process else "several processes"
     where = f"arrays on {sorted(placement.platforms)}, {procs}"
-
-    if backend is Backend.LOCAL:
-        if not placement.single_process:
-            raise BackendUnavailableError(
-                f"backend 'local' cannot start: it copies between buffers of one process, but the {where}. "
-                "The fix is backend='nccl' (GPUs) or backend='mpi', or 'auto'"
-            )
-        return BackendChoice(backend=Backend.LOCAL, reason=f"requested: {where}")
-    if backend is Backend.NCCL:
-        if not placement.on_gpus:
-            raise BackendUnavailableError(
-                f"backend 'nccl' cannot start: NCCL moves CUDA device buffers, but the {where}. "
-                "The fix is backend='mpi' or 'local', or 'auto'"
-            )
-        _require_nccl(import_module, find_spec, "")
-        return BackendChoice(backend=Backend.NCCL, reason=f"requested: {where}")
-    if backend is Backend.MPI:
-        _require_mpi(import_module, "")
-        return BackendChoice(backend=Backend.MPI, reason=f"requested: {where}")
-    if backend is Backend.XLA:
-        return BackendChoice(backend=Backend.XLA, reason=f"requested: {where}; one XLA program over the devices")
-
-    # AUTO
-    if placement.single_process:
-        return BackendChoice(
-            backend=Backend.LOCAL,
-            reason=f"auto: every device is in this process ({where}); direct copies, measured faster than "
-            "backend 'xla' on CPU (benchmarks/transfer_bench.py)",
+    reach = placement.reach
+    if backend is Backend.AUTO:
+        record = next(transport(b.value) for b in Backend if b is not Backend.AUTO and reach in transport(b.value).auto)
+        note = f"; {record.auto_note}" if record.auto_note else ""
+        _unavailable(record, f"(picked by 'auto' for {where}{note}) ", import_module, find_spec)
+        return BackendChoice(backend=Backend(record.name), reason=f"auto: {record.why_auto} ({where})")
+    record = transport(backend.value)
+    if reach not in record.serves:
+        can = [b.value for b in Backend if b is not Backend.AUTO and reach in transport(b.value).serves]
+        serves = " and ".join(r.value for r in Reach if r in record.serves)
+        raise BackendUnavailableError(
+            f"backend {record.name!r} cannot start: it serves {serves} "
+            f"({record.summary}), but the {where}. The fix is "
+            + " or ".join(f"backend={c!r}" for c in can)
+            + ", or 'auto'"
         )
-    if placement.on_gpus:
-        _require_nccl(
-            import_module,
-            find_spec,
-            f"(picked by 'auto' for {where}; pass backend='mpi' if your MPI is CUDA-aware) ",
-        )
-        return BackendChoice(backend=Backend.NCCL, reason=f"auto: {where} and {NCCL_MODULE} imports")
-    _require_mpi(import_module, f"(picked by 'auto' for {where}) ")
-    return BackendChoice(backend=Backend.MPI, reason=f"auto: {where} and {MPI_MODULE} imports")
+    _unavailable(record, "", import_module, find_spec)
+    return BackendChoice(backend=backend, reason=f"requested: {where}; {record.summary}")
 
 
-def route(leaves: Sequence[Any], targets: Sequence[Any], options: Options) -> tuple[BackendChoice, bool]:
+def route(leaves: Sequence[TreeLeaf], targets: Sequence[Target], options: Options) -> tuple[BackendChoice, bool]:
     """The backend for a call's flat leaves and targets, and whether one process addresses every device.
 
     Args:
@@ -238,6 +305,8 @@ def route(leaves: Sequence[Any], targets: Sequence[Any], options: Options) -> tu
       targets: per leaf, its target (a sharding, ``ShapeDtypeStruct``, array, or ``None``).
       options: ``options.backend`` is the caller's choice (``auto`` picks).
     """
+    import jax
+
     shardings = set()
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
@@ -249,7 +318,7 @@ def route(leaves: Sequence[Any], targets: Sequence[Any], options: Options) -> tu
             shardings.add(t)
         elif isinstance(t, jax.ShapeDtypeStruct) and t.sharding is not None:
             shardings.add(t.sharding)
-    devices: set = set()
+    devices: set[Device] = set()
     for sh in shardings:
         try:
             devices |= sh.device_set
@@ -261,8 +330,10 @@ def route(leaves: Sequence[Any], targets: Sequence[Any], options: Options) -> tu
     return select_backend(options.backend, placement), placement.single_process
 
 
-def target_shardings(targets: Sequence[Any]) -> list[Any]:
+def target_shardings(targets: Sequence[Target]) -> list[Sharding | None]:
     """Per flat target, its sharding (``None``: the leaf is kept)."""
+    import jax
+
     from jreshard.call.front import target_sharding
 
     out = []
@@ -275,102 +346,60 @@ def target_shardings(targets: Sequence[Any]) -> list[Any]:
 
 
 def run_engine(
-    leaves: Sequence[Any],
-    shardings: Sequence[Any],
-    choice: BackendChoice,
+    leaves: Sequence[Array],
+    shardings: Sequence[Sharding | None],
+    choice: BackendChoice | str,
     single_process: bool,
     topology: Topology | None,
     options: Options,
     builder: ReportBuilder,
-    into: Sequence[Any] | None = None,
-) -> list[Any]:
-    """Build the message-passing transport ``choice`` names and run the flat leaves through the engine:
-    MPI across processes, NCCL, or stream-ordered local copies between GPUs in one process (not run
-    on GPU). ``into``: per leaf, the array ``transfer_into`` writes into (GPUs in one process).
+    into: Sequence[Array | None] | None = None,
+) -> list[Array]:
+    """Open the transport ``choice`` names (its record's communicator and buffers) and run the flat leaves
+    through the engine: MPI across processes, NCCL, or stream-ordered local copies between GPUs in one
+    process (not run on GPU); any registered name (``"loopback"``, ``"recording"``) runs the same way.
+    ``into``: per leaf, the array ``transfer_into`` writes into (GPUs in one process).
 
     Returns the result leaves (the caller unflattens them).
     """
     from jreshard.engine.driver import run_leaves
 
-    def run(transport: Any, buffers: Any = None) -> list[Any]:
+    name = choice if isinstance(choice, str) else choice.backend.value
+    opener = transport(name).open
+    if opener is None:
+        raise BackendUnavailableError(f"backend {name!r} runs no engine call (its record has no communicator)")
+    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
+    devs.update({d.id: d for s in shardings if s is not None for d in s.device_set})
+    opened = opener(devs, single_process, options, topology)
+    try:
         out, _, _ = run_leaves(
             leaves,
             shardings,
             topology=topology,
             options=options,
-            transport=transport,
-            buffers=buffers,
+            transport=opened.comm,
+            buffers=opened.buffers,
             report=builder,
             into=into,
         )
         return out
-
-    if choice.backend is Backend.MPI:
-        from jreshard.mpi.cluster import cluster_comm
-        from jreshard.mpi.comm import import_mpi
-
-        return run(cluster_comm(import_mpi().COMM_WORLD))
-    devs = {d.id: d for leaf in leaves for d in leaf.sharding.device_set}
-    devs.update({d.id: d for s in shardings if s is not None for d in s.device_set})
-    if choice.backend is Backend.LOCAL:  # GPUs in one process: the engine over stream-ordered local copies
-        from jreshard.nccl.gpu_buffers import CupyBuffers
-        from jreshard.nccl.gpu_local import CupyLocalComm
-
-        gpu = CupyBuffers(timeout_s=options.timeout_s)
-        try:
-            return run(CupyLocalComm(sorted(devs), gpu), gpu)
-        finally:
-            gpu.release()
-    comm = _nccl_comm(devs, single_process, options)
-    buffers = comm.buffers(timeout_s=options.timeout_s)  # stream-ordered: one host wait, at the end
-    try:
-        return run(comm, buffers)
     finally:
-        buffers.synchronize()
-        buffers.release()
-
-
-def _nccl_comm(devs: dict[int, Any], single_process: bool, options: Options) -> Any:
-    """``backend="nccl"``'s transport: with every GPU in this process (an in-process rendezvous), or
-    across the processes of a ``jax.distributed`` cluster (the unique id shared through the cluster's
-    key-value store; every process calls ``transfer``). Not run on GPU."""
-    from jreshard.nccl.cupy_nccl import NcclComm
-    from jreshard.nccl.rendezvous import KeyValueRendezvous
-
-    mine = devs if single_process else {r: d for r, d in devs.items() if d.process_index == jax.process_index()}
-    if not mine:
-        raise BackendUnavailableError(
-            f"backend 'nccl': process {jax.process_index()} holds none of the {len(devs)} devices of this transfer, "
-            "and an NCCL communicator needs at least one; the fix is to call transfer only on the processes "
-            "that take part, or backend='mpi'"
-        )
-    rendezvous = (
-        KeyValueRendezvous.in_process()
-        if single_process
-        else KeyValueRendezvous.from_jax(namespace="jreshard.transfer")
-    )
-    return NcclComm(
-        devices={r: r for r in devs},
-        local_devices={r: int(d.local_hardware_id) for r, d in mine.items()},
-        rendezvous=rendezvous,
-        namespace="jreshard.transfer",
-        timeout_s=options.timeout_s,
-    )
+        opened.close()
 
 
 def transfer_multiprocess(
-    x: Any,
-    target: Any,
+    x: PyTree,
+    target: PyTree,
     *,
     topology: Topology | None = None,
     options: Options | None = None,
-    comm: Any = None,
-    transport: Any = None,
-    buffers: Any = None,
+    comm: MpiCommunicator | None = None,
+    transport: Communicator | None = None,
+    buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
     details: bool = False,
     into: bool = False,
-) -> Any:
+) -> PyTree:
     """``jreshard.transfer`` through the message-passing engine: every process of the cluster calls it.
 
     This is the case ``jax.device_put`` refuses: source and target shardings on different processes,
@@ -399,15 +428,13 @@ def transfer_multiprocess(
       TransferTimeoutError: a peer process did not answer within ``options.timeout_s``.
       LayoutMismatchError, LayoutError: the trees, shapes or dtypes disagree.
     """
+    import jax
+
     from jreshard.call.front import flatten
     from jreshard.engine.driver import run_leaves
 
     if transport is None:
-        from jreshard.mpi.cluster import cluster_comm
-        from jreshard.mpi.comm import import_mpi
-
-        MPI = import_mpi()
-        transport = cluster_comm(MPI.COMM_WORLD if comm is None else comm)
+        transport = cluster_transport() if comm is None else kit("mpi").cluster(comm)
     leaves, treedef, targets = flatten(x, target, "into" if into else "target")
     out, stats, programs = run_leaves(
         leaves,

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jreshard.call.front import Call, LeafTarget, Mode
+from jreshard.call.routes import cluster_transport
 from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
@@ -44,8 +45,6 @@ from jreshard.engine.pool import default_pool
 from jreshard.engine.viewcopy import Program, compile_program, execute_pieces
 from jreshard.engine.viewrun import run_view_schedule
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
-from jreshard.mpi.cluster import cluster_comm
-from jreshard.mpi.comm import import_mpi
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.schedule.viewsched import ViewSchedule, view_schedule
@@ -54,9 +53,10 @@ from jreshard.sharding.dtypes import dtype_name, storage_bytes
 from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
+from jreshard.types import PyTree, Sharding, Target
 from jreshard.views.algebra import Leaf, View, as_view
 from jreshard.views.lowering import LeafLowering, lower_tree
-from jreshard.views.quant import _Quant
+from jreshard.views.quant import QuantView as _Quant
 
 __all__ = ["lower_views", "run", "run_cluster", "transfer", "transfer_cluster", "transfer_into"]
 
@@ -209,7 +209,7 @@ def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layo
 
 def transfer(
     x: Any,
-    target: Any,
+    target: Target,
     *,
     topology: Topology | None = None,
     report: ReportBuilder | None = None,
@@ -273,7 +273,7 @@ def run(
     return call.unflatten(out)
 
 
-def _assemble(d: Layout, sharding: Any, shards: list[np.ndarray]) -> Any:
+def _assemble(d: Layout, sharding: Sharding, shards: list[np.ndarray]) -> Any:
     """A global array over host shards (``d.ranks`` order), zero-copy on CPU."""
     slot = {r: k for k, r in enumerate(d.ranks)}
     devs = addressable_order(sharding)
@@ -289,7 +289,7 @@ def _count(builder: ReportBuilder, lowerings: Sequence[LeafLowering]) -> None:
 
 def transfer_into(
     x: Any,
-    into: Any,
+    into: PyTree,
     *,
     topology: Topology | None = None,
     report: ReportBuilder | None = None,
@@ -375,7 +375,7 @@ def _schedule(
 
 def transfer_cluster(
     x: Any,
-    target: Any,
+    target: Target,
     *,
     topology: Topology | None = None,
     options: Options | None = None,
@@ -427,7 +427,7 @@ def run_cluster(
         key, lowerings, topo = lower_views(views, srcs, layouts, dsts, topology)
         quant = tuple((v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in views)
         if transport is None:
-            transport = cluster_comm(import_mpi().COMM_WORLD)
+            transport = cluster_transport("mpi")
         sched_opts = (options.chunk_bytes, options.staging_bytes)
         vs = _schedule(
             (key, sched_opts), lowerings, tuple(layouts), tuple(dsts), topo, options, quant, transport.pipelines_packs

@@ -16,9 +16,14 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jreshard.cli.args import LAYOUT_SYNTAX, add_case_args, parse_layout, png_path
+
+if TYPE_CHECKING:
+    from jreshard.options import Options
+    from jreshard.sharding.plan import Plan
+    from jreshard.sharding.topology import Topology
 
 __all__ = ["main", "parse_layout"]
 
@@ -43,8 +48,8 @@ class _Case:
     title: str
     sides: tuple[str, str]
     pairs: tuple
-    topology: Any
-    options: Any
+    topology: Topology
+    options: Options
 
 
 def _links(args: argparse.Namespace, cluster: Any) -> dict[str, float]:
@@ -167,7 +172,7 @@ def _header(case: _Case) -> None:
 EXACT_GROUPS_MAX_CHUNKS = 4000  # above this many chunk messages, scheduling every rank in one process takes long
 
 
-def _print_ops(plan: Any, options: Any, per_rank: bool) -> None:
+def _print_ops(plan: Plan, options: Options, per_rank: bool) -> None:
     """Send and receive operations and exchange groups: per fast-link domain (min-max over its ranks),
     or for every rank with ``per_rank``."""
     from jreshard.schedule.groups import plan_op_counts

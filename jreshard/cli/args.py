@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jreshard.types import Json
+
 __all__ = ["LAYOUT_SYNTAX", "add_case_args", "parse_layout", "png_path"]
 
 
@@ -80,7 +82,7 @@ def _positive(kind: type, what: str, *, zero: bool = False) -> Callable[[str], A
     """An argparse type: ``kind`` (int or float) > 0 (``>= 0`` with ``zero``); the error shows the value
     (argparse names the argument)."""
 
-    def parse(text: str) -> Any:
+    def parse(text: str) -> Json:
         try:
             v = kind(text)
         except ValueError:

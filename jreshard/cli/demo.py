@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jreshard.types import Array, PyTree
+
 __all__ = [
     "DemoConfig",
     "add_arguments",
@@ -90,7 +92,7 @@ def init_params(cfg: DemoConfig) -> dict[str, Any]:
     return {"embed": dense((cfg.vocab, d)), "layers": layers, "norm": jnp.ones((d,), jnp.float32)}
 
 
-def trainer_specs(params: Any) -> Any:
+def trainer_specs(params: PyTree) -> PyTree:
     """FSDP: every parameter's first dimension split over the ``fsdp`` axis."""
     import jax
     from jax.sharding import PartitionSpec as P
@@ -98,7 +100,7 @@ def trainer_specs(params: Any) -> Any:
     return jax.tree.map(lambda _: P("fsdp"), params)
 
 
-def inference_specs(params: Any) -> Any:
+def inference_specs(params: PyTree) -> PyTree:
     """Megatron-style tensor parallelism on the ``tp`` axis, replicated over ``dp``: QKV and MLP-up split
     by columns, the output and MLP-down projections by rows, the embedding by vocabulary; norms replicated."""
     from jax.sharding import PartitionSpec as P
@@ -123,7 +125,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def _equal_shards(a: Any, b: Any) -> bool:
+def _equal_shards(a: Array, b: Array) -> bool:
     import jax
     import numpy as np
 
@@ -136,7 +138,7 @@ def _equal_shards(a: Any, b: Any) -> bool:
     return True
 
 
-def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
+def run(cfg: DemoConfig, out: PyTree = None) -> list[dict[str, Any]]:
     """Run the demo and print its table to ``out`` (stdout by default).
 
     Returns:
@@ -195,7 +197,7 @@ def run(cfg: DemoConfig, out: Any = None) -> list[dict[str, Any]]:
         )
 
     @jax.jit
-    def train_step(p: Any, step: jax.Array) -> Any:  # a stand-in optimizer step: every weight changes
+    def train_step(p: PyTree, step: jax.Array) -> PyTree:  # a stand-in optimizer step: every weight changes
         return jax.tree.map(lambda w: w * 0.999 + 1e-3 * jax.numpy.sin(step + w), p)
 
     js = plans["jreshard"].stats()

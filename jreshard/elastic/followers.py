@@ -19,6 +19,7 @@ it and is dropped); a replica that dies fails only the followers' parts for it.
 from __future__ import annotations
 
 import select
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -89,7 +90,7 @@ class Followers:
 
 
 def gather_followers(
-    listener: Any, decl: dict, count: int, key: bytes, options: Options
+    listener: socket.socket, decl: dict, count: int, key: bytes, options: Options
 ) -> tuple[Followers, list[tuple[Channel, float]]]:
     """On the leader: wait (up to ``options.timeout_s``) until the ``count - 1`` followers joined.
 

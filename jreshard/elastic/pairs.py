@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jreshard.elastic.types import CatchUp
 from jreshard.engine.deltarounds import DeltaRefit
@@ -37,6 +37,11 @@ from jreshard.refit.decl import (
     needs_views,
     validate,
 )
+from jreshard.types import PyTree
+
+if TYPE_CHECKING:
+    from jreshard.schedule.viewsched import ViewSchedule
+    from jreshard.sharding.topology import Topology
 
 __all__ = [
     "Pair",
@@ -59,7 +64,7 @@ class PairViews:
 
     group: GroupViews
     lowerings: tuple[Any, ...]  # jreshard.views.lowering.LeafLowering, one per destination leaf
-    schedule: Any  # jreshard.schedule.viewsched.ViewSchedule
+    schedule: ViewSchedule
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,8 +76,8 @@ class Pair:
     arrays (``plan``, ``views is None``) or views (``views``, ``plan is None``).
     """
 
-    plan: Any  # jreshard.Plan, or None
-    topology: Any  # jreshard.Topology
+    plan: Any  # a Plan, or None where the pair moves views
+    topology: Topology
     names: tuple[str, ...]  # the source's leaf names, in tensor order
     bases: tuple[int, ...]
     n_src: int  # the number of source processes
@@ -104,7 +109,7 @@ class Pair:
         return float(cost.predict(self.plan, self.topology).seconds)
 
 
-def leaves_by_name(tree: Any) -> list[tuple[str, Any]]:
+def leaves_by_name(tree: PyTree) -> list[tuple[str, Any]]:
     """``[(key path, leaf)]`` in the tree's order (the names declarations use)."""
     import jax
 
@@ -112,7 +117,7 @@ def leaves_by_name(tree: Any) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p) or "x", a) for p, a in leaves]
 
 
-def check_like(tree: Any, decl: dict, role: str, devices: Sequence[Any], who: str) -> list[tuple[str, Any]]:
+def check_like(tree: PyTree, decl: dict, role: str, devices: Sequence[Any], who: str) -> list[tuple[str, Any]]:
     """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration; returns
     ``tree``'s ``[(key path, leaf)]`` (:func:`leaves_by_name`), from its one flattening."""
     import jax
@@ -313,9 +318,11 @@ def run_pair(
       ``({(tensor, rank): new single-device array}, engine statistics)``: the arrays on a destination
       (fresh buffers), ``{}`` on a source; the statistics count the bytes this process's ranks sent.
     """
+    from jreshard.call.routes import kit
     from jreshard.elastic.verify import PairDigests
     from jreshard.engine.driver import run_schedule, schedule_local
-    from jreshard.nixl import NixlAgent, NixlComm
+
+    NixlAgent, NixlComm = kit("nixl").agent, kit("nixl").comm
 
     source = process < pair.n_src
     remote = {r: ch for p, ch in channels.items() for r in pair.ranks(p)}

@@ -51,6 +51,7 @@ from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address
 from jreshard.options import Options
 from jreshard.refit.decl import declare_local, problems
+from jreshard.types import PyTree
 
 __all__ = ["ElasticReplica"]
 
@@ -91,7 +92,7 @@ class ElasticReplica:
 
     def __init__(
         self,
-        like: Any,
+        like: PyTree,
         address: str,
         *,
         name: str | None = None,
@@ -99,13 +100,14 @@ class ElasticReplica:
         options: Options | None = None,
         links: dict[str, float] | None = None,
         host: str | None = None,
-        recipe: Any = None,
+        recipe: PyTree = None,
         held: tuple[Any, int] | None = None,
     ):
         import jax
 
-        from jreshard.nixl import NixlAgent
-        from jreshard.nixl.agent import import_nixl
+        from jreshard.call.routes import kit
+
+        NixlAgent, import_nixl = kit("nixl").agent, kit("nixl").import_nixl
 
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
@@ -185,7 +187,7 @@ class ElasticReplica:
             raise
         self._staged: tuple[int, Any, list[tuple[str, Any]], Arrival] | None = None
         self._cv = threading.Condition()
-        self._tree: Any = None if held is None else held[0]
+        self._tree: PyTree = None if held is None else held[0]
         self._held: list[tuple[str, Any]] = [] if held is None else leaves_by_name(held[0])
         self._version: int | None = None if held is None else held[1]
         latest = msg.get("version")

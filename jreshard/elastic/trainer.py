@@ -43,6 +43,7 @@ from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, format_address, listen, parse_address
 from jreshard.options import Options
 from jreshard.refit.decl import declare_local
+from jreshard.types import PyTree
 
 __all__ = ["ElasticTrainer"]
 
@@ -72,7 +73,7 @@ class ElasticTrainer:
 
     def __init__(
         self,
-        params: Any,
+        params: PyTree,
         *,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -96,7 +97,9 @@ class ElasticTrainer:
         self._decl = declare_local("source", params, self._devices, None)
         if self._decl["errors"]:
             raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
-        from jreshard.nixl import NixlAgent
+        from jreshard.call.routes import kit
+
+        NixlAgent = kit("nixl").agent
 
         NixlAgent.shared(host)  # NIXL present and its agent made (UCX on host's interface) before anyone connects
         self._process, processes = jax.process_index(), jax.process_count()
@@ -243,7 +246,7 @@ class ElasticTrainer:
             out = [*self._m.gone, *(m.info() for m in self._m.members.values())]
         return sorted((i for i in out if name is None or i.name == name), key=lambda i: i.id)
 
-    def push(self, params: Any, *, version: int, block: bool = True) -> PushReport | None:
+    def push(self, params: PyTree, *, version: int, block: bool = True) -> PushReport | None:
         """Send ``params`` as ``version`` to every live replica (each on its own; failures are dropped).
 
         Args:

@@ -36,7 +36,7 @@ from jreshard.engine.pool import ALIGN, BufferPool, default_pool, staging_pool
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
 from jreshard.sharding.dtypes import packed_bits
-from jreshard.types import Device
+from jreshard.types import Array, Device, DLPackCapsule
 
 if TYPE_CHECKING:
     import jax
@@ -117,7 +117,7 @@ def dlpack_type(dtype: np.dtype) -> tuple[int, int]:
     return code, bits
 
 
-def retype_capsule(capsule: Any, code: int, bits: int, device_id: int | None = None) -> Any:
+def retype_capsule(capsule: DLPackCapsule, code: int, bits: int, device_id: int | None = None) -> DLPackCapsule:
     """Rewrite the dtype (and device id) of an unconsumed legacy DLPack capsule in place; returns it.
 
     Args:
@@ -144,17 +144,17 @@ class Capsule:
 
     __slots__ = ("_capsule", "_device")
 
-    def __init__(self, capsule: Any, device_id: int, device_type: int = _KDLCPU):
+    def __init__(self, capsule: DLPackCapsule, device_id: int, device_type: int = _KDLCPU):
         self._capsule, self._device = capsule, (device_type, device_id)
 
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> DLPackCapsule:
         return self._capsule
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self._device
 
 
-def export_source(shard: Any) -> np.ndarray:
+def export_source(shard: Array) -> np.ndarray:
     """A read-only, zero-copy 1-D uint8 view of one single-device jax array (a shard's ``.data``).
 
     The export waits until the array is ready (DLPack with no stream).
@@ -168,7 +168,7 @@ def export_source(shard: Any) -> np.ndarray:
     return flat.view(np.uint8)
 
 
-def _refuse_packed(array: Any, what: str) -> None:
+def _refuse_packed(array: Array, what: str) -> None:
     """A view sized ``size * itemsize`` would run past a packed sub-byte buffer (it holds two or four values
     a byte, while jax reports one byte a value): such arrays reach the engine widened (jreshard.call.repack)."""
     if packed_bits(np.dtype(array.dtype)) is not None:
@@ -178,7 +178,7 @@ def _refuse_packed(array: Any, what: str) -> None:
         )
 
 
-def writable_view(array: Any) -> np.ndarray:
+def writable_view(array: Array) -> np.ndarray:
     """A writable 1-D uint8 view of a single-device jax array's memory (for ``transfer_into``,
     whose destinations the caller donates). The caller keeps ``array`` alive while the view is used."""
     _refuse_packed(array, "writable_view")
@@ -197,7 +197,7 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     return raw[skip : skip + nbytes]
 
 
-def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Device) -> Array:
     """A jax array on ``device`` that aliases ``region`` (1-D uint8, ``ALIGN``-aligned), zero-copy.
 
     Raises:
@@ -340,23 +340,23 @@ class CpuBuffers(Buffers[np.ndarray]):
     def __init__(self, pool: BufferPool | None = None):
         self.pool = default_pool() if pool is None else pool
 
-    def export_source(self, shard: Any) -> np.ndarray:
+    def export_source(self, shard: Array) -> np.ndarray:
         return export_source(shard)
 
-    def writable_view(self, array: Any) -> np.ndarray:
+    def writable_view(self, array: Array) -> np.ndarray:
         return writable_view(array)
 
-    def allocate(self, sizes: Sequence[int], device: Any) -> list[np.ndarray]:
+    def allocate(self, sizes: Sequence[int], device: Device) -> list[np.ndarray]:
         # One lease per buffer: each goes back to the pool on its own when jax lets it go.
         return [self.pool.take(int(n)) for n in sizes]
 
-    def import_shard(self, buffer: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+    def import_shard(self, buffer: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Device) -> Array:
         return import_shard(buffer, shape, dtype, device)
 
-    def staging(self, nbytes: int, device: Any = None) -> np.ndarray:
+    def staging(self, nbytes: int, device: Device = None) -> np.ndarray:
         return staging_pool().take(nbytes)  # warm, and where the last refit's arena was
 
-    def upload(self, data: np.ndarray, device: Any) -> np.ndarray:
+    def upload(self, data: np.ndarray, device: Device) -> np.ndarray:
         return np.ascontiguousarray(data, np.uint8)  # already host memory: no copy
 
     def download(self, buffer: np.ndarray) -> np.ndarray:

@@ -32,6 +32,8 @@ from typing import Any, NoReturn, cast
 
 import numpy as np
 
+from jreshard.types import ByteBuffer
+
 __all__ = [
     "REGIONS",
     "Communicator",
@@ -57,7 +59,7 @@ class SendOp:
     src: int
     dst: int
     tag: int
-    buffer: Any
+    buffer: ByteBuffer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,7 +69,7 @@ class RecvOp:
     src: int
     dst: int
     tag: int
-    buffer: Any
+    buffer: ByteBuffer
 
 
 class Posted:

@@ -40,6 +40,7 @@ import numpy as np
 
 from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups, RecvOp, Row, SendOp
 from jreshard.errors import BackendUnavailableError
+from jreshard.types import ByteBuffer
 
 __all__ = ["DigestComm", "DigestCost", "Digester", "Digests", "mismatches", "plain", "stream_key"]
 
@@ -74,7 +75,7 @@ def plain() -> Digester:
     return digest
 
 
-def _host(buffer: Any) -> Any:
+def _host(buffer: ByteBuffer) -> Any:
     """The bytes of ``buffer`` in host memory: itself, or a host copy of a device (CuPy) array (not run on GPU)."""
     if hasattr(buffer, "__cuda_array_interface__"):
         return np.ascontiguousarray(buffer.get())  # not run on GPU
@@ -138,7 +139,7 @@ class Digests:
         self.nbytes = 0
         self.messages = 0
 
-    def add(self, src: int, dst: int, tag: int, buffer: Any) -> None:
+    def add(self, src: int, dst: int, tag: int, buffer: ByteBuffer) -> None:
         """Digest one message ``src -> dst`` under ``tag`` (its ``n``-th under that key in this refit)."""
         t0 = time.perf_counter()
         key = (src, dst, tag)

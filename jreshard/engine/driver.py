@@ -51,6 +51,7 @@ from jreshard.sharding.planner import prepare_pairs, rank_programs
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 from jreshard.sharding.trees import layout_pairs
+from jreshard.types import DType, Sharding
 
 __all__ = ["assemble", "run_leaves", "run_schedule", "schedule_local"]
 
@@ -117,7 +118,7 @@ def run_schedule(
     return out, stats
 
 
-def assemble(shape: tuple[int, ...], dtype: Any, sharding: Any, shards: Mapping[Any, Any]) -> Any:
+def assemble(shape: tuple[int, ...], dtype: DType, sharding: Sharding, shards: Mapping[Any, Any]) -> Any:
     """A global jax array from this process's shards ``{device: array}`` (none: no addressable shards)."""
     import jax
 

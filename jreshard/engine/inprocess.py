@@ -60,6 +60,7 @@ from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
+from jreshard.types import Array, Device, DType, Sharding, Target, TreeLeaf
 
 __all__ = ["lowering_of", "run_local"]
 
@@ -115,18 +116,20 @@ def _capsule(view: np.ndarray, device_id: int | None = None) -> Any:
     return retype_capsule(view.view(np.dtype(f"uint{bits}")).__dlpack__(), code, bits, device_id)
 
 
-def _public_import(view: np.ndarray, device: Any) -> Any:
+def _public_import(view: np.ndarray, device: Device) -> Any:
     """``jax.dlpack.from_dlpack`` of a pool buffer onto ``device`` (zero-copy: the capsule names the device)."""
     hw = device.local_hardware_id
     return jax.dlpack.from_dlpack(Capsule(_capsule(view, hw), hw))
 
 
-def _public_assemble(shape: tuple[int, ...], dtype: Any, sharding: Any, shards: list[Any], weak: bool = False) -> Any:
+def _public_assemble(
+    shape: tuple[int, ...], dtype: DType, sharding: Sharding, shards: list[Any], weak: bool = False
+) -> Any:
     out = jax.make_array_from_single_device_arrays(shape, sharding, shards)
     return out if not weak else _rewrapped_weak(out)
 
 
-def _rewrapped_weak(a: Any) -> Any:  # pragma: no cover - other jax versions only
+def _rewrapped_weak(a: Array) -> Any:  # pragma: no cover - other jax versions only
     """``a`` weakly typed, through a jitted no-op (the public path has no constructor for it)."""
     return jax.jit(lambda v: with_weak_type(v, True), out_shardings=a.sharding)(a)
 
@@ -175,7 +178,7 @@ class _BatchedPut:
         self.raw, self.aval = raw, aval
 
     def __call__(
-        self, shape: tuple[int, ...], dtype: Any, sharding: Any, views: Sequence[Any], devices: Any, weak: bool
+        self, shape: tuple[int, ...], dtype: DType, sharding: Sharding, views: Sequence[Any], devices: Any, weak: bool
     ) -> Any:
         return self.raw(self.aval(shape, dtype, weak), sharding, views, devices, True)
 
@@ -213,8 +216,8 @@ def _host_to_device_allowed() -> bool:
 
 def _make_array(
     shape: tuple[int, ...],
-    dtype: Any,
-    sharding: Any,
+    dtype: DType,
+    sharding: Sharding,
     views: Sequence[np.ndarray],
     devices: Any,
     weak_type: bool = False,
@@ -244,7 +247,7 @@ def _make_array(
     return _ASSEMBLE(shape, dtype, sharding, shards, weak_type)
 
 
-def _kept(leaf: Any, target: Any) -> Any:
+def _kept(leaf: TreeLeaf, target: Target) -> Any:
     """A leaf that moves no byte: itself for a ``None`` target, else what ``jax.device_put`` gives for a
     sharding it already has (the same buffers, committed, carrying the target's sharding object)."""
     sharding = sharding_of(target)
@@ -442,7 +445,7 @@ def _buffers(
     src_shards: list[list[Sequence[Any]]],
     views: Sequence[Sequence[Sequence[np.ndarray]]],
     donated: dict[int, tuple[Any, tuple[int, ...]]],
-) -> tuple[strided.Buffers, strided.Buffers]:
+) -> tuple[strided.AddressRanges, strided.AddressRanges]:
     """The buffers a call's copies may read and write (the ``JRESHARD_CHECK_BOUNDS`` mode), sized from the
     buffers themselves: jax's shards by their dtype's storage (packed sub-byte dtypes counted as packed),
     the pool's by their numpy views."""
@@ -460,4 +463,4 @@ def _buffers(
         for arrs in group
         for s in arrs
     ]
-    return strided.Buffers.of(read + written), strided.Buffers.of(written)
+    return strided.AddressRanges.of(read + written), strided.AddressRanges.of(written)

@@ -7,13 +7,17 @@ devices needs no messages at all (:mod:`jreshard.engine.inprocess`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
+from jreshard.engine.record import Opened, Reach, TransportRecord
 from jreshard.errors import PeerError
+from jreshard.options import Options
+from jreshard.sharding.topology import Topology
+from jreshard.types import Device
 
-__all__ = ["LocalComm", "match", "match_and_copy"]
+__all__ = ["LocalComm", "RECORD", "match", "match_and_copy"]
 
 
 def match(
@@ -83,3 +87,16 @@ class LocalComm(Communicator):
         if outside:
             raise PeerError(f"LocalComm over ranks {self._ranks} was given ops of ranks {outside}")
         match_and_copy(sends, recvs)
+
+
+def _open(devices: Mapping[int, Device], single_process: bool, options: Options, topology: Topology | None) -> Opened:
+    return Opened(comm=LocalComm(sorted(devices)))
+
+
+RECORD: TransportRecord[None] = TransportRecord(
+    name="loopback",
+    summary="copies between the ranks of one process, through the engine's rounds (tests)",
+    serves=frozenset({Reach.CPU_ONE_PROCESS}),
+    open=_open,
+)
+"""The loopback transport, registered like any other (it runs the engine over :class:`LocalComm`)."""

@@ -34,6 +34,7 @@ import numpy as np
 from jreshard.report import NotInPlace, ReportBuilder
 from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import storage_bytes
+from jreshard.types import Array, Sharding
 
 __all__ = [
     "Claims",
@@ -56,7 +57,7 @@ __all__ = [
 Addresses = tuple[int, ...]  # one per addressable shard, ``addressable_data`` order; 0 for an empty shard
 
 
-def shard_arrays(a: Any) -> Sequence[Any]:
+def shard_arrays(a: Array) -> Sequence[Any]:
     """The single-device arrays of ``a`` in ``addressable_data`` order."""
     try:
         return a._arrays  # jax's own list: no Shard objects built
@@ -64,17 +65,17 @@ def shard_arrays(a: Any) -> Sequence[Any]:
         return [a.addressable_data(i) for i in range(len(a.addressable_shards))]
 
 
-def shard_pointer(a: Any) -> int:
+def shard_pointer(a: Array) -> int:
     """The buffer address of a single-device array (0 when it holds no byte)."""
     return 0 if a.size == 0 else int(a.unsafe_buffer_pointer())
 
 
-def shard_addresses(a: Any) -> Addresses:
+def shard_addresses(a: Array) -> Addresses:
     """The buffer addresses of ``a``'s addressable shards, read from jax."""
     return tuple(shard_pointer(s) for s in shard_arrays(a))
 
 
-def storage(a: Any) -> int:
+def storage(a: Array) -> int:
     """Bytes of ``a``'s addressable shards as its devices hold them (packed for sub-byte dtypes)."""
     return sum(storage_bytes(np.dtype(s.dtype), s.size) for s in shard_arrays(a))
 
@@ -84,7 +85,7 @@ _KNOWN: dict[int, tuple[Any, Addresses, bool]] = {}
 _SWEEP_AT = 4096
 
 
-def remember(a: Any, ptrs: Sequence[int], by_jax: bool) -> None:
+def remember(a: Array, ptrs: Sequence[int], by_jax: bool) -> None:
     """Record the shard addresses (``addressable_data`` order) of an array jreshard returns, and whether
     jax allocated its memory (a donated output) or jreshard's buffer pool did (a ``transfer`` result).
 
@@ -107,7 +108,7 @@ def remember_all(arrays: Sequence[Any], ptrs: Sequence[Sequence[int]], by_jax: b
         _SWEEP_AT = max(4096, 2 * len(known))
 
 
-def addresses_of(a: Any) -> tuple[Addresses, bool]:
+def addresses_of(a: Array) -> tuple[Addresses, bool]:
     """The shard addresses of ``a`` (``addressable_data`` order, 0 for an empty shard), and whether jax is
     known to have allocated them (an array jreshard returned from a donation)."""
     entry = _KNOWN.get(id(a))
@@ -316,7 +317,7 @@ def _identity(kinds: tuple[tuple[type, Any, bool], ...]) -> Any:
     return jax.jit(same, donate_argnums=tuple(range(len(shardings))), out_shardings=shardings)
 
 
-def rewrapped(a: Any, sharding: Any) -> Any:
+def rewrapped(a: Array, sharding: Sharding) -> Any:
     """``a`` carrying the very ``sharding`` object (an equal one came out of the cached computation), over the
     same buffers: what ``jax.device_put`` returns carries its target's object."""
     if a.sharding is sharding:

@@ -1,6 +1,6 @@
 """The checked value the front door hands down: one call's leaves, targets and cached shape.
 
-:func:`jreshard.call.front.prepare` builds a :class:`Prepared` once per call; the router and
+:func:`jreshard.call.front.prepare` builds a :class:`Prepared` once per call; the registry and
 the runners below it read it and never flatten the pytree again.
 """
 
@@ -11,6 +11,7 @@ import enum
 from typing import Any
 
 from jreshard.sharding.layout import Layout
+from jreshard.types import Sharding, Target, TreeDef
 
 __all__ = ["Group", "Kind", "Mode", "Prepared", "Shape", "sharding_of"]
 
@@ -81,7 +82,7 @@ class Prepared:
     mode: Mode
     leaves: list[Any]
     targets: list[Any]
-    treedef: Any
+    treedef: TreeDef
     shape: Shape
 
     @property
@@ -90,7 +91,7 @@ class Prepared:
         return any(d.platform in ("gpu", "cuda") for leaf in self.leaves[:1] for d in leaf.sharding.device_set)
 
 
-def sharding_of(target: Any) -> Any:
+def sharding_of(target: Target) -> Sharding:
     """The sharding object a checked target leaf names: itself, a ShapeDtypeStruct's or an array's
     (``None`` for ``None``). Results carry this very object, as ``jax.device_put``'s do."""
     if target is None:

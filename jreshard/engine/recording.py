@@ -8,14 +8,17 @@ compare the bytes per link with the plan's statistics.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.engine.loopback import match_and_copy
+from jreshard.engine.record import Opened, Reach, TransportRecord
 from jreshard.errors import PeerError
+from jreshard.options import Options
 from jreshard.sharding.topology import Link, Topology
+from jreshard.types import Device
 
-__all__ = ["Record", "RecordingComm"]
+__all__ = ["RECORD", "Record", "RecordingComm"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,3 +93,17 @@ class RecordingComm(Communicator):
         for r in self.records:
             out[(r.sender, r.receiver)] = out.get((r.sender, r.receiver), 0) + r.nbytes
         return out
+
+
+def _open(devices: Mapping[int, Device], single_process: bool, options: Options, topology: Topology | None) -> Opened:
+    topology = topology or Topology.from_devices(list(devices.values()))
+    return Opened(comm=RecordingComm(sorted(devices), topology))
+
+
+RECORD: TransportRecord[None] = TransportRecord(
+    name="recording",
+    summary="copies between the ranks of one process that log every message (tests count them)",
+    serves=frozenset({Reach.CPU_ONE_PROCESS}),
+    open=_open,
+)
+"""The recording transport, registered like any other (it runs the engine over :class:`RecordingComm`)."""

@@ -28,7 +28,7 @@ Addresses come from the lowering (:mod:`jreshard.engine.copies`), which checks e
 piece against the byte size of the shard it reads and the one it writes
 (:func:`jreshard.sharding.dtypes.storage_bytes`). With the environment variable
 ``JRESHARD_CHECK_BOUNDS=1`` every copy also checks, before it runs, that each piece lies
-inside one of the buffers the caller names (:class:`Buffers`), and raises
+inside one of the buffers the caller names (:class:`AddressRanges`), and raises
 :class:`~jreshard.errors.TransferError` before writing anything otherwise: a debug mode,
 for tests run under ``MALLOC_CHECK_=3`` and for new transports.
 """
@@ -49,7 +49,7 @@ import numpy as np
 __all__ = [
     "LARGE_PIECE",
     "STREAM_MIN",
-    "Buffers",
+    "AddressRanges",
     "CopyClass",
     "checking_bounds",
     "compiled",
@@ -129,11 +129,11 @@ def checking_bounds() -> bool:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Buffers:
+class AddressRanges:
     """Raw buffers as sorted, disjoint ``[start, end)`` address ranges, for the bounds check.
 
     Example:
-      >>> b = Buffers.of([(100, 116), (200, 204)])
+      >>> b = AddressRanges.of([(100, 116), (200, 204)])
       >>> b.outside(np.array([100, 112, 201]), 4).tolist()
       [False, False, True]
     """
@@ -142,7 +142,7 @@ class Buffers:
     ends: np.ndarray
 
     @classmethod
-    def of(cls, ranges: list[tuple[int, int]]) -> Buffers:
+    def of(cls, ranges: list[tuple[int, int]]) -> AddressRanges:
         r = sorted((int(a), int(b)) for a, b in ranges if b > a)
         return cls(np.array([a for a, _ in r], np.int64), np.array([b for _, b in r], np.int64))
 
@@ -153,7 +153,9 @@ class Buffers:
         return ~ok
 
 
-def _check_bounds(work: list[tuple[CopyClass, np.ndarray, np.ndarray]], bounds: tuple[Buffers, Buffers]) -> None:
+def _check_bounds(
+    work: list[tuple[CopyClass, np.ndarray, np.ndarray]], bounds: tuple[AddressRanges, AddressRanges]
+) -> None:
     from jreshard.errors import TransferError
 
     src_bufs, dst_bufs = bounds
@@ -267,7 +269,7 @@ def _one_by_one(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) 
 def copy_classes(
     work: list[tuple[CopyClass, np.ndarray, np.ndarray]],
     threads: int | None = None,
-    bounds: tuple[Buffers, Buffers] | None = None,
+    bounds: tuple[AddressRanges, AddressRanges] | None = None,
 ) -> int:
     """Copy every piece of every class; returns the bytes copied.
 

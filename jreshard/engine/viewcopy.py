@@ -41,7 +41,7 @@ from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.views.algebra import View
 from jreshard.views.casts import cast_into
 from jreshard.views.lowering import LeafLowering, QuantTask, ViewPiece
-from jreshard.views.quant import _Quant
+from jreshard.views.quant import QuantView
 
 __all__ = [
     "BLOCK_BYTES",
@@ -373,7 +373,7 @@ def execute_pieces(
 
     def quantised(t: int, task: QuantTask) -> None:
         quant = views[t]
-        assert isinstance(quant, _Quant)
+        assert isinstance(quant, QuantView)
         tile = np.empty(task.hull.shape, numpy_dtype(quant.x.dtype))
         for p in task.pieces:
             _copy_piece(p, src, src_box, tile)

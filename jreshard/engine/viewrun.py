@@ -12,7 +12,7 @@ jobs around the rounds that block FP8 needs, on the host in numpy
 
 Every cast and permutation runs inside the buffers' pack, unpack and copy of the
 descriptor tables: numpy on CPU (the compiled float32 <-> bfloat16 kernels where built),
-the CUDA cast kernel on GPUs (:mod:`jreshard.nccl.cuda_casts`).
+the CUDA cast kernel on GPUs (:mod:`jreshard.cuda.casts`).
 
 The quantisation jobs are a host round trip through the :class:`~jreshard.engine.buffers.Buffers`
 interface, the same on every backend: wait for the buffers (:meth:`~jreshard.engine.buffers.Buffers.synchronize`),
@@ -44,8 +44,9 @@ from jreshard.schedule.viewsched import ViewSchedule
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
+from jreshard.types import ByteBuffer
 from jreshard.views.casts import cast_into
-from jreshard.views.quant import _Quant
+from jreshard.views.quant import QuantView
 
 __all__ = ["run_view_schedule"]
 
@@ -55,7 +56,7 @@ def _typed(buf: np.ndarray, offset: int, shape: tuple[int, ...], dtype: str) -> 
     return np.ndarray(shape, numpy_dtype(dtype), buffer=buf, offset=offset)
 
 
-def _download_box(buffers: Buffers, buf: Any, held: Box, box: Box, dtype: str) -> np.ndarray:
+def _download_box(buffers: Buffers, buf: ByteBuffer, held: Box, box: Box, dtype: str) -> np.ndarray:
     """The elements of ``box`` of a C-ordered shard holding ``held``, on the host: the byte span from the
     box's first element to its last, downloaded, typed with the shard's strides."""
     item = numpy_dtype(dtype).itemsize
@@ -121,7 +122,7 @@ def run_view_schedule(
             for e in jobs:
                 p = e.piece
                 quant = views[e.leaf]
-                assert isinstance(quant, _Quant)
+                assert isinstance(quant, QuantView)
                 held = layouts[p.leaf].box_of(p.src_rank)
                 region = _download_box(buffers, src[(p.leaf, p.src_rank)], held, p.src_box, p.src_dtype)
                 tile = np.empty(p.dst_box.shape, numpy_dtype(quant.x.dtype))
@@ -166,7 +167,7 @@ def _tiles(
         landed = buffers.download(dst[(vs.aux, r)])
         for k in tiles:
             quant = views[k.leaf]
-            assert isinstance(quant, _Quant)
+            assert isinstance(quant, QuantView)
             tile = _typed(landed, k.offset, k.hull.shape, k.dtype)
             shard: Box = dsts[k.leaf].box_of(r)
             host = aligned_empty(shard.volume * numpy_dtype(dsts[k.leaf].dtype).itemsize)

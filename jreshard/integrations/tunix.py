@@ -67,7 +67,7 @@ import numpy as np
 
 from jreshard.api import transfer
 from jreshard.errors import BackendUnavailableError
-from jreshard.types import PyTree
+from jreshard.types import PyTree, Sharding, Target
 
 __all__ = ["install", "installed", "reshard_pytree", "uninstall"]
 
@@ -76,7 +76,7 @@ _ORIGINAL: list[Any] = []
 _PARAMETERS = ("source", "target", "cache_plan", "donate_input", "use_experimental_pre_reshard")
 
 
-def _target_sharding(t: Any) -> Any:
+def _target_sharding(t: Target) -> Sharding:
     """The sharding a Tunix target leaf asks for: a Sharding as it is, an array's or ShapeDtypeStruct's own."""
     if isinstance(t, (jax.Array, jax.ShapeDtypeStruct)) and not isinstance(t, jax.core.Tracer):
         return t.sharding  # (a deleted array keeps it; a ShapeDtypeStruct without one: the front door says so)

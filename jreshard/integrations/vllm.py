@@ -52,6 +52,7 @@ from typing import Any
 
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
+from jreshard.types import DType
 from jreshard.views import View, astype, concat, param, reshape, transpose
 
 __all__ = [
@@ -183,7 +184,7 @@ def flat_key(name: str) -> str:
 
 def trainer_params(
     model: DecoderShape,
-    dtype: Any = "float32",
+    dtype: DType = "float32",
     names: TrainerNames = TUNIX_NAMES,
     key: Callable[[str], str] = lambda name: name,
 ) -> dict[str, View]:
@@ -234,7 +235,7 @@ def vllm_views(
     trainer: Mapping[str, Any] | Callable[[str], Any],
     model: DecoderShape,
     tp_size: int,
-    dtype: Any = "bfloat16",
+    dtype: DType = "bfloat16",
     names: TrainerNames = TUNIX_NAMES,
 ) -> dict[str, View]:
     """Per vLLM parameter name, the view of the trainer's parameters all ``tp_size`` ranks tile.

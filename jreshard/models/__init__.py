@@ -13,7 +13,7 @@ from jreshard.models.hf import model_from_hf_config as model_from_hf_config
 from jreshard.models.hf import read_hf_config as read_hf_config
 from jreshard.models.llama3 import llama3_70b as llama3_70b
 from jreshard.models.megatron import MegatronParallel as MegatronParallel
-from jreshard.models.megatron import Placement as Placement
+from jreshard.models.megatron import MegatronPlacement as MegatronPlacement
 from jreshard.models.megatron import megatron_layouts as megatron_layouts
 from jreshard.models.megatron import megatron_placement as megatron_placement
 from jreshard.models.qwen3 import qwen3_235b as qwen3_235b
@@ -32,7 +32,7 @@ from jreshard.models.system import system_refit as system_refit
 from jreshard.models.table import Model as Model
 from jreshard.models.table import Parallelism as Parallelism
 from jreshard.models.table import Param as Param
-from jreshard.models.table import Role as Role
+from jreshard.models.table import ParamRole as ParamRole
 from jreshard.models.table import refit_topology as refit_topology
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
     "MODELS",
     "Cluster",
     "MegatronParallel",
-    "Placement",
+    "MegatronPlacement",
     "SystemConfig",
     "SystemRefit",
     "megatron_layouts",
@@ -56,7 +56,7 @@ __all__ = [
     "Parallelism",
     "Recipe",
     "Refit",
-    "Role",
+    "ParamRole",
     "deepseek_v3",
     "kimi_k2",
     "llama3_70b",

@@ -9,7 +9,7 @@ routed experts of a layer are stacked into one ``[experts, in, out]`` tensor.
 
 from __future__ import annotations
 
-from jreshard.models.table import Model, Parallelism, Param, Role
+from jreshard.models.table import Model, Parallelism, Param, ParamRole
 
 __all__ = [
     "deepseek_v3",
@@ -45,10 +45,10 @@ def mla_moe(
     Example:
       >>> m = mla_moe("tiny", layers=2, dense_layers=1, hidden=8, vocab=16, heads=2, q_lora=4, kv_lora=4,
       ...             qk_nope=2, qk_rope=2, v_head=2, dense_inter=16, experts=4, moe_inter=4, shared_experts=1)
-      >>> [p.name for p in m.params if p.role == Role.EXPERT_ROW]
+      >>> [p.name for p in m.params if p.role == ParamRole.EXPERT_ROW]
       ['layers.1.mlp.experts.down_proj']
     """
-    ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=Role.EMBEDDING)]
+    ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=ParamRole.EMBEDDING)]
     for i in range(layers):
         a = f"layers.{i}.self_attn"
         ps += [
@@ -59,7 +59,7 @@ def mla_moe(
             Param(
                 name=f"{a}.q_b_proj",
                 shape=(q_lora, heads * (qk_nope + qk_rope)),
-                role=Role.COLUMN,
+                role=ParamRole.COLUMN,
                 layer=i,
                 unit=qk_nope + qk_rope,
             ),
@@ -68,33 +68,39 @@ def mla_moe(
             Param(
                 name=f"{a}.kv_b_proj",
                 shape=(kv_lora, heads * (qk_nope + v_head)),
-                role=Role.COLUMN,
+                role=ParamRole.COLUMN,
                 layer=i,
                 unit=qk_nope + v_head,
             ),
-            Param(name=f"{a}.o_proj", shape=(heads * v_head, hidden), role=Role.ROW, layer=i, unit=v_head),
+            Param(name=f"{a}.o_proj", shape=(heads * v_head, hidden), role=ParamRole.ROW, layer=i, unit=v_head),
             Param(name=f"layers.{i}.post_attention_layernorm", shape=(hidden,), layer=i),
         ]
         m = f"layers.{i}.mlp"
         if i < dense_layers:
             ps += [
-                Param(name=f"{m}.gate_proj", shape=(hidden, dense_inter), role=Role.COLUMN, layer=i),
-                Param(name=f"{m}.up_proj", shape=(hidden, dense_inter), role=Role.COLUMN, layer=i),
-                Param(name=f"{m}.down_proj", shape=(dense_inter, hidden), role=Role.ROW, layer=i),
+                Param(name=f"{m}.gate_proj", shape=(hidden, dense_inter), role=ParamRole.COLUMN, layer=i),
+                Param(name=f"{m}.up_proj", shape=(hidden, dense_inter), role=ParamRole.COLUMN, layer=i),
+                Param(name=f"{m}.down_proj", shape=(dense_inter, hidden), role=ParamRole.ROW, layer=i),
             ]
             continue
         shared = shared_experts * moe_inter
         ps += [
             Param(name=f"{m}.gate.weight", shape=(hidden, experts), layer=i),
             Param(name=f"{m}.gate.e_score_correction_bias", shape=(experts,), dtype="float32", layer=i),
-            Param(name=f"{m}.experts.gate_proj", shape=(experts, hidden, moe_inter), role=Role.EXPERT_COLUMN, layer=i),
-            Param(name=f"{m}.experts.up_proj", shape=(experts, hidden, moe_inter), role=Role.EXPERT_COLUMN, layer=i),
-            Param(name=f"{m}.experts.down_proj", shape=(experts, moe_inter, hidden), role=Role.EXPERT_ROW, layer=i),
-            Param(name=f"{m}.shared_experts.gate_proj", shape=(hidden, shared), role=Role.COLUMN, layer=i),
-            Param(name=f"{m}.shared_experts.up_proj", shape=(hidden, shared), role=Role.COLUMN, layer=i),
-            Param(name=f"{m}.shared_experts.down_proj", shape=(shared, hidden), role=Role.ROW, layer=i),
+            Param(
+                name=f"{m}.experts.gate_proj", shape=(experts, hidden, moe_inter), role=ParamRole.EXPERT_COLUMN, layer=i
+            ),
+            Param(
+                name=f"{m}.experts.up_proj", shape=(experts, hidden, moe_inter), role=ParamRole.EXPERT_COLUMN, layer=i
+            ),
+            Param(
+                name=f"{m}.experts.down_proj", shape=(experts, moe_inter, hidden), role=ParamRole.EXPERT_ROW, layer=i
+            ),
+            Param(name=f"{m}.shared_experts.gate_proj", shape=(hidden, shared), role=ParamRole.COLUMN, layer=i),
+            Param(name=f"{m}.shared_experts.up_proj", shape=(hidden, shared), role=ParamRole.COLUMN, layer=i),
+            Param(name=f"{m}.shared_experts.down_proj", shape=(shared, hidden), role=ParamRole.ROW, layer=i),
         ]
-    ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=Role.HEAD)]
+    ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=ParamRole.HEAD)]
     return Model(name=name, layers=layers, params=tuple(ps))
 
 

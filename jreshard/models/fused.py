@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from jreshard.models.recipes import refit
-from jreshard.models.table import Param, Role
+from jreshard.models.table import Param, ParamRole
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 from jreshard.views import concat, quantize_fp8
@@ -75,12 +75,12 @@ def fused_views(name: str, n_train: int, n_infer: int) -> tuple[list[tuple[str, 
             done |= {p.name, k.name, v.name}
         elif p.name.endswith("gate_proj"):
             up = params[f"{base}.up_proj"]
-            experts = p.role == Role.EXPERT_COLUMN
+            experts = p.role == ParamRole.EXPERT_COLUMN
             groups = tp if (not experts or inf.expert_tp) else 1
             view = concat([leaf[p.name], leaf[up.name]], axis=-1, groups=groups).astype("bfloat16")
             out += _maybe_fp8(name, f"{base}.gate_up_proj", view, p, experts, dst)
             done |= {p.name, up.name}
-        elif p.role == Role.EXPERT_ROW:
+        elif p.role == ParamRole.EXPERT_ROW:
             out += _maybe_fp8(name, p.name, leaf[p.name].astype("bfloat16"), p, True, dst)
         else:
             out.append((p.name, leaf[p.name].astype("bfloat16"), d))

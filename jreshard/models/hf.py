@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jreshard.models.deepseek import mla_moe
-from jreshard.models.table import Model, Param, Role, gqa_attention
+from jreshard.models.table import Model, Param, ParamRole, gqa_attention
+from jreshard.types import Json
 
 __all__ = ["model_from_hf_config", "read_hf_config"]
 
@@ -41,14 +42,14 @@ def read_hf_config(path: str | os.PathLike[str]) -> Model:
     return model_from_hf_config(cfg, name=str(name), where=os.fspath(path))
 
 
-def _get(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) -> Any:
+def _get(cfg: Mapping[str, Any], key: str, where: str, default: Json = None) -> Json:
     v = cfg.get(key, default)
     if v is None:
         raise ValueError(f"{where}: model_type {cfg.get('model_type')!r} needs the key {key!r}, which is missing")
     return v
 
 
-def _int(cfg: Mapping[str, Any], key: str, where: str, default: Any = None) -> int:
+def _int(cfg: Mapping[str, Any], key: str, where: str, default: Json = None) -> int:
     v = _get(cfg, key, where, default)
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
         raise ValueError(f"{where}: {key}={v!r} must be a non-negative int")
@@ -94,7 +95,7 @@ def model_from_hf_config(cfg: Mapping[str, Any], *, name: str = "model", where: 
         heads = g("num_attention_heads")
         kv = g("num_key_value_heads", heads)
         hd = g("head_dim", hidden // max(heads, 1))
-        ps = [Param(name="embed_tokens", shape=(vocab, hidden), role=Role.EMBEDDING)]
+        ps = [Param(name="embed_tokens", shape=(vocab, hidden), role=ParamRole.EMBEDDING)]
         moe = kind == "qwen3_moe"
         dense_only = set(cfg.get("mlp_only_layers") or [])
         step = g("decoder_sparse_step", 1) if moe else 0
@@ -103,7 +104,7 @@ def model_from_hf_config(cfg: Mapping[str, Any], *, name: str = "model", where: 
             mp = f"layers.{i}.mlp"
             if moe and i not in dense_only and step and (i + 1) % step == 0:
                 e, inter = g("num_experts"), g("moe_intermediate_size")
-                col, row = Role.EXPERT_COLUMN, Role.EXPERT_ROW
+                col, row = ParamRole.EXPERT_COLUMN, ParamRole.EXPERT_ROW
                 ps += [
                     Param(name=f"{mp}.gate.weight", shape=(hidden, e), layer=i),
                     Param(name=f"{mp}.experts.gate_proj", shape=(e, hidden, inter), role=col, layer=i),
@@ -113,11 +114,11 @@ def model_from_hf_config(cfg: Mapping[str, Any], *, name: str = "model", where: 
             else:
                 inter = g("intermediate_size")
                 ps += [
-                    Param(name=f"{mp}.gate_proj", shape=(hidden, inter), role=Role.COLUMN, layer=i),
-                    Param(name=f"{mp}.up_proj", shape=(hidden, inter), role=Role.COLUMN, layer=i),
-                    Param(name=f"{mp}.down_proj", shape=(inter, hidden), role=Role.ROW, layer=i),
+                    Param(name=f"{mp}.gate_proj", shape=(hidden, inter), role=ParamRole.COLUMN, layer=i),
+                    Param(name=f"{mp}.up_proj", shape=(hidden, inter), role=ParamRole.COLUMN, layer=i),
+                    Param(name=f"{mp}.down_proj", shape=(inter, hidden), role=ParamRole.ROW, layer=i),
                 ]
-        ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=Role.HEAD)]
+        ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=ParamRole.HEAD)]
     if cfg.get("tie_word_embeddings", False):
         ps = [p for p in ps if p.name != "lm_head"]
     return Model(name=name, layers=layers, params=tuple(ps))

@@ -7,7 +7,7 @@ vocabulary 128256, untied embeddings.
 
 from __future__ import annotations
 
-from jreshard.models.table import Model, Parallelism, Param, Role, gqa_attention
+from jreshard.models.table import Model, Parallelism, Param, ParamRole, gqa_attention
 
 __all__ = ["llama3_70b", "llama3_70b_inference", "llama3_70b_trainer"]
 
@@ -21,16 +21,16 @@ def llama3_70b() -> Model:
       (71, 723)
     """
     hidden, heads, kv, hd, inter, vocab, layers = 8192, 64, 8, 128, 28672, 128256, 80
-    ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=Role.EMBEDDING)]
+    ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=ParamRole.EMBEDDING)]
     for i in range(layers):
         m = f"layers.{i}.mlp"
         ps += gqa_attention(i, hidden, heads, kv, hd)
         ps += [
-            Param(name=f"{m}.gate_proj", shape=(hidden, inter), role=Role.COLUMN, layer=i),
-            Param(name=f"{m}.up_proj", shape=(hidden, inter), role=Role.COLUMN, layer=i),
-            Param(name=f"{m}.down_proj", shape=(inter, hidden), role=Role.ROW, layer=i),
+            Param(name=f"{m}.gate_proj", shape=(hidden, inter), role=ParamRole.COLUMN, layer=i),
+            Param(name=f"{m}.up_proj", shape=(hidden, inter), role=ParamRole.COLUMN, layer=i),
+            Param(name=f"{m}.down_proj", shape=(inter, hidden), role=ParamRole.ROW, layer=i),
         ]
-    ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=Role.HEAD)]
+    ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=ParamRole.HEAD)]
     return Model(name="Llama-3-70B", layers=layers, params=tuple(ps))
 
 

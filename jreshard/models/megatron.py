@@ -3,8 +3,8 @@
 :class:`MegatronParallel` is one side of a refit as Megatron-LM (and NVIDIA's
 M2N system configs) describe it; :func:`megatron_placement` is the one function
 that turns it, for one parameter, into a mesh of ranks and a partition spec,
-from which :meth:`Placement.layout` builds a jreshard ``Layout`` and
-:meth:`Placement.named_sharding` a ``jax.sharding.NamedSharding``.
+from which :meth:`MegatronPlacement.layout` builds a jreshard ``Layout`` and
+:meth:`MegatronPlacement.named_sharding` a ``jax.sharding.NamedSharding``.
 
 **Rank order** (Megatron's ``RankGenerator``, order ``tp-cp-ep-dp-pp``, the
 first axis varying fastest):
@@ -40,10 +40,11 @@ from typing import Any
 import numpy as np
 
 from jreshard.errors import IndivisibleError
-from jreshard.models.table import Model, Param, Role, _fit, _layout
+from jreshard.models.table import Model, Param, ParamRole, _fit, _layout
 from jreshard.sharding.layout import Layout
+from jreshard.types import Sharding
 
-__all__ = ["MegatronParallel", "Placement", "megatron_layouts", "megatron_placement"]
+__all__ = ["MegatronParallel", "MegatronPlacement", "megatron_layouts", "megatron_placement"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,7 +116,7 @@ class MegatronParallel:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Placement:
+class MegatronPlacement:
     """A parameter's mesh of ranks and partition spec (one tuple of axis names per dimension).
 
     Attributes:
@@ -136,7 +137,7 @@ class Placement:
         names = tuple(a for a, _ in self.axes)
         return Layout.from_mesh(self._mesh_ranks(), names, self.spec, tuple(shape), dtype)
 
-    def named_sharding(self, devices: Sequence[Any]) -> Any:
+    def named_sharding(self, devices: Sequence[Any]) -> Sharding:
         """The ``jax.sharding.NamedSharding``, with rank ``r`` on ``devices[r]``."""
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -145,7 +146,7 @@ class Placement:
         return NamedSharding(mesh, PartitionSpec(*entries))
 
 
-def megatron_placement(param: Param, side: MegatronParallel, layers: int, first_rank: int) -> Placement:
+def megatron_placement(param: Param, side: MegatronParallel, layers: int, first_rank: int) -> MegatronPlacement:
     """Where Megatron puts ``param`` on ``side``, whose ranks start at ``first_rank`` (module docstring).
 
     Args:
@@ -156,7 +157,7 @@ def megatron_placement(param: Param, side: MegatronParallel, layers: int, first_
 
     Example:
       >>> side = MegatronParallel(num_gpus=8, tp=2, pp=2)
-      >>> p = Param(name="w", shape=(4, 8), role=Role.COLUMN, layer=3)
+      >>> p = Param(name="w", shape=(4, 8), role=ParamRole.COLUMN, layer=3)
       >>> pl = megatron_placement(p, side, layers=4, first_rank=0)
       >>> pl.ranks, pl.axes, pl.spec
       ((4, 5, 6, 7), (('dp', 2), ('fsdp', 1), ('cp', 1), ('tp', 2)), ((), ('tp',)))
@@ -165,13 +166,13 @@ def megatron_placement(param: Param, side: MegatronParallel, layers: int, first_
     """
     s = side.stage_size
     if param.layer is None:
-        stage = 0 if param.role == Role.EMBEDDING else side.pp - 1
+        stage = 0 if param.role == ParamRole.EMBEDDING else side.pp - 1
     else:
         stage = param.layer * side.pp // layers
     start = first_rank + stage * s
     role, nd = param.role, len(param.shape)
     wanted: tuple[tuple[str, ...], ...]
-    if role in (Role.EXPERT_COLUMN, Role.EXPERT_ROW):
+    if role in (ParamRole.EXPERT_COLUMN, ParamRole.EXPERT_ROW):
         axes = (
             ("edp", s // (side.ep * side.etp * side.fsdp)),
             ("efsdp", side.fsdp),
@@ -179,23 +180,23 @@ def megatron_placement(param: Param, side: MegatronParallel, layers: int, first_
             ("etp", side.etp),
         )
         etp, fs = ("etp",), ("efsdp",)
-        wanted = (("ep",), fs, etp) if role == Role.EXPERT_COLUMN else (("ep",), etp, fs)
+        wanted = (("ep",), fs, etp) if role == ParamRole.EXPERT_COLUMN else (("ep",), etp, fs)
     else:
         axes = (("dp", s // (side.tp * side.cp * side.fsdp)), ("fsdp", side.fsdp), ("cp", side.cp), ("tp", side.tp))
         tp, fs = ("tp",), ("fsdp",)
-        if role in (Role.COLUMN, Role.HEAD):
+        if role in (ParamRole.COLUMN, ParamRole.HEAD):
             wanted = (fs, tp)
-        elif role in (Role.ROW, Role.EMBEDDING):
+        elif role in (ParamRole.ROW, ParamRole.EMBEDDING):
             wanted = (tp, fs)
         else:
             wanted = (fs,) + ((),) * (nd - 1) if nd >= 2 else ((),) * nd
     sizes = dict(axes)
     spec = []
     for d, want in enumerate(wanted):
-        unit = param.unit if role in (Role.COLUMN, Role.ROW) and want == ("tp",) else 1
+        unit = param.unit if role in (ParamRole.COLUMN, ParamRole.ROW) and want == ("tp",) else 1
         kept = _fit(param.shape[d], unit, tuple(a for a in want if sizes[a] > 1), sizes)
         spec.append(kept)
-    return Placement(ranks=tuple(range(start, start + s)), axes=axes, spec=tuple(spec))
+    return MegatronPlacement(ranks=tuple(range(start, start + s)), axes=axes, spec=tuple(spec))
 
 
 def megatron_layouts(model: Model, side: MegatronParallel, first_rank: int) -> list[Layout]:
@@ -203,7 +204,7 @@ def megatron_layouts(model: Model, side: MegatronParallel, first_rank: int) -> l
 
     Example:
       >>> from jreshard.models.table import Model
-      >>> m = Model(name="t", layers=2, params=(Param(name="w", shape=(4, 8), role=Role.ROW, layer=1),))
+      >>> m = Model(name="t", layers=2, params=(Param(name="w", shape=(4, 8), role=ParamRole.ROW, layer=1),))
       >>> [lay.ranks for lay in megatron_layouts(m, MegatronParallel(num_gpus=4, tp=2, pp=2), 8)]
       [(10, 11)]
     """

@@ -7,7 +7,7 @@ size 1536, vocabulary 151936, untied embeddings.
 
 from __future__ import annotations
 
-from jreshard.models.table import Model, Parallelism, Param, Role, gqa_attention
+from jreshard.models.table import Model, Parallelism, Param, ParamRole, gqa_attention
 
 __all__ = ["qwen3_235b", "qwen3_235b_inference", "qwen3_235b_trainer"]
 
@@ -21,17 +21,17 @@ def qwen3_235b() -> Model:
       (235, 1131)
     """
     hidden, heads, kv, hd, experts, inter, vocab, layers = 4096, 64, 4, 128, 128, 1536, 151936, 94
-    ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=Role.EMBEDDING)]
+    ps: list[Param] = [Param(name="embed_tokens", shape=(vocab, hidden), role=ParamRole.EMBEDDING)]
     for i in range(layers):
         m = f"layers.{i}.mlp"
         ps += gqa_attention(i, hidden, heads, kv, hd, qk_norm=True)
         ps += [
             Param(name=f"{m}.gate.weight", shape=(hidden, experts), layer=i),
-            Param(name=f"{m}.experts.gate_proj", shape=(experts, hidden, inter), role=Role.EXPERT_COLUMN, layer=i),
-            Param(name=f"{m}.experts.up_proj", shape=(experts, hidden, inter), role=Role.EXPERT_COLUMN, layer=i),
-            Param(name=f"{m}.experts.down_proj", shape=(experts, inter, hidden), role=Role.EXPERT_ROW, layer=i),
+            Param(name=f"{m}.experts.gate_proj", shape=(experts, hidden, inter), role=ParamRole.EXPERT_COLUMN, layer=i),
+            Param(name=f"{m}.experts.up_proj", shape=(experts, hidden, inter), role=ParamRole.EXPERT_COLUMN, layer=i),
+            Param(name=f"{m}.experts.down_proj", shape=(experts, inter, hidden), role=ParamRole.EXPERT_ROW, layer=i),
         ]
-    ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=Role.HEAD)]
+    ps += [Param(name="norm", shape=(hidden,)), Param(name="lm_head", shape=(hidden, vocab), role=ParamRole.HEAD)]
     return Model(name="Qwen3-235B-A22B", layers=layers, params=tuple(ps))
 
 

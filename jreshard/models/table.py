@@ -39,10 +39,10 @@ from jreshard.sharding.dtypes import numpy_dtype
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Topology
 
-__all__ = ["Model", "Param", "Parallelism", "Role", "gqa_attention", "refit_topology"]
+__all__ = ["Model", "Param", "Parallelism", "ParamRole", "gqa_attention", "refit_topology"]
 
 
-class Role(enum.Enum):
+class ParamRole(enum.Enum):
     """How frameworks shard a parameter (module docstring)."""
 
     COLUMN = "column"
@@ -70,7 +70,7 @@ class Param:
     name: str
     shape: tuple[int, ...]
     dtype: str = "bfloat16"
-    role: Role = Role.REPLICATED
+    role: ParamRole = ParamRole.REPLICATED
     layer: int | None = None
     unit: int = 1
 
@@ -84,7 +84,7 @@ class Model:
     """A model's parameter table.
 
     Example:
-      >>> m = Model(name="toy", layers=1, params=(Param(name="w", shape=(4, 8), role=Role.COLUMN, layer=0),))
+      >>> m = Model(name="toy", layers=1, params=(Param(name="w", shape=(4, 8), role=ParamRole.COLUMN, layer=0),))
       >>> m.nbytes, len(m.params)
       (64, 1)
     """
@@ -109,11 +109,11 @@ def gqa_attention(i: int, hidden: int, heads: int, kv: int, hd: int, *, qk_norm:
     norms = [Param(name=f"{a}.q_norm", shape=(hd,), layer=i), Param(name=f"{a}.k_norm", shape=(hd,), layer=i)]
     return [
         Param(name=f"layers.{i}.input_layernorm", shape=(hidden,), layer=i),
-        Param(name=f"{a}.q_proj", shape=(hidden, heads * hd), role=Role.COLUMN, layer=i, unit=hd),
-        Param(name=f"{a}.k_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
-        Param(name=f"{a}.v_proj", shape=(hidden, kv * hd), role=Role.COLUMN, layer=i, unit=hd),
+        Param(name=f"{a}.q_proj", shape=(hidden, heads * hd), role=ParamRole.COLUMN, layer=i, unit=hd),
+        Param(name=f"{a}.k_proj", shape=(hidden, kv * hd), role=ParamRole.COLUMN, layer=i, unit=hd),
+        Param(name=f"{a}.v_proj", shape=(hidden, kv * hd), role=ParamRole.COLUMN, layer=i, unit=hd),
         *(norms if qk_norm else []),
-        Param(name=f"{a}.o_proj", shape=(heads * hd, hidden), role=Role.ROW, layer=i, unit=hd),
+        Param(name=f"{a}.o_proj", shape=(heads * hd, hidden), role=ParamRole.ROW, layer=i, unit=hd),
         Param(name=f"layers.{i}.post_attention_layernorm", shape=(hidden,), layer=i),
     ]
 
@@ -134,7 +134,7 @@ class Parallelism:
 
     Example:
       >>> side = Parallelism(name="TP2", mesh=(("tp", 2),))
-      >>> side.layout(Param(name="w", shape=(4, 8), role=Role.COLUMN, layer=0), 10, first_rank=4).box_of(5)
+      >>> side.layout(Param(name="w", shape=(4, 8), role=ParamRole.COLUMN, layer=0), 10, first_rank=4).box_of(5)
       Box(lo=(0, 4), hi=(4, 8))
     """
 
@@ -167,7 +167,7 @@ class Parallelism:
     def stage_of(self, param: Param, layers: int) -> int:
         """Contiguous near-equal runs of layers per stage."""
         if param.layer is None:
-            return 0 if param.role == Role.EMBEDDING else self.pp - 1
+            return 0 if param.role == ParamRole.EMBEDDING else self.pp - 1
         return param.layer * self.pp // layers
 
     def spec(self, param: Param) -> tuple[tuple[str, ...], ...]:
@@ -176,20 +176,20 @@ class Parallelism:
         etp = tp if self.expert_tp else ()
         role, nd = param.role, len(param.shape)
         wanted: tuple[tuple[str, ...], ...]
-        if role == Role.COLUMN or role == Role.HEAD:
+        if role == ParamRole.COLUMN or role == ParamRole.HEAD:
             wanted = (self.fsdp, tp)
-        elif role == Role.ROW or role == Role.EMBEDDING:
+        elif role == ParamRole.ROW or role == ParamRole.EMBEDDING:
             wanted = (tp, self.fsdp)
-        elif role == Role.EXPERT_COLUMN:
+        elif role == ParamRole.EXPERT_COLUMN:
             wanted = (self.ep, self.expert_fsdp, etp)
-        elif role == Role.EXPERT_ROW:
+        elif role == ParamRole.EXPERT_ROW:
             wanted = (self.ep, etp, self.expert_fsdp)
         else:
             wanted = (self.fsdp,) + ((),) * (nd - 1) if nd >= 2 else ((),) * nd
         sizes = dict(self.mesh)
         out = []
         for d, axes in enumerate(wanted):
-            unit = param.unit if role in (Role.COLUMN, Role.ROW) and tuple(axes) == tp else 1
+            unit = param.unit if role in (ParamRole.COLUMN, ParamRole.ROW) and tuple(axes) == tp else 1
             out.append(_fit(param.shape[d], unit, tuple(axes), sizes))
         return tuple(out)
 

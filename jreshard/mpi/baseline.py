@@ -11,11 +11,11 @@ jreshard's engine.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
 from jreshard.sharding.layout import Layout
+from jreshard.types import MpiCommunicator
 
 __all__ = ["GatherBroadcast"]
 
@@ -31,7 +31,7 @@ class GatherBroadcast:
     Collective: every process of ``comm`` constructs it and calls :meth:`run`.
     """
 
-    def __init__(self, comm: Any, sources: Sequence[int], destinations: Sequence[int]):
+    def __init__(self, comm: MpiCommunicator, sources: Sequence[int], destinations: Sequence[int]):
         self.comm = comm
         me = comm.Get_rank()
         self.sources, self.destinations = sorted(sources), sorted(destinations)

@@ -1,6 +1,6 @@
 """MPI cluster set-up: ``jax.distributed`` over MPI processes, and one transport per MPI communicator.
 
-:func:`cluster_comm` is the :class:`~jreshard.mpi.comm.MpiComm` the router
+:func:`cluster_comm` is the :class:`~jreshard.mpi.comm.MpiComm` the registry
 (:func:`jreshard.call.routes.transfer_multiprocess`) hands the engine across processes. The jax
 processes must be the MPI processes of ``comm``
 (``MPI.COMM_WORLD`` by default), e.g. started by :func:`initialize` under ``mpiexec``.
@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import socket
 from contextlib import ExitStack
-from typing import Any
 
 from jreshard.errors import BackendUnavailableError
 from jreshard.mpi.comm import MpiComm, import_mpi
 from jreshard.net.ports import reserved_port
+from jreshard.types import MpiCommunicator
 
 __all__ = ["cluster_comm", "initialize"]
 
 _COMMS: dict[int, MpiComm] = {}
 
 
-def initialize(comm: Any = None, *, port: int | None = None) -> None:
+def initialize(comm: MpiCommunicator = None, *, port: int | None = None) -> None:
     """Start ``jax.distributed`` over the processes of an MPI communicator.
 
     ``comm`` defaults to ``MPI.COMM_WORLD``, where jax's ``mpi4py`` cluster
@@ -54,7 +54,7 @@ def coordinator_host(hosts: list[str]) -> str:
     return "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
 
 
-def cluster_comm(comm: Any) -> MpiComm:
+def cluster_comm(comm: MpiCommunicator) -> MpiComm:
     """One MpiComm per MPI communicator, mapping every jax device id to its MPI process."""
     import jax
 

@@ -35,13 +35,14 @@ of aborting the job; they are raised as :class:`PeerError`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import sys
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
@@ -61,8 +62,9 @@ from jreshard.engine.comm import (
 )
 from jreshard.engine.loopback import match, match_and_copy
 from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
+from jreshard.types import ByteBuffer, MpiCommunicator, MpiModule
 
-__all__ = ["MpiComm", "import_mpi"]
+__all__ = ["MpiComm", "import_mpi", "quiet_ucx"]
 
 _MAX_SLEEP_S = 1e-3  # polling backs off to this: keeps 8 processes on 2 cores responsive
 _YIELD_S = 2e-4  # a prepared group's wait first polls yielding the core this long (the compiled replay's YIELD_NS)
@@ -72,7 +74,7 @@ UCX_LOG_LEVEL = "error"
 """UCX's log level while jreshard's import of mpi4py loads the MPI library (see :func:`import_mpi`)."""
 
 
-def import_mpi() -> Any:
+def import_mpi() -> MpiModule:
     """``mpi4py.MPI``, or :class:`BackendUnavailableError` saying what to install.
 
     Where this call is the one that loads the MPI library (nothing imported ``mpi4py.MPI`` before) and
@@ -84,19 +86,29 @@ def import_mpi() -> Any:
     removed after, so it reaches neither child processes nor another UCX (NIXL's). ``UCX_LOG_LEVEL=warn``
     (or any level) in the environment keeps UCX's own choice.
     """
+    with quiet_ucx():
+        try:
+            from mpi4py import MPI
+        except ImportError as err:  # pragma: no cover - mpi4py is a dev dependency
+            raise BackendUnavailableError(
+                f"backend 'mpi' needs mpi4py and an MPI library: pip install 'jreshard[mpi]' ({err})"
+            ) from err
+    return MPI
+
+
+@contextlib.contextmanager
+def quiet_ucx() -> Iterator[None]:
+    """Around any import that may be the one to load the MPI library (:func:`import_mpi`, the registry's
+    probe): ``UCX_LOG_LEVEL`` at :data:`UCX_LOG_LEVEL` while it loads, unless ``mpi4py.MPI`` was imported
+    before or the variable is set; removed after."""
     quiet = "mpi4py.MPI" not in sys.modules and "UCX_LOG_LEVEL" not in os.environ
     if quiet:
         os.environ["UCX_LOG_LEVEL"] = UCX_LOG_LEVEL
     try:
-        from mpi4py import MPI
-    except ImportError as err:  # pragma: no cover - mpi4py is a dev dependency
-        raise BackendUnavailableError(
-            f"backend 'mpi' needs mpi4py and an MPI library: pip install 'jreshard[mpi]' ({err})"
-        ) from err
+        yield
     finally:
         if quiet:
             os.environ.pop("UCX_LOG_LEVEL", None)
-    return MPI
 
 
 def _key_tag(src: int, dst: int, tag: int, tag_ub: int) -> int:
@@ -105,7 +117,7 @@ def _key_tag(src: int, dst: int, tag: int, tag_ub: int) -> int:
     return h % (tag_ub + 1)
 
 
-def _nbytes(buffer: Any) -> int:
+def _nbytes(buffer: ByteBuffer) -> int:
     return int(buffer.nbytes)
 
 
@@ -136,7 +148,7 @@ class MpiComm(Communicator):
 
     posts_ahead = True  # a posted message moves while the host packs (MPI's progress, the peer's copy, the NIC)
 
-    def __init__(self, comm: Any = None, rank_process: Mapping[int, int] | None = None):
+    def __init__(self, comm: MpiCommunicator = None, rank_process: Mapping[int, int] | None = None):
         MPI = import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         if rank_process is None:

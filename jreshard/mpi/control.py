@@ -23,6 +23,7 @@ from typing import Any
 
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.mpi.comm import import_mpi
+from jreshard.types import ControlObject, MpiCommunicator
 
 __all__ = ["Control"]
 
@@ -42,7 +43,7 @@ class Control:
       {0: {'ok': True}}
     """
 
-    def __init__(self, comm: Any, describe: Callable[[int], str] | None = None):
+    def __init__(self, comm: MpiCommunicator, describe: Callable[[int], str] | None = None):
         MPI = import_mpi()
         self._MPI = MPI
         self._comm = comm.Dup()
@@ -62,13 +63,13 @@ class Control:
         self._leftover: list[Any] = []
 
     @property
-    def comm(self) -> Any:
+    def comm(self) -> MpiCommunicator:
         """The private duplicate communicator."""
         return self._comm
 
     def allgather(
         self,
-        obj: Any,
+        obj: ControlObject,
         *,
         timeout_s: float,
         peers: Sequence[int] | None = None,

@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import numpy as np
+
 from jreshard.engine.comm import Communicator, Posted, PreparedGroups, RecvOp, SendOp
 from jreshard.errors import PeerError
+from jreshard.mpi.comm import MpiComm
 
 __all__ = ["LiveComm"]
 
@@ -37,14 +40,14 @@ class LiveComm(Communicator):
       describe: names a process in error messages.
     """
 
-    def __init__(self, comm: Any, gone: Callable[[Sequence[int]], list[int]], describe: Callable[[int], str]):
+    def __init__(self, comm: MpiComm, gone: Callable[[Sequence[int]], list[int]], describe: Callable[[int], str]):
         self._inner = comm
         self._gone = gone
         self._describe = describe
         self.dead: list[int] = []  # the peers found gone (nothing was posted to them since)
 
     @property
-    def inner(self) -> Any:
+    def inner(self) -> MpiComm:
         """The wrapped communicator."""
         return self._inner
 
@@ -114,7 +117,7 @@ class _LivePrepared(PreparedGroups):
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def bind(self, addresses: Any, sizes: Any, buffers: Sequence[Any]) -> None:
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
         self._check_ranks(self._all)
         self._inner.bind(addresses, sizes, buffers)
 

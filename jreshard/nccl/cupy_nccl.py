@@ -42,14 +42,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from jreshard.cuda.runtime import device_pointer, event_done
 from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.nccl.nccl_support import (
     Watchdog,
-    device_pointer,
-    event_done,
     import_cupy,
     run_bounded,
     uid_argument,
@@ -57,6 +56,10 @@ from jreshard.nccl.nccl_support import (
     uid_to_bytes,
 )
 from jreshard.nccl.rendezvous import Rendezvous
+from jreshard.types import CudaStream, CupyModule, NcclCommunicator
+
+if TYPE_CHECKING:
+    from jreshard.cuda.buffers import CupyBuffers
 
 __all__ = ["NcclComm", "destroy_cached_communicators", "device_pointer", "uid_from_bytes", "uid_to_bytes"]
 
@@ -71,8 +74,8 @@ class _Local:
 
     ordinal: int
     nccl_rank: int
-    comm: Any
-    stream: Any
+    comm: NcclCommunicator
+    stream: CudaStream
     aborted: bool = False
 
 
@@ -216,8 +219,8 @@ class NcclComm(Communicator):
     def local_ranks(self) -> tuple[int, ...]:
         return self._local_ranks
 
-    def buffers(self, *, timeout_s: float = 300.0, cupy: Any = None) -> Any:
-        """A :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` on this communicator's streams,
+    def buffers(self, *, timeout_s: float = 300.0, cupy: CupyModule = None) -> CupyBuffers:
+        """A :class:`~jreshard.cuda.buffers.CupyBuffers` on this communicator's streams,
         and from now on exchanges that do not wait on the host. Not run on GPU.
 
         Sends and receives then run on this communicator's stream per GPU, packs and unpacks on
@@ -225,7 +228,7 @@ class NcclComm(Communicator):
         ``synchronize()`` at the end of a refit, which polls NCCL's errors while it waits and
         aborts every communicator past ``timeout_s``.
         """
-        from jreshard.nccl.gpu_buffers import CupyBuffers
+        from jreshard.cuda.buffers import CupyBuffers
 
         self._deferred = True
         streams = {loc.ordinal: loc.stream for loc in self._local.values()}
@@ -249,7 +252,7 @@ class NcclComm(Communicator):
         """``ncclCommAbort`` every communicator of this process (they leave the cache). Not run on GPU."""
         self._abort()
 
-    def stream(self, rank: int) -> Any:
+    def stream(self, rank: int) -> CudaStream:
         """The CuPy stream NCCL uses for local ``rank``'s device (the comm stream of
         :meth:`buffers`, whose packs and unpacks run on streams of their own)."""
         return self._local[self._device_key[rank]].stream
@@ -309,7 +312,9 @@ class NcclComm(Communicator):
                 ops.append((src, dst, tag, is_send, ptr + off, n))
         return ops
 
-    def issue_rows(self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], stream: Any) -> None:
+    def issue_rows(
+        self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], stream: CudaStream
+    ) -> None:
         """Issue one group's sends and receives (rows as for :meth:`exchange_rows`) in one NCCL group on ``stream``,
         and return: no wait, no watchdog. For a stream under capture (:mod:`jreshard.nccl.graph`), whose launch is
         waited on, bounded, by its caller. Not run on GPU.

@@ -12,7 +12,7 @@ stream under capture and from then on launches the captured graph: one host call
   or receives straight into one), so one capture serves every step (see :class:`GraphRefit`).
 - **The eager step first.** The first step of a program runs eagerly (the engine's own loop): NCCL connects to a
   peer on the first message between them, which cannot happen inside a capture.
-- **What the graph holds.** Every pack and unpack is the byte kernel of :mod:`jreshard.nccl.cuda_kernels`, run
+- **What the graph holds.** Every pack and unpack is the byte kernel of :mod:`jreshard.cuda.kernels`, run
   over a launch table that lives in one device buffer; every exchange group is one NCCL group. Everything runs on
   the NCCL stream of this process's GPU, in the program's order (one stream orders it all: no fences), captured
   in CuPy's default mode (``streamCaptureModeRelaxed``: the kernel may be compiled and loaded inside the capture).
@@ -37,12 +37,13 @@ from typing import Any
 
 import numpy as np
 
+from jreshard.cuda import kernels as CK
+from jreshard.cuda.runtime import event_done
 from jreshard.engine.comm import StepGraph
 from jreshard.engine.replay import EXCHANGE, PACK, START, UNPACK, WAIT, Ops
 from jreshard.errors import TransferError, TransferTimeoutError
-from jreshard.nccl import cuda_kernels as CK
-from jreshard.nccl.nccl_support import event_done
 from jreshard.schedule import kernels as K
+from jreshard.types import ByteBuffer, CudaEvent, CudaStream
 
 __all__ = ["GraphRefit", "why_eager"]
 
@@ -64,7 +65,7 @@ def why_eager(ops: Ops, ordinals: Sequence[int]) -> str | None:
     return None
 
 
-def _pointer(buffer: Any) -> int:
+def _pointer(buffer: ByteBuffer) -> int:
     return 0 if buffer is None else int(buffer.data.ptr)
 
 
@@ -171,7 +172,7 @@ class GraphRefit(StepGraph):
         t2 = time.perf_counter()
         return np.array([0.0, t2 - t0, 0.0, 0.0, t2 - t1])
 
-    def _layout(self, bases: list[Any], stream: Any) -> None:
+    def _layout(self, bases: list[Any], stream: CudaStream) -> None:
         """Make the graph's own arenas (as large as the step's) and bounce buffer, and each group's rows over them
         (the graph is captured again).
 
@@ -238,7 +239,7 @@ class GraphRefit(StepGraph):
                     tables.append(CK.unpack_launch(_run_rows(self._bounce_recvs[g]), bounce, every))
         return tables
 
-    def _capture(self, tables: list[np.ndarray], stream: Any) -> None:
+    def _capture(self, tables: list[np.ndarray], stream: CudaStream) -> None:
         """Issue the program into ``stream`` under capture, in :meth:`_bind`'s order: a kernel over each launch
         table's place in the device buffer, one NCCL group per exchange group over the graph's own buffers."""
         cp = self._cp
@@ -284,7 +285,7 @@ class GraphRefit(StepGraph):
         self.captures += 1
         self.kernels = k
 
-    def _wait(self, event: Any, timeout_s: float) -> None:
+    def _wait(self, event: CudaEvent, timeout_s: float) -> None:
         """Poll ``event`` and NCCL's errors until the launch finished; abort every communicator past
         ``timeout_s``."""
         comm, runtime = self._comm, self._cp.cuda.runtime

@@ -1,16 +1,11 @@
-"""What NcclComm needs from CuPy beyond the calls themselves: the unique id's type,
-CUDA event status, waits bounded by ``timeout_s``, and buffer pointers.
+"""What NcclComm needs from CuPy beyond the calls themselves: the unique id's type and
+waits bounded by ``timeout_s`` (CUDA event status and buffer pointers: :mod:`jreshard.cuda.runtime`).
 
 **The unique id.** CuPy 13's ``nccl.get_unique_id()`` returns 128 C ``char`` values
 as a tuple and ``NcclCommunicator(ndev, commId: tuple, rank)`` takes one; CuPy 14
 returns ``bytes`` and ``NcclCommunicator(ndev, commId: bytes, rank, config=None)``
 refuses a tuple. The id always travels between processes as 128 bytes; each process
 hands NCCL the type its own CuPy declares (:func:`uid_argument`).
-
-**Event status.** CuPy's ``Event.done`` is ``cudaEventQuery(...) == cudaSuccess``, so a
-sticky CUDA error (an illegal address in a kernel) looks like "still running" until a
-timeout. :func:`event_done` reads the status itself: success is done, ``NotReady`` is
-pending, anything else is raised as ``CUDARuntimeError``.
 
 **Bounded waits.** CuPy's ``NcclConfig`` exposes only ``split_share``, not NCCL's
 non-blocking mode, so ``ncclCommInitRank`` and ``ncclGroupEnd`` are blocking calls.
@@ -33,11 +28,10 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from jreshard.errors import BackendUnavailableError, TransferTimeoutError, cuda_extra
+from jreshard.types import CupyModule
 
 __all__ = [
     "Watchdog",
-    "device_pointer",
-    "event_done",
     "import_cupy",
     "run_bounded",
     "uid_argument",
@@ -46,8 +40,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-CUDA_SUCCESS, CUDA_ERROR_NOT_READY = 0, 600  # cudaSuccess, cudaErrorNotReady
 
 # C ``char`` is signed on x86 and unsigned on ARM and POWER Linux; CuPy 13's
 # get_unique_id returns, and its NcclCommunicator expects, 128 values of that type.
@@ -73,7 +65,7 @@ def uid_from_bytes(raw: bytes, *, signed: bool = _SIGNED_CHAR) -> tuple[int, ...
     return tuple(b - 256 if signed and b > 127 else b for b in raw)
 
 
-def _declared_id_type(nccl: Any) -> type | None:
+def _declared_id_type(nccl: CupyModule) -> type | None:
     """``bytes`` or ``tuple``: what ``NcclCommunicator``'s signature line says ``commId`` is."""
     doc = (getattr(nccl.NcclCommunicator, "__doc__", None) or "").lstrip().split("\n", 1)[0]
     if "bytes commId" in doc:
@@ -83,7 +75,7 @@ def _declared_id_type(nccl: Any) -> type | None:
     return None
 
 
-def uid_argument(nccl: Any, raw: bytes, made: Any = None) -> bytes | tuple[int, ...]:
+def uid_argument(nccl: CupyModule, raw: bytes, made: Any = None) -> bytes | tuple[int, ...]:
     """The unique id in the form this CuPy's ``NcclCommunicator`` takes.
 
     Args:
@@ -114,48 +106,6 @@ def uid_argument(nccl: Any, raw: bytes, made: Any = None) -> bytes | tuple[int, 
         return uid_from_bytes(raw)
     # Neither declared nor made here: CuPy >= 14 is the one both extras resolve to.
     return bytes(raw)
-
-
-def device_pointer(buffer: Any) -> tuple[int, int]:
-    """``(device pointer, nbytes)`` of a contiguous 1-D uint8 CUDA buffer.
-
-    Reads ``__cuda_array_interface__`` (CuPy arrays, and anything else that speaks it).
-
-    Raises:
-      ValueError: the buffer is not a contiguous 1-D uint8 CUDA array.
-    """
-    try:
-        cai = buffer.__cuda_array_interface__
-    except AttributeError:
-        raise ValueError(
-            f"NcclComm: buffer of type {type(buffer).__name__} is not a CUDA array "
-            "(no __cuda_array_interface__); pass CuPy uint8 arrays"
-        ) from None
-    shape, typestr, strides = tuple(cai["shape"]), cai["typestr"], cai.get("strides")
-    if len(shape) != 1 or typestr not in ("|u1", "<u1", ">u1") or strides not in (None, (1,)):
-        raise ValueError(
-            f"NcclComm: buffer has shape={shape}, typestr={typestr!r}, strides={strides}; "
-            "expected a contiguous 1-D uint8 array"
-        )
-    return int(cai["data"][0]), int(shape[0])
-
-
-def event_done(event: Any, runtime: Any) -> bool:
-    """Whether a CUDA event has completed, raising a CUDA error instead of calling it pending.
-
-    Args:
-      event: a ``cupy.cuda.Event`` (anything with ``ptr``).
-      runtime: ``cupy.cuda.runtime`` (``eventQuery`` returns the status, it does not raise).
-
-    Raises:
-      runtime.CUDARuntimeError: the event's device reported an error (sticky errors included).
-    """
-    status = int(runtime.eventQuery(event.ptr))
-    if status == CUDA_SUCCESS:
-        return True
-    if status == CUDA_ERROR_NOT_READY:
-        return False
-    raise runtime.CUDARuntimeError(status)
 
 
 def run_bounded(fn: Callable[[], T], timeout_s: float, what: str) -> T:

@@ -20,6 +20,7 @@ import abc
 from typing import Any
 
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
+from jreshard.types import MpiCommunicator
 
 __all__ = ["KeyValueRendezvous", "MpiRendezvous", "Rendezvous"]
 
@@ -139,7 +140,7 @@ class MpiRendezvous(Rendezvous):
 
     __slots__ = ("_comm",)
 
-    def __init__(self, comm: Any = None):
+    def __init__(self, comm: MpiCommunicator = None):
         if comm is None:
             try:
                 from mpi4py import MPI

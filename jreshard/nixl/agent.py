@@ -62,6 +62,7 @@ import numpy as np
 
 from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
 from jreshard.net.channel import Channel
+from jreshard.types import ByteBuffer, NixlHandle, NixlModule
 
 __all__ = ["NOTICE", "NixlAgent", "Region", "import_nixl", "interface_of", "label"]
 
@@ -78,7 +79,7 @@ def label(i: int, src: int, dst: int, tag: int) -> bytes:
 log = logging.getLogger("jreshard.nixl")
 
 
-def import_nixl() -> Any:
+def import_nixl() -> NixlModule:
     """The ``nixl_cu12`` (or ``nixl_cu13``) module, or :class:`BackendUnavailableError` saying what to install.
 
     NIXL's Python logger prints every agent and backend it makes at INFO level on *stdout*; unless
@@ -160,20 +161,20 @@ class _Retired:
 
     __slots__ = ("descs", "dlists", "handle", "keep")
 
-    def __init__(self, handle: Any, keep: tuple[Any, ...], dlists: tuple[Any, ...], descs: tuple[Any, ...]):
+    def __init__(self, handle: NixlHandle, keep: tuple[Any, ...], dlists: tuple[Any, ...], descs: tuple[Any, ...]):
         self.handle, self.keep, self.dlists, self.descs = handle, keep, dlists, descs
 
 
 class _Registration:
     __slots__ = ("descs", "key", "live", "partial", "root")
 
-    def __init__(self, key: tuple[str, int, int, int], descs: Any, root: Any, partial: str):
+    def __init__(self, key: tuple[str, int, int, int], descs: NixlHandle, root: ByteBuffer, partial: str):
         self.key, self.descs, self.partial = key, descs, partial
         self.root = weakref.ref(root)
         self.live = True
 
 
-def _describe(buffer: Any) -> tuple[str, int, int, int, Any, int, int]:
+def _describe(buffer: ByteBuffer) -> tuple[str, int, int, int, Any, int, int]:
     """``(mem, device, address, nbytes, root, root address, root nbytes)`` of a 1-D uint8 buffer."""
     cai = getattr(buffer, "__cuda_array_interface__", None)
     if cai is not None:  # CuPy: VRAM (not run on GPU)
@@ -281,7 +282,7 @@ class NixlAgent:
             return agent
 
     @property
-    def nixl(self) -> Any:
+    def nixl(self) -> NixlModule:
         """The ``nixl_agent`` (for the communicator)."""
         return self._agent
 
@@ -293,7 +294,7 @@ class NixlAgent:
             return sum(k[3] for k in self._regs)
 
     # ---- registrations --------------------------------------------------------------------------
-    def region(self, buffer: Any) -> Region:
+    def region(self, buffer: ByteBuffer) -> Region:
         """Where ``buffer`` (contiguous 1-D uint8) lies in registered memory, registering its root if needed."""
         mem, device, addr, nbytes, root, raddr, rbytes = _describe(buffer)
         key = (mem, device, raddr, rbytes)
@@ -323,12 +324,12 @@ class NixlAgent:
             told.discard(reg.key)
         self.deregister(reg.descs)
 
-    def descs_of(self, key: tuple[str, int, int, int]) -> Any:
+    def descs_of(self, key: tuple[str, int, int, int]) -> NixlHandle:
         """The registration descriptors of registration ``key`` (a :class:`Region`'s), ``None`` if released."""
         reg = self._regs.get(key)
         return None if reg is None else reg.descs
 
-    def deregister(self, descs: Any) -> None:
+    def deregister(self, descs: NixlHandle) -> None:
         """Release the registration ``descs`` now, or, while a retired WRITE still reads through it, once none
         does."""
         with self._lock:
@@ -339,7 +340,12 @@ class NixlAgent:
 
     # ---- WRITEs given up ------------------------------------------------------------------------
     def retire(
-        self, handle: Any, *, keep: tuple[Any, ...] = (), dlists: tuple[Any, ...] = (), descs: tuple[Any, ...] = ()
+        self,
+        handle: NixlHandle,
+        *,
+        keep: tuple[Any, ...] = (),
+        dlists: tuple[Any, ...] = (),
+        descs: tuple[Any, ...] = (),
     ) -> None:
         """Give up the WRITE of ``handle`` (see the module docstring): it is released once NIXL no longer runs
         it, then ``dlists`` (its prepared descriptor lists) are, and until then ``keep`` (the buffers it reads)

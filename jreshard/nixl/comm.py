@@ -75,6 +75,7 @@ from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
 from jreshard.net.auth import TAG_BYTES
 from jreshard.net.channel import Channel
 from jreshard.nixl.agent import NOTICE, NixlAgent, label
+from jreshard.types import ByteBuffer
 
 __all__ = ["NixlComm"]
 
@@ -91,7 +92,7 @@ _Posted = tuple[int, int, int, str, int, bool]
 _Write = tuple[Any, SendOp, Any, Any]
 
 
-def _host(buffer: Any) -> bool:
+def _host(buffer: ByteBuffer) -> bool:
     return not hasattr(buffer, "__cuda_array_interface__")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import secrets
 import select
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.net.channel import Channel, accept_first, connect, format_address, listen, parse_address
 from jreshard.nixl.agent import NixlAgent
 from jreshard.nixl.comm import NixlComm
+from jreshard.types import ControlObject
 
 __all__ = ["ProcessGroup"]
 
@@ -57,7 +59,7 @@ class ProcessGroup:
       roles: ``{process: "source" | "destination"}``.
     """
 
-    def __init__(self, rank: int, roles: Mapping[int, str], channels: Mapping[int, Channel], listener: Any):
+    def __init__(self, rank: int, roles: Mapping[int, str], channels: Mapping[int, Channel], listener: socket.socket):
         self.rank = rank
         self.size = len(roles)
         self.roles = dict(roles)
@@ -145,7 +147,9 @@ class ProcessGroup:
         return cls._mesh(table, ch, listener, key, deadline, timeout_s)
 
     @classmethod
-    def _coordinate(cls, listener: Any, n_src: int, key: bytes, deadline: float, timeout_s: float) -> ProcessGroup:
+    def _coordinate(
+        cls, listener: socket.socket, n_src: int, key: bytes, deadline: float, timeout_s: float
+    ) -> ProcessGroup:
         """Process 0: admit every other process, then send the table."""
         pending: list[Channel] = []
         joined: dict[tuple[str, int], tuple[Channel, dict]] = {}
@@ -193,7 +197,7 @@ class ProcessGroup:
         return cls(0, roles, channels, listener)
 
     @classmethod
-    def _mesh(cls, msg: dict, to_zero: Channel, listener: Any, key: bytes, deadline: float, timeout_s: float):
+    def _mesh(cls, msg: dict, to_zero: Channel, listener: socket.socket, key: bytes, deadline: float, timeout_s: float):
         """Connect to every lower-numbered process but 0, and accept every higher one."""
         table, me = msg["table"], int(msg["you"])
         roles = {p: str(row[0]) for p, row in enumerate(table)}
@@ -246,7 +250,7 @@ class ProcessGroup:
 
     def allgather(
         self,
-        obj: Any,
+        obj: ControlObject,
         *,
         timeout_s: float,
         peers: Sequence[int] | None = None,

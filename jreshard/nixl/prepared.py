@@ -57,6 +57,7 @@ from jreshard.engine.loopback import match
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
 from jreshard.net.channel import Channel
 from jreshard.nixl.agent import NOTICE, NixlAgent, label
+from jreshard.types import NixlHandle
 
 NixlComm = Any
 """The communicator that makes these, :class:`jreshard.nixl.comm.NixlComm` (which imports this module when it
@@ -140,7 +141,7 @@ class _Piece:
 
     def __init__(self, group: int, rows: np.ndarray):
         self.group, self.rows = group, rows  # rows: indices into the channel's send rows, in the receiver's order
-        self.handle: Any = None  # the handle posted last
+        self.handle: NixlHandle = None  # the handle posted last
         # the handles made, by (local addresses, remote addresses, registrations): the last two (a loop whose
         # buffers alternate between two sets, as pools that keep the last version alive do, makes none after)
         self.made: collections.OrderedDict[tuple, tuple[Any, ...]] = collections.OrderedDict()
@@ -667,7 +668,7 @@ class NixlPrepared(PreparedGroups):
         self._last = None
 
 
-def _deregister(agent: Any, regs: dict[tuple[int, int], tuple[Any, str]]) -> None:
+def _deregister(agent: NixlHandle, regs: dict[tuple[int, int], tuple[Any, str]]) -> None:
     for descs, _ in regs.values():
         try:
             agent.deregister(descs)  # later, while a WRITE given up still reads through it

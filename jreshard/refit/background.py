@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 from jreshard.errors import RefitCancelledError, TransferTimeoutError
+from jreshard.types import PyTree
 
 __all__ = ["PullHandle", "ServeReport", "Shadow", "shadow_bytes"]
 
@@ -103,7 +104,7 @@ class ServeReport:
         )
 
 
-def shadow_bytes(tree: Any) -> int:
+def shadow_bytes(tree: PyTree) -> int:
     """The bytes of this process's shards of ``tree`` (arrays or ``ShapeDtypeStruct`` with shardings):
     what a shadow copy of it holds.
 
@@ -136,8 +137,8 @@ class PullHandle:
         self,
         group: Any,  # the RefitGroup (which imports this module: named here, not imported)
         *,
-        into: Any,
-        like: Any,
+        into: PyTree,
+        like: PyTree,
         timeout_s: float | None,
         shadow: Shadow,
         nbytes: int,
@@ -162,7 +163,7 @@ class PullHandle:
         self._t0 = time.monotonic()
         self._thread.start()
 
-    def _receive(self, into: Any, like: Any, timeout_s: float | None) -> None:
+    def _receive(self, into: PyTree, like: PyTree, timeout_s: float | None) -> None:
         import jax
 
         c0 = time.thread_time()

@@ -21,6 +21,7 @@ from jreshard.errors import JReshardError
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
 from jreshard.sharding.layout import Layout
+from jreshard.types import PyTree, TreeDef
 
 __all__ = [
     "GroupViews",
@@ -38,7 +39,7 @@ __all__ = [
 _DEFAULT_DOMAIN = 1 << 20  # + process index: every process its own domain unless told
 
 
-def declare_local(role: str, params: Any, devices: Sequence[Any], domain: int | None, recipe: Any = None) -> dict:
+def declare_local(role: str, params: PyTree, devices: Sequence[Any], domain: int | None, recipe: PyTree = None) -> dict:
     """This process's declaration of ``params`` (jax arrays / ShapeDtypeStructs with shardings).
 
     ``recipe`` (a destination's): a pytree with the structure of ``params`` whose leaves are views
@@ -85,12 +86,12 @@ def declare_leaves(role: str, leaves: Sequence[tuple[Any, Any]], devices: Sequen
     return {"role": role, "ndev": len(devices), "domain": domain, "params": out, "errors": errors}
 
 
-def _up_to(treedef: Any, tree: Any) -> list[Any]:
+def _up_to(treedef: TreeDef, tree: PyTree) -> list[Any]:
     """``tree`` flattened up to ``treedef``'s leaves (``None`` stays a leaf there)."""
     return list(treedef.flatten_up_to(tree))
 
 
-def _recipe(params: Any, recipe: Any, errors: list[str]) -> dict[str, list]:
+def _recipe(params: PyTree, recipe: PyTree, errors: list[str]) -> dict[str, list]:
     """``{destination name: encoded view}`` of ``recipe`` (its problems appended to ``errors``)."""
     import jax
 
@@ -396,7 +397,7 @@ class GroupViews:
 
     Attributes:
       src_names, dst_names: the leaf names of each side (the source's order; the destination's).
-      leaves: one view leaf per source parameter (over a :class:`~jreshard.views.named.Param`).
+      leaves: one view leaf per source parameter (over a :class:`~jreshard.views.named.NamedParam`).
       layouts: the source leaves' layouts over the group's ranks.
       views: per destination leaf, the view that makes it, in the destination's dtype.
       dsts: the destination leaves' layouts.

@@ -37,6 +37,7 @@ from jreshard.options import Options
 from jreshard.refit.group import RefitGroup, Role
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype, storage_bytes
+from jreshard.types import ByteBuffer
 
 __all__ = ["Declaration", "Endpoint", "RawMemory", "Tensor", "byte_view"]
 
@@ -152,7 +153,7 @@ class RawMemory:
             raise LayoutError(f"RawMemory: address={self.address:#x}, nbytes={self.nbytes} must be positive")
 
 
-def byte_view(buffer: Any, nbytes: int, what: str) -> np.ndarray:
+def byte_view(buffer: ByteBuffer, nbytes: int, what: str) -> np.ndarray:
     """A writable 1-D ``uint8`` view of ``buffer`` (numpy, the buffer protocol, or a :class:`RawMemory`), zero-copy.
 
     Raises:
@@ -238,8 +239,10 @@ class Endpoint:
         Args:
           index, count: this process's place among the receiving processes, and their number.
         """
+        from jreshard.call.routes import kit
         from jreshard.net.auth import resolve_secret
-        from jreshard.nixl.group import ProcessGroup
+
+        ProcessGroup = kit("nixl").group
 
         options = Options.of(options)
         key = resolve_secret(options.secret, who="Endpoint.connect")

@@ -62,14 +62,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jreshard.refit.boxes as boxes
+from jreshard.call.routes import kit, program_transport
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.digest import DigestComm, DigestCost, Digests
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import LayoutMismatchError, PeerError, TransferError
-from jreshard.mpi.comm import MpiComm, import_mpi
-from jreshard.mpi.control import Control
-from jreshard.mpi.live import LiveComm
 from jreshard.options import Options
 from jreshard.refit.decl import (
     GroupViews,
@@ -89,6 +87,7 @@ from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link, Topology
+from jreshard.types import Device, PyTree
 from jreshard.views.lowering import LeafLowering
 
 __all__ = ["RefitGroup", "Role"]
@@ -99,6 +98,9 @@ def _local_devices() -> list[Any]:
 
     return list(jax.local_devices())
 
+
+_MPI = kit("mpi")  # the transports, by name from the registry (jreshard.call.routes)
+MpiComm, Control, LiveComm, import_mpi = _MPI.comm, _MPI.control, _MPI.live, _MPI.import_mpi
 
 MPI_JOIN_EXIT = 75  # the exit status of a process whose MPI accept/connect a dead peer left hanging (EX_TEMPFAIL)
 
@@ -201,14 +203,14 @@ class RefitGroup:
     def __init__(
         self,
         role: Role | str,
-        params: Any,
+        params: PyTree,
         *,
         comm: Any = None,
         devices: Sequence[Any] | None = None,
         domain: int | None = None,
         options: Options | None = None,
         links: dict[str, float] | None = None,
-        recipe: Any = None,
+        recipe: PyTree = None,
         _group: Any = None,
         _declared: dict | None = None,
     ):
@@ -290,7 +292,7 @@ class RefitGroup:
     def connect(
         cls,
         role: Role | str,
-        params: Any,
+        params: PyTree,
         *,
         address: str,
         comm: Any = None,
@@ -319,20 +321,19 @@ class RefitGroup:
         ``options.timeout_s``; a peer that dies is seen within it, and the surviving side can
         ``connect`` again with a new peer.
         """
-        if transport == "nixl":
+        if program_transport(transport, "RefitGroup.connect") == "nixl":
             return cls._connect_nixl(Role(role), params, address, host, **kwargs)
-        if transport != "mpi":
-            raise ValueError(f"RefitGroup.connect: transport={transport!r}; expected 'mpi' or 'nixl'")
         return cls._connect_mpi(Role(role), params, address, host, comm, **kwargs)
 
     @classmethod
-    def _connect_mpi(cls, role: Role, params: Any, address: str, host: str, comm: Any, **kwargs: Any) -> RefitGroup:
+    def _connect_mpi(cls, role: Role, params: PyTree, address: str, host: str, comm: Any, **kwargs: Any) -> RefitGroup:
         """Two MPI launches: every process joins a :class:`~jreshard.nixl.group.ProcessGroup` at ``address``
         (bounded, authenticated; the control plane and the liveness of every peer), the source's process 0
         hands its MPI port name over it, then the sides ``Comm_accept`` / ``Comm_connect`` (both known alive
         and calling) and the weights move over the merged communicator."""
         from jreshard.net.auth import SECRET_ENV, SECRET_FILE_ENV, resolve_secret
-        from jreshard.nixl.group import ProcessGroup
+
+        ProcessGroup = kit("nixl").group
 
         MPI = import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -370,11 +371,12 @@ class RefitGroup:
             raise
 
     @classmethod
-    def _connect_nixl(cls, role: Role, params: Any, address: str, host: str, **kwargs: Any) -> RefitGroup:
+    def _connect_nixl(cls, role: Role, params: PyTree, address: str, host: str, **kwargs: Any) -> RefitGroup:
         import jax
 
         from jreshard.net.auth import resolve_secret
-        from jreshard.nixl.group import ProcessGroup
+
+        ProcessGroup = kit("nixl").group
 
         options = Options.of(kwargs.get("options"))
         key = resolve_secret(options.secret, who="RefitGroup.connect")
@@ -583,7 +585,7 @@ class RefitGroup:
             gv, self._view_schedule, self._comm, sources, targets, options=self.options, given=given, delta=delta
         )
 
-    def push(self, params: Any, *, version: int) -> None:
+    def push(self, params: PyTree, *, version: int) -> None:
         """Send ``params`` (matching the declaration) as ``version`` to the destination side.
 
         Returns when every process of the group has committed the new version.
@@ -616,8 +618,8 @@ class RefitGroup:
     def pull_async(
         self,
         *,
-        into: Any = None,
-        like: Any = None,
+        into: PyTree = None,
+        like: PyTree = None,
         timeout_s: float | None = None,
         shadow: Any = "keep",
         max_shadow_bytes: int | None = None,
@@ -670,8 +672,8 @@ class RefitGroup:
     def pull(
         self,
         *,
-        into: Any = None,
-        like: Any = None,
+        into: PyTree = None,
+        like: PyTree = None,
         timeout_s: float | None = None,
         _phases: dict | None = None,
         _abort: Any = None,
@@ -775,7 +777,7 @@ class RefitGroup:
 
         return [(self._index[jax.tree_util.keystr(p) or "x"], a) for p, a in flat]
 
-    def _rank_of(self, device: Any) -> int | None:
+    def _rank_of(self, device: Device) -> int | None:
         try:
             return self._base + self._devices.index(device)
         except ValueError:

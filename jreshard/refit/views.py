@@ -55,7 +55,7 @@ def schedule_group(
       ValueError: ``options.chunk_bytes`` is below an item on the wire.
     """
     from jreshard.schedule.viewsched import view_schedule
-    from jreshard.views.quant import _Quant
+    from jreshard.views.quant import QuantView as _Quant
 
     quant = [(v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in gv.views]
     return view_schedule(lowerings, gv.layouts, gv.dsts, topology, options, quant, pipelined=pipelined)

@@ -20,6 +20,7 @@ import numpy as np
 
 from jreshard.errors import LayoutError
 from jreshard.sharding.box import Box
+from jreshard.types import Sharding
 
 __all__ = ["MeshForm", "addressable_order", "describe_sharding"]
 
@@ -75,7 +76,7 @@ def describe_sharding(
     return {rank_of(d): Box.from_slices(idx, shape) for d, idx in index_map.items()}
 
 
-def addressable_order(sharding: Any) -> tuple[Any, ...]:
+def addressable_order(sharding: Sharding) -> tuple[Any, ...]:
     """The devices of a sharding in the order jax lists an array's shards (``addressable_data``)."""
     try:
         return tuple(sharding._internal_device_list.addressable_device_list)

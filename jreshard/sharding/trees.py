@@ -18,12 +18,12 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Plan
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
-from jreshard.types import PyTree
+from jreshard.types import PyTree, TreeLeaf
 
 __all__ = ["PyTree", "flat_direct", "gather_broadcast", "layout_pairs", "plan"]
 
 
-def _is_layout_seq(x: Any) -> bool:
+def _is_layout_seq(x: TreeLeaf) -> bool:
     return isinstance(x, Layout) or (
         isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(v, Layout) for v in x)
     )
@@ -69,7 +69,7 @@ def layout_pairs(src: PyTree, dst: PyTree) -> tuple[list[tuple[Layout, Layout]],
     return pairs, names, sorted(devices, key=lambda d: d.id)
 
 
-def _leaf_layout(leaf: Any, like: Any, which: str, name: str) -> Layout:
+def _leaf_layout(leaf: TreeLeaf, like: PyTree, which: str, name: str) -> Layout:
     import jax
 
     if isinstance(leaf, jax.sharding.Sharding):

@@ -30,6 +30,7 @@ from jreshard.options import Options
 from jreshard.refit.endpoint import Declaration, Endpoint, RawMemory, Tensor
 from jreshard.sharding.box import Box
 from jreshard.torch.tensors import tensor_dtype, tensor_region
+from jreshard.types import Target
 
 __all__ = ["Receiver", "Shard"]
 
@@ -197,7 +198,7 @@ class Receiver:
         self.close()
 
 
-def _to_device(t: Any, address: int, src: np.ndarray) -> None:
+def _to_device(t: Target, address: int, src: np.ndarray) -> None:
     """Copy the host bytes ``src`` into device tensor ``t`` at ``address`` (inside it). Not run on GPU."""
     import torch
 
@@ -206,6 +207,6 @@ def _to_device(t: Any, address: int, src: np.ndarray) -> None:
     flat[start : start + src.size].copy_(torch.from_numpy(src))
 
 
-def _whole(t: Any) -> Box:
+def _whole(t: Target) -> Box:
     shape = tuple(int(n) for n in t.shape)
     return Box((0,) * len(shape), shape)

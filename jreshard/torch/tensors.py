@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from jreshard.sharding.box import Box
+from jreshard.types import Target
 
 __all__ = ["TORCH_DTYPES", "host_bytes", "tensor_dtype", "tensor_region"]
 
@@ -28,7 +29,7 @@ TORCH_DTYPES = {
 }
 
 
-def tensor_dtype(t: Any) -> str:
+def tensor_dtype(t: Target) -> str:
     """``t``'s dtype by jreshard's name (``torch.bfloat16`` -> ``"bfloat16"``).
 
     Raises:
@@ -43,7 +44,7 @@ def tensor_dtype(t: Any) -> str:
     return TORCH_DTYPES[name]
 
 
-def _box(t: Any, box: Box | None) -> Box:
+def _box(t: Target, box: Box | None) -> Box:
     shape = tuple(int(n) for n in t.shape)
     if box is None:
         return Box((0,) * len(shape), shape)
@@ -52,7 +53,7 @@ def _box(t: Any, box: Box | None) -> Box:
     return box
 
 
-def tensor_region(t: Any, box: Box | None = None, *, what: str = "tensor") -> tuple[int, int]:
+def tensor_region(t: Target, box: Box | None = None, *, what: str = "tensor") -> tuple[int, int]:
     """``(address, nbytes)`` of ``box`` of ``t`` (all of ``t`` when ``None``).
 
     The box must be one contiguous run of ``t``'s memory: ``t`` contiguous, the box of extent 1 on every
@@ -82,7 +83,7 @@ def tensor_region(t: Any, box: Box | None = None, *, what: str = "tensor") -> tu
     return int(t.data_ptr()) + offset, nbytes
 
 
-def host_bytes(t: Any, box: Box | None = None, *, what: str = "tensor") -> np.ndarray:
+def host_bytes(t: Target, box: Box | None = None, *, what: str = "tensor") -> np.ndarray:
     """The bytes of ``box`` of CPU tensor ``t`` as a writable numpy ``uint8`` array over ``t``'s memory.
 
     Raises:

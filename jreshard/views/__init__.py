@@ -25,6 +25,7 @@ import importlib as _importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from jreshard.types import DType, TreeLeaf
 from jreshard.views.algebra import Cast as Cast
 from jreshard.views.algebra import Concat as Concat
 from jreshard.views.algebra import Index as Index
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 
-def astype(x: Any, dtype: Any) -> View:
+def astype(x: TreeLeaf, dtype: DType) -> View:
     """``x`` (a view or an array) cast to ``dtype``, bit-exact with ``jnp.astype``.
 
     Between float32, bfloat16, float16, float8_e4m3fn, float8_e5m2 and int8. The cast runs
@@ -105,7 +106,7 @@ def stack(parts: Sequence[Any], axis: int = 0) -> View:
     return Stack([as_view(p, "stack(parts)") for p in parts], axis)
 
 
-def unstack(x: Any, axis: int = 0) -> list[View]:
+def unstack(x: TreeLeaf, axis: int = 0) -> list[View]:
     """The slices of ``x`` along ``axis``, each without that axis (scanned layers into per-layer leaves)."""
     v = as_view(x, "unstack(x)")
     if not -v.ndim <= axis < v.ndim:
@@ -114,7 +115,7 @@ def unstack(x: Any, axis: int = 0) -> list[View]:
     return [Index(v, (slice(None),) * axis + (i,)) for i in range(v.shape[axis])]
 
 
-def reshape(x: Any, shape: Sequence[int]) -> View:
+def reshape(x: TreeLeaf, shape: Sequence[int]) -> View:
     """``jnp.reshape(x, shape)``, lazily (row-major; one ``-1`` is inferred).
 
     Merges and splits axes without gathering: a trainer's ``[embed, heads, head_dim]`` kernel
@@ -134,13 +135,13 @@ def reshape(x: Any, shape: Sequence[int]) -> View:
     return Reshape(as_view(x, "reshape(x)"), shape)
 
 
-def transpose(x: Any, perm: Sequence[int] | None = None) -> View:
+def transpose(x: TreeLeaf, perm: Sequence[int] | None = None) -> View:
     """``jnp.transpose(x, perm)``, lazily (``perm=None`` reverses the axes)."""
     v = as_view(x, "transpose(x)")
     return Transpose(v, tuple(reversed(range(v.ndim))) if perm is None else perm)
 
 
-def quantize_fp8(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[View, View]:
+def quantize_fp8(x: TreeLeaf, block: tuple[int, int] = (128, 128)) -> tuple[View, View]:
     """``(weights float8_e4m3fn, scale_inv float32)``: block FP8 over the last two axes of ``x``.
 
     The DeepSeek-V3 / vLLM block format (:mod:`jreshard.views.quant`), bit-exact with
@@ -150,7 +151,7 @@ def quantize_fp8(x: Any, block: tuple[int, int] = (128, 128)) -> tuple[View, Vie
     return QuantWeights(v, block), QuantScales(v, block)
 
 
-def has_views(x: Any) -> bool:
+def has_views(x: TreeLeaf) -> bool:
     """Whether the pytree ``x`` has a view among its leaves (then ``jreshard.views.transfer`` moves it).
 
     Example:

@@ -20,11 +20,11 @@ import bisect
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
+from jreshard.types import Array, NumpyIndex, TreeLeaf
 from jreshard.views.casts import check_cast_dtype
 
 __all__ = ["Cast", "Concat", "Index", "Leaf", "Mapped", "Reshape", "Stack", "Transpose", "View", "as_view"]
@@ -104,7 +104,7 @@ class View(abc.ABC):
         """The views this one is built from."""
 
     @abc.abstractmethod
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         """A hashable description of the composition, leaves replaced by ``leaf_key(leaf)``."""
 
     def leaves(self) -> list[Leaf]:
@@ -118,7 +118,7 @@ class View(abc.ABC):
             stack.extend(reversed(v.operands()))
         return list(out.values())
 
-    def __getitem__(self, index: Any) -> View:
+    def __getitem__(self, index: NumpyIndex) -> View:
         return Index(self, index)
 
     def astype(self, dtype: object) -> View:
@@ -135,7 +135,7 @@ class Leaf(View):
 
     __slots__ = ("dtype", "shape", "source")
 
-    def __init__(self, source: Any):
+    def __init__(self, source: Array):
         shape = getattr(source, "shape", None)
         dtype = getattr(source, "dtype", None)
         if shape is None or dtype is None:
@@ -148,11 +148,11 @@ class Leaf(View):
     def operands(self) -> tuple[View, ...]:
         return ()
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("leaf", leaf_key(self))
 
 
-def as_view(x: Any, what: str = "x") -> View:
+def as_view(x: TreeLeaf, what: str = "x") -> View:
     """``x`` itself when it is a view, else a :class:`Leaf` over it."""
     if isinstance(x, View):
         return x
@@ -177,7 +177,7 @@ class Cast(View):
     def operands(self) -> tuple[View, ...]:
         return (self.x,)
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("cast", self.dtype, self.x.signature(leaf_key))
 
 
@@ -208,7 +208,7 @@ class Transpose(View):
     def operands(self) -> tuple[View, ...]:
         return (self.x,)
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("transpose", self.perm, self.x.signature(leaf_key))
 
 
@@ -217,7 +217,7 @@ class Index(View):
 
     __slots__ = ("dtype", "keep", "shape", "spans", "x")
 
-    def __init__(self, x: View, index: Any):
+    def __init__(self, x: View, index: NumpyIndex):
         items = index if isinstance(index, tuple) else (index,)
         if sum(i is Ellipsis for i in items) > 1:
             raise IndexError(f"index {index!r}: at most one Ellipsis")
@@ -268,7 +268,7 @@ class Index(View):
     def operands(self) -> tuple[View, ...]:
         return (self.x,)
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("index", self.spans, self.keep, self.x.signature(leaf_key))
 
 
@@ -310,7 +310,7 @@ class Stack(View):
     def operands(self) -> tuple[View, ...]:
         return self.parts
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("stack", self.axis, tuple(p.signature(leaf_key) for p in self.parts))
 
 
@@ -373,7 +373,7 @@ class Concat(View):
     def operands(self) -> tuple[View, ...]:
         return self.parts
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("concat", self.axis, self.groups, tuple(p.signature(leaf_key) for p in self.parts))
 
 
@@ -490,5 +490,5 @@ class Reshape(View):
     def operands(self) -> tuple[View, ...]:
         return (self.x,)
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("reshape", self.shape, self.x.signature(leaf_key))

@@ -30,7 +30,7 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.topology import Link, Topology
 from jreshard.views.algebra import Leaf, Mapped, View
 from jreshard.views.casts import wire_cut
-from jreshard.views.quant import _Quant, blocks_in
+from jreshard.views.quant import QuantView, blocks_in
 
 __all__ = ["LeafLowering", "ViewPiece", "QuantTask", "lower", "lower_tree", "subtract"]
 
@@ -219,7 +219,7 @@ def lower(
     pieces: list[ViewPiece] = []
     tasks: list[QuantTask] = []
     cache: dict[Box, list[Mapped]] = {}
-    quant = view if isinstance(view, _Quant) else None
+    quant = view if isinstance(view, QuantView) else None
     reps: dict[tuple[int, Box], tuple[int, ...]] = {}
     for r in order:
         key = (topology.domain_of(r), dst.box_of(r))

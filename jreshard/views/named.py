@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from jreshard.sharding.dtypes import dtype_name
+from jreshard.types import DType, Json
 from jreshard.views.algebra import Cast, Concat, Index, Leaf, Reshape, Stack, Transpose, View
 from jreshard.views.quant import QuantScales, QuantWeights
 
-__all__ = ["Param", "decode", "encode", "param", "reads"]
+__all__ = ["NamedParam", "decode", "encode", "param", "reads"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class Param:
+class NamedParam:
     """A source parameter named by a program's declaration (no data; two objects are two leaves).
 
     Attributes:
@@ -37,7 +37,7 @@ class Param:
     dtype: str
 
 
-def param(name: str, shape: Sequence[int], dtype: Any) -> Leaf:
+def param(name: str, shape: Sequence[int], dtype: DType) -> Leaf:
     """A view leaf standing for the source parameter ``name`` of ``shape`` and ``dtype``.
 
     Args:
@@ -59,12 +59,12 @@ def param(name: str, shape: Sequence[int], dtype: Any) -> Leaf:
     dims = tuple(int(n) for n in shape)
     if any(n < 0 for n in dims):
         raise ValueError(f"param({name!r}): shape={dims} has a negative extent")
-    return Leaf(Param(name, dims, dtype_name(dtype)))
+    return Leaf(NamedParam(name, dims, dtype_name(dtype)))
 
 
 def _leaf_form(leaf: Leaf) -> list:
     src = leaf.source
-    if not isinstance(src, Param):
+    if not isinstance(src, NamedParam):
         raise TypeError(
             f"a recipe reads a {type(src).__name__} of shape {leaf.shape}; a program's recipe names the source's "
             "parameters instead: build it on jreshard.views.param(name, shape, dtype)"
@@ -72,7 +72,7 @@ def _leaf_form(leaf: Leaf) -> list:
     return [src.name, list(src.shape), src.dtype]
 
 
-def _lists(x: Any) -> Any:
+def _lists(x: Json) -> Json:
     """A signature with its tuples as lists (what JSON gives back)."""
     if isinstance(x, (tuple, list)):
         return [_lists(v) for v in x]
@@ -93,11 +93,11 @@ def encode(view: View) -> list:
     return _lists(view.signature(_leaf_form))
 
 
-def reads(form: Any) -> list[tuple[str, tuple[int, ...], str]]:
+def reads(form: Json) -> list[tuple[str, tuple[int, ...], str]]:
     """Each source parameter ``(name, shape, dtype)`` the encoded view reads, in first-use order."""
     out: dict[str, tuple[str, tuple[int, ...], str]] = {}
 
-    def walk(f: Any) -> None:
+    def walk(f: Json) -> None:
         if f[0] == "leaf":
             name, shape, dtype = f[1]
             out.setdefault(name, (name, tuple(shape), dtype))
@@ -109,7 +109,7 @@ def reads(form: Any) -> list[tuple[str, tuple[int, ...], str]]:
     return list(out.values())
 
 
-def _children(f: Any) -> list:
+def _children(f: Json) -> list:
     kind = f[0]
     if kind in ("cast", "transpose", "reshape"):
         return [f[2]]
@@ -122,7 +122,7 @@ def _children(f: Any) -> list:
     raise ValueError(f"decode: {kind!r} is not a view in the encoded form {f!r}")
 
 
-def decode(form: Any, leaf: Callable[[str], Leaf]) -> View:
+def decode(form: Json, leaf: Callable[[str], Leaf]) -> View:
     """The view ``form`` encodes, each leaf ``leaf(name)`` (the caller gives one leaf per name).
 
     Raises:

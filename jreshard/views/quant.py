@@ -13,7 +13,7 @@ inference engine reads them back. ``x`` is first cast to float32 like
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from jreshard.sharding.box import Box
 from jreshard.views.algebra import Mapped, View
 from jreshard.views.casts import cast
 
-__all__ = ["EPS", "FP8_MAX", "QuantScales", "QuantWeights", "quantize_fp8_reference", "scale_shape"]
+__all__ = ["EPS", "FP8_MAX", "QuantScales", "QuantView", "QuantWeights", "quantize_fp8_reference", "scale_shape"]
 
 FP8_MAX = 448.0
 EPS = 1e-12
@@ -55,7 +55,7 @@ def quantize_fp8_reference(x: np.ndarray, block: tuple[int, int] = (128, 128)) -
     return cast(q.astype(np.float32), "float8_e4m3fn"), scale
 
 
-class _Quant(View):
+class QuantView(View):
     """One output of ``quantize_fp8(x, block)`` (abstract): not composable further, a destination leaf."""
 
     __slots__ = ("block", "dtype", "shape", "x")
@@ -76,7 +76,7 @@ class _Quant(View):
     def operands(self) -> tuple[View, ...]:
         return (self.x,)
 
-    def signature(self, leaf_key: Any) -> tuple:
+    def signature(self, leaf_key: Callable[..., object]) -> tuple:
         return ("fp8", self.part, self.block, self.x.signature(leaf_key))
 
     def hull(self, box: Box) -> Box:
@@ -94,7 +94,7 @@ class _Quant(View):
         raise NotImplementedError
 
 
-class QuantWeights(_Quant):
+class QuantWeights(QuantView):
     """The ``float8_e4m3fn`` weights of ``quantize_fp8(x, block)`` (final)."""
 
     part = "weights"
@@ -114,7 +114,7 @@ class QuantWeights(_Quant):
         return hull.lo
 
 
-class QuantScales(_Quant):
+class QuantScales(QuantView):
     """The float32 ``scale_inv`` of ``quantize_fp8(x, block)``: one per block (final)."""
 
     part = "scales"

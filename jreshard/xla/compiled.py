@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -36,8 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jreshard.types import Array, DType, XlaExecutable
 from jreshard.xla.lanes import from_bytes, from_lanes, lane_dtype, to_bytes, to_lanes
-from jreshard.xla.plan_program import SRC, Copy, Pack, Received, XlaPlan
+from jreshard.xla.plan_program import SRC, BoxCopy, Pack, Received, XlaPlan
 
 __all__ = ["AXIS", "Compiled", "compile_program", "stacked_shape"]
 
@@ -74,7 +75,7 @@ class Compiled:
     mesh: Mesh
     donate: tuple[bool, ...]
     dtypes: tuple[Any, ...]
-    executable: Any
+    executable: XlaExecutable
     compile_s: float
     hlo: str
 
@@ -113,7 +114,9 @@ def _wire_widths(stage: Any, lane_sizes: Sequence[int]) -> tuple[int, ...]:
 _WIRE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int], widths: Sequence[int]) -> Any:
+def _pack_branch(
+    items: Sequence[Sequence[Pack]], lengths: Sequence[int], widths: Sequence[int]
+) -> Callable[..., Array]:
     def branch(src: tuple, dst: tuple) -> tuple:
         out = []
         for parts, length, w in zip(items, lengths, widths, strict=True):
@@ -131,7 +134,9 @@ def _pack_branch(items: Sequence[Sequence[Pack]], lengths: Sequence[int], widths
     return branch
 
 
-def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy], widths: Sequence[int]) -> Any:
+def _unpack_branch(
+    received: Sequence[Received], copies: Sequence[BoxCopy], widths: Sequence[int]
+) -> Callable[..., Array]:
     def branch(src: tuple, dst: tuple, bufs: tuple) -> tuple:
         before = dst
         out = list(dst)
@@ -153,7 +158,7 @@ def _unpack_branch(received: Sequence[Received], copies: Sequence[Copy], widths:
     return branch
 
 
-def _switch(index: jax.Array, keys: Sequence[Any], make: Any, *operands: Any) -> Any:
+def _switch(index: jax.Array, keys: Sequence[Any], make: Callable[..., Array], *operands: Array) -> Array:
     """``lax.switch`` with one branch per distinct key (devices with equal work share a branch)."""
     distinct: dict[Any, int] = {}
     table = [distinct.setdefault(k, len(distinct)) for k in keys]
@@ -163,7 +168,7 @@ def _switch(index: jax.Array, keys: Sequence[Any], make: Any, *operands: Any) ->
     return jax.lax.switch(jnp.asarray(table, jnp.int32)[index], branches, *operands)
 
 
-def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> Any:
+def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> Callable[..., Array]:
     ntens = len(plan.src)
     lane_sizes = [jnp.dtype(lane_dtype(d)).itemsize for d in dtypes]
 
@@ -216,7 +221,7 @@ def compile_program(plan: XlaPlan, devices: Sequence[Any], dtypes: Sequence[Any]
     n = len(devices)
     sharding = NamedSharding(mesh, PartitionSpec(AXIS))
 
-    def spec(block: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    def spec(block: tuple[int, ...], dtype: DType) -> jax.ShapeDtypeStruct:
         shape = stacked_shape(block, n)
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 

@@ -20,23 +20,22 @@ Extended dtypes (typed PRNG keys) are refused by :func:`check_dtype`, before any
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jreshard.errors import LayoutError
 from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.types import DType
 
 __all__ = ["check_dtype", "from_bytes", "from_lanes", "lane_bytes", "lane_dtype", "to_bytes", "to_lanes"]
 
 
-def _bits(dtype: Any) -> int:
+def _bits(dtype: DType) -> int:
     return int(jax.dtypes.itemsize_bits(dtype))
 
 
-def lane_bytes(dtype: Any) -> int:
+def lane_bytes(dtype: DType) -> int:
     """The ``uint8`` lanes one element of ``dtype`` travels as.
 
     Example:
@@ -47,7 +46,7 @@ def lane_bytes(dtype: Any) -> int:
     return max(_bits(dtype) // 8, 1)
 
 
-def check_dtype(dtype: Any, where: str) -> None:
+def check_dtype(dtype: DType, where: str) -> None:
     """Refuse a dtype the program cannot move bit for bit.
 
     Raises:
@@ -70,7 +69,7 @@ def check_dtype(dtype: Any, where: str) -> None:
         )
 
 
-def lane_dtype(dtype: Any) -> Any:
+def lane_dtype(dtype: DType) -> DType:
     """The unsigned integer type a shard of ``dtype`` is held as inside the program (its lanes).
 
     Example:
@@ -104,7 +103,7 @@ def to_lanes(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, lane_dtype(dt))
 
 
-def from_lanes(u: jax.Array, dtype: Any) -> jax.Array:
+def from_lanes(u: jax.Array, dtype: DType) -> jax.Array:
     """The inverse of :func:`to_lanes`."""
     dt = jnp.dtype(dtype)
     if dt == jnp.bool_:
@@ -126,7 +125,7 @@ def to_bytes(lanes: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(flat, jnp.uint8).reshape(-1)
 
 
-def from_bytes(data: jax.Array, lane: Any) -> jax.Array:
+def from_bytes(data: jax.Array, lane: DType) -> jax.Array:
     """Flat ``uint8`` bytes as flat lanes of type ``lane`` (the inverse of :func:`to_bytes`)."""
     k = jnp.dtype(lane).itemsize
     if k == 1:
@@ -134,5 +133,5 @@ def from_bytes(data: jax.Array, lane: Any) -> jax.Array:
     return jax.lax.bitcast_convert_type(data.reshape(-1, k), lane)
 
 
-def _unsigned(bits: int) -> Any:
+def _unsigned(bits: int) -> DType:
     return {2: jnp.uint2, 4: jnp.uint4}[bits]

@@ -36,7 +36,7 @@ from jreshard.sharding.topology import Link
 from jreshard.xla.perms import Permutation, permutations
 
 __all__ = [
-    "Copy",
+    "BoxCopy",
     "Pack",
     "ProgramStats",
     "Received",
@@ -74,7 +74,7 @@ class Received:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Copy:
+class BoxCopy:
     """Box ``src_lo..src_hi`` of the ``side`` shard of ``tensor`` into its destination shard at ``dst_lo``."""
 
     tensor: int
@@ -100,7 +100,7 @@ class Stage:
     pairs: tuple[tuple[tuple[int, int], ...], ...]
     pack: tuple[tuple[tuple[Pack, ...], ...], ...]
     received: tuple[tuple[Received, ...], ...]
-    copies: tuple[tuple[Copy, ...], ...]
+    copies: tuple[tuple[BoxCopy, ...], ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -201,7 +201,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
     dst_block = tuple(block_shape(t.dst, f"the destination layout of tensor {t.name!r}") for t in tensors)
     progs = plan.programs(every)
     cap = message_cap(plan.options.staging_bytes)
-    copies: dict[int, list[list[Copy]]] = defaultdict(lambda: [[] for _ in range(n)])
+    copies: dict[int, list[list[BoxCopy]]] = defaultdict(lambda: [[] for _ in range(n)])
     sent_by: dict[int, dict[Link, int]] = defaultdict(lambda: dict.fromkeys(Link, 0))
     padded_by: dict[int, int] = defaultdict(int)
     messages_by: dict[int, int] = defaultdict(int)
@@ -297,12 +297,12 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
     )
 
 
-def _copy(tensor: int, side: int, box: Box, tensors: Sequence, rank: int) -> Copy:
+def _copy(tensor: int, side: int, box: Box, tensors: Sequence, rank: int) -> BoxCopy:
     t = tensors[tensor]
     src_lay = t.src if side == SRC else t.dst
     slo, shi = _local(box, src_lay.box_of(rank))
     dlo, _ = _local(box, t.dst.box_of(rank))
-    return Copy(tensor, side, slo, shi, dlo)
+    return BoxCopy(tensor, side, slo, shi, dlo)
 
 
 def message_sizes(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:

@@ -29,6 +29,7 @@ from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Link, Topology
+from jreshard.types import DType, Sharding
 from jreshard.xla.compiled import Compiled, compile_program, stacked_shape
 from jreshard.xla.lanes import check_dtype
 from jreshard.xla.plan_program import XlaPlan, xla_plan
@@ -37,7 +38,7 @@ __all__ = ["program_for", "run_xla"]
 
 
 @cache(max_size=4096)
-def _layout(sharding: Any, shape: tuple[int, ...], dtype: Any) -> Layout:
+def _layout(sharding: Sharding, shape: tuple[int, ...], dtype: DType) -> Layout:
     return Layout.from_sharding(sharding, shape, dtype)
 
 
@@ -207,7 +208,7 @@ def run_xla(
     with builder.timed(ReportPhase.BUFFERS):
         spares: dict[tuple[Any, tuple[int, ...], Any], jax.Array] = {}
 
-        def spare(block: tuple[int, ...], dtype: Any, shared: bool) -> Any:
+        def spare(block: tuple[int, ...], dtype: DType, shared: bool) -> Any:
             def make(d: Any) -> jax.Array:
                 shape = block or (1,)
                 if not shared:

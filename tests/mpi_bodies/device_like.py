@@ -4,8 +4,8 @@
 buffer it hands out ("device memory"): shard views, destination blocks, staging and uploads
 (which copy, as a host-to-device copy does). It runs a descriptor table as ``CupyBuffers`` does:
 the byte rows as bytes, the cast rows through the GPU cast kernel's launch table
-(``cuda_casts.pack_launch``/``unpack_launch``/``copy_launch``) and its numpy re-expression
-(``cuda_casts.element_addresses``), every element read and written at its address in the memory it
+(``casts.pack_launch``/``unpack_launch``/``copy_launch``) and its numpy re-expression
+(``casts.element_addresses``), every element read and written at its address in the memory it
 gave out, its value cast by ``views.casts`` (which the kernel's C source matches bit for bit).
 :class:`DeviceOnlyComm` wraps a transport and, as NCCL does, refuses any send or receive whose
 buffer is not in that memory, so a payload built in host memory (the scheduling mail, say) cannot
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from jreshard.cuda import casts as CC
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
-from jreshard.nccl import cuda_casts as CC
 from jreshard.schedule import kernels as K
 from jreshard.schedule.pairsched import MAIL_TAG
 from jreshard.sharding.dtypes import numpy_dtype

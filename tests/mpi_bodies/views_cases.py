@@ -104,14 +104,14 @@ def network_bound(tree: dict, layouts_of, dsts: dict, topo) -> int:
     """The brute-force bound of a destination tree of views (``views.brute_force_network_bound`` for the
     index-map leaves, :func:`fp8_bound` for the block-FP8 ones); ``layouts_of(leaf)`` is a leaf's layout."""
     from jreshard.views import as_view, brute_force_network_bound
-    from jreshard.views.quant import _Quant
+    from jreshard.views.quant import QuantView
 
-    plain = {k: as_view(v) for k, v in tree.items() if not isinstance(v, _Quant)}
+    plain = {k: as_view(v) for k, v in tree.items() if not isinstance(v, QuantView)}
     leaves = list({id(lf.source): lf for v in plain.values() for lf in v.leaves()}.values())
     lays = [layouts_of(lf) for lf in leaves]
     total = brute_force_network_bound(list(plain.values()), leaves, lays, [dsts[k] for k in plain], topo)
     for k, v in tree.items():
-        if isinstance(v, _Quant):
+        if isinstance(v, QuantView):
             (xleaf,) = v.x.leaves()
             total += fp8_bound(v.part, layouts_of(xleaf), dsts[k], topo)
     return total

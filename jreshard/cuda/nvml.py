@@ -26,13 +26,14 @@ from typing import Any
 
 from jreshard.errors import BackendUnavailableError, TopologyError
 from jreshard.sharding.topology import Topology
+from jreshard.types import NvmlHandle, NvmlModule
 
 __all__ = ["domain_key", "local_domain_keys", "topology_from_domain_keys"]
 
 FABRIC_STATE_COMPLETED = 3  # NVML_GPU_FABRIC_STATE_COMPLETED: the GPU has joined its NVLink fabric
 
 
-def _pynvml() -> Any:
+def _pynvml() -> NvmlModule:
     try:
         return importlib.import_module("pynvml")
     except ImportError as err:
@@ -47,7 +48,7 @@ def _cuda_pci_bus_id(ordinal: int) -> str:
     return str(cupy.cuda.runtime.deviceGetPCIBusId(ordinal))
 
 
-def _fabric_info(handle: Any, nvml: Any) -> Any:
+def _fabric_info(handle: NvmlHandle, nvml: NvmlModule) -> Any:
     """NVML's fabric info of one GPU, filled into the struct NVML writes through a pointer.
 
     ``nvmlDeviceGetGpuFabricInfoV`` (versioned struct) where this pynvml has it, else
@@ -62,7 +63,7 @@ def _fabric_info(handle: Any, nvml: Any) -> Any:
     return info
 
 
-def domain_key(handle: Any, *, nvml: Any, hostname: str) -> str:
+def domain_key(handle: NvmlHandle, *, nvml: NvmlModule, hostname: str) -> str:
     """The fast-link domain key of one GPU (an NVML device handle). Not run on GPU.
 
     Returns ``"nvlink:<cluster uuid hex>:<clique id>"`` when the GPU reports a
@@ -83,7 +84,7 @@ def domain_key(handle: Any, *, nvml: Any, hostname: str) -> str:
 def local_domain_keys(
     ordinals: Iterable[int],
     *,
-    nvml: Any = None,
+    nvml: NvmlModule = None,
     pci_bus_id: Callable[[int], str] | None = None,
     hostname: str | None = None,
 ) -> dict[int, str]:

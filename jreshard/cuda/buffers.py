@@ -2,13 +2,13 @@
 
 The GPU :class:`~jreshard.engine.buffers.Buffers`. Buffers are 1-D ``uint8``
 CuPy arrays; pack, unpack and copy are one ``RawKernel`` launch per descriptor
-table (:mod:`jreshard.nccl.cuda_kernels`), or plain ``cudaMemcpyAsync`` calls when
+table (:mod:`jreshard.cuda.kernels`), or plain ``cudaMemcpyAsync`` calls when
 a table is a few contiguous runs; a table's cast rows (a view's casts) launch the cast
-kernel of :mod:`jreshard.nccl.cuda_casts` on the same stream, after its byte rows.
+kernel of :mod:`jreshard.cuda.casts` on the same stream, after its byte rows.
 The launch tables of a whole schedule are built and uploaded once
 (:meth:`CupyBuffers.prepare`, which the engine calls before its first round). Pack,
 send/receive and unpack run on three streams per GPU linked by events, with
-double-buffered staging (:mod:`jreshard.nccl.gpu_streams`); none is the legacy
+double-buffered staging (:mod:`jreshard.cuda.streams`); none is the legacy
 default stream.
 
 Destination shards are allocated through XLA (one jitted allocation per device and
@@ -43,18 +43,19 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any
 
 import numpy as np
 
+from jreshard.cuda import casts as CC
+from jreshard.cuda import kernels as CK
+from jreshard.cuda.dlpack import Typed
+from jreshard.cuda.runtime import event_done
+from jreshard.cuda.streams import GpuStreams
 from jreshard.engine.buffers import KDLCUDA, Buffers, Capsule, dlpack_type, retype_capsule
 from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
-from jreshard.nccl import cuda_casts as CC
-from jreshard.nccl import cuda_kernels as CK
-from jreshard.nccl.gpu_dlpack import Typed
-from jreshard.nccl.gpu_streams import GpuStreams
-from jreshard.nccl.nccl_support import event_done
 from jreshard.schedule import kernels as K
+from jreshard.types import Array, CudaStream, CupyArray, CupyModule, Device
 
 __all__ = ["GPU_ALIGN", "CupyBuffers"]
 
@@ -75,13 +76,9 @@ def _no_room(what: str, nbytes: int, ordinal: int, free: int, total: int) -> str
     )
 
 
-def _ordinal(device: Any) -> int:
+def _ordinal(device: Device) -> int:
     """The CUDA ordinal of a jax GPU device."""
     return int(device.local_hardware_id)
-
-
-CupyArray: TypeAlias = Any
-"""A contiguous 1-D uint8 ``cupy.ndarray`` (CuPy ships no type information)."""
 
 
 class CupyBuffers(Buffers[CupyArray]):
@@ -90,7 +87,7 @@ class CupyBuffers(Buffers[CupyArray]):
     Stream order, no host waits until the end. On each GPU, packs and local copies run
     on a pack stream, sends and receives on the comm stream (``NcclComm``'s, with
     :meth:`NcclComm.buffers`), unpacks on an unpack stream; :meth:`fence` (before each
-    exchange) and the staging arenas' events order them (:mod:`jreshard.nccl.gpu_streams`),
+    exchange) and the staging arenas' events order them (:mod:`jreshard.cuda.streams`),
     and the engine alternates two staging arenas by round (:attr:`staging_buffers`), so
     round ``k + 1`` packs while round ``k`` is on the wire. Only :meth:`synchronize`
     (the end of a refit) blocks the host, polling events every 20-100 µs for at most
@@ -120,7 +117,7 @@ class CupyBuffers(Buffers[CupyArray]):
         self,
         *,
         streams: Mapping[int, Any] | None = None,
-        cupy: Any = None,
+        cupy: CupyModule = None,
         timeout_s: float = 300.0,
         watcher: Any = None,
     ):
@@ -140,12 +137,12 @@ class CupyBuffers(Buffers[CupyArray]):
         self._tables: dict[tuple, tuple[Any, int, int]] = {}  # prepared launch tables on the device
         self.uploads = 0  # host-to-device copies of launch tables (one per GPU per prepared schedule)
 
-    def stream(self, ordinal: int) -> Any:
+    def stream(self, ordinal: int) -> CudaStream:
         """The comm stream on GPU ``ordinal``: NCCL's, and where JAX waits before reading a result."""
         return self._s.comm(ordinal)
 
     @property
-    def cupy(self) -> Any:
+    def cupy(self) -> CupyModule:
         """The ``cupy`` module in use (or its stand-in)."""
         return self._cp
 
@@ -155,7 +152,7 @@ class CupyBuffers(Buffers[CupyArray]):
         return self._s
 
     # ----- DLPack ----------------------------------------------------------
-    def _view(self, array: Any, o: int, stream: Any) -> Any:
+    def _view(self, array: Array, o: int, stream: CudaStream) -> CupyArray:
         """A 1-D uint8 CuPy view of a single-device jax array, ``stream`` ordered after its producer."""
         cp = self._cp
         bits = array.dtype.itemsize * 8
@@ -165,7 +162,7 @@ class CupyBuffers(Buffers[CupyArray]):
             capsule = retype_capsule(array.__dlpack__(stream=stream.ptr), _UINT, bits)
             return cp.from_dlpack(Capsule(capsule, o, KDLCUDA)).reshape(-1).view(cp.uint8)
 
-    def export_source(self, shard: Any) -> Any:
+    def export_source(self, shard: Array) -> CupyArray:
         """A zero-copy 1-D uint8 CuPy view of a single-device jax array, ordered after the
         computation that produces it (on the pack stream, which orders the comm stream
         at each fence). Not run on GPU."""
@@ -179,7 +176,7 @@ class CupyBuffers(Buffers[CupyArray]):
         self._views.append(view)
         return view
 
-    def writable_view(self, array: Any) -> Any:
+    def writable_view(self, array: Array) -> CupyArray:
         """A writable 1-D uint8 view of a donated single-device jax array, ordered after its
         producer on the pack stream (no host wait). Not run on GPU. The caller keeps ``array`` alive."""
         cp = self._cp
@@ -192,7 +189,7 @@ class CupyBuffers(Buffers[CupyArray]):
         self._views.append(view)
         return view
 
-    def allocate(self, sizes: Sequence[int], device: Any) -> list[Any]:
+    def allocate(self, sizes: Sequence[int], device: Device) -> list[Any]:
         """Uninitialised uint8 buffers on ``device`` that XLA allocates (jitted ``zeros`` on the
         device), so XLA's preallocated memory holds them: the buffers under ``SMALL_BYTES``
         share one block (one allocation and one DLPack view for many small leaves), each
@@ -215,7 +212,7 @@ class CupyBuffers(Buffers[CupyArray]):
                 out[i] = block[st : st + int(sizes[i])]
         return out
 
-    def _xla_block(self, nbytes: int, device: Any) -> Any:
+    def _xla_block(self, nbytes: int, device: Device) -> Array:
         """A CuPy view of ``nbytes`` (rounded up) that XLA allocated on ``device``; the view holds the jax array."""
         import jax.numpy as jnp
 
@@ -234,7 +231,7 @@ class CupyBuffers(Buffers[CupyArray]):
         view = self._view(block, o, self._s.pack(o))  # ordered after XLA's zeros on the pack stream
         return view[(-int(view.data.ptr)) % GPU_ALIGN :]
 
-    def import_shard(self, buffer: Any, shape: Sequence[int], dtype: np.dtype, device: Any) -> Any:
+    def import_shard(self, buffer: CupyArray, shape: Sequence[int], dtype: np.dtype, device: Device) -> Array:
         """A jax array on ``device`` aliasing ``buffer``, after the kernels that wrote it. Not run on GPU.
 
         Raises:
@@ -272,7 +269,7 @@ class CupyBuffers(Buffers[CupyArray]):
             free, total = cp.cuda.runtime.memGetInfo()
         return free + cp.get_default_memory_pool().free_bytes(), total
 
-    def _empty(self, nbytes: int, ordinal: int, what: str) -> Any:
+    def _empty(self, nbytes: int, ordinal: int, what: str) -> CupyArray:
         """``nbytes`` uninitialised bytes from CuPy's pool on GPU ``ordinal`` (staging, mail), or an
         error that says how to make room.
 
@@ -294,7 +291,7 @@ class CupyBuffers(Buffers[CupyArray]):
                 raise TransferError(_no_room(what, nbytes, ordinal, free, total), destination_intact=True) from err
 
     # ----- kernels -----------------------------------------------------------
-    def staging(self, nbytes: int, device: Any = None) -> Any:
+    def staging(self, nbytes: int, device: Device = None) -> CupyArray:
         """A uint8 staging buffer on ``device`` (default: the current CuPy device), at most
         ``Options.staging_bytes`` (the schedule's bound); freed by :meth:`release`. Not run on GPU.
 
@@ -304,7 +301,7 @@ class CupyBuffers(Buffers[CupyArray]):
         o = self._cp.cuda.Device().id if device is None else _ordinal(device)
         return self._empty(max(int(nbytes), 0), o, "staging")
 
-    def upload(self, data: np.ndarray, device: Any) -> Any:
+    def upload(self, data: np.ndarray, device: Device) -> CupyArray:
         """``data`` (host uint8) copied into a new buffer on ``device``, on the comm stream
         (the mail of the rank-local schedule, a few integers; a view's block-FP8 bytes
         quantised on the host, :mod:`jreshard.engine.viewrun`). Not run on GPU."""
@@ -315,7 +312,7 @@ class CupyBuffers(Buffers[CupyArray]):
                 buf.set(np.ascontiguousarray(data, np.uint8), stream=self._s.comm(o))
         return buf
 
-    def download(self, buffer: Any) -> np.ndarray:
+    def download(self, buffer: CupyArray) -> np.ndarray:
         """``buffer``'s bytes on the host, copied on the comm stream after what it ordered
         there (with ``NcclComm.buffers()``, the receives); a buffer other streams wrote
         (a source shard's producer, an unpack) is read after :meth:`synchronize`, as the
@@ -334,7 +331,7 @@ class CupyBuffers(Buffers[CupyArray]):
 
     @staticmethod
     def _launches(byte: np.ndarray, cast: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        """The parts of a table (:func:`cuda_casts.split`) that launch a kernel: ``("copy", byte rows)``
+        """The parts of a table (:func:`casts.split`) that launch a kernel: ``("copy", byte rows)``
         unless they are a few contiguous runs (``cudaMemcpyAsync``), ``("cast", cast rows)``."""
         out = [("copy", byte)] if len(byte) and not _plain(byte, byte) else []
         return out + ([("cast", cast)] if len(cast) else [])
@@ -367,7 +364,9 @@ class CupyBuffers(Buffers[CupyArray]):
             self.uploads += 1
             self._tables.update({key: d for (key, _), d in zip(items, done, strict=True)})
 
-    def _run(self, kind: str, table: np.ndarray, buffers: Sequence[Any], staging: Any, stream: Any) -> None:
+    def _run(
+        self, kind: str, table: np.ndarray, buffers: Sequence[Any], staging: CupyArray, stream: CudaStream
+    ) -> None:
         """The kernels of ``table`` on ``stream``: its byte rows (copies for a few contiguous runs, else
         the byte kernel), then its cast rows (the cast kernel)."""
         ptrs = self._pointers(buffers)
@@ -386,12 +385,12 @@ class CupyBuffers(Buffers[CupyArray]):
             else:
                 m.launch_uploaded(*found, stream, self._cp)
 
-    def _memcpy(self, pairs: Sequence[tuple[int, int, int]], stream: Any) -> None:
+    def _memcpy(self, pairs: Sequence[tuple[int, int, int]], stream: CudaStream) -> None:
         rt = self._cp.cuda.runtime
         for dst, src, n in pairs:
             rt.memcpyAsync(dst, src, n, rt.memcpyDeviceToDevice, stream.ptr)
 
-    def pack(self, table: np.ndarray, buffers: Sequence[Any], staging: Any) -> None:
+    def pack(self, table: np.ndarray, buffers: Sequence[Any], staging: CupyArray) -> None:
         """One kernel launch (or a few ``cudaMemcpyAsync`` for contiguous runs) gathering ``table``'s
         pieces into ``staging``, on the pack stream. Not run on GPU."""
         if len(table) == 0:
@@ -404,7 +403,7 @@ class CupyBuffers(Buffers[CupyArray]):
             self._run("pack", table, buffers, staging, s)
             self._s.after_pack(o, arena)
 
-    def unpack(self, table: np.ndarray, staging: Any, buffers: Sequence[Any]) -> None:
+    def unpack(self, table: np.ndarray, staging: CupyArray, buffers: Sequence[Any]) -> None:
         """One kernel launch (or a few ``cudaMemcpyAsync``) scattering ``staging`` into ``table``'s
         pieces, on the unpack stream after this round's receives (an event, no host wait). Not run on GPU."""
         if len(table) == 0:

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from jreshard.schedule import kernels as K
+from jreshard.types import CudaKernel, CudaStream, CupyModule
 
 __all__ = [
     "CUDA_SOURCE",
@@ -233,7 +234,7 @@ def _build(src: np.ndarray, sstr: np.ndarray, dst: np.ndarray, dstr: np.ndarray,
     tiles = -(-units // TILE_UNITS)
     if int(tiles.sum()) > MAX_BLOCKS:
         raise ValueError(
-            f"cuda_kernels: a launch of {len(table)} pieces ({int(table[:, K.NBYTES].sum())} bytes) needs "
+            f"kernels: a launch of {len(table)} pieces ({int(table[:, K.NBYTES].sum())} bytes) needs "
             f"{int(tiles.sum())} blocks, over CUDA's grid limit of {MAX_BLOCKS}: the fix is a smaller "
             "Options.chunk_bytes"
         )
@@ -353,7 +354,7 @@ def unit_addresses(launch_table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
 _KERNELS: dict[int, Any] = {}
 
 
-def _kernel(cupy: Any) -> Any:
+def _kernel(cupy: CupyModule) -> CudaKernel:
     """The compiled kernel for the current device (compiled once per device). Not run on GPU."""
     dev = cupy.cuda.Device().id
     if dev not in _KERNELS:
@@ -361,7 +362,7 @@ def _kernel(cupy: Any) -> Any:
     return _KERNELS[dev]
 
 
-def upload(launch_tables: Sequence[np.ndarray], stream: Any, cupy: Any) -> list[tuple[Any, int, int]]:
+def upload(launch_tables: Sequence[np.ndarray], stream: CudaStream, cupy: CupyModule) -> list[tuple[Any, int, int]]:
     """Every launch table in one host-to-device copy on ``stream``: ``(device rows, rows, blocks)``
     per table, for :func:`launch_uploaded`. Not run on GPU."""
     tables = [np.ascontiguousarray(t, dtype=np.int64).reshape(-1, LAUNCH_COLUMNS) for t in launch_tables]
@@ -376,14 +377,14 @@ def upload(launch_tables: Sequence[np.ndarray], stream: Any, cupy: Any) -> list[
     return out
 
 
-def launch_uploaded(table: Any, rows: int, blocks: int, stream: Any, cupy: Any) -> None:
+def launch_uploaded(table: Any, rows: int, blocks: int, stream: CudaStream, cupy: CupyModule) -> None:
     """Run a launch table already on the device (from :func:`upload`) on ``stream``. Not run on GPU."""
     if rows:
         with stream:
             _kernel(cupy)((blocks,), (THREADS,), (table, np.int32(rows)))
 
 
-def launch(launch_table: np.ndarray, stream: Any, cupy: Any = None) -> None:
+def launch(launch_table: np.ndarray, stream: CudaStream, cupy: CupyModule = None) -> None:
     """Run one launch table on ``stream`` (a CuPy stream of the current device). Not run on GPU.
 
     The table is copied to the device on the same stream, so it is ordered with

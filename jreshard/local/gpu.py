@@ -2,7 +2,7 @@
 
 The engine's path for GPUs in one process (``backend="local"`` on GPUs). A send and its
 receive become one ``cudaMemcpyAsync`` on the GPU's comm stream of the
-:class:`~jreshard.nccl.gpu_buffers.CupyBuffers` in use; between two GPUs, one
+:class:`~jreshard.cuda.buffers.CupyBuffers` in use; between two GPUs, one
 ``cudaMemcpyPeerAsync`` on the sender's comm stream, after an event of the receiver's and
 followed by one the receiver's waits for. Copies are so ordered with the packs and unpacks
 of both GPUs exactly as NCCL's sends and receives are (the buffers' ``fence``), without a
@@ -12,12 +12,15 @@ host wait and without the legacy default stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
+from jreshard.cuda.runtime import device_pointer
 from jreshard.engine.comm import Communicator, RecvOp, SendOp
 from jreshard.engine.loopback import match
 from jreshard.errors import PeerError
-from jreshard.nccl.nccl_support import device_pointer
+
+if TYPE_CHECKING:
+    from jreshard.cuda.buffers import CupyBuffers
 
 __all__ = ["CupyLocalComm"]
 
@@ -32,7 +35,7 @@ class CupyLocalComm(Communicator):
 
     __slots__ = ("_buffers", "_ranks")
 
-    def __init__(self, ranks: Sequence[int], buffers: Any):
+    def __init__(self, ranks: Sequence[int], buffers: CupyBuffers):
         self._ranks = tuple(sorted(int(r) for r in ranks))
         self._buffers = buffers
 

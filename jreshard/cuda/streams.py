@@ -1,4 +1,4 @@
-"""The streams of :class:`~jreshard.nccl.gpu_buffers.CupyBuffers` on each GPU, and the events that link them.
+"""The streams of :class:`~jreshard.cuda.buffers.CupyBuffers` on each GPU, and the events that link them.
 Not run on GPU.
 
 Three streams per GPU, none of them the legacy default stream:
@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jreshard.types import CudaStream, CupyModule
+
 __all__ = ["GpuStreams"]
 
 
@@ -42,7 +44,7 @@ class GpuStreams:
 
     __slots__ = ("_comm", "_cp", "_fences", "_last_unpack", "_pack", "_release", "_unpack", "_used")
 
-    def __init__(self, cupy: Any, comm: dict[int, Any] | None = None):
+    def __init__(self, cupy: CupyModule, comm: dict[int, Any] | None = None):
         self._cp = cupy
         self._comm: dict[int, Any] = dict(comm or {})
         self._pack: dict[int, Any] = {}
@@ -52,20 +54,20 @@ class GpuStreams:
         self._last_unpack: dict[int, Any] = {}
         self._fences = 0
 
-    def _make(self, table: dict[int, Any], o: int) -> Any:
+    def _make(self, table: dict[int, Any], o: int) -> CudaStream:
         if o not in table:
             with self._cp.cuda.Device(o):
                 table[o] = self._cp.cuda.Stream(non_blocking=True)
         return table[o]
 
-    def comm(self, o: int) -> Any:
+    def comm(self, o: int) -> CudaStream:
         """The comm stream of GPU ``o`` (NCCL's, where it was given)."""
         return self._make(self._comm, o)
 
-    def pack(self, o: int) -> Any:
+    def pack(self, o: int) -> CudaStream:
         return self._make(self._pack, o)
 
-    def unpack(self, o: int) -> Any:
+    def unpack(self, o: int) -> CudaStream:
         return self._make(self._unpack, o)
 
     def ordinals(self) -> list[int]:
@@ -74,7 +76,7 @@ class GpuStreams:
     def streams(self, o: int) -> list[Any]:
         return [t[o] for t in (self._comm, self._pack, self._unpack) if o in t]
 
-    def before_pack(self, o: int, arena: int | None, reads_received: bool) -> Any:
+    def before_pack(self, o: int, arena: int | None, reads_received: bool) -> CudaStream:
         """The pack stream of GPU ``o``, made to wait for what must finish before writing ``arena``
         (``None``: no staging, a local copy) and, if ``reads_received``, for the comm and unpack streams."""
         s = self.pack(o)
@@ -110,7 +112,7 @@ class GpuStreams:
                         comm.wait_event(other[o].record())
         self._fences += 1
 
-    def before_unpack(self, o: int, arena: int) -> Any:
+    def before_unpack(self, o: int, arena: int) -> CudaStream:
         """The unpack stream of GPU ``o``, after the comm stream's work so far (this round's exchange)."""
         s = self.unpack(o)
         with self._cp.cuda.Device(o):
@@ -123,7 +125,7 @@ class GpuStreams:
         self._last_unpack[o] = event
         self._release.setdefault(arena, []).append(event)  # the next pack into the arena waits for it
 
-    def join(self, o: int) -> Any:
+    def join(self, o: int) -> CudaStream:
         """The comm stream of GPU ``o``, made to wait for the pack and unpack streams (before JAX reads)."""
         comm = self.comm(o)
         with self._cp.cuda.Device(o):

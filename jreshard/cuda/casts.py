@@ -5,7 +5,7 @@ A *cast row* of a descriptor table (:mod:`jreshard.schedule.kernels`, ``CAST`` c
 writes the last, applying every cast of the chain in turn, with ``jnp.astype``'s bits
 (:func:`jreshard.views.casts.cast`: round to nearest even, overflow to inf, or to NaN for
 ``float8_e4m3fn``, float to ``int8`` truncating and saturating with NaN to 0, XLA's NaN
-bits). Byte rows keep the byte-copy kernel of :mod:`jreshard.nccl.cuda_kernels`; a table
+bits). Byte rows keep the byte-copy kernel of :mod:`jreshard.cuda.kernels`; a table
 that holds both is split (:func:`split`) and each part launches its own kernel.
 
 The conversions are plain C on the bits (:data:`CAST_SOURCE`, no ``cuda_bf16.h`` or
@@ -16,7 +16,7 @@ of the 8- and 16-bit dtypes and random float32 patterns with the special values,
 float-to-float cast is "widen to float32, round once"; NaNs take the bits XLA gives them
 (:func:`jreshard.views.casts.cast`'s docstring), chosen per pair in ``jr_nan``.
 
-Cast launch table columns (:data:`~jreshard.nccl.cuda_kernels.LAUNCH_COLUMNS` per row, the
+Cast launch table columns (:data:`~jreshard.cuda.kernels.LAUNCH_COLUMNS` per row, the
 byte launch table's layout with ``CHAIN`` where it has ``WIDTH``):
 
 ==========  =================================================================
@@ -51,9 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from jreshard.nccl import cuda_kernels as CK
+from jreshard.cuda import kernels as CK
 from jreshard.schedule import kernels as K
 from jreshard.sharding.dtypes import numpy_dtype
+from jreshard.types import CudaKernel, CudaStream, CupyModule
 from jreshard.views.casts import CAST_DTYPES
 
 __all__ = [
@@ -298,7 +299,7 @@ def itemsizes(table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
       ValueError: a byte row (``CAST`` 0) among the rows.
     """
     if not np.all(table[:, K.CAST]):
-        raise ValueError("cuda_casts: a byte row among the cast rows; split the table first (split)")
+        raise ValueError("casts: a byte row among the cast rows; split the table first (split)")
     first = np.array([ITEMSIZE[int(c) & 15] for c in table[:, K.CAST]], np.int64)
     last = np.array([ITEMSIZE[int(c) >> (4 * ((int(c).bit_length() - 1) // 4))] for c in table[:, K.CAST]], np.int64)
     return first, last
@@ -324,7 +325,7 @@ def _build(src: np.ndarray, sstr: np.ndarray, dst: np.ndarray, dstr: np.ndarray,
         tiles = -(-units // CK.TILE_UNITS)
         if int(tiles.sum()) > CK.MAX_BLOCKS:
             raise ValueError(
-                f"cuda_casts: a launch of {n} cast rows needs {int(tiles.sum())} blocks, over CUDA's grid limit "
+                f"casts: a launch of {n} cast rows needs {int(tiles.sum())} blocks, over CUDA's grid limit "
                 f"of {CK.MAX_BLOCKS}: the fix is a smaller Options.chunk_bytes"
             )
         out[:, CK.SRC], out[:, CK.DST], out[:, CK.UNITS] = src, dst, units
@@ -376,7 +377,7 @@ def copy_launch(
     """The cast launch table that casts row ``i`` of ``src_table`` into row ``i`` of ``dst_table`` (cast rows
     of ``kernels.element_rows`` copy pairs: equal extents, the chain in both)."""
     if len(src_table) != len(dst_table):
-        raise ValueError(f"cuda_casts.copy_launch: {len(src_table)} source rows and {len(dst_table)} destination rows")
+        raise ValueError(f"casts.copy_launch: {len(src_table)} source rows and {len(dst_table)} destination rows")
     itemsizes(src_table)
     return _build(
         CK.row_addresses(src_table, src_pointers),
@@ -449,7 +450,7 @@ def byte_rows(table: np.ndarray, itemsize: Sequence[int] | np.ndarray) -> np.nda
 _KERNELS: dict[int, Any] = {}
 
 
-def _kernel(cupy: Any) -> Any:
+def _kernel(cupy: CupyModule) -> CudaKernel:
     """The compiled cast kernel for the current device (compiled once per device). Not run on GPU."""
     dev = cupy.cuda.Device().id
     if dev not in _KERNELS:
@@ -457,14 +458,14 @@ def _kernel(cupy: Any) -> Any:
     return _KERNELS[dev]
 
 
-def launch_uploaded(table: Any, rows: int, blocks: int, stream: Any, cupy: Any) -> None:
-    """Run a cast launch table already on the device (``cuda_kernels.upload``) on ``stream``. Not run on GPU."""
+def launch_uploaded(table: Any, rows: int, blocks: int, stream: CudaStream, cupy: CupyModule) -> None:
+    """Run a cast launch table already on the device (``kernels.upload``) on ``stream``. Not run on GPU."""
     if rows:
         with stream:
             _kernel(cupy)((blocks,), (CK.THREADS,), (table, np.int32(rows)))
 
 
-def launch(launch_table: np.ndarray, stream: Any, cupy: Any = None) -> None:
+def launch(launch_table: np.ndarray, stream: CudaStream, cupy: CupyModule = None) -> None:
     """Run one cast launch table on ``stream`` (a CuPy stream of the current device), the table copied to
     the device on that stream first. Not run on GPU."""
     if len(launch_table) == 0:
