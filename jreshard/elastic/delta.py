@@ -56,21 +56,7 @@ def pair_report(
       full_bytes: what it sent, when not as deltas.
     """
     if refit is None:
-        return DeltaReport(
-            version=version,
-            mode="off",
-            reasons=(why_off,) if why_off else (),
-            full_bytes=full_bytes,
-            sent_bytes=full_bytes,
-            recv_bytes=0,
-            changed_fraction=1.0,
-            encode_s=0.0,
-            apply_s=0.0,
-            wire_s=0.0,
-            seconds=seconds,
-            kept_bytes=0,
-            kept_limit=0,
-        )
+        return DeltaReport.off(version, (why_off,) if why_off else (), full_bytes, seconds)
     reasons = []
     if before is None:
         reasons.append(f"this trainer process holds no copy for replica {name!r} yet (its first refit from here)")

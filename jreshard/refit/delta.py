@@ -64,6 +64,15 @@ class DeltaReport:
     kept_bytes: int
     kept_limit: int
 
+    @classmethod
+    def off(
+        cls, version: int, reasons: tuple[str, ...], full_bytes: int, seconds: float, kept_limit: int = 0
+    ) -> DeltaReport:
+        """The report of a refit sent whole (no deltas): what it sent is what a full refit sends."""
+        return cls(version=version, mode="off", reasons=reasons, full_bytes=full_bytes, sent_bytes=full_bytes,
+                   recv_bytes=0, changed_fraction=1.0, encode_s=0.0, apply_s=0.0, wire_s=0.0, seconds=seconds,
+                   kept_bytes=0, kept_limit=kept_limit)  # fmt: skip
+
     @property
     def sent_ratio(self) -> float:
         """``sent_bytes / full_bytes`` (1.0 when nothing was sent)."""
@@ -149,21 +158,7 @@ class GroupDelta:
         seconds = time.perf_counter() - self._t0
         rf = self._refit
         if rf is None:
-            self.report = DeltaReport(
-                version=version,
-                mode="off",
-                reasons=self._reasons,
-                full_bytes=full_bytes,
-                sent_bytes=full_bytes,
-                recv_bytes=0,
-                changed_fraction=1.0,
-                encode_s=0.0,
-                apply_s=0.0,
-                wire_s=0.0,
-                seconds=seconds,
-                kept_bytes=0,
-                kept_limit=self.bases.limit,
-            )
+            self.report = DeltaReport.off(version, self._reasons, full_bytes, seconds, self.bases.limit)
             return
         self.bases.commit(version)
         st = rf.stats
