@@ -68,23 +68,7 @@ def pair_report(
             )
         elif before is not None and b != before:
             reasons.append(f"replica {name!r} process {j} holds version {b}, the trainer's copies are of {before}")
-    st = refit.stats
-    mode = "delta" if not reasons else ("full" if st.delta_chunks == 0 else "mixed")
-    return DeltaReport(
-        version=version,
-        mode=mode,
-        reasons=tuple(reasons),
-        full_bytes=st.full_bytes,
-        sent_bytes=st.sent_bytes,
-        recv_bytes=st.recv_bytes,
-        changed_fraction=st.changed_fraction,
-        encode_s=st.encode_s,
-        apply_s=st.apply_s,
-        wire_s=st.wire_s,
-        seconds=seconds,
-        kept_bytes=refit.bases.kept_bytes,
-        kept_limit=refit.bases.limit,
-    )
+    return DeltaReport.of(version, tuple(reasons), refit.stats, refit.bases, seconds)
 
 
 class TrainerBases:

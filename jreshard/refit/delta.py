@@ -73,6 +73,17 @@ class DeltaReport:
                    recv_bytes=0, changed_fraction=1.0, encode_s=0.0, apply_s=0.0, wire_s=0.0, seconds=seconds,
                    kept_bytes=0, kept_limit=kept_limit)  # fmt: skip
 
+    @classmethod
+    def of(cls, version: int, reasons: tuple[str, ...], stats: Any, bases: Any, seconds: float) -> DeltaReport:
+        """The report of a refit that ran the delta rounds: ``stats`` its engine's counts, ``bases`` what
+        this process keeps; the mode follows from ``reasons`` and whether any chunk went as a delta."""
+        mode = "delta" if not reasons else ("full" if stats.delta_chunks == 0 else "mixed")
+        return cls(version=version, mode=mode, reasons=reasons, full_bytes=stats.full_bytes,
+                   sent_bytes=stats.sent_bytes, recv_bytes=stats.recv_bytes,
+                   changed_fraction=stats.changed_fraction, encode_s=stats.encode_s, apply_s=stats.apply_s,
+                   wire_s=stats.wire_s, seconds=seconds, kept_bytes=bases.kept_bytes,
+                   kept_limit=bases.limit)  # fmt: skip
+
     @property
     def sent_ratio(self) -> float:
         """``sent_bytes / full_bytes`` (1.0 when nothing was sent)."""
@@ -161,23 +172,7 @@ class GroupDelta:
             self.report = DeltaReport.off(version, self._reasons, full_bytes, seconds, self.bases.limit)
             return
         self.bases.commit(version)
-        st = rf.stats
-        mode = "delta" if not self._reasons else ("full" if st.delta_chunks == 0 else "mixed")
-        self.report = DeltaReport(
-            version=version,
-            mode=mode,
-            reasons=self._reasons,
-            full_bytes=st.full_bytes,
-            sent_bytes=st.sent_bytes,
-            recv_bytes=st.recv_bytes,
-            changed_fraction=st.changed_fraction,
-            encode_s=st.encode_s,
-            apply_s=st.apply_s,
-            wire_s=st.wire_s,
-            seconds=seconds,
-            kept_bytes=self.bases.kept_bytes,
-            kept_limit=self.bases.limit,
-        )
+        self.report = DeltaReport.of(version, self._reasons, rf.stats, self.bases, seconds)
         self._refit = None
 
     def abort(self) -> None:
