@@ -45,7 +45,7 @@ def one(name: str, n: int) -> dict:
     for perms, links in cut.values():
         for p in perms:
             for s in p.segments:
-                payload[Link.FAST if links[s.message] == Link.LOCAL else Link(int(links[s.message]))] += s.nbytes
+                payload[Link.FAST if links[s.message] == Link.SAME_DEVICE else Link(int(links[s.message]))] += s.nbytes
     moved = sum(payload.values())
     pad = sum(padding_bytes(perms) for perms, _ in cut.values())
     return {

@@ -2,7 +2,7 @@
 
 :func:`draw_plan` shows one tensor: its source shards and its destination shards
 as grids coloured by rank, and an arrow for every (sender, receiver, link) pair
-of the plan, styled by link kind (local copy, fast link, network), its width
+of the plan, styled by link kind (same-device copy, fast link, network), its width
 growing with the bytes it carries. :func:`draw_loads` shows a whole plan (a
 whole model): the bytes every rank sends and receives over the network and over
 fast links, as a bar chart.
@@ -29,7 +29,7 @@ __all__ = ["LINK_STYLE", "draw_loads", "draw_plan"]
 
 # Arrow colour, line style and legend label of each link kind.
 LINK_STYLE: dict[Link, tuple[str, str, str]] = {
-    Link.LOCAL: ("#555555", ":", "local copy (same device)"),
+    Link.SAME_DEVICE: ("#555555", ":", "same-device copy"),
     Link.FAST: ("#2a9d3a", "--", "fast link (same domain)"),
     Link.NETWORK: ("#d62728", "-", "network (between domains)"),
 }
@@ -162,7 +162,7 @@ def draw_plan(
       >>> p = jreshard.plan(src, dst, jreshard.Topology.uniform(range(8), domain_size=4))
       >>> ax = draw_plan(p)
       >>> sorted(t.get_text() for t in ax.get_legend().get_texts())[:2]
-      ['fast link (same domain)', 'local copy (same device)']
+      ['fast link (same domain)', 'network (between domains)']
       >>> import matplotlib.pyplot as plt; plt.close("all")
     """
     import matplotlib.pyplot as plt
@@ -281,7 +281,7 @@ def draw_plan(
     extra = (
         (
             f"\nnetwork {_fmt_bytes(stats.network_bytes)} (lower bound {_fmt_bytes(stats.network_bytes_lower_bound)}), "
-            f"fast {_fmt_bytes(stats.fast_bytes)}, local {_fmt_bytes(stats.local_bytes)}"
+            f"fast {_fmt_bytes(stats.fast_bytes)}, same-device {_fmt_bytes(stats.same_device_bytes)}"
         )
         if stats
         else ""

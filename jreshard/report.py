@@ -33,7 +33,7 @@ class ReportPhase(enum.Enum):
     PACK = "pack"  # gathering strided pieces into staging buffers
     NETWORK = "network"  # point-to-point messages between domains (and their waits)
     FANOUT = "fanout"  # messages inside a fast-link domain
-    UNPACK = "unpack"  # scattering staging buffers into destination shards, and local copies
+    UNPACK = "unpack"  # scattering staging buffers into destination shards, and same-device copies
     COPY = "copy"  # in one process: the direct copies from source shards into destination shards (xla: the program)
     BUFFERS = "buffers"  # in one process: DLPack export, destination allocation, import, assembly
     COMPILE = "compile"  # backend xla: tracing, lowering and compiling the program (0 when it was cached)
@@ -58,8 +58,8 @@ class TransferReport:
     Attributes:
       backend: the backend that ran the transfer (never ``Backend.AUTO``).
       backend_reason: why it was picked, in words (``"auto: arrays on GPUs and cupy.cuda.nccl imports"``).
-      network_bytes, fast_bytes, local_bytes: bytes this process moved over each link kind
-        (counted once, at the sender; a local copy counts at the destination).
+      network_bytes, fast_bytes, same_device_bytes: bytes this process moved over each link kind
+        (counted once, at the sender; a same-device copy counts at the destination).
       plan_s, pack_s, network_s, fanout_s, unpack_s, copy_s, buffers_s: seconds spent in
         each :class:`ReportPhase`.
       fresh_bytes: destination bytes allocated new for this transfer (their pages are
@@ -85,7 +85,7 @@ class TransferReport:
         wire (polling a group that had not completed); 0 where the transport cannot tell.
 
     Example:
-      >>> r = TransferReport(backend=Backend.LOCAL, local_bytes=2_000_000_000, total_s=1.0)
+      >>> r = TransferReport(backend=Backend.LOCAL, same_device_bytes=2_000_000_000, total_s=1.0)
       >>> r.moved_bytes, r.achieved_gbps
       (2000000000, 2.0)
     """
@@ -94,7 +94,7 @@ class TransferReport:
     backend_reason: str = ""
     network_bytes: int = 0
     fast_bytes: int = 0
-    local_bytes: int = 0
+    same_device_bytes: int = 0
     plan_s: float = 0.0
     pack_s: float = 0.0
     network_s: float = 0.0
@@ -120,7 +120,7 @@ class TransferReport:
         for f in (
             "network_bytes",
             "fast_bytes",
-            "local_bytes",
+            "same_device_bytes",
             "peak_staging_bytes",
             "messages",
             "fresh_bytes",
@@ -151,7 +151,7 @@ class TransferReport:
     @property
     def moved_bytes(self) -> int:
         """Bytes moved over every link kind."""
-        return self.network_bytes + self.fast_bytes + self.local_bytes
+        return self.network_bytes + self.fast_bytes + self.same_device_bytes
 
     @property
     def achieved_gbps(self) -> float:
@@ -172,8 +172,8 @@ class TransferReport:
         return max(busy, 0.0) / self.rounds * 1e6 if self.rounds else 0.0
 
     def bytes_by_link(self) -> dict[Link, int]:
-        """``{Link.LOCAL: ..., Link.FAST: ..., Link.NETWORK: ...}``."""
-        return {Link.LOCAL: self.local_bytes, Link.FAST: self.fast_bytes, Link.NETWORK: self.network_bytes}
+        """``{Link.SAME_DEVICE: ..., Link.FAST: ..., Link.NETWORK: ...}``."""
+        return {Link.SAME_DEVICE: self.same_device_bytes, Link.FAST: self.fast_bytes, Link.NETWORK: self.network_bytes}
 
     def seconds_by_phase(self) -> dict[ReportPhase, float]:
         """Seconds per :class:`ReportPhase`."""
@@ -184,7 +184,7 @@ class TransferReport:
         phases = ", ".join(f"{p.value} {s * 1e3:.1f} ms" for p, s in self.seconds_by_phase().items() if s)
         return (
             f"{self.backend.value}: {self.moved_bytes} B (network {self.network_bytes}, fast {self.fast_bytes}, "
-            f"local {self.local_bytes}) in {self.total_s * 1e3:.1f} ms = {self.achieved_gbps:.2f} GB/s; "
+            f"same-device {self.same_device_bytes}) in {self.total_s * 1e3:.1f} ms = {self.achieved_gbps:.2f} GB/s; "
             f"{phases or 'no phase timed'}; peak staging {self.peak_staging_bytes} B; {self.messages} messages; "
             f"fresh {self.fresh_bytes} B; {self.backend_reason}"
         )
@@ -307,7 +307,7 @@ class ReportBuilder:
             backend_reason=self._reason,
             network_bytes=self._bytes[Link.NETWORK],
             fast_bytes=self._bytes[Link.FAST],
-            local_bytes=self._bytes[Link.LOCAL],
+            same_device_bytes=self._bytes[Link.SAME_DEVICE],
             plan_s=s[ReportPhase.PLAN],
             pack_s=s[ReportPhase.PACK],
             network_s=s[ReportPhase.NETWORK],

@@ -157,12 +157,12 @@ def test_report_builder_accumulates_phases_bytes_and_peak_staging():
         b.staging(500)
         b.staging(-1500)
     b.add_bytes(Link.FAST, 1000, messages=1)
-    b.add_bytes(Link.LOCAL, 1000)
+    b.add_bytes(Link.SAME_DEVICE, 1000)
     b.add_seconds(ReportPhase.UNPACK, 0.125)
     r = b.build()
     assert r.pack_s == 0.25 and r.network_s == 0.5 and r.unpack_s == 0.125 and r.total_s == 2.0
     assert r.peak_staging_bytes == 1500 and r.messages == 3
-    assert r.bytes_by_link() == {Link.LOCAL: 1000, Link.FAST: 1000, Link.NETWORK: 4000}
+    assert r.bytes_by_link() == {Link.SAME_DEVICE: 1000, Link.FAST: 1000, Link.NETWORK: 4000}
     assert r.achieved_gbps == pytest.approx(6000 / 2.0 / 1e9)
     assert r.network_gbps == pytest.approx(4000 / 0.5 / 1e9)
     assert set(r.seconds_by_phase()) == set(ReportPhase)

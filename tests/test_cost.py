@@ -93,9 +93,9 @@ def test_stage_depth_adds_one_chunk_per_extra_hop():
 
 def test_identical_layouts_cost_local_copies_only():
     lay = Layout.from_mesh(np.arange(4), ("tp",), ("tp",), (8, 4), "float32")
-    topo = Topology.uniform(range(4), 4, local_bw=1e6)
+    topo = Topology.uniform(range(4), 4, same_device_bw=1e6)
     pr = predict(plan_layouts([(lay, lay)], topo))
-    assert pr.bottleneck_port == Port.LOCAL
+    assert pr.bottleneck_port == Port.SAME_DEVICE
     assert pr.seconds == _approx(32 / 1e6)  # each rank copies its 2 x 4 float32 block
 
 

@@ -116,12 +116,12 @@ def _assert_bytes_match_plan(plan, comm, stats):
     rec = comm.bytes_by_link()
     assert rec[Link.NETWORK] == s.network_bytes
     assert rec[Link.FAST] == s.fast_bytes
-    assert rec[Link.LOCAL] == 0 and stats.local_bytes == s.local_bytes
+    assert rec[Link.SAME_DEVICE] == 0 and stats.same_device_bytes == s.same_device_bytes
     assert stats.sent_bytes[Link.NETWORK] == s.network_bytes
     # Per (sender, receiver): the recorded bytes are the plan's non-local transfers.
     want: dict[tuple[int, int], int] = {}
     for tr in plan.transfers():
-        if tr.link != Link.LOCAL:
+        if tr.link != Link.SAME_DEVICE:
             want[(tr.src, tr.dst)] = want.get((tr.src, tr.dst), 0) + tr.nbytes
     assert comm.bytes_by_pair() == {k: v for k, v in want.items() if v}
 
@@ -296,7 +296,11 @@ def test_execute_fills_the_report_and_staged_chunks_start_16_byte_aligned():
     stats = execute(build_schedule(plan, opts), comm, shards, options=opts, report=builder)
     rep = builder.build()
     s = plan.stats()
-    assert (rep.network_bytes, rep.fast_bytes, rep.local_bytes) == (s.network_bytes, s.fast_bytes, s.local_bytes)
+    assert (rep.network_bytes, rep.fast_bytes, rep.same_device_bytes) == (
+        s.network_bytes,
+        s.fast_bytes,
+        s.same_device_bytes,
+    )
     assert stats.chunks == len(comm.records) > s.messages  # messages of several chunks each
     assert rep.messages == s.messages  # the report counts the plan's messages, not their chunks
     assert rep.peak_staging_bytes == sum(stats.peak_staging_bytes.values()) > 0

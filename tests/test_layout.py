@@ -188,3 +188,14 @@ def test_public_api_names():
     for name in ("plan", "Layout", "Topology", "Options", "Plan", "PlanStats", "baselines"):
         assert hasattr(jreshard, name)
     assert callable(jreshard.baselines.gather_broadcast) and callable(jreshard.baselines.flat_direct)
+
+
+def test_topology_json_with_the_old_name_of_same_device_bw_names_the_new_one():
+    """``local_bw`` was renamed ``same_device_bw`` ("local" means in this process): old JSON says how to fix it."""
+    text = Topology.uniform(range(2), 2).to_json()
+    assert '"same_device_bw"' in text
+    old = text.replace('"same_device_bw"', '"local_bw"')
+    with pytest.raises(LayoutJSONError, match=r"local_bw=1500000000000\.0, now named same_device_bw"):
+        Topology.from_json(old)
+    with pytest.raises(TypeError, match="local_bw"):
+        Topology.uniform(range(2), 2, local_bw=1e9)

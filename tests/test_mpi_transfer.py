@@ -121,9 +121,11 @@ def test_report_over_mpi_counts_the_plans_bytes_and_messages(tmp_path, procs, de
     for r in got.values():
         assert "error" not in r, r
         assert r["backend"] == "mpi"
-    network, fast, local, messages = (sum(r[k] for r in got.values()) for k in ("network", "fast", "local", "messages"))
+    network, fast, same, messages = (
+        sum(r[k] for r in got.values()) for k in ("network", "fast", "same_device", "messages")
+    )
     (plan,) = {tuple(r["plan"]) for r in got.values()}
-    assert (network, fast, local, messages) == plan and network > 0
+    assert (network, fast, same, messages) == plan and network > 0
 
 
 def test_refit_groups_one_after_another_on_the_same_processes(tmp_path):
@@ -157,7 +159,7 @@ def test_views_across_processes(tmp_path, procs, devices):
     (expect,) = {r["expect_network"] for r in got.values()}
     assert sum(r["network"] for r in got.values()) == expect > 0
     (moved,) = {r["expect_moved"] for r in got.values()}
-    assert sum(r["network"] + r["fast"] + r["local"] for r in got.values()) == moved
+    assert sum(r["network"] + r["fast"] + r["same_device"] for r in got.values()) == moved
     assert sum(r["messages"] for r in got.values()) > 0
     assert all(0 < r["peak_staging"] <= 256 * devices for r in got.values())  # the bound, per rank
 

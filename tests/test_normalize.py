@@ -58,8 +58,8 @@ def test_a_cast_target_crosses_the_links_in_the_narrower_dtype(src, dst, wire):
     out, rep = jreshard.transfer(x, target, report=True)
     assert_same_as_device_put(out, jax.device_put(x.astype(dst), INFER))
     plain = jreshard.transfer(x.astype(dst), INFER, report=True)[1]
-    moved = rep.network_bytes + rep.fast_bytes + rep.local_bytes
-    plain_moved = plain.network_bytes + plain.fast_bytes + plain.local_bytes
+    moved = rep.network_bytes + rep.fast_bytes + rep.same_device_bytes
+    plain_moved = plain.network_bytes + plain.fast_bytes + plain.same_device_bytes
     assert moved > 0 and moved * np.dtype(dst).itemsize == wire * plain_moved
 
 

@@ -141,7 +141,7 @@ def test_local_first_when_colocated():
     s = p.stats()
     assert s.network_bytes == 0
     # Ranks 4 and 7 find one of their two shards on their own device; 5 and 6 find neither.
-    assert s.local_bytes == 2 * src.nbytes // 4
+    assert s.same_device_bytes == 2 * src.nbytes // 4
     assert s.fast_bytes == 6 * src.nbytes // 4
 
 
@@ -150,7 +150,7 @@ def test_identical_layouts_move_nothing_between_ranks():
     p = checked([(src, src)], topo)
     s = p.stats()
     assert s.network_bytes == s.fast_bytes == 0 and s.messages == 0
-    assert all(t.src == t.dst and t.link == Link.LOCAL for t in p.transfers())
+    assert all(t.src == t.dst and t.link == Link.SAME_DEVICE for t in p.transfers())
 
 
 def test_many_tensors_travel_as_few_messages():

@@ -40,11 +40,11 @@ def test_fanout_between_ranks_on_one_device_is_local():
     topo = Topology.from_domains({0: 0, 1: 1, 2: 1}, devices={0: 0, 1: 5, 2: 5})
     p = plan_layouts([(src, dst)], topo)
     fan = [t for t in p.transfers() if t.phase == Phase.FANOUT]
-    assert [(t.src, t.dst, t.link) for t in fan] == [(1, 2, Link.LOCAL)]
-    assert p.stats().local_bytes == 32 and p.stats().fast_bytes == 0
+    assert [(t.src, t.dst, t.link) for t in fan] == [(1, 2, Link.SAME_DEVICE)]
+    assert p.stats().same_device_bytes == 32 and p.stats().fast_bytes == 0
     # It runs after the landing it forwards: a message at its stage, not a stage-0 local copy.
     prog = p.program(2)
-    assert prog.local == () and [(m.src, m.link, m.stage) for m in prog.recvs] == [(1, Link.LOCAL, 1)]
+    assert prog.local == () and [(m.src, m.link, m.stage) for m in prog.recvs] == [(1, Link.SAME_DEVICE, 1)]
 
 
 @given(overlap_case())

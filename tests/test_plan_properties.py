@@ -74,7 +74,7 @@ def test_plan_is_deterministic_and_stamps_equal_direct_plans(case):
 def test_messages_are_coalesced_per_pair_and_stage(case):
     src, dst, topo, opts = case
     p = plan_layouts([(src, dst), (src, dst)], topo, Options(**opts))
-    keys = {(t.stage, t.src, t.dst) for t in p.transfers() if t.link != Link.LOCAL}
+    keys = {(t.stage, t.src, t.dst) for t in p.transfers() if t.link != Link.SAME_DEVICE}
     assert p.stats().messages == len(keys)
     sent = sum(len(p.program(r).sends) for r in set(src.ranks) | set(dst.ranks))
     assert sent == len(keys)

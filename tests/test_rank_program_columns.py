@@ -33,7 +33,7 @@ def reference_program(plan: Plan, rank: int) -> tuple[tuple[Move, ...], tuple[Me
     recvs: dict[tuple[int, int], list[Piece]] = {}
     links: dict[tuple[int, int, int], Link] = {}
     for mv in plan.transfers():
-        if mv.link == Link.LOCAL and mv.phase == Phase.LAND:
+        if mv.link == Link.SAME_DEVICE and mv.phase == Phase.LAND:
             if mv.dst == rank:
                 local.append(mv)
             continue

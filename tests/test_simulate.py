@@ -18,7 +18,11 @@ def _same(pairs, topo, opts):
     sim = simulate_layouts(pairs, topo, opts)
     s = whole.stats()
     assert sim.prediction == predict(whole)
-    assert (sim.network_bytes, sim.fast_bytes, sim.local_bytes) == (s.network_bytes, s.fast_bytes, s.local_bytes)
+    assert (sim.network_bytes, sim.fast_bytes, sim.same_device_bytes) == (
+        s.network_bytes,
+        s.fast_bytes,
+        s.same_device_bytes,
+    )
     assert sim.network_bytes_lower_bound == s.network_bytes_lower_bound
     assert sim.rows == sum(len(tp) for tp in whole.tensor_plans)
     assert sim.stats == s

@@ -98,10 +98,10 @@ def test_message_path_equals_device_put_and_plan_bytes(case, seed, domain):
     assert programs == plan.programs(range(8))  # each rank's program, planned alone, is the plan's slice
     if plan.tensors:
         ps, rec = plan.stats(), _data_bytes(comm)
-        assert (rec[Link.NETWORK], rec[Link.FAST], stats.local_bytes) == (
+        assert (rec[Link.NETWORK], rec[Link.FAST], stats.same_device_bytes) == (
             ps.network_bytes,
             ps.fast_bytes,
-            ps.local_bytes,
+            ps.same_device_bytes,
         )
     assert max(stats.peak_staging_bytes.values(), default=0) <= 256
 
@@ -160,7 +160,7 @@ def test_identical_shardings_move_nothing():
     # (a result never shares a buffer with a source unless the whole leaf is returned as is).
     t = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x", None))
     y, rep = jreshard.transfer(x["a"], t, report=True)
-    assert y.sharding == t and rep.local_bytes == x["a"].nbytes
+    assert y.sharding == t and rep.same_device_bytes == x["a"].nbytes
     _shards_equal(y, jax.device_put(x["a"], t))
     ptrs = {s.data.unsafe_buffer_pointer() for s in x["a"].addressable_shards}
     assert not ptrs & {s.data.unsafe_buffer_pointer() for s in y.addressable_shards}
@@ -264,7 +264,7 @@ def test_report_of_a_local_transfer_counts_bytes_phases_and_fresh_memory():
     out, rep = jreshard.transfer(x, d, report=True)
     want = sum(sh.data.nbytes for leaf in jax.tree.leaves(out) for sh in leaf.addressable_shards)
     assert rep.backend is jreshard.Backend.LOCAL and rep.backend_reason.startswith("auto: every device")
-    assert rep.bytes_by_link() == {Link.LOCAL: 0, Link.FAST: want, Link.NETWORK: 0}
+    assert rep.bytes_by_link() == {Link.SAME_DEVICE: 0, Link.FAST: want, Link.NETWORK: 0}
     assert rep.fresh_bytes >= want and rep.messages == 0 and rep.peak_staging_bytes == 0
     assert rep.total_s >= rep.copy_s + rep.buffers_s + rep.plan_s - 1e-6 and rep.copy_s > 0
     del out

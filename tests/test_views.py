@@ -187,7 +187,11 @@ def test_views_report_counts_the_lowerings_bytes():
     leaves = fused.leaves()
     layouts = [Layout.from_sharding(leaf.source.sharding, leaf.shape, leaf.dtype) for leaf in leaves]
     (low,) = lower_tree([fused], leaves, layouts, [Layout.from_sharding(dst, fused.shape, fused.dtype)], topo)
-    assert (rep.network_bytes, rep.fast_bytes, rep.local_bytes) == (low.network_bytes, low.fast_bytes, low.local_bytes)
+    assert (rep.network_bytes, rep.fast_bytes, rep.same_device_bytes) == (
+        low.network_bytes,
+        low.fast_bytes,
+        low.same_device_bytes,
+    )
     assert rep.network_bytes > 0 and rep.copy_s > 0 and rep.not_in_place_bytes == 0
     # out's memory came from jreshard's pool, which jax cannot take over: the first transfer_into writes
     # fresh memory (its shard addresses change) and says so; the next one, over jax's memory, is in place.

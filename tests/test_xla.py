@@ -102,10 +102,10 @@ def test_network_bytes_equal_the_plans_and_the_hlo_collectives():
     assert stats.network_bytes > 0 and stats.fast_bytes > 0
     compiled, _ = program_for([(src, dst)], topo, XLA)
     ps = compiled.plan.stats
-    assert (ps.network_bytes, ps.fast_bytes, ps.local_bytes) == (
+    assert (ps.network_bytes, ps.fast_bytes, ps.same_device_bytes) == (
         stats.network_bytes,
         stats.fast_bytes,
-        stats.local_bytes,
+        stats.same_device_bytes,
     )
     assert (rep.network_bytes, rep.fast_bytes) == (stats.network_bytes, stats.fast_bytes)
     assert rep.padding_bytes == ps.padding_bytes

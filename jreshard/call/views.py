@@ -284,7 +284,7 @@ def _count(builder: ReportBuilder, lowerings: Sequence[LeafLowering]) -> None:
     for low in lowerings:
         builder.add_bytes(Link.NETWORK, low.network_bytes)
         builder.add_bytes(Link.FAST, low.fast_bytes)
-        builder.add_bytes(Link.LOCAL, low.local_bytes)
+        builder.add_bytes(Link.SAME_DEVICE, low.same_device_bytes)
 
 
 def transfer_into(

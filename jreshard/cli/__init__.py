@@ -241,7 +241,7 @@ def _plan_cmd(args: argparse.Namespace) -> int:
         "network",
         "lower bound",
         "fast",
-        "local",
+        "same device",
         "max NIC send",
         "max NIC recv",
         "max fast send",
@@ -299,7 +299,7 @@ def _stats_row(label: str, s: Any, secs: float) -> None:
         _si(s.network_bytes),
         _si(s.network_bytes_lower_bound),
         _si(s.fast_bytes),
-        _si(s.local_bytes),
+        _si(s.same_device_bytes),
         _si(s.max_rank_network_send_bytes),
         _si(s.max_rank_network_recv_bytes),
         _si(s.max_rank_fast_send_bytes),
@@ -363,7 +363,8 @@ def _simulate_at_scale(case: _Case, nranks: int) -> int:
     )
     print(
         f"\nnetwork {_si(sim.network_bytes)} (lower bound {_si(sim.network_bytes_lower_bound)}), fast "
-        f"{_si(sim.fast_bytes)}, local {_si(sim.local_bytes)}; simulated in {time.perf_counter() - t0:.1f} s"
+        f"{_si(sim.fast_bytes)}, same-device {_si(sim.same_device_bytes)}; "
+        f"simulated in {time.perf_counter() - t0:.1f} s"
     )
     print("all times are predicted by the cost model (docs/cost_model.md), not measured.")
     return 0

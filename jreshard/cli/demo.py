@@ -188,12 +188,12 @@ def run(cfg: DemoConfig, out: PyTree = None) -> list[dict[str, Any]]:
         "flat-direct": jreshard.baselines.flat_direct(params, targets, topo),
     }
     say("\nplans, MODELLED: the bytes a two-node deployment would move, counted from the plans (MiB):")
-    say(f"  {'plan':<22}{'network':>9}{'bound':>8}{'fast':>8}{'local':>8}{'busiest NIC send':>18}{'messages':>10}")
+    say(f"  {'plan':<22}{'network':>9}{'bound':>8}{'fast':>8}{'same dev':>9}{'busiest NIC send':>18}{'messages':>10}")
     for name, p in plans.items():
         s = p.stats()
         say(
             f"  {name:<22}{_mib(s.network_bytes):>9}{_mib(s.network_bytes_lower_bound):>8}{_mib(s.fast_bytes):>8}"
-            f"{_mib(s.local_bytes):>8}{_mib(s.max_rank_network_send_bytes):>18}{s.messages:>10}"
+            f"{_mib(s.same_device_bytes):>9}{_mib(s.max_rank_network_send_bytes):>18}{s.messages:>10}"
         )
 
     @jax.jit

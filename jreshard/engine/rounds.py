@@ -103,14 +103,14 @@ class ExecStats:
 
     Attributes:
       sent_bytes: bytes sent, by link kind.
-      local_bytes: bytes copied locally.
+      same_device_bytes: bytes copied on one device.
       chunks: chunk messages sent.
       rounds: exchange groups run.
       peak_staging_bytes: per local rank, the most staging it held (never over ``options.staging_bytes``).
     """
 
     sent_bytes: Mapping[Link, int]
-    local_bytes: int
+    same_device_bytes: int
     chunks: int
     rounds: int
     peak_staging_bytes: Mapping[int, int]
@@ -165,12 +165,12 @@ def execute(
     rep = report or ReportBuilder(Backend.LOCAL)  # a throwaway one keeps the loop free of branches
     clock = rep.clock
     t0 = clock()
-    local_bytes = 0
+    same_device_bytes = 0
     for r in ranks:
         if r in schedule.local:
             keys, st, dt = schedule.local[r]
             buffers.copy(st, [shards.src[k] for k in keys], dt, bufs[r])
-            local_bytes += kernels.table_bytes(dt)
+            same_device_bytes += kernels.table_bytes(dt)
     buffers.fence()
     unpack_s = clock() - t0
     held = sum(len(a) * schedule.staging.get(r, 0) for r, a in arenas.items())
@@ -194,7 +194,7 @@ def execute(
         replay, fresh = replay_of(
             comm, prog, lambda: ops_of(prog.rounds, ahead, segments, nbuf), posts_ahead=comm.posts_ahead
         )
-        replay.intact = local_bytes == 0  # a step that fails before its rounds has written no destination byte
+        replay.intact = same_device_bytes == 0  # a step that fails before its rounds has written no destination byte
         if not buffers.native_rows:
             buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
         t3 = clock()
@@ -210,13 +210,13 @@ def execute(
     rep.add_seconds(ReportPhase.FANOUT, fanout_s)
     rep.add_seconds(ReportPhase.UNPACK, unpack_s)
     rep.add_rounds(len(prog.rounds), replayed=not fresh, idle_s=idle_s)
-    rep.add_bytes(Link.LOCAL, local_bytes)
+    rep.add_bytes(Link.SAME_DEVICE, same_device_bytes)
     for link in Link:
         rep.add_bytes(link, prog.sent_bytes[link], messages=prog.messages[link])
     rep.staging(-held)
     return ExecStats(
         sent_bytes=dict(prog.sent_bytes),
-        local_bytes=local_bytes,
+        same_device_bytes=same_device_bytes,
         chunks=prog.chunks,
         rounds=len(prog.rounds),
         peak_staging_bytes={r: len(arenas[r]) * schedule.staging.get(r, 0) for r in ranks},

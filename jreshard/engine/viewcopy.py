@@ -144,7 +144,7 @@ def compile_program(
     Example:
       >>> from jreshard.sharding.topology import Link
       >>> box = Box((0, 0), (4, 8))
-      >>> p = ViewPiece(0, 0, box, 1, box, (0, 1), "float32", ("bfloat16",), (), Link.LOCAL)
+      >>> p = ViewPiece(0, 0, box, 1, box, (0, 1), "float32", ("bfloat16",), (), Link.SAME_DEVICE)
       >>> low = LeafLowering((p,), (), 0, 0, 64)
       >>> prog = compile_program([low], {(0, 0): Box((0, 0), (4, 8))}, block_bytes=32)
       >>> [type(t).__name__ for t in prog.tasks], prog.wire_bytes

@@ -103,7 +103,7 @@ class FusedStats:
     network_bytes: int
     network_bound: int
     fast_bytes: int
-    local_bytes: int
+    same_device_bytes: int
     quantised_at_sender: int
     quantised: int
     max_nic_send: int
@@ -158,7 +158,7 @@ def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology, *, _r
 
     cache: dict[tuple, tuple] = {}
     loads: dict[tuple, int] = {}
-    net = bound = fast = local = at_sender = quant = dbytes = 0
+    net = bound = fast = same = at_sender = quant = dbytes = 0
     for _, view, d in items:
         leaves = view.leaves()
         lays = [layouts[id(leaf.source)] for leaf in leaves]
@@ -177,7 +177,7 @@ def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology, *, _r
                 low.network_bytes,
                 b,
                 low.fast_bytes,
-                low.local_bytes,
+                low.same_device_bytes,
                 sum(t.at_sender for t in low.tasks),
                 tasks,
                 tuple((number[r_], lk, out, nb) for r_, lk, out, nb in low.loads),
@@ -185,7 +185,7 @@ def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology, *, _r
         n, b, f, lo, a, t, rows = cache[key]
         for i, lk, out, nb in rows:
             loads[(ranks[i], lk, out)] = loads.get((ranks[i], lk, out), 0) + nb
-        net, bound, fast, local, at_sender, quant = net + n, bound + b, fast + f, local + lo, at_sender + a, quant + t
+        net, bound, fast, same, at_sender, quant = net + n, bound + b, fast + f, same + lo, at_sender + a, quant + t
         dbytes += d.nbytes
     r = refit(name, n_train, n_infer)
     ffn = [i for i, nm in enumerate(r.names) if _FFN.search(nm)]
@@ -205,7 +205,7 @@ def fused_stats(name: str, n_train: int, n_infer: int, topology: Topology, *, _r
         network_bytes=net,
         network_bound=bound,
         fast_bytes=fast,
-        local_bytes=local,
+        same_device_bytes=same,
         quantised_at_sender=at_sender,
         quantised=quant,
         max_nic_send=most(Link.NETWORK, True),

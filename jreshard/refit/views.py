@@ -79,7 +79,11 @@ def predict_group(
             rows += [(r, w.peer, int(w.link), 0 if w.link is Link.NETWORK else 1, w.nbytes) for w in step.sends]
     for low in lowerings:
         pieces = [*low.pieces, *(p for t in low.tasks for p in t.pieces)]
-        rows += [(p.src_rank, p.dst_rank, int(Link.LOCAL), 0, p.wire_bytes) for p in pieces if p.link is Link.LOCAL]
+        rows += [
+            (p.src_rank, p.dst_rank, int(Link.SAME_DEVICE), 0, p.wire_bytes)
+            for p in pieces
+            if p.link is Link.SAME_DEVICE
+        ]
     cols = np.array(rows, dtype=np.int64).reshape(-1, 5)
     acc = LoadTable.empty(np.array(sorted(topology.ranks), dtype=np.int64))
     acc.add(cols[:, 0], cols[:, 1], cols[:, 2].astype(np.int8), cols[:, 3], cols[:, 4])

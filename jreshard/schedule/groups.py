@@ -140,7 +140,7 @@ def plan_op_counts(plan: Any, chunk_bytes: int) -> dict[int, tuple[int, int]]:
         for f in ("stage", "src", "dst", "link", "nbytes")
     ]
     stage, src, dst, link, nbytes = cols
-    keep = link != int(Link.LOCAL)
+    keep = link != int(Link.SAME_DEVICE)
     stage, src, dst, nbytes = stage[keep], src[keep], dst[keep], nbytes[keep]
     if not len(src):
         return {}

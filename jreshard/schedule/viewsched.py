@@ -277,9 +277,9 @@ class _Builder:
         for j in jobs:
             p = j.piece
             forward = p.via is not None or (
-                p.link is Link.LOCAL
+                p.link is Link.SAME_DEVICE
                 and p.src_rank != p.dst_rank
-                and self.topo.link(p.src_rank, p.dst_rank) is not Link.LOCAL
+                and self.topo.link(p.src_rank, p.dst_rank) is not Link.SAME_DEVICE
             )
             if not forward:
                 continue
@@ -513,7 +513,7 @@ def view_schedule(
     for k, j in enumerate(jobs):
         if j.stage == 0 and self_copy(j):
             local_pairs[j.dst].append((j, j.writes[0]))
-            sent[Link.LOCAL] += math.prod(j.extents) * j.writes[0].itemsize
+            sent[Link.SAME_DEVICE] += math.prod(j.extents) * j.writes[0].itemsize
         else:
             origin = jobs[j.landed[0]].carrier if j.landed else j.carrier
             messages[(j.stage, j.carrier, j.dst, origin)].append(k)
@@ -609,7 +609,7 @@ def view_schedule(
 
 def self_copy(j: _Job) -> bool:
     """Whether a stage-0 job is a copy on one device (its source shard is on the destination's device)."""
-    return j.carrier == j.dst or j.link is Link.LOCAL
+    return j.carrier == j.dst or j.link is Link.SAME_DEVICE
 
 
 def _in_place(jobs: list[_Job], ks: list[int], chunk: list, side: str) -> tuple[int, int] | None:

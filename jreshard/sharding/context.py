@@ -122,5 +122,5 @@ def context(src: Layout, dst: Layout, topo: Topology) -> Context:
 def fan_link(ctx: Context, a: int, b: int) -> Link:
     """The link of a fan-out inside one domain: a local copy when the two ranks share a device."""
     if ctx.shared_devices and ctx.topo.device_of(a) == ctx.topo.device_of(b):
-        return Link.LOCAL
+        return Link.SAME_DEVICE
     return Link.FAST

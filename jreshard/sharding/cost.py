@@ -12,7 +12,7 @@ port               load                                       rate
 ``NETWORK_RECV``   bytes it receives over the network          ``network_bw``
 ``FAST_SEND``      bytes it sends over fast links              ``fast_bw``
 ``FAST_RECV``      bytes it receives over fast links           ``fast_bw``
-``LOCAL``          bytes copied into its buffers on its device ``local_bw``
+``SAME_DEVICE``    bytes copied into its buffers on its device ``same_device_bw``
 =================  =========================================  ==============
 
 The NIC is full duplex (send and receive are separate ports), and so is the
@@ -77,7 +77,7 @@ class Port(enum.IntEnum):
     NETWORK_RECV = 1
     FAST_SEND = 2
     FAST_RECV = 3
-    LOCAL = 4
+    SAME_DEVICE = 4
 
     @property
     def label(self) -> str:
@@ -90,7 +90,7 @@ _PORTS = (
     (Port.NETWORK_RECV, Link.NETWORK, "dst"),
     (Port.FAST_SEND, Link.FAST, "src"),
     (Port.FAST_RECV, Link.FAST, "dst"),
-    (Port.LOCAL, Link.LOCAL, "dst"),
+    (Port.SAME_DEVICE, Link.SAME_DEVICE, "dst"),
 )
 
 
@@ -135,7 +135,7 @@ class Prediction:
 
 def _rates(topology: Topology) -> dict[Link, float]:
     lk = topology.links
-    return {Link.NETWORK: lk.network_bw, Link.FAST: lk.fast_bw, Link.LOCAL: lk.local_bw}
+    return {Link.NETWORK: lk.network_bw, Link.FAST: lk.fast_bw, Link.SAME_DEVICE: lk.same_device_bw}
 
 
 def _check_topology(plan: Plan, topology: Topology) -> None:
@@ -195,7 +195,7 @@ class LoadTable:
 
     The cost model needs only these, so a plan too large to hold (every row of every tensor
     of a 4096 + 4096 refit) can be predicted from its tensors' rows one block at a time.
-    A message is a distinct ``(stage, sender, receiver)`` among the rows that are not local.
+    A message is a distinct ``(stage, sender, receiver)`` among the rows that leave their device.
     """
 
     def __init__(self, ranks: np.ndarray):
@@ -222,7 +222,7 @@ class LoadTable:
         for port, lk, who in _PORTS:
             m = link == lk
             self.load[port] += np.bincount((si if who == "src" else di)[m], weights=w[m], minlength=n).astype(np.int64)
-        remote = link != Link.LOCAL
+        remote = link != Link.SAME_DEVICE
         code = (stage[remote].astype(np.int64) * n + si[remote]) * n + di[remote]
         keys, inv = np.unique(code, return_inverse=True)
         mlink = np.zeros(len(keys), dtype=np.int8)
@@ -259,7 +259,7 @@ def predict_loads(acc: LoadTable, topology: Topology, chunk: int) -> Prediction:
     load = acc.load
     for port, lk, who in _PORTS:
         busy[port] = load[port] / rate[lk]
-        if lk != Link.LOCAL:
+        if lk != Link.SAME_DEVICE:
             mm = mlink == lk
             count = np.bincount((msrc if who == "src" else mdst)[mm], minlength=n)
             busy[port] += count * lat

@@ -46,7 +46,7 @@ def _land_inside(
     for q, r in enumerate(holders):
         h = ctx.on_device[j].get(device_of(r))
         if h is not None:
-            out.add(Row(h, r, Link.LOCAL, Phase.LAND, 0, u, pbox))
+            out.add(Row(h, r, Link.SAME_DEVICE, Phase.LAND, 0, u, pbox))
         else:
             out.pick(inside, q + k, r, Link.FAST, Phase.LAND, 0, u, pbox)
 

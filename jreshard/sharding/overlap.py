@@ -94,7 +94,7 @@ def take_from_earlier(
                 dev = topo.device_of(r)
                 h = next((h for h in hs if topo.device_of(h) == dev), None)
                 if h is not None:
-                    out.add(Row(h, r, Link.LOCAL, Phase.FANOUT, ov.ready[e] + 1, u, x))
+                    out.add(Row(h, r, Link.SAME_DEVICE, Phase.FANOUT, ov.ready[e] + 1, u, x))
                 else:
                     out.pick(hs, q + k, r, Link.FAST, Phase.FANOUT, ov.ready[e] + 1, u, x)
         rest = left

@@ -33,7 +33,7 @@ class PlanStats:
     """Whole-plan statistics (bytes, counts). See ``docs/metrics.md``.
 
     Attributes:
-      network_bytes, fast_bytes, local_bytes: bytes moved over each link kind.
+      network_bytes, fast_bytes, same_device_bytes: bytes moved over each link kind.
       network_bytes_lower_bound: ``Σ_G Σ_beta |beta \\ U(G)|`` bytes, computed apart from the planner.
       relay_bytes: network bytes sent by destinations forwarding to other domains.
       max_rank_network_send_bytes, max_rank_network_recv_bytes: the busiest NIC, each way.
@@ -46,7 +46,7 @@ class PlanStats:
 
     network_bytes: int
     fast_bytes: int
-    local_bytes: int
+    same_device_bytes: int
     network_bytes_lower_bound: int
     relay_bytes: int
     max_rank_network_send_bytes: int
@@ -79,7 +79,7 @@ def _unique_rows(keys: np.ndarray) -> np.ndarray:
 
 def _distinct_keys(tp: TensorPlan) -> np.ndarray:
     """Distinct ``(stage, src, dst, link)`` of one tensor's rows that travel as messages."""
-    m = (tp.link != Link.LOCAL) | (tp.phase != Phase.LAND)
+    m = (tp.link != Link.SAME_DEVICE) | (tp.phase != Phase.LAND)
     return _unique_rows(np.stack([tp.stage[m], tp.src[m], tp.dst[m], tp.link[m]], axis=1).astype(np.int64))
 
 
@@ -122,7 +122,7 @@ class Plan:
         s = self.stats()
         return (
             f"Plan({self.kind}, {len(self.tensors)} tensors, network={s.network_bytes} B "
-            f"(bound {s.network_bytes_lower_bound}), fast={s.fast_bytes} B, local={s.local_bytes} B, "
+            f"(bound {s.network_bytes_lower_bound}), fast={s.fast_bytes} B, same_device={s.same_device_bytes} B, "
             f"{s.messages} messages)"
         )
 
@@ -153,7 +153,8 @@ class Plan:
         return sum(network_lower_bound(t.src, t.dst, self.topology) for t in self.tensors)
 
     def rank_loads(self) -> dict[str, dict[int, int]]:
-        """Per-rank bytes: ``{"network_send": {rank: bytes}, "network_recv", "fast_send", "fast_recv", "local"}``."""
+        """Per-rank bytes: ``{"network_send": {rank: bytes}, "network_recv", "fast_send", "fast_recv",
+        "same_device"}``."""
         c = self._columns
         out: dict[str, dict[int, int]] = {}
         for name, link, who in (
@@ -161,7 +162,7 @@ class Plan:
             ("network_recv", Link.NETWORK, "dst"),
             ("fast_send", Link.FAST, "src"),
             ("fast_recv", Link.FAST, "dst"),
-            ("local", Link.LOCAL, "dst"),
+            ("same_device", Link.SAME_DEVICE, "dst"),
         ):
             m = c["link"] == link
             who_m = c[who][m]
@@ -174,7 +175,7 @@ class Plan:
 
     def message_keys(self) -> np.ndarray:
         """Distinct ``(stage, src, dst, link)`` rows of the transfers that travel as messages
-        (all but the local landings from a source shard)."""
+        (all but the same-device landings from a source shard)."""
         parts: dict[int, np.ndarray] = {}  # id(tensor plan) -> its distinct keys: stamped tensors repeat
         for tp in self.tensor_plans:
             if id(tp) not in parts:
@@ -195,7 +196,7 @@ class Plan:
         return PlanStats(
             network_bytes=by_link[Link.NETWORK],
             fast_bytes=by_link[Link.FAST],
-            local_bytes=by_link[Link.LOCAL],
+            same_device_bytes=by_link[Link.SAME_DEVICE],
             network_bytes_lower_bound=self.network_lower_bound(),
             relay_bytes=int(c["nbytes"][c["phase"] == Phase.RELAY].sum()),
             max_rank_network_send_bytes=max(loads["network_send"].values(), default=0),

@@ -131,7 +131,7 @@ class RankProgram:
 
     ``local`` are landings from a source shard on the rank's device (the sender's
     buffer is in this process). A fan-out between two destination ranks that share
-    a device is labelled ``Link.LOCAL`` but travels as a message, at its stage.
+    a device is labelled ``Link.SAME_DEVICE`` but travels as a message, at its stage.
     ``sends`` and ``recvs`` are sorted by ``(stage, peer)``; the pieces of a message
     are in (tensor, emission) order.
 
@@ -169,7 +169,7 @@ class RankProgram:
         boxes = t.boxes(0, n)
         cols = (t.tensor[:n].tolist(), t.peer[:n].tolist(), t.stage[:n].tolist(), t.nbytes[:n].tolist())
         return tuple(
-            Move(ten, src, self.rank, box, Link.LOCAL, Phase.LAND, stage, nb)
+            Move(ten, src, self.rank, box, Link.SAME_DEVICE, Phase.LAND, stage, nb)
             for ten, src, box, stage, nb in zip(cols[0], cols[1], boxes, cols[2], cols[3], strict=True)
         )
 
@@ -248,7 +248,7 @@ def build_program(
     landings into another rank.
     """
     src, dst = keys["src"], keys["dst"]
-    landing = (keys["link"] == Link.LOCAL) & (keys["phase"] == Phase.LAND)
+    landing = (keys["link"] == Link.SAME_DEVICE) & (keys["phase"] == Phase.LAND)
     to_me = dst == rank
     parts = (
         np.flatnonzero(landing & to_me),

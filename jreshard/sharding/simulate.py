@@ -39,7 +39,7 @@ class Simulation:
 
     Attributes:
       prediction: the cost model's :class:`Prediction` (predicted, not measured).
-      network_bytes, fast_bytes, local_bytes: bytes moved over each link kind.
+      network_bytes, fast_bytes, same_device_bytes: bytes moved over each link kind.
       network_bytes_lower_bound: the union bound of ``bounds.py``, summed over tensors.
       rows: byte movements in the plan (never held at once).
       stats: the whole plan's :class:`PlanStats`, equal to ``plan_layouts(...).stats()``.
@@ -48,7 +48,7 @@ class Simulation:
     prediction: Prediction
     network_bytes: int
     fast_bytes: int
-    local_bytes: int
+    same_device_bytes: int
     network_bytes_lower_bound: int
     rows: int
     stats: PlanStats
@@ -80,7 +80,7 @@ def simulate_layouts(
     key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
     by_link = dict.fromkeys(Link, 0)
     bound = rows = relay = held = 0
-    own: list[np.ndarray] = []  # (stage, src, dst) codes of local rows that still travel as messages
+    own: list[np.ndarray] = []  # (stage, src, dst) codes of same-device rows that still travel as messages
     for (src, dst), tensors in by_pair.items():
         tmpl = template_of(src, dst, topology, key_opts)
         rots = collections.Counter(rotation_of(src, dst, topology, t) for t in tensors)
@@ -89,15 +89,15 @@ def simulate_layouts(
         # Only the rows whose sender rotates (the landings) are stamped, once per rotation in use.
         fixed = tp.src >= 0
         acc.add(tp.src[fixed], tp.dst[fixed], tp.link[fixed], tp.stage[fixed], tp.nbytes[fixed], len(tensors))
-        own_local = (tp.link == Link.LOCAL) & (tp.phase != Phase.LAND)  # a message, as the plan counts them
-        own.append(_codes(ranks, tp.stage, tp.src, tp.dst, fixed & own_local))
+        own_same_device = (tp.link == Link.SAME_DEVICE) & (tp.phase != Phase.LAND)  # a message, as the plan counts them
+        own.append(_codes(ranks, tp.stage, tp.src, tp.dst, fixed & own_same_device))
         chosen = np.flatnonzero(~fixed)
         if len(chosen):
             cols = tp.dst[chosen], tp.link[chosen], tp.stage[chosen], tp.nbytes[chosen]
             for rot, times in sorted(rots.items()):
                 stamped = tmpl.stamp(rot).src[chosen]
                 acc.add(stamped, *cols, times)
-                own.append(_codes(ranks, tp.stage[chosen], stamped, tp.dst[chosen], own_local[chosen]))
+                own.append(_codes(ranks, tp.stage[chosen], stamped, tp.dst[chosen], own_same_device[chosen]))
         for lk in Link:
             by_link[lk] += int(tp.nbytes[tp.link == lk].sum()) * len(tensors)
         bound += network_lower_bound(src, dst, topology) * len(tensors)
@@ -109,7 +109,7 @@ def simulate_layouts(
     stats = PlanStats(
         network_bytes=by_link[Link.NETWORK],
         fast_bytes=by_link[Link.FAST],
-        local_bytes=by_link[Link.LOCAL],
+        same_device_bytes=by_link[Link.SAME_DEVICE],
         network_bytes_lower_bound=bound,
         relay_bytes=relay,
         max_rank_network_send_bytes=int(load[Port.NETWORK_SEND].max(initial=0)),
@@ -125,7 +125,7 @@ def simulate_layouts(
         prediction=predict_loads(acc, topology, int(options.chunk_bytes)),
         network_bytes=stats.network_bytes,
         fast_bytes=stats.fast_bytes,
-        local_bytes=stats.local_bytes,
+        same_device_bytes=stats.same_device_bytes,
         network_bytes_lower_bound=bound,
         rows=rows,
         stats=stats,

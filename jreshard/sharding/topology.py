@@ -23,7 +23,7 @@ __all__ = ["Link", "Links", "Topology"]
 class Link(enum.IntEnum):
     """How bytes move between two ranks."""
 
-    LOCAL = 0  # same device: a memory copy
+    SAME_DEVICE = 0  # a memory copy on one device
     FAST = 1  # same fast-link domain: NVLink, or shared host memory
     NETWORK = 2  # different domains: through the NICs
 
@@ -39,11 +39,11 @@ class Links:
 
     network_bw: float = 50e9
     fast_bw: float = 450e9
-    local_bw: float = 1.5e12
+    same_device_bw: float = 1.5e12
     latency_s: float = 5e-6
 
     def __post_init__(self) -> None:
-        for f in ("network_bw", "fast_bw", "local_bw"):
+        for f in ("network_bw", "fast_bw", "same_device_bw"):
             v = getattr(self, f)
             if not v > 0:
                 raise TopologyError(f"Links: {f}={v!r} must be a positive number of bytes per second")
@@ -238,7 +238,7 @@ class Topology:
     def link(self, a: int, b: int) -> Link:
         """The link bytes take from rank ``a`` to rank ``b``."""
         if self.device_of(a) == self.device_of(b):
-            return Link.LOCAL
+            return Link.SAME_DEVICE
         return Link.FAST if self.domain_of(a) == self.domain_of(b) else Link.NETWORK
 
     def check_ranks(self, ranks: Iterable[int], what: str) -> None:
@@ -252,9 +252,11 @@ class Topology:
             )
 
     def bandwidth(self, link: Link) -> float:
-        return {Link.LOCAL: self.links.local_bw, Link.FAST: self.links.fast_bw, Link.NETWORK: self.links.network_bw}[
-            link
-        ]
+        return {
+            Link.SAME_DEVICE: self.links.same_device_bw,
+            Link.FAST: self.links.fast_bw,
+            Link.NETWORK: self.links.network_bw,
+        }[link]
 
     # ----- JSON ---------------------------------------------------------
     def to_json(self) -> str:
@@ -271,8 +273,13 @@ class Topology:
     def from_json(cls, text: str | bytes) -> Topology:
         try:
             obj = json.loads(text)
+            if isinstance(obj, dict) and isinstance(obj.get("links"), dict) and "local_bw" in obj["links"]:
+                raise LayoutJSONError(
+                    f"Topology.from_json: links has local_bw={obj['links']['local_bw']!r}, now named same_device_bw "
+                    "(the rate of a copy on one device); the fix is to rename the key to same_device_bw"
+                )
             return cls(tuple(obj["ranks"]), tuple(obj["domains"]), tuple(obj["devices"]), Links(**obj["links"]))
-        except TopologyError:
+        except (TopologyError, LayoutJSONError):
             raise
         except (ValueError, KeyError, TypeError) as err:
             raise LayoutJSONError(f"Topology.from_json: cannot parse {str(text)[:200]!r}: {err}") from err

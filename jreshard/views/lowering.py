@@ -127,7 +127,7 @@ class LeafLowering:
     tasks: tuple[QuantTask, ...]
     network_bytes: int
     fast_bytes: int
-    local_bytes: int
+    same_device_bytes: int
     loads: tuple[tuple[int, Link, bool, int], ...] = ()  # (rank, link, sending?, bytes), one row per rank and link
 
 
@@ -239,10 +239,10 @@ def lower(
         )
         aligned = all(_block_aligned(p.dst_box, hull, quant.block, quant.x.shape) for p in ps)
         tasks.append(QuantTask(r, hull, box, tuple(ps), aligned))
-    net = fast = local = 0
+    net = fast = same = 0
     loads: dict[tuple[int, Link, bool], int] = {}
     for p in pieces:
-        net, fast, local = _count(p, p.wire_bytes, net, fast, local, loads)
+        net, fast, same = _count(p, p.wire_bytes, net, fast, same, loads)
     for t in tasks:
         for p in t.pieces:
             nbytes = p.wire_bytes
@@ -251,9 +251,9 @@ def lower(
                 nbytes = 0 if part is None else part.volume  # one float8 byte a weight
                 if quant.part == "scales":
                     nbytes = blocks_in(p.dst_box, quant.block) * 4
-            net, fast, local = _count(p, nbytes, net, fast, local, loads)
+            net, fast, same = _count(p, nbytes, net, fast, same, loads)
     rows = tuple((r, lk, out, n) for (r, lk, out), n in sorted(loads.items()))
-    return LeafLowering(tuple(pieces), tuple(tasks), net, fast, local, rows)
+    return LeafLowering(tuple(pieces), tuple(tasks), net, fast, same, rows)
 
 
 def _global(local: Box, outer: Box) -> Box:
@@ -263,16 +263,16 @@ def _global(local: Box, outer: Box) -> Box:
     )
 
 
-def _count(p: ViewPiece, nbytes: int, net: int, fast: int, local: int, loads: dict) -> tuple[int, int, int]:
-    if p.link is not Link.LOCAL:
+def _count(p: ViewPiece, nbytes: int, net: int, fast: int, same: int, loads: dict) -> tuple[int, int, int]:
+    if p.link is not Link.SAME_DEVICE:
         sender = p.via if p.via is not None else p.src_rank
         for key in ((sender, p.link, True), (p.dst_rank, p.link, False)):
             loads[key] = loads.get(key, 0) + nbytes
     if p.link is Link.NETWORK:
-        return net + nbytes, fast, local
+        return net + nbytes, fast, same
     if p.link is Link.FAST:
-        return net, fast + nbytes, local
-    return net, fast, local + nbytes
+        return net, fast + nbytes, same
+    return net, fast, same + nbytes
 
 
 def _block_aligned(b: Box, hull: Box, block: tuple[int, int], shape: tuple[int, ...]) -> bool:
@@ -314,8 +314,8 @@ def _pieces(
             if part is None:
                 continue
             links = [topo.link(h, r) for h in holders]
-            if Link.LOCAL in links or Link.FAST in links:
-                best = Link.LOCAL if Link.LOCAL in links else Link.FAST
+            if Link.SAME_DEVICE in links or Link.FAST in links:
+                best = Link.SAME_DEVICE if Link.SAME_DEVICE in links else Link.FAST
                 near = [h for h, lk in zip(holders, links, strict=True) if lk is best]
                 src = state.pick(near, part.volume * item)
                 out.append(_piece(m, part, i, src, r, origin, lay.dtype, send, recv, best, None))
@@ -337,7 +337,7 @@ def _pieces(
                     if via != r:  # another rank of G receives it: over the fast links from there
                         src, lk = state.pick(holders, 0), Link.FAST
                     elif arrived:  # this rank has it already (a part used twice)
-                        src, lk = state.pick(holders, 0), Link.LOCAL
+                        src, lk = state.pick(holders, 0), Link.SAME_DEVICE
                     else:  # this rank's own stripe of its replica group, promised earlier
                         src, lk = state.pick(holders, x.volume * item), Link.NETWORK
                         entry[2] = True

@@ -109,7 +109,7 @@ class ProgramStats:
 
     Attributes:
       network_bytes, fast_bytes: payload bytes the permutations carry over each link kind (the plan's).
-      local_bytes: bytes copied inside a device.
+      same_device_bytes: bytes copied inside a device.
       padding_bytes: bytes the permutations send beyond their payload.
       permutations: ``ppermute`` calls in the program.
       messages: the plan's messages the permutations carry.
@@ -117,7 +117,7 @@ class ProgramStats:
 
     network_bytes: int
     fast_bytes: int
-    local_bytes: int
+    same_device_bytes: int
     padding_bytes: int
     permutations: int
     messages: int
@@ -138,7 +138,7 @@ class XlaPlan:
       src_block, dst_block: per tensor, the shape of each of its source (destination) shards.
       stages: the stages, in plan order.
       stats: byte counts.
-      sent_by: per rank, ``{Link: payload bytes it sends}``, its copies under ``Link.LOCAL`` (for a
+      sent_by: per rank, ``{Link: payload bytes it sends}``, its copies under ``Link.SAME_DEVICE`` (for a
         process's report).
       padded_by: per rank, the padding bytes it sends.
       messages_by: per rank, the segments it sends (one per permutation it sends in).
@@ -205,7 +205,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
     sent_by: dict[int, dict[Link, int]] = defaultdict(lambda: dict.fromkeys(Link, 0))
     padded_by: dict[int, int] = defaultdict(int)
     messages_by: dict[int, int] = defaultdict(int)
-    local_bytes = 0
+    same_device_bytes = 0
     for r, prog in progs.items():
         for mv in prog.local:
             if mv.src != r:
@@ -214,8 +214,8 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
                     "device; in one JAX program a rank is a device, so the fix is a topology with one rank per device"
                 )
             copies[0][at[r]].append(_copy(mv.tensor, SRC, mv.box, tensors, r))
-            local_bytes += mv.nbytes
-            sent_by[r][Link.LOCAL] += mv.nbytes
+            same_device_bytes += mv.nbytes
+            sent_by[r][Link.SAME_DEVICE] += mv.nbytes
     by_stage: dict[int, list[Message]] = defaultdict(list)
     for r in every:
         for m in progs[r].sends:
@@ -223,12 +223,12 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
                 side = SRC if m.stage == 0 else DST
                 for p in m.pieces:
                     copies[m.stage][at[r]].append(_copy(p.tensor, side, p.box, tensors, r))
-                    local_bytes += p.nbytes
-                    sent_by[r][Link.LOCAL] += p.nbytes
+                    same_device_bytes += p.nbytes
+                    sent_by[r][Link.SAME_DEVICE] += p.nbytes
             else:
                 by_stage[m.stage].append(m)
     stages = []
-    payload = {Link.NETWORK: 0, Link.FAST: 0, Link.LOCAL: 0}
+    payload = {Link.NETWORK: 0, Link.FAST: 0, Link.SAME_DEVICE: 0}
     padding = nperms = nmsgs = 0
     for s in sorted(set(by_stage) | set(copies)):
         msgs = by_stage.get(s, [])
@@ -250,7 +250,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
                         got[(seg.message, j)].append((k, pos, b - a))
                         pos += b - a
                     start = stop
-                link = Link.FAST if m.link == Link.LOCAL else m.link  # between two devices: a fast link
+                link = Link.FAST if m.link == Link.SAME_DEVICE else m.link  # between two devices: a fast link
                 payload[link] += seg.nbytes
                 sent_by[m.src][link] += seg.nbytes
                 padded_by[m.src] += perm.length - seg.nbytes
@@ -278,7 +278,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
     stats = ProgramStats(
         network_bytes=payload[Link.NETWORK],
         fast_bytes=payload[Link.FAST],
-        local_bytes=local_bytes,
+        same_device_bytes=same_device_bytes,
         padding_bytes=padding,
         permutations=nperms,
         messages=nmsgs,
@@ -314,7 +314,7 @@ def message_sizes(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndar
     seen = {id(tp): tp for tp in plan.tensor_plans}
     cols = []
     for key, tp in seen.items():
-        m = ((tp.link != Link.LOCAL) | (tp.phase != Phase.LAND)) & (tp.src != tp.dst)
+        m = ((tp.link != Link.SAME_DEVICE) | (tp.phase != Phase.LAND)) & (tp.src != tp.dst)
         cols.append(
             np.stack([tp.stage[m], tp.src[m], tp.dst[m], tp.link[m], tp.nbytes[m] * weight[key]], axis=1).astype(
                 np.int64

@@ -38,9 +38,9 @@ def body() -> dict:
         "backend": rep.backend.value,
         "network": rep.network_bytes,
         "fast": rep.fast_bytes,
-        "local": rep.local_bytes,
+        "same_device": rep.same_device_bytes,
         "messages": rep.messages,
-        "plan": [stats.network_bytes, stats.fast_bytes, stats.local_bytes, stats.messages],
+        "plan": [stats.network_bytes, stats.fast_bytes, stats.same_device_bytes, stats.messages],
     }
 
 

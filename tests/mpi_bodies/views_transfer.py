@@ -88,12 +88,12 @@ def body() -> dict:
         "refused": refused,
         "network": rep.network_bytes,
         "fast": rep.fast_bytes,
-        "local": rep.local_bytes,
+        "same_device": rep.same_device_bytes,
         "messages": rep.messages,
         "peak_staging": rep.peak_staging_bytes,
         "backend": rep.backend.value,
         "expect_network": sum(lw.network_bytes for lw in low),
-        "expect_moved": sum(lw.network_bytes + lw.fast_bytes + lw.local_bytes for lw in low),
+        "expect_moved": sum(lw.network_bytes + lw.fast_bytes + lw.same_device_bytes for lw in low),
     }
 
 

@@ -81,7 +81,7 @@ def body(pid: int, nproc: int, port: int) -> dict:
         "backend": rep.backend.value,
         "network_bytes": rep.network_bytes,
         "fast_bytes": rep.fast_bytes,
-        "local_bytes": rep.local_bytes,
+        "same_device_bytes": rep.same_device_bytes,
         "padding_bytes": rep.padding_bytes,
     }
     # transfer_into across processes: every process donates its own destination shards.
