@@ -65,7 +65,7 @@ from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
 from jreshard.schedule import kernels
 from jreshard.schedule.pairsched import pair_paced
-from jreshard.sharding.planner import rank_programs
+from jreshard.sharding.planner import rank_plans
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.simulate import simulate_layouts
 
@@ -154,7 +154,7 @@ def schedule_of(name: str, n: int, rank: int) -> tuple[Any, list[TensorSpec], An
     peers = peer_mail_process(name, n, rank, DOMAIN, NIC, NVLINK)
     tensors = [TensorSpec(nm, s, d) for nm, (s, d) in zip(r.names, r.pairs, strict=True)]
     opts = Options()
-    talk = pair_paced(tensors, rank_programs(r.pairs, [rank], topo, names=r.names), opts)
+    talk = pair_paced(tensors, rank_plans(r.pairs, [rank], topo, names=r.names), opts)
     _, want = next(talk)
     try:
         while True:

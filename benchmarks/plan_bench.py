@@ -10,10 +10,10 @@ Prints:
    jreshard's and the baselines' predicted times beside the published measurements;
 2. the time to plan one tensor across 512 + 512 ranks;
 3. for DeepSeek-V3 and Kimi-K2, trainer and inference on 128 + 128 (and DeepSeek-V3
-   on 1024 + 1024): time to plan the whole model, to plan one rank's program alone, a
+   on 1024 + 1024): time to plan the whole model, to plan one rank's part alone (its ``RankPlan``), a
    cached plan call; network bytes against the lower bound; predicted refit times of
    jreshard and the baselines; and where the planning time goes (a profile);
-4. DeepSeek-V3 on 4096 + 4096: one rank's program, and ``simulate_layouts`` (the
+4. DeepSeek-V3 on 4096 + 4096: one rank's plan, and ``simulate_layouts`` (the
    whole refit predicted one layout pair at a time) with its time and peak memory;
 5. for DeepSeek-V3 on 128 + 128, 1024 + 1024 and 4096 + 4096: one process's rank-local
    schedule (``jreshard.schedule.pairsched``, what every process of a multi-process transfer
@@ -22,17 +22,17 @@ Prints:
    one process: their peer counts are exact, the rounds of received stage-0 chunks are
    exact (``0, 1, ...``, as every sender places them), those of later stages a stand-in
    (``k + stage``) that changes round numbers, not the work. The peer counts come from
-   the peers' own programs, the same way at every size: the destination rank's program
-   names its peers (the ranks it receives from and sends to), one ``rank_programs`` call
+   the peers' own rank plans, the same way at every size: the destination rank's plan
+   names its peers (the ranks it receives from and sends to), one ``rank_plans`` call
    builds theirs, and each peer's distinct receivers and senders, and the bytes it sends and
-   receives in all, are read from its program's sent and received rows. This setup runs in a separate process and is not
+   receives in all, are read from its plan's sent and received rows. This setup runs in a separate process and is not
    timed (its time is printed apart), so neither its time nor its memory counts
    (``plan_bench_local.py``, beside this file, holds this part).
 
 Each model configuration runs in a fresh process, so no cache from another
 configuration helps it, ``--repeat`` times (the 4096 + 4096 one once): times are the
 median, with min-max, of wall-clock (and CPU, as the machine may be shared). A rank's
-program is columns of numpy arrays; the time to build its Message and Piece values
+plan is columns of numpy arrays; the time to build its Message and Piece values
 (done when a consumer first reads them) is printed beside it. Every refit time printed is *predicted* by the cost model
 (``jreshard.cost``), never measured.
 """
@@ -54,7 +54,7 @@ from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_la
 from jreshard.sharding.box import Box
 from jreshard.sharding.caches import clear_caches
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_plan
 from jreshard.sharding.simulate import simulate_layouts
 from jreshard.sharding.topology import Topology
 
@@ -147,18 +147,18 @@ def one_model(name: str, n: int, whole: bool, baselines: bool) -> dict:
         "trainer": r.trainer.name,
         "inference": r.inference.name,
     }
-    # One rank's program first, so that nothing the whole plan computed helps it.
+    # One rank's plan first, so that nothing the whole plan computed helps it.
     dst_rank, src_rank = n + n // 2 + 3, n // 2 + 3
-    prog, out["program_dst_s"], out["program_dst_cpu"] = timed(
-        lambda: rank_program(r.pairs, dst_rank, topo, names=r.names)
+    rplan, out["rank_plan_dst_s"], out["rank_plan_dst_cpu"] = timed(
+        lambda: rank_plan(r.pairs, dst_rank, topo, names=r.names)
     )
-    # The program is columns (numpy); its Message and Piece values are built the first time they are read.
-    _, out["program_objects_s"], _ = timed(lambda: (prog.local, prog.sends, prog.recvs))
-    out["program_pieces"] = len(prog.table)
-    _, out["program_src_s"], out["program_src_cpu"] = timed(
-        lambda: rank_program(r.pairs, src_rank, topo, names=r.names)
+    # The rank plan is columns (numpy); its Message and Piece values are built the first time they are read.
+    _, out["rank_plan_objects_s"], _ = timed(lambda: (rplan.copies, rplan.sends, rplan.recvs))
+    out["rank_plan_pieces"] = len(rplan.table)
+    _, out["rank_plan_src_s"], out["rank_plan_src_cpu"] = timed(
+        lambda: rank_plan(r.pairs, src_rank, topo, names=r.names)
     )
-    out["program_cached_s"] = _median_call(lambda: rank_program(r.pairs, dst_rank, topo, names=r.names))
+    out["rank_plan_cached_s"] = _median_call(lambda: rank_plan(r.pairs, dst_rank, topo, names=r.names))
     if not whole:
         if name == "deepseek-v3":  # before simulate_layouts, so the peak memory is the schedule's process's
             out.update(local_schedule(r, topo, dst_rank, peer_mail_process(name, n, dst_rank, DOMAIN, NIC, NVLINK)))
@@ -208,12 +208,12 @@ CONFIGS = (*CONFIGS_QUICK, ("deepseek-v3", 1024, "whole-nobase"), ("deepseek-v3"
 _TIMES = (
     "plan_s",
     "plan_cpu",
-    "program_dst_s",
-    "program_dst_cpu",
-    "program_src_s",
-    "program_src_cpu",
-    "program_cached_s",
-    "program_objects_s",
+    "rank_plan_dst_s",
+    "rank_plan_dst_cpu",
+    "rank_plan_src_s",
+    "rank_plan_src_cpu",
+    "rank_plan_cached_s",
+    "rank_plan_objects_s",
     "cached_s",
     "local_sched_s",
     "local_sched_cpu",
@@ -252,20 +252,20 @@ def models(configs: tuple[tuple[str, int, str], ...], repeat: int) -> None:
                 f"{o['plan_s_range']}"
             )
         print(
-            f"   one destination's program {o['program_dst_s']:7.3f} s wall ({o['program_dst_cpu']:.3f} s CPU)"
-            f"{o['program_dst_s_range']}, {o['program_pieces']} pieces"
+            f"   one destination's plan    {o['rank_plan_dst_s']:7.3f} s wall ({o['rank_plan_dst_cpu']:.3f} s CPU)"
+            f"{o['rank_plan_dst_s_range']}, {o['rank_plan_pieces']} pieces"
         )
         print(
-            f"     its Message/Piece values {o['program_objects_s']:6.3f} s more, built when first read"
-            f"{o['program_objects_s_range']}"
+            f"     its Message/Piece values {o['rank_plan_objects_s']:6.3f} s more, built when first read"
+            f"{o['rank_plan_objects_s_range']}"
         )
         print(
-            f"   one source's program      {o['program_src_s']:7.3f} s wall ({o['program_src_cpu']:.3f} s CPU)"
-            f"{o['program_src_s_range']}"
+            f"   one source's plan         {o['rank_plan_src_s']:7.3f} s wall ({o['rank_plan_src_cpu']:.3f} s CPU)"
+            f"{o['rank_plan_src_s_range']}"
         )
         print(
-            f"   a program asked again     {o['program_cached_s'] * 1e3:7.3f} ms (median of 7; templates cached)"
-            f"{o['program_cached_s_range']}"
+            f"   a plan asked again        {o['rank_plan_cached_s'] * 1e3:7.3f} ms (median of 7; templates cached)"
+            f"{o['rank_plan_cached_s_range']}"
         )
         if "plan_s" in o:
             print(

@@ -23,8 +23,8 @@ from jreshard.models import refit, refit_topology
 from jreshard.options import Options
 from jreshard.schedule.pairsched import COUNT_IN, COUNT_OUT, ROUNDS, pair_paced
 from jreshard.sharding.caches import clear_caches
-from jreshard.sharding.planner import rank_programs
-from jreshard.sharding.program import RECV, SEND
+from jreshard.sharding.planner import rank_plans
+from jreshard.sharding.rankplan import RECV, SEND
 from jreshard.sharding.rows import TensorSpec
 
 
@@ -64,22 +64,22 @@ def profile(fn, top: int = 6) -> list[tuple[str, float]]:
 
 def peer_mail(r, topo, rank: int) -> tuple[dict[int, list[int]], dict[int, list[int]], dict[int, int], dict[int, int]]:
     """The peers of ``rank`` and, for each, its distinct receivers and senders, sorted, and the bytes it
-    sends and receives in all (what the peers tell ``rank`` in the mail), from the peers' programs
+    sends and receives in all (what the peers tell ``rank`` in the mail), from the peers' rank plans
     alone (no whole plan).
 
-    ``rank``'s program lists its peers: the ranks it receives from and those it sends to
-    (itself too, if it sends to itself). Each peer's program lists, in its sent rows, the
-    ranks it sends to, and in its received rows those it receives from; its local
+    ``rank``'s plan lists its peers: the ranks it receives from and those it sends to
+    (itself too, if it sends to itself). Each peer's plan lists, in its sent rows, the
+    ranks it sends to, and in its received rows those it receives from; its same-device
     landings are no messages and count for neither.
     """
-    own = rank_programs(r.pairs, [rank], topo, names=r.names)[rank]
+    own = rank_plans(r.pairs, [rank], topo, names=r.names)[rank]
     peers = sorted(set(own.table.peer[int(own.table.cuts[0]) :].tolist()))
     outs: dict[int, list[int]] = {}
     ins: dict[int, list[int]] = {}
     sent: dict[int, int] = {}
     got: dict[int, int] = {}
-    for p, prog in rank_programs(r.pairs, peers, topo, names=r.names).items():
-        t = prog.table
+    for p, rplan in rank_plans(r.pairs, peers, topo, names=r.names).items():
+        t = rplan.table
         rows = slice(int(t.cuts[0]), len(t))
         kind, peer, nbytes = t.kind[rows], t.peer[rows], t.nbytes[rows]
         outs[p] = np.unique(peer[kind == SEND]).tolist()
@@ -124,8 +124,8 @@ def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -
         return answer_mail(want, outs, ins, sent, received)
 
     def build():
-        programs = rank_programs(r.pairs, [rank], topo, names=r.names)
-        talk = pair_paced(tensors, programs, opts)
+        plans = rank_plans(r.pairs, [rank], topo, names=r.names)
+        talk = pair_paced(tensors, plans, opts)
         _, want = next(talk)
         try:
             while True:
@@ -135,13 +135,13 @@ def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -
 
     clear_caches()
     before_mib = peak_mib()
-    _, prog_s, _ = timed(lambda: rank_programs(r.pairs, [rank], topo, names=r.names))
-    sched, total_s, total_cpu = timed(build)  # the programs are cached now: this is the schedule alone
+    _, plans_s, _ = timed(lambda: rank_plans(r.pairs, [rank], topo, names=r.names))
+    sched, total_s, total_cpu = timed(build)  # the rank plans are cached now: this is the schedule alone
     steps = sched.steps.get(rank, {})
     out = {
         "local_sched_s": total_s,
         "local_sched_cpu": total_cpu,
-        "local_sched_programs_s": prog_s,
+        "local_sched_plans_s": plans_s,
         "local_sched_rounds": sched.rounds,
         "local_sched_chunks": sum(len(s.sends) + len(s.recvs) for s in steps.values()),
         "local_sched_rows": sum(len(s.pack) + len(s.unpack) for s in steps.values()),
@@ -163,13 +163,13 @@ def print_local(o: dict) -> None:
         f"   one process's schedule (rank-local) {o['local_sched_s']:7.3f} s wall "
         f"({o['local_sched_cpu']:.3f} s CPU){o['local_sched_s_range']}: one destination rank, "
         f"{o['local_sched_chunks']} chunks in {o['local_sched_rounds']} rounds, "
-        f"{o['local_sched_rows']} descriptor rows (its program: {o['local_sched_programs_s']:.3f} s more)"
+        f"{o['local_sched_rows']} descriptor rows (its plan: {o['local_sched_plans_s']:.3f} s more)"
     )
     print(
         f"     peak memory of the process by then {o['local_sched_peak_mib']:.0f} MiB "
-        f"({o['local_sched_before_mib']:.0f} MiB before its program and schedule"
+        f"({o['local_sched_before_mib']:.0f} MiB before its plan and schedule"
         f"{': a peak the whole plan set' if 'plan_s' in o else ''}); untimed setup in a process of its own: "
-        f"{o['local_sched_peers']} peers' programs in {o['local_sched_setup_s']:.3f} s, "
+        f"{o['local_sched_peers']} peers' plans in {o['local_sched_setup_s']:.3f} s, "
         f"{o['local_sched_setup_mib']:.0f} MiB peak"
     )
     print("     where the schedule's time goes (own time, profiled run):")

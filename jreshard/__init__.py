@@ -33,7 +33,7 @@ from jreshard.sharding.layout import Layout as Layout
 from jreshard.sharding.plan import Message as Message
 from jreshard.sharding.plan import Plan as Plan
 from jreshard.sharding.plan import PlanStats as PlanStats
-from jreshard.sharding.plan import RankProgram as RankProgram
+from jreshard.sharding.plan import RankPlan as RankPlan
 from jreshard.sharding.rows import Move as Move
 from jreshard.sharding.rows import Phase as Phase
 from jreshard.sharding.topology import Link as Link
@@ -87,7 +87,7 @@ __all__ = [
     "Plan",
     "PlanStats",
     "Phase",
-    "RankProgram",
+    "RankPlan",
     "Message",
     "Move",
     "baselines",

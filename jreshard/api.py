@@ -375,8 +375,8 @@ def transfer_with(
     rank taking part): the path MPI and NCCL take, in one process. For tests and comparisons.
 
     Returns:
-      ``(result, stats, programs)``: the moved pytree, what the engine did, and the programs
-      ``{rank: RankProgram}`` of ``comm``'s ranks it ran (each planned alone, no whole plan).
+      ``(result, stats, rank_plans)``: the moved pytree, what the engine did, and the plans
+      ``{rank: RankPlan}`` of ``comm``'s ranks it ran (each planned alone, no whole plan).
     """
     from jreshard.call.routes import transfer_multiprocess
 

@@ -17,13 +17,13 @@ from jreshard.schedule.steps import (
     SRC,
     STAGE_ALIGN,
     Schedule,
-    _local_tables,
+    _copy_tables,
     _Shapes,
     chunk_pieces,
     tag_of,
 )
 from jreshard.sharding.box import Box
-from jreshard.sharding.plan import Message, RankProgram
+from jreshard.sharding.plan import Message, RankPlan
 from jreshard.sharding.rows import TensorSpec
 
 
@@ -32,14 +32,14 @@ def _byte_chunks(m: Message, shapes: _Shapes, size: int) -> list[list[tuple[int,
 
 
 def pair_paced(
-    tensors: Sequence[TensorSpec], programs: Mapping[int, RankProgram], options: Options
+    tensors: Sequence[TensorSpec], rank_plans: Mapping[int, RankPlan], options: Options
 ) -> Generator[tuple[Outgoing, Wanted], dict[Key, np.ndarray], Schedule]:
     """:func:`jreshard.schedule.pairsched.pair_paced`, the same conversation, one object per chunk piece."""
     shapes = _Shapes(tensors)
     widest = max((t.src.itemsize for t in tensors), default=1)
-    mine = sorted(programs)
-    n_out = {r: len({m.dst for m in programs[r].sends}) for r in mine}
-    n_in = {r: len({m.src for m in programs[r].recvs}) for r in mine}
+    mine = sorted(rank_plans)
+    n_out = {r: len({m.dst for m in rank_plans[r].sends}) for r in mine}
+    n_in = {r: len({m.src for m in rank_plans[r].recvs}) for r in mine}
     for r in mine:
         if n_out[r] + n_in[r] > options.max_group_ops:
             raise ValueError(
@@ -47,29 +47,29 @@ def pair_paced(
                 f"max_group_ops={options.max_group_ops} operations in one round"
             )
     # 1. Peer counts and bytes.
-    b_out = {r: sum(m.nbytes for m in programs[r].sends) for r in mine}
-    b_in = {r: sum(m.nbytes for m in programs[r].recvs) for r in mine}
+    b_out = {r: sum(m.nbytes for m in rank_plans[r].sends) for r in mine}
+    b_in = {r: sum(m.nbytes for m in rank_plans[r].recvs) for r in mine}
     pair: dict[tuple[int, int], int] = collections.defaultdict(int)  # (sender, receiver) -> bytes, all stages
     for r in mine:
-        for m in (*programs[r].sends, *programs[r].recvs):
+        for m in (*rank_plans[r].sends, *rank_plans[r].recvs):
             pair[(m.src, m.dst)] += m.nbytes
     out: dict[tuple[int, int, int], np.ndarray] = {}
     want: dict[tuple[int, int, int], int] = {}
     for r in mine:
-        for m in programs[r].sends:
+        for m in rank_plans[r].sends:
             out[(r, m.dst, COUNT_OUT)] = np.array([n_out[r], -1, b_out[r]], np.int64)
             want[(m.dst, r, COUNT_IN)] = 3
-        for m in programs[r].recvs:
+        for m in rank_plans[r].recvs:
             out[(r, m.src, COUNT_IN)] = np.array([n_in[r], -1, b_in[r]], np.int64)
             want[(m.src, r, COUNT_OUT)] = 3
     got = yield out, want
     size: dict[tuple[int, int], int] = {}  # (sender, receiver) -> the pair's chunk bytes
     for r in mine:
-        for m in programs[r].sends:
+        for m in rank_plans[r].sends:
             them = got[(m.dst, r, COUNT_IN)]
             ends = (n_out[r], b_out[r]), (int(them[0]), int(them[2]))
             size[(r, m.dst)] = pair_chunk_bytes(*ends, pair[(r, m.dst)], options, widest)
-        for m in programs[r].recvs:
+        for m in rank_plans[r].recvs:
             them = got[(m.src, r, COUNT_OUT)]
             ends = (int(them[0]), int(them[2])), (n_in[r], b_in[r])
             size[(m.src, r)] = pair_chunk_bytes(*ends, pair[(m.src, r)], options, widest)
@@ -83,12 +83,12 @@ def pair_paced(
     index: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
     next_round: dict[tuple[int, int], int] = collections.defaultdict(int)  # (sender, receiver) -> first free round
     ops: dict[int, dict[int, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
-    stages = sorted({m.stage for r in mine for m in (*programs[r].sends, *programs[r].recvs)})
+    stages = sorted({m.stage for r in mine for m in (*rank_plans[r].sends, *rank_plans[r].recvs)})
     for s in stages:
         out, want = {}, {}
         recv_chunks: dict[tuple[int, int], tuple[Message, list]] = {}
         for r in mine:
-            for m in programs[r].sends:
+            for m in rank_plans[r].sends:
                 if m.stage != s:
                     continue
                 side = SRC if s == 0 else DST
@@ -105,7 +105,7 @@ def pair_paced(
                         ("send", m.dst, tag_of(s, k), m.link, n, chunk, side, _in_place(chunk, r, side, shapes))
                     )
                 out[(r, m.dst, ROUNDS + s)] = np.array(placed, np.int64)
-            for m in programs[r].recvs:
+            for m in rank_plans[r].recvs:
                 if m.stage == s:
                     chunks = _byte_chunks(m, shapes, size[(m.src, r)])
                     recv_chunks[(m.src, r)] = (m, chunks)
@@ -120,7 +120,7 @@ def pair_paced(
         # Every arrival so far is at a stage below the next one's: index them for its causality checks.
         index = {key: _arrivals(v) for key, v in arrived.items()}
     steps, staging = _steps(ops, shapes, padded)
-    local = {r: _local_tables(programs[r], shapes) for r in mine if programs[r].local}
+    local = {r: _copy_tables(rank_plans[r], shapes) for r in mine if rank_plans[r].copies}
     rounds = 1 + max((rnd for by in steps.values() for rnd in by), default=-1)
     return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors))
 

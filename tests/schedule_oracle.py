@@ -31,7 +31,7 @@ from jreshard.schedule.steps import (
     Schedule,
     Step,
     Wire,
-    _local_tables,
+    _copy_tables,
     _Shapes,
     buffer_index,
     chunk_pieces,
@@ -67,8 +67,8 @@ def _in_place(chunk: list[tuple[int, Box]], rank: int, side: int, shapes: _Shape
 def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: int) -> Schedule:
     shapes = _Shapes(plan.tensors)
     ranks = sorted({r for t in plan.tensors for r in (*t.src.ranks, *t.dst.ranks)})
-    progs = plan.programs(ranks)
-    msgs = sorted((m for p in progs.values() for m in p.sends), key=lambda m: (m.stage, m.src, m.dst))
+    rank_plans = plan.rank_plans(ranks)
+    msgs = sorted((m for p in rank_plans.values() for m in p.sends), key=lambda m: (m.stage, m.src, m.dst))
     align = STAGE_ALIGN if staging_bytes % STAGE_ALIGN == 0 else 1  # then a padded chunk still fits
 
     def padded(n: int) -> int:
@@ -100,7 +100,7 @@ def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: in
             ops[m.src][rnd].append(("send", m.dst, tag, m.link, n, chunk, side, send_ip))
             ops[m.dst][rnd].append(("recv", m.src, tag, m.link, n, chunk, DST, recv_ip))
     steps, staging = _steps(ops, shapes, padded)
-    local = {r: _local_tables(p, shapes) for r, p in progs.items() if p.local}
+    local = {r: _copy_tables(p, shapes) for r, p in rank_plans.items() if p.copies}
     return Schedule(rounds=nrounds, steps=steps, local=local, staging=staging, ntensors=len(plan.tensors))
 
 

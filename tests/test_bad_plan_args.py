@@ -6,7 +6,7 @@ import pytest
 
 import jreshard
 from jreshard import Layout
-from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_plan
 
 SRC = Layout.replicated([0], (8,), "float32")
 DST = Layout.replicated([1], (8,), "float32")
@@ -30,4 +30,4 @@ def test_layout_level_entry_points_check_too():
     with pytest.raises(TypeError, match=r"options='fast' is a str"):
         plan_layouts([(SRC, DST)], options="fast")
     with pytest.raises(TypeError, match=r"topology='abc' is a str"):
-        rank_program([(SRC, DST)], 0, topology="abc")
+        rank_plan([(SRC, DST)], 0, topology="abc")

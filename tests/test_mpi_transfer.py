@@ -42,7 +42,7 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
         assert "error" not in r, r.get("error")
         assert r["versions"] == [1, 2, 3, 4, 5]
         if mode == "guard":
-            assert r["programmed"] == r["mine"] and len(r["mine"]) == devices
+            assert r["planned_ranks"] == r["mine"] and len(r["mine"]) == devices
     # every destination shard byte was checked against numpy at every version
     per_version = [sum(r["bytes"][v] for r in dst.values()) for v in range(5)]
     assert len(set(per_version)) == 1 and per_version[0] > 0

@@ -1,7 +1,7 @@
-"""Pair-paced rounds: each process builds the schedule of its own ranks from their programs alone.
+"""Pair-paced rounds: each process builds the schedule of its own ranks from their rank plans alone.
 
-Processes are simulated: each runs the builder for its ranks on programs from
-``rank_programs`` (never the whole plan), and a mail board delivers a payload only
+Processes are simulated: each runs the builder for its ranks on rank plans from
+``rank_plans`` (never the whole plan), and a mail board delivers a payload only
 once its sender has posted it. The schedules must match end to end (every send a
 receive in the same round, same tag and bytes), keep every rank within its staging,
 and, run by the engine, deliver every destination byte.
@@ -26,7 +26,7 @@ from jreshard.schedule.pairsched import pair_chunk_bytes, pair_paced, pair_sched
 from jreshard.schedule.steps import STAGING, Schedule
 from jreshard.sharding.caches import clear_caches
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.planner import plan_layouts, rank_programs
+from jreshard.sharding.planner import plan_layouts, rank_plans
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 
@@ -34,9 +34,9 @@ OPTS = Options(chunk_bytes=64, staging_bytes=4096)
 
 
 def build_per_process(pairs, topo, options, groups, builder=pair_paced):
-    """Each process's schedule, built from its own ranks' programs; payloads go through a mail board."""
+    """Each process's schedule, built from its own ranks' plans; payloads go through a mail board."""
     tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
-    talks = {i: builder(tensors, rank_programs(pairs, g, topo, options), options) for i, g in enumerate(groups)}
+    talks = {i: builder(tensors, rank_plans(pairs, g, topo, options), options) for i, g in enumerate(groups)}
     board: dict = {}
     waiting = {i: next(t) for i, t in talks.items()}  # process -> (what it posted, what it waits for)
     for out, _ in waiting.values():
@@ -166,7 +166,7 @@ def test_one_process_through_a_communicator():
     pairs = [(src, dst), (src, dst)]
     tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
     comm = LocalComm(range(8))
-    sched = pair_schedule(tensors, rank_programs(pairs, range(8), topo, OPTS), OPTS, comm_mail(comm, 5.0))
+    sched = pair_schedule(tensors, rank_plans(pairs, range(8), topo, OPTS), OPTS, comm_mail(comm, 5.0))
     check_matched(sched, OPTS)
     assert max(sched.staging.values()) > 0  # column shards: chunks are packed into the staging arena
     run_and_check(pairs, topo, OPTS, sched)
@@ -212,7 +212,7 @@ def test_a_kept_schedule_replays_its_mail():
     dst = Layout.replicated(range(4, 8), shape, "int32")
     topo = Topology.uniform(range(8), 2)
     tensors = [TensorSpec("w", src, dst)]
-    programs = rank_programs([(src, dst)], range(8), topo, OPTS)
+    plans = rank_plans([(src, dst)], range(8), topo, OPTS)
     comm = LocalComm(range(8))
     said = []
 
@@ -224,11 +224,11 @@ def test_a_kept_schedule_replays_its_mail():
     scheds = []
     for _ in range(2):
         said.append([])
-        scheds.append(pair_schedule(tensors, programs, OPTS, mail, key="w"))
+        scheds.append(pair_schedule(tensors, plans, OPTS, mail, key="w"))
     assert scheds[0] is scheds[1] and said[0] == said[1] and len(said[0]) >= 2
     clear_caches()
     said.append([])
-    again = pair_schedule(tensors, programs, OPTS, mail, key="w")
+    again = pair_schedule(tensors, plans, OPTS, mail, key="w")
     assert again is not scheds[0] and said[2] == said[0]
     assert _wires(again, 5) == _wires(scheds[0], 5)
 

@@ -11,7 +11,7 @@ import jreshard
 from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_plan
 from jreshard.sharding.rows import Phase
 from jreshard.sharding.topology import Link, Topology
 from jreshard.sharding.units import stripe
@@ -159,9 +159,9 @@ def test_many_tensors_travel_as_few_messages():
     many = plan_layouts([(src, dst)] * 100, topo).stats()
     assert many.network_bytes == 100 * one.network_bytes
     assert many.messages <= 2 * one.messages  # rotation may pick other replicas, never 100x
-    prog = rank_program([(src, dst)] * 100, 0, topo)
-    assert len(prog.sends) == 1 and len(prog.sends[0].pieces) == 100
-    assert [p.tensor for p in prog.sends[0].pieces] == list(range(100))
+    rp = rank_plan([(src, dst)] * 100, 0, topo)
+    assert len(rp.sends) == 1 and len(rp.sends[0].pieces) == 100
+    assert [p.tensor for p in rp.sends[0].pieces] == list(range(100))
 
 
 def test_uneven_explicit_boxes():

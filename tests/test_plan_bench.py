@@ -1,4 +1,4 @@
-"""benchmarks/plan_bench.py (plan_bench_local.py): the peers' mail answered from their programs equals what the whole
+"""benchmarks/plan_bench.py (plan_bench_local.py): the peers' mail answered from their rank plans equals what the whole
 plan's messages say (each peer's sorted distinct receivers and senders)."""
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def _whole_plan_mail(plan) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
 def _same_bytes(plan, sent, received, peers) -> None:
     """The bytes each peer sends and receives in all, as the whole plan's messages of that peer carry."""
     for p in peers:
-        prog = plan.program(p)
-        assert sent[p] == sum(m.nbytes for m in prog.sends) and received[p] == sum(m.nbytes for m in prog.recvs), p
+        rp = plan.rank_plan(p)
+        assert sent[p] == sum(m.nbytes for m in rp.sends) and received[p] == sum(m.nbytes for m in rp.recvs), p
 
 
 @pytest.mark.parametrize(
@@ -68,7 +68,7 @@ def test_peer_mail_skips_local_landings():
     r = types.SimpleNamespace(pairs=((src, dst), (dst, src)), names=("a", "b"))
     topo = Topology.uniform(range(8), 4, network_bw=plan_bench.NIC, fast_bw=plan_bench.NVLINK)
     plan = plan_layouts(r.pairs, topo, names=r.names)
-    assert any(int(p.table.cuts[0]) for p in (plan.program(k) for k in range(8)))  # there are local landings
+    assert any(int(p.table.cuts[0]) for p in (plan.rank_plan(k) for k in range(8)))  # there are local landings
     outs, ins = _whole_plan_mail(plan)
     for rank in range(8):
         peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))

@@ -15,7 +15,7 @@ from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.planner import plan_layouts, rank_program
+from jreshard.sharding.planner import plan_layouts, rank_plan
 from jreshard.sharding.rows import Phase
 from jreshard.sharding.topology import Link, Topology
 
@@ -43,8 +43,8 @@ def test_fanout_between_ranks_on_one_device_is_local():
     assert [(t.src, t.dst, t.link) for t in fan] == [(1, 2, Link.SAME_DEVICE)]
     assert p.stats().same_device_bytes == 32 and p.stats().fast_bytes == 0
     # It runs after the landing it forwards: a message at its stage, not a stage-0 local copy.
-    prog = p.program(2)
-    assert prog.local == () and [(m.src, m.link, m.stage) for m in prog.recvs] == [(1, Link.SAME_DEVICE, 1)]
+    rp = p.rank_plan(2)
+    assert rp.copies == () and [(m.src, m.link, m.stage) for m in rp.recvs] == [(1, Link.SAME_DEVICE, 1)]
 
 
 @given(overlap_case())
@@ -69,9 +69,9 @@ def test_overlap_links_follow_topology(case):
 
 
 @given(overlap_case())
-def test_overlap_rank_programs_equal_slices(case):
+def test_overlap_rank_plans_equal_slices(case):
     src, dst, topo, opts = case
     o = Options(**opts)
     whole = plan_layouts([(src, dst), (src, dst)], topo, o)
     for r in sorted(set(src.ranks) | set(dst.ranks)):
-        assert rank_program([(src, dst), (src, dst)], r, topo, o) == whole.program(r)
+        assert rank_plan([(src, dst), (src, dst)], r, topo, o) == whole.rank_plan(r)

@@ -15,7 +15,7 @@ from strategies import plan_case
 
 from jreshard.options import Options
 from jreshard.sharding.baselines import flat_direct_layouts, gather_broadcast_layouts
-from jreshard.sharding.planner import plan_layouts, rank_program, rank_programs
+from jreshard.sharding.planner import plan_layouts, rank_plan, rank_plans
 from jreshard.sharding.topology import Link
 
 
@@ -35,12 +35,12 @@ def test_links_follow_topology(case):
 
 
 @given(plan_case())
-def test_rank_program_equals_slice_of_whole_plan(case):
+def test_rank_plan_equals_slice_of_whole_plan(case):
     src, dst, topo, opts = case
     o = Options(**opts)
     whole = plan_layouts([(src, dst), (src, dst)], topo, o)
     for r in sorted(set(src.ranks) | set(dst.ranks)):
-        assert rank_program([(src, dst), (src, dst)], r, topo, o) == whole.program(r)
+        assert rank_plan([(src, dst), (src, dst)], r, topo, o) == whole.rank_plan(r)
 
 
 @given(plan_case())
@@ -76,27 +76,27 @@ def test_messages_are_coalesced_per_pair_and_stage(case):
     p = plan_layouts([(src, dst), (src, dst)], topo, Options(**opts))
     keys = {(t.stage, t.src, t.dst) for t in p.transfers() if t.link != Link.SAME_DEVICE}
     assert p.stats().messages == len(keys)
-    sent = sum(len(p.program(r).sends) for r in set(src.ranks) | set(dst.ranks))
+    sent = sum(len(p.rank_plan(r).sends) for r in set(src.ranks) | set(dst.ranks))
     assert sent == len(keys)
 
 
 @given(plan_case(), st.data())
-def test_rank_programs_of_a_rank_set_equal_the_whole_plan(case, data):
+def test_rank_plans_of_a_rank_set_equal_the_whole_plan(case, data):
     src, dst, topo, opts = case
     o = Options(**opts)
     pairs = [(src, dst), (dst, src), (src, dst)]
     everyone = sorted(set(src.ranks) | set(dst.ranks))
     mine = data.draw(st.lists(st.sampled_from(everyone), min_size=1, max_size=4, unique=True))
     whole = plan_layouts(pairs, topo, o)
-    local = rank_programs(pairs, mine, topo, o)
+    local = rank_plans(pairs, mine, topo, o)
     assert sorted(local) == sorted(mine)
     for r in mine:
-        assert local[r] == whole.program(r)
+        assert local[r] == whole.rank_plan(r)
 
 
 @given(plan_case())
-def test_programs_in_one_pass_equal_program_by_program(case):
+def test_rank_plans_in_one_pass_equal_rank_plan_by_rank_plan(case):
     src, dst, topo, opts = case
     p = plan_layouts([(src, dst), (dst, src)], topo, Options(**opts))
     everyone = sorted(set(src.ranks) | set(dst.ranks))
-    assert p.programs() == {r: p.program(r) for r in everyone}
+    assert p.rank_plans() == {r: p.rank_plan(r) for r in everyone}

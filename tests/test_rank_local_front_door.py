@@ -40,7 +40,7 @@ def test_transfer_over_a_transport_builds_no_whole_plan(monkeypatch):
     src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
     dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
     x = {"a": jax.device_put(jnp.arange(32.0).reshape(8, 4), src), "b": jax.device_put(jnp.ones((16, 2)), src)}
-    programmed = guard(monkeypatch.setattr)
+    planned_ranks = guard(monkeypatch.setattr)
     out = transfer_multiprocess(
         x,
         {"a": dst, "b": dst},
@@ -51,7 +51,7 @@ def test_transfer_over_a_transport_builds_no_whole_plan(monkeypatch):
     for k in x:
         for a, b in zip(out[k].addressable_shards, jax.device_put(x[k], dst).addressable_shards, strict=True):
             np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
-    assert sorted(set(programmed)) == list(range(8))
+    assert sorted(set(planned_ranks)) == list(range(8))
 
 
 @pytest.mark.mpi
@@ -64,7 +64,7 @@ def test_each_process_plans_only_its_own_ranks(tmp_path, procs, devices, memory)
     assert sorted(got) == list(range(procs))
     for r in got.values():
         assert "error" not in r, r["error"]
-        assert r["programmed"] and set(r["programmed"]) <= set(r["mine"])  # its own devices, never a peer's
+        assert r["planned_ranks"] and set(r["planned_ranks"]) <= set(r["mine"])  # its own devices, never a peer's
     assert sum(r["checked"] for r in got.values()) > 0
     if memory == "device":
         assert all(r["mail_ops"] > 0 and r["chunk_ops"] > 0 for r in got.values())
@@ -77,7 +77,7 @@ def test_device_buffers_carry_the_mail_and_no_whole_plan_is_built(monkeypatch):
     src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
     dst = NamedSharding(Mesh(devs[2:6].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
     x = {"a": jax.device_put(jnp.arange(64.0).reshape(8, 8), src), "b": jax.device_put(jnp.ones((16, 4)), src)}
-    programmed = guard(monkeypatch.setattr)
+    planned_ranks = guard(monkeypatch.setattr)
     buffers = DeviceLikeBuffers()
     comm = DeviceOnlyComm(LocalComm(range(8)), buffers)
     out = transfer_multiprocess(
@@ -93,7 +93,7 @@ def test_device_buffers_carry_the_mail_and_no_whole_plan_is_built(monkeypatch):
             np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
     assert comm.mail_ops > 0 and comm.chunk_ops > 0
     assert buffers.uploads > 0 and buffers.downloads > 0
-    assert sorted(set(programmed)) == list(range(8))
+    assert sorted(set(planned_ranks)) == list(range(8))
 
 
 def test_the_device_only_transport_refuses_host_mail():

@@ -92,10 +92,10 @@ def test_message_path_equals_device_put_and_plan_bytes(case, seed, domain):
     topo = Topology.uniform(range(8), domain_size=domain)
     comm = RecordingComm(ranks=range(8), topology=topo)
     opts = jreshard.Options(chunk_bytes=64, staging_bytes=256)
-    out, stats, programs = api.transfer_with({"w": x}, {"w": d}, comm, topology=topo, options=opts)
+    out, stats, rank_plans = api.transfer_with({"w": x}, {"w": d}, comm, topology=topo, options=opts)
     _shards_equal(out["w"], jax.device_put(x, d))
     plan = jreshard.plan({"w": x}, {"w": d}, topo)
-    assert programs == plan.programs(range(8))  # each rank's program, planned alone, is the plan's slice
+    assert rank_plans == plan.rank_plans(range(8))  # each rank's plan, planned alone, is the plan's slice
     if plan.tensors:
         ps, rec = plan.stats(), _data_bytes(comm)
         assert (rec[Link.NETWORK], rec[Link.FAST], stats.same_device_bytes) == (

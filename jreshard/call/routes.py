@@ -418,8 +418,8 @@ def transfer_multiprocess(
         be this process's device ids that take part. ``comm`` is then unused.
       buffers: the buffer operations (default numpy on CPU; ``CupyBuffers`` on GPUs).
       report: a report builder the engine adds its phases, bytes and messages to.
-      details: return ``(result, stats, programs)`` instead of the result alone: what the engine
-        did for this process's ranks, and their programs ``{rank: RankProgram}``. No process
+      details: return ``(result, stats, rank_plans)`` instead of the result alone: what the engine
+        did for this process's ranks, and their plans ``{rank: RankPlan}``. No process
         builds the whole plan; ``jreshard.plan`` gives it.
       into: ``target``'s leaves are arrays to write into (``transfer_into``, one process): each
         one owned exclusively is donated and written in place, the others get fresh buffers.
@@ -436,7 +436,7 @@ def transfer_multiprocess(
     if transport is None:
         transport = cluster_transport() if comm is None else kit("mpi").cluster(comm)
     leaves, treedef, targets = flatten(x, target, "into" if into else "target")
-    out, stats, programs = run_leaves(
+    out, stats, plans = run_leaves(
         leaves,
         target_shardings(targets),
         topology=topology,
@@ -447,4 +447,4 @@ def transfer_multiprocess(
         into=targets if into else None,
     )
     result = jax.tree_util.tree_unflatten(treedef, out)
-    return (result, stats, programs) if details else result
+    return (result, stats, plans) if details else result

@@ -3,7 +3,7 @@
 This is the case ``jax.device_put`` refuses: source and target shardings on
 different processes, on different devices of the same processes, or
 overlapping. Every process plans only the ranks of its own devices: their
-programs (:func:`jreshard.sharding.planner.rank_programs`, from the two global
+rank plans (:func:`jreshard.sharding.planner.rank_plans`, from the two global
 shardings, no communication), then their rounds, agreed with their peers by a
 few small messages (:func:`jreshard.schedule.pairsched.pair_schedule`); no process
 builds the whole plan or every rank's schedule. It runs them through the shared
@@ -46,8 +46,8 @@ from jreshard.report import ReportBuilder
 from jreshard.schedule.pairsched import pair_schedule
 from jreshard.schedule.steps import Schedule
 from jreshard.sharding.dtypes import storage_bytes
-from jreshard.sharding.plan import RankProgram
-from jreshard.sharding.planner import prepare_pairs, rank_programs
+from jreshard.sharding.plan import RankPlan
+from jreshard.sharding.planner import prepare_pairs, rank_plans
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 from jreshard.sharding.trees import layout_pairs
@@ -136,7 +136,7 @@ def run_leaves(
     buffers: Buffers | None = None,
     report: ReportBuilder | None = None,
     into: Sequence[Any] | None = None,
-) -> tuple[list[Any], ExecStats, dict[int, RankProgram]]:
+) -> tuple[list[Any], ExecStats, dict[int, RankPlan]]:
     """Move flat leaves to their target shardings through the message-passing engine: every process of
     the cluster calls it with the same leaves and shardings.
 
@@ -160,9 +160,9 @@ def run_leaves(
         counted in ``report`` (``not_in_place_bytes``, with the reason).
 
     Returns:
-      ``(result leaves, stats, programs)``: the moved leaves (see the module docstring for
+      ``(result leaves, stats, rank_plans)``: the moved leaves (see the module docstring for
       processes that hold no target device), what the engine did for this process's ranks, and
-      their programs ``{rank: RankProgram}``. No process builds the whole plan.
+      their plans ``{rank: RankPlan}``. No process builds the whole plan.
 
     Raises:
       TransferTimeoutError: a peer process did not answer within ``options.timeout_s``.
@@ -183,7 +183,7 @@ def run_leaves(
     pairs, names, devices = layout_pairs([leaves[i] for i in moved], [shardings[i] for i in moved])
     topology = topology or Topology.from_devices(devices)
     where = {d.id: d for d in jax.local_devices()}
-    tensors, programs, sched = schedule_local(pairs, names, topology, planned, transport, buffers, where)
+    tensors, plans, sched = schedule_local(pairs, names, topology, planned, transport, buffers, where)
     sources, targets = {}, {}
     me = jax.process_index()
     for t, i in enumerate(moved):
@@ -218,7 +218,7 @@ def run_leaves(
         out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine)
         if taken is not None:  # an into leaf not claimed: its bytes went to fresh buffers
             taken.count(builder, i, storage(out[i]))
-    return out, stats, programs
+    return out, stats, plans
 
 
 def schedule_local(
@@ -229,12 +229,12 @@ def schedule_local(
     comm: Communicator,
     buffers: Buffers | None = None,
     devices: Mapping[int, Any] | None = None,
-) -> tuple[list[TensorSpec], dict[int, RankProgram], Schedule]:
-    """The tensors, the programs of ``comm``'s local ranks and their pair-paced rounds (agreed with the
+) -> tuple[list[TensorSpec], dict[int, RankPlan], Schedule]:
+    """The tensors, the plans of ``comm``'s local ranks and their pair-paced rounds (agreed with the
     peers over ``comm``, the mail in ``buffers`` on ``devices[rank]``): all a process needs to run
     its part, without the whole plan."""
     tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(names, pairs, strict=True)]
-    programs = rank_programs(pairs, comm.local_ranks, topology, options, names)
+    plans = rank_plans(pairs, comm.local_ranks, topology, options, names)
     canonical, _, _ = prepare_pairs(pairs, topology, options, names)
     key = (
         canonical,
@@ -244,8 +244,8 @@ def schedule_local(
         options.chunk_bytes,
         options.staging_bytes,
         options.max_group_ops,
-        tuple(sorted(programs)),
+        tuple(sorted(plans)),
     )
     mail = comm_mail(comm, options.timeout_s, buffers=buffers, devices=devices)
-    sched = pair_schedule(tensors, programs, options, mail, key=key)
-    return tensors, programs, sched
+    sched = pair_schedule(tensors, plans, options, mail, key=key)
+    return tensors, plans, sched

@@ -22,7 +22,7 @@ Receivers write into their destination shard. A chunk that is one contiguous run
 of its shard is sent or received in place; the others are packed into, or
 unpacked from, the rank's staging arena with one descriptor table per round; buffers
 that ask for two arenas (``Buffers.staging_buffers``) get them alternated by round.
-Local copies (``RankProgram.local``) run first, straight from the source shard.
+Same-device copies (``RankPlan.copies``) run first, straight from the source shard.
 
 **Packing ahead.** Over a transport whose messages move while the host works
 (``Communicator.posts_ahead``: MPI), each rank gets two arenas where they fit the

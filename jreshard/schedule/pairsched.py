@@ -1,11 +1,11 @@
-"""Pair-paced rounds: the schedule each process builds for the ranks it drives, from their programs.
+"""Pair-paced rounds: the schedule each process builds for the ranks it drives, from their rank plans.
 
 Every message-passing path runs these (``transfer`` across processes, ``RefitGroup``, the
 elastic pairs): no process builds the whole plan or every rank's schedule. (The global
 schedule of :mod:`jreshard.schedule.steps` places every chunk of every rank by first
-fit over all ranks' staging, so every process needs every rank's program; it stays as the
+fit over all ranks' staging, so every process needs every rank's plan; it stays as the
 oracle the tests check against.) Here a process needs only
-the programs of its own ranks (:func:`jreshard.sharding.planner.rank_programs`) and a
+the rank plans of its own ranks (:func:`jreshard.sharding.planner.rank_plans`) and a
 few integers from their peers, exchanged through a ``mail`` function (over the transport:
 :func:`jreshard.engine.mail.comm_mail`) under tags of their own (from :data:`MAIL_TAG`):
 
@@ -13,7 +13,7 @@ few integers from their peers, exchanged through a ``mail`` function (over the t
    ``b`` how many ranks it sends to (``n_out(a)``), where ``b`` stands among them and
    how many bytes it sends in all (``B_out(a)``), and ``b`` tells ``a`` how many ranks it
    receives from (``n_in(b)``), where ``a`` stands among them and ``B_in(b)``. Both
-   ends know the pair's own bytes ``B(a, b)`` (all stages) from their programs.
+   ends know the pair's own bytes ``B(a, b)`` (all stages) from their rank plans.
 2. **Pair chunks.** Each end gives each of its peers a share of half its staging:
    half of that half split evenly, half by bytes, ``share(n, B_end) = staging/2 *
    (1/(2n) + B(a, b)/(2 B_end))``, so its shares add up to at most ``staging/2``. The
@@ -63,9 +63,9 @@ import numpy as np
 from jreshard.options import Options
 from jreshard.schedule.chunktable import chunk_boxes, segment_starts
 from jreshard.schedule.pairtables import SEND_KIND, after_arrivals, build_steps, message_table, round_groups, spans
-from jreshard.schedule.steps import STAGE_ALIGN, TAG_CHUNK_BITS, Schedule, _local_tables, _Shapes
+from jreshard.schedule.steps import STAGE_ALIGN, TAG_CHUNK_BITS, Schedule, _copy_tables, _Shapes
 from jreshard.sharding.caches import register_clear
-from jreshard.sharding.plan import RankProgram
+from jreshard.sharding.plan import RankPlan
 from jreshard.sharding.rows import TensorSpec
 
 __all__ = ["MAIL_TAG", "Mail", "pair_chunk_bytes", "pair_paced", "pair_schedule"]
@@ -117,9 +117,9 @@ def _share(staging: int, peers: int, pair_bytes: int, total: int) -> int:
 
 
 def pair_paced(
-    tensors: Sequence[TensorSpec], programs: Mapping[int, RankProgram], options: Options
+    tensors: Sequence[TensorSpec], rank_plans: Mapping[int, RankPlan], options: Options
 ) -> Generator[tuple[Outgoing, Wanted], dict[Key, np.ndarray], Schedule]:
-    """The schedule of the ranks in ``programs``, as a conversation: each step yields the payloads to
+    """The schedule of the ranks in ``rank_plans``, as a conversation: each step yields the payloads to
     send and the lengths of those to receive, and is sent back the received payloads; the last
     step's return value (``StopIteration.value``) is the :class:`Schedule` of these ranks.
 
@@ -130,8 +130,8 @@ def pair_paced(
     items = np.array([t.src.itemsize for t in tensors], np.int64)
     widest = int(items.max()) if len(items) else 1
     width = max([1, *(t.src.ndim for t in tensors)])
-    mine = sorted(programs)
-    msgs = message_table(programs, items, width)
+    mine = sorted(rank_plans)
+    msgs = message_table(rank_plans, items, width)
     sends = msgs.kind == SEND_KIND
     n_out = _distinct_peers(msgs.rank[sends], msgs.peer[sends])
     n_in = _distinct_peers(msgs.rank[~sends], msgs.peer[~sends])
@@ -242,9 +242,9 @@ def pair_paced(
     align = STAGE_ALIGN if options.staging_bytes % STAGE_ALIGN == 0 else 1
     steps, staging = build_steps(chunks, msgs, chunk_round, tensors, width, align)
     groups = round_groups(chunks, msgs, chunk_round, group_key)
-    with_local = [r for r in mine if programs[r].local]
-    shapes = _Shapes(tensors) if with_local else None
-    local = {r: _local_tables(programs[r], shapes) for r in with_local if shapes is not None}
+    with_copies = [r for r in mine if rank_plans[r].copies]
+    shapes = _Shapes(tensors) if with_copies else None
+    local = {r: _copy_tables(rank_plans[r], shapes) for r in with_copies if shapes is not None}
     rounds = 1 + max((rnd for by in steps.values() for rnd in by), default=-1)
     return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors), groups=groups)
 
@@ -292,7 +292,7 @@ register_clear(_KEPT.clear)
 
 def pair_schedule(
     tensors: Sequence[TensorSpec],
-    programs: Mapping[int, RankProgram],
+    rank_plans: Mapping[int, RankPlan],
     options: Options,
     mail: Mail,
     *,
@@ -313,7 +313,7 @@ def pair_schedule(
         for out, want in said:
             mail(out, want)
         return sched
-    talk = pair_paced(tensors, programs, options)
+    talk = pair_paced(tensors, rank_plans, options)
     log: list[tuple[Outgoing, Wanted]] = []
     got: dict[Key, np.ndarray] | None = None
     try:

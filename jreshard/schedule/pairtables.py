@@ -26,8 +26,8 @@ from jreshard.schedule.chunktable import (
 from jreshard.schedule.ranksteps import RankSteps
 from jreshard.schedule.steps import DST, SRC, STAGING, TAG_CHUNK_BITS, Step
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.plan import RankProgram
-from jreshard.sharding.program import SEND
+from jreshard.sharding.plan import RankPlan
+from jreshard.sharding.rankplan import SEND
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link
 
@@ -39,7 +39,7 @@ SEND_KIND, RECV_KIND = 0, 1
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class MessageTable:
-    """The messages of some ranks (in each rank's program order) and their pieces as byte boxes.
+    """The messages of some ranks (in each rank's rank-plan order) and their pieces as byte boxes.
 
     Attributes:
       rank, kind, stage, peer, link: per message (``kind`` SEND_KIND or RECV_KIND).
@@ -58,7 +58,7 @@ class MessageTable:
 
 
 def _byte_bounds(t, items: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rows ``start:`` of a program table as byte boxes, left-padded with extent-1 dimensions to ``width``."""
+    """Rows ``start:`` of a rank table as byte boxes, left-padded with extent-1 dimensions to ``width``."""
     n = len(t.ndim)
     lo = np.zeros((n, width), np.int64)
     hi = np.ones((n, width), np.int64)
@@ -74,12 +74,12 @@ def _byte_bounds(t, items: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarr
     return lo, hi
 
 
-def message_table(programs: Mapping[int, RankProgram], items: np.ndarray, width: int) -> MessageTable:
-    """The sent and received messages of ``programs``' ranks, rank by rank in program order."""
+def message_table(rank_plans: Mapping[int, RankPlan], items: np.ndarray, width: int) -> MessageTable:
+    """The sent and received messages of ``rank_plans``' ranks, rank by rank in rank-plan order."""
     cols: dict[str, list[np.ndarray]] = {k: [] for k in MessageTable.__slots__}
     base = 0
-    for r in sorted(programs):
-        t = programs[r].table
+    for r in sorted(rank_plans):
+        t = rank_plans[r].table
         cuts = t.cuts
         nmsg = len(cuts) - 1
         if nmsg <= 0:

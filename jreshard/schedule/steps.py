@@ -38,6 +38,7 @@ import numpy as np
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
 from jreshard.sharding.box import Box
+from jreshard.sharding.rankplan import RankPlan
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link
 
@@ -201,10 +202,10 @@ def first_fit(use: dict[int, list[int]], a: int, na: int, b: int, nb: int, lb: i
         r += 1
 
 
-def _local_tables(prog, shapes: _Shapes) -> tuple:
+def _copy_tables(rank_plan: RankPlan, shapes: _Shapes) -> tuple:
     keys: list[tuple[int, int]] = []
     pairs = []
-    for tr in prog.local:
+    for tr in rank_plan.copies:
         bb = kernels.byte_box(tr.box, shapes.items[tr.tensor])
         so, sbox = shapes.local(tr.tensor, tr.src, SRC, bb)
         do, dbox = shapes.local(tr.tensor, tr.dst, DST, bb)

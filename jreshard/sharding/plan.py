@@ -1,4 +1,4 @@
-"""Plan: every byte movement of a transfer, its statistics, and each rank's program.
+"""Plan: every byte movement of a transfer, its statistics, and each rank's part of it (a :class:`RankPlan`).
 
 The planner that builds one is :mod:`jreshard.sharding.planner`.
 
@@ -21,11 +21,11 @@ import numpy as np
 from jreshard.options import Options
 from jreshard.sharding.bounds import network_lower_bound
 from jreshard.sharding.layout import Layout
-from jreshard.sharding.program import Message, Piece, RankProgram, columns_program, padded
+from jreshard.sharding.rankplan import Message, Piece, RankPlan, columns_rank_plan, padded
 from jreshard.sharding.rows import Move, Phase, TensorPlan, TensorSpec
 from jreshard.sharding.topology import Link, Topology
 
-__all__ = ["Message", "Piece", "Plan", "PlanStats", "RankProgram", "program_of"]
+__all__ = ["Message", "Piece", "Plan", "PlanStats", "RankPlan", "rank_plan_of"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -230,20 +230,20 @@ class Plan:
         order = np.concatenate([np.arange(len(tp)) for tp in self.tensor_plans] or [np.zeros(0, np.int64)])
         return lo, hi, ndim, order
 
-    def _program_of_rows(self, rank: int, rows: np.ndarray) -> RankProgram:
+    def _rank_plan_of_rows(self, rank: int, rows: np.ndarray) -> RankPlan:
         c = self._columns
         lo, hi, ndim, order = self._bounds
         cols = {f: c[f][rows] for f in ("src", "dst", "link", "phase", "stage", "nbytes", "tensor")}
         cols["order"] = order[rows]
-        return columns_program(rank, cols, lo[rows], hi[rows], ndim[rows])
+        return columns_rank_plan(rank, cols, lo[rows], hi[rows], ndim[rows])
 
-    def program(self, rank: int) -> RankProgram:
+    def rank_plan(self, rank: int) -> RankPlan:
         """The part of this plan that ``rank`` runs."""
         c = self._columns
-        return self._program_of_rows(rank, np.flatnonzero((c["src"] == rank) | (c["dst"] == rank)))
+        return self._rank_plan_of_rows(rank, np.flatnonzero((c["src"] == rank) | (c["dst"] == rank)))
 
-    def programs(self, ranks: Sequence[int] | None = None) -> dict[int, RankProgram]:
-        """``{rank: self.program(rank)}`` for ``ranks`` (default: every rank of the plan).
+    def rank_plans(self, ranks: Sequence[int] | None = None) -> dict[int, RankPlan]:
+        """``{rank: self.rank_plan(rank)}`` for ``ranks`` (default: every rank of the plan).
 
         One pass over the rows groups them by rank (one stable sort), instead of
         scanning every row once per rank.
@@ -262,11 +262,11 @@ class Plan:
         order = np.argsort(who, kind="stable")
         who, at = who[order], at[order]
         bounds = np.searchsorted(who, [*want, max(want, default=0) + 1]) if want else np.zeros(0, np.int64)
-        return {r: self._program_of_rows(r, np.sort(at[bounds[i] : bounds[i + 1]])) for i, r in enumerate(want)}
+        return {r: self._rank_plan_of_rows(r, np.sort(at[bounds[i] : bounds[i + 1]])) for i, r in enumerate(want)}
 
 
-def program_of(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
-    """The :class:`RankProgram` of ``rank`` from the rows of each tensor (``parts[t]``, in emission
+def rank_plan_of(rank: int, parts: Sequence[TensorPlan]) -> RankPlan:
+    """The :class:`RankPlan` of ``rank`` from the rows of each tensor (``parts[t]``, in emission
     order) that involve it."""
     width = max((tp.lo.shape[1] for tp in parts), default=0)
     cols = {f: _concat(parts, f) for f in ("src", "dst", "link", "phase", "stage", "nbytes")}
@@ -275,4 +275,4 @@ def program_of(rank: int, parts: Sequence[TensorPlan]) -> RankProgram:
     ndim = np.repeat(np.array([tp.lo.shape[1] for tp in parts], np.int8), [len(tp) for tp in parts])
     lo = padded([tp.lo for tp in parts], width)
     hi = padded([tp.hi for tp in parts], width)
-    return columns_program(rank, cols, lo, hi, ndim)
+    return columns_rank_plan(rank, cols, lo, hi, ndim)

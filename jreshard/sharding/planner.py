@@ -1,4 +1,4 @@
-"""The planner: a :class:`Plan` for layout pairs, or one rank's program without the whole plan.
+"""The planner: a :class:`Plan` for layout pairs, or one rank's :class:`RankPlan` without the whole plan.
 
 Each tensor's rows come from :mod:`jreshard.sharding.units` (one destination
 replica group at a time); tensors with equal layouts, topology and options share
@@ -14,7 +14,7 @@ from jreshard.options import Options
 from jreshard.sharding.caches import cache, register_clear
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Plan
-from jreshard.sharding.program import RankProgram, stamped_program
+from jreshard.sharding.rankplan import RankPlan, stamped_rank_plan
 from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Topology
 from jreshard.sharding.units import check_pair, plan_tensor, rank_template, rotations
@@ -25,8 +25,8 @@ __all__ = [
     "default_topology",
     "plan_layouts",
     "prepare_pairs",
-    "rank_program",
-    "rank_programs",
+    "rank_plan",
+    "rank_plans",
     "tensor_names",
 ]
 
@@ -167,25 +167,25 @@ def plan_layouts(
     return p
 
 
-def rank_program(
+def rank_plan(
     pairs: Sequence[LayoutPair],
     rank: int,
     topology: Topology | None = None,
     options: Options | None = None,
     names: Sequence[str] | None = None,
-) -> RankProgram:
-    """One rank's program, built from only the units that rank takes part in.
+) -> RankPlan:
+    """One rank's plan, built from only the units that rank takes part in.
 
-    Equal to ``plan_layouts(...).program(rank)`` without planning other ranks' units.
+    Equal to ``plan_layouts(...).rank_plan(rank)`` without planning other ranks' units.
     Cached by its inputs, like plans.
     """
     pairs, topology, options = prepare_pairs(pairs, topology, options, names)
     key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
-    return _rank_program_cached(pairs, rank, topology, key_opts)
+    return _rank_plan_cached(pairs, rank, topology, key_opts)
 
 
 @cache(max_size=256)
-def _rank_program_cached(pairs: tuple[LayoutPair, ...], rank: int, topology: Topology, options: Options) -> RankProgram:
+def _rank_plan_cached(pairs: tuple[LayoutPair, ...], rank: int, topology: Topology, options: Options) -> RankPlan:
     by_pair: dict[LayoutPair, list[int]] = {}
     for t, pair in enumerate(pairs):
         by_pair.setdefault(pair, []).append(t)
@@ -195,21 +195,21 @@ def _rank_program_cached(pairs: tuple[LayoutPair, ...], rank: int, topology: Top
             continue  # every row of this pair is between two other ranks
         blocks.append((rank_template(s, d, topology, options, rank), tensors, rotations(s, d, topology, tensors)))
     width = max((s.ndim for s, _ in pairs), default=0)
-    return stamped_program(rank, blocks, width)
+    return stamped_rank_plan(rank, blocks, width)
 
 
-def rank_programs(
+def rank_plans(
     pairs: Sequence[LayoutPair],
     ranks: Sequence[int],
     topology: Topology | None = None,
     options: Options | None = None,
     names: Sequence[str] | None = None,
-) -> dict[int, RankProgram]:
-    """The programs of the ranks one process drives, ``{rank: RankProgram}``, without the whole plan.
+) -> dict[int, RankPlan]:
+    """The plans of the ranks one process drives, ``{rank: RankPlan}``, without the whole plan.
 
-    Each equals ``plan_layouts(...).program(rank)``: what the rank sends, receives (from
+    Each equals ``plan_layouts(...).rank_plan(rank)``: what the rank sends, receives (from
     whom, at which stage, the pieces in order) and copies locally.
     """
     pairs, topology, options = prepare_pairs(pairs, topology, options, names)
     key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)
-    return {rank: _rank_program_cached(pairs, rank, topology, key_opts) for rank in sorted(set(ranks))}
+    return {rank: _rank_plan_cached(pairs, rank, topology, key_opts) for rank in sorted(set(ranks))}

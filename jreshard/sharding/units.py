@@ -22,7 +22,7 @@ replicas ``H_j``):
 So each byte of ``beta \\ U(G)`` enters ``G`` exactly once: network bytes equal the
 lower bound ``Σ_G Σ_beta |beta \\ U(G)|`` (see ``bounds.py``). A unit depends only
 on its tensor's layouts, the topology and a rotation, so every rank computes the
-same plan with no communication, and one rank's program needs only the units it
+same plan with no communication, and one rank's plan needs only the units it
 takes part in.
 
 Stages order the dependencies: a transfer at stage ``s`` only sends bytes its

@@ -199,15 +199,15 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
     n = len(ranks)
     src_block = tuple(block_shape(t.src, f"the source layout of tensor {t.name!r}") for t in tensors)
     dst_block = tuple(block_shape(t.dst, f"the destination layout of tensor {t.name!r}") for t in tensors)
-    progs = plan.programs(every)
+    rank_plans = plan.rank_plans(every)
     cap = message_cap(plan.options.staging_bytes)
     copies: dict[int, list[list[BoxCopy]]] = defaultdict(lambda: [[] for _ in range(n)])
     sent_by: dict[int, dict[Link, int]] = defaultdict(lambda: dict.fromkeys(Link, 0))
     padded_by: dict[int, int] = defaultdict(int)
     messages_by: dict[int, int] = defaultdict(int)
     same_device_bytes = 0
-    for r, prog in progs.items():
-        for mv in prog.local:
+    for r, rplan in rank_plans.items():
+        for mv in rplan.copies:
             if mv.src != r:
                 raise TransferError(
                     f"the plan copies tensor {mv.tensor} locally from rank {mv.src} to rank {r}: two ranks on one "
@@ -218,7 +218,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
             sent_by[r][Link.SAME_DEVICE] += mv.nbytes
     by_stage: dict[int, list[Message]] = defaultdict(list)
     for r in every:
-        for m in progs[r].sends:
+        for m in rank_plans[r].sends:
             if m.src == m.dst:
                 side = SRC if m.stage == 0 else DST
                 for p in m.pieces:
@@ -308,7 +308,7 @@ def _copy(tensor: int, side: int, box: Box, tensors: Sequence, rank: int) -> Box
 def message_sizes(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Per stage, the plan's messages between two different ranks as columns ``(src, dst, link, nbytes)``,
     sorted by ``(src, dst)``: what :func:`xla_plan` cuts into permutations, from the plan's rows alone
-    (no rank program, no piece objects), for plans too large to build a program of.
+    (no rank plan, no piece objects), for plans too large to build rank plans of.
     """
     weight = Counter(id(tp) for tp in plan.tensor_plans)  # stamped tensors share one TensorPlan
     seen = {id(tp): tp for tp in plan.tensor_plans}

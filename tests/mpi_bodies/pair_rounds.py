@@ -1,6 +1,6 @@
 """The engine over MpiComm on pair-paced rounds: no process builds the whole plan.
 
-Each process plans only its own ranks' programs (``rank_programs``), agrees on the rounds with its
+Each process plans only its own ranks (``rank_plans``), agrees on the rounds with its
 peers over the same communicator (``pair_schedule``), runs the engine on that schedule, checks its
 destination shards byte for byte against numpy and reports the bytes it sent. The refit is the
 seeded one of ``engine_groups.case``.
@@ -20,7 +20,7 @@ def body() -> dict:
     from jreshard.mpi.comm import MpiComm
     from jreshard.options import Options
     from jreshard.schedule.pairsched import pair_schedule
-    from jreshard.sharding.planner import rank_programs
+    from jreshard.sharding.planner import rank_plans
     from jreshard.sharding.rows import TensorSpec
     from jreshard.sharding.topology import Topology
 
@@ -32,8 +32,8 @@ def body() -> dict:
     max_ops = int(os.environ.get("JRESHARD_MAX_GROUP_OPS", str(Options().max_group_ops)))
     opts = Options(chunk_bytes=64, staging_bytes=4096, timeout_s=60, max_group_ops=max_ops)
     tensors = [TensorSpec(str(t), s, d) for t, (s, d) in enumerate(pairs)]
-    programs = rank_programs(pairs, comm.local_ranks, topo, opts)
-    sched = pair_schedule(tensors, programs, opts, comm_mail(comm, opts.timeout_s))
+    rank_plans = rank_plans(pairs, comm.local_ranks, topo, opts)
+    sched = pair_schedule(tensors, rank_plans, opts, comm_mail(comm, opts.timeout_s))
     shards = shards_for(pairs, globals_, set(comm.local_ranks))
     stats = execute(sched, comm, shards, options=opts)
     checked = check(pairs, globals_, shards)

@@ -25,7 +25,7 @@ def body() -> dict:
     from jreshard.options import Options
 
     initialize()
-    programmed = guard(setattr)
+    planned_ranks = guard(setattr)
     extra, comm = {}, None
     if "device" in sys.argv[1:]:
         from device_like import DeviceLikeBuffers, DeviceOnlyComm
@@ -53,7 +53,7 @@ def body() -> dict:
             checked += 1
     mine = sorted(d.id for d in jax.local_devices())
     mail = {} if comm is None else {"mail_ops": comm.mail_ops, "chunk_ops": comm.chunk_ops}
-    return {"checked": checked, "programmed": sorted(set(programmed)), "mine": mine, **mail}
+    return {"checked": checked, "planned_ranks": sorted(set(planned_ranks)), "mine": mine, **mail}
 
 
 if __name__ == "__main__":

@@ -87,11 +87,11 @@ def body() -> dict:
             return {"rejected": str(err)}
         return {"rejected": None}
 
-    programmed = None
+    planned_ranks = None
     if mode == "guard":
         from no_whole_plan import guard
 
-        programmed = guard(setattr)
+        planned_ranks = guard(setattr)
     if connect:
         address = os.environ["JRESHARD_ADDRESS"]
         group = RefitGroup.connect(role, sds, address=address, options=opts)
@@ -172,8 +172,8 @@ def body() -> dict:
         rep = group.delta_report
         log.setdefault("delta", []).append([rep.mode, rep.sent_bytes, rep.full_bytes, rep.recv_bytes])
     log.pop("error", None) if "failed_at" not in log else None
-    if programmed is not None:
-        log |= {"programmed": sorted(set(programmed)), "mine": list(group._comm.local_ranks)}
+    if planned_ranks is not None:
+        log |= {"planned_ranks": sorted(set(planned_ranks)), "mine": list(group._comm.local_ranks)}
     return log
 
 

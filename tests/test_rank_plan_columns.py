@@ -1,8 +1,8 @@
-"""Rank programs held as columns: equal to programs built the plain way from the plan's moves.
+"""Rank plans held as columns: equal to rank plans built the plain way from the plan's moves.
 
-``plan.program(r)`` and ``rank_program(..., r)`` both build a ``ProgramTable``; here a
-program is rebuilt from ``plan.transfers()`` one move at a time (the definition of a
-program), and the objects the table yields must equal it. The planner's stripe cutter
+``plan.rank_plan(r)`` and ``rank_plan(..., r)`` both build a ``RankTable``; here a
+rank plan is rebuilt from ``plan.transfers()`` one move at a time (the definition of a
+rank plan), and the objects the table yields must equal it. The planner's stripe cutter
 is checked against a plain reference the same way.
 """
 
@@ -19,14 +19,14 @@ from jreshard.options import Options
 from jreshard.sharding.box import Box
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.plan import Message, Piece, Plan
-from jreshard.sharding.planner import plan_layouts, rank_program, rank_programs
-from jreshard.sharding.program import LOCAL, RECV, SEND
+from jreshard.sharding.planner import plan_layouts, rank_plan, rank_plans
+from jreshard.sharding.rankplan import COPY, RECV, SEND
 from jreshard.sharding.rows import Move, Phase
 from jreshard.sharding.topology import Link
 from jreshard.sharding.units import stripe
 
 
-def reference_program(plan: Plan, rank: int) -> tuple[tuple[Move, ...], tuple[Message, ...], tuple[Message, ...]]:
+def reference_rank_plan(plan: Plan, rank: int) -> tuple[tuple[Move, ...], tuple[Message, ...], tuple[Message, ...]]:
     """``(local, sends, recvs)`` of ``rank``, from the plan's moves in emission order."""
     local: list[Move] = []
     sends: dict[tuple[int, int], list[Piece]] = {}
@@ -52,7 +52,7 @@ def reference_program(plan: Plan, rank: int) -> tuple[tuple[Move, ...], tuple[Me
 
 
 def _pairs(src: Layout, dst: Layout) -> list[tuple[Layout, Layout]]:
-    """The case's pair twice and reversed, plus a 1-d tensor over the same ranks (programs mix
+    """The case's pair twice and reversed, plus a 1-d tensor over the same ranks (rank plans mix
     tensors of different dimensions, whose bounds the table pads)."""
     n = 2 * len(dst.ranks)
     one_d = (
@@ -63,18 +63,18 @@ def _pairs(src: Layout, dst: Layout) -> list[tuple[Layout, Layout]]:
 
 
 @given(plan_case())
-def test_programs_equal_the_plain_construction(case):
+def test_rank_plans_equal_the_plain_construction(case):
     src, dst, topo, opts = case
     o = Options(**opts)
     pairs = _pairs(src, dst)
     whole = plan_layouts(pairs, topo, o)
     everyone = sorted(set(src.ranks) | set(dst.ranks))
-    local = rank_programs(pairs, everyone, topo, o)
+    local = rank_plans(pairs, everyone, topo, o)
     for r in everyone:
-        want = reference_program(whole, r)
-        for prog in (whole.program(r), local[r], rank_program(pairs, r, topo, o)):
-            assert (prog.local, prog.sends, prog.recvs) == want
-            assert prog.stages == tuple(sorted({m.stage for m in (*want[1], *want[2])}))
+        want = reference_rank_plan(whole, r)
+        for rp in (whole.rank_plan(r), local[r], rank_plan(pairs, r, topo, o)):
+            assert (rp.copies, rp.sends, rp.recvs) == want
+            assert rp.stages == tuple(sorted({m.stage for m in (*want[1], *want[2])}))
 
 
 @given(plan_case())
@@ -83,19 +83,19 @@ def test_table_columns_agree_with_the_objects(case):
     pairs = _pairs(src, dst)
     whole = plan_layouts(pairs, topo, Options(**opts))
     for r in sorted(set(src.ranks) | set(dst.ranks)):
-        prog = whole.program(r)
-        t = prog.table
-        assert int(t.cuts[0]) == len(prog.local) == int(np.sum(t.kind == LOCAL))
-        assert len(t.cuts) - 1 == len(prog.sends) + len(prog.recvs)
+        rp = whole.rank_plan(r)
+        t = rp.table
+        assert int(t.cuts[0]) == len(rp.copies) == int(np.sum(t.kind == COPY))
+        assert len(t.cuts) - 1 == len(rp.sends) + len(rp.recvs)
         assert np.all(np.diff(t.cuts) > 0) and int(t.cuts[-1]) == len(t)
-        msgs = (*prog.sends, *prog.recvs)
+        msgs = (*rp.sends, *rp.recvs)
         for m, a, b in zip(msgs, t.cuts[:-1].tolist(), t.cuts[1:].tolist(), strict=True):
             assert set(t.kind[a:b].tolist()) == {SEND if m.src == r else RECV}
             assert int(t.nbytes[a:b].sum()) == m.nbytes
             assert t.tensor[a:b].tolist() == [p.tensor for p in m.pieces]
-        assert int(t.nbytes[t.kind == SEND].sum()) == sum(m.nbytes for m in prog.sends)
-        assert int(t.nbytes[t.kind == RECV].sum()) == sum(m.nbytes for m in prog.recvs)
-        assert prog == whole.program(r) and hash(prog) == hash(whole.program(r))
+        assert int(t.nbytes[t.kind == SEND].sum()) == sum(m.nbytes for m in rp.sends)
+        assert int(t.nbytes[t.kind == RECV].sum()) == sum(m.nbytes for m in rp.recvs)
+        assert rp == whole.rank_plan(r) and hash(rp) == hash(whole.rank_plan(r))
 
 
 def reference_stripe(pieces, k, itemsize, min_bytes):

@@ -1,10 +1,10 @@
-"""One rank's program: its local copies, and the messages it sends and receives, stage by stage.
+"""One rank's plan: its same-device copies, and the messages it sends and receives, stage by stage.
 
-A :class:`RankProgram` holds the rows that involve one rank as columns of numpy
-arrays (a :class:`ProgramTable`), sorted so that every message is a contiguous run
+A :class:`RankPlan` holds the rows that involve one rank as columns of numpy
+arrays (a :class:`RankTable`), sorted so that every message is a contiguous run
 of rows. The per-piece Python values (:class:`Message`, :class:`Piece`,
 :class:`~jreshard.sharding.rows.Move`) are built from the columns the first time
-``sends``, ``recvs`` or ``local`` is read: a program of tens of thousands of pieces
+``sends``, ``recvs`` or ``copies`` is read: a rank plan of tens of thousands of pieces
 is built with a few numpy calls, and a consumer that reads the columns never pays
 for the objects.
 """
@@ -23,18 +23,18 @@ from jreshard.sharding.rows import Move, Phase, TensorTemplate
 from jreshard.sharding.topology import Link
 
 __all__ = [
-    "LOCAL",
+    "COPY",
     "RECV",
     "SEND",
     "Message",
     "Piece",
-    "ProgramTable",
-    "RankProgram",
-    "build_program",
-    "stamped_program",
+    "RankTable",
+    "RankPlan",
+    "build_rank_plan",
+    "stamped_rank_plan",
 ]
 
-LOCAL, SEND, RECV = 0, 1, 2  # ProgramTable.kind: a local landing, a piece sent, a piece received
+COPY, SEND, RECV = 0, 1, 2  # RankTable.kind: a same-device landing, a piece sent, a piece received
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,10 +67,10 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class ProgramTable:
-    """One rank's rows as columns (read-only numpy arrays), in program order.
+class RankTable:
+    """One rank's rows as columns (read-only numpy arrays), in rank-plan order.
 
-    Rows are sorted by ``kind`` (:data:`LOCAL`, :data:`SEND`, :data:`RECV`); the local
+    Rows are sorted by ``kind`` (:data:`COPY`, :data:`SEND`, :data:`RECV`); the copy
     rows by ``(tensor, emission order)``, the sent and received ones by ``(stage,
     peer, tensor, emission order)``, so each message is one run of rows. A row that
     a rank sends to itself appears twice, once as sent and once as received.
@@ -78,13 +78,13 @@ class ProgramTable:
     Attributes:
       kind: int8, what the row is to this rank.
       stage, peer, link, phase, tensor, nbytes: the row's stage, the other end (the
-        receiver of a sent row, the sender of a received or local one), its link and
+        receiver of a sent row, the sender of a received or copied one), its link and
         phase, its tensor and its bytes.
       lo, hi: ``(n, D)`` box bounds, ``D`` the most dimensions of any tensor; a row of
         tensor ``t`` uses the first ``ndim[i]`` columns (the rest are zero).
       ndim: int8, the dimensions of each row's tensor.
       cuts: ``(messages + 1,)`` row offsets: sent and received message ``i`` is rows
-        ``cuts[i]:cuts[i + 1]``; ``cuts[0]`` is the number of local rows.
+        ``cuts[i]:cuts[i + 1]``; ``cuts[0]`` is the number of copy rows.
     """
 
     kind: np.ndarray
@@ -125,45 +125,45 @@ class ProgramTable:
         return list(map(made.__getitem__, inverse.tolist()))
 
 
-class RankProgram:
-    """What one rank does: local copies into its destination shards, then, stage
+class RankPlan:
+    """What one rank does: same-device copies into its destination shards, then, stage
     by stage, the messages it sends and receives.
 
-    ``local`` are landings from a source shard on the rank's device (the sender's
+    ``copies`` are landings from a source shard on the rank's device (the sender's
     buffer is in this process). A fan-out between two destination ranks that share
     a device is labelled ``Link.SAME_DEVICE`` but travels as a message, at its stage.
     ``sends`` and ``recvs`` are sorted by ``(stage, peer)``; the pieces of a message
     are in (tensor, emission) order.
 
-    The program is held as columns (``table``, a :class:`ProgramTable`); ``local``,
-    ``sends`` and ``recvs`` are built from them when first read. Two programs are
-    equal when their ranks, local copies, sends and receives are.
+    The rank plan is held as columns (``table``, a :class:`RankTable`); ``copies``,
+    ``sends`` and ``recvs`` are built from them when first read. Two rank plans are
+    equal when their ranks, copies, sends and receives are.
     """
 
     __slots__ = ("__dict__", "rank", "table")
 
-    def __init__(self, rank: int, table: ProgramTable):
+    def __init__(self, rank: int, table: RankTable):
         self.rank = rank
         self.table = table
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, RankProgram):
+        if not isinstance(other, RankPlan):
             return NotImplemented
-        return (self.rank, self.local, self.sends, self.recvs) == (other.rank, other.local, other.sends, other.recvs)
+        return (self.rank, self.copies, self.sends, self.recvs) == (other.rank, other.copies, other.sends, other.recvs)
 
     def __hash__(self) -> int:
-        return hash((self.rank, self.local, self.sends, self.recvs))
+        return hash((self.rank, self.copies, self.sends, self.recvs))
 
     def __repr__(self) -> str:
         nsend = int(np.sum(self.table.kind == SEND))
         return (
-            f"RankProgram(rank={self.rank}, local={int(self.table.cuts[0])} copies, "
+            f"RankPlan(rank={self.rank}, {int(self.table.cuts[0])} copies, "
             f"{len(self.table.cuts) - 1} messages, {nsend} pieces sent, "
             f"{len(self.table) - int(self.table.cuts[0]) - nsend} received)"
         )
 
     @functools.cached_property
-    def local(self) -> tuple[Move, ...]:
+    def copies(self) -> tuple[Move, ...]:
         t = self.table
         n = int(t.cuts[0])
         boxes = t.boxes(0, n)
@@ -233,18 +233,18 @@ def _sort_order(*keys: np.ndarray) -> np.ndarray:
     return np.argsort(code, kind="stable")  # rows arrive nearly sorted: the stable sort is the faster here
 
 
-def build_program(
+def build_rank_plan(
     rank: int,
     keys: dict[str, np.ndarray],
     fetch: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
-) -> RankProgram:
-    """The program of ``rank`` from rows that may involve it, in any order.
+) -> RankPlan:
+    """The rank plan of ``rank`` from rows that may involve it, in any order.
 
     ``keys`` holds the rows' ``src``, ``dst``, ``link``, ``phase``, ``stage``, ``tensor`` and
     ``order`` (the row's position among its tensor's rows in emission order, or any number
     that sorts like it); ``fetch(idx)`` returns the ``nbytes``, ``lo``, ``hi`` (``(n, D)``,
     zero-padded) and ``ndim`` of the rows at ``idx``, so that only the rows kept are gathered.
-    Rows that neither send from nor arrive at ``rank`` are dropped, and so are local
+    Rows that neither send from nor arrive at ``rank`` are dropped, and so are same-device
     landings into another rank.
     """
     src, dst = keys["src"], keys["dst"]
@@ -256,26 +256,26 @@ def build_program(
         np.flatnonzero(~landing & to_me),
     )
     sel = np.concatenate(parts)
-    nlocal = len(parts[0])
-    kind = np.repeat(np.array([LOCAL, SEND, RECV], np.int8), [len(p) for p in parts])
+    ncopies = len(parts[0])
+    kind = np.repeat(np.array([COPY, SEND, RECV], np.int8), [len(p) for p in parts])
     peer = np.concatenate([src[parts[0]], dst[parts[1]], src[parts[2]]]).astype(np.int64)
     stage = keys["stage"][sel].astype(np.int64)
-    # Local rows keep (tensor, emission) order: their stage and peer do not sort them.
-    stage[:nlocal] = 0
+    # Copy rows keep (tensor, emission) order: their stage and peer do not sort them.
+    stage[:ncopies] = 0
     peer_key = peer.copy()
-    peer_key[:nlocal] = 0
+    peer_key[:ncopies] = 0
     perm = _sort_order(kind, stage, peer_key, keys["tensor"][sel], keys["order"][sel])
     sel, kind, peer = sel[perm], kind[perm], peer[perm]
     stage = keys["stage"][sel].astype(np.int64)
     new = np.flatnonzero(
-        (kind[nlocal + 1 :] != kind[nlocal:-1])
-        | (stage[nlocal + 1 :] != stage[nlocal:-1])
-        | (peer[nlocal + 1 :] != peer[nlocal:-1])
+        (kind[ncopies + 1 :] != kind[ncopies:-1])
+        | (stage[ncopies + 1 :] != stage[ncopies:-1])
+        | (peer[ncopies + 1 :] != peer[ncopies:-1])
     )
     n = len(sel)
-    cuts = np.concatenate([[nlocal], new + nlocal + 1, [n]]) if n > nlocal else np.array([nlocal], np.int64)
+    cuts = np.concatenate([[ncopies], new + ncopies + 1, [n]]) if n > ncopies else np.array([ncopies], np.int64)
     nbytes, lo, hi, ndim = fetch(sel)
-    table = ProgramTable(  # views where fetch gave int64 columns of one gathered block: no further copies
+    table = RankTable(  # views where fetch gave int64 columns of one gathered block: no further copies
         kind=_frozen(kind),
         stage=_frozen(stage),
         peer=_frozen(peer),
@@ -288,14 +288,14 @@ def build_program(
         ndim=_frozen(ndim.astype(np.int8)),
         cuts=_frozen(cuts.astype(np.int64, copy=False)),
     )
-    return RankProgram(rank, table)
+    return RankPlan(rank, table)
 
 
-def columns_program(
+def columns_rank_plan(
     rank: int, cols: dict[str, np.ndarray], lo: np.ndarray, hi: np.ndarray, ndim: np.ndarray
-) -> RankProgram:
-    """:func:`build_program` from whole columns: ``cols`` has the keys and ``nbytes``."""
-    return build_program(rank, cols, lambda sel: (cols["nbytes"][sel], lo[sel], hi[sel], ndim[sel]))
+) -> RankPlan:
+    """:func:`build_rank_plan` from whole columns: ``cols`` has the keys and ``nbytes``."""
+    return build_rank_plan(rank, cols, lambda sel: (cols["nbytes"][sel], lo[sel], hi[sel], ndim[sel]))
 
 
 def padded(parts: Sequence[np.ndarray], width: int) -> np.ndarray:
@@ -309,10 +309,10 @@ def padded(parts: Sequence[np.ndarray], width: int) -> np.ndarray:
     return out
 
 
-def stamped_program(
+def stamped_rank_plan(
     rank: int, blocks: Sequence[tuple[TensorTemplate, Sequence[int], np.ndarray]], width: int
-) -> RankProgram:
-    """The program of ``rank`` from templates stamped for many tensors at once.
+) -> RankPlan:
+    """The rank plan of ``rank`` from templates stamped for many tensors at once.
 
     ``blocks`` are ``(template, tensors, rotations)``: the template's rows, stamped with
     ``rotations[i]``, are the rows of tensor ``tensors[i]`` that may involve ``rank``;
@@ -352,4 +352,4 @@ def stamped_program(
         g = table[rows[sel]]
         return g[:, 4], g[:, 6 : 6 + width], g[:, 6 + width :], g[:, 5]
 
-    return build_program(rank, keys, fetch)
+    return build_rank_plan(rank, keys, fetch)
