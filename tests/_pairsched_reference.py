@@ -120,9 +120,9 @@ def pair_paced(
         # Every arrival so far is at a stage below the next one's: index them for its causality checks.
         index = {key: _arrivals(v) for key, v in arrived.items()}
     steps, staging = _steps(ops, shapes, padded)
-    local = {r: _copy_tables(rank_plans[r], shapes) for r in mine if rank_plans[r].copies}
+    copies = {r: _copy_tables(rank_plans[r], shapes) for r in mine if rank_plans[r].copies}
     rounds = 1 + max((rnd for by in steps.values() for rnd in by), default=-1)
-    return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors))
+    return Schedule(rounds=rounds, steps=steps, copies=copies, staging=staging, ntensors=len(tensors))
 
 
 def _arrivals(got: list[tuple[Box, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -54,7 +54,7 @@ def _in_place(chunk: list[tuple[int, Box]], rank: int, side: int, shapes: _Shape
     if len(chunk) != 1:
         return None
     t, bb = chunk[0]
-    outer, rel = shapes.local(t, rank, side, bb)
+    outer, rel = shapes.relative(t, rank, side, bb)
     if not rel.is_contiguous_in(outer):
         return None
     strides = [1] * len(outer)
@@ -100,8 +100,8 @@ def _schedule_cached(key: tuple, plan: Plan, chunk_bytes: int, staging_bytes: in
             ops[m.src][rnd].append(("send", m.dst, tag, m.link, n, chunk, side, send_ip))
             ops[m.dst][rnd].append(("recv", m.src, tag, m.link, n, chunk, DST, recv_ip))
     steps, staging = _steps(ops, shapes, padded)
-    local = {r: _copy_tables(p, shapes) for r, p in rank_plans.items() if p.copies}
-    return Schedule(rounds=nrounds, steps=steps, local=local, staging=staging, ntensors=len(plan.tensors))
+    copies = {r: _copy_tables(p, shapes) for r, p in rank_plans.items() if p.copies}
+    return Schedule(rounds=nrounds, steps=steps, copies=copies, staging=staging, ntensors=len(plan.tensors))
 
 
 Op = tuple  # ("send" | "recv", peer, tag, link, nbytes, chunk, side, in_place)
@@ -125,7 +125,7 @@ def _steps(
                     continue
                 wires[kind].append(Wire(peer, tag, link, n, STAGING, pos))
                 for t, bb in chunk:
-                    outer, rel = shapes.local(t, r, side, bb)
+                    outer, rel = shapes.relative(t, r, side, bb)
                     rows[kind].append((buffer_index(t, side), outer, rel, pos))
                     pos += bb.volume
                 peak = max(peak, pos)

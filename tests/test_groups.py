@@ -157,7 +157,7 @@ def test_a_message_a_rank_sends_itself_counts_as_two_operations():
         0: {0: Step(empty, empty, (), (wire(1, 3),))},
         1: {0: Step(empty, empty, (wire(0, 3), wire(1, 4)), (wire(1, 4),))},
     }
-    sched = Schedule(rounds=1, steps=steps, local={}, staging={0: 8, 1: 8}, ntensors=1)
+    sched = Schedule(rounds=1, steps=steps, copies={}, staging={0: 8, 1: 8}, ntensors=1)
     for max_ops in (1, 2):
         cut = group_rounds(sched, max_ops).group_of[0]
         load: collections.Counter = collections.Counter()

@@ -63,13 +63,13 @@ def build_per_process(pairs, topo, options, groups, builder=pair_paced):
 
 def merged(schedules):
     """One schedule of every process's ranks, for LocalComm (one process: each round runs as one group)."""
-    steps, local, staging = {}, {}, {}
+    steps, copies, staging = {}, {}, {}
     for s in schedules:
         steps.update(s.steps)
-        local.update(s.local)
+        copies.update(s.copies)
         staging.update(s.staging)
     n = max((s.ntensors for s in schedules), default=0)
-    return Schedule(max((s.rounds for s in schedules), default=0), steps, local, staging, n, groups={})
+    return Schedule(max((s.rounds for s in schedules), default=0), steps, copies, staging, n, groups={})
 
 
 def check_groups(per_process, options):

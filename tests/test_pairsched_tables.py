@@ -89,9 +89,9 @@ def _same(a, b):
             assert (x.sends, x.recvs) == (y.sends, y.recvs), (r, rnd)
             np.testing.assert_array_equal(x.pack, y.pack)
             np.testing.assert_array_equal(x.unpack, y.unpack)
-    assert sorted(a.local) == sorted(b.local)
-    for r, (keys, st_, dt) in a.local.items():
-        k2, s2, d2 = b.local[r]
+    assert sorted(a.copies) == sorted(b.copies)
+    for r, (keys, st_, dt) in a.copies.items():
+        k2, s2, d2 = b.copies[r]
         assert keys == k2
         np.testing.assert_array_equal(st_, s2)
         np.testing.assert_array_equal(dt, d2)

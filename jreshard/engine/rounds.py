@@ -34,7 +34,7 @@ posted round still uses, run in their own round as before. A pack that fails whi
 group is posted gives the group up (the communicator is then broken) and raises.
 
 **Report.** Given a :class:`~jreshard.report.ReportBuilder`, :func:`execute` adds
-the time of every phase (pack, network, fan-out, unpack with the local copies),
+the time of every phase (pack, network, fan-out, unpack with the same-device copies),
 the bytes per link, the messages and the staging it held. A message is what a
 plan counts as one (:attr:`~jreshard.sharding.plan.PlanStats.messages`): all a
 rank sends one peer at one stage, however many chunks carry it, so the messages
@@ -167,8 +167,8 @@ def execute(
     t0 = clock()
     same_device_bytes = 0
     for r in ranks:
-        if r in schedule.local:
-            keys, st, dt = schedule.local[r]
+        if r in schedule.copies:
+            keys, st, dt = schedule.copies[r]
             buffers.copy(st, [shards.src[k] for k in keys], dt, bufs[r])
             same_device_bytes += kernels.table_bytes(dt)
     buffers.fence()
@@ -242,7 +242,7 @@ class CompiledRounds:
       sent_bytes: bytes sent by link kind, over all rounds.
       messages: messages sent by link kind, as a plan counts them (all a rank sends one peer at one stage).
       chunks: chunk messages sent.
-      needs: per local rank, the shard buffer indices the rounds and local copies read or write.
+      needs: per local rank, the shard buffer indices the rounds and same-device copies read or write.
     """
 
     rounds: tuple[tuple[tuple, tuple, tuple, bool], ...]
@@ -298,8 +298,8 @@ def _compile(
             messages[link] += rank.messages[link]
         chunks += len(cols.sends[0])
         need = rank.needs
-        if r in schedule.local:
-            need |= set(np.unique(schedule.local[r][2][:, kernels.BUF]).tolist())
+        if r in schedule.copies:
+            need |= set(np.unique(schedule.copies[r][2][:, kernels.BUF]).tolist())
         needs[r] = frozenset(need)
         pack_at, unpack_at = cols.pack_at.tolist(), cols.unpack_at.tolist()
         send_at, recv_at, send_rows, recv_rows = rank.send_at, rank.recv_at, rank.send_rows, rank.recv_rows
@@ -519,8 +519,8 @@ def _check_buffers(
     missing += [
         f"source shard of tensor {t} on rank {h}"
         for r in ranks
-        if r in schedule.local
-        for t, h in schedule.local[r][0]
+        if r in schedule.copies
+        for t, h in schedule.copies[r][0]
         if (t, h) not in shards.src
     ]
     if missing:

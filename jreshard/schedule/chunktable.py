@@ -204,7 +204,7 @@ def descriptor_rows(
     buf: np.ndarray, rel_lo: np.ndarray, shape: np.ndarray, outer: np.ndarray, stage: np.ndarray
 ) -> np.ndarray:
     """Descriptor table rows (:mod:`jreshard.schedule.kernels`) of byte boxes, as :func:`kernels.build_table`
-    builds them one by one: ``rel_lo`` and ``shape`` in the local byte coordinates of buffers of
+    builds them one by one: ``rel_lo`` and ``shape`` in byte coordinates relative to buffers of
     extents ``outer``; ``stage`` each box's offset in staging. Boxes must not be empty."""
     m, width = shape.shape
     st = _c_strides(outer)

@@ -203,8 +203,8 @@ def build_table(
     """The descriptor table of ``pieces``, laid out in staging from ``staging_offset``.
 
     Args:
-      pieces: ``(buffer_index, buffer_byte_shape, box)`` with ``box`` in the
-        buffer's local byte coordinates (see :func:`byte_box`); empty boxes are skipped.
+      pieces: ``(buffer_index, buffer_byte_shape, box)`` with ``box`` in
+        byte coordinates relative to the buffer (see :func:`byte_box`); empty boxes are skipped.
       staging_offset: where the first piece goes in staging (used as given).
       align: every later piece starts at the next multiple of ``align`` bytes
         (1: back to back). 16 lets a GPU kernel move every staged piece in 16-byte
@@ -242,7 +242,7 @@ def build_copy_tables(
 
     Args:
       pairs: ``(src_buffer, src_byte_shape, src_box, dst_buffer, dst_byte_shape, dst_box)``;
-        the two boxes have equal extents (local byte coordinates of each buffer).
+        the two boxes have equal extents (byte coordinates relative to each buffer).
 
     Returns:
       ``(src_table, dst_table)`` with identical ``NDIM``/``SHAPE`` columns (dimensions

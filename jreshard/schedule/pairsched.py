@@ -244,9 +244,9 @@ def pair_paced(
     groups = round_groups(chunks, msgs, chunk_round, group_key)
     with_copies = [r for r in mine if rank_plans[r].copies]
     shapes = _Shapes(tensors) if with_copies else None
-    local = {r: _copy_tables(rank_plans[r], shapes) for r in with_copies if shapes is not None}
+    copies = {r: _copy_tables(rank_plans[r], shapes) for r in with_copies if shapes is not None}
     rounds = 1 + max((rnd for by in steps.values() for rnd in by), default=-1)
-    return Schedule(rounds=rounds, steps=steps, local=local, staging=staging, ntensors=len(tensors), groups=groups)
+    return Schedule(rounds=rounds, steps=steps, copies=copies, staging=staging, ntensors=len(tensors), groups=groups)
 
 
 def _byte_strides(tensors: Sequence[TensorSpec], width: int) -> np.ndarray:

@@ -102,7 +102,7 @@ class Schedule:
     Attributes:
       rounds: number of exchange rounds.
       steps: ``steps[rank][round]`` for the rounds in which ``rank`` takes part.
-      local: ``local[rank] = (src_keys, src_table, dst_table)``: copies from source
+      copies: ``copies[rank] = (src_keys, src_table, dst_table)``: same-device copies from source
         shards ``src_keys[i] = (tensor, rank)`` into ``rank``'s destination shards.
       staging: ``staging[rank]``: the most staging bytes ``rank`` ever holds at once.
       ntensors: tensors in the plan.
@@ -114,7 +114,7 @@ class Schedule:
 
     rounds: int
     steps: Mapping[int, Mapping[int, Step]]
-    local: Mapping[int, tuple[tuple[tuple[int, int], ...], np.ndarray, np.ndarray]]
+    copies: Mapping[int, tuple[tuple[tuple[int, int], ...], np.ndarray, np.ndarray]]
     staging: Mapping[int, int]
     ntensors: int
     groups: Mapping[int, Mapping[tuple[int, int, int], int]] | None = None
@@ -178,8 +178,8 @@ class _Shapes:
             raise TransferError(f"rank {rank} holds no {which} shard of tensor {t}")
         return kernels.byte_box(idx[rank], self.items[t])
 
-    def local(self, t: int, rank: int, side: int, bb: Box) -> tuple[tuple[int, ...], Box]:
-        """(shard byte shape, box in its local byte coordinates) of byte box ``bb``."""
+    def relative(self, t: int, rank: int, side: int, bb: Box) -> tuple[tuple[int, ...], Box]:
+        """(shard byte shape, byte box relative to the shard) of byte box ``bb``."""
         outer = self.box(t, rank, side)
         if not outer.contains(bb):
             raise TransferError(f"the plan moves bytes {bb} of tensor {t} through rank {rank}, whose shard is {outer}")
@@ -207,8 +207,8 @@ def _copy_tables(rank_plan: RankPlan, shapes: _Shapes) -> tuple:
     pairs = []
     for tr in rank_plan.copies:
         bb = kernels.byte_box(tr.box, shapes.items[tr.tensor])
-        so, sbox = shapes.local(tr.tensor, tr.src, SRC, bb)
-        do, dbox = shapes.local(tr.tensor, tr.dst, DST, bb)
+        so, sbox = shapes.relative(tr.tensor, tr.src, SRC, bb)
+        do, dbox = shapes.relative(tr.tensor, tr.dst, DST, bb)
         keys.append((tr.tensor, tr.src))
         pairs.append((len(keys) - 1, so, sbox, buffer_index(tr.tensor, DST), do, dbox))
     src, dst = kernels.build_copy_tables(pairs)

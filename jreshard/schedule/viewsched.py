@@ -19,7 +19,7 @@ order. This module turns it into the rounds every transport runs
   destination's axis order: the pack row reads the source shard with the source's strides
   in the destination's axis order (a transpose is strides) and casts into staging; the
   unpack row writes the destination with its own casts (:mod:`jreshard.schedule.kernels`,
-  the ``CAST`` column). A piece read and written on one device is a local copy, cast and
+  the ``CAST`` column). A piece read and written on one device is a same-device copy, cast and
   permuted the same way.
 - **Forwarded bytes.** A stage-1 piece reads what its carrier received: the carrier's
   destination shard where that landing wrote the wire bytes unchanged, or else a *relay*
@@ -117,8 +117,8 @@ class ViewSchedule:
       aux: the tensor index of the auxiliary buffers.
       aux_src, aux_dst: per rank, the bytes of its auxiliary source / destination buffer (absent: none).
       encode, tiles: per rank, the quantisation jobs before and after the rounds.
-      bytes_by_link: the bytes every rank together moves, by link (counted at the sender; local copies
-        in the bytes they write).
+      bytes_by_link: the bytes every rank together moves, by link (counted at the sender; same-device
+        copies in the bytes they write).
     """
 
     schedule: Schedule
@@ -382,10 +382,10 @@ def _maps(p: ViewPiece) -> bool:
     )
 
 
-def _global(local: Box, outer: Box) -> Box:
+def _global(rel: Box, outer: Box) -> Box:
     return Box(
-        tuple(a + o for a, o in zip(local.lo, outer.lo, strict=True)),
-        tuple(b + o for b, o in zip(local.hi, outer.lo, strict=True)),
+        tuple(a + o for a, o in zip(rel.lo, outer.lo, strict=True)),
+        tuple(b + o for b, o in zip(rel.hi, outer.lo, strict=True)),
     )
 
 
@@ -507,12 +507,12 @@ def view_schedule(
     def padded(n: int) -> int:
         return -(-n // align) * align
 
-    local_pairs: dict[int, list[tuple[_Job, _End]]] = collections.defaultdict(list)
+    copy_pairs: dict[int, list[tuple[_Job, _End]]] = collections.defaultdict(list)
     messages: dict[tuple[int, int, int, int], list[int]] = collections.defaultdict(list)
     sent = dict.fromkeys(Link, 0)
     for k, j in enumerate(jobs):
         if j.stage == 0 and self_copy(j):
-            local_pairs[j.dst].append((j, j.writes[0]))
+            copy_pairs[j.dst].append((j, j.writes[0]))
             sent[Link.SAME_DEVICE] += math.prod(j.extents) * j.writes[0].itemsize
         else:
             origin = jobs[j.landed[0]].carrier if j.landed else j.carrier
@@ -575,8 +575,8 @@ def view_schedule(
                 pos = padded(pos)
             steps[r][rnd] = Step(_table(rows["send"]), _table(rows["recv"]), tuple(wires["send"]), tuple(wires["recv"]))
         staging[r] = peak
-    local = {}
-    for r, pairs in local_pairs.items():
+    copies = {}
+    for r, pairs in copy_pairs.items():
         keys: list[tuple[int, int]] = []
         srows, drows = [], []
         for j, w in pairs:
@@ -594,8 +594,8 @@ def view_schedule(
             )
             srows.append(s)
             drows.append(d)
-        local[r] = (tuple(keys), _table(srows), _table(drows))
-    sched = Schedule(rounds=nrounds, steps=steps, local=local, staging=staging, ntensors=b.aux + 1)
+        copies[r] = (tuple(keys), _table(srows), _table(drows))
+    sched = Schedule(rounds=nrounds, steps=steps, copies=copies, staging=staging, ntensors=b.aux + 1)
     return ViewSchedule(
         schedule=sched,
         aux=b.aux,

@@ -89,7 +89,7 @@ class Box:
         return tuple(slice(a, b) for a, b in zip(self.lo, self.hi, strict=True))
 
     def relative_to(self, outer: Box) -> Box:
-        """This box in the local coordinates of ``outer`` (which must contain it)."""
+        """This box in coordinates relative to ``outer``'s origin (``outer`` must contain it)."""
         if not outer.contains(self):
             raise ValueError(f"Box.relative_to: {self} is not inside {outer}")
         return Box(
@@ -112,8 +112,8 @@ class Box:
         return Box.trusted(self.lo, tuple(hi1)), Box.trusted(tuple(lo2), self.hi)
 
     def is_contiguous_in(self, outer_shape: Sequence[int]) -> bool:
-        """Whether this box, in the local coordinates of a C-ordered buffer of
-        ``outer_shape``, is one contiguous run of memory.
+        """Whether this box, in the coordinates of a C-ordered buffer of
+        ``outer_shape`` (relative to its origin), is one contiguous run of memory.
 
         That holds when, after the first dimension with extent > 1, every later
         dimension spans its whole extent.

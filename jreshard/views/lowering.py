@@ -44,7 +44,7 @@ class ViewPiece:
       src_rank: the source rank read (a holder of ``src_box``).
       src_box: the source elements, in the leaf's global coordinates.
       dst_rank: the destination rank written.
-      dst_box: where they land, in the destination shard's (or tile's) local coordinates.
+      dst_box: where they land, in coordinates relative to the destination shard (or tile).
       axes: per destination axis, the source axis it runs along (-1: a new axis of extent 1).
       src_dtype: the leaf's dtype.
       sender_casts: the casts the sender applies; the bytes travel in the last one's dtype.
@@ -256,10 +256,10 @@ def lower(
     return LeafLowering(tuple(pieces), tuple(tasks), net, fast, same, rows)
 
 
-def _global(local: Box, outer: Box) -> Box:
+def _global(rel: Box, outer: Box) -> Box:
     return _box(
-        tuple(a + o for a, o in zip(local.lo, outer.lo, strict=True)),
-        tuple(b + o for b, o in zip(local.hi, outer.lo, strict=True)),
+        tuple(a + o for a, o in zip(rel.lo, outer.lo, strict=True)),
+        tuple(b + o for b, o in zip(rel.hi, outer.lo, strict=True)),
     )
 
 
@@ -295,7 +295,7 @@ def _pieces(
     blocked_from: int,
     content: tuple = (),
 ) -> list[ViewPiece]:
-    """The pieces that fill ``regions`` on rank ``r`` (boxes local to ``origin``); ``replicas``: the
+    """The pieces that fill ``regions`` on rank ``r`` (boxes relative to ``origin``); ``replicas``: the
     ranks of ``r``'s domain with the same destination box, ascending (``r`` among them). New bytes are
     striped along source axes that view axes below ``blocked_from`` run along (so quantisation blocks stay whole).
     ``content`` names what the bytes on the wire are beyond their source elements and wire dtype (a quantised
@@ -412,10 +412,10 @@ def _piece(
         if a >= 0:
             lo[d] = m.box.lo[d] + part.lo[a] - m.src_lo[a]
             hi[d] = lo[d] + part.hi[a] - part.lo[a]
-    local = _box(
+    rel = _box(
         tuple(x - o for x, o in zip(lo, origin, strict=True)), tuple(x - o for x, o in zip(hi, origin, strict=True))
     )
-    return ViewPiece(i, src, part, r, local, m.axes, dtype, send, recv, link, via)
+    return ViewPiece(i, src, part, r, rel, m.axes, dtype, send, recv, link, via)
 
 
 def _box(lo: tuple[int, ...], hi: tuple[int, ...]) -> Box:

@@ -171,7 +171,7 @@ def block_shape(layout: Layout, what: str) -> tuple[int, ...]:
     return shapes.pop()
 
 
-def _local(box: Box, outer: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _relative(box: Box, outer: Box) -> tuple[tuple[int, ...], tuple[int, ...]]:
     rel = box.relative_to(outer)
     return rel.lo, rel.hi
 
@@ -245,7 +245,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
                     a, b = max(seg.start, start), min(seg.stop, stop)
                     if a < b:
                         lay = tensors[p.tensor].src if side == SRC else tensors[p.tensor].dst
-                        lo, hi = _local(p.box, lay.box_of(m.src))
+                        lo, hi = _relative(p.box, lay.box_of(m.src))
                         pack[at[m.src]][k].append(Pack(p.tensor, side, lo, hi, a - start, b - start))
                         got[(seg.message, j)].append((k, pos, b - a))
                         pos += b - a
@@ -259,7 +259,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
         received: list[list[Received]] = [[] for _ in range(n)]
         for i, m in enumerate(msgs):
             for j, p in enumerate(m.pieces):
-                lo, hi = _local(p.box, tensors[p.tensor].dst.box_of(m.dst))
+                lo, hi = _relative(p.box, tensors[p.tensor].dst.box_of(m.dst))
                 if p.nbytes:
                     received[at[m.dst]].append(Received(p.tensor, lo, hi, tuple(got[(i, j)])))
         pairs = tuple(tuple((at[msgs[g.message].src], at[msgs[g.message].dst]) for g in p.segments) for p in perms)
@@ -300,8 +300,8 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
 def _copy(tensor: int, side: int, box: Box, tensors: Sequence, rank: int) -> BoxCopy:
     t = tensors[tensor]
     src_lay = t.src if side == SRC else t.dst
-    slo, shi = _local(box, src_lay.box_of(rank))
-    dlo, _ = _local(box, t.dst.box_of(rank))
+    slo, shi = _relative(box, src_lay.box_of(rank))
+    dlo, _ = _relative(box, t.dst.box_of(rank))
     return BoxCopy(tensor, side, slo, shi, dlo)
 
 
