@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import views
-from jreshard.engine import viewcopy as program
+from jreshard.engine import viewcopy
 from jreshard.views import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled casts are not built here")
@@ -157,15 +157,15 @@ def _bits(x):
 def test_fused_refit_runs_the_kernel_and_equals_the_numpy_path(monkeypatch, band_bytes):
     tree, target, want = _fused_case()
     ran = []
-    real = program._run_scatter
+    real = viewcopy._run_scatter
 
     def counted(*args):
         ran.append(real(*args))
         return ran[-1]
 
-    monkeypatch.setattr(program, "_run_scatter", counted)
+    monkeypatch.setattr(viewcopy, "_run_scatter", counted)
     if band_bytes is not None:
-        monkeypatch.setattr(program, "BLOCK_BYTES", band_bytes)
+        monkeypatch.setattr(viewcopy, "BLOCK_BYTES", band_bytes)
     jreshard.clear_caches()
     fast = jreshard.transfer(tree, target)
     assert ran and all(ran)  # every block of this refit runs compiled

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import Layout, Topology, views
-from jreshard.engine import viewcopy as program
+from jreshard.engine import viewcopy
 from jreshard.views import native
 from jreshard.views.bounds import box_network_bound, brute_force_network_bound
 from jreshard.views.casts import CAST_DTYPES
@@ -58,7 +58,7 @@ def _reshapes(shape):
 
 @st.composite
 def compositions(draw):
-    """(view, jnp value) pairs built by the same random program, with the source arrays."""
+    """(view, jnp value) pairs built by the same random recipe, with the source arrays."""
     shape = draw(st.sampled_from([(4, 8), (8, 4), (2, 4, 4), (8,)]))
     n_src = draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
@@ -123,15 +123,15 @@ def test_random_compositions_equal_jnp_then_device_put(data):
     band = data.draw(st.sampled_from([None, 1, 6, 40]))
     # The compiled casts where they are built, or numpy's alone.
     kernels = (native.KERNELS, native.SCATTER) if data.draw(st.booleans()) else ({}, {})
-    saved, block_bytes = (native.KERNELS, native.SCATTER), program.BLOCK_BYTES
+    saved, block_bytes = (native.KERNELS, native.SCATTER), viewcopy.BLOCK_BYTES
     try:
         native.KERNELS, native.SCATTER = kernels
         if band is not None:
-            program.BLOCK_BYTES = band
+            viewcopy.BLOCK_BYTES = band
         jreshard.clear_caches()
         out = views.transfer({"w": view}, {"w": dst}, topology=topo)["w"]
     finally:
-        program.BLOCK_BYTES = block_bytes
+        viewcopy.BLOCK_BYTES = block_bytes
         native.KERNELS, native.SCATTER = saved
         jreshard.clear_caches()
     ref = jax.device_put(expect, dst)

@@ -6,7 +6,7 @@ consumes. The shape depends only on the cache key (tree structure, and per leaf
 its shape, dtype, source sharding and target sharding, plus the mode, topology and
 options), so the second call with the same key does no planning and no per-leaf
 layout work. Leaves with the same (source layout, destination layout) form one
-:class:`Group`: one plan, one lowered copy program, whatever the number of leaves.
+:class:`Group`: one plan, one copy lowering, whatever the number of leaves.
 
 Every check runs here, before any byte moves, and every error names the leaf by
 its key path and shows the values.

@@ -3,12 +3,12 @@
 Front door (flatten, check every leaf and target before a byte moves) -> lowering
 (:mod:`jreshard.views.lowering`), cached by the views' composition and layouts -> then:
 
-- **in one process** (:func:`transfer`, :func:`transfer_into`): the program of copies
-  (:func:`jreshard.engine.viewcopy.compile_program`, cached with the lowering) ->
+- **in one process** (:func:`transfer`, :func:`transfer_into`): the copy tasks
+  (:func:`jreshard.engine.viewcopy.compile_tasks`, cached with the lowering) ->
   destinations (``transfer``: warm blocks of the buffer pool; ``transfer_into``: the
   ``into`` arrays nothing else can see, donated as ``jax.jit`` donates, else fresh
   blocks) -> the engine's in-process copy executor
-  (:func:`jreshard.engine.viewcopy.execute_pieces`: the program's tasks on the copy
+  (:func:`jreshard.engine.viewcopy.execute_pieces`: the tasks on the copy
   threads, reading zero-copy DLPack views of the source shards) -> the destination
   arrays, assembled zero-copy;
 - **across the processes of a multi-controller cluster** (:func:`transfer_cluster`):
@@ -42,7 +42,7 @@ from jreshard.engine.driver import assemble
 from jreshard.engine.inprocess import _fresh, _make_array
 from jreshard.engine.ownership import remember_all, shard_addresses, shard_arrays, take
 from jreshard.engine.pool import default_pool
-from jreshard.engine.viewcopy import Program, compile_program, execute_pieces
+from jreshard.engine.viewcopy import CopyTasks, compile_tasks, execute_pieces
 from jreshard.engine.viewrun import run_view_schedule
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
 from jreshard.options import Backend, Options
@@ -60,7 +60,7 @@ from jreshard.views.quant import QuantView as _Quant
 
 __all__ = ["lower_views", "run", "run_cluster", "transfer", "transfer_cluster", "transfer_into"]
 
-_CACHE: dict[tuple, tuple[list[LeafLowering], Program]] = {}
+_CACHE: dict[tuple, tuple[list[LeafLowering], CopyTasks]] = {}
 register_clear(_CACHE.clear)
 _LOWERED: dict[tuple, list[LeafLowering]] = {}
 register_clear(_LOWERED.clear)
@@ -167,8 +167,8 @@ def lower_views(
 
 def _lowerings(
     views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None
-) -> tuple[list[LeafLowering], Program]:
-    """The lowering of every leaf and the program that runs it in one process, cached as the lowering is."""
+) -> tuple[list[LeafLowering], CopyTasks]:
+    """The lowering of every leaf and the copy tasks that run it in one process, cached as the lowering is."""
     key, lowerings, _ = lower_views(views, srcs, layouts, dsts, topology)
     got = _CACHE.get(key)
     if got is None:
@@ -177,7 +177,7 @@ def _lowerings(
         wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
         boxes = {k: layouts[k[0]].box_of(k[1]) for k in wanted}
         shapes = {(t, r): d.box_of(r).shape for t, d in enumerate(dsts) for r in d.ranks}
-        got = _CACHE[key] = (lowerings, compile_program(lowerings, boxes, dst_shapes=shapes))
+        got = _CACHE[key] = (lowerings, compile_tasks(lowerings, boxes, dst_shapes=shapes))
     return got
 
 
@@ -246,7 +246,7 @@ def run(
         call, sources = _front(call)
         srcs, layouts, dsts = sources.leaves, sources.layouts, sources.dsts
         views, shardings = [r.view for r in call.resolved], [r.sharding for r in call.resolved]
-        lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
+        lowerings, copy_tasks = _lowerings(views, srcs, layouts, dsts, topology)
     pool = default_pool()
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
@@ -256,7 +256,7 @@ def run(
         try:
             execute_pieces(
                 lowerings,
-                program,
+                copy_tasks,
                 views,
                 arrays,
                 boxes,
@@ -319,7 +319,7 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
         srcs, layouts, dsts = sources.leaves, sources.layouts, sources.dsts
         views, shardings = [r.view for r in call.resolved], [r.sharding for r in call.resolved]
         into_leaves = call.targets
-        lowerings, program = _lowerings(views, srcs, layouts, dsts, topology)
+        lowerings, copy_tasks = _lowerings(views, srcs, layouts, dsts, topology)
     pool = default_pool()
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
@@ -338,7 +338,7 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
                 taken.count(builder, t, sum(b.nbytes for b in fresh[t]))
     with builder.timed(ReportPhase.COPY):
         try:
-            execute_pieces(lowerings, program, views, arrays, boxes, bufs, threads)
+            execute_pieces(lowerings, copy_tasks, views, arrays, boxes, bufs, threads)
         except Exception as err:
             raise TransferError(
                 f"transfer_into failed while copying ({type(err).__name__}: {err}); the into arrays were "

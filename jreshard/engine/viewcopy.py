@@ -1,5 +1,5 @@
 """The in-process copy executor of views: the copies that carry out a lowering in one process, worked
-out once per lowering (:func:`compile_program`, cached by the caller) and run on the copy threads
+out once per lowering (:func:`compile_tasks`, cached by the caller) and run on the copy threads
 (:func:`execute_pieces`).
 
 A lowering (:mod:`jreshard.views.lowering`) says which source box fills which
@@ -47,10 +47,10 @@ __all__ = [
     "BLOCK_BYTES",
     "Block",
     "Copy",
-    "Program",
+    "CopyTasks",
     "Scatter",
     "ShardJob",
-    "compile_program",
+    "compile_tasks",
     "execute_pieces",
     "run_copy",
     "run_task",
@@ -119,19 +119,19 @@ class ShardJob:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Program:
+class CopyTasks:
     """Every task of a lowering; ``wire_bytes``: the bytes its pieces carry."""
 
     tasks: tuple[Block | ShardJob, ...]
     wire_bytes: int
 
 
-def compile_program(
+def compile_tasks(
     lowerings: Sequence[LeafLowering],
     src_boxes: Mapping[tuple[int, int], Box],
     block_bytes: int | None = None,
     dst_shapes: Mapping[tuple[int, int], tuple[int, ...]] | None = None,
-) -> Program:
+) -> CopyTasks:
     """The tasks that run the pieces of ``lowerings`` (quantisation tasks are not included).
 
     ``src_boxes[(leaf, rank)]`` is the box of the source shard a piece reads;
@@ -146,8 +146,8 @@ def compile_program(
       >>> box = Box((0, 0), (4, 8))
       >>> p = ViewPiece(0, 0, box, 1, box, (0, 1), "float32", ("bfloat16",), (), Link.SAME_DEVICE)
       >>> low = LeafLowering((p,), (), 0, 0, 64)
-      >>> prog = compile_program([low], {(0, 0): Box((0, 0), (4, 8))}, block_bytes=32)
-      >>> [type(t).__name__ for t in prog.tasks], prog.wire_bytes
+      >>> work = compile_tasks([low], {(0, 0): Box((0, 0), (4, 8))}, block_bytes=32)
+      >>> [type(t).__name__ for t in work.tasks], work.wire_bytes
       (['Block', 'Block'], 64)
     """
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
@@ -170,7 +170,7 @@ def compile_program(
         bands = _bands(hull, group[0][1].wire_dtype, block_bytes)
         tasks += [_block(group, rows, src_boxes, dst_shapes) for rows in bands]
     tasks.sort(key=task_elements, reverse=True)  # the largest first
-    return Program(tuple(tasks), wire)
+    return CopyTasks(tuple(tasks), wire)
 
 
 def task_elements(task: Block | ShardJob) -> int:
@@ -357,14 +357,14 @@ def _run_scatter(
 
 def execute_pieces(
     lowerings: Sequence[LeafLowering],
-    program: Program,
+    copy_tasks: CopyTasks,
     views: Sequence[View],
     src: Mapping[tuple[int, int], np.ndarray],
     src_box: Mapping[tuple[int, int], Box],
     dst: Sequence[Mapping[int, np.ndarray]],
     threads: int | None = None,
 ) -> None:
-    """Run ``program`` (the lowerings' pieces) and the quantisation tasks: ``src[(leaf, rank)]`` is a
+    """Run ``copy_tasks`` (the lowerings' pieces) and the quantisation tasks: ``src[(leaf, rank)]`` is a
     typed read-only source shard holding ``src_box[(leaf, rank)]``; ``dst[t][rank]`` the typed
     destination shard of leaf ``t``; on ``threads`` threads (``Options.copy_threads``; ``None``: every core).
 
@@ -379,9 +379,9 @@ def execute_pieces(
             _copy_piece(p, src, src_box, tile)
         dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
 
-    calls: list[tuple[int, Any, tuple]] = [(task_elements(t), run_task, (t, src, dst)) for t in program.tasks]
+    calls: list[tuple[int, Any, tuple]] = [(task_elements(t), run_task, (t, src, dst)) for t in copy_tasks.tasks]
     calls += [(k.hull.volume, quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
-    lanes = 1 if program.wire_bytes < _THREADED_BYTES else min(len(calls), strided.threads_for(threads))
+    lanes = 1 if copy_tasks.wire_bytes < _THREADED_BYTES else min(len(calls), strided.threads_for(threads))
     if lanes <= 1:
         for _, fn, args in calls:
             fn(*args)
