@@ -41,7 +41,7 @@ def _stats(seconds: list[float], nbytes: int) -> dict:
 
 
 def xla_stage(emit: Emit, quick: bool) -> None:
-    """Compile and run backend xla's program for a transfer between two sharding kinds on one device.
+    """Compile and run backend xla's computation for a transfer between two sharding kinds on one device.
 
     Signature (the GPU check's stage contract): ``xla_stage(emit, quick) -> None``.
 
@@ -52,9 +52,9 @@ def xla_stage(emit: Emit, quick: bool) -> None:
 
     Checks (on ``jax.devices()[0]``, a GPU where there is one):
 
-    - ``xla compile``: the program of a ``bfloat16`` transfer from a ``SingleDeviceSharding`` to a
-      ``NamedSharding`` over a 1-device mesh splitting the columns: compile seconds, the program's
-      ``ppermute`` count (0 on one device: the plan is one local copy inside the program);
+    - ``xla compile``: the computation of a ``bfloat16`` transfer from a ``SingleDeviceSharding`` to a
+      ``NamedSharding`` over a 1-device mesh splitting the columns: compile seconds, the computation's
+      ``ppermute`` count (0 on one device: the plan is one same-device copy inside the computation);
     - ``xla transfer``: values equal bit for bit, the report's bytes equal the array's, and the
       time of 5 calls after the compiling one (median, min, max);
     - ``xla transfer_into``: the same into a donated array: the result is in the donated memory
@@ -72,7 +72,7 @@ def xla_stage(emit: Emit, quick: bool) -> None:
 
     import jreshard
     from jreshard.sharding.layout import Layout
-    from jreshard.xla.run import program_for
+    from jreshard.xla.run import compiled_for
 
     xla = jreshard.Options(backend="xla")
     jreshard.clear_caches()  # the compile is measured, not found in the cache
@@ -93,7 +93,7 @@ def xla_stage(emit: Emit, quick: bool) -> None:
     out.block_until_ready()
     first = time.perf_counter() - t0
     pair = (Layout.from_sharding(src, shape, x.dtype), Layout.from_sharding(dst, shape, x.dtype))
-    compiled, _ = program_for([pair], None, xla)
+    compiled, _ = compiled_for([pair], None, xla)
     emit(
         "xla compile",
         "ok" if rep.compile_s > 0 else "FAILED",

@@ -7,7 +7,7 @@ For each model: the refit plan from trainer to inference on ``n + n`` ranks (64 
 model's smallest size where its parallel layout needs more: DeepSeek-V3 and Kimi-K2 split over
 multiples of 128 GPUs), in fast-link domains of 64 ranks (NVL72 racks, as ``plan_bench.py``); each
 stage's messages cut into permutations exactly as ``Options(backend="xla")`` cuts them
-(:func:`jreshard.xla.plan_program.stage_permutations`, the same function the program is built
+(:func:`jreshard.xla.xlaplan.stage_permutations`, the same function the computation is built
 from); printed: the bytes the permutations carry (the plan's network and fast-link bytes), the
 padding bytes (every pair of a ``ppermute`` sends its largest member's length) and their share,
 and the ``ppermute`` count. The cut bounds padding at ``tol / (1 - tol)`` = 5.3% of the payload
@@ -24,7 +24,7 @@ from jreshard.models.recipes import MODELS
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Link
 from jreshard.xla.perms import padding_bytes
-from jreshard.xla.plan_program import stage_permutations
+from jreshard.xla.xlaplan import stage_permutations
 
 NIC, NVLINK = 50e9, 900e9
 DOMAIN = 64

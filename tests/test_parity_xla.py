@@ -1,5 +1,5 @@
 """The parity suite's sharding pairs and dtypes with ``Options(backend="xla")``: the plan compiled into one
-XLA program gives what ``jax.device_put`` gives, as the direct copies do (tests/test_parity.py).
+XLA computation gives what ``jax.device_put`` gives, as the direct copies do (tests/test_parity.py).
 
 Leaves in or to host memory kinds move through device memory (``jax.device_put`` places them, or a
 jitted ``device_put`` into the ``into`` array), whatever the backend.

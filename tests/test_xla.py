@@ -20,8 +20,8 @@ from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
 from jreshard.xla.lanes import check_dtype
 from jreshard.xla.perms import padding_bytes
-from jreshard.xla.plan_program import stage_permutations, xla_plan
-from jreshard.xla.run import program_for
+from jreshard.xla.run import compiled_for
+from jreshard.xla.xlaplan import stage_permutations, xla_plan
 
 XLA = jreshard.Options(backend="xla")
 DEVS = jax.devices()
@@ -100,7 +100,7 @@ def test_network_bytes_equal_the_plans_and_the_hlo_collectives():
     src, dst = Layout.from_sharding(a, x.shape, x.dtype), Layout.from_sharding(b, x.shape, x.dtype)
     stats = plan_layouts([(src, dst)], topo, XLA).stats()
     assert stats.network_bytes > 0 and stats.fast_bytes > 0
-    compiled, _ = program_for([(src, dst)], topo, XLA)
+    compiled, _ = compiled_for([(src, dst)], topo, XLA)
     ps = compiled.plan.stats
     assert (ps.network_bytes, ps.fast_bytes, ps.same_device_bytes) == (
         stats.network_bytes,
@@ -109,7 +109,7 @@ def test_network_bytes_equal_the_plans_and_the_hlo_collectives():
     )
     assert (rep.network_bytes, rep.fast_bytes) == (stats.network_bytes, stats.fast_bytes)
     assert rep.padding_bytes == ps.padding_bytes
-    # The lowered program's collective_permutes move exactly the payload plus the padding.
+    # The lowered computation's collective_permutes move exactly the payload plus the padding.
     permutes = re.findall(
         r"collective_permute.*?source_target_pairs = dense<(\[\[.*?\]\]|\[.*?\])>.*?tensor<(\d+)xui(8|16|32|64)>",
         compiled.hlo,
@@ -122,7 +122,7 @@ def test_network_bytes_equal_the_plans_and_the_hlo_collectives():
     assert moved == ps.wire_bytes == stats.network_bytes + stats.fast_bytes + ps.padding_bytes
 
 
-def test_programs_are_cached_and_compile_time_is_reported():
+def test_computations_are_cached_and_compile_time_is_reported():
     a = NamedSharding(Mesh(np.array(DEVS[:2]), ("x",)), P("x"))
     b = NamedSharding(Mesh(np.array(DEVS[2:4]), ("x",)), P(None, "x"))
     x = jax.device_put(jnp.ones((6, 4), jnp.int8), a)
@@ -141,14 +141,14 @@ def test_padding_is_bounded_and_counted():
 
 
 def test_a_typed_prng_key_moves_as_its_key_data():
-    """The front door repacks key arrays (jreshard.call.repack) before the program sees them: bit for bit."""
+    """The front door repacks key arrays (jreshard.call.repack) before the computation sees them: bit for bit."""
     a = NamedSharding(Mesh(np.array(DEVS[:2]), ("x",)), P("x"))
     b = NamedSharding(Mesh(np.array(DEVS[2:4]), ("x",)), P("x"))
     keys = jax.device_put(jax.random.split(jax.random.key(0, impl="rbg"), 4), a)
     out, rep = jreshard.transfer(keys, b, options=XLA, report=True)
     assert rep.backend is jreshard.Backend.XLA and out.dtype == keys.dtype and out.sharding == b
     np.testing.assert_array_equal(jax.random.key_data(out), jax.random.key_data(keys))
-    with pytest.raises(LayoutError, match="extended dtype"):  # the program itself refuses them
+    with pytest.raises(LayoutError, match="extended dtype"):  # the computation itself refuses them
         check_dtype(keys.dtype, "keys")
 
 

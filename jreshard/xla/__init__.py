@@ -5,8 +5,8 @@ For the tensors of one call, the plan (:mod:`jreshard.sharding`) becomes one jit
 device's send buffers (as raw ``uint8`` lanes, :mod:`jreshard.xla.lanes`), one
 ``jax.lax.ppermute`` per permutation of a stage (:mod:`jreshard.xla.perms`), static
 ``dynamic_update_slice`` unpacks into the destination shards, network stage then
-fast-link stage as in the plan (:mod:`jreshard.xla.plan_program`, :mod:`jreshard.xla.compiled`).
-Programs are cached by layouts, topology, options and donation; ``transfer_into`` donates the
+fast-link stage as in the plan (:mod:`jreshard.xla.xlaplan`, :mod:`jreshard.xla.compiled`).
+Computations are cached by layouts, topology, options and donation; ``transfer_into`` donates the
 destination shards, so XLA writes into their memory (:mod:`jreshard.xla.run`).
 
 Not run on GPU or TPU: tested on CPU devices, in one process and across the processes of a

@@ -1,10 +1,10 @@
-"""The XLA program of an :class:`~jreshard.xla.plan_program.XlaPlan`: one jitted ``shard_map`` over the mesh.
+"""The XLA computation of an :class:`~jreshard.xla.xlaplan.XlaPlan`: one jitted ``shard_map`` over the mesh.
 
 The mesh is 1-D (axis :data:`AXIS`) over the devices of the transfer, in rank order. Every array
 enters "stacked": tensor ``t``'s source shards are the blocks of one global array of shape
 ``(n * s0, s1, ...)`` sharded along its first dimension, one block per device (a device that holds
 no shard of it gives a zero block of that shape); the destination comes out the same way. So the
-program's inputs are made from the shards themselves (``jax.make_array_from_single_device_arrays``,
+computation's inputs are made from the shards themselves (``jax.make_array_from_single_device_arrays``,
 zero-copy) and its outputs are cut back into shards without a copy. A rank-0 tensor's blocks have
 shape ``(1,)``.
 
@@ -14,11 +14,11 @@ that has work in that step (devices with none share one branch). Per stage: one 
 send buffer of the stage (static slices of the shards, as ``uint8`` lanes, concatenated and
 zero-padded to the permutation's length), one ``lax.ppermute`` per permutation, one switch
 unpacks (static ``dynamic_update_slice`` into the destination blocks) and makes the stage's
-local copies. Nothing depends on values, so the program is fixed at compile time.
+same-device copies. Nothing depends on values, so the computation is fixed at compile time.
 
 With ``donate`` set for a tensor, its destination blocks are an input donated to the call
 (``jax.jit(..., donate_argnums=...)``): XLA writes the result into that memory and the input is
-deleted. Otherwise the destination blocks start as zeros inside the program.
+deleted. Otherwise the destination blocks start as zeros inside the computation.
 
 Not run on GPU or TPU: tested on CPU devices (one process, and ``jax.distributed`` CPU clusters
 over gloo); the same HLO is what XLA would run there.
@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jreshard.types import Array, DType, XlaExecutable
 from jreshard.xla.lanes import from_bytes, from_lanes, lane_dtype, to_bytes, to_lanes
-from jreshard.xla.plan_program import SRC, BoxCopy, Pack, Received, XlaPlan
+from jreshard.xla.xlaplan import SRC, BoxCopy, Pack, Received, XlaPlan
 
-__all__ = ["AXIS", "Compiled", "compile_program", "stacked_shape"]
+__all__ = ["AXIS", "Compiled", "compile_plan", "stacked_shape"]
 
 AXIS = "jreshard"
 
@@ -58,17 +58,17 @@ def stacked_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Compiled:
-    """A compiled program and how to call it.
+    """A compiled computation and how to call it.
 
     Attributes:
-      plan: the static program.
+      plan: the static computation.
       mesh: the 1-D mesh of its devices.
       donate: per tensor, whether its destination blocks are a donated input.
       dtypes: per tensor, its jax dtype.
       executable: the jitted function, compiled for these inputs:
         ``executable(*sources, *donated destinations) -> destinations``.
       compile_s: seconds spent tracing, lowering and compiling it.
-      hlo: the lowered program's text (StableHLO), for tests that count its collectives.
+      hlo: the lowered computation's text (StableHLO), for tests that count its collectives.
     """
 
     plan: XlaPlan
@@ -206,11 +206,11 @@ def _body(plan: XlaPlan, donate: tuple[bool, ...], dtypes: tuple[Any, ...]) -> C
     return body
 
 
-def compile_program(plan: XlaPlan, devices: Sequence[Any], dtypes: Sequence[Any], donate: Sequence[bool]) -> Compiled:
-    """Trace, lower and compile the program of ``plan`` on ``devices`` (``devices[i]`` holds rank ``plan.ranks[i]``).
+def compile_plan(plan: XlaPlan, devices: Sequence[Any], dtypes: Sequence[Any], donate: Sequence[bool]) -> Compiled:
+    """Trace, lower and compile ``plan``'s computation on ``devices`` (``devices[i]`` holds rank ``plan.ranks[i]``).
 
     Args:
-      plan: the static program.
+      plan: the static computation.
       devices: the jax devices of the mesh, in rank order.
       dtypes: per tensor, its dtype.
       donate: per tensor, whether the call donates its destination blocks.
@@ -236,11 +236,11 @@ def compile_program(plan: XlaPlan, devices: Sequence[Any], dtypes: Sequence[Any]
         check_vma=False,
     )
     jitted = jax.jit(fn, donate_argnums=tuple(range(len(ins), nin)))
-    with jax.set_mesh(mesh):  # the program's own mesh, whatever mesh the caller has set
+    with jax.set_mesh(mesh):  # the computation's own mesh, whatever mesh the caller has set
         lowered = jitted.lower(*ins, *outs)
     lowered.compile()  # jax keeps the executable: the first call of ``jitted`` compiles nothing
     # The call goes through ``jitted``, not the compiled object: jax's dispatch accepts the arrays' own
-    # memory layouts (a sub-byte shard on CPU holds one value per byte, where a compiled program's
+    # memory layouts (a sub-byte shard on CPU holds one value per byte, where a compiled computation's
     # default input layout packs two), which the compiled object's strict layout check refuses.
     executable = jitted
     return Compiled(

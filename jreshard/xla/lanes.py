@@ -1,10 +1,10 @@
-"""Any dtype as raw bytes: the uint8 lanes the XLA program packs, sends and unpacks.
+"""Any dtype as raw bytes: the uint8 lanes the XLA computation packs, sends and unpacks.
 
 Collectives do not support every dtype on every platform (float8, int4, bool, complex), so
-the program moves bytes: every shard is held as unsigned integer lanes of its element's width
+the computation moves bytes: every shard is held as unsigned integer lanes of its element's width
 (:func:`lane_dtype`), and what goes on the wire is their bytes (``uint8``), back again bit for
 bit. :func:`lane_bytes` bytes per element, the same count the planner uses
-(``Layout.itemsize``), so the program's wire bytes equal the plan's:
+(``Layout.itemsize``), so the computation's wire bytes equal the plan's:
 
 - widths of 8 bits and more: ``lax.bitcast_convert_type`` to the unsigned type of that width;
 - ``bool``: one ``uint8`` lane holding 0 or 1 (XLA has no bitcast of ``pred``);
@@ -13,7 +13,7 @@ bit. :func:`lane_bytes` bytes per element, the same count the planner uses
   type of that width, then widened to one ``uint8`` lane (the plan counts one byte per element
   for them too, as numpy's ``ml_dtypes`` do). The value is exact whatever the packing of the
   buffers (jax reports ``nbytes == size`` for them while a device may hold two per byte):
-  the program never sees the packed bytes, only values.
+  the computation never sees the packed bytes, only values.
 
 Extended dtypes (typed PRNG keys) are refused by :func:`check_dtype`, before any byte moves.
 """
@@ -47,7 +47,7 @@ def lane_bytes(dtype: DType) -> int:
 
 
 def check_dtype(dtype: DType, where: str) -> None:
-    """Refuse a dtype the program cannot move bit for bit.
+    """Refuse a dtype the computation cannot move bit for bit.
 
     Raises:
       LayoutError: an extended dtype (a typed PRNG key), or one whose lanes would not match the
@@ -70,7 +70,7 @@ def check_dtype(dtype: DType, where: str) -> None:
 
 
 def lane_dtype(dtype: DType) -> DType:
-    """The unsigned integer type a shard of ``dtype`` is held as inside the program (its lanes).
+    """The unsigned integer type a shard of ``dtype`` is held as inside the computation (its lanes).
 
     Example:
       >>> import jax.numpy as jnp
@@ -88,7 +88,7 @@ def to_lanes(x: jax.Array) -> jax.Array:
     """``x`` as unsigned lanes of its own width (:func:`lane_dtype`), the same shape (a complex: a
     trailing dimension of 2, its real and imaginary parts), bit for bit.
 
-    The program converts whole shards once and slices only lanes: a slice or an update of some
+    The computation converts whole shards once and slices only lanes: a slice or an update of some
     dtypes (float8 on XLA:CPU) may go through a wider float and change NaN payloads, a lane never;
     lanes as wide as the element keep the copies as fast as the dtype's own.
     """

@@ -16,7 +16,7 @@ __all__ = ["RECORD"]
 
 RECORD: TransportRecord[None] = TransportRecord(
     name="xla",
-    summary="one XLA program of collective permutes over the devices",
+    summary="one XLA computation of collective permutes over the devices",
     serves=frozenset(set(Reach) - {Reach.PROGRAMS}),
     run=run_xla,
 )

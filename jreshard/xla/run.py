@@ -1,15 +1,15 @@
-"""``transfer`` and ``transfer_into`` with ``Options(backend="xla")``: the runner of the XLA program.
+"""``transfer`` and ``transfer_into`` with ``Options(backend="xla")``: the runner of the XLA computation.
 
 One call (its leaves and targets flattened once by the front door, ``jreshard.api``): check every dtype and
 shape (before any byte moves), plan all moved leaves together (one plan: every pair of devices
-exchanges one message per stage whatever the number of leaves), look up or compile the program
+exchanges one message per stage whatever the number of leaves), look up or compile the computation
 (:mod:`jreshard.xla.compiled`, cached by the layouts, topology, options, which destinations are
 donated and the devices), stack the shards into its inputs, run it, and cut its outputs back into
 arrays of the target shardings.
 
 In one process every device is addressable; across the processes of a ``jax.distributed``
 cluster every process calls with the same pytree and targets, builds the same plan and the same
-program, and passes the blocks of its own devices. Not run on GPU or TPU.
+computation, and passes the blocks of its own devices. Not run on GPU or TPU.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Link, Topology
 from jreshard.types import DType, Sharding
-from jreshard.xla.compiled import Compiled, compile_program, stacked_shape
+from jreshard.xla.compiled import Compiled, compile_plan, stacked_shape
 from jreshard.xla.lanes import check_dtype
-from jreshard.xla.plan_program import XlaPlan, xla_plan
+from jreshard.xla.xlaplan import XlaPlan, xla_plan
 
-__all__ = ["program_for", "run_xla"]
+__all__ = ["compiled_for", "run_xla"]
 
 
 @cache(max_size=4096)
@@ -59,13 +59,13 @@ def _compiled(
 ) -> Compiled:
     plan = _static(pairs, topology, options)
     devices = {d.id: d for d in jax.devices()}
-    return compile_program(plan, [devices[r] for r in plan.ranks], [s.np_dtype for s, _ in pairs], donate)
+    return compile_plan(plan, [devices[r] for r in plan.ranks], [s.np_dtype for s, _ in pairs], donate)
 
 
-def program_for(
+def compiled_for(
     pairs: Any, topology: Topology | None = None, options: Options | None = None, donate: Any = None
 ) -> tuple[Compiled, bool]:
-    """The compiled program of ``pairs`` (a sequence of ``(source Layout, destination Layout)``), and
+    """The compiled computation of ``pairs`` (a sequence of ``(source Layout, destination Layout)``), and
     whether it was compiled by this call (``False``: found in the cache).
 
     Args:
@@ -161,7 +161,7 @@ def run_xla(
     options: Options,
     builder: ReportBuilder,
 ) -> list[Any]:
-    """Run one ``transfer`` / ``transfer_into`` call's flat leaves through the XLA program (module docstring).
+    """Run one ``transfer`` / ``transfer_into`` call's flat leaves through the XLA computation (module docstring).
 
     Args:
       leaves, targets: the call's leaves and targets, flattened once by the front door.
@@ -193,15 +193,15 @@ def run_xla(
         return result
     mine = {d.id for d in jax.local_devices()}
     if not any(r in mine for s, d in pairs for r in (*s.ranks, *d.ranks)):
-        # None of this process's devices takes part (across processes): the program is not ours to run;
+        # None of this process's devices takes part (across processes): the computation is not ours to run;
         # every result has no addressable shard here (tests/test_xla_distributed.py, 4 processes).
         for i in moved:
             result[i] = jax.make_array_from_single_device_arrays(
                 leaves[i].shape, shardings[i], [], dtype=leaves[i].dtype
             )
         return result
-    compiled, fresh = program_for(pairs, topology, options, donate)
-    if fresh:  # compiled by this call; a program from the cache adds no compile time
+    compiled, fresh = compiled_for(pairs, topology, options, donate)
+    if fresh:  # compiled by this call; a computation from the cache adds no compile time
         builder.add_seconds(ReportPhase.COMPILE, compiled.compile_s)
     plan = compiled.plan
     here = {d for d in compiled.mesh.devices.flat if d.process_index == jax.process_index()}
@@ -231,7 +231,7 @@ def run_xla(
                 make = spare(plan.dst_block[t], leaves[i].dtype, False)
                 ins.append(_stack(blocks, plan.dst_block[t], compiled, make))
     with builder.timed(ReportPhase.COPY):
-        with jax.set_mesh(compiled.mesh):  # the program's own mesh, whatever mesh the caller has set
+        with jax.set_mesh(compiled.mesh):  # the computation's own mesh, whatever mesh the caller has set
             outs = compiled.executable(*ins)
         del ins
         spares.clear()

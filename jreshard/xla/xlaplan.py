@@ -1,4 +1,4 @@
-"""A plan as the static description of one XLA program: what every device packs, sends and unpacks.
+"""A plan as the static description of one XLA computation: what every device packs, sends and unpacks.
 
 Built once per (layout pairs, topology, options) from the :class:`~jreshard.sharding.plan.Plan`
 (numpy and Python only; nothing here runs on a device). The devices taking part (the union of
@@ -7,7 +7,7 @@ every source and destination rank, in rank order) form a 1-D mesh; device ``i`` 
 of stage 0, then the relays and fan-outs that forward what arrived):
 
 - **copies**: the landings from a source shard on the same device (and any message from a rank
-  to itself) are copies inside the program, box to box;
+  to itself) are copies inside the computation, box to box;
 - **permutations**: the other messages of the stage, cut by :func:`~jreshard.xla.perms.permutations`
   into ``ppermute``s; a message's bytes are its pieces' bytes end to end, in plan order, each
   piece in C order of its box (stage 0 reads source shards, later stages the destination shards
@@ -15,8 +15,8 @@ of stage 0, then the relays and fan-outs that forward what arrived):
 - **unpack**: each received piece, reassembled from its segments (a long message spans several
   permutations), is written into its box of the destination shard.
 
-Byte counts (:class:`ProgramStats`) come from the same segments the program sends, so the
-program's network bytes are the plan's, by construction and by test.
+Byte counts (:class:`XlaStats`) come from the same segments the computation sends, so the
+computation's network bytes are the plan's, by construction and by test.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jreshard.xla.perms import Permutation, permutations
 __all__ = [
     "BoxCopy",
     "Pack",
-    "ProgramStats",
+    "XlaStats",
     "Received",
     "Stage",
     "XlaPlan",
@@ -104,14 +104,14 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ProgramStats:
-    """What the program moves (see ``docs/xla.md``).
+class XlaStats:
+    """What the computation moves (see ``docs/xla.md``).
 
     Attributes:
       network_bytes, fast_bytes: payload bytes the permutations carry over each link kind (the plan's).
       same_device_bytes: bytes copied inside a device.
       padding_bytes: bytes the permutations send beyond their payload.
-      permutations: ``ppermute`` calls in the program.
+      permutations: ``ppermute`` calls in the computation.
       messages: the plan's messages the permutations carry.
     """
 
@@ -130,7 +130,7 @@ class ProgramStats:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class XlaPlan:
-    """The static program (module docstring).
+    """The static computation (module docstring).
 
     Attributes:
       ranks: the mesh, in order: device ``i`` is rank ``ranks[i]`` (``device.id`` in one JAX program).
@@ -150,7 +150,7 @@ class XlaPlan:
     src_block: tuple[tuple[int, ...], ...]
     dst_block: tuple[tuple[int, ...], ...]
     stages: tuple[Stage, ...]
-    stats: ProgramStats
+    stats: XlaStats
     sent_by: dict[int, dict[Link, int]]
     padded_by: dict[int, int]
     messages_by: dict[int, int]
@@ -160,7 +160,7 @@ def block_shape(layout: Layout, what: str) -> tuple[int, ...]:
     """The one shard shape of ``layout``.
 
     Raises:
-      LayoutError: its shards differ in shape (an SPMD program holds one block shape per array).
+      LayoutError: its shards differ in shape (an SPMD computation holds one block shape per array).
     """
     shapes = {layout.box_of(r).shape for r in layout.ranks}
     if len(shapes) != 1:
@@ -182,11 +182,11 @@ def message_cap(staging_bytes: int) -> int:
 
 
 def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
-    """The static XLA program of ``plan`` over the mesh ``ranks`` (default: every rank of the plan, sorted).
+    """The static XLA computation of ``plan`` over the mesh ``ranks`` (default: every rank of the plan, sorted).
 
     Raises:
       LayoutError: a layout with uneven shards (:func:`block_shape`).
-      TransferError: the plan copies between two ranks locally (ranks that share a device), which one
+      TransferError: the plan copies between two ranks on one device (ranks that share a device), which one
         JAX program, where a rank is a device, cannot hold.
     """
     tensors = plan.tensors
@@ -210,8 +210,9 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
         for mv in rplan.copies:
             if mv.src != r:
                 raise TransferError(
-                    f"the plan copies tensor {mv.tensor} locally from rank {mv.src} to rank {r}: two ranks on one "
-                    "device; in one JAX program a rank is a device, so the fix is a topology with one rank per device"
+                    f"the plan copies tensor {mv.tensor} on one device from rank {mv.src} to rank {r}: two ranks "
+                    "on one device; in one JAX program a rank is a device, so the fix is a topology with one rank per "
+                    "device"
                 )
             copies[0][at[r]].append(_copy(mv.tensor, SRC, mv.box, tensors, r))
             same_device_bytes += mv.nbytes
@@ -275,7 +276,7 @@ def xla_plan(plan: Plan, ranks: Sequence[int] | None = None) -> XlaPlan:
         )
         nperms += len(perms)
         nmsgs += len(msgs)
-    stats = ProgramStats(
+    stats = XlaStats(
         network_bytes=payload[Link.NETWORK],
         fast_bytes=payload[Link.FAST],
         same_device_bytes=same_device_bytes,
@@ -332,7 +333,7 @@ def message_sizes(plan: Plan) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndar
 
 def stage_permutations(plan: Plan) -> dict[int, tuple[list[Permutation], np.ndarray]]:
     """Per stage, the permutations :func:`xla_plan` makes of the plan's messages, and the links of
-    those messages (``links[segment.message]``): the program's padding and ``ppermute`` count,
+    those messages (``links[segment.message]``): the computation's padding and ``ppermute`` count,
     computed without building it.
 
     Example:
