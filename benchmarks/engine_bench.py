@@ -1,11 +1,11 @@
 """The engine's host cost per round on the real path: one DeepSeek-V3 128 + 128 destination rank's rounds, run
-by the engine over real CPU buffers and real MPI messages, each step after the first replayed from the program
+by the engine over real CPU buffers and real MPI messages, each step after the first replayed from the schedule
 the first prepared.
 
 **What runs.** Two MPI processes (``mpiexec -n 2``, started by this script). Process 0 is the destination rank:
 ``jreshard.engine.rounds.execute`` over an :class:`~jreshard.mpi.comm.MpiComm` and :class:`CpuBuffers`, exactly as
 a refit calls it, step after step. Process 1 plays every peer of that rank: per exchange group, the sends the rank
-receives and the receives of what it sends, in the same order, from a prepared program of its own.
+receives and the receives of what it sends, in the same order, from a prepared schedule of its own.
 
 **What is cut.** The rank's real schedule is kept whole: its 2,586 rounds, every group, message, peer, tag and
 descriptor row, in real shard buffers of their real sizes (sparse memory: only the pages the rows touch are
@@ -29,7 +29,7 @@ load average of the runs is printed beside it (the CPU time of the engine's thre
 polls but not preemption).
 
 Run: ``JAX_PLATFORMS=cpu python benchmarks/engine_bench.py [--repeat 7]``. The schedule is built as
-``plan_bench.py`` builds it (its peers' side of the mail answered from their own programs, computed in a
+``plan_bench.py`` builds it (its peers' side of the mail answered from their own rank plans, computed in a
 separate, untimed process). The last line is ``engine host: <median> us/round (<min>-<max>), <pct>% of the
 predicted refit``, over the replayed steps.
 """
@@ -188,8 +188,8 @@ def _cut_table(table: np.ndarray, row_bytes: int) -> np.ndarray:
     return t
 
 
-def cut_program(prog: CompiledRounds, row_bytes: int) -> CompiledRounds:
-    """``prog`` with every message and descriptor row cut to at most ``row_bytes`` bytes (rounds, groups, peers,
+def cut_rounds(compiled: CompiledRounds, row_bytes: int) -> CompiledRounds:
+    """``compiled`` with every message and descriptor row cut to at most ``row_bytes`` bytes (rounds, groups, peers,
     tags, rows and offsets unchanged)."""
 
     def rows(rs: tuple) -> tuple:
@@ -202,25 +202,25 @@ def cut_program(prog: CompiledRounds, row_bytes: int) -> CompiledRounds:
             tuple((_cut_table(t, row_bytes), r, a) for t, r, a in unpacks),
             network,
         )
-        for packs, groups, unpacks, network in prog.rounds
+        for packs, groups, unpacks, network in compiled.rounds
     )
     return CompiledRounds(
         rounds=rounds,
-        ahead=prog.ahead,
-        sent_bytes=prog.sent_bytes,
-        messages=prog.messages,
-        chunks=prog.chunks,
-        needs=prog.needs,
+        ahead=compiled.ahead,
+        sent_bytes=compiled.sent_bytes,
+        messages=compiled.messages,
+        chunks=compiled.chunks,
+        needs=compiled.needs,
     )
 
 
-def mirror_rounds(prog: CompiledRounds, row_bytes: int) -> tuple[tuple, int]:
-    """The rounds of the process that plays every peer of ``prog``'s rank: per group of the rank, one group with a
+def mirror_rounds(compiled: CompiledRounds, row_bytes: int) -> tuple[tuple, int]:
+    """The rounds of the process that plays every peer of ``compiled``'s rank: per group of the rank, one group with a
     send for each of its receives and a receive for each of its sends, each in its own slot of one scratch buffer
     (buffer 0); and the scratch buffer's size. The peer replays them as the engine does (prepared and compiled), so
     that it keeps pace with the rank."""
     rounds, widest = [], 0
-    for _, groups, _, network in prog.rounds:
+    for _, groups, _, network in compiled.rounds:
         mirrored = []
         for sends, recvs in groups:
             widest = max(widest, len(sends) + len(recvs))
@@ -257,12 +257,12 @@ def _worker(path: str) -> None:
     world = MPI.COMM_WORLD
     opts = Options()
     arenas = 2 if 2 * sched.staging.get(rank, 0) <= opts.staging_bytes else 1
-    prog = compile_rounds(sched, (rank,), (arenas,), opts.max_group_ops)
-    cache = rounds_module._compiled[sched]  # execute() finds its compiled rounds here: it runs the cut program
-    (key,) = (k for k, v in cache.items() if v is prog)
+    compiled = compile_rounds(sched, (rank,), (arenas,), opts.max_group_ops)
+    cache = rounds_module._compiled[sched]  # execute() finds its compiled rounds here: it runs the cut rounds
+    (key,) = (k for k, v in cache.items() if v is compiled)
     peers = sorted(
-        {row[1] for _, gs, _, _ in prog.rounds for s, _ in gs for row in s}
-        | {row[0] for _, gs, _, _ in prog.rounds for _, v in gs for row in v}
+        {row[1] for _, gs, _, _ in compiled.rounds for s, _ in gs for row in s}
+        | {row[0] for _, gs, _, _ in compiled.rounds for _, v in gs for row in v}
     )
     rank_process = {rank: 0, **dict.fromkeys(peers, 1)}
     kinds = {"prepared": MpiComm, "per-op": PerOpMpiComm}
@@ -275,7 +275,7 @@ def _worker(path: str) -> None:
             at += -(-n // 64) * 64
         shards = Shards(src={}, dst=dst)
     for name, kind, row_bytes in job["columns"]:
-        cut = cut_program(prog, row_bytes)
+        cut = cut_rounds(compiled, row_bytes)
         cache[key] = cut
         comm = kinds[kind](world, rank_process)
         if world.Get_rank() == 0:
@@ -423,10 +423,10 @@ def _nixl_worker(path: str, me: int) -> None:
     opts = Options(timeout_s=300.0)
     want = CpuBuffers().staging_buffers  # NixlComm does not post ahead
     arenas = want if want * sched.staging.get(rank, 0) <= opts.staging_bytes else 1
-    prog = compile_rounds(sched, (rank,), (arenas,), opts.max_group_ops)
+    compiled = compile_rounds(sched, (rank,), (arenas,), opts.max_group_ops)
     cache = rounds_module._compiled[sched]
-    (k,) = (k for k, v in cache.items() if v is prog)
-    cut = cache[k] = cut_program(prog, row_bytes)  # execute() finds it here
+    (k,) = (k for k, v in cache.items() if v is compiled)
+    cut = cache[k] = cut_rounds(compiled, row_bytes)  # execute() finds it here
     peers = sorted(
         {row[1] for _, gs, _, _ in cut.rounds for s, _ in gs for row in s}
         | {row[0] for _, gs, _, _ in cut.rounds for _, v in gs for row in v}

@@ -521,7 +521,7 @@ def engine_split(emit, x, g, o, nbytes, shape) -> tuple[bool, float]:
     opts = Options(backend="nccl", timeout_s=60.0)
     comm = self_comm(o, "gpu-check-engine")
     bufs = comm.buffers(timeout_s=60.0)  # the path backend="nccl" takes: stream-ordered
-    # the rounds the front door runs: each rank's own program, paced pair by pair (the mail on the GPU)
+    # the rounds the front door runs: each rank's own plan, paced pair by pair (the mail on the GPU)
     _, _, sched = schedule_local([(src, dst)], ["x"], topo, opts, comm, bufs, {0: g, 1: g, 2: g})
     timed = EndTimed(bufs, cp, o)
     d1, d2 = bufs.allocate([nbytes // 2, nbytes // 2], g)
@@ -586,7 +586,7 @@ def graph(emit, quick):
                         rendezvous=KeyValueRendezvous.in_process(), namespace=f"gpu-check-graph-{graphs}",
                         timeout_s=60.0, graphs=graphs)  # fmt: skip
         bufs = comm.buffers(timeout_s=60.0)
-        # the rounds the front door runs: each rank's own program, paced pair by pair (the mail on the GPU)
+        # the rounds the front door runs: each rank's own plan, paced pair by pair (the mail on the GPU)
         _, _, sched = schedule_local([(src, dst)], ["x"], topo, opts, comm, bufs, dict.fromkeys(ranks, g))
         with cp.cuda.Device(o):
             srcs = {(0, r): cp.asarray(part(b).reshape(-1).view(np.uint8)) for r, b in src_boxes.items()}
@@ -600,7 +600,7 @@ def graph(emit, quick):
         for r, b in dst_boxes.items():
             got = cp.asnumpy(dsts[(0, r)]).view(np.float32).reshape(part(b).shape)
             ok = ok and bool(np.array_equal(got, part(b)))
-        rep = list(replay._by_comm[comm].values())[-1]  # the refit's program (the mail's come before it)
+        rep = list(replay._by_comm[comm].values())[-1]  # the refit's prepared schedule (the mail's come before it)
         name = "graph" if graphs else "eager"
         out[name] = times
         extra = {"captures": rep.graph.captures, "launches": rep.graph.launches} if graphs else {}
@@ -686,7 +686,7 @@ def pytest_gpu(emit, quick, limit: float = 75.0):
 # The stage functions by name; gpu_check.STAGES gives their order and limits. One more stage
 # (the xla backend's, from benchmarks/gpu_xla_stage.py) is added here and in gpu_check.STAGES.
 def xla(emit, quick):
-    """Backend xla's program on the GPU (benchmarks/gpu_xla_stage.py), and the stage's summary line."""
+    """Backend xla's computation on the GPU (benchmarks/gpu_xla_stage.py), and the stage's summary line."""
     from gpu_xla_stage import xla_stage  # (benchmarks/ is on sys.path: this file's folder)
 
     seen: list[str] = []

@@ -29,14 +29,14 @@ __all__ = ["NotInPlace", "ReportBuilder", "ReportPhase", "TransferReport"]
 class ReportPhase(enum.Enum):
     """The timed phases of a transfer, in the order they first run."""
 
-    PLAN = "plan"  # checks, plan lookup or planning, and building this rank's program
+    PLAN = "plan"  # checks, plan lookup or planning, and building this rank's plan
     PACK = "pack"  # gathering strided pieces into staging buffers
     NETWORK = "network"  # point-to-point messages between domains (and their waits)
     FANOUT = "fanout"  # messages inside a fast-link domain
     UNPACK = "unpack"  # scattering staging buffers into destination shards, and same-device copies
-    COPY = "copy"  # in one process: the direct copies from source shards into destination shards (xla: the program)
+    COPY = "copy"  # in one process: the direct copies from source shards into destination shards (xla: the computation)
     BUFFERS = "buffers"  # in one process: DLPack export, destination allocation, import, assembly
-    COMPILE = "compile"  # backend xla: tracing, lowering and compiling the program (0 when it was cached)
+    COMPILE = "compile"  # backend xla: tracing, lowering and compiling the computation (0 when it was cached)
 
 
 class NotInPlace(enum.Enum):
@@ -75,11 +75,11 @@ class TransferReport:
       not_in_place: per such leaf, ``(leaf index in x's flattened order, why)``.
       peak_staging_bytes: the most staging memory held at once.
       messages: point-to-point messages this process sent.
-      compile_s: backend xla: seconds compiling the program (0 when it came from the cache).
+      compile_s: backend xla: seconds compiling the computation (0 when it came from the cache).
       padding_bytes: backend xla: bytes this process's collectives sent beyond the payload (every pair
         of a ``ppermute`` sends the length of its largest member); not counted in ``moved_bytes``.
       rounds: exchange rounds the engine ran for this process (0 in one process's direct copies).
-      replayed_rounds: of those, the rounds replayed from a program an earlier call prepared (on the same
+      replayed_rounds: of those, the rounds replayed from a schedule an earlier call prepared (on the same
         communicator, schedule and arenas); the others were prepared by this call.
       idle_s: of the pack, network, fanout and unpack seconds, those the engine spent waiting for peers or the
         wire (polling a group that had not completed); 0 where the transport cannot tell.
@@ -288,7 +288,7 @@ class ReportBuilder:
         self._padding += int(nbytes)
 
     def add_rounds(self, rounds: int, *, replayed: bool, idle_s: float = 0.0) -> None:
-        """Count ``rounds`` the engine ran (``replayed``: from a program an earlier call prepared), of whose phase
+        """Count ``rounds`` the engine ran (``replayed``: from a schedule an earlier call prepared), of whose phase
         time ``idle_s`` seconds were spent waiting on peers."""
         self._rounds += int(rounds)
         self._replayed += int(rounds) if replayed else 0

@@ -330,8 +330,8 @@ def test_a_posting_transport_packs_the_next_round_while_this_one_is_on_the_wire(
     plan, comm, stats = _run(pairs, topo, opts, comm_type=PostingComm)  # values checked against the global array
     _assert_bytes_match_plan(plan, comm, stats)
     sched = build_schedule(plan, opts)
-    prog = compile_rounds(sched, tuple(topo.ranks), _two_arenas(sched, topo, opts), opts.max_group_ops)
-    assert len(prog.rounds) == 4 and prog.ahead == (False, True, True, True)
+    compiled = compile_rounds(sched, tuple(topo.ranks), _two_arenas(sched, topo, opts), opts.max_group_ops)
+    assert len(compiled.rounds) == 4 and compiled.ahead == (False, True, True, True)
     # Rounds 1-3 are packed while the round before is posted: start, pack, wait; the last round is exchanged.
     assert comm.log == ["pack", "start", "pack", "wait", "start", "pack", "wait", "start", "pack", "wait", "exchange"]
     assert max(stats.peak_staging_bytes.values()) <= opts.staging_bytes  # two arenas, within the bound
@@ -365,11 +365,11 @@ def test_forwarded_bytes_are_never_packed_ahead():
     _assert_bytes_match_plan(plan, comm, stats)
     sched = build_schedule(plan, opts)
     two = _two_arenas(sched, topo, opts)
-    prog = compile_rounds(sched, tuple(topo.ranks), two, opts.max_group_ops, from_landing=False)
-    for (packs, _, _, _), ahead in zip(prog.rounds, prog.ahead, strict=True):
+    compiled = compile_rounds(sched, tuple(topo.ranks), two, opts.max_group_ops, from_landing=False)
+    for (packs, _, _, _), ahead in zip(compiled.rounds, compiled.ahead, strict=True):
         reads_forwarded = any((t[:, kernels.BUF] % 2 == 1).any() for t, _, _ in packs)
         assert not (ahead and reads_forwarded)
-    assert _packs_of_forwarded_bytes(prog) > 0
+    assert _packs_of_forwarded_bytes(compiled) > 0
     # Host-ordered (the run above): each landed chunk goes to the 3 other replicas from its landed staging.
     assert _packs_of_forwarded_bytes(compile_rounds(sched, tuple(topo.ranks), two, opts.max_group_ops)) == 0
 
@@ -382,8 +382,8 @@ def _tp4_to_tp2_dp2():
     return [(src, dst)], Topology.uniform(range(8), domain_size=4)
 
 
-def _packs_of_forwarded_bytes(prog) -> int:
-    return sum(int((t[:, kernels.BUF] % 2 == 1).sum()) for packs, _, _, _ in prog.rounds for t, _, _ in packs)
+def _packs_of_forwarded_bytes(compiled) -> int:
+    return sum(int((t[:, kernels.BUF] % 2 == 1).sum()) for packs, _, _, _ in compiled.rounds for t, _, _ in packs)
 
 
 def test_a_forwarded_chunk_is_sent_from_the_staging_it_landed_in():

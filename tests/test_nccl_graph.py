@@ -105,7 +105,7 @@ def test_steps_after_the_first_are_one_graph_launch_each_and_move_each_steps_byt
     assert all(e[1] == nccl_stream and e[2] > 0 for e in launches)  # on the NCCL stream, not the legacy one
 
 
-def test_the_graph_holds_every_pack_group_and_unpack_of_the_program(cp):
+def test_the_graph_holds_every_pack_group_and_unpack_of_the_schedule(cp):
     split = _Split(cp, "graph-contents")
     split.step(0)
     cp.cuda.standin.log.clear()
@@ -116,7 +116,7 @@ def test_the_graph_holds_every_pack_group_and_unpack_of_the_program(cp):
     (launch,) = _log(cp, "graph_launch")
     assert launch[2] == g.kernels + messages  # kernels, and one send or receive per message
     bounced = sum(bool(s) + bool(r) for s, r in zip(g._bounce_sends, g._bounce_recvs, strict=True))
-    assert g.kernels == packs + bounced > packs  # the program sends straight from its source shards
+    assert g.kernels == packs + bounced > packs  # the schedule sends straight from its source shards
     assert len(_log(cp, "groupStart")) == len(g.ops.groups)  # each group issued once, at capture
     assert not [e for e in cp.cuda.standin.log if e[0] in ("launch", "send", "recv") and e[1] == 0]
 
@@ -153,7 +153,7 @@ def test_without_graphs_every_step_runs_eagerly(cp):
     assert rep.graph is None and not _log(cp, "begin_capture")
 
 
-def test_programs_with_cast_rows_or_on_several_gpus_run_eagerly_with_the_reason():
+def test_schedules_with_cast_rows_or_on_several_gpus_run_eagerly_with_the_reason():
     table = K.build_table([(0, (4, 64), Box((0, 0), (4, 16)))])
     plain = ops_of(((((table, 0, 1),), (), (), True),), (False,), {0: 0}, 1)
     assert why_eager(plain, [0]) is None

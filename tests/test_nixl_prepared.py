@@ -191,10 +191,10 @@ def _channel_pair(key: bytes) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("a_prepares", [True, False])
-def test_a_peers_prepared_descriptors_arriving_during_a_per_op_exchange_wait_for_this_sides_program(a_prepares):
-    """Process b starts its prepared program (posting its receives' descriptors, ``nixl.pdesc``) while process a
-    still runs a per-operation exchange with it (the scheduling mail comes before the program, and the two sides
-    end it at different moments). Where a prepares too, the descriptors wait for a's own program and the exchange
+def test_a_peers_prepared_descriptors_arriving_during_a_per_op_exchange_wait_for_this_sides_schedule(a_prepares):
+    """Process b starts its prepared schedule (posting its receives' descriptors, ``nixl.pdesc``) while process a
+    still runs a per-operation exchange with it (the scheduling mail comes before the schedule, and the two sides
+    end it at different moments). Where a prepares too, the descriptors wait for a's own schedule and the exchange
     completes (they failed it as "prepared its groups and this side did not": the elastic test of a two-process
     replica serving a joiner timed out about 1 run in 2 with prepared groups on); where a never prepares, they are
     the mismatch they look like, said at once."""
@@ -217,9 +217,9 @@ def test_a_peers_prepared_descriptors_arriving_during_a_per_op_exchange_wait_for
     a.prepares, b.prepares = a_prepares, True
     try:
         landing = np.zeros(64, np.uint8)
-        program = b.prepare([([], [(0, 1, 5, 0, 0, 64)])])  # b receives 64 bytes from a in its one group
-        assert program is not None
-        program.bind(np.array([landing.ctypes.data]), np.array([64]), [landing])  # posts nixl.pdesc to a
+        prepared = b.prepare([([], [(0, 1, 5, 0, 0, 64)])])  # b receives 64 bytes from a in its one group
+        assert prepared is not None
+        prepared.bind(np.array([landing.ctypes.data]), np.array([64]), [landing])  # posts nixl.pdesc to a
         mail, got = np.arange(16, dtype=np.uint8), np.zeros(16, np.uint8)
         failed: list[Exception] = []
 
@@ -238,13 +238,13 @@ def test_a_peers_prepared_descriptors_arriving_during_a_per_op_exchange_wait_for
         if a_prepares:
             a.exchange([], [RecvOp(1, 0, 9, got)], timeout_s=10)
             assert np.array_equal(got, mail)
-            assert [m["op"] for m in ch_a.inbox] == ["nixl.pdesc"]  # left for a's program
+            assert [m["op"] for m in ch_a.inbox] == ["nixl.pdesc"]  # left for a's schedule
         else:
             with pytest.raises(PeerError, match="prepared its groups and this side did not"):
                 a.exchange([], [RecvOp(1, 0, 9, got)], timeout_s=10)
         sent.join(15)
         assert not sent.is_alive() and len(failed) == (0 if a_prepares else 1), failed
-        program.release()
+        prepared.release()
         deadline = time.monotonic() + 10
         while agents[1].unfinished and time.monotonic() < deadline:  # a WRITE b gave up lands (a makes progress)
             agents[0].arrived(set())

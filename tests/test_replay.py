@@ -1,5 +1,5 @@
 """Prepared refits: the engine's rounds prepared once and replayed, over MPI in one process (``COMM_SELF``: every
-message a local copy of the compiled replay) and against the engine's unprepared rounds."""
+message an in-process copy of the compiled replay) and against the engine's unprepared rounds."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_a_refit_prepares_once_then_replays_in_the_compiled_loop_bit_exact():
 
 def test_moved_buffers_are_rebound_and_the_old_ones_never_written(monkeypatch):
     # Step 2 hands the engine new source and destination buffers (new addresses): every pointer of the prepared
-    # program is rebound; the step-1 buffers, kept alive and refilled, must not change (checked with every row
+    # schedule is rebound; the step-1 buffers, kept alive and refilled, must not change (checked with every row
     # validated again, JRESHARD_CHECK_BOUNDS=1, and without).
     pairs, topo = _pairs()
     opts = Options(chunk_bytes=1024, staging_bytes=16384)
@@ -139,7 +139,7 @@ def _read_only(dst: dict, key) -> None:
     [(_shorter, r"nothing was written|would leave buffer"), (_read_only, "read-only")],
     ids=["a byte short", "read-only"],
 )
-def test_a_destination_the_prepared_program_cannot_write_is_refused_before_any_byte_moves(spoil, message):
+def test_a_destination_the_prepared_schedule_cannot_write_is_refused_before_any_byte_moves(spoil, message):
     pairs, topo = _pairs()
     opts = Options(chunk_bytes=1024, staging_bytes=16384)
     sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
@@ -155,7 +155,7 @@ def test_a_destination_the_prepared_program_cannot_write_is_refused_before_any_b
     comm.close()
 
 
-def test_a_new_layout_or_dtype_is_a_new_program_and_the_old_one_still_replays():
+def test_a_new_layout_or_dtype_is_a_new_schedule_and_the_old_one_still_replays():
     pairs, topo = _pairs()
     opts = Options(chunk_bytes=1024, staging_bytes=16384)
     comm = _self_comm(topo)

@@ -268,8 +268,8 @@ def test_a_fused_casts_forwards_leave_from_the_staging_they_landed_in():
         assert stats.sent_bytes[Link.FAST] > 0 and all(
             held == 2 * vs.schedule.staging[r] for r, held in stats.peak_staging_bytes.items() if r >= 4
         )
-        prog = compile_rounds(vs.schedule, tuple(range(8)), (2,) * 8, options.max_group_ops)
-        assert not any((t[:, kernels.BUF] % 2 == 1).any() for packs, _, _, _ in prog.rounds for t, _, _ in packs)
+        compiled = compile_rounds(vs.schedule, tuple(range(8)), (2,) * 8, options.max_group_ops)
+        assert not any((t[:, kernels.BUF] % 2 == 1).any() for packs, _, _, _ in compiled.rounds for t, _, _ in packs)
 
 
 def test_over_a_transport_that_posts_ahead_a_casting_sender_cuts_its_messages_for_the_pipeline(monkeypatch):

@@ -1,7 +1,7 @@
 /* A prepared refit, replayed in one call (jreshard.engine.replay): packs, starts, deadline-bounded waits
  * and unpacks of every round, with the GIL released.
  *
- * A prepared program is a list of operations, OP_WORDS int64 words each, built once per (schedule, ranks,
+ * A prepared schedule is a list of operations, OP_WORDS int64 words each, built once per (schedule, ranks,
  * transport) in Python:
  *
  *   PACK   rows n seg nbuf arena bytes table  gather the byte rows of ``table`` from the buffers
@@ -101,7 +101,7 @@ static inline int64_t copy_compact(const int64_t *r, const int64_t *addr, char *
     return 5 + 2 * nd;
 }
 
-/* The program, as ``run`` and ``validate`` read it. */
+/* The prepared schedule, as ``run`` and ``validate`` read it. */
 typedef struct {
     const int64_t *ops, *groups, *copies, *addr, *size, *expect;
     Py_ssize_t nops, ngroups, ncopies, nbuf;
@@ -111,9 +111,9 @@ typedef struct {
     start_fn start;
     test_fn test;
     count_fn count;
-} program;
+} prepared;
 
-static int parse(PyObject *args, program *p, int with_transport) {
+static int parse(PyObject *args, prepared *p, int with_transport) {
     unsigned long long ops, groups, copies, addr, size, expect = 0, reqs = 0, status = 0, start = 0, test = 0,
                        count = 0;
     long byte_type = 0;
@@ -144,7 +144,7 @@ static int parse(PyObject *args, program *p, int with_transport) {
 }
 
 /* Whether the local copy c lies inside both of its buffers. */
-static int copy_ok(const int64_t *c, const program *p) {
+static int copy_ok(const int64_t *c, const prepared *p) {
     int64_t end;
     for (int side = 0; side < 2; side++) {
         int64_t b = c[2 * side], off = c[2 * side + 1];
@@ -161,7 +161,7 @@ static int copy_ok(const int64_t *c, const program *p) {
  * nops + k for local copy k) that does not. */
 static PyObject *py_validate(PyObject *self, PyObject *args) {
     (void)self;
-    program p = {0};
+    prepared p = {0};
     if (!parse(args, &p, 0)) {
         return NULL;
     }
@@ -210,7 +210,7 @@ static PyObject *py_validate(PyObject *self, PyObject *args) {
  * ``idle`` gets the time from the end of the first poll of each stretch of polls that completed nothing to the
  * end of its last (the later polls and the back-off between them): the host waited on its peers or the wire. The
  * polls that completed a request, the first failed one of each stretch and the checks count as the host's work. */
-static int wait_group(const program *p, Py_ssize_t g, int64_t deadline, int64_t *fail, double *idle,
+static int wait_group(const prepared *p, Py_ssize_t g, int64_t deadline, int64_t *fail, double *idle,
                       PyThreadState **save) {
     const int64_t *gr = p->groups + GROUP_WORDS * g;
     int64_t k = gr[0], hi = gr[1], sleep_ns = 0, signal_at = 0, idle_from = 0, last = 0, waited = 0;
@@ -284,11 +284,11 @@ static int wait_group(const program *p, Py_ssize_t g, int64_t deadline, int64_t 
 }
 
 /* run(ops, nops, groups, ngroups, copies, ncopies, addresses, sizes, nbuf, expect, requests, req_size, status,
- * status_size, byte_type, start, test, count, timeout_ns, times, fail): the whole program (see the top); ``status``
+ * status_size, byte_type, start, test, count, timeout_ns, times, fail): the whole prepared schedule (see the top); ``status``
  * is scratch for one status. */
 static PyObject *py_run(PyObject *self, PyObject *args) {
     (void)self;
-    program p = {0};
+    prepared p = {0};
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     if (n != 21) {
         PyErr_SetString(PyExc_TypeError, "replay.run takes 21 arguments");
@@ -424,7 +424,7 @@ static PyMethodDef methods[] = {
 #ifdef REPLAY_PROFILE
     {"profile", py_profile, METH_NOARGS, "profile(): (start ns, poll ns, polls, empty polls, copy ns, waits); cleared."},
 #endif
-    {"run", py_run, METH_VARARGS, "run(...): replay a prepared program (see jreshard/engine/_replay.c)."},
+    {"run", py_run, METH_VARARGS, "run(...): replay a prepared schedule (see jreshard/engine/_replay.c)."},
     {"validate", py_validate, METH_VARARGS, "validate(...): -1, or the first operation that leaves its buffers."},
     {"addresses", py_addresses, METH_VARARGS, "addresses(buffers, addresses, sizes, readonly): read buffers."},
     {NULL, NULL, 0, NULL},

@@ -18,7 +18,7 @@ round loop packs the next round while this one is on the wire.
 
 Prepared groups. A transport that can make its requests once and start them again every step (MPI's
 persistent requests) implements :meth:`Communicator.prepare`: it returns the :class:`PreparedGroups` of a
-program's every exchange group, which the engine's replay (:mod:`jreshard.engine.replay`) binds to the step's
+schedule's every exchange group, which the engine's replay (:mod:`jreshard.engine.replay`) binds to the step's
 buffers and starts, round by round, with no operation object made per chunk. Where it also gives the C
 functions that start and poll them (:class:`NativeGroups`), a whole refit replays in one compiled call.
 """
@@ -106,7 +106,7 @@ def ops_of_rows(
 
 
 class _Region:
-    """Buffer ``index`` of a program, sliced to ``(index, offset, nbytes)``: no memory, a place."""
+    """Buffer ``index`` of a schedule, sliced to ``(index, offset, nbytes)``: no memory, a place."""
 
     __slots__ = ("index",)
 
@@ -128,7 +128,7 @@ rows before any buffer is given (a transport that prepares its groups matches th
 
 
 Group = tuple[Sequence[Row], Sequence[Row]]
-"""One exchange group of a program: its send rows and its receive rows."""
+"""One exchange group of a schedule: its send rows and its receive rows."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,7 +161,7 @@ class NativeGroups:
 
 
 class PreparedGroups(abc.ABC):
-    """A communicator's requests for every exchange group of one program, made once, started every step.
+    """A communicator's requests for every exchange group of one schedule, made once, started every step.
 
     :meth:`bind` makes them against the step's buffers (the first step) or re-makes those whose buffer moved
     (a later one), so no request ever points at memory the step does not hand over. ``start`` and ``wait`` run
@@ -208,7 +208,7 @@ class PreparedGroups(abc.ABC):
 
 
 class StepGraph(abc.ABC):
-    """A program's steps run as one captured graph on an accelerator (``jreshard.nccl.graph``): what
+    """A schedule's steps run as one captured graph on an accelerator (``jreshard.nccl.graph``): what
     :meth:`Communicator.graph` returns."""
 
     @abc.abstractmethod
@@ -277,17 +277,17 @@ class Communicator(abc.ABC):
         return _DONE
 
     def prepare(self, groups: Sequence[Group]) -> PreparedGroups | None:
-        """The requests of every group of a program, to be bound and started every step (default: ``None``, the
+        """The requests of every group of a schedule, to be bound and started every step (default: ``None``, the
         transport posts each group afresh through :meth:`start_rows`).
 
         Args:
-          groups: each group's ``(sends, recvs)`` rows, in the order the program runs them; a row's buffer
+          groups: each group's ``(sends, recvs)`` rows, in the order the schedule runs them; a row's buffer
             indexes the buffer list later given to :meth:`PreparedGroups.bind`.
         """
         return None
 
     def graph(self, ops: Any) -> StepGraph | None:
-        """A program's steps captured as one graph (``ops``: its :class:`~jreshard.engine.replay.Ops`), or ``None``
+        """A schedule's steps captured as one graph (``ops``: its :class:`~jreshard.engine.replay.Ops`), or ``None``
         (the default): the engine runs every step itself."""
         return None
 

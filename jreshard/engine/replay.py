@@ -5,7 +5,7 @@ A refit runs the same rounds every step: the same packs from the same tables, th
 the same peers, into staging arenas that come back at the same addresses (the staging pool hands the last
 refit's arena out again). So, the way ``jax.jit`` prepares a computation, the engine prepares a refit:
 
-- **Once per program** (a :class:`~jreshard.engine.rounds.CompiledRounds` and a communicator):
+- **Once per compiled schedule** (a :class:`~jreshard.engine.rounds.CompiledRounds` and a communicator):
   the round loop's order is flattened into operations (:class:`Ops`: pack, start, wait, exchange, unpack,
   with the packs that run while a group is posted placed between its start and its wait), and the
   transport makes its requests for every group (:meth:`Communicator.prepare`: MPI persistent requests).
@@ -21,7 +21,7 @@ Every wait stays bounded by ``timeout_s`` from its group's start, as in the Pyth
 posted group up (the communicator is then broken) and raises what the transport raises.
 
 Replays are cached per communicator (at most :data:`PER_COMM`, the oldest released first) and keyed by the
-compiled program, so a new schedule, layout, dtype, view, option or arena count (each makes a new program)
+compiled schedule, so a new schedule, layout, dtype, view, option or arena count (each compiles anew)
 prepares anew; a moved buffer re-makes only the requests that name it.
 """
 
@@ -86,7 +86,7 @@ def compiled_replay() -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Ops:
-    """A compiled program's rounds as one list of operations (final).
+    """A compiled schedule's rounds as one list of operations (final).
 
     Attributes:
       ops: per operation, ``(code, ...)``: ``(PACK | UNPACK, table, rank, arena, phase)``, ``(FENCE, phase)``,
@@ -98,7 +98,7 @@ class Ops:
       tables: the C-ordered tables, and their compacted rows, that the native operations point into (kept alive
         here).
       written: the indices of the step's buffer list that receives and unpacks write.
-      rounds: the rounds the program runs.
+      rounds: the rounds the schedule runs.
     """
 
     ops: tuple[tuple, ...]
@@ -230,9 +230,9 @@ def addresses(buffers: Sequence[Any], out: tuple[np.ndarray, np.ndarray, np.ndar
 
 
 class Replay:
-    """One compiled program bound to one communicator: its operations and the transport's prepared groups (final).
+    """One compiled schedule bound to one communicator: its operations and the transport's prepared groups (final).
 
-    Built by :func:`replay_of` on a program's first step and cached; :meth:`run` replays it.
+    Built by :func:`replay_of` on a schedule's first step and cached; :meth:`run` replays it.
 
     Attributes:
       steps: how many steps it ran (the first prepared it).
@@ -240,7 +240,7 @@ class Replay:
     """
 
     def __init__(self, key: object, ops: Ops, comm: Communicator):
-        self._key = key  # the compiled program: kept alive, so its id names it while cached
+        self._key = key  # the compiled schedule: kept alive, so its id names it while cached
         self.ops = ops
         self.prepared: PreparedGroups | None = comm.prepare(ops.groups)
         self.graph: StepGraph | None = comm.graph(ops)
@@ -433,10 +433,10 @@ def replay_of(
     *,
     posts_ahead: bool,
 ) -> tuple[Replay, bool]:
-    """The cached :class:`Replay` of program ``key`` on ``comm`` (built with ``build()`` on its first step), and
-    whether it was built now.
+    """The cached :class:`Replay` of compiled schedule ``key`` on ``comm`` (built with ``build()`` on its first
+    step), and whether it was built now.
 
-    ``key`` is the compiled program (held while cached, so its identity names it). At most :data:`PER_COMM`
+    ``key`` is the compiled schedule (held while cached, so its identity names it). At most :data:`PER_COMM`
     replays are kept per communicator; the oldest is released when a new one comes.
     """
     try:

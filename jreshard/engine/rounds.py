@@ -8,8 +8,8 @@ once per plan, or per rank by the pair-paced scheduler, and cached. This module
 compiles it once for the ranks of one process (:func:`compile_rounds`: per round, the
 descriptor tables and the exchange groups as rows of plain integers, with every
 count the report needs summed ahead) and runs it: per round, the packs, the exchange
-groups, the unpacks. It runs them as a prepared program (:mod:`jreshard.engine.replay`):
-flattened into operations, with the transport's requests made, on the program's first step,
+groups, the unpacks. It runs them as a prepared schedule (:mod:`jreshard.engine.replay`):
+flattened into operations, with the transport's requests made, on the schedule's first step,
 and replayed on every later one (in one compiled call over MPI on CPU buffers).
 
 **Buffers.** Stage-0 chunks are read from the sender's source shard; later
@@ -140,7 +140,7 @@ def execute(
         allocated on its rank's device (default: the buffers' current device).
       report: where to add phase times, bytes per link, messages and staging.
       delta: send each chunk as what changed since the base its receiver holds
-        (:mod:`jreshard.engine.deltarounds`; CPU buffers), instead of replaying the prepared program.
+        (:mod:`jreshard.engine.deltarounds`; CPU buffers), instead of replaying the prepared schedule.
 
     Returns:
       What was moved, and the peak staging of each local rank.
@@ -157,11 +157,11 @@ def execute(
     arenas = {
         r: _arenas(buffers, schedule.staging.get(r, 0), devices.get(r), options.staging_bytes, want) for r in ranks
     }
-    prog = compile_rounds(
+    compiled = compile_rounds(
         schedule, ranks, tuple(len(arenas[r]) for r in ranks), options.max_group_ops, from_landing=buffers.host_ordered
     )
     bufs = {r: shards.of_rank(r, schedule.ntensors) for r in ranks}
-    _check_buffers(schedule, prog, ranks, bufs, shards)
+    _check_buffers(schedule, compiled, ranks, bufs, shards)
     rep = report or ReportBuilder(Backend.LOCAL)  # a throwaway one keeps the loop free of branches
     clock = rep.clock
     t0 = clock()
@@ -186,17 +186,17 @@ def execute(
     if delta is not None:
         fresh, idle_s = True, 0.0
         pack_s, network_s, fanout_s, unpack_rounds_s = run_delta_rounds(
-            prog.rounds, comm, buffers, bufs, bases, options.timeout_s, delta, clock
+            compiled.rounds, comm, buffers, bufs, bases, options.timeout_s, delta, clock
         )
     else:
-        ahead = prog.ahead if comm.posts_ahead else (False,) * len(prog.rounds)
+        ahead = compiled.ahead if comm.posts_ahead else (False,) * len(compiled.rounds)
         nbuf = 2 * schedule.ntensors
         replay, fresh = replay_of(
-            comm, prog, lambda: ops_of(prog.rounds, ahead, segments, nbuf), posts_ahead=comm.posts_ahead
+            comm, compiled, lambda: ops_of(compiled.rounds, ahead, segments, nbuf), posts_ahead=comm.posts_ahead
         )
         replay.intact = same_device_bytes == 0  # a step that fails before its rounds has written no destination byte
         if not buffers.native_rows:
-            buffers.prepare(_jobs(prog, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
+            buffers.prepare(_jobs(compiled, bufs, bases))  # e.g. the GPU's launch tables, once per schedule
         t3 = clock()
         pack_s, network_s, fanout_s, unpack_rounds_s, idle_s = replay.run(
             comm, buffers, bufs, bases, options.timeout_s, clock
@@ -209,16 +209,16 @@ def execute(
     rep.add_seconds(ReportPhase.NETWORK, network_s)
     rep.add_seconds(ReportPhase.FANOUT, fanout_s)
     rep.add_seconds(ReportPhase.UNPACK, unpack_s)
-    rep.add_rounds(len(prog.rounds), replayed=not fresh, idle_s=idle_s)
+    rep.add_rounds(len(compiled.rounds), replayed=not fresh, idle_s=idle_s)
     rep.add_bytes(Link.SAME_DEVICE, same_device_bytes)
     for link in Link:
-        rep.add_bytes(link, prog.sent_bytes[link], messages=prog.messages[link])
+        rep.add_bytes(link, compiled.sent_bytes[link], messages=compiled.messages[link])
     rep.staging(-held)
     return ExecStats(
-        sent_bytes=dict(prog.sent_bytes),
+        sent_bytes=dict(compiled.sent_bytes),
         same_device_bytes=same_device_bytes,
-        chunks=prog.chunks,
-        rounds=len(prog.rounds),
+        chunks=compiled.chunks,
+        rounds=len(compiled.rounds),
         peak_staging_bytes={r: len(arenas[r]) * schedule.staging.get(r, 0) for r in ranks},
     )
 
@@ -267,10 +267,10 @@ def compile_rounds(
     (:func:`forwards_from_landing`)."""
     by_schedule = _compiled.setdefault(schedule, {})
     key = (ranks, arenas, max_group_ops if schedule.groups is None else 0, from_landing)
-    prog = by_schedule.get(key)
-    if prog is None:
-        prog = by_schedule[key] = _compile(schedule, ranks, arenas, max_group_ops, from_landing)
-    return prog
+    compiled = by_schedule.get(key)
+    if compiled is None:
+        compiled = by_schedule[key] = _compile(schedule, ranks, arenas, max_group_ops, from_landing)
+    return compiled
 
 
 _compiled: weakref.WeakKeyDictionary[Schedule, dict[tuple, CompiledRounds]] = weakref.WeakKeyDictionary()
@@ -501,19 +501,19 @@ def _arenas(buffers: Buffers[Any], nbytes: int, device: Device | None, bound: in
     return [buffers.staging(nbytes, device) for _ in range(n)]
 
 
-def _jobs(prog: CompiledRounds, bufs: dict[int, list], bases: list[Any]):
+def _jobs(compiled: CompiledRounds, bufs: dict[int, list], bases: list[Any]):
     """Every pack and unpack of the compiled rounds, with the buffers and arena each will use (lazily)."""
-    for packs, _, unpacks, _ in prog.rounds:
+    for packs, _, unpacks, _ in compiled.rounds:
         yield from (("pack", table, bufs[r], bases[arena]) for table, r, arena in packs)
         yield from (("unpack", table, bufs[r], bases[arena]) for table, r, arena in unpacks)
 
 
 def _check_buffers(
-    schedule: Schedule, prog: CompiledRounds, ranks: tuple[int, ...], bufs: dict[int, list], shards: Shards
+    schedule: Schedule, compiled: CompiledRounds, ranks: tuple[int, ...], bufs: dict[int, list], shards: Shards
 ) -> None:
     missing: list[str] = []
     for r in ranks:
-        for b in sorted(prog.needs[r]):
+        for b in sorted(compiled.needs[r]):
             if bufs[r][b] is None:
                 missing.append(f"{'source' if b % 2 == SRC else 'destination'} shard of tensor {b // 2} on rank {r}")
     missing += [

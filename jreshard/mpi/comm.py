@@ -16,7 +16,7 @@ Posting ahead. :meth:`MpiComm.start_rows` posts a group and returns it; its ``wa
 requests as :meth:`MpiComm.exchange` does, until ``timeout_s`` after the post, so the round loop packs
 its next round while MPI moves this one.
 
-Prepared refits. :meth:`MpiComm.prepare` makes every group of a program once as MPI persistent requests
+Prepared refits. :meth:`MpiComm.prepare` makes every group of a schedule once as MPI persistent requests
 (``Send_init``/``Recv_init`` over raw addresses, so no request keeps a step's buffer alive); each step
 re-makes only the requests whose buffer moved, and starts and polls the rest (``Startall``, ``Testall``),
 from the engine's compiled replay where the MPI library mpi4py loaded can be found (its ``MPI_Startall``,
@@ -209,7 +209,7 @@ class MpiComm(Communicator):
         return _MpiPosted(self, pending, timeout_s, deadline)
 
     def prepare(self, groups: Sequence[Group]) -> PreparedGroups:
-        """Persistent requests for every group of a program (bound to buffers by the engine each step)."""
+        """Persistent requests for every group of a schedule (bound to buffers by the engine each step)."""
         return _MpiPrepared(self, groups)
 
     def _check_open(self) -> None:
@@ -407,7 +407,7 @@ _SEND, _PROC, _TAG, _BUF, _OFF, _NBYTES, _SRC, _DST, _JTAG = range(9)  # columns
 
 
 class _MpiPrepared(PreparedGroups):
-    """The persistent requests of every group of one program on an :class:`MpiComm` (final)."""
+    """The persistent requests of every group of one schedule on an :class:`MpiComm` (final)."""
 
     def __init__(self, comm: MpiComm, groups: Sequence[Group]):
         MPI = comm._MPI

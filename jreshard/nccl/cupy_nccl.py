@@ -125,7 +125,7 @@ class NcclComm(Communicator):
       timeout_s: how long creating the communicators may wait for the unique id.
       nccl: the NCCL module (``cupy.cuda.nccl`` by default; a stand-in in CPU tests).
       cuda: the CUDA module (``cupy.cuda`` by default; a stand-in in CPU tests).
-      graphs: run each program's steps after its first as one CUDA graph launch (:mod:`jreshard.nccl.graph`;
+      graphs: run each schedule's steps after its first as one CUDA graph launch (:mod:`jreshard.nccl.graph`;
         off by default: not run on GPU).
 
     Raises:
@@ -337,7 +337,7 @@ class NcclComm(Communicator):
             nccl.groupEnd()
 
     def graph(self, ops: Any) -> Any:
-        """With ``graphs=True``: a :class:`~jreshard.nccl.graph.GraphRefit` of the program ``ops`` (the first step
+        """With ``graphs=True``: a :class:`~jreshard.nccl.graph.GraphRefit` of the schedule ``ops`` (the first step
         eager, the others one CUDA graph launch; eager every step where it cannot be captured, with the reason);
         else ``None``. Not run on GPU."""
         if not self._graphs:

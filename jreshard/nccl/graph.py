@@ -1,31 +1,31 @@
-"""Prepared refits on a GPU as one CUDA graph: a program's packs, NCCL groups and unpacks captured once, launched
+"""Prepared refits on a GPU as one CUDA graph: a schedule's packs, NCCL groups and unpacks captured once, launched
 every step. Not run on GPU: written against CuPy 14's graph API (``Stream.begin_capture``/``end_capture``,
 ``Graph.launch``) and NCCL's support for capturing point-to-point calls, checked on the CPU stand-ins.
 
 A refit's rounds are the same every step (see :mod:`jreshard.engine.replay`); on a GPU the host work of issuing
 them (a kernel launch per pack and unpack, a ``groupStart``, a send or receive per message and a ``groupEnd`` per
-group) can cost more than the bytes take on NVLink. :class:`GraphRefit` issues the whole program once into a
+group) can cost more than the bytes take on NVLink. :class:`GraphRefit` issues the whole schedule once into a
 stream under capture and from then on launches the captured graph: one host call a step.
 
 - **Stable buffers for NCCL.** A captured send or receive keeps its address; the graph's messages move through
-  buffers it owns (its staging arenas, and a bounce slot per message that the program sends straight from a shard
+  buffers it owns (its staging arenas, and a bounce slot per message that the schedule sends straight from a shard
   or receives straight into one), so one capture serves every step (see :class:`GraphRefit`).
-- **The eager step first.** The first step of a program runs eagerly (the engine's own loop): NCCL connects to a
+- **The eager step first.** The first step of a schedule runs eagerly (the engine's own loop): NCCL connects to a
   peer on the first message between them, which cannot happen inside a capture.
 - **What the graph holds.** Every pack and unpack is the byte kernel of :mod:`jreshard.cuda.kernels`, run
   over a launch table that lives in one device buffer; every exchange group is one NCCL group. Everything runs on
-  the NCCL stream of this process's GPU, in the program's order (one stream orders it all: no fences), captured
+  the NCCL stream of this process's GPU, in the schedule's order (one stream orders it all: no fences), captured
   in CuPy's default mode (``streamCaptureModeRelaxed``: the kernel may be compiled and loaded inside the capture).
 - **Every step.** The launch tables are rebuilt on the host from this step's shard addresses (source and
   destination shards move between steps) and copied to the device in one host-to-device copy before the launch,
   so the kernels read this step's addresses. Each launch's rows and blocks are baked into the graph: where they
-  changed (a shard's new address allows another copy width), or an arena outgrew the graph's, the program is
+  changed (a shard's new address allows another copy width), or an arena outgrew the graph's, the schedule is
   captured again before the launch. Nothing is written through a stale pointer.
 - **Bounded.** The host waits for the launch on an event, polling NCCL's errors; past ``timeout_s`` every
   communicator of the process is aborted (so a dead peer leaves no GPU waiting forever) and
   :class:`~jreshard.errors.TransferTimeoutError` is raised.
 
-Programs it does not capture run eagerly every step, with the reason in :attr:`GraphRefit.eager_because`: rows that
+Schedules it does not capture run eagerly every step, with the reason in :attr:`GraphRefit.eager_because`: rows that
 cast dtypes (the cast kernel's tables are not refreshed here), ranks on more than one GPU in this process.
 """
 
@@ -51,7 +51,7 @@ _POLL_MIN_S, _POLL_MAX_S = 20e-6, 100e-6
 
 
 def why_eager(ops: Ops, ordinals: Sequence[int]) -> str | None:
-    """Why the program ``ops`` of a process driving GPUs ``ordinals`` is not captured, or ``None``.
+    """Why the schedule ``ops`` of a process driving GPUs ``ordinals`` is not captured, or ``None``.
 
     >>> from jreshard.engine.replay import ops_of
     >>> why_eager(ops_of((), (), {}, 0), [0, 1])
@@ -84,21 +84,21 @@ def _run_rows(places: Sequence[tuple[int, int, int, int]]) -> np.ndarray:
 
 
 class GraphRefit(StepGraph):
-    """One program's steps on this process's GPU: the first eager, the others one CUDA graph launch (final).
+    """One schedule's steps on this process's GPU: the first eager, the others one CUDA graph launch (final).
     Not run on GPU.
 
     The graph's messages move through buffers it owns, whose addresses never change: its own staging arenas (the
-    program's packs and unpacks use them in place of the step's), and one *bounce* buffer with a slot for every
-    message that the program sends straight from a shard or receives straight into one (a copy kernel moves those
+    schedule's packs and unpacks use them in place of the step's), and one *bounce* buffer with a slot for every
+    message that the schedule sends straight from a shard or receives straight into one (a copy kernel moves those
     bytes between the shard and the slot, before the group for a send, after it for a receive). So the only
     addresses that change from step to step, the shards', are read by kernels from the launch tables refreshed
     before each launch, and one capture serves every step while each launch's grid stays the same.
 
     Args:
-      ops: the program's operations (:func:`jreshard.engine.replay.ops_of`).
+      ops: the schedule's operations (:func:`jreshard.engine.replay.ops_of`).
       comm: the :class:`~jreshard.nccl.cupy_nccl.NcclComm` it runs over (its stream is the graph's).
       ordinal: the CUDA ordinal of this process's GPU.
-      why: why the program runs eagerly every step (:func:`why_eager`), or ``None``.
+      why: why the schedule runs eagerly every step (:func:`why_eager`), or ``None``.
 
     Attributes:
       steps: steps run; captures: graphs captured; launches: steps run as a graph launch.
@@ -240,7 +240,7 @@ class GraphRefit(StepGraph):
         return tables
 
     def _capture(self, tables: list[np.ndarray], stream: CudaStream) -> None:
-        """Issue the program into ``stream`` under capture, in :meth:`_bind`'s order: a kernel over each launch
+        """Issue the schedule into ``stream`` under capture, in :meth:`_bind`'s order: a kernel over each launch
         table's place in the device buffer, one NCCL group per exchange group over the graph's own buffers."""
         cp = self._cp
         rows = sum(len(t) for t in tables)

@@ -171,7 +171,7 @@ class NixlComm(Communicator):
         return self._local
 
     def prepare(self, groups: Sequence[Group]) -> PreparedGroups | None:
-        """Prepared WRITE handles and receives for every group of a program (:mod:`jreshard.nixl.prepared`);
+        """Prepared WRITE handles and receives for every group of a schedule (:mod:`jreshard.nixl.prepared`);
         ``None`` (per operation) with ``encrypt=True`` or :attr:`prepares` off."""
         if not self._prepares():
             return None
@@ -255,9 +255,10 @@ class NixlComm(Communicator):
         """Read ``ch``: posted receives into the queues, a peer's failure raised (a closed connection
         is judged by the caller: a peer may close once it has written everything)."""
         ch.pump()
-        # A peer's prepared descriptors (nixl.pdesc) are posted when its program starts, which may be while this
-        # side still runs the per-operation exchanges before its own program (the scheduling mail): where this
-        # side prepares too they are left for its program; where it never does, they are a mismatch.
+        # A peer's prepared descriptors (nixl.pdesc) are posted when its prepared schedule starts, which may be
+        # while this side still runs the per-operation exchanges before its own prepared schedule (the scheduling
+        # mail): where this side prepares too they are left for its schedule; where it never does, they are a
+        # mismatch.
         ops = (
             {"nixl.post", "nixl.fail", "nixl.mac"}
             if self._prepares()

@@ -1,4 +1,4 @@
-"""Prepared groups over NIXL: every exchange group of a program made once, started every step.
+"""Prepared groups over NIXL: every exchange group of a schedule made once, started every step.
 
 :meth:`NixlComm.prepare <jreshard.nixl.comm.NixlComm.prepare>` returns a :class:`NixlPrepared` for the engine's
 replay (:mod:`jreshard.engine.replay`), which binds it to each step's buffers and starts and waits its groups.
@@ -11,7 +11,7 @@ What is made once, and what a step costs:
   re-posted every step (``transfer(handle, notif_msg=...)``); made again only when a buffer of the piece moved.
 - **Descriptors, once per binding.** At :meth:`~NixlPrepared.bind`, a receiver registers the ranges of the
   buffers the messages land in (again only when one moved) and sends each sender, sealed, its receives'
-  descriptors for the whole program (``nixl.pdesc``: keys, group, address, size, with the partial metadata of
+  descriptors for the whole schedule (``nixl.pdesc``: keys, group, address, size, with the partial metadata of
   new registrations), again only when a receive buffer moved. The sender matches them to its sends by
   ``(src, dst, tag)`` in listed order, as the per-operation path does, and checks sizes and groups.
 - **Every step, per piece.** The receiver starts a group by sending each of its senders a fresh receive id
@@ -27,7 +27,7 @@ Failure is as :class:`~jreshard.nixl.comm.NixlComm`'s: every wait bounded by ``t
 closes with work outstanding is :class:`PeerError` within a second, a ``nixl.fail``, a transfer NIXL reports
 ``ERR`` or descriptors that do not match are :class:`PeerError`; the communicator is then broken. A piece's
 WRITE that may still run is retired (:meth:`NixlAgent.retire <jreshard.nixl.agent.NixlAgent.retire>`), with the
-step's buffers and the program's registrations kept until NIXL is done with it.
+step's buffers and the schedule's registrations kept until NIXL is done with it.
 
 Not covered here, so :meth:`NixlComm.prepare` returns ``None`` and the step runs per operation:
 ``encrypt=True`` (each message sealed under its own sequence number into a fresh landing buffer). A peer
@@ -69,7 +69,7 @@ _MAX_SLEEP_S = 2.5e-4  # as NixlComm's waits
 _YIELD_S = 2e-4  # a wait first polls yielding the core this long (as MpiComm's prepared groups)
 _NOTICE_GRACE_S = 1.0
 _OPS = {"nixl.pdesc", "nixl.go", "nixl.pmac", "nixl.fail"}
-# columns of a program's rows: its group, then the Communicator's row
+# columns of a schedule's rows: its group, then the Communicator's row
 _G, _SRC, _DST, _TAG, _BUF, _OFF, _N = range(7)
 
 
@@ -88,7 +88,7 @@ def _memory(address: int, nbytes: int) -> Any:
 
 class _Hub:
     """The prepared protocol's messages on one NixlComm's channels, kept until the prepared groups they name
-    take them (a communicator may hold several prepared programs)."""
+    take them (a communicator may hold several prepared schedules)."""
 
     def __init__(self, comm: NixlComm):
         self.comm = weakref.proxy(comm)  # the communicator holds the hub
@@ -171,27 +171,27 @@ class _Piece:
 
 
 class _Out:
-    """This program's sends to one peer process."""
+    """This schedule's sends to one peer process."""
 
     def __init__(self, rows: np.ndarray):
-        self.rows = rows  # (k, 7): group and row, in program order
-        self.token: int | None = None  # the receiving program's token it was matched to
+        self.rows = rows  # (k, 7): group and row, in schedule order
+        self.token: int | None = None  # the receiving schedule's token it was matched to
         self.version = -1
         self.remote: np.ndarray | None = None  # per row, the matched receive's address
         self.pair: np.ndarray | None = None  # per row, the matched receive's index in the receiver's descriptors
         self.shape: np.ndarray | None = None  # the receiver's descriptors but their addresses, when matched
         self.by_group: dict[int, _Piece] = {}  # the receiver's group -> piece
-        self.mine: dict[int, list[_Piece]] = {}  # this program's group -> pieces
+        self.mine: dict[int, list[_Piece]] = {}  # this schedule's group -> pieces
 
 
 class NixlPrepared(PreparedGroups):
-    """The prepared WRITEs and receives of every group of one program on a :class:`NixlComm` (final)."""
+    """The prepared WRITEs and receives of every group of one schedule on a :class:`NixlComm` (final)."""
 
     def __init__(self, comm: NixlComm, groups: Sequence[Group]):
         # not the communicator itself: the engine's replays are cached per communicator (weakly) and hold this
         self._comm: NixlComm = weakref.proxy(comm)  # type: ignore[assignment]
         self._agent, self._hub = comm._agent, hub_of(comm)
-        self._token = secrets.randbits(63) | 1  # names this program's receives to their senders
+        self._token = secrets.randbits(63) | 1  # names this schedule's receives to their senders
         mine = set(comm.local_ranks)
         recv: dict[Channel, list[tuple[int, ...]]] = {}
         send: dict[Channel, list[tuple[int, ...]]] = {}
@@ -321,10 +321,10 @@ class NixlPrepared(PreparedGroups):
 
     # ---- the sending side -------------------------------------------------------------------------
     def _claim(self, ch: Channel, out: _Out) -> None:
-        """Match ``out``'s sends to a receiving program's descriptors (the latest ``ch`` posted for it).
+        """Match ``out``'s sends to a receiving schedule's descriptors (the latest ``ch`` posted for it).
 
-        The receiving program is the one ``ch``'s peer prepared for these messages; where it prepared another
-        since (a new program on its side only) and started groups under it, ``out`` follows it.
+        The receiving schedule is the one ``ch``'s peer prepared for these messages; where it prepared another
+        since (a new schedule on its side only) and started groups under it, ``out`` follows it.
         """
         hub = self._hub
         if out.token is None or not hub.gos.get((ch, out.token)):
@@ -332,7 +332,7 @@ class NixlPrepared(PreparedGroups):
                 if c is not ch or token == out.token or hub.claimed.get((c, token), self) is not self:
                     continue
                 if out.token is not None and not hub.gos.get((c, token)):
-                    continue  # another program of the peer's, not running now
+                    continue  # another schedule of the peer's, not running now
                 if self._pieces(ch, out, entries, check=False):
                     if out.token is not None:
                         hub.claimed.pop((ch, out.token), None)
@@ -352,7 +352,7 @@ class NixlPrepared(PreparedGroups):
             out.version = version
 
     def _pieces(self, ch: Channel, out: _Out, entries: np.ndarray, *, check: bool) -> bool:
-        """Whether ``entries`` (a receiving program's descriptors) match ``out``'s sends; with ``check``, they
+        """Whether ``entries`` (a receiving schedule's descriptors) match ``out``'s sends; with ``check``, they
         must (else :class:`PeerError`), and ``out`` takes their addresses and pieces."""
         rows = out.rows
         queues: dict[tuple[int, int, int], collections.deque[int]] = {}
@@ -367,7 +367,7 @@ class NixlPrepared(PreparedGroups):
                 break
             pair[i] = q.popleft()
         if why is None and any(queues.values()):
-            why = "receives were posted that no send of this program matches"
+            why = "receives were posted that no send of this schedule matches"
         if why is None:
             bad = np.nonzero(entries[pair, 5] != rows[:, _N])[0]
             if len(bad):
@@ -640,7 +640,7 @@ class NixlPrepared(PreparedGroups):
                     self._retire(piece)
 
     def _retire(self, piece: _Piece) -> None:
-        """Retire ``piece``'s WRITE, keeping this step's buffers and every registration of this program until NIXL
+        """Retire ``piece``'s WRITE, keeping this step's buffers and every registration of this schedule until NIXL
         is done with it."""
         piece.retire(self._agent, tuple(self._buffers or ()), tuple(d for d, _ in self._regs.values()))
 

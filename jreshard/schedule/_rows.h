@@ -1,5 +1,5 @@
 /* The byte rows of a descriptor table (jreshard.schedule.kernels), shared by the compiled kernels that run
- * them: jreshard/schedule/_rows.c (one table a call) and jreshard/engine/_replay.c (a prepared program's
+ * them: jreshard/schedule/_rows.c (one table a call) and jreshard/engine/_replay.c (a prepared schedule's
  * tables, a whole refit a call). row_ok checks one row against the sizes of the buffers it names;
  * copy_row moves the bytes of a row row_ok accepted. Sizes come from the buffers, never from the table.
  */

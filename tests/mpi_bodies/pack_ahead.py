@@ -42,9 +42,9 @@ def body() -> dict:
     compile_rounds = rounds.compile_rounds
 
     def spy(*args, **kwargs):
-        prog = compile_rounds(*args, **kwargs)
-        ahead[0] = max(ahead[0], sum(prog.ahead))
-        return prog
+        compiled = compile_rounds(*args, **kwargs)
+        ahead[0] = max(ahead[0], sum(compiled.ahead))
+        return compiled
 
     rounds.compile_rounds = spy
     topo = jreshard.Topology.from_devices(devs, domain_of={d: d.process_index for d in devs})
