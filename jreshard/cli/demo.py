@@ -111,7 +111,7 @@ def inference_specs(params: PyTree) -> PyTree:
 
 
 def _setup_devices() -> None:
-    """8 CPU devices, if jax has not started yet (the demo's one piece of environment work)."""
+    """8 CPU devices, if jax has not started yet (the demo's one change to the environment)."""
     if "jax" in sys.modules:
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -9,7 +9,7 @@ replaces the engine (:attr:`TransportRecord.run`, XLA's). The registry
 (:mod:`jreshard.call.routes`) is the one module above the transports that reads them; adding a
 transport is one folder with one record, plus one line in the registry.
 
-A record also carries its ``kit``: the pieces programs (``RefitGroup``, the elastic trainer and
+A record also carries its ``kit``: the parts programs (``RefitGroup``, the elastic trainer and
 replicas) form groups from, typed by the transport (MPI's communicator and control plane, NIXL's
 agent and process group).
 """

@@ -193,7 +193,7 @@ def check_proof(key: bytes, client_nonce: bytes, server_nonce: bytes, message: b
     return len(message) == PROOF_BYTES and hmac.compare_digest(message, proof(key, server_nonce, client_nonce))
 
 
-_GMAC_PIECE = 1 << 30  # the most one AES-GCM call authenticates (the library takes under 2**31 bytes)
+_GMAC_SPAN = 1 << 30  # the most one AES-GCM call authenticates (the library takes under 2**31 bytes)
 
 
 class Session:
@@ -293,7 +293,7 @@ class Session:
 
         The one-time key is ``BLAKE2b(key=the session's MAC key, label)``, so each label must name one message
         of this session (the box MACs' labels hold a nonce drawn for each refit). A buffer past 1 GiB is
-        tagged in 1 GiB pieces (the library's limit), their tags concatenated.
+        tagged in spans of 1 GiB (the library's limit), their tags concatenated.
 
         Example:
           >>> s = Session(b"k" * 16, bytes(32), bytes(32), client=True)
@@ -310,8 +310,8 @@ class Session:
             view = view.cast("B")
         n = len(view)
         return b"".join(
-            gmac.encrypt(struct.pack("!IQ", 2, i), b"", view[lo : lo + _GMAC_PIECE])
-            for i, lo in enumerate(range(0, max(n, 1), _GMAC_PIECE))
+            gmac.encrypt(struct.pack("!IQ", 2, i), b"", view[lo : lo + _GMAC_SPAN])
+            for i, lo in enumerate(range(0, max(n, 1), _GMAC_SPAN))
         )
 
     def mac(self, label: bytes, data: object) -> bytes:

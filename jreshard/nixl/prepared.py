@@ -4,28 +4,28 @@
 replay (:mod:`jreshard.engine.replay`), which binds it to each step's buffers and starts and waits its groups.
 What is made once, and what a step costs:
 
-- **Pieces.** A group's messages between this process and one peer process are one *piece* (a message lies in
-  the same group at both ends: :mod:`jreshard.schedule.groups`). A sender WRITEs a piece as one NIXL transfer
+- **Batches.** A group's messages between this process and one peer process are one *batch* (a message lies in
+  the same group at both ends: :mod:`jreshard.schedule.groups`). A sender WRITEs a batch as one NIXL transfer
   with one notification: a prepared local descriptor list and a prepared remote one
   (``prep_xfer_dlist``), and one WRITE handle over them (``make_prepped_xfer``), made at the first step and
-  re-posted every step (``transfer(handle, notif_msg=...)``); made again only when a buffer of the piece moved.
+  re-posted every step (``transfer(handle, notif_msg=...)``); made again only when a buffer of the batch moved.
 - **Descriptors, once per binding.** At :meth:`~NixlPrepared.bind`, a receiver registers the ranges of the
   buffers the messages land in (again only when one moved) and sends each sender, sealed, its receives'
   descriptors for the whole schedule (``nixl.pdesc``: keys, group, address, size, with the partial metadata of
   new registrations), again only when a receive buffer moved. The sender matches them to its sends by
   ``(src, dst, tag)`` in listed order, as the per-operation path does, and checks sizes and groups.
-- **Every step, per piece.** The receiver starts a group by sending each of its senders a fresh receive id
+- **Every step, per batch.** The receiver starts a group by sending each of its senders a fresh receive id
   (63 random bits, bound to that sender's agent: :meth:`NixlAgent.new_id`) inside the sealed channel
   (``nixl.go``): the sender writes nothing into a buffer before the receiver's group started (its staging
-  arena may still hold the round before). The sender re-posts the piece's handle notifying ``jreshard:<id>``
-  and sends, sealed, the Poly1305 tag of every message of the piece (``nixl.pmac``, under a one-time key for
-  ``id``, the message's index in the piece, its ranks and tag); the receiver compares each tag with the bytes
+  arena may still hold the round before). The sender re-posts the batch's handle notifying ``jreshard:<id>``
+  and sends, sealed, the Poly1305 tag of every message of the batch (``nixl.pmac``, under a one-time key for
+  ``id``, the message's index in the batch, its ranks and tag); the receiver compares each tag with the bytes
   that landed before the group returns, as the per-operation path does.
 
 Failure is as :class:`~jreshard.nixl.comm.NixlComm`'s: every wait bounded by ``timeout_s`` from its group's start
 (:class:`TransferTimeoutError` naming the ranks and peers that did not post or write), a peer whose connection
 closes with work outstanding is :class:`PeerError` within a second, a ``nixl.fail``, a transfer NIXL reports
-``ERR`` or descriptors that do not match are :class:`PeerError`; the communicator is then broken. A piece's
+``ERR`` or descriptors that do not match are :class:`PeerError`; the communicator is then broken. A batch's
 WRITE that may still run is retired (:meth:`NixlAgent.retire <jreshard.nixl.agent.NixlAgent.retire>`), with the
 step's buffers and the schedule's registrations kept until NIXL is done with it.
 
@@ -74,7 +74,7 @@ _G, _SRC, _DST, _TAG, _BUF, _OFF, _N = range(7)
 
 
 def mac_id(i: int, k: int) -> int:
-    """The id message ``k`` of the piece notified as receive ``i`` has in its MAC's label (``NixlComm``'s): one per
+    """The id message ``k`` of the batch notified as receive ``i`` has in its MAC's label (``NixlComm``'s): one per
     message, never a receive id of the per-operation path (those are below ``2**63``)."""
     return (1 << 100) | (i << 32) | k
 
@@ -94,7 +94,7 @@ class _Hub:
         self.comm = weakref.proxy(comm)  # the communicator holds the hub
         self.descs: dict[tuple[Channel, int], tuple[int, np.ndarray]] = {}  # (ch, token) -> (version, entries)
         self.gos: dict[tuple[Channel, int], collections.deque[tuple[int, int]]] = {}  # (ch, token) -> (group, id)
-        self.tags: dict[int, list[bytes | None]] = {}  # receive id -> its piece's tags
+        self.tags: dict[int, list[bytes | None]] = {}  # receive id -> its batch's tags
         self.claimed: dict[tuple[Channel, int], Any] = {}  # (ch, token) -> the NixlPrepared that sends to it
 
     def pump(self, channels: Sequence[Channel]) -> None:
@@ -134,7 +134,7 @@ def hub_of(comm: NixlComm) -> _Hub:
     return hub
 
 
-class _Piece:
+class _Batch:
     """A group's sends to one peer process: one WRITE handle, re-posted every step."""
 
     __slots__ = ("flying", "group", "handle", "made", "posted", "rows")
@@ -180,8 +180,8 @@ class _Out:
         self.remote: np.ndarray | None = None  # per row, the matched receive's address
         self.pair: np.ndarray | None = None  # per row, the matched receive's index in the receiver's descriptors
         self.shape: np.ndarray | None = None  # the receiver's descriptors but their addresses, when matched
-        self.by_group: dict[int, _Piece] = {}  # the receiver's group -> piece
-        self.mine: dict[int, list[_Piece]] = {}  # this schedule's group -> pieces
+        self.by_group: dict[int, _Batch] = {}  # the receiver's group -> batch
+        self.mine: dict[int, list[_Batch]] = {}  # this schedule's group -> batches
 
 
 class NixlPrepared(PreparedGroups):
@@ -333,7 +333,7 @@ class NixlPrepared(PreparedGroups):
                     continue
                 if out.token is not None and not hub.gos.get((c, token)):
                     continue  # another schedule of the peer's, not running now
-                if self._pieces(ch, out, entries, check=False):
+                if self._match_batches(ch, out, entries, check=False):
                     if out.token is not None:
                         hub.claimed.pop((ch, out.token), None)
                     out.token, out.version, out.shape = token, -1, None
@@ -347,13 +347,13 @@ class NixlPrepared(PreparedGroups):
             if out.pair is not None and out.shape is not None and np.array_equal(shape, out.shape):
                 out.remote = entries[out.pair, 4].copy()  # the same receives, moved
             else:
-                self._pieces(ch, out, entries, check=True)
+                self._match_batches(ch, out, entries, check=True)
                 out.shape = shape
             out.version = version
 
-    def _pieces(self, ch: Channel, out: _Out, entries: np.ndarray, *, check: bool) -> bool:
+    def _match_batches(self, ch: Channel, out: _Out, entries: np.ndarray, *, check: bool) -> bool:
         """Whether ``entries`` (a receiving schedule's descriptors) match ``out``'s sends; with ``check``, they
-        must (else :class:`PeerError`), and ``out`` takes their addresses and pieces."""
+        must (else :class:`PeerError`), and ``out`` takes their addresses and batches."""
         rows = out.rows
         queues: dict[tuple[int, int, int], collections.deque[int]] = {}
         for j, key in enumerate(map(tuple, entries[:, :3].tolist())):
@@ -390,31 +390,31 @@ class NixlPrepared(PreparedGroups):
             return False
         if not check:
             return True
-        for piece in out.by_group.values():
-            piece.drop()
+        for batch in out.by_group.values():
+            batch.drop()
         out.remote, out.pair = entries[pair, 4].copy(), pair
         out.by_group, out.mine = {}, {}
         for rg, ix in by.items():
             ix.sort(key=lambda i: pair[i])  # in the receiver's order: a tag's index is the receive's in its group
-            piece = out.by_group[rg] = _Piece(int(rows[ix[0], _G]), np.array(ix, np.int64))
-            out.mine.setdefault(piece.group, []).append(piece)
+            batch = out.by_group[rg] = _Batch(int(rows[ix[0], _G]), np.array(ix, np.int64))
+            out.mine.setdefault(batch.group, []).append(batch)
         return True
 
-    def _post(self, ch: Channel, out: _Out, piece: _Piece, i: int) -> None:
-        """WRITE ``piece`` notifying receive ``i``, then send its tags."""
+    def _post(self, ch: Channel, out: _Out, batch: _Batch, i: int) -> None:
+        """WRITE ``batch`` notifying receive ``i``, then send its tags."""
         agent = self._agent.nixl
         addr = self._addr
         assert addr is not None and out.remote is not None
-        rows = out.rows[piece.rows]
+        rows = out.rows[batch.rows]
         local = addr[rows[:, _BUF]] + rows[:, _OFF]
         sizes = rows[:, _N]
         peer = self._agent.peer(ch)
-        remote = out.remote[piece.rows]
+        remote = out.remote[batch.rows]
         key = (local.tobytes(), remote.tobytes(), self._generation)
         notice = NOTICE + str(i).encode()
         try:
             if sizes.any():
-                made = piece.made.get(key)
+                made = batch.made.get(key)
                 if made is None:
                     some = np.nonzero(sizes)[0]
                     zeros = np.zeros(len(some), np.int64)
@@ -423,24 +423,24 @@ class NixlPrepared(PreparedGroups):
                     )
                     rd = agent.prep_xfer_dlist(peer, np.stack([remote[some], sizes[some], zeros], 1), "DRAM")
                     ix = np.arange(len(some), dtype=np.int32)
-                    made = piece.made[key] = (agent.make_prepped_xfer("WRITE", ld, ix, rd, ix, notice), ld, rd)
+                    made = batch.made[key] = (agent.make_prepped_xfer("WRITE", ld, ix, rd, ix, notice), ld, rd)
                     self.prepped += 1
-                    piece.drop(keep=2)
+                    batch.drop(keep=2)
                 else:
-                    piece.made.move_to_end(key)
-                piece.handle = made[0]
-                state = agent.transfer(piece.handle, notice)
+                    batch.made.move_to_end(key)
+                batch.handle = made[0]
+                state = agent.transfer(batch.handle, notice)
                 if state == "ERR":
                     raise self._comm._fail(ch, f"NIXL reported an error posting the WRITEs of a group to {ch.peer}")
-                piece.flying = state == "PROC"
+                batch.flying = state == "PROC"
             else:
                 agent.send_notif(peer, notice)
         except (PeerError, TransferTimeoutError):
             raise
         except Exception as err:  # nixl raises its own exception types
-            self._retire(piece)  # a part may have started
+            self._retire(batch)  # a part may have started
             raise self._comm._fail(ch, f"NIXL refused the WRITEs of a group to {ch.peer}: {err}") from err
-        piece.posted = self._step
+        batch.posted = self._step
         session = ch.session
         if session is not None and self._comm.tags:  # while the WRITE flies (its send buffers do not change)
             tags = [
@@ -451,7 +451,7 @@ class NixlPrepared(PreparedGroups):
             ch.flush()
 
     def _send_ready(self, g: int) -> None:
-        """Post every piece of group ``g`` whose receiver started its group this step."""
+        """Post every batch of group ``g`` whose receiver started its group this step."""
         for ch in self._sgroups[g]:
             out = self._out[ch]
             self._claim(ch, out)
@@ -463,11 +463,11 @@ class NixlPrepared(PreparedGroups):
             keep: collections.deque[tuple[int, int]] = collections.deque()
             while gos:
                 rg, i = gos.popleft()
-                piece = out.by_group.get(rg)
-                if piece is None:
+                batch = out.by_group.get(rg)
+                if batch is None:
                     raise self._comm._fail(ch, f"{ch.peer} started group {rg}, which holds no message of this side")
-                if self._started[piece.group] == self._step and piece.posted < self._step:
-                    self._post(ch, out, piece, i)
+                if self._started[batch.group] == self._step and batch.posted < self._step:
+                    self._post(ch, out, batch, i)
                 else:
                     keep.append((rg, i))
             gos.extend(keep)
@@ -519,21 +519,21 @@ class NixlPrepared(PreparedGroups):
             unsent, flying = [], []
             for ch in senders:
                 out = self._out[ch]
-                pieces = out.mine.get(g, []) if out.token is not None else []
+                batches = out.mine.get(g, []) if out.token is not None else []
                 if out.token is None:
                     unsent.append(ch)
-                for piece in pieces:
-                    if piece.posted < self._step:
+                for batch in batches:
+                    if batch.posted < self._step:
                         unsent.append(ch)
-                    elif piece.flying:
+                    elif batch.flying:
                         try:
-                            state = agent.check_xfer_state(piece.handle)
+                            state = agent.check_xfer_state(batch.handle)
                         except Exception as err:  # nixl raises its own types (a peer that disconnected)
                             raise PeerError(f"NixlComm: the WRITEs of a group to {ch.peer} failed: {err!r}") from err
                         if state == "PROC":
                             flying.append(ch)
                             continue
-                        piece.flying = False
+                        batch.flying = False
                         progress = True
                         if state != "DONE":
                             raise self._comm._fail(ch, f"NIXL reported the WRITEs of a group to {ch.peer} failed")
@@ -635,14 +635,14 @@ class NixlPrepared(PreparedGroups):
         self._waiting.clear()
         self._landed.clear()
         for out in self._out.values():
-            for piece in out.by_group.values():
-                if piece.flying:
-                    self._retire(piece)
+            for batch in out.by_group.values():
+                if batch.flying:
+                    self._retire(batch)
 
-    def _retire(self, piece: _Piece) -> None:
-        """Retire ``piece``'s WRITE, keeping this step's buffers and every registration of this schedule until NIXL
+    def _retire(self, batch: _Batch) -> None:
+        """Retire ``batch``'s WRITE, keeping this step's buffers and every registration of this schedule until NIXL
         is done with it."""
-        piece.retire(self._agent, tuple(self._buffers or ()), tuple(d for d, _ in self._regs.values()))
+        batch.retire(self._agent, tuple(self._buffers or ()), tuple(d for d, _ in self._regs.values()))
 
     def finish(self) -> None:
         self._buffers = None
@@ -655,10 +655,10 @@ class NixlPrepared(PreparedGroups):
 
     def release(self) -> None:
         for out in self._out.values():
-            for piece in out.by_group.values():
-                if piece.flying:
-                    self._retire(piece)
-                piece.drop()
+            for batch in out.by_group.values():
+                if batch.flying:
+                    self._retire(batch)
+                batch.drop()
         for ch, out in self._out.items():
             if out.token is not None:
                 self._hub.claimed.pop((ch, out.token), None)
