@@ -435,7 +435,7 @@ def nccl(emit, quick):
             rates.append((chunk // MiB, st["gbps_median"], same))
             emit(f"self send/recv in {chunk // MiB} MiB chunks", "ok" if same else "FAILED", **st,
                  vs_memcpy=float(np.median(base)) / float(np.median(times)))  # fmt: skip
-        # The rank-local schedule's mail: int64 payloads through device buffers, on the deferred streams.
+        # The per-process schedule's mail: int64 payloads through device buffers, on the deferred streams.
         from jreshard.engine.mail import comm_mail
         from jreshard.schedule.pairsched import COUNT_OUT, ROUNDS
 

@@ -15,7 +15,7 @@ Prints:
    jreshard and the baselines; and where the planning time goes (a profile);
 4. DeepSeek-V3 on 4096 + 4096: one rank's plan, and ``simulate_layouts`` (the
    whole refit predicted one layout pair at a time) with its time and peak memory;
-5. for DeepSeek-V3 on 128 + 128, 1024 + 1024 and 4096 + 4096: one process's rank-local
+5. for DeepSeek-V3 on 128 + 128, 1024 + 1024 and 4096 + 4096: one process's own
    schedule (``jreshard.schedule.pairsched``, what every process of a multi-process transfer
    builds for the ranks it drives), for a process driving one destination rank, where its
    time goes, and the process's peak memory by then. The peers' mail is answered here in

@@ -1,4 +1,4 @@
-"""The rank-local schedule part of ``plan_bench.py`` (its section 5; the module docstring there
+"""The per-process schedule part of ``plan_bench.py`` (its section 5; the module docstring there
 says how the peers' mail is answered), and the small timing helpers both use.
 
 Run as a script, it is the untimed setup's process: ``python plan_bench_local.py MODEL N RANK
@@ -115,7 +115,7 @@ def answer_mail(want: dict, outs: dict, ins: dict, sent: dict, received: dict) -
 
 
 def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -> dict:
-    """Time one process's rank-local schedule for ``rank``; ``peers`` is :func:`peer_mail_process`'s answer."""
+    """Time one process's own schedule for ``rank``; ``peers`` is :func:`peer_mail_process`'s answer."""
     outs, ins, sent, received, setup_s, setup_mib = peers
     tensors = [TensorSpec(n, s, d) for n, (s, d) in zip(r.names, r.pairs, strict=True)]
     opts = Options()
@@ -160,7 +160,7 @@ def local_schedule(r, topo, rank: int, peers: tuple[dict, dict, float, float]) -
 def print_local(o: dict) -> None:
     """The rows of :func:`local_schedule`'s answer (with ``local_sched_s_range`` added)."""
     print(
-        f"   one process's schedule (rank-local) {o['local_sched_s']:7.3f} s wall "
+        f"   one process's schedule (its own ranks) {o['local_sched_s']:7.3f} s wall "
         f"({o['local_sched_cpu']:.3f} s CPU){o['local_sched_s_range']}: one destination rank, "
         f"{o['local_sched_chunks']} chunks in {o['local_sched_rounds']} rounds, "
         f"{o['local_sched_rows']} descriptor rows (its plan: {o['local_sched_plans_s']:.3f} s more)"

@@ -117,8 +117,8 @@ def rank_params(views: dict, m: vllm.DecoderShape, r: int, tp: int, dtype: Any) 
     out = {}
     for name, s in vllm.vllm_shards(m, r, tp).items():
         full = evaluate(views[name], lambda leaf: leaf.source, cast)
-        t = torch.zeros(s.local_shape, dtype=dtype)
-        t[s.local_box.slices()] = torch.from_numpy(np.asarray(full[s.box.slices()], np.float32)).to(dtype)
+        t = torch.zeros(s.tensor_shape, dtype=dtype)
+        t[s.tensor_box.slices()] = torch.from_numpy(np.asarray(full[s.box.slices()], np.float32)).to(dtype)
         out[name] = t
     return out
 

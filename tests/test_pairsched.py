@@ -196,7 +196,7 @@ def test_ranks_with_many_peers_run_rounds_in_bounded_groups(max_ops):
                 assert key.setdefault((rnd, op), k) == k
 
 
-def test_rank_local_rounds_need_two_operations_per_group():
+def test_pair_paced_rounds_need_two_operations_per_group():
     src = Layout.from_mesh(np.arange(2), ("x",), ("x",), (8,), "float32")
     dst = Layout.replicated(range(2, 4), (8,), "float32")
     topo = Topology.uniform(range(4), domain_size=2)

@@ -127,8 +127,8 @@ def test_a_vllm_like_module_declares_exactly_the_shards(cfg, tp):
         shards = vllm.vllm_shards(m, r, tp)
         assert set(shards) == set(params)
         for name, s in shards.items():
-            assert tuple(params[name].shape) == s.local_shape, name
-            address, nbytes = tensor_region(params[name], s.local_box, what=name)  # one run, even when padded
+            assert tuple(params[name].shape) == s.tensor_shape, name
+            address, nbytes = tensor_region(params[name], s.tensor_box, what=name)  # one run, even when padded
             assert nbytes == int(np.prod(s.box.shape)) * 4 and address == params[name].data_ptr()
 
 

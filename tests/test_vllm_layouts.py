@@ -43,8 +43,8 @@ def test_every_rank_holds_what_vllms_loaders_put_there(cfg, tp):
         assert set(shards) == set(want) == set(views)
         for name, s in shards.items():
             assert full[name].shape == s.view_shape, name
-            got = np.zeros(s.local_shape, np.float32)
-            got[s.local_box.slices()] = full[name][s.box.slices()]
+            got = np.zeros(s.tensor_shape, np.float32)
+            got[s.tensor_box.slices()] = full[name][s.box.slices()]
             np.testing.assert_array_equal(got, want[name], err_msg=f"{name} on rank {r} of {tp}")
 
 
@@ -54,11 +54,11 @@ def test_the_ranks_tile_every_view_once_and_padding_is_never_written():
         shards = [vllm.vllm_shards(model, r, tp) for r in range(tp)]
         for name, s in shards[0].items():
             vol = sum(math.prod(sh[name].box.shape) for sh in shards)
-            replicated = s.box.shape == s.view_shape and s.local_shape == s.view_shape
+            replicated = s.box.shape == s.view_shape and s.tensor_shape == s.view_shape
             assert vol == math.prod(s.view_shape) * (tp if replicated else 1), name
     per = vllm.pad_vocab(1000) // 8
     last = vllm.vllm_shards(model, 7, 8)["model.embed_tokens.weight"]
-    assert last.local_shape == (per, 32) and last.local_box.hi[0] == 1000 - 7 * per < per
+    assert last.tensor_shape == (per, 32) and last.tensor_box.hi[0] == 1000 - 7 * per < per
 
 
 def test_a_cast_view_is_what_the_server_dtype_gives():
@@ -87,7 +87,7 @@ def test_from_a_hugging_face_config():
     m = vllm.DecoderShape.from_hf_config(cfg)
     assert (m.head_dim, m.qkv_bias, m.qk_norm, m.tie_word_embeddings) == (64, True, False, True)
     s = vllm.vllm_shards(m, 1, 2)["model.layers.0.self_attn.qkv_proj.weight"]
-    assert s.local_shape == ((7 + 2 * 1) * 64, 896)
+    assert s.tensor_shape == ((7 + 2 * 1) * 64, 896)
 
 
 @pytest.mark.parametrize(

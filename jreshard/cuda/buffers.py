@@ -303,7 +303,7 @@ class CupyBuffers(Buffers[CupyArray]):
 
     def upload(self, data: np.ndarray, device: Device) -> CupyArray:
         """``data`` (host uint8) copied into a new buffer on ``device``, on the comm stream
-        (the mail of the rank-local schedule, a few integers; a view's block-FP8 bytes
+        (the mail of the per-process schedule, a few integers; a view's block-FP8 bytes
         quantised on the host, :mod:`jreshard.engine.viewrun`). Not run on GPU."""
         o = _ordinal(device)
         buf = self._empty(int(data.size), o, "uploaded host bytes")

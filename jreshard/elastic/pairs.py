@@ -300,7 +300,7 @@ def run_pair(
 
     The bytes move as NIXL WRITEs (:class:`~jreshard.nixl.comm.NixlComm`, this process's shared
     agent); the connections carry the agents' metadata and the receive descriptors. A pair of plain
-    arrays runs the rank-local schedule; a pair of views runs the views' schedule
+    arrays runs the per-process schedule; a pair of views runs the views' schedule
     (:func:`jreshard.refit.views.run_group`), both through the one round loop.
 
     Args:
@@ -343,7 +343,7 @@ def run_pair(
                 pair.views.group, pair.views.schedule, digests.comm, sources, targets, options=options, delta=delta
             )
         else:
-            # The rank-local schedule, as every message-passing path runs: this process's rounds, agreed with
+            # The per-process schedule, as every message-passing path runs: this process's rounds, agreed with
             # the other side's processes by mail over the same connections (relays off, as the plan was made).
             tensors = pair.plan.tensors
             layouts = [(t.src, t.dst) for t in tensors]

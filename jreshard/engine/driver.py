@@ -14,7 +14,7 @@ rank is its ``device.id``, which is unique in a jax cluster.
 **Device buffers.** The scheduling mail travels in the ``buffers``' memory, as
 the chunks do (:func:`jreshard.engine.mail.comm_mail`): on GPUs, a few integers per
 peer go through small device buffers over NCCL (not run on GPU); on CPU, in host memory
-with no copy. So every transport takes the same rank-local path.
+with no copy. So every transport takes the same per-process path.
 
 **What each process gets.** A global ``jax.Array`` per leaf with the target
 sharding, exactly as jax represents global arrays in a multi-controller

@@ -39,7 +39,7 @@ Example:
   ...                           num_heads=8, num_kv_heads=2, head_dim=8)
   >>> shards = vllm.vllm_shards(model, tp_rank=1, tp_size=4)
   >>> s = shards["model.layers.0.self_attn.qkv_proj.weight"]
-  >>> s.local_shape, s.box  # 2 query heads, then the one key/value head this rank replicates
+  >>> s.tensor_shape, s.box  # 2 query heads, then the one key/value head this rank replicates
   ((32, 64), Box(lo=(32, 0), hi=(64, 64)))
 """
 
@@ -298,23 +298,23 @@ class VllmShard:
       name: vLLM's parameter name (``model.layers.0.self_attn.qkv_proj.weight``).
       view_shape: the shape of the view all ranks tile (:func:`vllm_views`).
       box: the part of that view this rank holds (empty on a rank that holds only vocabulary padding).
-      local_shape: the shape of the rank's parameter tensor.
-      local_box: where ``box`` lands in that tensor (all of it, but for the vocabulary's padding rows).
+      tensor_shape: the shape of the rank's parameter tensor.
+      tensor_box: where ``box`` lands in that tensor (all of it, but for the vocabulary's padding rows).
     """
 
     name: str
     view_shape: tuple[int, ...]
     box: Box
-    local_shape: tuple[int, ...]
-    local_box: Box
+    tensor_shape: tuple[int, ...]
+    tensor_box: Box
 
 
 def _split(name: str, shape: tuple[int, ...], axis: int, r: int, tp: int) -> VllmShard:
     n = shape[axis] // tp
     lo = tuple(r * n if d == axis else 0 for d in range(len(shape)))
     hi = tuple((r + 1) * n if d == axis else s for d, s in enumerate(shape))
-    local = tuple(n if d == axis else s for d, s in enumerate(shape))
-    return VllmShard(name, shape, Box(lo, hi), local, Box((0,) * len(shape), local))
+    own = tuple(n if d == axis else s for d, s in enumerate(shape))
+    return VllmShard(name, shape, Box(lo, hi), own, Box((0,) * len(shape), own))
 
 
 def _whole(name: str, shape: tuple[int, ...]) -> VllmShard:
@@ -360,7 +360,7 @@ def vllm_shards(model: DecoderShape, tp_rank: int, tp_size: int) -> dict[str, Vl
     out["model.norm.weight"] = _whole("model.norm.weight", (d,))
     if not m.tie_word_embeddings:
         out["lm_head.weight"] = _vocab("lm_head.weight", m, r, tp)
-    assert all(math.prod(s.local_box.shape) == math.prod(s.box.shape) for s in out.values())
+    assert all(math.prod(s.tensor_box.shape) == math.prod(s.box.shape) for s in out.values())
     return out
 
 
@@ -401,9 +401,9 @@ def receiver_shards(
     shards = {}
     for name, s in layout.items():
         shape = tuple(int(n) for n in tensors[name].shape)
-        if shape != s.local_shape:
-            raise LayoutError(f"receiver_shards: {name} has shape {shape}; vLLM allocates {s.local_shape} on rank "
+        if shape != s.tensor_shape:
+            raise LayoutError(f"receiver_shards: {name} has shape {shape}; vLLM allocates {s.tensor_shape} on rank "
                               f"{tp_rank} of {tp_size}")  # fmt: skip
-        shards[name] = Shard(tensors[name], s.view_shape, s.box, s.local_box)
+        shards[name] = Shard(tensors[name], s.view_shape, s.box, s.tensor_box)
     views = vllm_views(trainer_params(model, source_dtype, names, key), model, tp_size, dtypes[0], names)
     return shards, views

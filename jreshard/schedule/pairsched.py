@@ -43,7 +43,7 @@ step 1, and a rank has at most ``h`` sends and ``h`` receives with one key, so n
 group holds more than ``max_group_ops`` of its operations. A round whose operations
 here have several keys runs as one group per key, in key order (``Schedule.groups``);
 both ends put every chunk in the same group, and the argument above holds for
-(round, key) in order. Rank-local rounds need ``max_group_ops >= 2``.
+(round, key) in order. Pair-paced rounds need ``max_group_ops >= 2``.
 
 **Cost.** Chunks, their boxes, rounds and descriptor rows are numpy columns over all
 of this process's messages (:mod:`jreshard.schedule.chunktable`,
@@ -138,7 +138,7 @@ def pair_paced(
     if options.max_group_ops < 2:
         raise ValueError(
             f"pair-paced rounds: max_group_ops={options.max_group_ops}; a rank may send one chunk and receive "
-            "another in one exchange group, so rank-local rounds need max_group_ops >= 2"
+            "another in one exchange group, so pair-paced rounds need max_group_ops >= 2"
         )
     half = options.max_group_ops // 2
     # 1. Peer counts, and where each end ranks the other among its peers (for the exchange groups).

@@ -1,6 +1,6 @@
 """One rank's steps held as tables: numpy columns in round order, a ``Step`` made only when asked.
 
-A rank-local schedule (:mod:`jreshard.schedule.pairsched`) of a large refit has thousands of
+A per-process schedule (:mod:`jreshard.schedule.pairsched`) of a large refit has thousands of
 rounds and tens of thousands of chunks per rank. :class:`RankSteps` keeps their wires and
 descriptor rows as numpy columns, in round order, and is the ``schedule.steps[rank]``
 mapping. The engine reads the columns whole (:attr:`RankSteps.columns`) when it compiles

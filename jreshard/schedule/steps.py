@@ -107,7 +107,7 @@ class Schedule:
       staging: ``staging[rank]``: the most staging bytes ``rank`` ever holds at once.
       ntensors: tensors in the plan.
       groups: how rounds are cut into exchange groups, ``{round: {(src, dst, tag): group}}``
-        (rounds absent run as one group), when the schedule carries its own cut (a rank-local
+        (rounds absent run as one group), when the schedule carries its own cut (a per-process
         one, :mod:`jreshard.schedule.pairsched`); None: the engine cuts it with
         :func:`jreshard.schedule.groups.group_rounds`, which needs every rank's steps.
     """

@@ -43,13 +43,13 @@ class Shard:
       tensor: the ``torch.Tensor`` written (contiguous).
       shape: the global shape it is a part of.
       box: the part of the global tensor it holds (empty: it holds none of it, only padding).
-      local_box: where ``box`` lands in ``tensor`` (default: all of it); one contiguous run of its memory.
+      tensor_box: where ``box`` lands in ``tensor`` (default: all of it); one contiguous run of its memory.
     """
 
     tensor: Any
     shape: tuple[int, ...]
     box: Box
-    local_box: Box | None = None
+    tensor_box: Box | None = None
 
 
 class Receiver:
@@ -70,7 +70,7 @@ class Receiver:
         for name, s in shards.items():
             if not s.box.volume:
                 continue
-            self._targets[(name, 0)] = tensor_region(s.tensor, s.local_box or _whole(s.tensor), what=name)
+            self._targets[(name, 0)] = tensor_region(s.tensor, s.tensor_box or _whole(s.tensor), what=name)
             if str(s.tensor.device) != "cpu":
                 if self.in_place:
                     raise ValueError(
@@ -92,19 +92,19 @@ class Receiver:
         """The declaration of ``shards`` (one slot: this process), checked before any connection.
 
         Raises:
-          LayoutError: a box outside its shape, or of another volume than its ``local_box``;
-          TypeError, ValueError: a tensor of an unsupported dtype, not contiguous, or a ``local_box``
+          LayoutError: a box outside its shape, or of another volume than its ``tensor_box``;
+          TypeError, ValueError: a tensor of an unsupported dtype, not contiguous, or a ``tensor_box``
             that is not one run of its memory (each names the tensor).
         """
         tensors = []
         for name, s in shards.items():
             box = s.box if isinstance(s.box, Box) else Box(*s.box)
-            local = s.local_box or _whole(s.tensor)
-            if local.volume != box.volume:
+            region = s.tensor_box or _whole(s.tensor)
+            if region.volume != box.volume:
                 raise LayoutError(
-                    f"{name}: its box {box} has {box.volume} elements, its local_box {local} {local.volume}"
+                    f"{name}: its box {box} has {box.volume} elements, its tensor_box {region} {region.volume}"
                 )
-            tensor_region(s.tensor, local, what=name)
+            tensor_region(s.tensor, region, what=name)
             boxes = ((0, box),) if box.volume else ()
             tensors.append(Tensor(name=name, shape=tuple(s.shape), dtype=tensor_dtype(s.tensor), boxes=boxes))
         return Declaration(tensors=tuple(tensors), slots=1, domain=domain, recipe=recipe)

@@ -1,4 +1,4 @@
-"""A CPU twin of a device-memory transport, for the rank-local tests.
+"""A CPU twin of a device-memory transport, for the per-process tests.
 
 :class:`DeviceLikeBuffers` is a buffer backend that is not ``CpuBuffers`` and remembers every
 buffer it hands out ("device memory"): shard views, destination blocks, staging and uploads

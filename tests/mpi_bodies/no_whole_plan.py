@@ -1,6 +1,6 @@
 """Make every function that plans the whole cluster raise, and record which ranks get a rank plan.
 
-Used by the rank-local tests: on the front door's multi-process path a process plans and
+Used by the per-process tests: on the front door's multi-process path a process plans and
 schedules only the ranks it drives. Guarded: the whole plan (``plan_layouts``' cached planner and
 ``plan_tensor``, which plans every unit of a tensor), slicing a plan into rank plans
 (``Plan.rank_plan``/``Plan.rank_plans``) and the global schedule (``build_schedule``'s builder).
@@ -22,7 +22,7 @@ def guard(patch: Any) -> list[int]:
 
     def refuse(what: str):
         def call(*args: Any, **kwargs: Any) -> Any:
-            raise WholePlanCalled(f"{what} was called on the rank-local path")
+            raise WholePlanCalled(f"{what} was called on the per-process path")
 
         return call
 

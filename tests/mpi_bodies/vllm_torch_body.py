@@ -51,7 +51,9 @@ def server_side() -> dict:
 
     model = vllm.DecoderShape(**CFG)
     rank = MPI.COMM_WORLD.Get_rank() - 1  # the trainer is world rank 0
-    tensors = {n: torch.zeros(s.local_shape, dtype=torch.bfloat16) for n, s in vllm.vllm_shards(model, rank, 2).items()}
+    tensors = {
+        n: torch.zeros(s.tensor_shape, dtype=torch.bfloat16) for n, s in vllm.vllm_shards(model, rank, 2).items()
+    }
     shards, recipe = vllm.receiver_shards(tensors, model, rank, 2)
     rx = Receiver.over_mpi(shards, recipe=recipe, options=Options(timeout_s=60.0))
     exact = []

@@ -109,12 +109,12 @@ def run_server(index: int, count: int, die: int | None) -> None:
     from jreshard.torch.receiver import Receiver
 
     tensors = {
-        name: torch.full(s.local_shape, float("nan"), dtype=torch.bfloat16)
+        name: torch.full(s.tensor_shape, float("nan"), dtype=torch.bfloat16)
         for name, s in vllm.vllm_shards(MODEL, index, count).items()
     }
     for name, t in tensors.items():  # vLLM fills the padding rows of the vocabulary with zeros
         s = vllm.vllm_shards(MODEL, index, count)[name]
-        if s.local_box.shape != s.local_shape:
+        if s.tensor_box.shape != s.tensor_shape:
             t.zero_()
     shards, recipe = vllm.receiver_shards(tensors, MODEL, index, count)
     rx = Receiver.connect(shards, recipe=recipe, address=ADDRESS, index=index, count=count, options=OPTIONS, host=HOST)

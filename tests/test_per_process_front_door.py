@@ -1,6 +1,6 @@
 """The front door's multi-process path plans and schedules only the ranks a process drives.
 
-Every function that plans the whole cluster (the whole plan, slicing it into rank programs, the
+Every function that plans the whole cluster (the whole plan, slicing it into rank plans, the
 global schedule) is made to raise; transfers must still deliver every byte, in one process over
 a transport that drives every rank, and under mpiexec where each process drives its own devices.
 """
@@ -59,8 +59,8 @@ def test_transfer_over_a_transport_builds_no_whole_plan(monkeypatch):
 def test_each_process_plans_only_its_own_ranks(tmp_path, procs, devices, memory):
     """``device``: the buffers are device-like and the MPI transport takes only their memory."""
     need_mpi()
-    launch([program(procs, "rank_local_transfer.py", memory)], tmp_path, devices=devices, timeout_s=150)
-    got = results(tmp_path, "ranklocal")
+    launch([program(procs, "per_process_transfer.py", memory)], tmp_path, devices=devices, timeout_s=150)
+    got = results(tmp_path, "perprocess")
     assert sorted(got) == list(range(procs))
     for r in got.values():
         assert "error" not in r, r["error"]
@@ -72,7 +72,7 @@ def test_each_process_plans_only_its_own_ranks(tmp_path, procs, devices, memory)
 
 def test_device_buffers_carry_the_mail_and_no_whole_plan_is_built(monkeypatch):
     """With a backend other than CpuBuffers (NCCL's device buffers) over a transport that, like NCCL,
-    takes only that backend's memory, the scheduling mail travels in it too: rank-local, bit-exact."""
+    takes only that backend's memory, the scheduling mail travels in it too: per-process, bit-exact."""
     devs = np.array(jax.devices())
     src = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
     dst = NamedSharding(Mesh(devs[2:6].reshape(2, 2), ("dp", "tp")), P(None, "tp"))

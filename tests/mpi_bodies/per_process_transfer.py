@@ -57,4 +57,4 @@ def body() -> dict:
 
 
 if __name__ == "__main__":
-    main("ranklocal", body)
+    main("perprocess", body)
