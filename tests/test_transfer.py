@@ -387,11 +387,11 @@ def test_transfer_accepts_views_anywhere_a_leaf_is_allowed():
 def test_public_assembly_path_gives_the_same_results(monkeypatch):
     """Without jax's private DLPack import and array constructor (another jax version), results come from
     public calls (``jax.dlpack.from_dlpack``, ``jax.make_array_from_single_device_arrays``), equal."""
-    import jreshard.engine.inprocess as inprocess
+    import jreshard.engine.arrays as arrays
 
-    monkeypatch.setattr(inprocess, "_PUT", None)  # no batched put either: the DLPack path, through public calls
-    monkeypatch.setattr(inprocess, "_IMPORT", inprocess._public_import)
-    monkeypatch.setattr(inprocess, "_ASSEMBLE", inprocess._public_assemble)
+    monkeypatch.setattr(arrays, "_PUT", None)  # no batched put either: the DLPack path, through public calls
+    monkeypatch.setattr(arrays, "_IMPORT", arrays._public_import)
+    monkeypatch.setattr(arrays, "_ASSEMBLE", arrays._public_assemble)
     s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))
     x = {"a": _make((8, 8), jnp.float32, s, 3), "b": _make((4, 4), jnp.bfloat16, s, 4)}
     out = jreshard.transfer(x, d)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
-from jreshard.engine import inprocess
+from jreshard.engine import arrays
 
 DEVS = np.array(jax.devices())
 A4 = Mesh(DEVS[:4], ("x",))
@@ -110,7 +110,7 @@ def test_host_sources_obey_the_host_to_device_guard_as_device_put_does():
 def test_a_failure_making_results_is_raised_and_the_fast_path_stays_on(monkeypatch):
     src, dst = PAIRS["other_devices"]
     x = jax.device_put(jnp.arange(64.0).reshape(8, 8), src)
-    real, calls = inprocess._IMPORT, []
+    real, calls = arrays._IMPORT, []
 
     def flaky(view, device):
         calls.append(device)
@@ -118,11 +118,11 @@ def test_a_failure_making_results_is_raised_and_the_fast_path_stays_on(monkeypat
             raise RuntimeError("injected import failure")
         return real(view, device)
 
-    monkeypatch.setattr(inprocess, "_IMPORT", flaky)
-    monkeypatch.setattr(inprocess, "_PUT", None)  # the DLPack path, as under a guard that refuses host puts
+    monkeypatch.setattr(arrays, "_IMPORT", flaky)
+    monkeypatch.setattr(arrays, "_PUT", None)  # the DLPack path, as under a guard that refuses host puts
     with pytest.raises(RuntimeError, match="injected import failure"):
         jreshard.transfer(x, dst)
-    assert inprocess._IMPORT is flaky
+    assert arrays._IMPORT is flaky
     before = len(calls)
     assert_same_as_device_put(jreshard.transfer(x, dst), jax.device_put(x, dst))
     assert len(calls) == before + len(dst.device_set)  # the same import made every shard of the second call

@@ -36,10 +36,10 @@ import numpy as np
 
 from jreshard.call.front import Call, LeafTarget, Mode
 from jreshard.call.routes import cluster_transport
+from jreshard.engine.arrays import fresh_shards, make_array
 from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
-from jreshard.engine.inprocess import _fresh, _make_array
 from jreshard.engine.ownership import remember_all, shard_addresses, shard_arrays, take
 from jreshard.engine.pool import default_pool
 from jreshard.engine.viewcopy import CopyTasks, compile_tasks, execute_pieces
@@ -251,7 +251,7 @@ def run(
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
         arrays, boxes = _sources(lowerings, srcs, layouts)
-        bufs = [_fresh(d, 1, pool)[1][0] for d in dsts]
+        bufs = [fresh_shards(d, 1, pool)[1][0] for d in dsts]
     with builder.timed(ReportPhase.COPY):
         try:
             execute_pieces(
@@ -277,7 +277,7 @@ def _assemble(d: Layout, sharding: Sharding, shards: list[np.ndarray]) -> Any:
     """A global array over host shards (``d.ranks`` order), zero-copy on CPU."""
     slot = {r: k for k, r in enumerate(d.ranks)}
     devs = addressable_order(sharding)
-    return _make_array(d.shape, d.np_dtype, sharding, [shards[slot[dev.id]] for dev in devs], list(devs))
+    return make_array(d.shape, d.np_dtype, sharding, [shards[slot[dev.id]] for dev in devs], list(devs))
 
 
 def _count(builder: ReportBuilder, lowerings: Sequence[LeafLowering]) -> None:
@@ -333,7 +333,7 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
                 shards = {s.device.id: s.data for s in taken.donated[t][0].addressable_shards}
                 bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
             else:
-                fresh[t] = _fresh(d, 1, pool)[1][0]
+                fresh[t] = fresh_shards(d, 1, pool)[1][0]
                 bufs.append(dict(zip(d.ranks, fresh[t], strict=True)))
                 taken.count(builder, t, sum(b.nbytes for b in fresh[t]))
     with builder.timed(ReportPhase.COPY):

@@ -19,8 +19,8 @@ every leaf of the group at once:
 4. **Results.** Each global array is made over its shards in one call of jax's batched put
    (zero-copy on CPU) where the transfer guard allows it, else each shard is imported through
    DLPack as memory its device already holds (no host-to-device transfer: every
-   ``jax.transfer_guard`` setting allows it) and the array assembled from them; the pool takes
-   the block back when jax lets it go.
+   ``jax.transfer_guard`` setting allows it) and the array assembled from them
+   (:mod:`jreshard.engine.arrays`); the pool takes the block back when jax lets it go.
 
 The host work of a many-leaf call is mostly per leaf: jax builds a Python object per source
 shard when its shards are first read (about 3 us each), and one call makes each result.
@@ -32,7 +32,6 @@ are read and its destinations held.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,7 +39,7 @@ import jax
 import numpy as np
 
 from jreshard.engine import strided
-from jreshard.engine.buffers import Capsule, dlpack_type, retype_capsule
+from jreshard.engine.arrays import batched_put, fresh_shards, make_array, put_allowed
 from jreshard.engine.copies import CopyLowering, addresses, lower_local
 from jreshard.engine.ownership import (
     remember,
@@ -48,19 +47,17 @@ from jreshard.engine.ownership import (
     shard_arrays,
     shard_pointer,
     take,
-    with_weak_type,
 )
-from jreshard.engine.pool import ALIGN, BufferPool, default_pool
+from jreshard.engine.pool import BufferPool, default_pool
 from jreshard.engine.prepared import Group, Kind, Mode, Prepared, sharding_of
 from jreshard.errors import TransferError
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase
 from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import storage_bytes
-from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
-from jreshard.types import Array, Device, DType, Sharding, Target, TreeLeaf
+from jreshard.types import Target, TreeLeaf
 
 __all__ = ["lowering_of", "run_local"]
 
@@ -102,151 +99,6 @@ def _has_empty(layout: Any) -> bool:
     return any(b.volume == 0 for b in layout.boxes)
 
 
-# The dtypes numpy itself exports through DLPack (ml_dtypes' bfloat16 and float8 are not among them).
-_NUMPY_DLPACK = frozenset(np.dtype(t) for t in "?bhilqBHILQefdFD")
-
-
-def _capsule(view: np.ndarray, device_id: int | None = None) -> Any:
-    """The DLPack capsule of a pool buffer (numpy exports bfloat16 and float8 as unsigned integers of
-    their width: the capsule is re-typed), reporting ``device_id`` where given."""
-    dtype = view.dtype
-    if dtype in _NUMPY_DLPACK and device_id is None:
-        return view.__dlpack__()
-    code, bits = dlpack_type(dtype)
-    return retype_capsule(view.view(np.dtype(f"uint{bits}")).__dlpack__(), code, bits, device_id)
-
-
-def _public_import(view: np.ndarray, device: Device) -> Any:
-    """``jax.dlpack.from_dlpack`` of a pool buffer onto ``device`` (zero-copy: the capsule names the device)."""
-    hw = device.local_hardware_id
-    return jax.dlpack.from_dlpack(Capsule(_capsule(view, hw), hw))
-
-
-def _public_assemble(
-    shape: tuple[int, ...], dtype: DType, sharding: Sharding, shards: list[Any], weak: bool = False
-) -> Any:
-    out = jax.make_array_from_single_device_arrays(shape, sharding, shards)
-    return out if not weak else _rewrapped_weak(out)
-
-
-def _rewrapped_weak(a: Array) -> Any:  # pragma: no cover - other jax versions only
-    """``a`` weakly typed, through a jitted no-op (the public path has no constructor for it)."""
-    return jax.jit(lambda v: with_weak_type(v, True), out_shardings=a.sharding)(a)
-
-
-def _dlpack_import() -> Any:
-    """jax's zero-copy import of a DLPack capsule onto a given device, as ``jax.dlpack.from_dlpack``
-    makes it, without that function's per-call checks and ``jnp.asarray`` (a quarter of its cost)."""
-    try:
-        from jax._src.lib import _jax, jaxlib_extension_version
-
-        fn = _jax.dlpack_managed_tensor_to_buffer
-    except (ImportError, AttributeError):  # pragma: no cover - other jax versions: the public path
-        return _public_import
-    if jaxlib_extension_version >= 467:
-        return lambda view, device: fn(_capsule(view), device, None, None, _KDLCPU)
-    return lambda view, device: fn(_capsule(view), device, None, None)  # pragma: no cover - an older jaxlib
-
-
-def _array_impl() -> Any:
-    """jax's constructor of a global array from single-device arrays, without the checks of
-    ``jax.make_array_from_single_device_arrays`` (the shards were made to fit the sharding)."""
-    try:
-        from jax._src import core
-        from jax._src.array import ArrayImpl
-    except ImportError:  # pragma: no cover - other jax versions: the public path
-        return _public_assemble
-    aval = cache(max_size=4096)(core.ShapedArray)
-    return lambda shape, dtype, sharding, shards, weak=False: ArrayImpl(
-        aval(shape, dtype, weak), sharding, shards, committed=True, _skip_checks=True
-    )
-
-
-_KDLCPU = 1  # DLPack's device type of host memory
-_IMPORT = _dlpack_import()
-_ASSEMBLE = _array_impl()
-
-
-class _BatchedPut:
-    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU):
-    ``put(shape, dtype, sharding, views, devices, weak)``, or :meth:`raw` with an aval made once
-    (by :meth:`aval`) for many arrays of one shape and dtype."""
-
-    __slots__ = ("aval", "raw")
-
-    def __init__(self, raw: Any, aval: Any):
-        self.raw, self.aval = raw, aval
-
-    def __call__(
-        self, shape: tuple[int, ...], dtype: DType, sharding: Sharding, views: Sequence[Any], devices: Any, weak: bool
-    ) -> Any:
-        return self.raw(self.aval(shape, dtype, weak), sharding, views, devices, True)
-
-
-def _batched_put() -> _BatchedPut | None:
-    """:class:`_BatchedPut`, or ``None`` where this jax has none of that private signature."""
-    try:
-        from jax._src import core
-        from jax._src.lib import xla_client as xc
-
-        fn = xc.batched_device_put
-    except (ImportError, AttributeError):  # pragma: no cover - other jax versions: DLPack import only
-        return None
-    return _BatchedPut(fn, cache(max_size=4096)(core.ShapedArray))
-
-
-_PUT = _batched_put()
-
-
-def _put_allowed() -> bool:
-    """Whether :func:`_make_array` may make arrays with jax's batched put now (it exists here, and the
-    transfer guard allows it)."""
-    return _PUT is not None and _host_to_device_allowed()
-
-
-def _host_to_device_allowed() -> bool:
-    """Whether ``jax.transfer_guard`` lets host buffers be put on devices here (its default does)."""
-    try:
-        from jax._src import config
-
-        return config.transfer_guard_host_to_device.value in (None, "allow")
-    except (ImportError, AttributeError):  # pragma: no cover - another jax: the guard-proof path
-        return False
-
-
-def _make_array(
-    shape: tuple[int, ...],
-    dtype: DType,
-    sharding: Sharding,
-    views: Sequence[np.ndarray],
-    devices: Any,
-    weak_type: bool = False,
-    put: bool | None = None,
-) -> Any:
-    """A global array over pool buffers ``views`` (one per device, in ``devices`` order), zero-copy,
-    committed to ``sharding`` and weakly typed where the source was (as ``jax.device_put`` keeps it).
-
-    Where ``jax.transfer_guard`` allows host-to-device transfers (its default), one call of jax's
-    batched put makes the array over the buffers (zero-copy on CPU; a few microseconds per shard).
-    Under a guard that refuses them, each shard is imported through DLPack as memory its CPU device
-    already holds (no host-to-device transfer: every guard setting allows it; about 20 us a shard),
-    and the array assembled from them.
-
-    ``put``: whether the batched put may be used (:func:`_put_allowed`, asked once for a whole call);
-    ``None`` asks here.
-
-    Raises:
-      TransferError: jax copied a buffer instead of aliasing it, or a dtype has no DLPack type (sub-byte).
-    """
-    if _PUT is not None and (_put_allowed() if put is None else put):
-        return _PUT(shape, dtype, sharding, views, devices, weak_type)
-    shards = [_IMPORT(v, d) for v, d in zip(views, devices, strict=True)]
-    for v, d, a in zip(views, devices, shards, strict=True):
-        if v.size and a.unsafe_buffer_pointer() != v.ctypes.data:
-            raise TransferError(f"jax copied the {v.dtype}{list(v.shape)} result shard on {d} instead of aliasing it")
-    return _ASSEMBLE(shape, dtype, sharding, shards, weak_type)
-
-
 def _kept(leaf: TreeLeaf, target: Target) -> Any:
     """A leaf that moves no byte: itself for a ``None`` target, else what ``jax.device_put`` gives for a
     sharding it already has (the same buffers, committed, carrying the target's sharding object)."""
@@ -254,36 +106,6 @@ def _kept(leaf: TreeLeaf, target: Target) -> Any:
     if sharding is None or (leaf.sharding is sharding and getattr(leaf, "_committed", True)):
         return leaf
     return jax.device_put(leaf, sharding)
-
-
-def _padded(nbytes: int) -> int:
-    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-
-
-def _fresh(
-    dst: Layout, n: int, pool: BufferPool, order: Sequence[int] | None = None
-) -> tuple[np.ndarray, list[list[np.ndarray]]]:
-    """Destination shards of layout ``dst`` for ``n`` leaves: one pool block per slot, cut per leaf.
-
-    Returns ``(addresses (n, slots), views[leaf])``, each leaf's views in slot order, or in ``order``
-    (the slots in the order jax assembles the leaf's shards) where given.
-    """
-    dtype = dst.np_dtype
-    shapes = tuple(dst.box_of(r).shape for r in dst.ranks)
-    ptr = np.zeros((n, len(shapes)), dtype=np.int64)
-    cols: list[list[np.ndarray]] = []
-    for k, shape in enumerate(shapes):
-        count = math.prod(shape)
-        step = _padded(storage_bytes(dtype, count))
-        block = pool.take(step * n)
-        ptr[:, k] = block.ctypes.data + np.arange(n, dtype=np.int64) * step
-        # One view of the block as (leaf, padded shard), cut to the shard: iterating it yields
-        # each leaf's C-contiguous shard view without a Python slice per leaf.
-        per_leaf = block.view(dtype).reshape(n, step // dtype.itemsize)[:, :count].reshape(n, *shape)
-        # (Iterating a 1-D array yields numpy scalars, copies taken now: rank-0 shards index with `...`.)
-        cols.append(list(per_leaf) if shape else [per_leaf[j, ...] for j in range(n)])
-    slots = range(len(shapes)) if order is None else order
-    return ptr, [list(v) for v in zip(*(cols[k] for k in slots), strict=True)]
 
 
 def _into_destinations(
@@ -321,7 +143,7 @@ def _into_destinations(
                 p[j, list(g.dst_order[j])] = donated[i][1]
                 v_g.append([])
             else:
-                one_p, one_v = _fresh(g.dst, 1, pool, g.common_dst)
+                one_p, one_v = fresh_shards(g.dst, 1, pool, g.common_dst)
                 p[j] = one_p[0]
                 v_g.append(one_v[0])
                 taken.count(builder, i, sum(x.nbytes for x in one_v[0]))
@@ -361,7 +183,7 @@ def run_local(
         ]
         donated: dict[int, tuple[Any, tuple[int, ...]]] = {}
         if prep.mode is Mode.TRANSFER:
-            fresh = [_fresh(g.dst, len(g.leaves), pool, g.common_dst) for g in shape.groups]
+            fresh = [fresh_shards(g.dst, len(g.leaves), pool, g.common_dst) for g in shape.groups]
             dst_ptr, views = [p for p, _ in fresh], [v for _, v in fresh]
         else:
             dst_ptr, views, donated = _into_destinations(prep, src_ptr, pool, builder)
@@ -381,7 +203,7 @@ def run_local(
                 ) from err
             raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
     with builder.timed(ReportPhase.BUFFERS):
-        put = _put_allowed()
+        put = put_allowed()
         for g, low, v_g, dp in zip(shape.groups, lowerings, views, dst_ptr, strict=True):
             for link, nb in low.link_bytes:
                 builder.add_bytes(link, nb * len(g.leaves))
@@ -409,7 +231,7 @@ def _results(
     shards ``views[j]`` (in the order jax assembles them where the group has one order, ``g.common_dst``,
     else in slot order) with addresses ``dst_ptr`` (slot order); each result's addresses are remembered."""
     leaves, targets, common = prep.leaves, prep.targets, g.common_dst
-    batched = _PUT if put else None
+    batched = batched_put(put)
     avals: dict[bool, Any] = {}  # weak_type -> aval: every leaf of a group has one shape and dtype
     made: list[Any] = []
     rows = (dst_ptr[:, list(common)] if common is not None else dst_ptr).tolist()
@@ -433,7 +255,7 @@ def _results(
                 aval = avals[weak] = batched.aval(leaf.shape, leaf.dtype, weak)
             a = batched.raw(aval, sharding, shards, devices, True)
         else:
-            a = _make_array(leaf.shape, leaf.dtype, sharding, shards, devices, leaf.weak_type, put)
+            a = make_array(leaf.shape, leaf.dtype, sharding, shards, devices, leaf.weak_type, put)
         out[i] = a
         made.append(a)
         made_rows.append(row)
