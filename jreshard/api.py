@@ -7,11 +7,11 @@ saying why, never falling back to another.
 
 - ``local``: every device taking part is addressable in this process (a
   single-controller program on CPU devices). The plan of each layout group is
-  lowered to local copies (:mod:`jreshard.engine.copies`) and run for every leaf of
+  lowered to in-process copies (:mod:`jreshard.engine.copies`) and run for every leaf of
   the group at once (:mod:`jreshard.engine.inprocess`): source shards are read through
   their buffers, destination shards come from a pool of memory jax has released
   (:mod:`jreshard.engine.pool`), and the global array is never materialised on the
-  host. On GPUs in one process the engine below runs over local copies.
+  host. On GPUs in one process the engine below runs over in-process copies.
 - ``mpi``: :func:`jreshard.call.routes.transfer_multiprocess`, the message-passing
   engine over MPI; every process of the cluster calls ``transfer``.
 - ``nccl``: the same engine over ``NcclComm``, in one process with GPUs or across
@@ -331,7 +331,7 @@ def transfer_into(
       into: a matching pytree of ``jax.Array`` (or ``None`` leaves), the destinations.
       topology: as for :func:`transfer`.
       options: as for :func:`transfer`; the backend must resolve to ``"local"``, or be ``"xla"``
-        (the program donates the ``into`` shards, :mod:`jreshard.xla`; not run on GPU or TPU).
+        (the computation donates the ``into`` shards, :mod:`jreshard.xla`; not run on GPU or TPU).
       report: also return a :class:`TransferReport`.
 
     Returns:

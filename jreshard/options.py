@@ -11,7 +11,7 @@ __all__ = ["Backend", "Delta", "Options"]
 class Backend(enum.Enum):
     """Which transport runs a transfer: the name of a transport of the registry (:mod:`jreshard.call.routes`)."""
 
-    AUTO = "auto"  # local copies in one process; NCCL on GPUs across processes; else MPI
+    AUTO = "auto"  # direct copies in one process; NCCL on GPUs across processes; else MPI
     LOCAL = "local"  # one process, every device addressable: direct copies
     MPI = "mpi"  # mpi4py (CPU buffers, or CUDA-aware MPI)
     NCCL = "nccl"  # cupy.cuda.nccl point-to-point

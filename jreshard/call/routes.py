@@ -19,7 +19,7 @@ transport. ``auto`` picks, in registry order, the first transport whose record l
 3. ``mpi`` when the arrays are on CPUs across processes.
 
 and raises if that one cannot start. ``auto`` never picks ``xla`` (the plan compiled into one XLA
-program, :mod:`jreshard.xla`): on CPU in one process the direct copies were measured faster
+computation, :mod:`jreshard.xla`): on CPU in one process the direct copies were measured faster
 (``benchmarks/transfer_bench.py``), and it has not been run on GPU or TPU. ``nixl`` serves two
 programs (``RefitGroup``, :mod:`jreshard.elastic`), not a ``transfer`` call.
 
@@ -356,7 +356,7 @@ def run_engine(
     into: Sequence[Array | None] | None = None,
 ) -> list[Array]:
     """Open the transport ``choice`` names (its record's communicator and buffers) and run the flat leaves
-    through the engine: MPI across processes, NCCL, or stream-ordered local copies between GPUs in one
+    through the engine: MPI across processes, NCCL, or stream-ordered in-process copies between GPUs in one
     process (not run on GPU); any registered name (``"loopback"``, ``"recording"``) runs the same way.
     ``into``: per leaf, the array ``transfer_into`` writes into (GPUs in one process).
 

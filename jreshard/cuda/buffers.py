@@ -84,7 +84,7 @@ def _ordinal(device: Device) -> int:
 class CupyBuffers(Buffers[CupyArray]):
     """CuPy buffers on jax CUDA devices (final). Not run on GPU.
 
-    Stream order, no host waits until the end. On each GPU, packs and local copies run
+    Stream order, no host waits until the end. On each GPU, packs and same-device copies run
     on a pack stream, sends and receives on the comm stream (``NcclComm``'s, with
     :meth:`NcclComm.buffers`), unpacks on an unpack stream; :meth:`fence` (before each
     exchange) and the staging arenas' events order them (:mod:`jreshard.cuda.streams`),

@@ -5,7 +5,7 @@ Three streams per GPU, none of them the legacy default stream:
 
 - the **comm** stream: NCCL's (``NcclComm.stream``), where sends and receives run, and where
   JAX's stream waits before it reads an imported destination;
-- the **pack** stream: packs into staging, and the local copies;
+- the **pack** stream: packs into staging, and the same-device copies;
 - the **unpack** stream: unpacks out of staging.
 
 Staging is double-buffered (the engine alternates two arenas by round), so the pack of
@@ -78,7 +78,7 @@ class GpuStreams:
 
     def before_pack(self, o: int, arena: int | None, reads_received: bool) -> CudaStream:
         """The pack stream of GPU ``o``, made to wait for what must finish before writing ``arena``
-        (``None``: no staging, a local copy) and, if ``reads_received``, for the comm and unpack streams."""
+        (``None``: no staging, a same-device copy) and, if ``reads_received``, for the comm and unpack streams."""
         s = self.pack(o)
         with self._cp.cuda.Device(o):
             for event in self._release.pop(arena, []) if arena is not None else []:

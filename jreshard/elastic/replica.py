@@ -71,7 +71,7 @@ class ElasticReplica:
       options: chunking, staging, ``timeout_s`` (connecting, every wait on a peer) and ``secret``
         (default ``$JRESHARD_SECRET`` or ``$JRESHARD_SECRET_FILE``): the trainer's key.
       links: link speeds for the cost model (as the trainer's).
-      host: the local address where this process serves catch-ups to joining replicas (default:
+      host: this host's address where this process serves catch-ups to joining replicas (default:
         the address of the interface that reaches the trainer); NIXL's UCX listens on its interface only.
       recipe: how this replica's tensors are made from the trainer's, as a :class:`jreshard.RefitGroup`
         destination's: a pytree with the structure of ``like``, each leaf a view over

@@ -54,7 +54,7 @@ class ElasticTrainer:
     Args:
       params: the parameter declaration: a pytree of ``jax.Array`` or
         ``jax.ShapeDtypeStruct`` with shardings on this process's devices.
-      host: the local address to listen on: an interface's address (``"10.0.0.1"``), ``"0.0.0.0"``
+      host: this host's address to listen on: an interface's address (``"10.0.0.1"``), ``"0.0.0.0"``
         for every IPv4 interface, default loopback. NIXL's UCX listens on that interface only (a
         wildcard: on every one).
       port: the port to listen on (0: a free one; see :attr:`address`).

@@ -7,7 +7,7 @@
  *   PACK   rows n seg nbuf arena bytes table  gather the byte rows of ``table`` from the buffers
  *                                             addr[seg:seg+nbuf] into the staging arena addr[arena]
  *   UNPACK rows n seg nbuf arena bytes table  scatter them back
- *   START  group . . . phase . .              start the group's requests, then copy its local messages
+ *   START  group . . . phase . .              start the group's requests, then copy its in-process messages
  *   WAIT   group . . . phase . .              poll the group's requests until all completed, within timeout_ns
  *                                             of its START; check every receive got the bytes it expected
  *
@@ -18,7 +18,7 @@
  *
  * The buffers are named by index into two arrays that the caller refreshes every step: their addresses and
  * byte sizes (``addresses``, read from this step's shard and staging buffers). ``validate`` checks every row
- * and every local copy against those sizes; the caller runs it whenever a size changed since the last check,
+ * and every in-process copy against those sizes; the caller runs it whenever a size changed since the last check,
  * so ``run`` trusts them. The transport is three C functions given by address, with MPI's signatures
  * (MPI_Startall, MPI_Test, MPI_Get_count): the requests are opaque handles of ``req_size`` bytes, the status
  * ``status_size`` bytes; this file includes no MPI header and links no MPI library.
@@ -143,7 +143,7 @@ static int parse(PyObject *args, prepared *p, int with_transport) {
     return 1;
 }
 
-/* Whether the local copy c lies inside both of its buffers. */
+/* Whether the in-process copy c lies inside both of its buffers. */
 static int copy_ok(const int64_t *c, const prepared *p) {
     int64_t end;
     for (int side = 0; side < 2; side++) {
@@ -157,8 +157,8 @@ static int copy_ok(const int64_t *c, const prepared *p) {
 }
 
 /* validate(ops, nops, groups, ngroups, copies, ncopies, addresses, sizes, nbuf): -1 when every row of every
- * PACK and UNPACK and every local copy lies inside its buffers; else the index of the first operation (or
- * nops + k for local copy k) that does not. */
+ * PACK and UNPACK and every in-process copy lies inside its buffers; else the index of the first operation (or
+ * nops + k for in-process copy k) that does not. */
 static PyObject *py_validate(PyObject *self, PyObject *args) {
     (void)self;
     prepared p = {0};

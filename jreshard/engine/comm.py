@@ -136,7 +136,7 @@ class NativeGroups:
     """What the compiled replay (``jreshard/engine/_replay.c``) needs to start and poll prepared groups itself.
 
     Attributes:
-      groups: ``(ngroups, 4)`` int64: per group its requests ``[lo, hi)`` and its local copies ``[lo, hi)``.
+      groups: ``(ngroups, 4)`` int64: per group its requests ``[lo, hi)`` and its in-process copies ``[lo, hi)``.
       copies: ``(ncopies, 5)`` int64: ``(src buffer, src offset, dst buffer, dst offset, nbytes)``, the messages
         between ranks of this process, copied when their group starts (buffers index the step's buffer list).
       requests: the requests' handles, ``req_size`` bytes each, back to back (re-made handles are written here).

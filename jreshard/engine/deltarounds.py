@@ -13,7 +13,7 @@ by its row's ``(sender rank, receiver rank, tag)``, the same from one refit of a
 unit, the base version it was encoded against) and its body, so its length varies. Each group is
 exchanged in two phases: first every chunk's length (8 bytes each), then the encodings at exactly those
 lengths. Two phases cost one more message latency per group, and they keep every transport as it is: MPI,
-NIXL (whose WRITEs land in receive buffers of the size the receiver posted) and the local copies all move
+NIXL (whose WRITEs land in receive buffers of the size the receiver posted) and the in-process copies all move
 fixed-size buffers the receiver allocated for the length it was told, and nothing is sized from a guess.
 
 **What is kept** (:class:`DeltaBases`): per process, a copy of every chunk it sent and every chunk it

@@ -8,7 +8,7 @@ shardings, no communication), then their rounds, agreed with their peers by a
 few small messages (:func:`jreshard.schedule.pairsched.pair_schedule`); no process
 builds the whole plan or every rank's schedule. It runs them through the shared
 engine (:func:`jreshard.engine.rounds.execute`) over the transport it is given (chosen and built by
-:mod:`jreshard.call.routes`: MPI, NCCL, or local copies). A device's
+:mod:`jreshard.call.routes`: MPI, NCCL, or in-process copies). A device's
 rank is its ``device.id``, which is unique in a jax cluster.
 
 **Device buffers.** The scheduling mail travels in the ``buffers``' memory, as

@@ -1,4 +1,4 @@
-"""Run a prepared transfer in one process on CPU devices: the local-copy lowering of its plans.
+"""Run a prepared transfer in one process on CPU devices: the copy lowering of its plans.
 
 Per layout group (:class:`~jreshard.engine.prepared.Group`) the plan of its layout pair is
 lowered once (:func:`~jreshard.engine.copies.lower_local`, cached) and applied to

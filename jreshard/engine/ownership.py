@@ -1,7 +1,7 @@
 """When ``transfer_into`` may write in place, and how it takes an ``into`` array's memory: the rule, once.
 
 Every path that writes into ``into`` (the in-process copies, the views, the engine's rounds in one
-process, the repacked sub-byte and key leaves, the XLA program) asks this module, in this order:
+process, the repacked sub-byte and key leaves, the XLA computation) asks this module, in this order:
 
 1. :func:`claim`: which ``into`` leaves may be written in place. One may when nothing else can
    observe its memory: it is live, holds bytes, and shares no buffer with any source leaf nor with an

@@ -248,7 +248,7 @@ class Replay:
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._checked: np.ndarray | None = None  # the sizes the native rows were last checked against
         self._args: tuple | None = None
-        self.intact = True  # whether the step wrote no destination byte before the rounds (no local copies)
+        self.intact = True  # whether the step wrote no destination byte before the rounds (no same-device copies)
 
     def release(self) -> None:
         """Free the transport's prepared requests and graph."""
@@ -300,11 +300,11 @@ class Replay:
         return self._run_python(comm, buffers, bufs, bases, timeout_s, clock)
 
     def _native_checked(self, addr: np.ndarray, size: np.ndarray, ro: np.ndarray) -> bool:
-        """Whether every native row and local copy lies inside this step's buffers and every buffer written is
+        """Whether every native row and in-process copy lies inside this step's buffers and every buffer written is
         writable (checked again whenever a size changed, and every step under ``JRESHARD_CHECK_BOUNDS=1``).
 
         Raises:
-          TransferError: a row or local copy leaves its buffer, or a buffer written is read-only (nothing written).
+          TransferError: a row or in-process copy leaves its buffer, or a buffer written is read-only (nothing written).
         """
         written = self.ops.written
         if len(written) and ro[written].any():  # every step: a buffer can turn read-only and keep its size
@@ -326,7 +326,8 @@ class Replay:
             addr.ctypes.data, size.ctypes.data, len(addr),
         )  # fmt: skip
         if bad >= 0:
-            what = f"operation {bad} ({ops[bad].tolist()})" if bad < len(ops) else f"local message {bad - len(ops)}"
+            k = bad - len(ops)
+            what = f"operation {bad} ({ops[bad].tolist()})" if bad < len(ops) else f"in-process message {k}"
             raise TransferError(
                 f"execute: a prepared refit's {what} would leave its buffer: a shard or staging arena is smaller "
                 "than the schedule it was prepared for; nothing was written by the rounds",

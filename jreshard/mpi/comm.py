@@ -202,7 +202,7 @@ class MpiComm(Communicator):
     def start_rows(
         self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
     ) -> Posted:
-        """Post one group (``Isend``/``Irecv``, the local copies done) and return it; its ``wait`` polls it
+        """Post one group (``Isend``/``Irecv``, the in-process copies done) and return it; its ``wait`` polls it
         until ``timeout_s`` after this call."""
         deadline = time.monotonic() + timeout_s
         pending = self._start(*ops_of_rows(sends, recvs, buffers))
@@ -256,7 +256,7 @@ class MpiComm(Communicator):
         try:  # messages between ranks of this process: copies, matched as LocalComm matches them
             match_and_copy(local_sends, local_recvs)
         except PeerError:
-            self._abort(pending, "unmatched local messages")
+            self._abort(pending, "unmatched in-process messages")
             raise
         return pending
 
@@ -479,8 +479,8 @@ class _MpiPrepared(PreparedGroups):
         meta = self._meta
         for what, buf, off, n in (
             ("message", meta[:, _BUF], meta[:, _OFF], meta[:, _NBYTES]),
-            ("local message", self._copies[:, 0], self._copies[:, 1], self._copies[:, 4]),
-            ("local message", self._copies[:, 2], self._copies[:, 3], self._copies[:, 4]),
+            ("in-process message", self._copies[:, 0], self._copies[:, 1], self._copies[:, 4]),
+            ("in-process message", self._copies[:, 2], self._copies[:, 3], self._copies[:, 4]),
         ):
             bad = np.nonzero((off < 0) | (n < 0) | (off + n > sizes[buf]) | ((n > 0) & (addresses[buf] == 0)))[0]
             if len(bad):

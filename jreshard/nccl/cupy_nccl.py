@@ -3,7 +3,7 @@
 One NCCL rank per GPU. jreshard ranks that share a GPU (a colocated trainer and
 inference engine) share its NCCL rank, because NCCL refuses two ranks of one
 communicator on one device; the planner sends no messages between them (those
-are local copies). A process that drives several GPUs holds one NCCL
+are same-device copies). A process that drives several GPUs holds one NCCL
 communicator per device, created together inside one NCCL group, and issues
 every send and receive of an exchange inside one ``groupStart``/``groupEnd``.
 

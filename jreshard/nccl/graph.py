@@ -158,7 +158,7 @@ class GraphRefit(StepGraph):
                 self._layout(bases, stream)
             tables = self._bind(bufs, bases)
             baked = tuple((len(t), CK.grid_size(t)) for t in tables)
-            buffers.fence()  # the local copies before the rounds, on the buffers' streams, before the graph
+            buffers.fence()  # the same-device copies before the rounds, on the buffers' streams, before the graph
             if self._graph is None or baked != self._baked:
                 self._capture(tables, stream)
                 self._baked = baked

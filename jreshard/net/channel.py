@@ -122,7 +122,7 @@ def format_address(host: str, port: int) -> str:
 def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A non-blocking listening socket bound to ``host:port`` (``port`` 0: any free port).
 
-    ``host`` is any local address: ``"0.0.0.0"`` every IPv4 interface, ``"::"`` every IPv6 one.
+    ``host`` is any address of this host: ``"0.0.0.0"`` every IPv4 interface, ``"::"`` every IPv6 one.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)

@@ -1,7 +1,7 @@
 """A free port for a ``jax.distributed`` coordinator, held until the coordinator has bound it.
 
 Picking a port by binding to port 0 and closing the socket leaves a window in which any other
-process may take the port (an outgoing connection's local port is drawn from the same range), and
+process may take the port (an outgoing connection's own port is drawn from the same range), and
 then the coordinator's gRPC server cannot bind it: jax logs ``Failed to add port to server`` and
 the process dies with SIGSEGV, not an exception. So the port stays bound here, with
 ``SO_REUSEPORT``, until the coordinator is up. gRPC binds its servers with ``SO_REUSEPORT`` on

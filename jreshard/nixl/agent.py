@@ -21,7 +21,7 @@ expected to write it: a notification from any other agent, or naming an id nobod
 ignored (logged), so a stranger that guesses nothing cannot complete a receive.
 
 **Interfaces.** UCX's TCP transport listens on every network interface unless told otherwise. An
-agent made for a ``host`` (a local address, not a wildcard) restricts it to that address's
+agent made for a ``host`` (an address of this host, not a wildcard) restricts it to that address's
 interface (UCX's ``UCX_NET_DEVICES``, set only while the agent's UCX context is made): one made for
 ``127.0.0.1`` listens on loopback only. Shared-memory transports (same host) are unaffected.
 
@@ -106,7 +106,7 @@ _SIOCGIFADDR = 0x8915
 
 
 def interface_of(host: str) -> str | None:
-    """The name of the local network interface that holds address ``host`` (``"lo"`` for any loopback
+    """The name of this host's network interface that holds address ``host`` (``"lo"`` for any loopback
     address); ``None`` for a wildcard (``"0.0.0.0"``, ``"::"``, ``""``) or an address no interface holds.
 
     Example:
@@ -212,7 +212,7 @@ class NixlAgent:
       name: the agent's name, unique among every agent it meets (default: host, pid and a random
         suffix).
       backends: the NIXL backends to create (default UCX).
-      host: the local address this process's transfers use: UCX's network transports are restricted
+      host: this host's address that this process's transfers use: UCX's network transports are restricted
         to the interface that holds it (``None`` or a wildcard: every interface, UCX's default).
 
     Attributes:
@@ -240,7 +240,7 @@ class NixlAgent:
         )
         self.interface = None if host is None else interface_of(host)
         if host is not None and self.interface is None and host not in ("", "0.0.0.0", "::"):
-            log.warning("NixlAgent: no local interface holds %r: UCX may listen on every interface", host)
+            log.warning("NixlAgent: no interface of this host holds %r: UCX may listen on every interface", host)
         with _ENV_LOCK:  # UCX reads its configuration from the environment when the agent makes its context
             before = os.environ.get("UCX_NET_DEVICES")
             if self.interface is not None and before is None:

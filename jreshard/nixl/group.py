@@ -93,7 +93,7 @@ class ProcessGroup:
             writes it into the file beside its address (readable by its owner only), so whoever can
             read the file can join (the MPI transport's rendezvous, where no secret is configured).
           timeout_s: the deadline for the whole rendezvous.
-          host: the local address to listen on: process 0's, when ``address`` is a file; every other
+          host: this host's address to listen on: process 0's, when ``address`` is a file; every other
             process's listener for its peers, where the default (loopback) and ``"0.0.0.0"`` mean
             the interface that reaches process 0.
 

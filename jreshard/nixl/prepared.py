@@ -197,7 +197,7 @@ class NixlPrepared(PreparedGroups):
         send: dict[Channel, list[tuple[int, ...]]] = {}
         self._rgroups: list[dict[Channel, np.ndarray]] = []  # per group: channel -> indices of its receives
         self._sgroups: list[list[Channel]] = []  # per group: the channels it sends to
-        self._copies: list[list[tuple[int, int, int, int, int]]] = []  # per group: local messages
+        self._copies: list[list[tuple[int, int, int, int, int]]] = []  # per group: in-process messages
         for g, (sends, recvs) in enumerate(groups):
             for r in recvs:
                 if r[1] not in mine:
@@ -270,7 +270,8 @@ class NixlPrepared(PreparedGroups):
             for sb, so, db, do, nb in copies:
                 if so + nb > sizes[sb] or do + nb > sizes[db] or min(so, do) < 0:
                     raise TransferError(
-                        f"NixlComm: a local message of {nb} bytes would leave buffer {sb} or {db}; nothing was posted",
+                        f"NixlComm: an in-process message of {nb} bytes would leave buffer {sb} or {db}; "
+                        "nothing was posted",
                         destination_intact=True,
                     )
         self._addr = addresses.copy()

@@ -23,7 +23,7 @@ them (names, shapes, dtypes on both sides, every process of a side agreeing, a
 device a process does not have, a source that does not cover a tensor) and
 raises :class:`LayoutMismatchError` with the same full list on every process of
 both sides before any weight moves. Otherwise each process plans only the
-ranks it drives (their programs, no whole plan) and, at the first refit, agrees
+ranks it drives (their rank plans, no whole plan) and, at the first refit, agrees
 their rounds with its peers in a few small messages; the schedule is kept for
 every later refit. ``group.plan`` builds the whole plan only when read.
 
@@ -746,7 +746,7 @@ class RefitGroup:
         abort: Any = None,
     ) -> int:
         """The pull loop of a destination process (:meth:`pull`, and :class:`~jreshard.refit.endpoint.Endpoint`'s
-        without jax): the begin vote (``error``: this process's local problem, or ``""``), the bytes into
+        without jax): the begin vote (``error``: this process's problem, or ``""``), the bytes into
         ``given`` (``{(tensor, rank): 1-D uint8 buffer}``, every shard this process receives), the commit
         vote. Returns the version once every process of the group committed it.
 

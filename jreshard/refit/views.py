@@ -67,7 +67,7 @@ def predict_group(
     """The cost model's *predicted* time of a views refit (``docs/cost_model.md``'s model).
 
     The loads are the schedule's own: every chunk it sends (landing on the network at stage 0,
-    forwarded over the fast links at stage 1, as a plan's fan-out) and every local copy of the
+    forwarded over the fast links at stage 1, as a plan's fan-out) and every same-device copy of the
     lowering, in the bytes they carry (the wire dtype), so a view refit and a plain one are
     predicted by the same formula.
     """

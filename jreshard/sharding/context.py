@@ -38,7 +38,7 @@ class Context:
     dlo: np.ndarray
     dhi: np.ndarray
     overlaps: Overlaps | None  # destination groups that overlap inside one domain (overlap.py)
-    shared_devices: bool  # whether two destination ranks share a device (their fan-out is then a local copy)
+    shared_devices: bool  # whether two destination ranks share a device (their fan-out is then a same-device copy)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -120,7 +120,7 @@ def context(src: Layout, dst: Layout, topo: Topology) -> Context:
 
 
 def fan_link(ctx: Context, a: int, b: int) -> Link:
-    """The link of a fan-out inside one domain: a local copy when the two ranks share a device."""
+    """The link of a fan-out inside one domain: a same-device copy when the two ranks share a device."""
     if ctx.shared_devices and ctx.topo.device_of(a) == ctx.topo.device_of(b):
         return Link.SAME_DEVICE
     return Link.FAST

@@ -2,7 +2,7 @@
 
 For group ``u`` (box ``beta``, its holders by domain) and the pieces of ``beta``
 (``beta ∩ sigma_j``), every domain ``G`` that holds ``beta`` either has a replica
-of a piece inside (its holders get it locally or over fast links, emitted here),
+of a piece inside (its holders get it on their device or over fast links, emitted here),
 takes part of it from an earlier group that overlaps ``u`` in ``G`` (``overlap.py``),
 or needs it over the network. :func:`domain_needs` emits the first two kinds of
 rows and returns the third: per domain the pieces it needs, per piece the domains

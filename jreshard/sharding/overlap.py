@@ -5,7 +5,7 @@ layouts (halos, uneven producers) may: ranks 1 and 2 of one domain holding
 ``[0, 3)`` and ``[1, 4)``. The network bound counts an element of the union once
 per domain (``bounds.py``), so the planner must too: a destination group ``u``
 takes, in each domain ``G``, what an *earlier* group ``e < u`` held in ``G`` also
-needs from that group's holders over fast links (or a local copy), once ``e`` is
+needs from that group's holders over fast links (or a same-device copy), once ``e`` is
 complete there, and only the rest over the network.
 
 ``ready[e]`` is a stage by which every holder of ``e`` has all of its box: its

@@ -208,7 +208,7 @@ def rank_plans(
     """The plans of the ranks one process drives, ``{rank: RankPlan}``, without the whole plan.
 
     Each equals ``plan_layouts(...).rank_plan(rank)``: what the rank sends, receives (from
-    whom, at which stage, the pieces in order) and copies locally.
+    whom, at which stage, the pieces in order) and copies on its device.
     """
     pairs, topology, options = prepare_pairs(pairs, topology, options, names)
     key_opts = Options(relays=options.relays, min_stripe_bytes=options.min_stripe_bytes)

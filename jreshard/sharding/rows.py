@@ -26,7 +26,7 @@ __all__ = ["Emitter", "Move", "Phase", "Row", "TensorPlan", "TensorSpec", "Tenso
 class Phase(enum.IntEnum):
     """Why a transfer happens."""
 
-    LAND = 0  # from a source replica: local copy, fast link inside G, or the network into G
+    LAND = 0  # from a source replica: same-device copy, fast link inside G, or the network into G
     RELAY = 1  # a destination that received a piece forwards it to another domain
     FANOUT = 2  # a lander shares its stripe with the other holders in its domain
 

@@ -4,7 +4,7 @@ the link bandwidths the cost model uses.
 A *domain* is a set of ranks joined by fast links (NVLink: the 8 GPUs of a DGX
 node, the 72 of an NVL72 rack; the CPU devices of one host). Between domains is
 the network, one NIC per rank. Ranks that share a device (a colocated trainer
-and inference engine) copy locally; they must be in the same domain.
+and inference engine) copy on that device; they must be in the same domain.
 """
 
 from __future__ import annotations

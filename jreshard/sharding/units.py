@@ -5,8 +5,8 @@ across every domain ``G`` that holds it (``R(beta, G)`` are its holders there).
 For each piece ``p = beta ∩ sigma_j`` (``sigma_j`` a disjoint source box with
 replicas ``H_j``):
 
-1. Local first: a holder of ``beta`` on the same device as a replica copies ``p``
-   locally.
+1. Same device first: a holder of ``beta`` on the same device as a replica copies ``p``
+   there.
 2. If ``G`` has a replica of ``p`` (``p ⊆ U(G)``), every other holder gets it over
    fast links from a replica in ``G``, the replicas taken in turn.
 3. Otherwise ``p`` must cross the network into ``G``, once. The network pieces of

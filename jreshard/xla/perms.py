@@ -88,7 +88,7 @@ def permutations(
     if not 0 <= tol < 1:
         raise ValueError(f"permutations: tol={tol} must be in [0, 1)")
     if any(a == b for a, b in zip(src, dst, strict=True)):
-        raise ValueError("permutations: a message from a rank to itself is a local copy, not a permutation")
+        raise ValueError("permutations: a message from a rank to itself is a same-device copy, not a permutation")
     src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
     left = np.asarray(nbytes, np.int64).copy()  # bytes not yet placed, per message
     out: list[Permutation] = []
