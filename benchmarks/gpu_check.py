@@ -74,7 +74,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(name="nccl", full_s=40, quick_s=30),
     Stage(name="transfer", full_s=50, quick_s=30),
     Stage(name="prealloc", full_s=25, quick_s=25, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "true"}),
-    Stage(name="xla", full_s=35, quick_s=30),  # backend xla's program on the GPU (benchmarks/gpu_xla_stage.py)
+    Stage(name="xla", full_s=35, quick_s=30),  # backend xla's computation on the GPU (benchmarks/gpu_xla_stage.py)
     Stage(name="graph", full_s=30, quick_s=25),  # a prepared refit as one CUDA graph against the eager engine
     Stage(name="pytest", full_s=70, quick_s=60),
 )

@@ -22,8 +22,8 @@ Cases, all measured in one run (these hosts are shared and noisy: read the ratio
 
 The ``xla`` column is ``jreshard.transfer(..., options=Options(backend="xla"))`` (the plan compiled
 into one jitted ``shard_map`` of ``ppermute``s, ``jreshard.xla``) in the same run, for the cases
-named by ``--xla-cases`` (default ``tensor,refit``: a program of 1000 leaves takes minutes to
-compile on these hosts); its warm-up call compiles the program, which is printed apart.
+named by ``--xla-cases`` (default ``tensor,refit``: a computation of 1000 leaves takes minutes to
+compile on these hosts); its warm-up call compiles the computation, which is printed apart.
 
 Every time is wall clock over ``--repeats`` calls after a warm-up call, each result
 freed before the next; the table prints the median and [min-max]. Every contender runs

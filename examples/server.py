@@ -25,11 +25,11 @@ for _ in range(5):
     params, version = group.pull(like=like)
     seconds = time.perf_counter() - t0
     landed = sum(s.data.nbytes for p in params.values() for s in p.addressable_shards)  # this process's shards
-    local = float(np.asarray(params["wq"].addressable_shards[0].data).mean())
+    mean = float(np.asarray(params["wq"].addressable_shards[0].data).mean())
     if side.Get_rank() == 0:
         print(
             f"server: pulled version {version}: {landed / 2**20:.2f} MiB landed here in {seconds * 1e3:.1f} ms "
-            f"({landed / seconds / 1e9:.3f} GB/s), wq shard mean {local}",
+            f"({landed / seconds / 1e9:.3f} GB/s), wq shard mean {mean}",
             flush=True,
         )
 group.close()

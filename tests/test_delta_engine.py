@@ -163,7 +163,7 @@ def test_any_sequence_is_bit_exact(case, per_proc, width, chunk, events, seed) -
     plan = plan_layouts(pairs, topo, options, ["w"])
     sched = build_schedule(plan, options)
     ranks = sorted(set(src.ranks) | set(dst.ranks))
-    device = dict(zip(topo.ranks, topo.devices, strict=True))  # ranks on one device: one process (local copies)
+    device = dict(zip(topo.ranks, topo.devices, strict=True))  # ranks on one device: one process (same-device copies)
     order = sorted(set(device[r] for r in ranks))
     proc_of = {r: order.index(device[r]) // per_proc for r in ranks}
     procs: dict[int, list[int]] = {}

@@ -170,7 +170,7 @@ def test_the_engine_fences_between_rounds_and_waits_once_at_the_end():
                     options=plan.options, buffers=backend)  # fmt: skip
     assert stats.rounds > 1
     assert backend.calls.count("synchronize") == 1 and backend.calls[-1] == "synchronize"
-    assert backend.calls.count("fence") == stats.rounds + 1  # after the local copies, before each exchange
+    assert backend.calls.count("fence") == stats.rounds + 1  # after the same-device copies, before each exchange
     np.testing.assert_array_equal(d2.view(np.float32).reshape(32, 32), host[:, 32:])
 
 

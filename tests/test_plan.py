@@ -1,5 +1,5 @@
 """Unit tests of the planner on named cases: the seed example, relays, balance,
-local copies, coalescing, uneven and overlapping layouts."""
+same-device copies, coalescing, uneven and overlapping layouts."""
 
 from __future__ import annotations
 

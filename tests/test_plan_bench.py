@@ -61,14 +61,14 @@ def test_peer_mail_equals_the_whole_plan(model, n, domain):
 
 
 def test_peer_mail_skips_local_landings():
-    """Source and destination on the same ranks: a rank's local landings are no messages."""
+    """Source and destination on the same ranks: a rank's same-device landings are no messages."""
     shape = (64, 48)
     src = Layout.from_mesh(np.arange(8), ("fsdp",), ("fsdp",), shape, "float32")
     dst = Layout.from_mesh(np.arange(8).reshape(2, 4), ("dp", "tp"), (None, "tp"), shape, "float32")
     r = types.SimpleNamespace(pairs=((src, dst), (dst, src)), names=("a", "b"))
     topo = Topology.uniform(range(8), 4, network_bw=plan_bench.NIC, fast_bw=plan_bench.NVLINK)
     plan = plan_layouts(r.pairs, topo, names=r.names)
-    assert any(int(p.table.cuts[0]) for p in (plan.rank_plan(k) for k in range(8)))  # there are local landings
+    assert any(int(p.table.cuts[0]) for p in (plan.rank_plan(k) for k in range(8)))  # there are same-device landings
     outs, ins = _whole_plan_mail(plan)
     for rank in range(8):
         peers = sorted(set(outs.get(rank, [])) | set(ins.get(rank, [])))

@@ -42,7 +42,7 @@ def test_fanout_between_ranks_on_one_device_is_local():
     fan = [t for t in p.transfers() if t.phase == Phase.FANOUT]
     assert [(t.src, t.dst, t.link) for t in fan] == [(1, 2, Link.SAME_DEVICE)]
     assert p.stats().same_device_bytes == 32 and p.stats().fast_bytes == 0
-    # It runs after the landing it forwards: a message at its stage, not a stage-0 local copy.
+    # It runs after the landing it forwards: a message at its stage, not a stage-0 same-device copy.
     rp = p.rank_plan(2)
     assert rp.copies == () and [(m.src, m.link, m.stage) for m in rp.recvs] == [(1, Link.SAME_DEVICE, 1)]
 

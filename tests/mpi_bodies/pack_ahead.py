@@ -2,7 +2,7 @@
 their shard) into staging, in small chunks, so each sender packs the next round while MPI moves the round
 before.
 
-Every destination shard is checked against numpy's cast; the result counts the groups this process's program
+Every destination shard is checked against numpy's cast; the result counts the groups this process's schedule
 posts ahead (a start with packs before its wait, :mod:`jreshard.engine.replay`) and the rounds it packed ahead.
 """
 

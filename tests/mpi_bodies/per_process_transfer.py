@@ -2,7 +2,7 @@
 
 Each process guards the whole-plan functions (``no_whole_plan.guard``), runs seeded random
 transfers (as ``multi_transfer.py``) and checks its target shards against numpy; it reports the
-ranks it computed a program for and its own device ids. With the argument ``device`` the buffers
+ranks it computed a rank plan for and its own device ids. With the argument ``device`` the buffers
 are ``device_like.DeviceLikeBuffers`` over an MPI transport that takes only their memory (as
 NCCL takes only device memory), so the scheduling mail must travel in them too.
 """
