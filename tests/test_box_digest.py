@@ -262,7 +262,7 @@ def test_a_box_mac_past_the_librarys_limit_is_tagged_in_pieces(monkeypatch):
     from jreshard.net import auth
 
     s = auth.Session(b"k" * 16, bytes(32), bytes(32), client=True)
-    monkeypatch.setattr(auth, "_GMAC_PIECE", 16)
+    monkeypatch.setattr(auth, "_GMAC_SPAN", 16)
     data = np.arange(40, dtype=np.uint8)
     tag = s.box_mac(b"m", data)
     assert len(tag) == 3 * 16 and tag == s.box_mac(b"m", data.copy())
