@@ -39,7 +39,7 @@ SEND_KIND, RECV_KIND = 0, 1
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class MessageTable:
-    """The messages of some ranks (in each rank's rank-plan order) and their pieces as byte boxes.
+    """The messages of some ranks (in each rank's plan order) and their pieces as byte boxes.
 
     Attributes:
       rank, kind, stage, peer, link: per message (``kind`` SEND_KIND or RECV_KIND).
@@ -75,7 +75,7 @@ def _byte_bounds(t, items: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarr
 
 
 def message_table(rank_plans: Mapping[int, RankPlan], items: np.ndarray, width: int) -> MessageTable:
-    """The sent and received messages of ``rank_plans``' ranks, rank by rank in rank-plan order."""
+    """The sent and received messages of ``rank_plans``' ranks, rank by rank in plan order."""
     cols: dict[str, list[np.ndarray]] = {k: [] for k in MessageTable.__slots__}
     base = 0
     for r in sorted(rank_plans):

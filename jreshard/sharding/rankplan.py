@@ -68,7 +68,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class RankTable:
-    """One rank's rows as columns (read-only numpy arrays), in rank-plan order.
+    """One rank's rows as columns (read-only numpy arrays), in the rank plan's order.
 
     Rows are sorted by ``kind`` (:data:`COPY`, :data:`SEND`, :data:`RECV`); the copy
     rows by ``(tensor, emission order)``, the sent and received ones by ``(stage,
