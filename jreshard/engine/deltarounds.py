@@ -10,11 +10,13 @@ chunk would have landed (staging or the destination shard), and the unpacks run 
 by its row's ``(sender rank, receiver rank, tag)``, the same from one refit of a schedule to the next.
 
 **The wire.** An encoding is a 16-byte header (kind, whether the receiver keeps the chunk, the comparison
-unit, the base version it was encoded against) and its body, so its length varies. Each group is
-exchanged in two phases: first every chunk's length (8 bytes each), then the encodings at exactly those
-lengths. Two phases cost one more message latency per group, and they keep every transport as it is: MPI,
-NIXL (whose WRITEs land in receive buffers of the size the receiver posted) and the local copies all move
-fixed-size buffers the receiver allocated for the length it was told, and nothing is sized from a guess.
+unit, the base version it was encoded against) and its body, so its length varies, but never past the
+header and the chunk itself (the encoder's contract: a body is never longer than its chunk). Each group is
+one :meth:`~jreshard.engine.comm.Communicator.exchange_sized`: every receive is posted at that bound, the
+sender sends the encoding alone, and its length travels with it (NIXL: in the WRITE's notification; MPI:
+the receive's status), checked against the bound by the transport before a byte is read and again here.
+A transport that cannot carry a length sends the lengths first (8 bytes each), then the encodings: one
+more message latency per group. Nothing is sized from a guess.
 
 **What is kept** (:class:`DeltaBases`): per process, a copy of every chunk it sent and every chunk it
 received, at the version the group last committed, at most ``limit`` bytes of sent chunks (a sender keeps
@@ -124,11 +126,11 @@ class DeltaStats:
 
     Attributes:
       full_bytes: the wire bytes of the chunks it sent, as a full refit sends them.
-      sent_bytes: the bytes it sent instead: headers, bodies and length messages.
+      sent_bytes: the bytes it sent instead: headers, bodies, and 8 bytes per chunk for its length.
       units, changed_units: the comparison units of the chunks it sent, and how many changed.
       chunks, delta_chunks: chunks sent, and how many of them went as a delta (not whole).
       encode_s, apply_s: seconds encoding the chunks it sent, rebuilding the chunks it received.
-      wire_s: seconds in the two exchanges (lengths, then encodings), waits on peers included.
+      wire_s: seconds exchanging the encodings, waits on peers included.
       recv_bytes: the bytes it received (headers and bodies).
     """
 
@@ -223,15 +225,15 @@ def _exchange(
     recv_keep: dict[ChunkKey, np.ndarray],
     clock: Callable[[], float],
 ) -> None:
-    """One exchange group in two phases: lengths, then encodings."""
+    """One exchange group: encode every send, exchange the encodings (:meth:`Communicator.exchange_sized`),
+    rebuild every receive."""
     st, held, unit = refit.stats, refit.bases, refit.unit
     out = held.scratch("send", sum(HEADER + row[5] for row in sends))
-    lens = held.scratch("send_len", _LEN * len(sends) + 8)[: _LEN * len(sends)].view("<i8")
     spans: list[tuple[int, int]] = []
     t0 = clock()
     at = 0
     kept_now = sum(a.nbytes for a in sent_keep.values())
-    for i, (src, dst, tag, b, off, n) in enumerate(sends):
+    for src, dst, tag, b, off, n in sends:
         key = (src, dst, tag)
         image = bases[b][off : off + n]
         base = held.sent.get(key)
@@ -249,7 +251,6 @@ def _exchange(
         if keep:
             sent_keep[key] = held.copy_of("sent", key, image)
             kept_now += n
-        lens[i] = HEADER + size
         spans.append((at, HEADER + size))
         at += HEADER + n
         st.full_bytes += n
@@ -259,31 +260,27 @@ def _exchange(
         st.chunks += 1
     t1 = clock()
     st.encode_s += t1 - t0
-    rlens = held.scratch("recv_len", _LEN * len(recvs) + 8)[: _LEN * len(recvs)].view("<i8")
-    comm.exchange(
-        [SendOp(s, d, t, lens[i : i + 1].view(np.uint8)) for i, (s, d, t, *_) in enumerate(sends)],
-        [RecvOp(s, d, t, rlens[i : i + 1].view(np.uint8)) for i, (s, d, t, *_) in enumerate(recvs)],
-        timeout_s=timeout_s,
-    )
-    sizes = rlens.tolist()
-    for (s, d, t, _, _, n), size in zip(recvs, sizes, strict=True):
-        if not HEADER <= size <= HEADER + n:
-            raise TransferError(
-                f"delta refit: rank {s} announced a chunk of {size} bytes for rank {d} (tag {t}); a chunk of "
-                f"{n} bytes encodes in {HEADER} to {HEADER + n}",
-                destination_intact=True,
-            )
-    inbox = held.scratch("recv", sum(sizes) + 8)
-    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist()
-    comm.exchange(
+    # Each receive's buffer holds the largest encoding its chunk can have (the header and the chunk itself):
+    # a bound from the encoder's contract, so the sender sends only the encoding, in one group.
+    bounds = [HEADER + row[5] for row in recvs]
+    inbox = held.scratch("recv", sum(bounds) + 8)
+    offsets = np.concatenate([[0], np.cumsum(bounds, dtype=np.int64)]).tolist()
+    sizes = comm.exchange_sized(
         [SendOp(s, d, t, out[a : a + m]) for (s, d, t, *_), (a, m) in zip(sends, spans, strict=True)],
         [RecvOp(s, d, t, inbox[offsets[i] : offsets[i + 1]]) for i, (s, d, t, *_) in enumerate(recvs)],
         timeout_s=timeout_s,
     )
+    for (s, d, t, _, _, n), size in zip(recvs, sizes, strict=True):  # the transport bounds it; checked again
+        if not HEADER <= size <= HEADER + n:
+            raise TransferError(
+                f"delta refit: rank {s} sent rank {d} a chunk of {size} bytes (tag {t}); a chunk of {n} bytes "
+                f"encodes in {HEADER} to {HEADER + n}",
+                destination_intact=True,
+            )
     t2 = clock()
     st.wire_s += t2 - t1
     for i, (s, d, t, b, off, n) in enumerate(recvs):
-        payload = inbox[offsets[i] : offsets[i + 1]]
+        payload = inbox[offsets[i] : offsets[i] + sizes[i]]
         st.recv_bytes += len(payload) + _LEN
         kind, keep, unit_in, _, version = _HEAD.unpack_from(payload.data, 0)
         key = (s, d, t)
