@@ -199,7 +199,12 @@ def test_any_sequence_is_bit_exact(case, per_proc, width, chunk, events, seed, o
             p = int(rng.choice(list(procs)))
             if p in saved:
                 b = bases[p]
-                b.sent, b.recv, b.version = saved[p]
+                sent, recv, v = saved[p]  # copies: a commit writes the kept copies in place (its patches)
+                b.sent, b.recv, b.version = (
+                    {k: a.copy() for k, a in sent.items()},
+                    {k: a.copy() for k, a in recv.items()},
+                    v,
+                )
         reported = {p: (None if what == "full" else b.version) for p, b in bases.items()}
         refits = {
             p: DeltaRefit(bases=bases[p], peer_base=lambda r, rep=reported: rep[proc_of[r]], unit=2) for p in procs
@@ -248,7 +253,8 @@ def test_sparse_change_sends_little() -> None:
     proc_of = {0: 0, 1: 0, 2: 1, 3: 1}
     bases = {p: DeltaBases(1 << 30) for p in procs}
     g = np.arange(16384, dtype=np.float32)
-    for version in (1, 2):
+    stats = {}
+    for version in (1, 2, 3):  # 3: nothing changed since 2 (the kept copies were patched to version 2)
         if version == 2:
             g = g.copy()
             g[5000] = -0.0 if g[5000] else 0.5
@@ -262,10 +268,12 @@ def test_sparse_change_sends_little() -> None:
         outs = _run_step.outs  # type: ignore[attr-defined]
         for r in (2, 3):
             assert outs[1][(0, r)].view(np.float32).tobytes() == g.tobytes()
-    st_ = refits[0].stats
+        stats[version] = refits[0].stats
+    assert stats[3].changed_units == 0 and stats[3].sent_bytes == (HEADER + 8) * stats[3].chunks, stats[3]
+    st_ = stats[2]
     assert st_.full_bytes == g.nbytes and st_.changed_units == 1  # into the domain once (then its fan-out)
     assert st_.sent_bytes < 300, st_
-    fan = refits[1].stats  # the destination's fan-out to its replica: a delta too
+    fan = refits[1].stats  # the destination's fan-out to its replica (version 3): a delta too
     assert fan.changed_units <= 1 and fan.sent_bytes < 300 + fan.full_bytes // 100, fan
 
 
@@ -345,3 +353,31 @@ def test_exchange_sized_lands_a_prefix_and_refuses_a_message_past_its_receive() 
         _ThreadComm([1], mail).exchange_sized([], [RecvOp(0, 1, 4, got)], timeout_s=5.0)
     assert (got == 0xEE).all()
     sender.join(5)
+
+
+def test_a_delta_chunk_is_kept_by_patching_its_base_at_commit() -> None:
+    """DeltaBases.patch: the kept copy becomes the new version at commit (its body applied in place, the copy
+    not handed out for reuse); an aborted refit leaves it as it was."""
+    from jreshard.engine import delta as codec
+
+    held = DeltaBases(1 << 20)
+    old = np.arange(4096, dtype=np.uint8)
+    held.begin()[0][(0, 1, 0)] = old.copy()
+    held.commit(1)
+    base = held.sent[(0, 1, 0)]
+    new = old.copy()
+    new[[7, 900, 4000]] ^= 0x40
+    body = np.empty(4096, np.uint8)
+    for outcome in ("abort", "commit"):
+        sent, _ = held.begin()
+        kind, size, _ = codec.encode(new, base, body, 2)
+        assert kind == codec.KIND_GAPS
+        sent[(0, 1, 0)] = held.patch(base, kind, body[:size], 2)
+        body[:] = 0  # the patch holds its own copy of the body
+        if outcome == "abort":
+            held.abort()
+            assert held.sent[(0, 1, 0)].tobytes() == old.tobytes() and held.version == 1
+        else:
+            held.commit(2)
+    assert held.sent[(0, 1, 0)] is base and base.tobytes() == new.tobytes() and held.version == 2
+    assert held.copy_of("sent", (0, 1, 0), new) is not base  # a patched copy is kept, never reused as a spare

@@ -53,6 +53,26 @@ _LEN = 8  # the bytes of one length message
 ChunkKey = tuple[int, int, int]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Patch:
+    """A kept copy's next version, made at :meth:`DeltaBases.commit`: ``base`` (the kept copy a chunk was encoded
+    against, or rebuilt from) with the body its bases hold at ``[at, at + size)`` applied in place."""
+
+    base: np.ndarray
+    kind: int
+    at: int
+    size: int
+    unit: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.base.nbytes)
+
+
+Kept = np.ndarray | _Patch
+"""A refit's copy of a chunk until commit: the chunk itself, or the patch that makes it from the kept one."""
+
+
 class DeltaBases:
     """What one process keeps to encode against and to apply onto (final).
 
@@ -70,27 +90,48 @@ class DeltaBases:
         self.version: int | None = None
         self.sent: dict[ChunkKey, np.ndarray] = {}
         self.recv: dict[ChunkKey, np.ndarray] = {}
-        self._pending: tuple[dict[ChunkKey, np.ndarray], dict[ChunkKey, np.ndarray]] | None = None
+        self._pending: tuple[dict[ChunkKey, Kept], dict[ChunkKey, Kept]] | None = None
         self._scratch: dict[str, np.ndarray] = {}
         self._spare: dict[tuple[str, ChunkKey], np.ndarray] = {}  # the copies the last commit replaced, reused
+        self._bodies = np.empty(0, np.uint8)  # the bodies of this refit's patches, one after the other
+        self._used = 0
 
     @property
     def kept_bytes(self) -> int:
         """Bytes held now: the kept chunks, sent and received."""
         return sum(a.nbytes for a in self.sent.values()) + sum(a.nbytes for a in self.recv.values())
 
-    def begin(self) -> tuple[dict[ChunkKey, np.ndarray], dict[ChunkKey, np.ndarray]]:
+    def begin(self) -> tuple[dict[ChunkKey, Kept], dict[ChunkKey, Kept]]:
         """Fresh places for this refit's copies (sent, received), held aside until :meth:`commit`."""
         self._pending = ({}, {})
+        self._used = 0
         return self._pending
 
     def commit(self, version: int) -> None:
-        """The group committed ``version``: its copies become the kept ones (chunks not kept this time go)."""
+        """The group committed ``version``: its copies become the kept ones (chunks not kept this time go). A
+        chunk that went as a delta is kept by applying its body to the copy it was encoded against, in place:
+        a few changed units written, where a copy would write the whole chunk."""
         if self._pending is None:
             raise ValueError("DeltaBases.commit: no refit began")
-        self._spare = {("sent", k): a for k, a in self.sent.items()} | {("recv", k): a for k, a in self.recv.items()}
-        self.sent, self.recv = self._pending
+        spare = {("sent", k): a for k, a in self.sent.items()} | {("recv", k): a for k, a in self.recv.items()}
+        kept: list[dict[ChunkKey, np.ndarray]] = []
+        for side, pending in zip(("sent", "recv"), self._pending, strict=True):
+            now: dict[ChunkKey, np.ndarray] = {}
+            for key, entry in pending.items():
+                if isinstance(entry, _Patch):
+                    # the body was made against this copy by this process's encoder, or already applied once
+                    # to rebuild the chunk: it cannot be malformed for it
+                    codec.apply(self._bodies[entry.at : entry.at + entry.size], entry.kind, entry.base, entry.unit)
+                    if spare.get((side, key)) is entry.base:
+                        del spare[(side, key)]
+                    now[key] = entry.base
+                else:
+                    now[key] = entry
+            kept.append(now)
+        self.sent, self.recv = kept
+        self._spare = spare
         self._pending = None
+        self._used = 0
         self.version = int(version)
 
     def abort(self) -> None:
@@ -101,10 +142,24 @@ class DeltaBases:
         """Forget every base (the next refit is full)."""
         self.sent, self.recv, self._pending, self.version, self._spare = {}, {}, None, None, {}
 
+    def patch(self, base: np.ndarray, kind: int, body: np.ndarray, unit: int) -> _Patch:
+        """This refit's copy of a chunk encoded against (or rebuilt from) the kept copy ``base`` as ``body`` of
+        ``kind``: the body is held (in memory reused from refit to refit) and applied to ``base`` at
+        :meth:`commit`, so nothing reads or writes the whole chunk."""
+        n = len(body)
+        if self._used + n > len(self._bodies):
+            grown = aligned_empty(max(2 * len(self._bodies), self._used + n, 4096))
+            grown[: self._used] = self._bodies[: self._used]
+            self._bodies = grown
+        self._bodies[self._used : self._used + n] = body
+        self._used += n
+        return _Patch(base=base, kind=kind, at=self._used - n, size=n, unit=unit)
+
     def copy_of(self, side: str, key: ChunkKey, data: np.ndarray) -> np.ndarray:
         """A copy of ``data`` for this refit's ``side`` (``"sent"`` / ``"recv"``) copies, in the memory of the copy
         the last commit replaced where there is one (no allocation, no page faults from one refit to the next).
-        A kept copy is never written: only the replaced ones, which nothing reads any more."""
+        A kept copy is written only at :meth:`commit` (a patch), when it becomes the new version; the replaced
+        ones are reused, which nothing reads any more."""
         spare = self._spare.pop((side, key), None)
         if spare is None or spare.shape != data.shape:
             return data.copy()
@@ -221,8 +276,8 @@ def _exchange(
     bases: Sequence[Any],
     timeout_s: float,
     refit: DeltaRefit,
-    sent_keep: dict[ChunkKey, np.ndarray],
-    recv_keep: dict[ChunkKey, np.ndarray],
+    sent_keep: dict[ChunkKey, Kept],
+    recv_keep: dict[ChunkKey, Kept],
     clock: Callable[[], float],
 ) -> None:
     """One exchange group: encode every send, exchange the encodings (:meth:`Communicator.exchange_sized`),
@@ -249,7 +304,10 @@ def _exchange(
             body[:] = image
         _HEAD.pack_into(out.data, at, kind, 1 if keep else 0, unit, 0, version if usable else -1)
         if keep:
-            sent_keep[key] = held.copy_of("sent", key, image)
+            if usable and base is not None and kind != codec.KIND_FULL:  # base + body: patched at commit
+                sent_keep[key] = held.patch(base, kind, body[:size], unit)
+            else:
+                sent_keep[key] = held.copy_of("sent", key, image)
             kept_now += n
         spans.append((at, HEADER + size))
         at += HEADER + n
@@ -302,5 +360,9 @@ def _exchange(
                 f"delta refit: rank {s} sent rank {d} a malformed chunk (tag {t}): {err}", destination_intact=True
             ) from None
         if keep:
-            recv_keep[key] = held.copy_of("recv", key, target)
+            if kind == codec.KIND_FULL:
+                recv_keep[key] = held.copy_of("recv", key, target)
+            else:  # rebuilt from the kept copy: the same body makes the kept copy this version at commit
+                assert base is not None
+                recv_keep[key] = held.patch(base, kind, payload[HEADER:], unit_in)
     st.apply_s += clock() - t2
