@@ -505,14 +505,16 @@ class NixlComm(Communicator):
         the message and ``got[i]`` set. Elsewhere a count is refused (the receive was posted at its size)."""
         ch = self._remote[r.src]
         what = f"rank {r.src}'s message to rank {r.dst} under tag {r.tag}"
+        landing = self._landing.get(i)
+        posted = int((r.buffer if landing is None else landing).nbytes)
         if got is None:
             if written is None:
                 return r
-            raise self._fail(ch, f"{what} came sized ({written} bytes), but it was posted at its size")
-        landing = self._landing.get(i)
-        posted = int((r.buffer if landing is None else landing).nbytes)
+            raise self._fail(ch, f"{what} gives its size ({written} bytes), but it was posted at exactly {posted}")
         seal = 0 if landing is None else TAG_BYTES
-        if written is None or not seal <= written <= posted:
+        if written is None:
+            raise self._fail(ch, f"{what} came without its size; its receive was posted to take up to {posted} bytes")
+        if not seal <= written <= posted:
             raise self._fail(
                 ch, f"{what} says {written} bytes were written; its receive takes {seal} to {posted}: refused unread"
             )
