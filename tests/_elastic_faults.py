@@ -16,7 +16,7 @@ def break_the_trainers_send(monkeypatch, after: int) -> None:
 
     def half(self, m, leaves):
         calls = {"n": 0}
-        exchange, start = NixlComm.exchange, NixlPrepared.start
+        exchange, sized, start = NixlComm.exchange, NixlComm.exchange_sized, NixlPrepared.start
 
         def stop() -> None:
             m.channels[0].close()
@@ -28,6 +28,12 @@ def break_the_trainers_send(monkeypatch, after: int) -> None:
                 stop()
             return exchange(comm, sends, recvs, timeout_s=timeout_s)
 
+        def some_sized(comm, sends, recvs, *, timeout_s):  # a delta refit's groups
+            calls["n"] += 1
+            if calls["n"] == after:
+                stop()
+            return sized(comm, sends, recvs, timeout_s=timeout_s)
+
         def some_started(prepared, group, timeout_s):
             calls["n"] += 1
             if calls["n"] == after:
@@ -35,11 +41,13 @@ def break_the_trainers_send(monkeypatch, after: int) -> None:
             return start(prepared, group, timeout_s)
 
         monkeypatch.setattr(NixlComm, "exchange", some)
+        monkeypatch.setattr(NixlComm, "exchange_sized", some_sized)
         monkeypatch.setattr(NixlPrepared, "start", some_started)
         try:
             real(self, m, leaves)
         finally:
             monkeypatch.setattr(NixlComm, "exchange", exchange)
+            monkeypatch.setattr(NixlComm, "exchange_sized", sized)
             monkeypatch.setattr(NixlPrepared, "start", start)
 
     monkeypatch.setattr(membership_module.Membership, "_send", half)

@@ -160,3 +160,22 @@ def test_sizes_come_from_the_buffers() -> None:
             fn(x, x[:4], np.empty(8, np.uint8), 1)
         with pytest.raises(ValueError, match="out"):
             fn(x, x, np.empty(7, np.uint8), 1)
+
+
+@pytest.mark.parametrize("unit", delta.UNITS)
+def test_every_byte_of_a_word_is_seen(unit: int) -> None:
+    """One changed byte at every position of two 64-unit words and the partial unit after them: the kernel
+    compares whole words at a time (lanes folded to bits), so each byte of each lane must mark its own unit."""
+    nbytes = 2 * 64 * unit + unit - 1 if unit > 1 else 2 * 64 + 1
+    base = np.random.default_rng(unit).integers(0, 256, nbytes, dtype=np.uint8)
+    out = np.empty(nbytes, np.uint8)
+    for i in range(nbytes):
+        for bit in (0, 7):
+            new = base.copy()
+            new[i] ^= np.uint8(1 << bit)
+            kind, size, changed = delta.encode(new, base, out, unit)
+            assert changed == 1, (i, bit)
+            assert (kind, size) == delta.encode_numpy(new, base, np.empty(nbytes, np.uint8), unit)[:2]
+            held = base.copy()
+            delta.apply(out[:size].copy(), kind, held, unit)
+            assert held.tobytes() == new.tobytes(), (i, bit)

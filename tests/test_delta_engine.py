@@ -42,16 +42,27 @@ class _Mailbox:
 
 
 class _ThreadComm(Communicator):
-    """One simulated process's ranks; messages go through the mailbox; an injected failure reaches all."""
+    """One simulated process's ranks; messages go through the mailbox; an injected failure reaches all.
 
-    def __init__(self, ranks: Sequence[int], mail: _Mailbox):
-        self._ranks, self._mail = tuple(ranks), mail
+    With ``one_group``, :meth:`exchange_sized` carries each message's length with it (as NIXL and MPI do);
+    without, it is the Communicator's default (the lengths first, then the messages)."""
+
+    def __init__(self, ranks: Sequence[int], mail: _Mailbox, one_group: bool = False):
+        self._ranks, self._mail, self._one_group = tuple(ranks), mail, one_group
 
     @property
     def local_ranks(self) -> tuple[int, ...]:
         return self._ranks
 
     def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
+        self._move(sends, recvs, timeout_s, bounded=False)
+
+    def exchange_sized(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> list[int]:
+        if not self._one_group:
+            return super().exchange_sized(sends, recvs, timeout_s=timeout_s)
+        return self._move(sends, recvs, timeout_s, bounded=True)
+
+    def _move(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], timeout_s: float, bounded: bool) -> list[int]:
         m = self._mail
         with m.cv:
             m.count += 1
@@ -64,6 +75,7 @@ class _ThreadComm(Communicator):
                 m.box.setdefault((s.src, s.dst, s.tag), []).append(bytes(s.buffer))
             m.cv.notify_all()
         deadline = time.monotonic() + timeout_s
+        sizes: list[int] = []
         for r in recvs:
             with m.cv:
                 key = (r.src, r.dst, r.tag)
@@ -74,9 +86,11 @@ class _ThreadComm(Communicator):
                         raise TransferTimeoutError(f"no message {key}")
                     m.cv.wait(0.02)
                 data = m.box[key].pop(0)
-            if len(data) != len(r.buffer):
+            if len(data) != len(r.buffer) and not (bounded and len(data) < len(r.buffer)):
                 raise PeerError(f"{key}: {len(data)} bytes for a receive of {len(r.buffer)}")
-            r.buffer[:] = np.frombuffer(data, np.uint8)
+            r.buffer[: len(data)] = np.frombuffer(data, np.uint8)
+            sizes.append(len(data))
+        return sizes
 
 
 def _mutate(rng: np.random.Generator, g: np.ndarray, pattern: str) -> np.ndarray:
@@ -106,7 +120,7 @@ def _widen(lay: Layout, k: int) -> Layout:
     return Layout(shape=(*lay.shape, k), dtype=lay.dtype, ranks=lay.ranks, boxes=boxes)
 
 
-def _run_step(pairs, procs, sched, globals_, refits, options, mail) -> list[BaseException]:
+def _run_step(pairs, procs, sched, globals_, refits, options, mail, one_group=False) -> list[BaseException]:
     """Every process's ranks of one refit in threads: the errors raised (empty: it ran), dst shards filled."""
     errors: list[BaseException] = []
     outs: dict = {}
@@ -122,7 +136,8 @@ def _run_step(pairs, procs, sched, globals_, refits, options, mail) -> list[Base
                     dst[(t, r)] = np.full(b.volume * d.itemsize, SENTINEL, np.uint8)
         outs[p] = dst
         try:
-            execute(sched, _ThreadComm(ranks, mail), Shards(src=src, dst=dst), options=options, delta=refits[p])
+            comm = _ThreadComm(ranks, mail, one_group)
+            execute(sched, comm, Shards(src=src, dst=dst), options=options, delta=refits[p])
         except BaseException as e:  # collected and asserted on by the caller
             errors.append(e)
             with mail.cv:
@@ -153,8 +168,9 @@ def _run_step(pairs, procs, sched, globals_, refits, options, mail) -> list[Base
         max_size=6,
     ),
     seed=st.integers(0, 2**31),
+    one_group=st.booleans(),
 )
-def test_any_sequence_is_bit_exact(case, per_proc, width, chunk, events, seed) -> None:
+def test_any_sequence_is_bit_exact(case, per_proc, width, chunk, events, seed, one_group) -> None:
     src, dst, topo, opts = case
     src, dst = _widen(src, width), _widen(dst, width)  # chunks long enough for every encoding
     rng = np.random.default_rng(seed)
@@ -183,7 +199,12 @@ def test_any_sequence_is_bit_exact(case, per_proc, width, chunk, events, seed) -
             p = int(rng.choice(list(procs)))
             if p in saved:
                 b = bases[p]
-                b.sent, b.recv, b.version = saved[p]
+                sent, recv, v = saved[p]  # copies: a commit writes the kept copies in place (its patches)
+                b.sent, b.recv, b.version = (
+                    {k: a.copy() for k, a in sent.items()},
+                    {k: a.copy() for k, a in recv.items()},
+                    v,
+                )
         reported = {p: (None if what == "full" else b.version) for p, b in bases.items()}
         refits = {
             p: DeltaRefit(bases=bases[p], peer_base=lambda r, rep=reported: rep[proc_of[r]], unit=2) for p in procs
@@ -191,7 +212,7 @@ def test_any_sequence_is_bit_exact(case, per_proc, width, chunk, events, seed) -
         mail = _Mailbox()
         if what == "fail":
             mail.fail_at = int(rng.integers(1, 4))
-        errors = _run_step(pairs, procs, sched, [g], refits, options, mail)
+        errors = _run_step(pairs, procs, sched, [g], refits, options, mail, one_group)
         if errors:
             assert what == "fail", errors
             for b in bases.values():
@@ -232,7 +253,8 @@ def test_sparse_change_sends_little() -> None:
     proc_of = {0: 0, 1: 0, 2: 1, 3: 1}
     bases = {p: DeltaBases(1 << 30) for p in procs}
     g = np.arange(16384, dtype=np.float32)
-    for version in (1, 2):
+    stats = {}
+    for version in (1, 2, 3):  # 3: nothing changed since 2 (the kept copies were patched to version 2)
         if version == 2:
             g = g.copy()
             g[5000] = -0.0 if g[5000] else 0.5
@@ -246,10 +268,12 @@ def test_sparse_change_sends_little() -> None:
         outs = _run_step.outs  # type: ignore[attr-defined]
         for r in (2, 3):
             assert outs[1][(0, r)].view(np.float32).tobytes() == g.tobytes()
-    st_ = refits[0].stats
+        stats[version] = refits[0].stats
+    assert stats[3].changed_units == 0 and stats[3].sent_bytes == (HEADER + 8) * stats[3].chunks, stats[3]
+    st_ = stats[2]
     assert st_.full_bytes == g.nbytes and st_.changed_units == 1  # into the domain once (then its fan-out)
     assert st_.sent_bytes < 300, st_
-    fan = refits[1].stats  # the destination's fan-out to its replica: a delta too
+    fan = refits[1].stats  # the destination's fan-out to its replica (version 3): a delta too
     assert fan.changed_units <= 1 and fan.sent_bytes < 300 + fan.full_bytes // 100, fan
 
 
@@ -289,3 +313,71 @@ def test_group_reports_why_a_refit_is_full() -> None:
     assert gd.start(votes, 0) is None and gd.bases.version is None  # a full refit everywhere; bases dropped
     gd.commit(3, 1234)
     assert gd.report.mode == "off" and gd.report.sent_bytes == 1234 and "has delta off" in gd.report.reasons[0]
+
+
+def test_exchange_sized_lands_a_prefix_and_refuses_a_message_past_its_receive() -> None:
+    """Communicator.exchange_sized: a receive's buffer is the most its message may hold. In one process the
+    message is copied into its first bytes; the default (two groups: the lengths, then the messages) refuses a
+    length past the receive before it receives the message."""
+    from jreshard.engine.loopback import LocalComm
+
+    comm = LocalComm([0, 1])
+    a, b = np.arange(5, dtype=np.uint8), np.full(8, 0xEE, np.uint8)
+    assert comm.exchange_sized([SendOp(0, 1, 7, a)], [RecvOp(0, 1, 7, b)], timeout_s=1.0) == [5]
+    assert b[:5].tolist() == [0, 1, 2, 3, 4] and (b[5:] == 0xEE).all()
+    with pytest.raises(PeerError, match="has 9 B but its receive expects 8 B"):
+        comm.exchange_sized([SendOp(0, 1, 7, np.zeros(9, np.uint8))], [RecvOp(0, 1, 7, b)], timeout_s=1.0)
+
+    mail = _Mailbox()
+    got = np.full(8, 0xEE, np.uint8)
+    sizes: dict = {}
+    sender = threading.Thread(
+        target=lambda: sizes.setdefault(
+            "sender", _ThreadComm([0], mail).exchange_sized([SendOp(0, 1, 3, a)], [], timeout_s=5.0)
+        )
+    )
+    sender.start()
+    assert _ThreadComm([1], mail).exchange_sized([], [RecvOp(0, 1, 3, got)], timeout_s=5.0) == [5]
+    sender.join(5)
+    assert sizes["sender"] == [] and got[:5].tolist() == [0, 1, 2, 3, 4] and (got[5:] == 0xEE).all()
+    sender = threading.Thread(
+        target=lambda: _ThreadComm([0], mail).exchange_sized(
+            [SendOp(0, 1, 4, np.zeros(9, np.uint8))], [], timeout_s=5.0
+        )
+    )
+    sender.start()
+    got[:] = 0xEE
+    with pytest.raises(
+        PeerError, match="announced a message of 9 bytes to rank 1 under tag 4; its receive holds at most 8"
+    ):
+        _ThreadComm([1], mail).exchange_sized([], [RecvOp(0, 1, 4, got)], timeout_s=5.0)
+    assert (got == 0xEE).all()
+    sender.join(5)
+
+
+def test_a_delta_chunk_is_kept_by_patching_its_base_at_commit() -> None:
+    """DeltaBases.patch: the kept copy becomes the new version at commit (its body applied in place, the copy
+    not handed out for reuse); an aborted refit leaves it as it was."""
+    from jreshard.engine import delta as codec
+
+    held = DeltaBases(1 << 20)
+    old = np.arange(4096, dtype=np.uint8)
+    held.begin()[0][(0, 1, 0)] = old.copy()
+    held.commit(1)
+    base = held.sent[(0, 1, 0)]
+    new = old.copy()
+    new[[7, 900, 4000]] ^= 0x40
+    body = np.empty(4096, np.uint8)
+    for outcome in ("abort", "commit"):
+        sent, _ = held.begin()
+        kind, size, _ = codec.encode(new, base, body, 2)
+        assert kind == codec.KIND_GAPS
+        sent[(0, 1, 0)] = held.patch(base, kind, body[:size], 2)
+        body[:] = 0  # the patch holds its own copy of the body
+        if outcome == "abort":
+            held.abort()
+            assert held.sent[(0, 1, 0)].tobytes() == old.tobytes() and held.version == 1
+        else:
+            held.commit(2)
+    assert held.sent[(0, 1, 0)] is base and base.tobytes() == new.tobytes() and held.version == 2
+    assert held.copy_of("sent", (0, 1, 0), new) is not base  # a patched copy is kept, never reused as a spare

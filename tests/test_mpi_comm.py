@@ -1,5 +1,5 @@
 """MpiComm under mpiexec at 2, 4 and 8 processes (1 or 2 ranks each): random message groups
-checked byte for byte, and a silent peer turned into a TransferTimeoutError naming it."""
+checked byte for byte (sized ones too), and a silent peer turned into a TransferTimeoutError naming it."""
 
 import pytest
 from mpi_launch import launch, need_mpi, program, results
@@ -20,6 +20,7 @@ def test_exchange_random_groups(tmp_path, procs, ranks_per_proc):
     assert sorted(got) == list(range(procs))
     assert all("error" not in r for r in got.values()), got
     assert sum(r["received"] for r in got.values()) > 0
+    assert sum(r["sized"] for r in got.values()) > 0  # exchange_sized: every message in one group, checked
     err, elapsed = got[0]["timed_out"], got[0]["elapsed"]
     assert err is not None and "timeout_s=1.0" in err
     last_rank = procs * ranks_per_proc - 1

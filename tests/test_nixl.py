@@ -309,3 +309,111 @@ def test_a_process_group_forms_past_garbage_gathers_and_sees_a_closed_peer_at_on
     assert time.monotonic() - t0 < 10.0  # at once, not after the 30 s timeout (slack for a loaded host)
     dst.close()
     raw.close()
+
+
+def _nixl_pair(encrypt: bool):
+    """Two NixlComms over loopback in this process: a drives ranks 0 and 2, b drives rank 1."""
+    from jreshard.net.channel import Channel, connect
+    from jreshard.nixl import NixlAgent, NixlComm
+
+    listener = listen("127.0.0.1", 0)
+    made: dict = {}
+    client = threading.Thread(
+        target=lambda: made.setdefault("c", connect(listener.getsockname()[:2], "b", key=KEY, timeout_s=10))
+    )
+    client.start()
+    listener.setblocking(True)
+    listener.settimeout(10)
+    sock, _ = listener.accept()
+    server = Channel.server(sock, "a", key=KEY)
+    deadline = time.monotonic() + 10
+    while not server.authenticated and time.monotonic() < deadline:
+        server.pump()
+    client.join(10)
+    listener.close()
+    agents = NixlAgent(name="sized-a", host="127.0.0.1"), NixlAgent(name="sized-b", host="127.0.0.1")
+    comms: dict = {}
+
+    def make_b() -> None:
+        comms["b"] = NixlComm(agents[1], [1], {0: made["c"], 2: made["c"]}, timeout_s=10, encrypt=encrypt)
+
+    t = threading.Thread(target=make_b)
+    t.start()
+    comms["a"] = NixlComm(agents[0], [0, 2], {1: server}, timeout_s=10, encrypt=encrypt)
+    t.join(10)
+    return comms["a"], comms["b"], (*agents, server, made["c"])
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_sized_messages_land_in_one_group_and_a_count_past_the_receive_is_refused(encrypt, monkeypatch):
+    """exchange_sized: each message lands in the first bytes of a receive posted at the most it may hold (the
+    rest untouched), the sizes come back in order, local copies too; a message longer than its receive is
+    refused by its sender before anything is written; a count past the receive is refused unread."""
+    from jreshard.engine.comm import RecvOp, SendOp
+    from jreshard.errors import PeerError
+    from jreshard.nixl import NixlAgent
+
+    a, b, closing = _nixl_pair(encrypt)
+    try:
+        msgs = [np.arange(n, dtype=np.uint8) + 1 for n in (0, 5, 100)]
+        into = [np.full(100, 0xEE, np.uint8) for _ in msgs]
+        local_in = np.full(10, 0xEE, np.uint8)
+        sent: dict = {}
+        t = threading.Thread(
+            target=lambda: sent.setdefault(
+                "a",
+                a.exchange_sized(
+                    [SendOp(0, 1, k, m) for k, m in enumerate(msgs)] + [SendOp(0, 2, 9, msgs[1])],
+                    [RecvOp(0, 2, 9, local_in)],
+                    timeout_s=10,
+                ),
+            )
+        )
+        t.start()
+        got = b.exchange_sized([], [RecvOp(0, 1, k, x) for k, x in enumerate(into)], timeout_s=10)
+        t.join(10)
+        assert got == [0, 5, 100] and sent["a"] == [5]
+        for m, x in zip(msgs, into, strict=True):
+            assert x[: len(m)].tobytes() == m.tobytes() and (x[len(m) :] == 0xEE).all()
+        assert local_in[:5].tobytes() == msgs[1].tobytes() and (local_in[5:] == 0xEE).all()
+
+        failed: dict = {}
+
+        def too_long() -> None:
+            try:
+                a.exchange_sized([SendOp(0, 1, 3, np.zeros(101, np.uint8))], [], timeout_s=10)
+            except PeerError as err:
+                failed["a"] = str(err)
+
+        t = threading.Thread(target=too_long)
+        t.start()
+        rx = np.full(100, 0xEE, np.uint8)
+        with pytest.raises(PeerError):
+            b.exchange_sized([], [RecvOp(0, 1, 3, rx)], timeout_s=10)
+        t.join(10)
+        assert "101 bytes under tag 3, but the receive holds at most 100" in failed["a"] and (rx == 0xEE).all()
+    finally:
+        for x in closing:
+            x.close()
+
+    a, b, closing = _nixl_pair(encrypt)  # the broken pair is done; a fresh one meets a count past the receive
+    real = NixlAgent.arrived
+
+    def lying(self, ids, sizes=None):
+        out = real(self, ids, sizes)
+        if sizes is not None:
+            for i in sizes:
+                sizes[i] += 1000
+        return out
+
+    try:
+        monkeypatch.setattr(NixlAgent, "arrived", lying)
+        t = threading.Thread(target=lambda: a.exchange_sized([SendOp(0, 1, 4, msgs[1])], [], timeout_s=10))
+        t.start()
+        said = r"says (1005|1021) bytes were written; its receive takes (0 to 100|16 to 116): refused unread"
+        with pytest.raises(PeerError, match=said):  # (encrypted: the sealed sizes, 16 bytes more)
+            b.exchange_sized([], [RecvOp(0, 1, 4, np.zeros(100, np.uint8))], timeout_s=10)
+        t.join(10)
+    finally:
+        for x in closing:
+            x.close()

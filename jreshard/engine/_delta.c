@@ -57,39 +57,93 @@ static inline uint32_t get32(const char *p) {
     return v;
 }
 
-/* One bit per unit, set where the unit changed: the one pass over the chunk's bytes. Units are compared as
- * integers of their width (64 at a time, after a memcmp that skips 64 unchanged units at once). */
-#define DIFF_WORDS(T)                                                                                          \
-    for (Py_ssize_t w = 0; w < full / 64; w++) {                                                               \
-        const char *a = x + w * 64 * (Py_ssize_t)sizeof(T), *b = y + w * 64 * (Py_ssize_t)sizeof(T);           \
-        if (memcmp(a, b, 64 * sizeof(T)) == 0) {                                                               \
-            continue;                                                                                          \
-        }                                                                                                      \
-        uint64_t word = 0;                                                                                     \
-        for (int j = 0; j < 64; j++) {                                                                         \
-            T p, q;                                                                                            \
-            memcpy(&p, a + j * sizeof(T), sizeof(T));                                                          \
-            memcpy(&q, b + j * sizeof(T), sizeof(T));                                                          \
-            word |= (uint64_t)(p != q) << j;                                                                   \
-        }                                                                                                      \
-        bits[w] = word;                                                                                        \
+/* One bit per unit, set where the unit changed: the one pass over the chunk's bytes.
+ *
+ * Eight bytes at a time: the XOR of the two words is zero where nothing changed (most words of an RL step's
+ * chunk: a changed bfloat16 in a word of four is about one word in ten), and otherwise its lanes of `unit`
+ * bytes are folded to one bit each (a lane is nonzero when adding 0x7f..f to its low bits, or its top bit,
+ * sets its top bit; one multiply gathers the top bits side by side). With SSE2, sixteen bytes are compared at
+ * once and their lanes' bits come out of one movemask. */
+static inline uint64_t load64(const char *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline uint64_t lanes_changed(uint64_t d, Py_ssize_t unit) {
+    uint64_t t;
+    switch (unit) {
+    case 1: /* eight lanes: top bits at 7, 15, .., 63 gathered into bits 56..63 */
+        t = (((d & 0x7f7f7f7f7f7f7f7fULL) + 0x7f7f7f7f7f7f7f7fULL) | d) >> 7 & 0x0101010101010101ULL;
+        return (t * 0x0102040810204080ULL) >> 56;
+    case 2: /* four lanes: top bits at 15, 31, 47, 63 gathered into bits 48..51 */
+        t = (((d & 0x7fff7fff7fff7fffULL) + 0x7fff7fff7fff7fffULL) | d) >> 15 & 0x0001000100010001ULL;
+        return (t * 0x0001000200040008ULL) >> 48 & 0xf;
+    case 4:
+        t = (((d & 0x7fffffff7fffffffULL) + 0x7fffffff7fffffffULL) | d) >> 31 & 0x0000000100000001ULL;
+        return (t | t >> 31) & 3;
+    default:
+        return d != 0;
     }
+}
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+/* The changed-unit bits of 16 bytes (16 / unit of them), from a byte mask of where the bytes are equal. */
+static inline uint64_t lanes16(const char *a, const char *b, Py_ssize_t unit) {
+    __m128i x = _mm_loadu_si128((const __m128i *)a), y = _mm_loadu_si128((const __m128i *)b);
+    switch (unit) {
+    case 1:
+        return (uint64_t)(~_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)) & 0xffff);
+    case 2: { /* equal 16-bit lanes as 0xffff, packed to one byte each */
+        __m128i e = _mm_cmpeq_epi16(x, y);
+        return (uint64_t)(~_mm_movemask_epi8(_mm_packs_epi16(e, e)) & 0xff);
+    }
+    default: /* 4 or 8: from the two words */
+        return lanes_changed(load64(a) ^ load64(b), unit) | lanes_changed(load64(a + 8) ^ load64(b + 8), unit)
+                                                                << (8 / unit);
+    }
+}
+#endif
+
+/* The whole 64-unit words of bits; `unit` is a constant where each case below inlines it. */
+static inline __attribute__((always_inline)) void diff_words(const char *x, const char *y, Py_ssize_t words,
+                                                             Py_ssize_t unit, uint64_t *bits) {
+    Py_ssize_t block = 64 * unit; /* the bytes of one word of bits */
+    for (Py_ssize_t w = 0; w < words; w++) {
+        const char *a = x + w * block, *b = y + w * block;
+        uint64_t word = 0;
+#if defined(__SSE2__)
+        for (Py_ssize_t i = 0; i < block; i += 16) {
+            word |= lanes16(a + i, b + i, unit) << (i / unit);
+        }
+#else
+        for (Py_ssize_t i = 0; i < block; i += 8) {
+            uint64_t d = load64(a + i) ^ load64(b + i);
+            if (d) {
+                word |= lanes_changed(d, unit) << (i / unit);
+            }
+        }
+#endif
+        bits[w] = word;
+    }
+}
 
 static void diff_bits(const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_t unit, uint64_t *bits) {
     Py_ssize_t n = (nbytes + unit - 1) / unit, full = nbytes / unit;
     memset(bits, 0, (size_t)((n + 63) / 64) * sizeof(uint64_t));
     switch (unit) {
     case 1:
-        DIFF_WORDS(uint8_t);
+        diff_words(x, y, full / 64, 1, bits);
         break;
     case 2:
-        DIFF_WORDS(uint16_t);
+        diff_words(x, y, full / 64, 2, bits);
         break;
     case 4:
-        DIFF_WORDS(uint32_t);
+        diff_words(x, y, full / 64, 4, bits);
         break;
     default:
-        DIFF_WORDS(uint64_t);
+        diff_words(x, y, full / 64, 8, bits);
         break;
     }
     for (Py_ssize_t u = full / 64 * 64; u < n; u++) { /* the last units, the partial one included */
@@ -102,6 +156,29 @@ static void diff_bits(const char *x, const char *y, Py_ssize_t nbytes, Py_ssize_
 
 static inline Py_ssize_t unit_size(Py_ssize_t u, Py_ssize_t n, Py_ssize_t nbytes, Py_ssize_t unit) {
     return u == n - 1 ? nbytes - u * unit : unit;
+}
+
+/* Copy unit `u`'s bytes (the last unit may be partial): a fixed-size copy the compiler inlines. */
+static inline void copy_unit(char *to, const char *from, Py_ssize_t u, Py_ssize_t n, Py_ssize_t nbytes,
+                             Py_ssize_t unit) {
+    if (u == n - 1) {
+        memcpy(to, from, (size_t)(nbytes - u * unit));
+        return;
+    }
+    switch (unit) {
+    case 1:
+        *to = *from;
+        break;
+    case 2:
+        memcpy(to, from, 2);
+        break;
+    case 4:
+        memcpy(to, from, 4);
+        break;
+    default:
+        memcpy(to, from, 8);
+        break;
+    }
 }
 
 /* From the bits: changed units, runs, changed bytes, and the bytes of their gaps as varints. */
@@ -184,9 +261,8 @@ static void write_body(int kind, const char *x, const uint64_t *bits, Py_ssize_t
         while (word) {
             Py_ssize_t u = w * 64 + __builtin_ctzll(word);
             word &= word - 1;
-            Py_ssize_t s = unit_size(u, n, nbytes, unit);
-            memcpy(vals, x + u * unit, (size_t)s);
-            vals += s;
+            copy_unit(vals, x + u * unit, u, n, nbytes, unit);
+            vals += unit_size(u, n, nbytes, unit);
             if (gaps) {
                 uint64_t gap = (uint64_t)(u - last - 1);
                 while (gap >= 0x80) {
@@ -320,9 +396,8 @@ static PyObject *apply(PyObject *self, PyObject *args) {
             while (byte) {
                 Py_ssize_t u = i * 8 + __builtin_ctz(byte);
                 byte &= byte - 1;
-                Py_ssize_t s = unit_size(u, n, nbytes, unit);
-                memcpy(dst + u * unit, vals, (size_t)s);
-                vals += s;
+                copy_unit(dst + u * unit, vals, u, n, nbytes, unit);
+                vals += unit_size(u, n, nbytes, unit);
             }
         }
         Py_END_ALLOW_THREADS;
@@ -411,9 +486,8 @@ static PyObject *apply(PyObject *self, PyObject *args) {
                 shift += 7;
             } while (b & 0x80);
             u += (Py_ssize_t)gap + 1;
-            Py_ssize_t s = unit_size(u, n, nbytes, unit);
-            memcpy(dst + u * unit, vals, (size_t)s);
-            vals += s;
+            copy_unit(dst + u * unit, vals, u, n, nbytes, unit);
+            vals += unit_size(u, n, nbytes, unit);
         }
         Py_END_ALLOW_THREADS;
         res = PyLong_FromSsize_t(cnt);

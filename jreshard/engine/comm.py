@@ -32,6 +32,7 @@ from typing import Any, NoReturn, cast
 
 import numpy as np
 
+from jreshard.errors import PeerError
 from jreshard.types import ByteBuffer
 
 __all__ = [
@@ -253,6 +254,41 @@ class Communicator(abc.ABC):
             the message names the peers still outstanding.
           PeerError: the transport reported a failure.
         """
+
+    def exchange_sized(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> list[int]:
+        """:meth:`exchange` for messages whose sizes only their senders know: each receive's buffer is the most
+        its message may hold, a send may be shorter. Returns, per receive in the order given, the bytes that
+        landed (the first bytes of its buffer; the rest is not written).
+
+        Default: two groups through :meth:`exchange`, first every send's length (8 bytes, host memory, as the
+        delta rounds' messages are), checked against its receive's buffer before anything else is received,
+        then the messages at exactly those lengths: one more message latency. A transport that carries a
+        message's length with the message overrides it and takes one group (NIXL: in the WRITE's
+        notification; MPI: the receive's status).
+
+        Raises:
+          PeerError: a sender's message is longer than its receive's buffer (nothing of it is received);
+            and what :meth:`exchange` raises.
+        """
+        lens = np.array([int(s.buffer.nbytes) for s in sends], "<i8")
+        got = np.zeros(len(recvs), "<i8")
+        self.exchange(
+            [SendOp(s.src, s.dst, s.tag, lens[i : i + 1].view(np.uint8)) for i, s in enumerate(sends)],
+            [RecvOp(r.src, r.dst, r.tag, got[i : i + 1].view(np.uint8)) for i, r in enumerate(recvs)],
+            timeout_s=timeout_s,
+        )
+        sizes = got.tolist()
+        for r, n in zip(recvs, sizes, strict=True):
+            bound = int(r.buffer.nbytes)
+            if not 0 <= n <= bound:
+                raise PeerError(
+                    f"exchange_sized: rank {r.src} announced a message of {n} bytes to rank {r.dst} under tag "
+                    f"{r.tag}; its receive holds at most {bound}",
+                    destination_intact=True,
+                )
+        exact = [RecvOp(r.src, r.dst, r.tag, r.buffer[:n]) for r, n in zip(recvs, sizes, strict=True)]
+        self.exchange(sends, exact, timeout_s=timeout_s)
+        return sizes
 
     def exchange_rows(
         self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float

@@ -10,11 +10,13 @@ chunk would have landed (staging or the destination shard), and the unpacks run 
 by its row's ``(sender rank, receiver rank, tag)``, the same from one refit of a schedule to the next.
 
 **The wire.** An encoding is a 16-byte header (kind, whether the receiver keeps the chunk, the comparison
-unit, the base version it was encoded against) and its body, so its length varies. Each group is
-exchanged in two phases: first every chunk's length (8 bytes each), then the encodings at exactly those
-lengths. Two phases cost one more message latency per group, and they keep every transport as it is: MPI,
-NIXL (whose WRITEs land in receive buffers of the size the receiver posted) and the in-process copies all move
-fixed-size buffers the receiver allocated for the length it was told, and nothing is sized from a guess.
+unit, the base version it was encoded against) and its body, so its length varies, but never past the
+header and the chunk itself (the encoder's contract: a body is never longer than its chunk). Each group is
+one :meth:`~jreshard.engine.comm.Communicator.exchange_sized`: every receive is posted at that bound, the
+sender sends the encoding alone, and its length travels with it (NIXL: in the WRITE's notification; MPI:
+the receive's status), checked against the bound by the transport before a byte is read and again here.
+A transport that cannot carry a length sends the lengths first (8 bytes each), then the encodings: one
+more message latency per group. Nothing is sized from a guess.
 
 **What is kept** (:class:`DeltaBases`): per process, a copy of every chunk it sent and every chunk it
 received, at the version the group last committed, at most ``limit`` bytes of sent chunks (a sender keeps
@@ -51,6 +53,26 @@ _LEN = 8  # the bytes of one length message
 ChunkKey = tuple[int, int, int]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Patch:
+    """A kept copy's next version, made at :meth:`DeltaBases.commit`: ``base`` (the kept copy a chunk was encoded
+    against, or rebuilt from) with the body its bases hold at ``[at, at + size)`` applied in place."""
+
+    base: np.ndarray
+    kind: int
+    at: int
+    size: int
+    unit: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.base.nbytes)
+
+
+Kept = np.ndarray | _Patch
+"""A refit's copy of a chunk until commit: the chunk itself, or the patch that makes it from the kept one."""
+
+
 class DeltaBases:
     """What one process keeps to encode against and to apply onto (final).
 
@@ -68,27 +90,48 @@ class DeltaBases:
         self.version: int | None = None
         self.sent: dict[ChunkKey, np.ndarray] = {}
         self.recv: dict[ChunkKey, np.ndarray] = {}
-        self._pending: tuple[dict[ChunkKey, np.ndarray], dict[ChunkKey, np.ndarray]] | None = None
+        self._pending: tuple[dict[ChunkKey, Kept], dict[ChunkKey, Kept]] | None = None
         self._scratch: dict[str, np.ndarray] = {}
         self._spare: dict[tuple[str, ChunkKey], np.ndarray] = {}  # the copies the last commit replaced, reused
+        self._bodies = np.empty(0, np.uint8)  # the bodies of this refit's patches, one after the other
+        self._used = 0
 
     @property
     def kept_bytes(self) -> int:
         """Bytes held now: the kept chunks, sent and received."""
         return sum(a.nbytes for a in self.sent.values()) + sum(a.nbytes for a in self.recv.values())
 
-    def begin(self) -> tuple[dict[ChunkKey, np.ndarray], dict[ChunkKey, np.ndarray]]:
+    def begin(self) -> tuple[dict[ChunkKey, Kept], dict[ChunkKey, Kept]]:
         """Fresh places for this refit's copies (sent, received), held aside until :meth:`commit`."""
         self._pending = ({}, {})
+        self._used = 0
         return self._pending
 
     def commit(self, version: int) -> None:
-        """The group committed ``version``: its copies become the kept ones (chunks not kept this time go)."""
+        """The group committed ``version``: its copies become the kept ones (chunks not kept this time go). A
+        chunk that went as a delta is kept by applying its body to the copy it was encoded against, in place:
+        a few changed units written, where a copy would write the whole chunk."""
         if self._pending is None:
             raise ValueError("DeltaBases.commit: no refit began")
-        self._spare = {("sent", k): a for k, a in self.sent.items()} | {("recv", k): a for k, a in self.recv.items()}
-        self.sent, self.recv = self._pending
+        spare = {("sent", k): a for k, a in self.sent.items()} | {("recv", k): a for k, a in self.recv.items()}
+        kept: list[dict[ChunkKey, np.ndarray]] = []
+        for side, pending in zip(("sent", "recv"), self._pending, strict=True):
+            now: dict[ChunkKey, np.ndarray] = {}
+            for key, entry in pending.items():
+                if isinstance(entry, _Patch):
+                    # the body was made against this copy by this process's encoder, or already applied once
+                    # to rebuild the chunk: it cannot be malformed for it
+                    codec.apply(self._bodies[entry.at : entry.at + entry.size], entry.kind, entry.base, entry.unit)
+                    if spare.get((side, key)) is entry.base:
+                        del spare[(side, key)]
+                    now[key] = entry.base
+                else:
+                    now[key] = entry
+            kept.append(now)
+        self.sent, self.recv = kept
+        self._spare = spare
         self._pending = None
+        self._used = 0
         self.version = int(version)
 
     def abort(self) -> None:
@@ -99,10 +142,24 @@ class DeltaBases:
         """Forget every base (the next refit is full)."""
         self.sent, self.recv, self._pending, self.version, self._spare = {}, {}, None, None, {}
 
+    def patch(self, base: np.ndarray, kind: int, body: np.ndarray, unit: int) -> _Patch:
+        """This refit's copy of a chunk encoded against (or rebuilt from) the kept copy ``base`` as ``body`` of
+        ``kind``: the body is held (in memory reused from refit to refit) and applied to ``base`` at
+        :meth:`commit`, so nothing reads or writes the whole chunk."""
+        n = len(body)
+        if self._used + n > len(self._bodies):
+            grown = aligned_empty(max(2 * len(self._bodies), self._used + n, 4096))
+            grown[: self._used] = self._bodies[: self._used]
+            self._bodies = grown
+        self._bodies[self._used : self._used + n] = body
+        self._used += n
+        return _Patch(base=base, kind=kind, at=self._used - n, size=n, unit=unit)
+
     def copy_of(self, side: str, key: ChunkKey, data: np.ndarray) -> np.ndarray:
         """A copy of ``data`` for this refit's ``side`` (``"sent"`` / ``"recv"``) copies, in the memory of the copy
         the last commit replaced where there is one (no allocation, no page faults from one refit to the next).
-        A kept copy is never written: only the replaced ones, which nothing reads any more."""
+        A kept copy is written only at :meth:`commit` (a patch), when it becomes the new version; the replaced
+        ones are reused, which nothing reads any more."""
         spare = self._spare.pop((side, key), None)
         if spare is None or spare.shape != data.shape:
             return data.copy()
@@ -124,11 +181,11 @@ class DeltaStats:
 
     Attributes:
       full_bytes: the wire bytes of the chunks it sent, as a full refit sends them.
-      sent_bytes: the bytes it sent instead: headers, bodies and length messages.
+      sent_bytes: the bytes it sent instead: headers, bodies, and 8 bytes per chunk for its length.
       units, changed_units: the comparison units of the chunks it sent, and how many changed.
       chunks, delta_chunks: chunks sent, and how many of them went as a delta (not whole).
       encode_s, apply_s: seconds encoding the chunks it sent, rebuilding the chunks it received.
-      wire_s: seconds in the two exchanges (lengths, then encodings), waits on peers included.
+      wire_s: seconds exchanging the encodings, waits on peers included.
       recv_bytes: the bytes it received (headers and bodies).
     """
 
@@ -219,19 +276,19 @@ def _exchange(
     bases: Sequence[Any],
     timeout_s: float,
     refit: DeltaRefit,
-    sent_keep: dict[ChunkKey, np.ndarray],
-    recv_keep: dict[ChunkKey, np.ndarray],
+    sent_keep: dict[ChunkKey, Kept],
+    recv_keep: dict[ChunkKey, Kept],
     clock: Callable[[], float],
 ) -> None:
-    """One exchange group in two phases: lengths, then encodings."""
+    """One exchange group: encode every send, exchange the encodings (:meth:`Communicator.exchange_sized`),
+    rebuild every receive."""
     st, held, unit = refit.stats, refit.bases, refit.unit
     out = held.scratch("send", sum(HEADER + row[5] for row in sends))
-    lens = held.scratch("send_len", _LEN * len(sends) + 8)[: _LEN * len(sends)].view("<i8")
     spans: list[tuple[int, int]] = []
     t0 = clock()
     at = 0
     kept_now = sum(a.nbytes for a in sent_keep.values())
-    for i, (src, dst, tag, b, off, n) in enumerate(sends):
+    for src, dst, tag, b, off, n in sends:
         key = (src, dst, tag)
         image = bases[b][off : off + n]
         base = held.sent.get(key)
@@ -247,9 +304,11 @@ def _exchange(
             body[:] = image
         _HEAD.pack_into(out.data, at, kind, 1 if keep else 0, unit, 0, version if usable else -1)
         if keep:
-            sent_keep[key] = held.copy_of("sent", key, image)
+            if usable and base is not None and kind != codec.KIND_FULL:  # base + body: patched at commit
+                sent_keep[key] = held.patch(base, kind, body[:size], unit)
+            else:
+                sent_keep[key] = held.copy_of("sent", key, image)
             kept_now += n
-        lens[i] = HEADER + size
         spans.append((at, HEADER + size))
         at += HEADER + n
         st.full_bytes += n
@@ -259,31 +318,27 @@ def _exchange(
         st.chunks += 1
     t1 = clock()
     st.encode_s += t1 - t0
-    rlens = held.scratch("recv_len", _LEN * len(recvs) + 8)[: _LEN * len(recvs)].view("<i8")
-    comm.exchange(
-        [SendOp(s, d, t, lens[i : i + 1].view(np.uint8)) for i, (s, d, t, *_) in enumerate(sends)],
-        [RecvOp(s, d, t, rlens[i : i + 1].view(np.uint8)) for i, (s, d, t, *_) in enumerate(recvs)],
-        timeout_s=timeout_s,
-    )
-    sizes = rlens.tolist()
-    for (s, d, t, _, _, n), size in zip(recvs, sizes, strict=True):
-        if not HEADER <= size <= HEADER + n:
-            raise TransferError(
-                f"delta refit: rank {s} announced a chunk of {size} bytes for rank {d} (tag {t}); a chunk of "
-                f"{n} bytes encodes in {HEADER} to {HEADER + n}",
-                destination_intact=True,
-            )
-    inbox = held.scratch("recv", sum(sizes) + 8)
-    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist()
-    comm.exchange(
+    # Each receive's buffer holds the largest encoding its chunk can have (the header and the chunk itself):
+    # a bound from the encoder's contract, so the sender sends only the encoding, in one group.
+    bounds = [HEADER + row[5] for row in recvs]
+    inbox = held.scratch("recv", sum(bounds) + 8)
+    offsets = np.concatenate([[0], np.cumsum(bounds, dtype=np.int64)]).tolist()
+    sizes = comm.exchange_sized(
         [SendOp(s, d, t, out[a : a + m]) for (s, d, t, *_), (a, m) in zip(sends, spans, strict=True)],
         [RecvOp(s, d, t, inbox[offsets[i] : offsets[i + 1]]) for i, (s, d, t, *_) in enumerate(recvs)],
         timeout_s=timeout_s,
     )
+    for (s, d, t, _, _, n), size in zip(recvs, sizes, strict=True):  # the transport bounds it; checked again
+        if not HEADER <= size <= HEADER + n:
+            raise TransferError(
+                f"delta refit: rank {s} sent rank {d} a chunk of {size} bytes (tag {t}); a chunk of {n} bytes "
+                f"encodes in {HEADER} to {HEADER + n}",
+                destination_intact=True,
+            )
     t2 = clock()
     st.wire_s += t2 - t1
     for i, (s, d, t, b, off, n) in enumerate(recvs):
-        payload = inbox[offsets[i] : offsets[i + 1]]
+        payload = inbox[offsets[i] : offsets[i] + sizes[i]]
         st.recv_bytes += len(payload) + _LEN
         kind, keep, unit_in, _, version = _HEAD.unpack_from(payload.data, 0)
         key = (s, d, t)
@@ -305,5 +360,9 @@ def _exchange(
                 f"delta refit: rank {s} sent rank {d} a malformed chunk (tag {t}): {err}", destination_intact=True
             ) from None
         if keep:
-            recv_keep[key] = held.copy_of("recv", key, target)
+            if kind == codec.KIND_FULL:
+                recv_keep[key] = held.copy_of("recv", key, target)
+            else:  # rebuilt from the kept copy: the same body makes the kept copy this version at commit
+                assert base is not None
+                recv_keep[key] = held.patch(base, kind, payload[HEADER:], unit_in)
     st.apply_s += clock() - t2

@@ -285,6 +285,15 @@ class DigestComm(Communicator):
         self._join(fut)
         self._recvs([(r.src, r.dst, r.tag, r.buffer) for r in recvs])
 
+    def exchange_sized(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> list[int]:
+        """The inner transport's :meth:`~Communicator.exchange_sized`; a receive is digested as the bytes that
+        landed (the first ``size`` of its buffer), as its sender digested what it sent."""
+        fut = self._sends([(s.src, s.dst, s.tag, s.buffer) for s in sends])
+        sizes = self.inner.exchange_sized(sends, recvs, timeout_s=timeout_s)
+        self._join(fut)
+        self._recvs([(r.src, r.dst, r.tag, r.buffer[:n]) for r, n in zip(recvs, sizes, strict=True)])
+        return sizes
+
     def exchange_rows(
         self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
     ) -> None:

@@ -17,19 +17,22 @@ from jreshard.options import Options
 from jreshard.sharding.topology import Topology
 from jreshard.types import Device
 
-__all__ = ["LocalComm", "RECORD", "match", "match_and_copy"]
+__all__ = ["LocalComm", "RECORD", "copied_bytes", "match", "match_and_copy"]
 
 
 def match(
-    sends: Sequence[SendOp], recvs: Sequence[RecvOp], size: Callable[[Any], int] = len
+    sends: Sequence[SendOp], recvs: Sequence[RecvOp], size: Callable[[Any], int] = len, *, bounded: bool = False
 ) -> list[tuple[SendOp, RecvOp]]:
     """Match every send to the receive with its ``(src, dst, tag)``, in listed order.
 
     Args:
       size: a buffer's size in bytes (``len`` of a 1-D uint8 buffer by default).
+      bounded: a receive's buffer is the most its message may hold (:meth:`Communicator.exchange_sized`), so a
+        send may be shorter than it.
 
     Raises:
-      PeerError: a send or receive has no partner, or partners differ in size.
+      PeerError: a send or receive has no partner, or partners differ in size (with ``bounded``: a send is
+        longer than its receive).
     """
     waiting: dict[tuple[int, int, int], list[RecvOp]] = {}
     for r in recvs:
@@ -40,7 +43,7 @@ def match(
         if not queue:
             raise PeerError(f"send {s.src}->{s.dst} tag {s.tag} ({size(s.buffer)} B) has no matching receive")
         r = queue.pop(0)
-        if size(r.buffer) != size(s.buffer):
+        if size(r.buffer) != size(s.buffer) and not (bounded and size(s.buffer) < size(r.buffer)):
             raise PeerError(
                 f"send {s.src}->{s.dst} tag {s.tag} has {size(s.buffer)} B but its receive expects {size(r.buffer)} B"
             )
@@ -51,15 +54,21 @@ def match(
     return pairs
 
 
-def match_and_copy(sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[SendOp, RecvOp]]:
-    """:func:`match` every send to its receive, and copy its bytes.
+def match_and_copy(
+    sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, bounded: bool = False
+) -> list[tuple[SendOp, RecvOp]]:
+    """:func:`match` every send to its receive, and copy its bytes (with ``bounded``, into the first bytes of
+    the receive's buffer).
 
     Raises:
-      PeerError: a send or receive has no partner, or partners differ in size.
+      PeerError: a send or receive has no partner, or partners differ in size (``bounded``: a send is longer).
     """
-    pairs = match(sends, recvs)
+    pairs = match(sends, recvs, bounded=bounded)
     for s, r in pairs:
-        r.buffer[...] = s.buffer
+        if bounded:
+            r.buffer[: len(s.buffer)] = s.buffer
+        else:
+            r.buffer[...] = s.buffer
     return pairs
 
 
@@ -87,6 +96,19 @@ class LocalComm(Communicator):
         if outside:
             raise PeerError(f"LocalComm over ranks {self._ranks} was given ops of ranks {outside}")
         match_and_copy(sends, recvs)
+
+    def exchange_sized(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> list[int]:
+        """Copies into the first bytes of each receive's buffer: one group (the sizes are the sends')."""
+        outside = sorted(({s.src for s in sends} | {r.dst for r in recvs}) - set(self._ranks))
+        if outside:
+            raise PeerError(f"LocalComm over ranks {self._ranks} was given ops of ranks {outside}")
+        return copied_bytes(recvs, match_and_copy(sends, recvs, bounded=True))
+
+
+def copied_bytes(recvs: Sequence[RecvOp], pairs: Sequence[tuple[SendOp, RecvOp]]) -> list[int]:
+    """Per receive of ``recvs``, in order, the bytes its send in ``pairs`` (:func:`match_and_copy`) copied."""
+    got = {id(r): len(s.buffer) for s, r in pairs}
+    return [got[id(r)] for r in recvs]
 
 
 def _open(devices: Mapping[int, Device], single_process: bool, options: Options, topology: Topology | None) -> Opened:

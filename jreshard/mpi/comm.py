@@ -199,6 +199,15 @@ class MpiComm(Communicator):
         deadline = time.monotonic() + timeout_s
         self._wait(self._start(sends, recvs), timeout_s, deadline)
 
+    def exchange_sized(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> list[int]:
+        """One group: each receive is posted at its buffer's size, the most its message may hold, and its status
+        gives the bytes that landed (``MPI_Get_count``); a longer message is MPI's truncation error, never a
+        byte past the buffer."""
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, int] = {}  # per receive (by identity), the bytes that landed
+        self._wait(self._start(sends, recvs, got), timeout_s, deadline, got)
+        return [got[id(r)] for r in recvs]
+
     def start_rows(
         self, sends: Sequence[Row], recvs: Sequence[Row], buffers: Sequence[Any], *, timeout_s: float
     ) -> Posted:
@@ -228,7 +237,10 @@ class MpiComm(Communicator):
             if self.process_of(r.dst) != self._me:
                 raise ValueError(f"MpiComm.exchange: receive at rank {r.dst}, which process {self._me} does not drive")
 
-    def _start(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp]) -> list[tuple[Any, SendOp | RecvOp]]:
+    def _start(
+        self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], got: dict[int, int] | None = None
+    ) -> list[tuple[Any, SendOp | RecvOp]]:
+        """Post a group (``got``: sized, see :meth:`exchange_sized`; the local copies' sizes go into it)."""
         self._check_open()
         self._check_ends(sends, recvs)
         key = lambda op: (op.src, op.dst, op.tag)  # noqa: E731
@@ -254,7 +266,9 @@ class MpiComm(Communicator):
             self._abort(pending, f"MPI error while posting the {where}: {err}")
             raise PeerError(f"MpiComm.exchange: MPI error while posting the {where}: {err}") from err
         try:  # messages between ranks of this process: copies, matched as LocalComm matches them
-            match_and_copy(local_sends, local_recvs)
+            pairs = match_and_copy(local_sends, local_recvs, bounded=got is not None)
+            if got is not None:
+                got.update({id(r): _nbytes(s.buffer) for s, r in pairs})
         except PeerError:
             self._abort(pending, "unmatched in-process messages")
             raise
@@ -263,7 +277,14 @@ class MpiComm(Communicator):
     def _tag(self, op: SendOp | RecvOp) -> int:
         return _key_tag(op.src, op.dst, op.tag, self._tag_ub)
 
-    def _wait(self, pending: list[tuple[Any, SendOp | RecvOp]], timeout_s: float, deadline: float) -> None:
+    def _wait(
+        self,
+        pending: list[tuple[Any, SendOp | RecvOp]],
+        timeout_s: float,
+        deadline: float,
+        got: dict[int, int] | None = None,
+    ) -> None:
+        """Poll ``pending`` to completion (``got``: sized receives, their landed bytes go into it)."""
         MPI = self._MPI
         sleep = 0.0
         while pending:
@@ -283,13 +304,15 @@ class MpiComm(Communicator):
                 for i, status in zip(done, statuses, strict=False):  # statuses[k] belongs to done[k]
                     op = pending[i][1]
                     if isinstance(op, RecvOp):
-                        got = status.Get_count(MPI.BYTE)
-                        if got != _nbytes(op.buffer):
+                        n = status.Get_count(MPI.BYTE)
+                        if n != _nbytes(op.buffer) and not (got is not None and 0 <= n <= _nbytes(op.buffer)):
                             self._abort([p for j, p in enumerate(pending) if j not in done], "size mismatch")
                             raise PeerError(
-                                f"MpiComm.exchange: rank {op.src} sent rank {op.dst} {got} bytes under tag "
+                                f"MpiComm.exchange: rank {op.src} sent rank {op.dst} {n} bytes under tag "
                                 f"{op.tag}, expected {_nbytes(op.buffer)}; the two sides planned differently"
                             )
+                        if got is not None:
+                            got[id(op)] = n
                 keep = set(range(len(pending))) - set(done)
                 pending = [pending[j] for j in sorted(keep)]
                 sleep = 0.0

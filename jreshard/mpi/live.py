@@ -82,6 +82,10 @@ class LiveComm(Communicator):
         self._check([s.dst for s in sends] + [r.src for r in recvs])
         self._inner.exchange(sends, recvs, timeout_s=timeout_s)
 
+    def exchange_sized(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> list[int]:
+        self._check([s.dst for s in sends] + [r.src for r in recvs])
+        return self._inner.exchange_sized(sends, recvs, timeout_s=timeout_s)
+
     def exchange_rows(
         self, sends: Sequence[Any], recvs: Sequence[Any], buffers: Sequence[Any], *, timeout_s: float
     ) -> None:

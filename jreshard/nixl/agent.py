@@ -68,7 +68,8 @@ __all__ = ["NOTICE", "NixlAgent", "Region", "import_nixl", "interface_of", "labe
 
 _UNFINISHED: list[Any] = []  # WRITEs still running when their agent closed: kept (with their memory) for good
 
-NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows
+NOTICE = b"jreshard:"  # the prefix of every notification this transport sends; the receive id follows (then
+# "/<bytes written>" for a message its sender sized)
 
 
 def label(i: int, src: int, dst: int, tag: int) -> bytes:
@@ -261,6 +262,7 @@ class NixlAgent:
         self._peers: weakref.WeakKeyDictionary[Channel, str] = weakref.WeakKeyDictionary()
         self._told: weakref.WeakKeyDictionary[Channel, set[tuple[str, int, int, int]]] = weakref.WeakKeyDictionary()
         self._notices: dict[int, str] = {}  # receive id -> the agent whose notification arrived
+        self._sizes: dict[int, int] = {}  # receive id -> the bytes its notification said were written (sized)
         self._abandoned: dict[int, Any] = {}  # receive id -> its buffer, kept alive for a late WRITE
         self._expected: dict[int, str] = {}  # receive id -> the only agent whose notification counts
         self.ignored = 0  # notifications ignored: from an unexpected agent, or for no awaited id
@@ -486,16 +488,20 @@ class NixlAgent:
                     self._expected[i] = sender
                     return i
 
-    def arrived(self, ids: set[int]) -> dict[int, str]:
+    def arrived(self, ids: set[int], sizes: dict[int, int] | None = None) -> dict[int, str]:
         """Which of ``ids`` have been notified by their expected agent (``{id: agent}``), removed from the
-        store. Any other notification is ignored (and counted in :attr:`ignored`)."""
+        store. Any other notification is ignored (and counted in :attr:`ignored`).
+
+        A notification ``<id>/<bytes>`` also says how many bytes its WRITE wrote (a message sized by its
+        sender, :meth:`NixlComm.exchange_sized`): for each id returned, that count goes into ``sizes``."""
         with self._lock:
             self._reap()
             for agent, msgs in self._agent.get_new_notifs().items():
                 for m in msgs:
-                    digits = m[len(NOTICE) :] if m.startswith(NOTICE) else b""
+                    digits, slash, count = (m[len(NOTICE) :] if m.startswith(NOTICE) else b"").partition(b"/")
                     i = int(digits) if digits.isdigit() and len(digits) <= 19 else None
-                    if i is None or self._expected.get(i) != agent:
+                    nbytes = int(count) if count.isdigit() and len(count) <= 19 else None
+                    if i is None or self._expected.get(i) != agent or (slash and nbytes is None):
                         self.ignored += 1
                         log.warning("ignored a NIXL notification from agent %r: %r", agent, m[:64])
                         continue
@@ -504,9 +510,14 @@ class NixlAgent:
                         del self._expected[i]
                     else:
                         self._notices[i] = agent
+                        if nbytes is not None:
+                            self._sizes[i] = nbytes
             out = {i: self._notices.pop(i) for i in ids if i in self._notices}
             for i in out:
                 del self._expected[i]
+                nbytes = self._sizes.pop(i, None)
+                if nbytes is not None and sizes is not None:
+                    sizes[i] = nbytes
             return out
 
     def abandon(self, receives: Mapping[int, Any]) -> None:
@@ -515,6 +526,7 @@ class NixlAgent:
         writing into it; its memory must not be reused meanwhile) or the agent closes."""
         with self._lock:
             for i, buffer in receives.items():
+                self._sizes.pop(i, None)
                 if self._notices.pop(i, None) is None:
                     self._abandoned[i] = buffer
                 else:
@@ -544,3 +556,4 @@ class NixlAgent:
             self._peers.clear()
             self._abandoned.clear()
             self._expected.clear()
+            self._sizes.clear()

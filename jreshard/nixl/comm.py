@@ -19,6 +19,13 @@ failures). A group (:meth:`NixlComm.exchange`) runs as:
    (receive ids are random; :class:`~jreshard.nixl.agent.NixlAgent`) and, on a sealed connection,
    its bytes match the tag the sender sent (below). The group returns when all are.
 
+**Sized messages** (:meth:`NixlComm.exchange_sized`: the delta rounds' encodings, whose sizes only their
+senders know). A receive is posted with its buffer's size as the most its message may hold; the sender
+refuses a message longer than that before it writes, WRITEs its bytes alone and names their count in the
+notification (``jreshard:<id>/<bytes>``); the receiver checks the count against what it posted before it
+reads a byte, and the receive is its buffer's first ``count`` bytes. One group, where sizes sent first
+would take two.
+
 **Integrity.** On a connection with a session (every one between programs), unless :attr:`NixlComm.tags`
 is off, the sender of each message sends, inside the sealed channel (``nixl.mac``), a Poly1305 tag of the
 bytes it writes, under a one-time key derived from the session and the receive's id, ranks and tag
@@ -86,8 +93,9 @@ __all__ = ["NixlComm"]
 _MAX_SLEEP_S = 2.5e-4
 _NOTICE_GRACE_S = 1.0  # after a peer's connection closes, how long its last notifications may still take
 
-# A posted receive as the sender holds it: (id, address, nbytes, memory type, device, sealed).
-_Posted = tuple[int, int, int, str, int, bool]
+# A posted receive as the sender holds it: (id, address, nbytes, memory type, device, sealed, sized), where sized:
+# nbytes is the most the message may hold, and the sender says in the notification how many it wrote.
+_Posted = tuple[int, int, int, str, int, bool, bool]
 # A WRITE in flight: (transfer handle, its send, the buffer it reads, that buffer's registration descriptors).
 _Write = tuple[Any, SendOp, Any, Any]
 
@@ -200,6 +208,18 @@ class NixlComm(Communicator):
             raise ValueError(f"NixlComm.exchange: {what} rank {rank} is neither local nor reachable") from None
 
     def exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> None:
+        self._exchange(sends, recvs, timeout_s, sized=False)
+
+    def exchange_sized(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], *, timeout_s: float) -> list[int]:
+        """One group, as :meth:`exchange`, where each receive is posted with its buffer's size as the most its
+        message may hold: a sender refuses to write more (before it writes anything), WRITEs its bytes alone
+        and puts their count in the WRITE's notification, and the receiver checks that count against what it
+        posted before it takes a byte of the message. Encrypted, the sealed bytes (``16`` more) land and are
+        opened at that size."""
+        return self._exchange(sends, recvs, timeout_s, sized=True)
+
+    def _exchange(self, sends: Sequence[SendOp], recvs: Sequence[RecvOp], timeout_s: float, sized: bool) -> list[int]:
+        """:meth:`exchange` (``sized``: :meth:`exchange_sized`, and the bytes that landed per receive, else ``[]``)."""
         if self.broken is not None:
             raise PeerError(f"NixlComm is broken since an earlier failure ({self.broken})", destination_intact=True)
         mine = set(self._local)
@@ -209,15 +229,18 @@ class NixlComm(Communicator):
         for r in recvs:
             if r.dst not in mine:
                 raise ValueError(f"NixlComm.exchange: receive at rank {r.dst}, which this process does not drive")
-        match_and_copy([s for s in sends if s.dst in mine], [r for r in recvs if r.src in mine])
+        pairs = match_and_copy([s for s in sends if s.dst in mine], [r for r in recvs if r.src in mine], bounded=sized)
+        landed = {id(r): int(s.buffer.nbytes) for s, r in pairs}  # per receive (by identity): its bytes
         remote_sends = [s for s in sends if s.dst not in mine]
         remote_recvs = [r for r in recvs if r.src not in mine]
-        if not remote_sends and not remote_recvs:
-            return
         waiting: dict[int, RecvOp] = {}
+        got: dict[int, int] | None = {} if sized else None  # receive id -> the bytes its sender wrote
         try:
-            self._post(remote_recvs, waiting)
-            self._run(remote_sends, waiting, timeout_s)
+            if remote_sends or remote_recvs:
+                self._post(remote_recvs, waiting, sized)
+                which = {i: id(r) for i, r in waiting.items()}
+                self._run(remote_sends, waiting, timeout_s, got)
+                landed.update({which[i]: n for i, n in (got or {}).items()})
         except Exception as err:  # fail-stop on any failure; NIXL's own errors arrive here as PeerError
             self.broken = f"{type(err).__name__}: {err}"
             self._agent.abandon({i: self._landing.pop(i, r.buffer) for i, r in waiting.items()})
@@ -226,9 +249,11 @@ class NixlComm(Communicator):
                 if ch not in self._told and not ch.eof:
                     self._fail(ch, self.broken)
             raise
+        return [landed[id(r)] for r in recvs] if sized else []
 
-    def _post(self, recvs: Sequence[RecvOp], waiting: dict[int, RecvOp]) -> None:
-        """Send each peer the descriptors of the receives it writes into."""
+    def _post(self, recvs: Sequence[RecvOp], waiting: dict[int, RecvOp], sized: bool) -> None:
+        """Send each peer the descriptors of the receives it writes into (``sized``: each buffer the most its
+        message may hold)."""
         by: dict[Channel, list[list[Any]]] = {}
         keys: dict[Channel, set[tuple[str, int, int, int]]] = {}
         for r in recvs:
@@ -243,7 +268,10 @@ class NixlComm(Communicator):
             region = _nixl(what, ch.peer, self._agent.region, landing)
             waiting[i] = r
             by.setdefault(ch, []).append(
-                [r.src, r.dst, r.tag, i, region.address, region.nbytes, region.mem, region.device, int(self.encrypt)]
+                [
+                    *(r.src, r.dst, r.tag, i, region.address, region.nbytes, region.mem, region.device),
+                    *(int(self.encrypt), int(sized)),
+                ]
             )
             keys.setdefault(ch, set()).add(region.key)
         for ch, entries in by.items():
@@ -293,8 +321,9 @@ class NixlComm(Communicator):
             self._agent.load(ch, [str(m) for m in md])
             for e in entries:
                 try:
-                    src, dst, tag, i, addr, n, mem, dev, *sealed = e
-                    post = (int(i), int(addr), int(n), str(mem), int(dev), bool(sealed and sealed[0]))
+                    src, dst, tag, i, addr, n, mem, dev, *flags = e
+                    sealed, sized = (bool(flags[k]) if len(flags) > k else False for k in (0, 1))
+                    post = (int(i), int(addr), int(n), str(mem), int(dev), sealed, sized)
                     key = (int(src), int(dst), int(tag))
                 except (TypeError, ValueError) as err:
                     raise PeerError(f"NixlComm: {ch.peer} sent a malformed receive descriptor {e!r}") from err
@@ -314,7 +343,7 @@ class NixlComm(Communicator):
     def _start(self, s: SendOp, post: _Posted, ch: Channel, tags: dict[Channel, list[list[Any]]]) -> _Write | None:
         """Start the WRITE of ``s`` into ``post`` (its tag added to ``tags``); the WRITE in flight, or
         ``None`` when already done."""
-        i, addr, n, mem, dev, sealed = post
+        i, addr, n, mem, dev, sealed, sized = post
         if self.encrypt and not sealed:
             raise self._fail(
                 ch,
@@ -330,15 +359,17 @@ class NixlComm(Communicator):
             self._outbound.append(buffer)
             tags.setdefault(ch, []).append([i, None, seq])
         nbytes = int(buffer.nbytes)
-        if n != nbytes:
+        if n != nbytes and not (sized and nbytes < n):
+            seal = TAG_BYTES if sealed else 0  # the message's sizes, not the sealed ones
+            expects = f"holds at most {n - seal}" if sized else f"expects {n - seal}"
             raise self._fail(
                 ch,
-                f"rank {s.src} sends rank {s.dst} {nbytes} bytes under tag {s.tag}, but the receive expects {n}: "
-                "the two sides planned differently",
+                f"rank {s.src} sends rank {s.dst} {nbytes - seal} bytes under tag {s.tag}, but the receive "
+                f"{expects}: the two sides planned differently",
             )
         agent = self._agent.nixl
         peer = self._agent.peer(ch)
-        notice = NOTICE + str(i).encode()
+        notice = NOTICE + str(i).encode() + (b"/" + str(nbytes).encode() if sized else b"")
         what = f"WRITE {s.src}->{s.dst} tag {s.tag}"
         if nbytes == 0:
             if not sealed and self.tags:
@@ -351,7 +382,7 @@ class NixlComm(Communicator):
             handle = agent.initialize_xfer(
                 "WRITE",
                 agent.get_xfer_descs([(local.address, nbytes, local.device)], local.mem),
-                agent.get_xfer_descs([(addr, n, dev)], mem),
+                agent.get_xfer_descs([(addr, nbytes, dev)], mem),
                 peer,
                 notice,
             )
@@ -377,7 +408,9 @@ class NixlComm(Communicator):
             tag = ch.session.mac(label(i, s.src, s.dst, s.tag), s.buffer) if _host(s.buffer) else None
             tags.setdefault(ch, []).append([i, None if tag is None else tag.hex(), None])
 
-    def _run(self, sends: Sequence[SendOp], waiting: dict[int, RecvOp], timeout_s: float) -> None:
+    def _run(
+        self, sends: Sequence[SendOp], waiting: dict[int, RecvOp], timeout_s: float, got: dict[int, int] | None
+    ) -> None:
         agent = self._agent.nixl
         unsent = collections.deque(sends)
         flying: list[_Write] = []
@@ -434,8 +467,9 @@ class NixlComm(Communicator):
                 if waiting:
                     ids = set(waiting)
                     peers = ", ".join(sorted({self._remote[r.src].peer for r in waiting.values()}))
-                    for i in _nixl("reading of notifications", peers, self._agent.arrived, ids):
-                        landed[i] = waiting.pop(i)
+                    told: dict[int, int] = {}  # the bytes a sized message's notification says were written
+                    for i in _nixl("reading of notifications", peers, self._agent.arrived, ids, told):
+                        landed[i] = self._landed(i, waiting.pop(i), told.get(i), got)
                         progress = True
                 for i in [i for i in landed if self._tagged(i, landed[i])]:
                     self._check(i, landed.pop(i))
@@ -465,6 +499,30 @@ class NixlComm(Communicator):
         finally:
             for write in flying:  # a failed group: each WRITE still running is retired, not released under UCX
                 self._retire(write)
+
+    def _landed(self, i: int, r: RecvOp, written: int | None, got: dict[int, int] | None) -> RecvOp:
+        """Receive ``i`` as it landed. In a sized exchange (``got``) its sender's notification said how many bytes
+        it wrote: that count is checked against what was posted before a byte is read, the receive is cut to
+        the message and ``got[i]`` set. Elsewhere a count is refused (the receive was posted at its size)."""
+        ch = self._remote[r.src]
+        what = f"rank {r.src}'s message to rank {r.dst} under tag {r.tag}"
+        landing = self._landing.get(i)
+        posted = int((r.buffer if landing is None else landing).nbytes)
+        if got is None:
+            if written is None:
+                return r
+            raise self._fail(ch, f"{what} gives its size ({written} bytes), but it was posted at exactly {posted}")
+        seal = 0 if landing is None else TAG_BYTES
+        if written is None:
+            raise self._fail(ch, f"{what} came without its size; its receive was posted to take up to {posted} bytes")
+        if not seal <= written <= posted:
+            raise self._fail(
+                ch, f"{what} says {written} bytes were written; its receive takes {seal} to {posted}: refused unread"
+            )
+        if landing is not None:
+            self._landing[i] = landing[:written]
+        got[i] = written - seal
+        return RecvOp(r.src, r.dst, r.tag, r.buffer[: written - seal])
 
     def _retire(self, write: _Write) -> None:
         """Hand a WRITE given up to the agent, with the buffer it reads (:meth:`NixlAgent.retire`)."""

@@ -40,7 +40,7 @@ class DeltaReport:
         ``reasons``), ``"mixed"`` (some receivers were sent whole chunks), or ``"off"``.
       reasons: why chunks went whole: one line per process that could not take a delta.
       full_bytes: the bytes this process's ranks send in a full refit.
-      sent_bytes: the bytes they sent (encodings, their headers and length messages; ``full_bytes`` when off).
+      sent_bytes: the bytes they sent (encodings, their headers and 8 bytes of length each; ``full_bytes`` when off).
       recv_bytes: the bytes this process's ranks received.
       changed_fraction: the changed comparison units over all units this process sent (1.0 when off).
       encode_s, apply_s: seconds spent encoding what it sent and rebuilding what it received.

@@ -33,18 +33,21 @@ def say(**event) -> None:
 
 def arm_kill(version: int, nth: int) -> None:
     state = {"v": None, "calls": 0}
-    receive, exchange = replica_module.ElasticReplica._receive, NixlComm.exchange
+    receive = replica_module.ElasticReplica._receive
 
     def watched(self, ch, decl, v, source, **kw):
         state["v"], state["calls"] = v, 0
         return receive(self, ch, decl, v, source, **kw)
 
-    def deadly(self, sends, recvs, *, timeout_s):
-        if state["v"] == version and recvs:
-            state["calls"] += 1
-            if state["calls"] == nth:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return exchange(self, sends, recvs, timeout_s=timeout_s)
+    def deadly(exchange):  # exchange, or exchange_sized (a delta refit's groups)
+        def deadly_exchange(self, sends, recvs, *, timeout_s):
+            if state["v"] == version and recvs:
+                state["calls"] += 1
+                if state["calls"] == nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return exchange(self, sends, recvs, timeout_s=timeout_s)
+
+        return deadly_exchange
 
     from jreshard.nixl.prepared import NixlPrepared
 
@@ -58,7 +61,8 @@ def arm_kill(version: int, nth: int) -> None:
         return wait(self, group)
 
     replica_module.ElasticReplica._receive = watched
-    NixlComm.exchange = deadly
+    NixlComm.exchange = deadly(NixlComm.exchange)
+    NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)
     NixlPrepared.wait = deadly_wait
 
 

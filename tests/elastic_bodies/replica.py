@@ -26,21 +26,25 @@ from jreshard.nixl import NixlComm
 def arm_kill(version):
     """SIGKILL this process at its second data exchange of ``version`` (some bytes in, some not)."""
     state = {"v": None, "calls": 0}
-    receive, exchange = replica_module.ElasticReplica._receive, NixlComm.exchange
+    receive = replica_module.ElasticReplica._receive
 
     def watched_receive(self, ch, decl, v, source, **kw):
         state["v"], state["calls"] = v, 0
         return receive(self, ch, decl, v, source, **kw)
 
-    def deadly_exchange(self, sends, recvs, *, timeout_s):
-        if state["v"] == version and recvs:
-            state["calls"] += 1
-            if state["calls"] == 2:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return exchange(self, sends, recvs, timeout_s=timeout_s)
+    def deadly(exchange):  # exchange, or exchange_sized (a delta refit's groups)
+        def deadly_exchange(self, sends, recvs, *, timeout_s):
+            if state["v"] == version and recvs:
+                state["calls"] += 1
+                if state["calls"] == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return exchange(self, sends, recvs, timeout_s=timeout_s)
+
+        return deadly_exchange
 
     replica_module.ElasticReplica._receive = watched_receive
-    NixlComm.exchange = deadly_exchange
+    NixlComm.exchange = deadly(NixlComm.exchange)
+    NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)
 
 
 def main():

@@ -133,8 +133,17 @@ def body() -> dict:
 
                 return post
 
+            def dying_after(real):  # a delta refit's group (one per round): its bytes moved, the refit not committed
+                def post(*a, **k):
+                    out = real(*a, **k)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    return out
+
+                return post
+
             group._comm.exchange = dying(group._comm.exchange)
             group._comm.start_rows = dying(group._comm.start_rows)
+            group._comm.exchange_sized = dying_after(group._comm.exchange_sized)
             # A prepared refit starts its groups itself: the victim's are re-prepared to run from Python, with
             # the same count of posts before it dies (its survivors replay theirs as usual).
             replay.release(group._comm)

@@ -77,17 +77,20 @@ def source(address: str, mode: str) -> None:
 
 def arm_kill(version: int) -> None:
     """SIGKILL this process at its second data exchange of ``version`` (some bytes in, some not)."""
-    real = NixlComm.exchange
     state = {"calls": 0}
 
-    def deadly(self, sends, recvs, *, timeout_s):
-        if state.get("v") == version and recvs:
-            state["calls"] += 1
-            if state["calls"] == 2:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return real(self, sends, recvs, timeout_s=timeout_s)
+    def deadly(real):
+        def exchange(self, sends, recvs, *, timeout_s):
+            if state.get("v") == version and recvs:
+                state["calls"] += 1
+                if state["calls"] == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, sends, recvs, timeout_s=timeout_s)
 
-    NixlComm.exchange = deadly  # type: ignore[method-assign]
+        return exchange
+
+    NixlComm.exchange = deadly(NixlComm.exchange)  # type: ignore[method-assign]
+    NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)  # type: ignore[method-assign]  # the delta rounds'
     from jreshard.nixl.prepared import NixlPrepared
 
     real_start = NixlPrepared.start

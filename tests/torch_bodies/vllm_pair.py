@@ -60,14 +60,18 @@ def run_trainer() -> None:
     if mode.startswith("die:"):  # SIGKILL this trainer in the middle of pushing version V
         from jreshard.nixl.comm import NixlComm
 
-        doomed, real = int(mode[4:]), NixlComm.exchange
+        doomed = int(mode[4:])
 
-        def deadly(self, sends, recvs, *, timeout_s):
-            if state["v"] == doomed and sends:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(self, sends, recvs, timeout_s=timeout_s)
+        def deadly(real):  # exchange, or exchange_sized (a delta refit's groups)
+            def exchange(self, sends, recvs, *, timeout_s):
+                if state["v"] == doomed and sends:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(self, sends, recvs, timeout_s=timeout_s)
 
-        NixlComm.exchange = deadly  # type: ignore[method-assign]
+            return exchange
+
+        NixlComm.exchange = deadly(NixlComm.exchange)  # type: ignore[method-assign]
+        NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)  # type: ignore[method-assign]
         from jreshard.nixl.prepared import NixlPrepared
 
         real_start = NixlPrepared.start
@@ -122,14 +126,16 @@ def run_server(index: int, count: int, die: int | None) -> None:
     if die is not None:  # SIGKILL at the first exchange of version ``die`` that receives bytes
         from jreshard.nixl.comm import NixlComm
 
-        real = NixlComm.exchange
+        def deadly(real):  # exchange, or exchange_sized (a delta refit's groups)
+            def exchange(self, sends, recvs, *, timeout_s):
+                if (rx.version or 0) + 1 == die and recvs:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return real(self, sends, recvs, timeout_s=timeout_s)
 
-        def deadly(self, sends, recvs, *, timeout_s):
-            if (rx.version or 0) + 1 == die and recvs:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(self, sends, recvs, timeout_s=timeout_s)
+            return exchange
 
-        NixlComm.exchange = deadly  # type: ignore[method-assign]
+        NixlComm.exchange = deadly(NixlComm.exchange)  # type: ignore[method-assign]
+        NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)  # type: ignore[method-assign]
         from jreshard.nixl.prepared import NixlPrepared
 
         real_start = NixlPrepared.start
