@@ -66,6 +66,7 @@ Messages between two local ranks are copies (``match_and_copy``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import hmac
 import os
@@ -522,7 +523,7 @@ class NixlComm(Communicator):
         if landing is not None:
             self._landing[i] = landing[:written]
         got[i] = written - seal
-        return RecvOp(r.src, r.dst, r.tag, r.buffer[: written - seal])
+        return dataclasses.replace(r, buffer=r.buffer[: written - seal])
 
     def _retire(self, write: _Write) -> None:
         """Hand a WRITE given up to the agent, with the buffer it reads (:meth:`NixlAgent.retire`)."""
