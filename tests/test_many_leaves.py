@@ -287,7 +287,7 @@ class _FailingKernel:
         self._call()
         return self.real.copy_pieces(*args)
 
-    def Copies(self, workers):  # noqa: N802 - the kernel's own name
+    def Copies(self, workers):  # (the kernel's own name)
         return _FailingBatch(self, self.real.Copies(workers))
 
 
@@ -333,7 +333,6 @@ def test_results_made_while_copying_are_the_copied_buffers(monkeypatch):
 
 def test_the_aliasing_check_tells_a_copy_from_the_buffers_themselves():
     from jreshard.engine import inprocess
-
     from jreshard.engine.buffers import aligned_empty
 
     devices = list(TP._device_assignment)
