@@ -15,24 +15,31 @@ every leaf of the group at once:
    whose outputs own the same memory), but only where nothing else can observe that
    memory; otherwise fresh shards, counted in the report.
 3. **Copies.** Every stage's copy classes, for the whole group, as batched strided
-   copies (:mod:`jreshard.engine.strided`).
+   copies (:mod:`jreshard.engine.strided`), started on the compiled kernel's own threads,
+   which never take the GIL (:class:`~jreshard.engine.strided.Copier`); a later stage (one
+   that reads what an earlier one wrote) once the earlier ones have ended.
 4. **Results.** Each global array is made over its shards in one call of jax's batched put
    (zero-copy on CPU) where the transfer guard allows it, else each shard is imported through
    DLPack as memory its device already holds (no host-to-device transfer: every
    ``jax.transfer_guard`` setting allows it) and the array assembled from them
-   (:mod:`jreshard.engine.arrays`); the pool takes the block back when jax lets it go.
+   (:mod:`jreshard.engine.arrays`); the pool takes the block back when jax lets it go. ``transfer``
+   makes them while the copies run, over the buffers being written (checked on the first result of
+   each group: where jax copied instead, the group's results are made once the copies have ended).
 
 The host work of a many-leaf call is mostly per leaf: jax builds a Python object per source
-shard when its shards are first read (about 3 us each), and one call makes each result.
-Copying on the copy threads while this thread reads the sources, or while ``transfer_into``
-donates the next chunk of ``into`` leaves, measured no faster on two shared cores (the GIL
-passes between the threads at every chunk), so every copy of a call starts once its sources
-are read and its destinations held.
+shard when its shards are first read (about 3 us each), and one call makes each result (or,
+for ``transfer_into``, one jitted call donates every ``into`` leaf). Making the results is what
+runs beside the copies: ``transfer_into`` has none to make for the leaves it writes in place, and
+its copies cannot start earlier, since the ownership rule needs every source address before the
+first ``into`` leaf is donated. Donating chunk by chunk while the previous chunk was copied, and
+(``transfer``) copying each chunk of leaves while the next chunk's sources were read, both measured
+slower on two shared cores than one start after all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -57,7 +64,7 @@ from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
-from jreshard.types import Target, TreeLeaf
+from jreshard.types import Array, Target, TreeLeaf
 
 __all__ = ["lowering_of", "run_local"]
 
@@ -188,25 +195,35 @@ def run_local(
         else:
             dst_ptr, views, donated = _into_destinations(prep, src_ptr, pool, builder)
     bounds = _buffers(prep, src_shards, views, donated) if strided.checking_bounds() else None
-    with builder.timed(ReportPhase.COPY):
-        try:
+    copier = strided.Copier(options.copy_threads)
+    made = [False] * len(shape.groups)  # per group: its results were made while the copies ran
+    try:
+        with builder.timed(ReportPhase.COPY), _copying(prep.mode):
             for low, sp, dp in zip(lowerings, src_ptr, dst_ptr, strict=True):
-                for stage in low.stages:
+                if low.stages:  # the first stage reads sources only: every later one, what it wrote
+                    copier.start([(rows.cls, *addresses(rows, sp, dp)) for rows in low.stages[0]], bounds)
+        if prep.mode is Mode.TRANSFER:  # the results, while the copies run: their shards are the pool's
+            with builder.timed(ReportPhase.BUFFERS):
+                put = put_allowed()
+                made = [
+                    _results(prep, g, v_g, dp, donated, put, out, check=True)
+                    for g, v_g, dp in zip(shape.groups, views, dst_ptr, strict=True)
+                ]
+        with builder.timed(ReportPhase.COPY), _copying(prep.mode):
+            copier.wait()
+            for low, sp, dp in zip(lowerings, src_ptr, dst_ptr, strict=True):
+                for stage in low.stages[1:]:
                     work = [(rows.cls, *addresses(rows, sp, dp)) for rows in stage]
                     strided.copy_classes(work, threads=options.copy_threads, bounds=bounds)
-        except Exception as err:
-            if prep.mode is Mode.INTO:
-                raise TransferError(
-                    f"transfer_into failed while copying ({type(err).__name__}: {err}); the into arrays were "
-                    "consumed and the results hold neither the old nor the new values",
-                    destination_intact=False,
-                ) from err
-            raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
+    finally:
+        copier.wait()  # no copy is left writing, whatever failed
     with builder.timed(ReportPhase.BUFFERS):
         put = put_allowed()
-        for g, low, v_g, dp in zip(shape.groups, lowerings, views, dst_ptr, strict=True):
+        for g, low, v_g, dp, done in zip(shape.groups, lowerings, views, dst_ptr, made, strict=True):
             for link, nb in low.link_bytes:
                 builder.add_bytes(link, nb * len(g.leaves))
+            if done:
+                continue
             if prep.mode is Mode.TRANSFER or not all(i in donated for i in g.leaves):
                 _results(prep, g, v_g, dp, donated, put, out)
             else:  # the steady state of transfer_into: every leaf donated
@@ -218,6 +235,21 @@ def run_local(
     return out
 
 
+@contextlib.contextmanager
+def _copying(mode: Mode) -> Iterator[None]:
+    """Report a failed copy as :class:`TransferError` (for ``transfer_into``: ``into`` was consumed)."""
+    try:
+        yield
+    except Exception as err:
+        if mode is Mode.INTO:
+            raise TransferError(
+                f"transfer_into failed while copying ({type(err).__name__}: {err}); the into arrays were "
+                "consumed and the results hold neither the old nor the new values",
+                destination_intact=False,
+            ) from err
+        raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
+
+
 def _results(
     prep: Prepared,
     g: Group,
@@ -226,10 +258,18 @@ def _results(
     donated: dict[int, tuple[Any, tuple[int, ...]]],
     put: bool,
     out: list[Any],
-) -> None:
+    check: bool = False,
+) -> bool:
     """Fill ``out`` with the result leaves of group ``g``: the donated arrays, and arrays made over the fresh
     shards ``views[j]`` (in the order jax assembles them where the group has one order, ``g.common_dst``,
-    else in slot order) with addresses ``dst_ptr`` (slot order); each result's addresses are remembered."""
+    else in slot order) with addresses ``dst_ptr`` (slot order); each result's addresses are remembered.
+
+    ``check``: the shards are still being written, so each result must be made over them, not over a copy
+    of what they hold now. The first result is checked (jax aliases every leaf of a group alike: one
+    dtype, one shape, one alignment in the pool); where jax copied it, nothing is filled in and ``False``
+    is returned, for the caller to make the group's results once its copies have ended. Returns ``True``
+    otherwise.
+    """
     leaves, targets, common = prep.leaves, prep.targets, g.common_dst
     batched = batched_put(put)
     avals: dict[bool, Any] = {}  # weak_type -> aval: every leaf of a group has one shape and dtype
@@ -256,10 +296,18 @@ def _results(
             a = batched.raw(aval, sharding, shards, devices, True)
         else:
             a = make_array(leaf.shape, leaf.dtype, sharding, shards, devices, leaf.weak_type, put)
+        if check and not made and not _over(a, shards):
+            return False
         out[i] = a
         made.append(a)
         made_rows.append(row)
     remember_all(made, made_rows, by_jax=False)
+    return True
+
+
+def _over(a: Array, views: Sequence[np.ndarray]) -> bool:
+    """Whether the shards of ``a`` (``addressable_data`` order) are the buffers ``views`` themselves."""
+    return all(not v.size or shard_pointer(s) == v.ctypes.data for s, v in zip(shard_arrays(a), views, strict=True))
 
 
 def _buffers(

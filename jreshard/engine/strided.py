@@ -21,6 +21,12 @@ temporary), runs of 256 bytes or more with streaming stores in calls that move a
 :data:`STREAM_MIN` bytes, and the GIL is released for the whole chunk. numpy's copies are the
 reference it is tested against.
 
+A :class:`Copier` starts a call's copies and returns at once: the compiled kernel's chunks run on
+threads of its own (``_strided.Copies``) that never take the GIL, so the caller's Python work (making
+the result arrays of a many-leaf call) runs beside them, where a copy thread of the pool would wait
+for the GIL before each chunk; :meth:`Copier.wait` copies what is left on the calling thread too and
+returns when every byte is written.
+
 Large pieces (:data:`LARGE_PIECE`) are copied one by one with ``np.copyto`` on
 views of the piece itself, cut along their outermost extent across threads.
 
@@ -49,8 +55,10 @@ import numpy as np
 __all__ = [
     "LARGE_PIECE",
     "STREAM_MIN",
+    "THREAD_MIN",
     "AddressRanges",
     "CopyClass",
+    "Copier",
     "checking_bounds",
     "compiled",
     "copy_classes",
@@ -65,6 +73,7 @@ _CHUNK_BYTES = 1 << 20  # bytes of pieces per gather/scatter call: the temporary
 _MAX_VIEW_BYTES = 1 << 60  # numpy refuses arrays whose size in bytes overflows its index type
 _KERNEL_CHUNK_BYTES = 4 << 20  # bytes of pieces per compiled call (no temporary: only the balance of threads)
 STREAM_MIN = 1 << 20  # bytes: a class that moves at least this much is written with streaming stores
+THREAD_MIN = 1 << 20  # bytes: a Copier with no thread yet copies less than this itself, at once
 
 _kernel_module: ModuleType | None
 try:
@@ -195,22 +204,34 @@ def executor() -> concurrent.futures.ThreadPoolExecutor:
     return _THREADS
 
 
-def _compiled(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
-    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses) with the compiled kernel, a chunk of
-    pieces a call (at least one chunk per thread)."""
-    kernel = _KERNEL
+def _kernel_calls(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[tuple[Any, ...]]:
+    """The compiled kernel's calls that copy pieces ``src[i] -> dst[i]`` (absolute addresses), a chunk of
+    pieces a call (at least one chunk per thread): ``copy_pieces`` arguments, then the two address
+    tables the first two of them point into (whoever runs the call keeps them alive until it ends)."""
     src = np.ascontiguousarray(src, dtype=np.int64)
     dst = np.ascontiguousarray(dst, dtype=np.int64)
     n = len(src)
     stream = cls.piece_bytes * n >= STREAM_MIN
     step = max(1, min(_KERNEL_CHUNK_BYTES // max(cls.piece_bytes, 1), -(-n // threads)))
     outer, ss, ds = cls.outer, cls.src_strides, cls.dst_strides
+    calls = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        s, d = src[a:b], dst[a:b]
+        calls.append((s.ctypes.data, d.ctypes.data, b - a, cls.run, outer, ss, ds, stream, (s, d)))
+    return calls
 
-    def job(a: int, b: int) -> Callable[[], None]:
-        s, d = src[a:b], dst[a:b]  # (the closure keeps the address tables alive while the call runs)
-        return lambda: kernel.copy_pieces(s.ctypes.data, d.ctypes.data, b - a, cls.run, outer, ss, ds, stream)
 
-    return [job(a, min(a + step, n)) for a in range(0, n, step)]
+def _compiled(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
+    """Jobs that copy pieces ``src[i] -> dst[i]`` (absolute addresses) with the compiled kernel, a chunk of
+    pieces a call (at least one chunk per thread)."""
+    kernel = _KERNEL
+
+    def job(call: tuple[Any, ...]) -> Callable[[], None]:
+        # (the closure keeps the address tables, call[-1], alive while the call runs)
+        return lambda: kernel.copy_pieces(*call[:-1])
+
+    return [job(call) for call in _kernel_calls(cls, src, dst, threads)]
 
 
 def _batched(cls: CopyClass, src: np.ndarray, dst: np.ndarray, threads: int) -> list[Callable[[], None]]:
@@ -303,6 +324,71 @@ def copy_classes(
         return total
     run_shared(jobs, threads)
     return total
+
+
+class Copier:
+    """Copies that run while their caller goes on: :meth:`start` queues work and returns, :meth:`wait`
+    returns once every piece is written. The caller must reach :meth:`wait` (in a ``finally``) before it
+    lets go of, or hands out, any buffer the copies read or write.
+
+    The compiled kernel's chunks run on up to ``threads - 1`` threads of its own (``_strided.Copies``,
+    one more started with each chunk queued) that never take the GIL, and on the calling thread in
+    :meth:`wait`. What is not worth a thread (less than :data:`THREAD_MIN` bytes in a copier that has none
+    yet), large pieces (copied one by one) and every piece where the kernel was not built are copied in
+    :meth:`start`, before it returns.
+
+    Example:
+      >>> src, dst = np.arange(1 << 20, dtype=np.uint8), np.zeros(1 << 20, np.uint8)
+      >>> cls = CopyClass(run=4096, outer=(), src_strides=(), dst_strides=())
+      >>> at = np.arange(256, dtype=np.int64) * 4096
+      >>> copier = Copier(threads=2)
+      >>> copier.start([(cls, src.ctypes.data + at, dst.ctypes.data + at)])
+      >>> copier.wait()
+      >>> bool((src == dst).all())
+      True
+    """
+
+    __slots__ = ("_batch", "threads")
+
+    def __init__(self, threads: int | None = None):
+        self.threads = threads_for(threads)
+        self._batch: Any = None
+
+    def start(
+        self,
+        work: list[tuple[CopyClass, np.ndarray, np.ndarray]],
+        bounds: tuple[AddressRanges, AddressRanges] | None = None,
+    ) -> None:
+        """Begin copying every piece of every class of ``work`` (as :func:`copy_classes` copies them).
+
+        Raises:
+          TransferError: (with ``bounds``) a piece lies outside every buffer; nothing of ``work`` was copied.
+        """
+        if bounds is not None:
+            _check_bounds(work, bounds)
+        # (A kernel built before the batches has none: its pieces are copied here, as copy_classes does.)
+        batch_type: Any = getattr(_KERNEL, "Copies", None)
+        now: list[tuple[CopyClass, np.ndarray, np.ndarray]] = []
+        later: list[tuple[CopyClass, np.ndarray, np.ndarray]] = []
+        for cls, src, dst in work:
+            if not len(src) or cls.piece_bytes == 0:
+                continue
+            queued = batch_type is not None and cls.piece_bytes < LARGE_PIECE and len(src) > 1 and len(cls.outer) <= 8
+            (later if queued else now).append((cls, src, dst))
+        if self._batch is None and sum(c.piece_bytes * len(s) for c, s, _ in later) < THREAD_MIN:
+            now, later = now + later, []
+        for cls, src, dst in later:
+            if self._batch is None:
+                self._batch = batch_type(self.threads - 1)
+            for call in _kernel_calls(cls, src, dst, self.threads):
+                self._batch.post(*call)
+        copy_classes(now, self.threads)
+
+    def wait(self) -> None:
+        """Copy what is still queued on this thread too; return once every piece started is written."""
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.wait()
 
 
 def run_shared(jobs: list[Callable[[], None]], threads: int) -> None:
