@@ -11,8 +11,8 @@ push version after version, each version once over each transport, in alternatin
 MPI, ...), so whatever else the machine runs at a moment falls on all alike. Each version runs, in both processes:
 
 - ``mpi``: the MPI group (one MPI universe: nothing digested);
-- ``mpi-pieces``: a second MPI group behind a digesting communicator that digests nothing: its compiled
-  replay runs in pieces, back in Python around every start and wait (what a digested refit over MPI runs,
+- ``mpi-observed``: a second MPI group behind a digesting communicator that digests nothing: its compiled
+  replay runs in parts, back in Python around every start and wait (what a digested refit over MPI runs,
   without the digests: the two parts of verify's cost);
 - ``mpi-verify``: a third MPI group with ``Options(verify=True)`` (every message hashed with XXH3-128 on
   both sides, the digests compared in the commit vote);
@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
 TRANSPORTS = (
     "mpi",
-    "mpi-pieces",
+    "mpi-observed",
     "mpi-verify",
     "mpi-verify-overlap",
     "nixl",
@@ -115,7 +115,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
     opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20, delta="off")  # every refit whole
     groups = {
         "mpi": RefitGroup(role, like, options=opts),
-        "mpi-pieces": RefitGroup(role, like, options=opts),
+        "mpi-observed": RefitGroup(role, like, options=opts),
         "mpi-verify": RefitGroup(role, like, options=dataclasses.replace(opts, verify=True)),
         "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
         "nixl-encrypt": RefitGroup.connect(
@@ -128,7 +128,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
             k: jax.make_array_from_callback(s, sharding[k], lambda i, s=s: np.ones(s, np.float32)[i])
             for k, s in shapes.items()
         }
-    groups["mpi-pieces"]._comm = DigestComm(groups["mpi-pieces"]._comm)  # no digests begun: the pieces only
+    groups["mpi-observed"]._comm = DigestComm(groups["mpi-observed"]._comm)  # no digests begun: the parts only
     nixl = groups["nixl"]
     boxed, wire = nixl._comm, nixl._wire  # the benchmark's switch: the group's digesting communicator, or not
     seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
@@ -230,7 +230,7 @@ def main() -> None:
         ("nixl-tags", "nixl-plain", "per-message tags (replaced): NIXL tagged / NIXL plain"),
         ("mpi-verify", "mpi", "verify: MPI verify=True / MPI"),
         ("mpi-verify-overlap", "mpi", "verify's hashes on a worker thread: MPI verify=True / MPI"),
-        ("mpi-pieces", "mpi", "verify's replay in pieces alone: MPI in pieces / MPI"),
+        ("mpi-observed", "mpi", "verify's replay in parts alone: MPI in parts / MPI"),
         ("nixl-encrypt", "nixl", "encrypt: NIXL encrypted / NIXL"),
         ("nixl-encrypt", "nixl-plain", "encrypt + box MACs: NIXL encrypted / NIXL plain"),
     ):

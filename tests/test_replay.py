@@ -382,7 +382,7 @@ def test_a_communicator_with_prepared_refits_is_freed_when_its_last_reference_go
 class _Watched(PreparedGroups):
     """``inner`` observed (:attr:`PreparedGroups.observes`): at every hook it checks that the bytes of every message
     still watched are as they were when watched began (a group's sends from its ``starting``, its receives from
-    its ``landed``), through the hook point the program says they stay (``sends_kept``, ``recvs_kept``), and that
+    its ``landed``), through the hook point the schedule says they stay (``sends_kept``, ``recvs_kept``), and that
     every message landed as it was sent."""
 
     observes = True
@@ -478,7 +478,7 @@ class _WatchedComm(Communicator):
     st.sampled_from([64, 256]),
     st.integers(2, 8),
 )
-def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_program_says(
+def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_schedule_says(
     native, src_spec, dst_spec, chunk, staging_chunks
 ):
     src = Layout.from_mesh(np.arange(4), ("x",), src_spec, (24, 40), "float32")
@@ -527,7 +527,7 @@ class _PythonLoop(Communicator):
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "worker"])
 @pytest.mark.parametrize("flip", [None, 3])
 def test_a_digested_prepared_refit_digests_every_crossing_message_as_sent_and_as_landed(native, overlap, flip):
-    """The engine's rounds over MPI in one process (every message a local copy), digested as if ranks 0-3 (the
+    """The engine's rounds over MPI in one process (every message an in-process copy), digested as if ranks 0-3 (the
     sources) were one process and ranks 4-7 another: one step digests what 0-3 send to 4-7, a second what 4-7
     received from 0-3. The prepared groups run in the compiled replay or its Python loop, the digests inline or on
     the worker; every stream's two digests agree, but the one whose message had a byte flipped as it landed."""

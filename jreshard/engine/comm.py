@@ -193,7 +193,7 @@ class PreparedGroups(abc.ABC):
     observes: bool = False
     """Whether the replay must call the hooks :meth:`starting`, :meth:`waiting` and :meth:`landed` around each
     group (prepared groups that digest what crosses, :class:`~jreshard.engine.digest.DigestComm`'s): the compiled
-    replay then runs its program in pieces, back in Python around every start and wait."""
+    replay then runs its operations in parts, back in Python around every start and wait."""
 
     @abc.abstractmethod
     def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:

@@ -214,7 +214,7 @@ class DigestComm(Communicator):
     Where the digests run. By default in the caller's thread, where it would otherwise wait for its peers. In a
     prepared refit (the transport's prepared groups, replayed in the compiled loop where it has one, see
     ``_DigestPrepared``): a group's sends just before its wait, after the packs that run while it is posted,
-    while its bytes are on the wire; its receives, where the program leaves them as they landed that long,
+    while its bytes are on the wire; its receives, where the schedule leaves them as they landed that long,
     just before the next group's wait, while that group's bytes move (else as they landed). Each group posted
     afresh: its sends just before it is posted, its receives as it completed. With :attr:`overlap` set, on a
     worker thread instead (the MAC and the hash release the GIL), each started as soon as its bytes are final
@@ -363,7 +363,7 @@ class _DigestPrepared(PreparedGroups):
 
     - a group's sends just before its wait: after the next round's packs, while its bytes are on the wire
       (they cannot change until the wait returns);
-    - a group's receives, where the program keeps them as they landed through the next group's wait
+    - a group's receives, where the schedule keeps them as they landed through the next group's wait
       (:attr:`Ops.kept <jreshard.engine.replay.Ops.kept>`), just before that wait: while the next group's
       bytes move. Otherwise (the last group, or one whose buffers the step writes sooner) as they landed.
 

@@ -201,7 +201,7 @@ def _kept(ops: Sequence[tuple], groups: Sequence[Group], segments: Mapping[int, 
             written({segments[op[2]] + b for b in np.unique(op[1][:, kernels.BUF]).tolist()})
         if code in (START, EXCHANGE):
             point = hook_point(op[1], STARTING)
-            written({row[3] for row in groups[op[1]][1]})  # its receives land, its local copies are made
+            written({row[3] for row in groups[op[1]][1]})  # its receives land, its in-process copies are made
             watched[op[1], 0] = {row[3] for row in groups[op[1]][0]}
         if code in (WAIT, EXCHANGE):
             point = hook_point(op[1], LANDED)
