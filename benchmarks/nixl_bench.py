@@ -4,21 +4,24 @@ Run: ``.venv/bin/python benchmarks/nixl_bench.py [--mib 64] [--warmup 1] [--repe
 (``mpiexec -n 2``) starts a source and a destination process, each with 2 CPU devices: the source
 FSDP-shards a refit-like pytree over its 2 devices, the destination TP-shards it over its 2. The two
 processes form two ``RefitGroup`` objects with the same declaration and Options (chunking,
-staging): one over MPI (``COMM_WORLD``), one over NIXL (``RefitGroup.connect(..., transport="nixl")``,
-which meets at an address file and uses no MPI). Then they push version after version, each version
-once over each transport, in alternating order (MPI NIXL, NIXL MPI, ...), so whatever else the
-machine runs at a moment falls on all alike. Each version runs, in both processes:
+staging, and ``delta="off"``: every version sends the whole tree, as a first refit does; with deltas the
+unchanged tree would send next to nothing): one over MPI (``COMM_WORLD``), one over NIXL
+(``RefitGroup.connect(..., transport="nixl")``, which meets at an address file and uses no MPI). Then they
+push version after version, each version once over each transport, in alternating order (MPI NIXL, NIXL
+MPI, ...), so whatever else the machine runs at a moment falls on all alike. Each version runs, in both processes:
 
 - ``mpi``: the MPI group (one MPI universe: nothing digested);
-- ``mpi-python``: a second MPI group whose prepared groups replay from Python, not in the compiled loop, and
-  digest nothing (what a digested refit over MPI runs, without the digests: the two parts of verify's cost);
+- ``mpi-observed``: a second MPI group behind a digesting communicator that digests nothing: its compiled
+  replay runs in parts, back in Python around every start and wait (what a digested refit over MPI runs,
+  without the digests: the two parts of verify's cost);
 - ``mpi-verify``: a third MPI group with ``Options(verify=True)`` (every message hashed with XXH3-128 on
   both sides, the digests compared in the commit vote);
+- ``mpi-verify-overlap``: the same group with the hashes computed on a worker thread (``DigestComm.overlap``);
 - ``nixl``: the NIXL group as jreshard runs it (the box MACs: every message's AES-GMAC tag on both sides,
   compared in the commit vote);
 - ``nixl-overlap``: the same group with the box MACs computed on a worker thread beside the transfer
-  (``DigestComm.overlap``) instead of in the refit's own thread as each group is posted and completes (the
-  two placements of the same work);
+  (``DigestComm.overlap``) instead of in the refit's own thread where it waits for its peer (the two
+  placements of the same work);
 - ``nixl-plain``: the same group with the box MACs switched off (a switch of this benchmark only, by
   swapping the group's communicator for its transport): its ratio to ``nixl`` is the cost of the MACs;
 - ``nixl-tags``: the same group with NIXL's per-message tags instead (what the box MACs replaced: each
@@ -56,8 +59,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "nixl-bench-shared-key-0123456789"
-TRANSPORTS = ("mpi", "mpi-python", "mpi-verify", "nixl", "nixl-overlap", "nixl-plain", "nixl-tags", "nixl-encrypt")
-GROUP = {"nixl-plain": "nixl", "nixl-tags": "nixl", "nixl-overlap": "nixl"}  # the others: a group of their own name
+TRANSPORTS = (
+    "mpi",
+    "mpi-observed",
+    "mpi-verify",
+    "mpi-verify-overlap",
+    "nixl",
+    "nixl-overlap",
+    "nixl-plain",
+    "nixl-tags",
+    "nixl-encrypt",
+)
+GROUP = {"nixl-plain": "nixl", "nixl-tags": "nixl", "nixl-overlap": "nixl", "mpi-verify-overlap": "mpi-verify"}
 
 
 def tree_shapes(mib: int) -> dict[str, tuple[int, ...]]:
@@ -99,10 +112,10 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
         }
         sharding = {k: NamedSharding(mesh, spec[k]) for k in shapes}
     like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding[k]) for k, s in shapes.items()}
-    opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20)
+    opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20, delta="off")  # every refit whole
     groups = {
         "mpi": RefitGroup(role, like, options=opts),
-        "mpi-python": RefitGroup(role, like, options=opts),
+        "mpi-observed": RefitGroup(role, like, options=opts),
         "mpi-verify": RefitGroup(role, like, options=dataclasses.replace(opts, verify=True)),
         "nixl": RefitGroup.connect(role, like, address=address, transport="nixl", options=opts),
         "nixl-encrypt": RefitGroup.connect(
@@ -115,7 +128,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
             k: jax.make_array_from_callback(s, sharding[k], lambda i, s=s: np.ones(s, np.float32)[i])
             for k, s in shapes.items()
         }
-    groups["mpi-python"]._comm = DigestComm(groups["mpi-python"]._comm)  # no digests begun: the replay only
+    groups["mpi-observed"]._comm = DigestComm(groups["mpi-observed"]._comm)  # no digests begun: the parts only
     nixl = groups["nixl"]
     boxed, wire = nixl._comm, nixl._wire  # the benchmark's switch: the group's digesting communicator, or not
     seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
@@ -128,6 +141,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
             nixl._comm, nixl._digest_kind = (wire, None) if plain else (boxed, "mac")
             wire.tags = name == "nixl-tags"
             boxed.overlap = name == "nixl-overlap"
+            groups["mpi-verify"]._comm.overlap = name == "mpi-verify-overlap"
             group = groups[GROUP.get(name, name)]
             c0, t0 = _cpu_s(), time.perf_counter()
             if params is not None:
@@ -215,7 +229,8 @@ def main() -> None:
         ("nixl-overlap", "nixl-plain", "box MACs on a worker thread: NIXL / NIXL without them"),
         ("nixl-tags", "nixl-plain", "per-message tags (replaced): NIXL tagged / NIXL plain"),
         ("mpi-verify", "mpi", "verify: MPI verify=True / MPI"),
-        ("mpi-python", "mpi", "verify's replay from Python alone: MPI replayed from Python / MPI"),
+        ("mpi-verify-overlap", "mpi", "verify's hashes on a worker thread: MPI verify=True / MPI"),
+        ("mpi-observed", "mpi", "verify's replay in parts alone: MPI in parts / MPI"),
         ("nixl-encrypt", "nixl", "encrypt: NIXL encrypted / NIXL"),
         ("nixl-encrypt", "nixl-plain", "encrypt + box MACs: NIXL encrypted / NIXL plain"),
     ):

@@ -2,8 +2,10 @@
 
 :class:`FlipComm` wraps a transport's communicator (MPI, NIXL, ...): every group goes to the real one, and
 once the ``nth`` message received from another process has landed, one byte of it is flipped before the
-layers above see it, as a writer on the wire would. Prepared groups are not made (every group is posted
-afresh, so the flip sees it).
+layers above see it, as a writer on the wire would. With ``prepared=False`` no prepared groups are made (every
+group is posted afresh, so the flip sees it); with ``prepared=True`` the transport's prepared groups run as
+they do (over MPI in the compiled replay), observed: the flip happens in the hook the replay calls when a
+group's wait returned, before the digests above see the bytes.
 """
 
 from __future__ import annotations
@@ -15,10 +17,20 @@ from jreshard.engine.comm import Communicator, Posted, PreparedGroups, RecvOp, R
 
 
 class FlipComm(Communicator):
-    """``inner``, but byte ``at`` of the ``nth`` message (1-based) received from another process is flipped."""
+    """``inner``, but byte ``at`` of the ``nth`` message (1-based) received from another process is flipped (a rank
+    not in ``local``: by default the ranks of ``inner``'s process)."""
 
-    def __init__(self, inner: Communicator, *, nth: int = 1, at: int = 0):
-        self.inner, self.nth, self.at = inner, nth, at
+    def __init__(
+        self,
+        inner: Communicator,
+        *,
+        nth: int = 1,
+        at: int = 0,
+        prepared: bool = False,
+        local: Sequence[int] | None = None,
+    ):
+        self.inner, self.nth, self.at, self.prepared = inner, nth, at, prepared
+        self.local = frozenset(inner.local_ranks if local is None else local)
         self.posts_ahead = inner.posts_ahead
         self.pipelines_packs = inner.pipelines_packs
         self.seen = 0
@@ -30,7 +42,7 @@ class FlipComm(Communicator):
 
     def _landed(self, ops: Sequence[tuple[int, Any]]) -> None:
         for src, buf in ops:
-            if src in self.inner.local_ranks or not buf.nbytes:
+            if src in self.local or not buf.nbytes:
                 continue
             self.seen += 1
             if self.seen == self.nth:
@@ -64,10 +76,50 @@ class FlipComm(Communicator):
         return _Posted()
 
     def prepare(self, groups: Any) -> PreparedGroups | None:
-        return None
+        inner = self.inner.prepare(groups) if self.prepared else None
+        return None if inner is None else _FlipPrepared(self, inner, groups)
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _FlipPrepared(PreparedGroups):
+    """The transport's prepared groups; the nth message received from another process flipped as its group's wait
+    returns (the replay calls :meth:`landed` there, compiled or not)."""
+
+    observes = True
+
+    def __init__(self, flip: FlipComm, inner: PreparedGroups, groups: Any):
+        self._flip, self._inner, self._groups = flip, inner, list(groups)
+        self.native = inner.native
+        self._buffers: Sequence[Any] = ()
+
+    def bind(self, addresses: Any, sizes: Any, buffers: Sequence[Any]) -> None:
+        self._inner.bind(addresses, sizes, buffers)
+        self._buffers = buffers
+
+    def finish(self) -> None:
+        self._inner.finish()
+        self._buffers = ()
+
+    def start(self, group: int, timeout_s: float) -> None:
+        self._inner.start(group, timeout_s)
+
+    def wait(self, group: int) -> None:
+        self._inner.wait(group)
+
+    def landed(self, group: int, recvs_kept: int) -> None:
+        recvs = self._groups[group][1]
+        self._flip._landed([(s, self._buffers[b][o : o + n]) for s, _, _, b, o, n in recvs])
+
+    def abort(self, group: int, why: str) -> None:
+        self._inner.abort(group, why)
+
+    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> Any:
+        self._inner.failed(group, code, request, value, timeout_s)
+
+    def release(self) -> None:
+        self._inner.release()
 
 
 def plant(group: Any, **kw: Any) -> FlipComm:

@@ -12,6 +12,7 @@ import pytest
 from mpi_launch import MPIEXEC, launch, need_mpi, program, results, start_and_wait
 
 from jreshard import IntegrityError, Options
+from jreshard.engine import replay
 from jreshard.engine.comm import Communicator
 from jreshard.engine.digest import DigestComm, Digests, mismatches, plain, stream_key
 from jreshard.errors import BackendUnavailableError
@@ -121,20 +122,25 @@ def test_a_mismatch_names_the_streams_ranks_and_boxes():
     assert e.value.streams == ((0, 2),) and e.value.destination_intact
 
 
-@pytest.mark.parametrize("verify", ["on", "off", "connect"])
-def test_a_byte_flipped_in_flight_over_mpi_is_refused_on_both_sides(tmp_path, verify):
+@pytest.mark.parametrize(
+    ("verify", "path"),
+    [("on", "posted"), ("on", "prepared"), ("off", "posted"), ("connect", "posted"), ("connect", "prepared")],
+)
+def test_a_byte_flipped_in_flight_over_mpi_is_refused_on_both_sides(tmp_path, verify, path):
     """One source and one destination process over MPI, in one universe (``on``: hashes; ``off``) or as two
     launches (``connect``: keyed MACs): with verify on, version 2's flipped byte is refused by both, the
     destination holds version 1 whole, and version 3 lands whole; with verify off nothing is digested (no
-    cost reported) and every version lands."""
+    cost reported) and every version lands. The byte flips where every group is posted afresh (``posted``) or
+    in the prepared groups (``prepared``), which a digested refit replays in the compiled loop where it is
+    built, like a refit digesting nothing."""
     need_mpi()
     if verify == "connect":
         env = {"JRESHARD_ADDRESS": str(tmp_path / "address")}
-        cmds = [[str(MPIEXEC), *program(1, BODY, role, verify)] for role in ("source", "destination")]
+        cmds = [[str(MPIEXEC), *program(1, BODY, role, verify, path)] for role in ("source", "destination")]
         start_and_wait(cmds, tmp_path, devices=1, timeout_s=120, env=env)
     else:
         launch(
-            [program(1, BODY, "source", verify), program(1, BODY, "destination", verify)],
+            [program(1, BODY, "source", verify, path), program(1, BODY, "destination", verify, path)],
             tmp_path,
             devices=1,
             timeout_s=120,
@@ -161,12 +167,17 @@ def test_a_byte_flipped_in_flight_over_mpi_is_refused_on_both_sides(tmp_path, ve
     for side in (src, dst):
         kinds = {c[0] for c in side["costs"]}
         assert kinds == {kind} and all(c[1] == nbytes and c[2] > 2 and c[3] > 0 for c in side["costs"]), side["costs"]
+    if replay.compiled_replay():  # every digested refit ran in the compiled loop, but where the flip posts afresh
+        assert src["native"][0] > 0 and src["native"][0] < src["native"][1] < src["native"][2], src["native"]
+        assert dst["native"][0] > 0 and dst["native"][2] > 0, dst["native"]
+        assert (dst["native"][1] > 0) == (path == "prepared"), dst["native"]
 
 
-def _nixl_pair(tmp_path, opts: Options, versions, flip_at: int | None):
+def _nixl_pair(tmp_path, opts: Options, versions, flip_at: int | None, prepared: bool = False):
     """A RefitGroup over NIXL between two threads of this process (devices 0-1 the source's, 2-3 the
     destination's): the source pushes each of ``versions``; at version ``flip_at`` the destination's second
-    message from the source has one byte flipped in flight. Per version, what each side saw."""
+    message from the source has one byte flipped in flight (in NIXL's prepared groups where ``prepared``).
+    Per version, what each side saw."""
     import threading
 
     import jax
@@ -196,7 +207,7 @@ def _nixl_pair(tmp_path, opts: Options, versions, flip_at: int | None):
             g = RefitGroup.connect(role, like, address=address, transport="nixl", devices=devs, options=opts)
             held = None
             for v in versions:
-                flip = plant(g, nth=2) if role == "destination" and v == flip_at else None
+                flip = plant(g, nth=2, prepared=prepared) if role == "destination" and v == flip_at else None
                 try:
                     if role == "source":
                         g.push({k: jax.device_put(value(v, s), like[k].sharding) for k, s in shapes.items()}, version=v)
@@ -232,16 +243,19 @@ def _nixl_pair(tmp_path, opts: Options, versions, flip_at: int | None):
 KEY = b"box-digest-test-key-0123456789"
 
 
-def test_a_byte_flipped_in_flight_over_nixl_is_refused_on_both_sides(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["posted", "prepared"])
+def test_a_byte_flipped_in_flight_over_nixl_is_refused_on_both_sides(tmp_path, monkeypatch, path):
     """Keyed MACs (the group shares a secret): version 2's flipped byte is refused by both sides, the destination
-    keeps version 1 whole, and version 3 lands whole."""
+    keeps version 1 whole, and version 3 lands whole; the byte flipped on the per-operation path (``posted``)
+    or in NIXL's prepared groups."""
     pytest.importorskip("nixl_cu12")
     from jreshard.nixl import NixlComm
 
-    monkeypatch.setattr(NixlComm, "prepares", False)  # the byte is flipped on the per-operation path
+    if path == "posted":
+        monkeypatch.setattr(NixlComm, "prepares", False)  # the byte is flipped on the per-operation path
     # delta="off": a full refit's message (a flipped delta encoding can fail to decode before the MACs compare)
     opts = Options(timeout_s=10.0, chunk_bytes=256, staging_bytes=2048, secret=KEY, delta="off")
-    seen = _nixl_pair(tmp_path, opts, (1, 2, 3), flip_at=2)
+    seen = _nixl_pair(tmp_path, opts, (1, 2, 3), flip_at=2, prepared=path == "prepared")
     assert seen.get("flipped") == 1, seen
     for role in ("source", "destination"):
         got = seen[role]

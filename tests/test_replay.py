@@ -15,7 +15,7 @@ from schedule_oracle import build_schedule
 
 from jreshard.engine import replay
 from jreshard.engine.buffers import CpuBuffers
-from jreshard.engine.comm import Communicator, NativeGroups, PreparedGroups
+from jreshard.engine.comm import LANDED, STARTING, WAITING, Communicator, NativeGroups, PreparedGroups, hook_point
 from jreshard.engine.recording import RecordingComm
 from jreshard.engine.rounds import Shards, execute
 from jreshard.errors import PeerError, TransferError
@@ -377,3 +377,194 @@ def test_a_communicator_with_prepared_refits_is_freed_when_its_last_reference_go
     del comm
     gc.collect()
     assert gone() is None
+
+
+class _Watched(PreparedGroups):
+    """``inner`` observed (:attr:`PreparedGroups.observes`): at every hook it checks that the bytes of every message
+    still watched are as they were when watched began (a group's sends from its ``starting``, its receives from
+    its ``landed``), through the hook point the schedule says they stay (``sends_kept``, ``recvs_kept``), and that
+    every message landed as it was sent."""
+
+    observes = True
+
+    def __init__(self, inner, groups, native: bool):
+        self._inner, self._groups = inner, list(groups)
+        self.native = inner.native if native else None
+        self.hooks: list[tuple] = []
+        self.left: list[int] = []
+        self._buffers = ()
+        self._watched: list[tuple[int, list, list[bytes], str]] = []  # (through point, rows, bytes, what)
+        self._sent: dict[tuple[int, int, int], list[bytes]] = {}
+
+    def bind(self, addresses, sizes, buffers):
+        self._inner.bind(addresses, sizes, buffers)
+        self._buffers = buffers
+
+    def finish(self):
+        self._inner.finish()
+        self.left.append(len(self._watched))  # bytes watched past the step's last hook (checked by the test)
+        self._watched = []
+        self._buffers = ()
+
+    def start(self, group, timeout_s):
+        self._inner.start(group, timeout_s)
+
+    def wait(self, group):
+        self._inner.wait(group)
+
+    def abort(self, group, why):
+        self._inner.abort(group, why)
+
+    def failed(self, group, code, request, value, timeout_s):
+        self._inner.failed(group, code, request, value, timeout_s)
+
+    def release(self):
+        self._inner.release()
+
+    def _bytes(self, rows) -> list[bytes]:
+        return [bytes(self._buffers[b][o : o + n]) for _, _, _, b, o, n in rows]
+
+    def _hook(self, group, moment, watch=None, kept=None):
+        point = hook_point(group, moment)
+        self.hooks.append((group, moment, kept))
+        self._watched = [w for w in self._watched if w[0] >= point]
+        for through, rows, was, what in self._watched:
+            assert self._bytes(rows) == was, f"the {what} changed before hook {point}, though kept through {through}"
+        self._watched = [w for w in self._watched if w[0] > point]
+        if watch is not None and kept > point:  # kept through this hook only: nothing more to watch
+            rows, what = watch
+            self._watched.append((kept, rows, self._bytes(rows), what))
+
+    def starting(self, group, sends_kept):
+        sends = self._groups[group][0]
+        for row, b in zip(sends, self._bytes(sends), strict=True):
+            self._sent.setdefault(row[:3], []).append(b)
+        assert sends_kept >= hook_point(group, LANDED)  # at least until the group's wait returned
+        self._hook(group, STARTING, (sends, f"sends of group {group}"), sends_kept)
+
+    def waiting(self, group):
+        self._hook(group, WAITING)
+
+    def landed(self, group, recvs_kept):
+        recvs = self._groups[group][1]
+        for row, b in zip(recvs, self._bytes(recvs), strict=True):
+            assert self._sent[row[:3]].pop(0) == b, f"message {row[:3]} landed other than it was sent"
+        assert recvs_kept >= hook_point(group, LANDED)
+        self._hook(group, LANDED, (recvs, f"receives of group {group}"), recvs_kept)
+
+
+class _WatchedComm(Communicator):
+    def __init__(self, inner, native: bool):
+        self.inner, self.native, self.prepared = inner, native, []
+        self.posts_ahead, self.pipelines_packs = inner.posts_ahead, inner.pipelines_packs
+
+    @property
+    def local_ranks(self):
+        return self.inner.local_ranks
+
+    def exchange(self, sends, recvs, *, timeout_s):  # pragma: no cover - prepared groups only
+        raise AssertionError("prepared groups only")
+
+    def prepare(self, groups):
+        p = _Watched(self.inner.prepare(groups), groups, self.native)
+        self.prepared.append(p)
+        return p
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+@given(
+    st.sampled_from([(None, "x"), ("x", None)]),
+    st.sampled_from([(None, "tp"), ("tp", None)]),
+    st.sampled_from([64, 256]),
+    st.integers(2, 8),
+)
+def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_schedule_says(
+    native, src_spec, dst_spec, chunk, staging_chunks
+):
+    src = Layout.from_mesh(np.arange(4), ("x",), src_spec, (24, 40), "float32")
+    dst = Layout.from_mesh(np.arange(2, 6).reshape(2, 2), ("dp", "tp"), dst_spec, (24, 40), "float32")
+    pairs, topo = [(src, dst)], Topology.uniform(range(8), domain_size=4)
+    opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging_chunks)
+    sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
+    comm = _WatchedComm(_self_comm(topo), native)
+    for step in range(2):  # the step that prepares, then a replay
+        g = [_global(src, step)]
+        out = _dst(pairs)
+        _step(sched, comm, _src(pairs, g), out, opts)
+        _check(pairs, g, out)
+    (watched,) = comm.prepared
+    r = _replay_of(comm)
+    assert r.native_steps == (2 if native and replay.compiled_replay() else 0)
+    n = len(r.ops.groups)
+    want = [(gr, m) for gr in range(n) for m in (STARTING, WAITING, LANDED)]
+    assert [h[:2] for h in watched.hooks] == want * 2  # every group's three hooks, in order, each step
+    assert watched.left == [0, 0]  # nothing is said to stay past the step's last hook
+    for gr, m, kept in watched.hooks:
+        assert kept is None or kept == r.ops.kept[gr][0 if m == STARTING else 1]
+    comm.inner.close()
+
+
+class _PythonLoop(Communicator):
+    """``inner``, its prepared groups without the compiled replay (the replay's Python loop runs them)."""
+
+    def __init__(self, inner):
+        self.inner, self.posts_ahead, self.pipelines_packs = inner, inner.posts_ahead, inner.pipelines_packs
+
+    @property
+    def local_ranks(self):
+        return self.inner.local_ranks
+
+    def exchange(self, sends, recvs, *, timeout_s):  # pragma: no cover - prepared groups only
+        raise AssertionError("prepared groups only")
+
+    def prepare(self, groups):
+        prepared = self.inner.prepare(groups)
+        prepared.native = None
+        return prepared
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "worker"])
+@pytest.mark.parametrize("flip", [None, 3])
+def test_a_digested_prepared_refit_digests_every_crossing_message_as_sent_and_as_landed(native, overlap, flip):
+    """The engine's rounds over MPI in one process (every message an in-process copy), digested as if ranks 0-3 (the
+    sources) were one process and ranks 4-7 another: one step digests what 0-3 send to 4-7, a second what 4-7
+    received from 0-3. The prepared groups run in the compiled replay or its Python loop, the digests inline or on
+    the worker; every stream's two digests agree, but the one whose message had a byte flipped as it landed."""
+    from _faulty_comm import FlipComm
+
+    from jreshard.engine.digest import DigestComm, Digests, mismatches, plain
+
+    pairs, topo = _pairs()
+    opts = Options(chunk_bytes=1024, staging_bytes=16384)
+    sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
+    g = [_global(s, t) for t, (s, _) in enumerate(pairs)]
+    streams = []
+    for side in (range(4), range(4, 8)):
+        inner = _self_comm(topo)
+        wire = FlipComm(inner, nth=10**9, prepared=True, local=side) if flip and side == range(4, 8) else inner
+        comm = DigestComm(wire if native else _PythonLoop(wire))
+        comm._mine = frozenset(side)  # this side's ranks: messages from or to the others are digested
+        comm.overlap = overlap
+        digests = Digests(side, plain(), "hash")
+        for step in range(2):  # the step that prepares, then a replay
+            comm.begin(digests if step else Digests(side, plain(), "hash"))
+            if step and isinstance(wire, FlipComm):
+                wire.seen, wire.nth = 0, flip  # the replay's step flips
+            dst = _dst(pairs)
+            _step(sched, comm, _src(pairs, g), dst, opts)
+            comm.finish()
+            comm.end()
+            if not flip:
+                _check(pairs, g, dst)
+        r = _replay_of(comm)
+        assert r.native_steps == (2 if native and replay.compiled_replay() else 0)
+        streams.append(digests.streams())
+        comm.close()
+    crossing = lambda m: {k: v for k, v in m.items() if int(k.split(">")[0]) < 4 <= int(k.split(">")[1])}  # noqa: E731
+    sent, landed = crossing(streams[0]["sent"]), crossing(streams[1]["landed"])
+    assert set(sent) == set(landed) and len(sent) >= 4  # the streams from the sources into the destinations
+    bad = mismatches(sent, landed)
+    assert len(bad) == (1 if flip else 0) and all(why == "differ" for _, _, why in bad), bad
+    if flip:
+        assert wire.flipped == 1

@@ -23,6 +23,10 @@
  * (MPI_Startall, MPI_Test, MPI_Get_count): the requests are opaque handles of ``req_size`` bytes, the status
  * ``status_size`` bytes; this file includes no MPI header and links no MPI library.
  *
+ * ``run`` may be given any contiguous part of the list (the caller cuts the list where it has work of its own
+ * between two operations, e.g. digesting what a group sent or received): a group's start time, which bounds its
+ * wait, is kept in the caller's ``posted`` array, so a START and its WAIT may fall in two calls.
+ *
  * ``run`` adds each operation's time to its phase (pack, network, fan-out, unpack; ``times[4]`` gets the part of
  * the waits spent idle, see wait_group) and returns 0; on a failure
  * it stops at once and fills ``fail`` = (code, group, request, value): FAIL_TIMEOUT (a group past its
@@ -284,14 +288,15 @@ static int wait_group(const prepared *p, Py_ssize_t g, int64_t deadline, int64_t
 }
 
 /* run(ops, nops, groups, ngroups, copies, ncopies, addresses, sizes, nbuf, expect, requests, req_size, status,
- * status_size, byte_type, start, test, count, timeout_ns, times, fail): the whole prepared schedule (see the top); ``status``
- * is scratch for one status. */
+ * status_size, byte_type, start, test, count, timeout_ns, times, fail, posted): the operations ``ops`` of a
+ * prepared schedule, all or a part (see the top); ``status`` is scratch for one status; ``posted`` is
+ * int64[ngroups], each group's start time (written by its START, read by its WAIT). */
 static PyObject *py_run(PyObject *self, PyObject *args) {
     (void)self;
     prepared p = {0};
     Py_ssize_t n = PyTuple_GET_SIZE(args);
-    if (n != 21) {
-        PyErr_SetString(PyExc_TypeError, "replay.run takes 21 arguments");
+    if (n != 22) {
+        PyErr_SetString(PyExc_TypeError, "replay.run takes 22 arguments");
         return NULL;
     }
     PyObject *head = PyTuple_GetSlice(args, 0, 18);
@@ -303,22 +308,17 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
     long long timeout_ns = PyLong_AsLongLong(PyTuple_GET_ITEM(args, 18));
     unsigned long long times_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 19));
     unsigned long long fail_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 20));
+    unsigned long long posted_p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, 21));
     if (!ok || PyErr_Occurred()) {
         return NULL;
     }
-    if (!times_p || !fail_p || timeout_ns < 0) {
-        PyErr_SetString(PyExc_ValueError, "replay.run: a null times or fail array, or a negative timeout");
+    if (!times_p || !fail_p || (p.ngroups && !posted_p) || timeout_ns < 0) {
+        PyErr_SetString(PyExc_ValueError, "replay.run: a null times, fail or posted array, or a negative timeout");
         return NULL;
     }
     double *times = (double *)(uintptr_t)times_p;
     int64_t *fail = (int64_t *)(uintptr_t)fail_p;
-    int64_t *posted = NULL;
-    if (p.ngroups) {
-        posted = (int64_t *)PyMem_RawMalloc(sizeof(int64_t) * (size_t)p.ngroups);
-        if (posted == NULL) {
-            return PyErr_NoMemory();
-        }
-    }
+    int64_t *posted = (int64_t *)(uintptr_t)posted_p;
     int code = 0;
     PyThreadState *save = PyEval_SaveThread();
     int64_t t = now_ns();
@@ -366,7 +366,6 @@ static PyObject *py_run(PyObject *self, PyObject *args) {
         t = t2;
     }
     PyEval_RestoreThread(save);
-    PyMem_RawFree(posted);
     if (code == FAIL_SIGNAL) {
         return NULL; /* the signal's exception is set; fail says which group was posted */
     }

@@ -36,7 +36,10 @@ from jreshard.errors import PeerError
 from jreshard.types import ByteBuffer
 
 __all__ = [
+    "LANDED",
     "REGIONS",
+    "STARTING",
+    "WAITING",
     "Communicator",
     "NativeGroups",
     "StepGraph",
@@ -45,6 +48,7 @@ __all__ = [
     "RecvOp",
     "Row",
     "SendOp",
+    "hook_point",
     "ops_of_rows",
 ]
 
@@ -161,6 +165,21 @@ class NativeGroups:
     count: int
 
 
+STARTING, WAITING, LANDED = 0, 1, 2
+"""The moments of a group at which the replay calls the hooks of prepared groups that observe it."""
+
+
+def hook_point(group: int, moment: int) -> int:
+    """The place of hook ``moment`` (:data:`STARTING`, :data:`WAITING`, :data:`LANDED`) of ``group`` among a step's
+    hooks: the groups run one after the other in their order, each through its three moments. Bytes that "stay
+    through" a point stay as they are until that hook returned; it may read them, nothing after it may.
+
+    >>> hook_point(0, LANDED) < hook_point(1, STARTING) < hook_point(1, WAITING)
+    True
+    """
+    return 3 * group + moment
+
+
 class PreparedGroups(abc.ABC):
     """A communicator's requests for every exchange group of one schedule, made once, started every step.
 
@@ -171,6 +190,11 @@ class PreparedGroups(abc.ABC):
 
     native: NativeGroups | None = None
     """The groups as the compiled replay drives them (``None``: started and polled from Python only)."""
+
+    observes: bool = False
+    """Whether the replay must call the hooks :meth:`starting`, :meth:`waiting` and :meth:`landed` around each
+    group (prepared groups that digest what crosses, :class:`~jreshard.engine.digest.DigestComm`'s): the compiled
+    replay then runs its operations in parts, back in Python around every start and wait."""
 
     @abc.abstractmethod
     def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
@@ -193,6 +217,19 @@ class PreparedGroups(abc.ABC):
     @abc.abstractmethod
     def wait(self, group: int) -> None:
         """Wait for the started group ``group`` (raises as :meth:`Communicator.exchange`)."""
+
+    def starting(self, group: int, sends_kept: int) -> None:  # noqa: B027 - optional hook, not abstract
+        """The replay is about to start group ``group`` (where :attr:`observes`): its sends hold their final bytes,
+        and keep them through the hook point ``sends_kept`` (:func:`hook_point`; at least this group's
+        :meth:`landed`)."""
+
+    def waiting(self, group: int) -> None:  # noqa: B027 - optional hook, not abstract
+        """The replay is about to wait for the started group ``group`` (where :attr:`observes`), having run what
+        runs while it is posted (the next round's packs). A hook that raises has the group given up."""
+
+    def landed(self, group: int, recvs_kept: int) -> None:  # noqa: B027 - optional hook, not abstract
+        """The wait of group ``group`` returned (where :attr:`observes`): its receives landed, and stay as they
+        landed through the hook point ``recvs_kept`` (:func:`hook_point`; at least this one)."""
 
     @abc.abstractmethod
     def abort(self, group: int, why: str) -> None:

@@ -3,8 +3,8 @@
 A refit between programs moves every destination box as messages between ranks; the bytes of each
 message are those its sender packed and those its receiver unpacks into the box. :class:`DigestComm`
 wraps a process's :class:`Communicator` and digests, message by message, the bytes of every message
-that crosses to or from another process: a send's bytes before they are posted (packed, they do not
-change until the group completes), a receive's once it landed (before anything unpacks them). Per
+that crosses to or from another process: a send's bytes once packed (they do not change until its group
+completes), a receive's once it landed (before anything writes over them). Per
 stream ``(src rank, dst rank)`` the messages' digests, in the order the two ranks matched them, fold
 into one :func:`stream digest <Digests.streams>`; the sending and the receiving process each hold
 theirs, the caller exchanges them (the commit vote of a group, the staging answer of an elastic
@@ -38,7 +38,19 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups, RecvOp, Row, SendOp
+from jreshard.engine.comm import (
+    LANDED,
+    STARTING,
+    WAITING,
+    Communicator,
+    Group,
+    Posted,
+    PreparedGroups,
+    RecvOp,
+    Row,
+    SendOp,
+    hook_point,
+)
 from jreshard.errors import BackendUnavailableError
 from jreshard.types import ByteBuffer
 
@@ -199,16 +211,17 @@ class DigestComm(Communicator):
     waits for the last ones (raising a digest's failure) and :meth:`end` stops. Made once per group and kept
     (replays are cached per communicator).
 
-    Where the digests run. By default in the caller's thread: a group's sends just before it is posted (they
-    were just packed), its receives as soon as it completed (they just landed), both while the bytes are
-    still in cache. With :attr:`overlap` set, on a worker thread beside the transfer instead (the MAC and the
-    hash release the GIL): a group's sends while the group is on the wire (joined before the group returns,
-    so before the caller packs into those buffers again), its receives while the caller unpacks them (joined
-    before the next group is posted, so before anything lands there again). On the 2-core development
-    machine, loaded, the worker made the digests two to three times slower and the refit slower than inline
-    (``benchmarks/nixl_bench.py``, rows ``nixl`` and ``nixl-overlap``), so inline is the default; the worker
-    may pay where a core is free for it (not measured). The time the caller waited for digests is
-    :attr:`DigestCost.waited_s` (inline: all of it).
+    Where the digests run. By default in the caller's thread, where it would otherwise wait for its peers. In a
+    prepared refit (the transport's prepared groups, replayed in the compiled loop where it has one, see
+    ``_DigestPrepared``): a group's sends just before its wait, after the packs that run while it is posted,
+    while its bytes are on the wire; its receives, where the schedule leaves them as they landed that long,
+    just before the next group's wait, while that group's bytes move (else as they landed). Each group posted
+    afresh: its sends just before it is posted, its receives as it completed. With :attr:`overlap` set, on a
+    worker thread instead (the MAC and the hash release the GIL), each started as soon as its bytes are final
+    and joined before anything may write them again. On the 2-core development machine, loaded, the worker made
+    the refit slower than inline (``benchmarks/nixl_bench.py``, rows ``nixl-overlap`` and
+    ``mpi-verify-overlap``), so inline is the default; the worker may pay where a core is free for it (not
+    measured). The time the caller waited for digests is :attr:`DigestCost.waited_s` (inline: all of it).
 
     Args:
       inner: the transport's communicator.
@@ -353,16 +366,29 @@ class _DigestPosted(Posted):
 
 
 class _DigestPrepared(PreparedGroups):
-    """The transport's prepared groups, each group's messages digested as it starts and completes. The compiled
-    replay cannot digest, so a digested refit replays its prepared groups from Python (``native`` is None).
-    It holds its communicator weakly: the replays are cached per communicator, which must be free to go."""
+    """The transport's prepared groups, observed (:attr:`PreparedGroups.observes`): the replay, compiled or from
+    Python, calls the hooks around each group's start and wait, and the messages are digested there, where this
+    process would otherwise wait for its peers:
 
-    native = None
+    - a group's sends just before its wait: after the next round's packs, while its bytes are on the wire
+      (they cannot change until the wait returns);
+    - a group's receives, where the schedule keeps them as they landed through the next group's wait
+      (:attr:`Ops.kept <jreshard.engine.replay.Ops.kept>`), just before that wait: while the next group's
+      bytes move. Otherwise (the last group, or one whose buffers the step writes sooner) as they landed.
+
+    With :attr:`DigestComm.overlap`, each is started on the worker thread as soon as its bytes are final (the
+    sends before their group starts, the receives as they landed) and joined at the last hook before anything
+    may write them (``sends_kept``, ``recvs_kept``). It holds its communicator weakly: the replays are cached per
+    communicator, which must be free to go."""
+
+    observes = True
 
     def __init__(self, comm: DigestComm, inner: PreparedGroups, groups: Sequence[Group]):
         self._ref, self._inner, self._groups = weakref.ref(comm), inner, list(groups)
+        self.native = inner.native
         self._buffers: Sequence[Any] = ()
-        self._sent: dict[int, concurrent.futures.Future | None] = {}  # started group -> its sends' digests
+        self._later: list[tuple[int, int, int, Any]] = []  # receives kept for the next wait (inline)
+        self._running: dict[int, list[concurrent.futures.Future]] = {}  # hook point -> digests to join there
 
     @property
     def _comm(self) -> DigestComm:
@@ -377,16 +403,66 @@ class _DigestPrepared(PreparedGroups):
     def finish(self) -> None:
         self._inner.finish()
         self._buffers = ()
-        self._sent.clear()
+        self._later = []
+        running = [f for fs in self._running.values() for f in fs]
+        self._running.clear()
+        concurrent.futures.wait(running)  # a failed step's digests read its buffers no longer (their errors dropped)
 
     def start(self, group: int, timeout_s: float) -> None:
-        self._sent[group] = self._comm._sends(_ops(self._groups[group][0], self._buffers))
         self._inner.start(group, timeout_s)
 
     def wait(self, group: int) -> None:
         self._inner.wait(group)
-        self._comm._join(self._sent.pop(group, None))
-        self._comm._recvs(_ops(self._groups[group][1], self._buffers))
+
+    def starting(self, group: int, sends_kept: int) -> None:
+        if self._inner.observes:
+            self._inner.starting(group, sends_kept)
+        comm = self._comm
+        now = hook_point(group, STARTING)
+        self._join(now)
+        if comm._pool is not None and comm.digests is not None:
+            self._start(now, sends_kept, self._sends(group))
+
+    def waiting(self, group: int) -> None:
+        if self._inner.observes:
+            self._inner.waiting(group)
+        comm = self._comm
+        self._join(hook_point(group, WAITING))
+        if comm._pool is None and comm.digests is not None:
+            later, self._later = self._later, []
+            comm._submit(later + self._sends(group))  # not overlapped: digested now
+
+    def landed(self, group: int, recvs_kept: int) -> None:
+        if self._inner.observes:
+            self._inner.landed(group, recvs_kept)
+        comm = self._comm
+        now = hook_point(group, LANDED)
+        self._join(now)
+        if comm.digests is None:
+            return
+        recvs = [o for o in _ops(self._groups[group][1], self._buffers) if o[0] not in comm._mine]
+        if comm._pool is not None:
+            self._start(now, recvs_kept, recvs)
+        elif recvs_kept >= hook_point(group + 1, WAITING):
+            self._later = recvs  # while the next group's bytes move
+        else:
+            comm._submit(recvs)
+
+    def _sends(self, group: int) -> list[tuple[int, int, int, Any]]:
+        mine = self._comm._mine
+        return [o for o in _ops(self._groups[group][0], self._buffers) if o[1] not in mine]
+
+    def _start(self, now: int, point: int, ops: list[tuple[int, int, int, Any]]) -> None:
+        """Digest ``ops`` on the worker, joined at hook ``point`` (before this hook returns, where that is ``now``)."""
+        fut = self._comm._submit(ops)
+        if point <= now:
+            self._comm._join(fut)
+        elif fut is not None:
+            self._running.setdefault(point, []).append(fut)
+
+    def _join(self, point: int) -> None:
+        for fut in self._running.pop(point, ()):
+            self._comm._join(fut)
 
     def abort(self, group: int, why: str) -> None:
         self._inner.abort(group, why)

@@ -15,7 +15,10 @@ refit's arena out again). So, the way ``jax.jit`` prepares a computation, the en
   through a stale pointer or past a buffer's end. Then the operations run: in one compiled call with the
   GIL released (``_replay.c``) where the buffers are host memory moved by the compiled byte rows and the
   transport gave the C functions that start and poll its requests, else in a Python loop over the same
-  operations (casting tables, GPU buffers, transports that post each group afresh).
+  operations (casting tables, GPU buffers, transports that post each group afresh). Prepared groups that
+  observe the step (:attr:`PreparedGroups.observes`: a refit's digests) have their hooks called before each
+  start, before each wait and after it; the compiled replay then runs in parts cut there, and each hook is
+  told how long the bytes it may read stay as they are (:attr:`Ops.kept`).
 
 Every wait stays bounded by ``timeout_s`` from its group's start, as in the Python loop; a failure gives the
 posted group up (the communicator is then broken) and raises what the transport raises.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
@@ -37,7 +41,16 @@ from typing import Any
 import numpy as np
 
 from jreshard.engine.buffers import Buffers
-from jreshard.engine.comm import Communicator, Group, Posted, PreparedGroups, StepGraph
+from jreshard.engine.comm import (
+    LANDED,
+    STARTING,
+    Communicator,
+    Group,
+    Posted,
+    PreparedGroups,
+    StepGraph,
+    hook_point,
+)
 from jreshard.engine.strided import checking_bounds
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
@@ -99,6 +112,9 @@ class Ops:
         here).
       written: the indices of the step's buffer list that receives and unpacks write.
       rounds: the rounds the schedule runs.
+      kept: per group, the last hook points (:func:`~jreshard.engine.comm.hook_point`) through which its sends stay
+        as packed and its receives as they landed: :meth:`PreparedGroups.starting`'s ``sends_kept`` and
+        :meth:`PreparedGroups.landed`'s ``recvs_kept``.
     """
 
     ops: tuple[tuple, ...]
@@ -107,6 +123,7 @@ class Ops:
     tables: tuple[np.ndarray, ...]
     written: np.ndarray
     rounds: int
+    kept: tuple[tuple[int, int], ...] = ()
 
 
 def ops_of(
@@ -159,7 +176,39 @@ def ops_of(
         tables=tables,
         written=np.array(sorted(written), np.int64),
         rounds=n,
+        kept=_kept(ops, groups, segments),
     )
+
+
+def _kept(ops: Sequence[tuple], groups: Sequence[Group], segments: Mapping[int, int]) -> tuple[tuple[int, int], ...]:
+    """:attr:`Ops.kept` of ``ops``: follows the buffers each group sends from (from its start) and receives into
+    (from its wait), whole buffers (a conservative account), until an operation writes one of them; they stay
+    through the last hook point before that operation, or through the last group's :data:`LANDED` at most."""
+    kept = [[-1, -1] for _ in groups]
+    watched: dict[tuple[int, int], set[int]] = {}  # (group, 0: sends | 1: receives) -> its buffers, still intact
+    point = -1  # the last hook point passed
+
+    def written(bufs: set[int]) -> None:
+        for key in [k for k, into in watched.items() if into & bufs]:
+            kept[key[0]][key[1]] = point
+            del watched[key]
+
+    for op in ops:
+        code = op[0]
+        if code == PACK:
+            written({op[3]})
+        elif code == UNPACK:
+            written({segments[op[2]] + b for b in np.unique(op[1][:, kernels.BUF]).tolist()})
+        if code in (START, EXCHANGE):
+            point = hook_point(op[1], STARTING)
+            written({row[3] for row in groups[op[1]][1]})  # its receives land, its in-process copies are made
+            watched[op[1], 0] = {row[3] for row in groups[op[1]][0]}
+        if code in (WAIT, EXCHANGE):
+            point = hook_point(op[1], LANDED)
+            watched[op[1], 1] = {row[3] for row in groups[op[1]][1]}
+    for g, what in watched:
+        kept[g][what] = point
+    return tuple((s, r) for s, r in kept)
 
 
 def _native_ops(ops: list[tuple], segments: Mapping[int, int], nbuf: int) -> tuple[np.ndarray | None, tuple]:
@@ -337,30 +386,67 @@ class Replay:
         return True
 
     def _run_native(self, timeout_s: float) -> np.ndarray:
-        assert _native is not None and self.prepared is not None and self._arrays is not None
-        n = self.prepared.native
+        """The operations in the compiled loop: in one call, or, where the prepared groups observe the step
+        (:attr:`PreparedGroups.observes`), in parts cut around every start and wait, their hooks run between."""
+        prepared = self.prepared
+        assert _native is not None and prepared is not None and self._arrays is not None
+        n = prepared.native
         ops = self.ops.native
         assert n is not None and ops is not None
         if self._args is None:
             addr, size, _ = self._arrays
             self._times, self._fail = np.zeros(5), np.zeros(4, np.int64)
+            self._posted = np.zeros(len(n.groups), np.int64)  # each group's start time, across the parts
             self._args = (
-                ops.ctypes.data, len(ops), n.groups.ctypes.data, len(n.groups), n.copies.ctypes.data, len(n.copies),
+                n.groups.ctypes.data, len(n.groups), n.copies.ctypes.data, len(n.copies),
                 addr.ctypes.data, size.ctypes.data, len(addr), n.expect.ctypes.data, n.requests.ctypes.data,
                 n.req_size, n.status.ctypes.data, n.status_size, n.byte_type, n.start, n.test, n.count,
             )  # fmt: skip
         times, fail = self._times, self._fail
         times[:] = 0
         fail[:] = 0
+        tail = (int(timeout_s * 1e9), times.ctypes.data, fail.ctypes.data, self._posted.ctypes.data)
+        if not prepared.observes:
+            self._run_part(0, len(ops), tail, timeout_s)
+            return times.copy()
+        lo = 0
+        kept = self.ops.kept
+        for at in np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist():
+            group, phase = int(ops[at, 1]), int(ops[at, 5])
+            self._run_part(lo, at, tail, timeout_s)
+            t = time.perf_counter()
+            if ops[at, 0] == START:
+                prepared.starting(group, kept[group][0])
+                times[phase] += time.perf_counter() - t
+                self._run_part(at, at + 1, tail, timeout_s)
+            else:
+                _waiting(prepared, group)
+                times[phase] += time.perf_counter() - t
+                self._run_part(at, at + 1, tail, timeout_s)
+                t = time.perf_counter()
+                prepared.landed(group, kept[group][1])
+                times[phase] += time.perf_counter() - t
+            lo = at + 1
+        if lo < len(ops):
+            self._run_part(lo, len(ops), tail, timeout_s)
+        return times.copy()
+
+    def _run_part(self, lo: int, hi: int, tail: tuple, timeout_s: float) -> None:
+        """Operations ``lo:hi`` of the native operations in one compiled call."""
+        assert _native is not None and self.prepared is not None and self.ops.native is not None
+        assert self._args is not None
+        if hi <= lo:
+            return
+        fail = self._fail
+        start = self.ops.native.ctypes.data + lo * self.ops.native.strides[0]
         try:
-            code = _native.run(*self._args, int(timeout_s * 1e9), times.ctypes.data, fail.ctypes.data)
+            code = _native.run(start, hi - lo, *self._args, *tail)
         except BaseException:  # a signal while a group was posted: give it up, then let the exception go
             if fail[1] >= 0 and fail[0]:
                 self.prepared.abort(int(fail[1]), "interrupted while waiting")
             raise
         if code:
             self.prepared.failed(int(fail[1]), code, int(fail[2]), int(fail[3]), timeout_s)
-        return times.copy()
 
     def _run_python(
         self,
@@ -375,6 +461,7 @@ class Replay:
         afresh (:meth:`Communicator.exchange_rows`, :meth:`Communicator.start_rows`)."""
         times = np.zeros(5)
         prepared, groups = self.prepared, self.ops.groups
+        observes = prepared is not None and prepared.observes
         pack, unpack, fence = buffers.pack, buffers.unpack, buffers.fence
         posted: Posted | None = None
         started = -1  # the prepared group started and not yet waited on
@@ -398,13 +485,21 @@ class Replay:
                 unpack(op[1], bases[op[3]], bufs[op[2]])
             elif code == EXCHANGE:
                 if prepared is not None:
+                    if observes:
+                        prepared.starting(op[1], self.ops.kept[op[1]][0])
                     prepared.start(op[1], timeout_s)
+                    if observes:
+                        _waiting(prepared, op[1])
                     prepared.wait(op[1])
+                    if observes:
+                        prepared.landed(op[1], self.ops.kept[op[1]][1])
                 else:
                     sends, recvs = groups[op[1]]
                     comm.exchange_rows(sends, recvs, bases, timeout_s=timeout_s)
             elif code == START:
                 if prepared is not None:
+                    if observes:
+                        prepared.starting(op[1], self.ops.kept[op[1]][0])
                     prepared.start(op[1], timeout_s)
                     started = op[1]
                 else:
@@ -412,8 +507,12 @@ class Replay:
                     posted = comm.start_rows(sends, recvs, bases, timeout_s=timeout_s)
             else:  # WAIT
                 if prepared is not None:
+                    if observes:
+                        _waiting(prepared, op[1])
                     started = -1
                     prepared.wait(op[1])
+                    if observes:
+                        prepared.landed(op[1], self.ops.kept[op[1]][1])
                 else:
                     assert posted is not None
                     p, posted = posted, None
@@ -422,6 +521,15 @@ class Replay:
             times[op[-1]] += t2 - t
             t = t2
         return times
+
+
+def _waiting(prepared: PreparedGroups, group: int) -> None:
+    """Run the :meth:`PreparedGroups.waiting` hook of a posted group; a hook that fails gives the group up."""
+    try:
+        prepared.waiting(group)
+    except BaseException as err:
+        prepared.abort(group, f"what observes the step failed while the group was posted: {err!r}")
+        raise
 
 
 _by_comm: weakref.WeakKeyDictionary[Communicator, collections.OrderedDict[tuple, Replay]] = weakref.WeakKeyDictionary()

@@ -1,9 +1,11 @@
-"""``Options(verify=...)`` of a RefitGroup over MPI: ``refit_verify_body.py source|destination on|off|connect``,
-``on``/``off`` under one MPMD mpiexec (one MPI universe: hashes), ``connect`` as two launches meeting at
-``$JRESHARD_ADDRESS`` (the processes share a secret: keyed MACs), both with ``verify=True``. Three versions;
-with ``verify`` the destination flips one byte of one message
-of version 2 as it lands (tests/_faulty_comm.py), which both sides must refuse, keeping version 1, and
-version 3 must then land whole. Each side records what it saw and its digest costs."""
+"""``Options(verify=...)`` of a RefitGroup over MPI: ``refit_verify_body.py source|destination on|off|connect
+posted|prepared``, ``on``/``off`` under one MPMD mpiexec (one MPI universe: hashes), ``connect`` as two launches
+meeting at ``$JRESHARD_ADDRESS`` (the processes share a secret: keyed MACs), both with ``verify=True``. Three
+versions; with ``verify`` the destination flips one byte of one message of version 2 as it lands
+(tests/_faulty_comm.py: ``posted``, with every group posted afresh; ``prepared``, in the prepared groups, which
+replay in the compiled loop where it was built), which both sides must refuse, keeping version 1, and version 3
+must then land whole. Each side records what it saw, its digest costs and how many of each version's steps ran
+in the compiled replay."""
 
 import os
 import sys
@@ -22,12 +24,13 @@ def value(v: int, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def body() -> dict:
-    role, mode = sys.argv[1], sys.argv[2]
+    role, mode, path = sys.argv[1], sys.argv[2], sys.argv[3]
     verify = mode in ("on", "connect")
     sds = refit_side(role, SHAPES)
 
     import jax
 
+    from jreshard.engine import replay
     from jreshard.errors import IntegrityError
     from jreshard.options import Options
     from jreshard.refit import RefitGroup
@@ -41,9 +44,10 @@ def body() -> dict:
         group = RefitGroup(role, sds, options=opts)
     seen: list = []
     costs: list = []
+    native: list = []  # per version, the steps run in the compiled replay so far on the group's communicator
     held = None
     for v in (1, 2, 3):
-        flip = plant(group, nth=2) if verify and v == 2 and role == "destination" else None
+        flip = plant(group, nth=2, prepared=path == "prepared") if verify and v == 2 and role == "destination" else None
         try:
             if role == "source":
                 tree = {k: jax.device_put(value(v, s), sds[k].sharding) for k, s in SHAPES.items()}
@@ -57,6 +61,7 @@ def body() -> dict:
         except IntegrityError as err:
             seen.append([v, "refused", str(err)])
         finally:
+            native.append(sum(r.native_steps for r in replay._by_comm.get(group._comm, {}).values()))
             if flip is not None:
                 unplant(group, flip)
         c = group.digest_cost
@@ -66,7 +71,7 @@ def body() -> dict:
             whole = all(np.array_equal(np.asarray(tree[k]), value(got, s)) for k, s in SHAPES.items())
             seen[-1].append({"holds": got, "whole": whole})
     group.close()
-    return {"seen": seen, "costs": costs, "version": group.version}
+    return {"seen": seen, "costs": costs, "version": group.version, "native": native}
 
 
 if __name__ == "__main__":
