@@ -453,10 +453,11 @@ class _Watched(PreparedGroups):
         self._hook(group, LANDED, (recvs, f"receives of group {group}"), recvs_kept)
 
 
-class _WatchedComm(Communicator):
-    def __init__(self, inner, native: bool):
-        self.inner, self.native, self.prepared = inner, native, []
-        self.posts_ahead, self.pipelines_packs = inner.posts_ahead, inner.pipelines_packs
+class _Wrapping(Communicator):
+    """``inner``'s ranks and pacing; prepared groups only (what ``prepare`` makes of ``inner``'s is the subclass's)."""
+
+    def __init__(self, inner):
+        self.inner, self.posts_ahead, self.pipelines_packs = inner, inner.posts_ahead, inner.pipelines_packs
 
     @property
     def local_ranks(self):
@@ -464,6 +465,12 @@ class _WatchedComm(Communicator):
 
     def exchange(self, sends, recvs, *, timeout_s):  # pragma: no cover - prepared groups only
         raise AssertionError("prepared groups only")
+
+
+class _WatchedComm(_Wrapping):
+    def __init__(self, inner, native: bool):
+        super().__init__(inner)
+        self.native, self.prepared = native, []
 
     def prepare(self, groups):
         p = _Watched(self.inner.prepare(groups), groups, self.native)
@@ -504,18 +511,8 @@ def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_sc
     comm.inner.close()
 
 
-class _PythonLoop(Communicator):
+class _PythonLoop(_Wrapping):
     """``inner``, its prepared groups without the compiled replay (the replay's Python loop runs them)."""
-
-    def __init__(self, inner):
-        self.inner, self.posts_ahead, self.pipelines_packs = inner, inner.posts_ahead, inner.pipelines_packs
-
-    @property
-    def local_ranks(self):
-        return self.inner.local_ranks
-
-    def exchange(self, sends, recvs, *, timeout_s):  # pragma: no cover - prepared groups only
-        raise AssertionError("prepared groups only")
 
     def prepare(self, groups):
         prepared = self.inner.prepare(groups)
