@@ -84,6 +84,7 @@ def body() -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             group._comm.exchange = group._comm.start_rows = group._comm.exchange_rows = dying
+            group._comm.exchange_sized = dying  # a delta refit's groups (deltas are on between programs)
             replay.release(group._comm)  # a prepared refit starts its groups itself: re-prepared, from Python
             prepare = group._comm.prepare
 
