@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jreshard.engine.comm import Communicator, Posted, PreparedGroups, RecvOp, Row, SendOp
+from jreshard.engine.comm import Communicator, Posted, PreparedGroups, RecvOp, Row, SendOp, WrappedGroups
 
 
 class FlipComm(Communicator):
@@ -83,15 +83,15 @@ class FlipComm(Communicator):
         self.inner.close()
 
 
-class _FlipPrepared(PreparedGroups):
+class _FlipPrepared(WrappedGroups):
     """The transport's prepared groups; the nth message received from another process flipped as its group's wait
     returns (the replay calls :meth:`landed` there, compiled or not)."""
 
     observes = True
 
     def __init__(self, flip: FlipComm, inner: PreparedGroups, groups: Any):
-        self._flip, self._inner, self._groups = flip, inner, list(groups)
-        self.native = inner.native
+        super().__init__(inner)
+        self._flip, self._groups = flip, list(groups)
         self._buffers: Sequence[Any] = ()
 
     def bind(self, addresses: Any, sizes: Any, buffers: Sequence[Any]) -> None:
@@ -102,24 +102,9 @@ class _FlipPrepared(PreparedGroups):
         self._inner.finish()
         self._buffers = ()
 
-    def start(self, group: int, timeout_s: float) -> None:
-        self._inner.start(group, timeout_s)
-
-    def wait(self, group: int) -> None:
-        self._inner.wait(group)
-
     def landed(self, group: int, recvs_kept: int) -> None:
         recvs = self._groups[group][1]
         self._flip._landed([(s, self._buffers[b][o : o + n]) for s, _, _, b, o, n in recvs])
-
-    def abort(self, group: int, why: str) -> None:
-        self._inner.abort(group, why)
-
-    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> Any:
-        self._inner.failed(group, code, request, value, timeout_s)
-
-    def release(self) -> None:
-        self._inner.release()
 
 
 def plant(group: Any, **kw: Any) -> FlipComm:

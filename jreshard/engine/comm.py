@@ -50,6 +50,7 @@ __all__ = [
     "SendOp",
     "hook_point",
     "ops_of_rows",
+    "WrappedGroups",
 ]
 
 Row = tuple[int, int, int, int, int, int]
@@ -243,6 +244,49 @@ class PreparedGroups(abc.ABC):
     @abc.abstractmethod
     def release(self) -> None:
         """Free the requests (none may be started)."""
+
+
+class WrappedGroups(PreparedGroups):
+    """Prepared groups that hand every call to the groups they wrap (``inner``, whose compiled replay they keep);
+    a wrapper overrides only what it adds: a check before a start, digests at the hooks. The hooks reach ``inner``
+    where it observes them."""
+
+    def __init__(self, inner: PreparedGroups):
+        self._inner = inner
+        self.native = inner.native
+
+    def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
+        self._inner.bind(addresses, sizes, buffers)
+
+    def finish(self) -> None:
+        self._inner.finish()
+
+    def start(self, group: int, timeout_s: float) -> None:
+        self._inner.start(group, timeout_s)
+
+    def wait(self, group: int) -> None:
+        self._inner.wait(group)
+
+    def starting(self, group: int, sends_kept: int) -> None:
+        if self._inner.observes:
+            self._inner.starting(group, sends_kept)
+
+    def waiting(self, group: int) -> None:
+        if self._inner.observes:
+            self._inner.waiting(group)
+
+    def landed(self, group: int, recvs_kept: int) -> None:
+        if self._inner.observes:
+            self._inner.landed(group, recvs_kept)
+
+    def abort(self, group: int, why: str) -> None:
+        self._inner.abort(group, why)
+
+    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> NoReturn:
+        self._inner.failed(group, code, request, value, timeout_s)
+
+    def release(self) -> None:
+        self._inner.release()
 
 
 class StepGraph(abc.ABC):

@@ -34,7 +34,7 @@ import struct
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from jreshard.engine.comm import (
     RecvOp,
     Row,
     SendOp,
+    WrappedGroups,
     hook_point,
 )
 from jreshard.errors import BackendUnavailableError
@@ -365,7 +366,7 @@ class _DigestPosted(Posted):
         self._inner.abort(why)
 
 
-class _DigestPrepared(PreparedGroups):
+class _DigestPrepared(WrappedGroups):
     """The transport's prepared groups, observed (:attr:`PreparedGroups.observes`): the replay, compiled or from
     Python, calls the hooks around each group's start and wait, and the messages are digested there, where this
     process would otherwise wait for its peers:
@@ -384,8 +385,8 @@ class _DigestPrepared(PreparedGroups):
     observes = True
 
     def __init__(self, comm: DigestComm, inner: PreparedGroups, groups: Sequence[Group]):
-        self._ref, self._inner, self._groups = weakref.ref(comm), inner, list(groups)
-        self.native = inner.native
+        super().__init__(inner)
+        self._ref, self._groups = weakref.ref(comm), list(groups)
         self._buffers: Sequence[Any] = ()
         self._later: list[tuple[int, int, int, Any]] = []  # receives kept for the next wait (inline)
         self._running: dict[int, list[concurrent.futures.Future]] = {}  # hook point -> digests to join there
@@ -408,15 +409,8 @@ class _DigestPrepared(PreparedGroups):
         self._running.clear()
         concurrent.futures.wait(running)  # a failed step's digests read its buffers no longer (their errors dropped)
 
-    def start(self, group: int, timeout_s: float) -> None:
-        self._inner.start(group, timeout_s)
-
-    def wait(self, group: int) -> None:
-        self._inner.wait(group)
-
     def starting(self, group: int, sends_kept: int) -> None:
-        if self._inner.observes:
-            self._inner.starting(group, sends_kept)
+        super().starting(group, sends_kept)
         comm = self._comm
         now = hook_point(group, STARTING)
         self._join(now)
@@ -424,8 +418,7 @@ class _DigestPrepared(PreparedGroups):
             self._start(now, sends_kept, self._sends(group))
 
     def waiting(self, group: int) -> None:
-        if self._inner.observes:
-            self._inner.waiting(group)
+        super().waiting(group)
         comm = self._comm
         self._join(hook_point(group, WAITING))
         if comm._pool is None and comm.digests is not None:
@@ -433,8 +426,7 @@ class _DigestPrepared(PreparedGroups):
             comm._submit(later + self._sends(group))  # not overlapped: digested now
 
     def landed(self, group: int, recvs_kept: int) -> None:
-        if self._inner.observes:
-            self._inner.landed(group, recvs_kept)
+        super().landed(group, recvs_kept)
         comm = self._comm
         now = hook_point(group, LANDED)
         self._join(now)
@@ -463,12 +455,3 @@ class _DigestPrepared(PreparedGroups):
     def _join(self, point: int) -> None:
         for fut in self._running.pop(point, ()):
             self._comm._join(fut)
-
-    def abort(self, group: int, why: str) -> None:
-        self._inner.abort(group, why)
-
-    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> NoReturn:
-        self._inner.failed(group, code, request, value, timeout_s)
-
-    def release(self) -> None:
-        self._inner.release()

@@ -10,11 +10,11 @@ process dies) before each group is posted.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
-from jreshard.engine.comm import Communicator, Posted, PreparedGroups, RecvOp, SendOp
+from jreshard.engine.comm import Communicator, Posted, PreparedGroups, RecvOp, SendOp, WrappedGroups
 from jreshard.errors import PeerError
 from jreshard.mpi.comm import MpiComm
 
@@ -109,14 +109,14 @@ class LiveComm(Communicator):
         self._inner.close()
 
 
-class _LivePrepared(PreparedGroups):
+class _LivePrepared(WrappedGroups):
     """Prepared groups whose peers are checked (``check(ranks)``) before a step binds them and before a group
     is started from Python; everything else is the wrapped groups' (final)."""
 
     def __init__(self, inner: PreparedGroups, check: Callable[[Sequence[int]], None], ranks: list[list[int]]):
-        self._inner, self._check_ranks, self._ranks = inner, check, ranks
+        super().__init__(inner)
+        self._check_ranks, self._ranks = check, ranks
         self._all = sorted({r for rs in ranks for r in rs})
-        self.native = inner.native
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -125,21 +125,6 @@ class _LivePrepared(PreparedGroups):
         self._check_ranks(self._all)
         self._inner.bind(addresses, sizes, buffers)
 
-    def finish(self) -> None:
-        self._inner.finish()
-
     def start(self, group: int, timeout_s: float) -> None:
         self._check_ranks(self._ranks[group])
         self._inner.start(group, timeout_s)
-
-    def wait(self, group: int) -> None:
-        self._inner.wait(group)
-
-    def abort(self, group: int, why: str) -> None:
-        self._inner.abort(group, why)
-
-    def failed(self, group: int, code: int, request: int, value: int, timeout_s: float) -> NoReturn:
-        self._inner.failed(group, code, request, value, timeout_s)
-
-    def release(self) -> None:
-        self._inner.release()
