@@ -39,6 +39,32 @@ VERSIONS = int(os.environ.get("VERSIONS", "5"))
 HOST = os.environ.get("JRESHARD_HOST", "127.0.0.1")  # this program's address (its namespace's, across two)
 
 
+def die_when(now, *, sending: bool) -> None:
+    """SIGKILL this process at its first exchange that sends (``sending``) or receives bytes while ``now()``: an
+    exchange, a delta refit's sized exchange, or the start of a prepared group."""
+    from jreshard.nixl.comm import NixlComm
+    from jreshard.nixl.prepared import NixlPrepared
+
+    def deadly(real):
+        def exchange(self, sends, recvs, *, timeout_s):
+            if now() and (sends if sending else recvs):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, sends, recvs, timeout_s=timeout_s)
+
+        return exchange
+
+    real_start = NixlPrepared.start
+
+    def deadly_start(self, group, timeout_s):
+        if now() and (self._sgroups if sending else self._rgroups)[group]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_start(self, group, timeout_s)
+
+    NixlComm.exchange = deadly(NixlComm.exchange)  # type: ignore[method-assign]
+    NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)  # type: ignore[method-assign]
+    NixlPrepared.start = deadly_start  # type: ignore[method-assign]
+
+
 def say(**event) -> None:
     print(json.dumps(event), flush=True)
 
@@ -58,30 +84,8 @@ def run_trainer() -> None:
 
     mode = os.environ.get("TRAINER", "")
     if mode.startswith("die:"):  # SIGKILL this trainer in the middle of pushing version V
-        from jreshard.nixl.comm import NixlComm
-
         doomed = int(mode[4:])
-
-        def deadly(real):  # exchange, or exchange_sized (a delta refit's groups)
-            def exchange(self, sends, recvs, *, timeout_s):
-                if state["v"] == doomed and sends:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return real(self, sends, recvs, timeout_s=timeout_s)
-
-            return exchange
-
-        NixlComm.exchange = deadly(NixlComm.exchange)  # type: ignore[method-assign]
-        NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)  # type: ignore[method-assign]
-        from jreshard.nixl.prepared import NixlPrepared
-
-        real_start = NixlPrepared.start
-
-        def deadly_start(self, group, timeout_s):  # the same where the groups are prepared
-            if state["v"] == doomed and self._sgroups[group]:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real_start(self, group, timeout_s)
-
-        NixlPrepared.start = deadly_start  # type: ignore[method-assign]
+        die_when(lambda: state["v"] == doomed, sending=True)
     state = {"v": 0}
     group = RefitGroup.connect("source", params(0), address=ADDRESS, transport="nixl", options=OPTIONS, host=HOST)
     say(event="formed")
@@ -124,28 +128,7 @@ def run_server(index: int, count: int, die: int | None) -> None:
     rx = Receiver.connect(shards, recipe=recipe, address=ADDRESS, index=index, count=count, options=OPTIONS, host=HOST)
     say(event="formed", jax=[m for m in ("jax", "jaxlib") if sys.modules.get(m) is not None])
     if die is not None:  # SIGKILL at the first exchange of version ``die`` that receives bytes
-        from jreshard.nixl.comm import NixlComm
-
-        def deadly(real):  # exchange, or exchange_sized (a delta refit's groups)
-            def exchange(self, sends, recvs, *, timeout_s):
-                if (rx.version or 0) + 1 == die and recvs:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return real(self, sends, recvs, timeout_s=timeout_s)
-
-            return exchange
-
-        NixlComm.exchange = deadly(NixlComm.exchange)  # type: ignore[method-assign]
-        NixlComm.exchange_sized = deadly(NixlComm.exchange_sized)  # type: ignore[method-assign]
-        from jreshard.nixl.prepared import NixlPrepared
-
-        real_start = NixlPrepared.start
-
-        def deadly_start(self, group, timeout_s):  # the same where the groups are prepared
-            if (rx.version or 0) + 1 == die and self._rgroups[group]:
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real_start(self, group, timeout_s)
-
-        NixlPrepared.start = deadly_start  # type: ignore[method-assign]
+        die_when(lambda: (rx.version or 0) + 1 == die, sending=False)
     checked, bad, end = [], [], ""
     while True:
         before = {k: t.clone() for k, t in tensors.items()}
