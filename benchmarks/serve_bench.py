@@ -15,7 +15,8 @@ three phases:
 - *idle*: ``--idle-steps`` steps with no refit (a warm-up), then the ``--every`` steps between two
   refits of the next phase, each stretch timed: steps/s idle is their median, measured at the same
   times as the refits (other programs load this machine: a ratio of neighbours is what holds);
-- *background*: every ``--every`` steps it starts ``group.pull_async(into=params)`` and keeps stepping;
+- *background*: every ``--every`` steps it starts ``group.pull_async(into=params, nice=--nice)`` (10 by
+  default, as ``pull_async``: the receive thread yields the cores to the server's steps) and keeps stepping;
   between two steps, once ``handle.ready()``, ``handle.flip()`` switches to the new version;
   ``--refits`` times. Steps/s *during refit* counts the steps done between the start of a pull and its
   flip, over that time; *throughput during refit* is the steps of every refit window over their total
@@ -27,7 +28,9 @@ The *pause* of a refit is what the issue defines: from the end of the server's l
 version to the start of its first step on the new one (background: the ``flip`` call and the loop
 around it; blocking: the whole ``pull``). The first refit of each phase and transport is not counted
 (it builds the schedule and registers the buffers). Every refit's ``ServeReport`` (wait for the
-trainer, wire, assemble, receive CPU) is summed up beside it. The trainer program shares the
+trainer, wire, assemble, receive CPU) is summed up beside it. Every version changes every
+byte, so with ``--delta auto`` (the default, as ``Options``) each refit also compares and keeps copies
+for deltas that never come; ``--delta off`` shows a refit without them. The trainer program shares the
 machine's cores with the server: its pack and send are part of what the server competes with.
 
 Printed: per transport a row of medians (steps/s idle, during background refits as a % of idle with
@@ -145,7 +148,7 @@ def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
             )  # the steps between two refits: idle, measured at the same times
             rec["idle_rate"].append(a.every / (time.perf_counter() - t0))
             rec["idle_s"].append(time.perf_counter() - t0)
-            h = group.pull_async(into=params)
+            h = group.pull_async(into=params, nice=a.nice)
             t_start, steps = time.perf_counter(), 0
             while not h.ready():
                 tokens = timed(params, tokens, dispatch["refit"])
@@ -185,7 +188,7 @@ def worker(a: argparse.Namespace) -> None:
     import numpy as np
 
     like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding) for k, s in shapes.items()}
-    opts = Options(timeout_s=300.0, chunk_bytes=4 << 20, staging_bytes=32 << 20)
+    opts = Options(timeout_s=300.0, chunk_bytes=4 << 20, staging_bytes=32 << 20, delta=a.delta)
     groups = {}
     for t in a.transports.split(","):
         if t == "mpi":
@@ -218,6 +221,8 @@ def main() -> None:
         help="1: the server's XLA runs its step on one thread (the other core left to the receive and the trainer); "
         "0: XLA's default, every core",
     )
+    ap.add_argument("--delta", default="auto", help="Options.delta of both groups (every version changes every byte)")
+    ap.add_argument("--nice", type=int, default=10, help="pull_async's nice: the receive thread's priority")
     ap.add_argument("--trainer-nice", type=int, default=0, help="the trainer program's nice value")
     ap.add_argument(
         "--switch-interval", type=float, default=0.0, help="the server's sys.setswitchinterval (0: Python's)"
@@ -246,6 +251,8 @@ def main() -> None:
             "batch",
             "seq",
             "transports",
+            "nice",
+            "delta",
             "trainer_nice",
             "switch_interval",
         ):

@@ -7,6 +7,8 @@ on the destination side); the benchmark is benchmarks/serve_bench.py."""
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -155,6 +157,30 @@ def test_release_deletes_the_old_version_at_the_flip_and_the_shadow_is_bounded(p
     src.push(2)
     new, v = h.result()
     assert v == 2 and holds(new, 2) and all(a.is_deleted() for a in tree.values())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a per-thread nice value is Linux's")
+def test_the_receive_thread_runs_at_the_nice_asked_for_and_the_callers_priority_is_untouched(pair):
+    src, dst, tree = pair
+    for bad in (-1, 20, True, 2.5):
+        with pytest.raises(ValueError, match=f"nice={bad!r}; expected an int in 0..19"):
+            dst.pull_async(into=tree, nice=bad)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+    run = dst._run
+
+    def observed(sources, targets, **kw):  # runs on the receive thread
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return run(sources, targets, **kw)
+
+    dst._run = observed  # type: ignore[method-assign]
+    for nice, version in ((7, 2), (0, 3)):
+        h = dst.pull_async(into=tree, nice=nice)
+        src.push(version)
+        tree, v = h.result(timeout_s=10)
+        assert v == version and holds(tree, version)
+    assert seen == [min(19, mine + 7), mine]  # a fresh thread each pull; nice=0 keeps the caller's
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_a_cancel_while_waiting_for_the_source_fails_that_refit_and_a_new_group_refits(pair, tmp_path):

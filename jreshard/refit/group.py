@@ -623,6 +623,7 @@ class RefitGroup:
         timeout_s: float | None = None,
         shadow: Any = "keep",
         max_shadow_bytes: int | None = None,
+        nice: int = 10,
     ) -> Any:
         """Start :meth:`pull` in the background and return its :class:`~jreshard.refit.background.PullHandle`
         (``ready()``, ``result()``, ``flip()``, ``cancel()``): the server keeps stepping on the arrays it
@@ -636,10 +637,12 @@ class RefitGroup:
             deletes the old arrays (``into``).
           max_shadow_bytes: refuse (before any byte moves) when this process's shards of the new version,
             held beside the current ones until the flip, exceed it.
+          nice: added to the receive thread's nice value (0 to 19; Linux, that thread only): where cores
+            are short, the server's own steps go first. 0 keeps the caller's priority.
 
         Raises:
-          ValueError: this process is a source, a background pull is already in flight, or the shadow is
-            over ``max_shadow_bytes``.
+          ValueError: this process is a source, a background pull is already in flight, the shadow is
+            over ``max_shadow_bytes``, or ``nice`` is not an int in 0..19.
         """
         from jreshard.refit.background import PullHandle, Shadow, shadow_bytes
 
@@ -665,8 +668,12 @@ class RefitGroup:
                     f"RefitGroup.pull_async: the shadow copy needs {nbytes} bytes on this process, over "
                     f"max_shadow_bytes={max_shadow_bytes}; raise it, or pull() between steps (no second copy)"
                 )
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ValueError(f"RefitGroup.pull_async: nice={nice!r}; expected an int in 0..19")
         self._check_usable()
-        self._background = PullHandle(self, into=into, like=like, timeout_s=timeout_s, shadow=mode, nbytes=nbytes)
+        self._background = PullHandle(
+            self, into=into, like=like, timeout_s=timeout_s, shadow=mode, nbytes=nbytes, nice=nice
+        )
         return self._background
 
     def pull(
