@@ -65,9 +65,12 @@ class Options:
       delta: ``"off"``, ``"on"`` or ``"auto"`` (or a :class:`Delta`): versioned refits between programs
         (``RefitGroup``, elastic replicas) send, for each chunk of the plan, only what changed since the
         version its receiver holds, compared bit for bit in the wire dtype; a receiver whose version the
-        sender cannot encode against gets the whole chunk. ``"auto"`` is on between programs; a
-        ``transfer()`` has no earlier version and never diffs. Every process of a group must have it on
-        for a refit to use it (else the refit is full and its report says why).
+        sender cannot encode against gets the whole chunk. ``"auto"`` is on between programs, and a
+        sender whose deltas stop paying (over 7/8 of the elements it sent had changed, as when
+        float32 weights are served as float32) sends whole refits for a while (1, 2, 4, ... up to
+        64 refits), then tries again; ``"on"`` always diffs. A ``transfer()`` has no earlier version
+        and never diffs. Every process of a group must have it on for a refit to use it (else the
+        refit is full and its report says why).
       delta_bytes: the most bytes of sent chunks one process keeps, in the wire dtype, to diff the next
         refit against (its receivers keep the same chunks); chunks past it are sent whole every refit.
 

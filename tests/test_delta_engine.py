@@ -9,6 +9,7 @@ refit (the group's begin vote)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -381,3 +382,67 @@ def test_a_delta_chunk_is_kept_by_patching_its_base_at_commit() -> None:
             held.commit(2)
     assert held.sent[(0, 1, 0)] is base and base.tobytes() == new.tobytes() and held.version == 2
     assert held.copy_of("sent", (0, 1, 0), new) is not base  # a patched copy is kept, never reused as a spare
+
+
+def _one_refit(gd, votes: dict, version: int, changed: float | None) -> object:
+    """Run GroupDelta through one refit of process 0 (the sender): ``changed`` is the fraction of the
+    elements its deltas found changed (``None``: the refit ran whole, or its chunks went whole for want
+    of bases)."""
+    rf = gd.start(votes, 0)
+    if rf is not None:
+        gd.bases.begin()
+        st = rf.stats
+        st.chunks, st.full_bytes, st.units = 4, 4000, 1000
+        if changed is not None and not gd._reasons:  # tiny chunks: the headers outweigh what changed
+            st.delta_chunks, st.changed_units, st.sent_bytes = 4, int(1000 * changed), 9000
+        else:
+            st.changed_units, st.sent_bytes = 1000, 4000 + 4 * HEADER
+    gd.commit(version, 4000)
+    return rf
+
+
+def test_auto_backs_off_from_deltas_that_do_not_pay_and_tries_again() -> None:
+    """delta='auto': deltas that find over DENSE_CHANGED of the elements changed make the sender vote whole refits for
+    1, 2, 4, ... refits (its report and the others' say why), then lay the bases and look again; deltas
+    that pay end it. delta='on' never backs off."""
+    from jreshard.refit.delta import DENSE_CHANGED, MAX_BACKOFF, GroupDelta
+
+    names = {0: "process 0 (source)", 1: "process 1 (destination)"}
+    dense = min(1.0, DENSE_CHANGED + 0.05)
+    for mode in ("auto", "on"):
+        gd = GroupDelta(Options(delta=mode), 2, {0: 0, 1: 1}, names.__getitem__)
+        peer_base = None  # the destination's base: the version it last committed with deltas running
+        whole: list[bool] = []  # per refit: whether this process voted it whole
+        for version in range(1, 41):
+            mine = gd.vote()
+            votes = {0: mine, 1: {"delta": True, "delta_base": peer_base}}
+            rf = _one_refit(gd, votes, version, dense)
+            peer_base = version if rf is not None else None
+            whole.append(not mine["delta"])
+            if whole[-1]:
+                assert rf is None and gd.report.mode == "off" and gd.bases.version is None
+                assert "sends whole for now (delta='auto': 92% of the elements of its last" in gd.report.reasons[0]
+        whole_runs = [len(list(run)) for off, run in itertools.groupby(whole) if off]
+        if mode == "on":
+            assert whole_runs == []
+            continue
+        assert whole_runs[:4] == [1, 2, 4, 8], whole_runs  # each stretch doubles, two refits between
+        assert max(whole_runs) <= MAX_BACKOFF
+        # the peer sees the same reason in the begin vote
+        other = GroupDelta(Options(delta="auto"), 2, {0: 0, 1: 1}, names.__getitem__)
+        gd._skip, gd._dense = 3, 0.97
+        assert other.start({0: gd.vote(), 1: other.vote()}, 1) is None
+        other.commit(version + 1, 0)
+        assert "process 0 (source) sends whole for now" in other.report.reasons[0]
+        assert (
+            "97% of the elements of its last deltas had changed; it tries deltas again after 3 more refits"
+            in (other.report.reasons[0])
+        )
+    # deltas that pay: no back-off, and one that pays after a dense one ends the doubling
+    gd = GroupDelta(Options(delta="auto"), 2, {0: 0, 1: 1}, names.__getitem__)
+    for version, changed in enumerate((None, 0.1, 0.5, DENSE_CHANGED), start=1):  # the first lays the bases
+        assert gd.vote()["delta"]
+        _one_refit(gd, {0: gd.vote(), 1: {"delta": True, "delta_base": version - 1 or None}}, version, changed)
+    assert gd._skip == 0 and gd.vote()["delta"]
+    _one_refit(gd, {0: gd.vote(), 1: {"delta": True, "delta_base": 4}}, 5, dense)
+    assert gd._backoff == 1 and not gd.vote()["delta"]

@@ -27,7 +27,7 @@ from jreshard.engine.deltarounds import DeltaBases, DeltaRefit
 from jreshard.options import Delta, Options
 from jreshard.sharding.dtypes import numpy_dtype
 
-__all__ = ["DeltaReport", "GroupDelta", "wire_unit"]
+__all__ = ["DENSE_CHANGED", "MAX_BACKOFF", "DeltaReport", "GroupDelta", "wire_unit"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,8 +108,20 @@ def wire_unit(dtypes: Iterable[Any]) -> int:
     return unit if unit in (1, 2, 4, 8) else 1
 
 
+DENSE_CHANGED = 0.875
+"""``delta="auto"`` backs off when over this fraction of the elements a process sent had changed."""
+MAX_BACKOFF = 64
+"""The most refits in a row ``delta="auto"`` sends whole before it tries deltas again."""
+
+
 class GroupDelta:
     """One process's delta state in a group (final).
+
+    With ``delta="auto"`` a process that sends votes for whole refits while deltas do not pay: after a
+    refit in which more than :data:`DENSE_CHANGED` of the elements it sent had changed (as when float32
+    weights are served as float32: every step changes nearly every one), the next refits run whole
+    (the prepared rounds, no encoding, no kept copies), 1, 2, 4, ... up to :data:`MAX_BACKOFF` of them,
+    then it tries again.
 
     Args:
       options: the group's options (``delta``, ``delta_bytes``).
@@ -120,7 +132,11 @@ class GroupDelta:
 
     def __init__(self, options: Options, unit: int, rank_process: Mapping[int, int], describe: Callable[[int], str]):
         self.on = options.delta is not Delta.OFF  # auto: a group is between programs
+        self.auto = options.delta is Delta.AUTO
         self.bases = DeltaBases(options.delta_bytes)
+        self._skip = 0  # auto: refits left that this process sends whole, its last deltas having not paid
+        self._backoff = 0  # auto: the length of the last such stretch (doubled each time, up to MAX_BACKOFF)
+        self._dense = 1.0  # auto: the changed fraction of the deltas that started the stretch
         self.unit = unit
         self._rank_process = dict(rank_process)
         self._describe = describe
@@ -131,16 +147,21 @@ class GroupDelta:
 
     def vote(self) -> dict[str, Any]:
         """This process's part of the begin vote."""
-        return {"delta": self.on, "delta_base": self.bases.version if self.on else None}
+        want = self.on and self._skip == 0
+        vote: dict[str, Any] = {"delta": want, "delta_base": self.bases.version if want else None}
+        if self.on and not want:  # auto, backing off: the others' reports say why, and for how long
+            vote["delta_dense"] = [round(self._dense, 4), self._skip]
+        return vote
 
     def start(self, votes: Mapping[int, Mapping[str, Any]], me: int) -> DeltaRefit | None:
         """The delta settings of this refit from every process's begin vote (``None``: a full refit)."""
         self._t0 = time.perf_counter()
+        self._skip = max(0, self._skip - 1)
         off = [p for p, v in sorted(votes.items()) if not v.get("delta")]
         if off:
             self.bases.clear()
             self._refit = None
-            self._reasons = tuple(f"{self._describe(p)} has delta off" for p in off) if self.on else ()
+            self._reasons = tuple(self._why_off(p, votes[p]) for p in off) if self.on else ()
             return None
         held = {p: v.get("delta_base") for p, v in votes.items()}
         mine = self.bases.version
@@ -174,6 +195,34 @@ class GroupDelta:
         self.bases.commit(version)
         self.report = DeltaReport.of(version, self._reasons, rf.stats, self.bases, seconds)
         self._refit = None
+        self._judge(rf.stats)
+
+    def _judge(self, stats: Any) -> None:
+        """``auto``: after a refit whose every chunk this process sent went as a delta, back off when over
+        :data:`DENSE_CHANGED` of their elements had changed (the deltas are then about as large as the
+        chunks, and the encoding and the kept copies cost more than the wire they save): whole refits for
+        the next 1, 2, 4, ... :data:`MAX_BACKOFF` refits, then one to lay the bases again and one with
+        deltas to look again. Deltas over sparser changes end the back-off. The fraction is of elements,
+        not bytes: tiny chunks, whose headers outweigh their changes, do not count as dense."""
+        if not self.auto or self._reasons or not stats.units or stats.delta_chunks != stats.chunks:
+            return
+        changed = stats.changed_units / stats.units
+        if changed <= DENSE_CHANGED:
+            self._backoff = 0
+            return
+        self._backoff = min(MAX_BACKOFF, 2 * self._backoff or 1)
+        self._skip, self._dense = self._backoff, changed
+
+    def _why_off(self, process: int, vote: Mapping[str, Any]) -> str:
+        """Why ``process`` voted for a whole refit (its begin vote)."""
+        dense = vote.get("delta_dense")
+        if not dense:
+            return f"{self._describe(process)} has delta off"
+        changed, left = dense
+        return (
+            f"{self._describe(process)} sends whole for now (delta='auto': {100 * changed:.0f}% of the elements "
+            f"of its last deltas had changed; it tries deltas again after {left} more refits)"
+        )
 
     def abort(self) -> None:
         """The refit failed: the bases stay on the version they had."""
