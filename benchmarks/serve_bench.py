@@ -35,7 +35,8 @@ machine's cores with the server: its pack and send are part of what the server c
 
 Printed: per transport a row of medians (steps/s idle, during background refits as a % of idle with
 its range, pause median and max, blocking pause, wire ms, receive CPU ms, steps per refit); a second
-row: an idle step and the first step on the new version, and the *dispatch* time of a step (the Python
+row: an idle step, a step during a refit (median and 90th percentile), the first step on the new
+version, and the *dispatch* time of a step (the Python
 call that queues it, which needs the GIL) idle and during refits, median and 99th percentile: a receive
 thread holding the GIL would show there; the load average before and after;
 and last, over every transport: ``serve: pause <median> ms (<max> max), throughput during refit
@@ -140,8 +141,8 @@ def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
         tokens = run(a.idle_steps, params, tokens, [])
         idle = a.idle_steps / (time.perf_counter() - t0)
         rec: dict = {"idle": idle, "idle_rate": [], "bg_rate": [], "bg_pause": [], "block_pause": [], "reports": []}
-        rec["first_step"], rec["idle_s"] = [], []
-        for _ in range(a.refits + 1):  # background: the first is a warm-up
+        rec["first_step"], rec["idle_s"], rec["refit_step"] = [], [], []
+        for k in range(a.refits + 1):  # background: the first is a warm-up
             t0 = time.perf_counter()
             tokens = run(
                 a.every, params, tokens, dispatch["idle"]
@@ -151,7 +152,10 @@ def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
             h = group.pull_async(into=params, nice=a.nice)
             t_start, steps = time.perf_counter(), 0
             while not h.ready():
+                t_step = time.perf_counter()
                 tokens = timed(params, tokens, dispatch["refit"])
+                if k:
+                    rec["refit_step"].append(time.perf_counter() - t_step)
                 steps += 1
             end_old = time.perf_counter()
             params, _ = h.flip()
@@ -301,14 +305,15 @@ def report(got: dict, a: argparse.Namespace, load0: float, load1: float) -> None
         pcts.append(pct)
     print()
     print(
-        "| transport | step ms idle | first step on the new version ms | dispatch ms idle, median [p99] | "
-        "during refit |"
+        "| transport | step ms idle | step ms during refit, median [p90] | first step on the new version ms | "
+        "dispatch ms idle, median [p99] | during refit |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for name, r in got["transports"].items():
         d = r["dispatch"]
         print(
-            f"| {name} | {ms / med(r['idle_rate']):.1f} | {ms * med(r['first_step']):.1f} | "
+            f"| {name} | {ms / med(r['idle_rate']):.1f} | {ms * med(r['refit_step']):.1f} "
+            f"[{ms * _pct(sorted(r['refit_step']), 0.9):.1f}] | {ms * med(r['first_step']):.1f} | "
             f"{ms * med(d['idle']):.3f} [{ms * _pct(d['idle'], 0.99):.3f}] | "
             f"{ms * med(d['refit']):.3f} [{ms * _pct(d['refit'], 0.99):.3f}] |"
         )

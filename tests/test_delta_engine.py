@@ -430,7 +430,7 @@ def test_auto_backs_off_from_deltas_that_do_not_pay_and_tries_again() -> None:
         assert max(whole_runs) <= MAX_BACKOFF
         # the peer sees the same reason in the begin vote
         other = GroupDelta(Options(delta="auto"), 2, {0: 0, 1: 1}, names.__getitem__)
-        gd._skip, gd._dense = 3, 0.97
+        gd.backoff._skip, gd.backoff._dense = 3, 0.97
         assert other.start({0: gd.vote(), 1: other.vote()}, 1) is None
         other.commit(version + 1, 0)
         assert "process 0 (source) sends whole for now" in other.report.reasons[0]
@@ -443,6 +443,6 @@ def test_auto_backs_off_from_deltas_that_do_not_pay_and_tries_again() -> None:
     for version, changed in enumerate((None, 0.1, 0.5, DENSE_CHANGED), start=1):  # the first lays the bases
         assert gd.vote()["delta"]
         _one_refit(gd, {0: gd.vote(), 1: {"delta": True, "delta_base": version - 1 or None}}, version, changed)
-    assert gd._skip == 0 and gd.vote()["delta"]
+    assert not gd.backoff.whole and gd.vote()["delta"]
     _one_refit(gd, {0: gd.vote(), 1: {"delta": True, "delta_base": 4}}, 5, dense)
-    assert gd._backoff == 1 and not gd.vote()["delta"]
+    assert gd.backoff._backoff == 1 and not gd.vote()["delta"]

@@ -192,6 +192,23 @@ def test_clean_leave_and_rejoin_waits_all_and_any(tmp_path, programs):
     _exact(reps["r2"], [3, 4])
 
 
+def test_auto_deltas_step_aside_while_every_element_changes(tmp_path, programs):
+    """delta="auto" (the default) with every element changing every version: a delta refit, then the
+    trainer sends whole (1, then 2 refits: the reports say why), lays the bases again and looks again;
+    every version exact."""
+    address, dense = str(tmp_path / "address"), {"JRESHARD_DENSE": "1"}
+    trainer = programs("trainer.py", address, "dense", "trainer", env=dense)
+    r1 = programs("replica.py", address, "r1", "ok", env=dense)
+    out = trainer.result()
+    modes = [out["pushes"][str(v)]["delta"]["r1"] for v in range(1, 9)]
+    assert [m[0] for m in modes] == ["full", "delta", "off", "full", "delta", "off", "off", "full"], modes
+    assert "the trainer sends whole for now (delta='auto': 100% of the elements" in modes[2][3][0], modes[2]
+    assert modes[1][1] > modes[1][2] * 7 // 8 and modes[2][1] == modes[2][2], modes  # dense: no bytes saved
+    rep = r1.result()
+    _exact(rep, list(range(1, 9)))
+    assert [v for v, _ in rep["arrivals"]] == list(range(1, 9))
+
+
 def test_the_example_pair_runs(tmp_path, programs):
     address, examples = str(tmp_path / "address"), ROOT / "examples"
     trainer = programs("elastic_trainer.py", address, "--steps", "3", "--step-seconds", "0", folder=examples)

@@ -277,7 +277,9 @@ class FollowerService:
             chs = {pair.n_src + j: self._attached[(member, j)] for j in range(len(decls))}
             shards = source_shards(pair, leaves, self._devices, self._process)
             delta = None
-            if msg.get("delta") is True:  # as process 0 decided: both ends run delta rounds
+            if msg.get("delta") is not True:  # a whole refit: what this process kept for the replica goes
+                self._deltas.forget(member)
+            else:  # as process 0 decided: both ends run delta rounds
                 said = msg.get("bases") or []
                 bases = [b if isinstance(b, int) and not isinstance(b, bool) else None for b in said]
                 bases += [None] * (len(decls) - len(bases))

@@ -20,7 +20,8 @@ from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pai
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
 from jreshard.errors import JReshardError, TransferError
 from jreshard.net.channel import Channel, make_room
-from jreshard.options import Options
+from jreshard.options import Delta, Options
+from jreshard.refit.delta import Backoff
 
 __all__ = ["Membership"]
 
@@ -42,6 +43,7 @@ class _Member:  # mutable bookkeeping of the service thread; the public view is 
     have: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that staged it
     at: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # version -> processes that committed it
     delta: bool = False  # it takes delta refits (its hello said so)
+    backoff: Backoff = dataclasses.field(default_factory=lambda: Backoff(False))  # delta="auto" stepping aside
     bases: list[int | None] = dataclasses.field(default_factory=list)  # per process, the base version it holds
 
     def info(self) -> ReplicaInfo:
@@ -249,6 +251,7 @@ class Membership:
             ch.peer = f"replica {name!r}" + (f" (process {p})" if len(hellos) > 1 else "")
         m = _Member(ident, name, [ch for ch, _ in hellos], decls, peer_addresses)
         m.delta, m.bases = all(bool(h.get("delta")) for _, h in hellos), [None] * len(hellos)
+        m.backoff = Backoff(self.options.delta is Delta.AUTO)
         with self.cv:  # a member before its welcome: a wait that returns after the replica's join counts it
             v = None if self.committed is None else self.committed[0]
             m.state = ReplicaState.JOINING if v is not None else ReplicaState.READY
@@ -295,24 +298,35 @@ class Membership:
                 )
                 return
             m.via_peer = ""
-            m.send(
-                {"op": "catchup", "version": v, "from": "trainer", "delta": self._use_delta(m)}, self.options.timeout_s
-            )
+            use = self._use_delta(m)
+            m.send({"op": "catchup", "version": v, "from": "trainer", "delta": use}, self.options.timeout_s)
             self._out_version = v
-            self._send(m, leaves)
+            self._send(m, leaves, use)
         except Exception as err:  # any failure (the transport's included) drops this replica only
             self._drop(m, f"catching up to version {v}: {_why(err)}")
 
     def _use_delta(self, m: _Member) -> bool:
-        """Whether refits to ``m`` run as delta rounds (both ends have deltas on)."""
-        return delta_on(self.options) and m.delta
+        """Whether the next refit of ``m`` runs as delta rounds: both ends have deltas on, and (``auto``)
+        this process's last deltas to it paid (:class:`jreshard.refit.delta.Backoff`)."""
+        return delta_on(self.options) and m.delta and not m.backoff.whole
 
-    def _send(self, m: _Member, leaves: list[tuple[str, Any]]) -> Any:
-        """Refit ``m`` to ``self._out_version``: every follower its shards, this process its own; the report
-        of this process's part (:func:`jreshard.elastic.delta.pair_report`)."""
+    def _send(self, m: _Member, leaves: list[tuple[str, Any]], use: bool) -> Any:
+        """Refit ``m`` to ``self._out_version``, as delta rounds where ``use`` (what the replica was told):
+        every follower its shards, this process its own; the report of this process's part
+        (:func:`jreshard.elastic.delta.pair_report`). A whole refit drops what this process kept for ``m``."""
         t0 = time.monotonic()
         pair = pair_plan(self._decls, m.decls, self.options, self._links)
-        use = self._use_delta(m)
+        why = ""
+        if not use:
+            why = (
+                "the trainer has delta off"
+                if not delta_on(self.options)
+                else "the replica has delta off"
+                if not m.delta
+                else f"the trainer sends whole for now (delta='auto': {m.backoff.why()})"
+            )
+            self._deltas.forget(m.id)
+        m.backoff.started()
         bases = list(m.bases)
         if self._followers is not None:
             self._followers.dispatch(m.id, m.name, m.decls, self._out_version, delta=use, bases=bases)
@@ -326,10 +340,9 @@ class Membership:
         except BaseException:
             self._deltas.failed(m.id)
             raise
-        self._deltas.sent(m.id, self._out_version)
-        why = (
-            "" if use else ("the trainer has delta off" if not delta_on(self.options) else "the replica has delta off")
-        )
+        if delta is not None:
+            self._deltas.sent(m.id, self._out_version)
+            m.backoff.judge(delta.stats)
         full = sum(stats.sent_bytes.values())
         return pair_report(self._out_version, m.name, delta, before, bases, why, time.monotonic() - t0, full)
 
@@ -393,9 +406,10 @@ class Membership:
         deltas = {}
         for m in targets:
             try:
-                m.send({"op": "refit", "version": version, "delta": self._use_delta(m)}, self.options.timeout_s)
+                use = self._use_delta(m)
+                m.send({"op": "refit", "version": version, "delta": use}, self.options.timeout_s)
                 self._out_version = version
-                deltas[m.name] = self._send(m, leaves)
+                deltas[m.name] = self._send(m, leaves, use)
             except Exception as err:  # any failure (the transport's included) drops this replica only
                 self._drop(m, f"during version {version}: {_why(err)}")
             self.poll(0.0)  # register the replicas done so far ("any k at v" sees them early)

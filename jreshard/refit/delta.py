@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from jreshard.engine.deltarounds import DeltaBases, DeltaRefit
 from jreshard.options import Delta, Options
 from jreshard.sharding.dtypes import numpy_dtype
 
-__all__ = ["DENSE_CHANGED", "MAX_BACKOFF", "DeltaReport", "GroupDelta", "wire_unit"]
+__all__ = ["DENSE_CHANGED", "MAX_BACKOFF", "Backoff", "DeltaReport", "GroupDelta", "wire_unit"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,14 +114,74 @@ MAX_BACKOFF = 64
 """The most refits in a row ``delta="auto"`` sends whole before it tries deltas again."""
 
 
+class Backoff:
+    """``delta="auto"`` stepping aside from deltas that do not pay, for one sender (final).
+
+    After a refit whose every chunk the sender sent went as a delta, :meth:`judge` backs off when over
+    :data:`DENSE_CHANGED` of their elements had changed (the deltas are then about as large as the chunks,
+    and the encoding and the kept copies cost more than the wire they save): :attr:`whole` for the next
+    1, 2, 4, ... :data:`MAX_BACKOFF` refits, each stretch twice the last while the changes stay dense; then
+    one refit lays the bases again and the next looks again. Deltas over sparser changes end it. The
+    fraction is of elements, not bytes: tiny chunks, whose headers outweigh their changes, do not count.
+
+    Example:
+      >>> from jreshard.engine.deltarounds import DeltaStats
+      >>> b = Backoff(auto=True)
+      >>> b.judge(DeltaStats(units=100, changed_units=97, chunks=2, delta_chunks=2))
+      >>> b.whole
+      True
+      >>> print(b.why())
+      97% of the elements of its last deltas had changed; it tries deltas again after 1 more refits
+      >>> b.started(); b.whole
+      False
+    """
+
+    def __init__(self, auto: bool):
+        self.auto = auto
+        self._skip = 0  # refits left to send whole
+        self._backoff = 0  # the length of the last stretch
+        self._dense = 1.0  # the changed fraction that started it
+
+    @property
+    def whole(self) -> bool:
+        """Whether the next refit should go whole."""
+        return self._skip > 0
+
+    def started(self) -> None:
+        """A refit started (whole or not): one fewer to go whole."""
+        self._skip = max(0, self._skip - 1)
+
+    def judge(self, stats: Any) -> None:
+        """The sender's :class:`~jreshard.engine.deltarounds.DeltaStats` of a refit that ran the delta rounds."""
+        if not self.auto or not stats.units or stats.delta_chunks != stats.chunks:
+            return
+        changed = stats.changed_units / stats.units
+        if changed <= DENSE_CHANGED:
+            self._backoff = 0
+            return
+        self._backoff = min(MAX_BACKOFF, 2 * self._backoff or 1)
+        self._skip, self._dense = self._backoff, changed
+
+    def state(self) -> list[float]:
+        """``[changed fraction, refits left]``: what a begin vote carries while :attr:`whole`."""
+        return [round(self._dense, 4), self._skip]
+
+    def why(self, state: Sequence[float] | None = None) -> str:
+        """Why a sender goes whole (its own :meth:`state` by default)."""
+        changed, left = state if state is not None else self.state()
+        return (
+            f"{100 * changed:.0f}% of the elements of its last deltas had changed; it tries deltas again after "
+            f"{int(left)} more refits"
+        )
+
+
 class GroupDelta:
     """One process's delta state in a group (final).
 
-    With ``delta="auto"`` a process that sends votes for whole refits while deltas do not pay: after a
-    refit in which more than :data:`DENSE_CHANGED` of the elements it sent had changed (as when float32
-    weights are served as float32: every step changes nearly every one), the next refits run whole
-    (the prepared rounds, no encoding, no kept copies), 1, 2, 4, ... up to :data:`MAX_BACKOFF` of them,
-    then it tries again.
+    With ``delta="auto"`` a process that sends votes for whole refits while deltas do not pay
+    (:class:`Backoff`: over :data:`DENSE_CHANGED` of the elements it sent had changed, as when float32
+    weights are served as float32): the refits then run whole (the prepared rounds, no encoding, no kept
+    copies), 1, 2, 4, ... up to :data:`MAX_BACKOFF` of them, then it tries again.
 
     Args:
       options: the group's options (``delta``, ``delta_bytes``).
@@ -132,11 +192,8 @@ class GroupDelta:
 
     def __init__(self, options: Options, unit: int, rank_process: Mapping[int, int], describe: Callable[[int], str]):
         self.on = options.delta is not Delta.OFF  # auto: a group is between programs
-        self.auto = options.delta is Delta.AUTO
+        self.backoff = Backoff(options.delta is Delta.AUTO)
         self.bases = DeltaBases(options.delta_bytes)
-        self._skip = 0  # auto: refits left that this process sends whole, its last deltas having not paid
-        self._backoff = 0  # auto: the length of the last such stretch (doubled each time, up to MAX_BACKOFF)
-        self._dense = 1.0  # auto: the changed fraction of the deltas that started the stretch
         self.unit = unit
         self._rank_process = dict(rank_process)
         self._describe = describe
@@ -147,16 +204,16 @@ class GroupDelta:
 
     def vote(self) -> dict[str, Any]:
         """This process's part of the begin vote."""
-        want = self.on and self._skip == 0
+        want = self.on and not self.backoff.whole
         vote: dict[str, Any] = {"delta": want, "delta_base": self.bases.version if want else None}
         if self.on and not want:  # auto, backing off: the others' reports say why, and for how long
-            vote["delta_dense"] = [round(self._dense, 4), self._skip]
+            vote["delta_dense"] = self.backoff.state()
         return vote
 
     def start(self, votes: Mapping[int, Mapping[str, Any]], me: int) -> DeltaRefit | None:
         """The delta settings of this refit from every process's begin vote (``None``: a full refit)."""
         self._t0 = time.perf_counter()
-        self._skip = max(0, self._skip - 1)
+        self.backoff.started()
         off = [p for p, v in sorted(votes.items()) if not v.get("delta")]
         if off:
             self.bases.clear()
@@ -195,34 +252,15 @@ class GroupDelta:
         self.bases.commit(version)
         self.report = DeltaReport.of(version, self._reasons, rf.stats, self.bases, seconds)
         self._refit = None
-        self._judge(rf.stats)
-
-    def _judge(self, stats: Any) -> None:
-        """``auto``: after a refit whose every chunk this process sent went as a delta, back off when over
-        :data:`DENSE_CHANGED` of their elements had changed (the deltas are then about as large as the
-        chunks, and the encoding and the kept copies cost more than the wire they save): whole refits for
-        the next 1, 2, 4, ... :data:`MAX_BACKOFF` refits, then one to lay the bases again and one with
-        deltas to look again. Deltas over sparser changes end the back-off. The fraction is of elements,
-        not bytes: tiny chunks, whose headers outweigh their changes, do not count as dense."""
-        if not self.auto or self._reasons or not stats.units or stats.delta_chunks != stats.chunks:
-            return
-        changed = stats.changed_units / stats.units
-        if changed <= DENSE_CHANGED:
-            self._backoff = 0
-            return
-        self._backoff = min(MAX_BACKOFF, 2 * self._backoff or 1)
-        self._skip, self._dense = self._backoff, changed
+        if not self._reasons:  # every chunk this process sent could go as a delta
+            self.backoff.judge(rf.stats)
 
     def _why_off(self, process: int, vote: Mapping[str, Any]) -> str:
         """Why ``process`` voted for a whole refit (its begin vote)."""
         dense = vote.get("delta_dense")
         if not dense:
             return f"{self._describe(process)} has delta off"
-        changed, left = dense
-        return (
-            f"{self._describe(process)} sends whole for now (delta='auto': {100 * changed:.0f}% of the elements "
-            f"of its last deltas had changed; it tries deltas again after {left} more refits)"
-        )
+        return f"{self._describe(process)} sends whole for now (delta='auto': {self.backoff.why(dense)})"
 
     def abort(self) -> None:
         """The refit failed: the bases stay on the version they had."""

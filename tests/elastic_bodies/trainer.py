@@ -60,7 +60,7 @@ def main():
     out = {"pushes": {}}
     host = os.environ.get("JRESHARD_HOST", "127.0.0.1")  # the interface to listen on
     tr = ElasticTrainer(params(0), host=host, address_file=address, options=options(), catch_up=catch_up)
-    tr.wait(count=1 if scenario == "multi" else 2, timeout_s=STARTUP_S)
+    tr.wait(count=1 if scenario in ("multi", "dense") else 2, timeout_s=STARTUP_S)
 
     def push(v, **kw):
         t0 = time.monotonic()
@@ -117,6 +117,9 @@ def main():
         push(3)
         push(4)
         push(5)
+    elif scenario == "dense":  # every element changes every version ($JRESHARD_DENSE): delta="auto" backs off
+        for v in range(1, 9):
+            push(v)
     elif scenario == "multi":  # r2 is two processes; r3 joins and catches up from it
         push(1)
         push(2)
