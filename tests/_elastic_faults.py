@@ -14,7 +14,7 @@ def break_the_trainers_send(monkeypatch, after: int) -> None:
     that dies mid-version."""
     real = membership_module.Membership._send
 
-    def half(self, m, leaves):
+    def half(self, m, leaves, use):
         calls = {"n": 0}
         exchange, sized, start = NixlComm.exchange, NixlComm.exchange_sized, NixlPrepared.start
 
@@ -44,7 +44,7 @@ def break_the_trainers_send(monkeypatch, after: int) -> None:
         monkeypatch.setattr(NixlComm, "exchange_sized", some_sized)
         monkeypatch.setattr(NixlPrepared, "start", some_started)
         try:
-            real(self, m, leaves)
+            real(self, m, leaves, use)
         finally:
             monkeypatch.setattr(NixlComm, "exchange", exchange)
             monkeypatch.setattr(NixlComm, "exchange_sized", sized)

@@ -258,13 +258,13 @@ def test_a_replica_that_joins_during_a_push_ends_at_the_new_version(monkeypatch)
     trainer.push(params(1), version=1)
     real, joined = membership_module.Membership._send, {}
 
-    def slow(self, m, leaves):  # while version 2 goes to r1, r2 connects (it is admitted mid-push)
+    def slow(self, m, leaves, use):  # while version 2 goes to r1, r2 connects (it is admitted mid-push)
         if m.name == "r1":
             threading.Thread(target=lambda: joined.setdefault("r2", replica(trainer, 2, "r2"))).start()
             deadline = time.monotonic() + 10
             while "r2" not in {x.name for x in self.members.values()} and time.monotonic() < deadline:
                 self.poll(0.01)  # the service thread admits r2 (and catches it up to version 1)
-        real(self, m, leaves)
+        real(self, m, leaves, use)
 
     monkeypatch.setattr(membership_module.Membership, "_send", slow)
     report = trainer.push(params(2), version=2)

@@ -256,11 +256,11 @@ def test_elastic_the_middle_of_three_replicas_failing_mid_write_is_lost_and_the_
     assert tr.push(_params(1, D[:2]), version=1).committed == ("r1", "r2", "r3")
     real = membership_module.Membership._send
 
-    def send(self, m, leaves):  # r2's node dies with its bytes in flight: NIXL's poll raises (what it raised)
+    def send(self, m, leaves, use):  # r2's node dies with its bytes in flight: NIXL's poll raises (what it raised)
         if m.name != "r2":
-            return real(self, m, leaves)
+            return real(self, m, leaves, use)
         with failing(call, thread=threading.get_ident()):
-            return real(self, m, leaves)
+            return real(self, m, leaves, use)
 
     monkeypatch.setattr(membership_module.Membership, "_send", send)
     t0 = time.monotonic()
