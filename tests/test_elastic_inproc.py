@@ -5,7 +5,9 @@ test_elastic.py."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import threading
 import time
 
@@ -138,6 +140,24 @@ def test_a_mismatched_declaration_is_refused_naming_each_field(trainer):
         )
     assert "['a']: source shape (16, 8) != destination shape (16, 4)" in str(err.value)
     assert trainer.replicas() == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a per-thread nice value is Linux's")
+def test_the_service_thread_runs_at_the_nice_asked_for(trainer):
+    with pytest.raises(ValueError, match=r"nice=20; expected an int in 0\.\.19"):
+        replica(trainer, 1, "r-bad", nice=20)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    for name, nice in (("r-low", 6), ("r-same", 0)):
+        r = replica(trainer, 1, name, nice=nice)
+        try:
+            deadline = time.monotonic() + 5  # the thread sets it as it starts
+            want = min(19, mine + nice)
+            while os.getpriority(os.PRIO_PROCESS, r._thread.native_id) != want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.getpriority(os.PRIO_PROCESS, r._thread.native_id) == want
+        finally:
+            r.leave()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_a_taken_name_is_refused_and_released_on_leave(trainer):

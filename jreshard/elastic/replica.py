@@ -50,6 +50,7 @@ from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, Trans
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address
 from jreshard.options import Options
+from jreshard.refit.background import lower_priority
 from jreshard.refit.decl import declare_local, problems
 from jreshard.types import PyTree
 
@@ -81,13 +82,17 @@ class ElasticReplica:
       held: ``(tree, version)``: weights this process holds from before (a server restarted with its
         last weights, or joining again after its trainer went away), shaped like ``like``. They are
         handed out only with ``pull(allow_stale=True)`` until the trainer's latest version is committed.
+      nice: added to the nice value of this process's service thread, where every version lands (0 to
+        19; Linux, that thread only, as :meth:`jreshard.RefitGroup.pull_async`): where cores are short,
+        the server's own steps go first. 0 keeps the caller's priority.
 
     Raises:
       LayoutMismatchError: the trainer refused the declaration (every problem listed: names, shapes,
         dtypes that cannot cast, parameters a recipe reads that the trainer does not declare).
       AuthenticationError: the trainer refused this side's key, or did not prove it holds it.
       TransferTimeoutError: no trainer answered within ``timeout_s``.
-      ValueError: no secret is set, or ``recipe`` does not have the structure of ``like``.
+      ValueError: no secret is set, ``recipe`` does not have the structure of ``like``, or ``nice`` is not
+        an int in 0..19.
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class ElasticReplica:
         host: str | None = None,
         recipe: PyTree = None,
         held: tuple[Any, int] | None = None,
+        nice: int = 10,
     ):
         import jax
 
@@ -118,6 +124,9 @@ class ElasticReplica:
             raise ValueError(
                 f"ElasticReplica: this replica has {self._processes} processes; pass the same name=... in each"
             )
+        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+            raise ValueError(f"ElasticReplica: nice={nice!r}; expected an int in 0..19")
+        self._nice = nice
         self.options = options or Options()
         self._key = resolve_secret(self.options.secret, who="ElasticReplica")
         timeout = self.options.timeout_s
@@ -284,6 +293,7 @@ class ElasticReplica:
 
     # ---- the service thread ---------------------------------------------------------------------
     def _serve(self) -> None:
+        lower_priority(self._nice)  # every version lands here, beside the server's own steps
         pending: list[tuple[Channel, float]] = []
         fetches: dict[tuple[str, int], tuple[dict[int, Channel], float]] = {}
         try:
