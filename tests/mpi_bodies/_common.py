@@ -40,11 +40,13 @@ def main(tag: str, body: Callable[[], dict[str, Any]], *, hard_exit: bool = Fals
     sys.stdout.flush()
     sys.stderr.flush()
     if hard_exit:
-        # Exiting without MPI_Finalize makes the launcher kill the job: first wait (bounded) until the
-        # survivors the test expects have all written their results.
+        # Exiting without MPI_Finalize makes the launcher kill the job, and a jax cluster's coordinator
+        # (its process 0) leaving ends the others: first wait (bounded) until the processes of this
+        # program the test expects have all written their results (this tag's files only: the other
+        # program's must not count, or process 0 leaves before its peers have written).
         expect = int(os.environ.get("JRESHARD_EXPECT", "0"))
         deadline = time.monotonic() + 30
-        while len(glob.glob(os.path.join(os.environ["JRESHARD_MPI_OUT"], "*.json"))) < expect:
+        while len(glob.glob(os.path.join(os.environ["JRESHARD_MPI_OUT"], f"{tag}-*.json"))) < expect:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -124,11 +124,17 @@ def body() -> dict:
         if victim and v == 3:
             calls = [0]  # the groups this process posts, however the engine posts them (whole, or ahead)
 
+            def die() -> None:
+                # Stall, then die: the survivors are waiting in their rounds of version 3 by then, even on a
+                # loaded machine where they reach them late (they wait for this process's bytes meanwhile).
+                time.sleep(1.0)
+                os.kill(os.getpid(), signal.SIGKILL)
+
             def dying(real, calls=calls):
                 def post(*a, **k):
                     calls[0] += 1
                     if calls[0] == 2:
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        die()
                     return real(*a, **k)
 
                 return post
@@ -136,7 +142,7 @@ def body() -> dict:
             def dying_after(real):  # a delta refit's group (one per round): its bytes moved, the refit not committed
                 def post(*a, **k):
                     out = real(*a, **k)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    die()
                     return out
 
                 return post
