@@ -313,35 +313,22 @@ def test_a_process_group_forms_past_garbage_gathers_and_sees_a_closed_peer_at_on
 
 def _nixl_pair(encrypt: bool):
     """Two NixlComms over loopback in this process: a drives ranks 0 and 2, b drives rank 1."""
-    from jreshard.net.channel import Channel, connect
+    from _loopback import channel_pair
+
     from jreshard.nixl import NixlAgent, NixlComm
 
-    listener = listen("127.0.0.1", 0)
-    made: dict = {}
-    client = threading.Thread(
-        target=lambda: made.setdefault("c", connect(listener.getsockname()[:2], "b", key=KEY, timeout_s=10))
-    )
-    client.start()
-    listener.setblocking(True)
-    listener.settimeout(10)
-    sock, _ = listener.accept()
-    server = Channel.server(sock, "a", key=KEY)
-    deadline = time.monotonic() + 10
-    while not server.authenticated and time.monotonic() < deadline:
-        server.pump()
-    client.join(10)
-    listener.close()
+    server, client = channel_pair(KEY)
     agents = NixlAgent(name="sized-a", host="127.0.0.1"), NixlAgent(name="sized-b", host="127.0.0.1")
     comms: dict = {}
 
     def make_b() -> None:
-        comms["b"] = NixlComm(agents[1], [1], {0: made["c"], 2: made["c"]}, timeout_s=10, encrypt=encrypt)
+        comms["b"] = NixlComm(agents[1], [1], {0: client, 2: client}, timeout_s=10, encrypt=encrypt)
 
     t = threading.Thread(target=make_b)
     t.start()
     comms["a"] = NixlComm(agents[0], [0, 2], {1: server}, timeout_s=10, encrypt=encrypt)
     t.join(10)
-    return comms["a"], comms["b"], (*agents, server, made["c"])
+    return comms["a"], comms["b"], (*agents, server, client)
 
 
 @pytest.mark.parametrize("encrypt", [False, True])

@@ -166,30 +166,6 @@ def test_elastic_refits_are_bit_identical_prepared_and_per_op(monkeypatch):
     assert pulled[True] == pulled[False]
 
 
-def _channel_pair(key: bytes) -> tuple[Any, Any]:
-    """Two authenticated channels joined over loopback, in this process."""
-    import threading
-
-    from jreshard.net.channel import Channel, connect, listen
-
-    listener = listen("127.0.0.1", 0)
-    made: dict = {}
-    client = threading.Thread(
-        target=lambda: made.setdefault("c", connect(listener.getsockname()[:2], "b", key=key, timeout_s=10))
-    )
-    client.start()
-    listener.setblocking(True)
-    listener.settimeout(10)
-    sock, _ = listener.accept()
-    server = Channel.server(sock, "a", key=key)
-    deadline = time.monotonic() + 10
-    while not server.authenticated and time.monotonic() < deadline:
-        server.pump()
-    client.join(10)
-    listener.close()
-    return server, made["c"]
-
-
 @pytest.mark.parametrize("a_prepares", [True, False])
 def test_a_peers_prepared_descriptors_arriving_during_a_per_op_exchange_wait_for_this_sides_schedule(a_prepares):
     """Process b starts its prepared schedule (posting its receives' descriptors, ``nixl.pdesc``) while process a
@@ -201,12 +177,13 @@ def test_a_peers_prepared_descriptors_arriving_during_a_per_op_exchange_wait_for
     import threading
 
     import numpy as np
+    from _loopback import channel_pair
 
     from jreshard.engine.comm import RecvOp, SendOp
     from jreshard.errors import PeerError
     from jreshard.nixl import NixlAgent, NixlComm
 
-    ch_a, ch_b = _channel_pair(KEY.encode())
+    ch_a, ch_b = channel_pair(KEY.encode())
     agents = NixlAgent(name="pdesc-a", host="127.0.0.1"), NixlAgent(name="pdesc-b", host="127.0.0.1")
     comms: dict = {}
     t = threading.Thread(target=lambda: comms.setdefault("b", NixlComm(agents[1], [1], {0: ch_b}, timeout_s=10)))
