@@ -29,8 +29,9 @@ version to the start of its first step on the new one (background: the ``flip`` 
 around it; blocking: the whole ``pull``). The first refit of each phase and transport is not counted
 (it builds the schedule and registers the buffers). Every refit's ``ServeReport`` (wait for the
 trainer, wire, assemble, receive CPU) is summed up beside it. Every version changes every
-byte, so with ``--delta auto`` (the default, as ``Options``) each refit also compares and keeps copies
-for deltas that never come; ``--delta off`` shows a refit without them. The trainer program shares the
+byte: with ``--delta auto`` (the default, as ``Options``) the first delta refit finds that, and the
+refits after it go whole (it looks again after 1, 2, 4, ... up to 64 of them, a delta refit each time);
+``--delta on`` compares and keeps copies every refit; ``--delta off`` never does. The trainer program shares the
 machine's cores with the server: its pack and send are part of what the server competes with.
 
 Printed: per transport a row of medians (steps/s idle, during background refits as a % of idle with
