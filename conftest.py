@@ -1,5 +1,6 @@
 """Test set-up, once for the whole suite (tests/ and the doctests in jreshard/): 8 CPU devices before jax starts, and
-the Hypothesis profiles (``ci`` is derandomized)."""
+the Hypothesis profiles (``ci`` is derandomized; ``dev``, the default, draws new examples every run; ``deep``, 400
+examples a test where the test does not set its own count, for a sweep by hand: ``HYPOTHESIS_PROFILE=deep``)."""
 
 import os
 from contextlib import ExitStack
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "ci", derandomize=True, max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+settings.register_profile("deep", max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
