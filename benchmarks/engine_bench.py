@@ -37,6 +37,7 @@ predicted refit``, over the replayed steps.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import mmap
 import os
@@ -59,6 +60,7 @@ from jreshard.engine import replay
 from jreshard.engine import rounds as rounds_module
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator, RecvOp, Row, SendOp
+from jreshard.engine.digest import DigestComm, mismatches
 from jreshard.engine.rounds import CompiledRounds, Shards, compile_rounds, execute
 from jreshard.models import refit, refit_topology
 from jreshard.options import Backend, Options
@@ -389,8 +391,22 @@ def real_path(
 
 
 # ---- NIXL: the same real path over NixlComm, prepared groups beside per-operation posts ------------------------
-NIXL_COLUMNS = (("NIXL prepared", True), ("NIXL per-op", False))
-"""The NIXL columns: (name, whether ``NixlComm.prepares``)."""
+NIXL_COLUMNS = (("NIXL prepared", True, True), ("NIXL per-op", False, True), ("NIXL prepared, tags", True, False))
+"""The NIXL columns: (name, whether ``NixlComm.prepares``, whether the box MACs check the messages). The box MACs
+are how ``RefitGroup`` and elastic replicas run NIXL (``NixlComm.tags`` off, a :class:`DigestComm` over it, keyed
+by the connection's session and a nonce per step, see :mod:`jreshard.refit.boxes`); the last column is NIXL's own
+per-message tags instead (what the box MACs replaced), for comparison."""
+
+
+def _box_macs(comm: Any, session: Any, step: int) -> Any:
+    """Start one step's box MACs on ``comm`` (a :class:`DigestComm`), as a refit does; its :class:`Digests`. Both
+    processes derive the step's nonce from its index (a refit's source draws one and sends it in its vote)."""
+    from jreshard.refit import boxes
+
+    nonce = hashlib.sha256(b"engine_bench %d" % step).hexdigest()[:32]
+    digests = boxes.digests_for("mac", comm.local_ranks, lambda r: boxes.keyed(session, nonce))
+    comm.begin(digests)
+    return digests
 
 
 def _nixl_worker(path: str, me: int) -> None:
@@ -440,33 +456,52 @@ def _nixl_worker(path: str, me: int) -> None:
             dst[(t, rank)] = memory[at : at + n]
             at += -(-n // 64) * 64
         shards = Shards(src={}, dst=dst)
-    for name, prepares in NIXL_COLUMNS:
+    for name, prepares, macs in NIXL_COLUMNS:
         remote = dict.fromkeys(peers, ch) if me == 0 else {rank: ch}
-        comm = NixlComm(agent, [rank] if me == 0 else peers, remote, timeout_s=opts.timeout_s)
-        comm.prepares = prepares
+        wire = NixlComm(agent, [rank] if me == 0 else peers, remote, timeout_s=opts.timeout_s)
+        wire.prepares = prepares
+        comm: Any = wire
+        if macs:  # as RefitGroup and elastic replicas run NIXL
+            wire.tags = False
+            comm = DigestComm(wire)
         ch.send_control({"op": "bench.ready"}, timeout_s=60)
         ch.recv_control(timeout_s=120)
-        if me == 0:
-            times, cpu = [], []
-            for _ in range(repeat + 1):
-                c0, t0 = time.thread_time(), time.perf_counter()
-                execute(sched, comm, shards, options=opts, buffers=CpuBuffers(), report=ReportBuilder(Backend.MPI))
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.thread_time() - c0)
-            out[name] = {"times": times, "cpu": cpu, "rounds": len(cut.rounds), "row_bytes": row_bytes}
-            out[name]["ops"] = sum(len(s) + len(v) for _, gs, _, _ in cut.rounds for s, v in gs)
-            out[name]["peer_busy"] = ch.recv_control(timeout_s=600)["busy"]
-        else:
+        times, cpu, streams, macs_s = [], [], {}, []
+        if me != 0:
             rounds, nbytes = mirror_rounds(cut, row_bytes)
             peer = replay.Replay(rounds, replay.ops_of(rounds, (False,) * len(rounds), {}, 0), comm)
             scratch = [np.zeros(nbytes, np.uint8)]
-            busy = []
-            for _ in range(repeat + 1):
-                c0 = time.thread_time()
-                peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
-                busy.append(time.thread_time() - c0)
+        for step in range(repeat + 1):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            digests = _box_macs(comm, ch.session, step) if macs else None
+            try:
+                if me == 0:
+                    report = ReportBuilder(Backend.MPI)
+                    execute(sched, comm, shards, options=opts, buffers=CpuBuffers(), report=report)
+                else:
+                    peer.run(comm, CpuBuffers(), {}, scratch, opts.timeout_s, time.perf_counter)
+                if digests is not None:
+                    comm.finish()
+            finally:
+                if digests is not None:
+                    comm.end()
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+            if digests is not None:
+                streams, macs_s = digests.streams(), [*macs_s, digests.cost().seconds]
+        if me == 0:
+            out[name] = {"times": times, "cpu": cpu, "rounds": len(cut.rounds), "row_bytes": row_bytes}
+            out[name]["ops"] = sum(len(s) + len(v) for _, gs, _, _ in cut.rounds for s, v in gs)
+            got = ch.recv_control(timeout_s=600)
+            out[name]["peer_busy"], out[name]["macs_s"] = got["busy"], macs_s
+            if macs:  # every message digested alike at both ends: what a refit's commit vote compares
+                bad = mismatches(streams["sent"], got["streams"]["landed"])
+                bad += mismatches(got["streams"]["sent"], streams["landed"])
+                if bad or not streams["sent"] or not streams["landed"]:
+                    raise SystemExit(f"engine_bench: the box MACs of the two processes differ: {bad[:5]}")
+        else:
             peer.release()
-            ch.send_control({"op": "bench.busy", "busy": busy}, timeout_s=60)
+            ch.send_control({"op": "bench.busy", "busy": cpu, "streams": streams}, timeout_s=60)
         comm.close()
     if me == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -510,19 +545,21 @@ def nixl_section(sched: Any, tensors: list[TensorSpec], rank: int, repeat: int, 
     got = nixl_path(sched, tensors, rank, repeat)
     print(f"   NIXL ({label}): execute() over CpuBuffers and NixlComm (UCX, loopback), 2 processes (the rank; one")
     print("   playing all its peers), wall and CPU time of the engine's thread per round (no idle time is reported")
-    print("   over NIXL: wall is host time plus the waits); the peer's CPU time per round")
+    print("   over NIXL: wall is host time plus the waits); the peer's CPU time per round. With the box MACs (as")
+    print("   RefitGroup and elastic replicas run NIXL; checked equal at both ends) or NIXL's per-message tags")
     cpu: dict[str, float] = {}
     for name, col in got.items():
         r = max(col["rounds"], 1)
         wall = [t / r * 1e6 for t in col["times"][1:]]
         cpus = [c / r * 1e6 for c in col["cpu"][1:]]
         cpu[name] = statistics.median(cpus)
+        macs = f"; box MACs {_spread([m / r * 1e6 for m in col['macs_s'][1:]])} us" if col["macs_s"] else ""
         print(
             f"   {name:>19}: rows of {col['row_bytes']} B, {col['ops']} messages; first step "
-            f"{col['times'][0] * 1e3:.1f} ms; wall {_spread(wall)}, CPU {_spread(cpus)} us per round; the peer's "
-            f"CPU {_spread([b / r * 1e6 for b in col['peer_busy'][1:]])} us"
+            f"{col['times'][0] * 1e3:.1f} ms; wall {_spread(wall)}, CPU {_spread(cpus)} us per round{macs}; the "
+            f"peer's CPU {_spread([b / r * 1e6 for b in col['peer_busy'][1:]])} us"
         )
-    names = [n for n, _ in NIXL_COLUMNS]
+    names = [n for n, _, _ in NIXL_COLUMNS]
     print(f"   NIXL per-op / prepared CPU time per round: {cpu[names[1]] / cpu[names[0]]:.1f}x (same run)")
 
 

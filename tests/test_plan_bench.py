@@ -3,6 +3,7 @@ plan's messages say (each peer's sorted distinct receivers and senders)."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -89,3 +90,5 @@ def test_engine_bench_runs_every_round_of_the_schedule(capsys):
     engine_bench.main(["--model", "llama3-70b", "--ranks", "16", "--repeat", "1"])
     out = capsys.readouterr().out
     assert f"operations {want_ops}," in out and "us per round" in out and "predicted refit" in out
+    if importlib.util.find_spec("nixl_cu12") is not None:  # the NIXL columns, run as RefitGroup runs NIXL
+        assert "NIXL prepared: " in out and "box MACs " in out and "NIXL prepared, tags: " in out, out[-2000:]
