@@ -20,7 +20,10 @@ Columns, in the same run: the **prepared** engine (the default: the first step p
 **per-op** engine (the same rounds with every group posted afresh, operation by operation, as before prepared
 refits), and the null transport and null buffers (the round loop alone, no bytes and no messages); then the
 prepared column again in processes that initialise MPI at ``MPI_THREAD_SERIALIZED`` (mpi4py's default is
-``MULTIPLE``, where MPICH takes a lock in every call). The headline line is mpi4py's default.
+``MULTIPLE``, where MPICH takes a lock in every call). The headline line is mpi4py's default. Then, where NIXL is
+installed, the same rank over NIXL (two processes, UCX on loopback): prepared groups and per-operation posts, both
+with the box MACs checking every message as ``RefitGroup`` and elastic replicas run NIXL, and prepared groups with
+NIXL's per-message tags instead (``--nixl off``: not run).
 
 **Host time** is the wall time of a replayed step less the time the engine waited idle (``TransferReport.idle_s``:
 its polls that completed nothing, after the first of each stretch, and the back-off between them), per round. It
