@@ -379,3 +379,47 @@ def test_wrong_keys_garbage_huge_frames_and_stalled_peers_are_refused_and_the_tr
     tr.close()
     r1.leave()
     r2.leave()
+
+
+def _send_raw(ch: Channel, body: bytes) -> None:
+    """A sealed control frame of ``body`` as it is (what a peer with the secret but another encoder may send)."""
+    from jreshard.net import auth
+    from jreshard.net import channel as channel_module
+
+    header = channel_module._HEADER.pack(channel_module._SEALED, len(body) + auth.TAG_BYTES)
+    assert ch.session is not None
+    ch._out.append(memoryview(header + ch.session.seal(header, body)))
+    ch.flush()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"op": "have", "version": Infinity}',  # what json.dumps writes for float("inf"); not JSON
+        b'{"op": "have", "version": NaN}',
+        b'{"op": "have", "version": 1e400}',  # a float out of range
+        b'{"op": "have", "version": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nested past the parser's depth
+    ],
+    ids=["Infinity", "NaN", "1e400", "deep"],
+)
+def test_a_member_that_sends_what_json_does_not_hold_is_dropped_and_the_trainer_serves_on(trainer, body):
+    """A frame from an authenticated member that is not JSON a peer could mean (a non-finite number, nesting past
+    the parser's depth) drops that member with the reason; the trainer goes on serving every other replica."""
+    from jreshard.refit.decl import declare_local
+
+    decl = declare_local("destination", like(1), list(D[2:4]), None)
+    odd = connect(parse_address(trainer.address, timeout_s=1), "trainer", key=KEY, timeout_s=1)
+    hello = {"op": "hello", "name": "odd", "decl": decl, "peer_address": ["127.0.0.1", 1], "process": 0}
+    odd.send_control(hello | {"processes": 1}, timeout_s=1.0)
+    assert trainer.wait(count=1, timeout_s=5.0) == ("odd",)
+    _send_raw(odd, body)
+    deadline = time.monotonic() + 5.0
+    while "odd" in trainer.replicas() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "odd" not in trainer.replicas()
+    good = replica(trainer, 2, "good")
+    trainer.push(params(1), version=1)
+    tree, v = good.pull()
+    assert v == 1 and exact(tree, 1)
+    good.leave()
+    odd.close()

@@ -264,7 +264,7 @@ class FollowerService:
         """Run this process's part of one refit to one replica (a failure ends only this part)."""
         try:
             member, version, decls = int(msg["member"]), int(msg["version"]), list(msg["decls"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return
         leaves = self._leaves(version)
         if leaves is None or self.trainer_decls is None:

@@ -180,7 +180,7 @@ class Membership:
                 while m.state is not ReplicaState.GONE and (msg := ch.pop()) is not None:
                     try:
                         self._message(m, p, msg)
-                    except (KeyError, TypeError, ValueError) as err:
+                    except (KeyError, TypeError, ValueError, OverflowError) as err:
                         self._drop(m, f"it sent a malformed message {msg!r} ({type(err).__name__}: {err})")
                 if ch.eof and m.state is not ReplicaState.GONE:
                     self._drop(m, ch.closed_error().args[0])

@@ -33,12 +33,13 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import os
 import select
 import socket
 import struct
 import time
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from jreshard.errors import AuthenticationError, JReshardError, PeerError, TransferTimeoutError
 from jreshard.net import auth
@@ -305,6 +306,21 @@ def _read_exact(sock: socket.socket, n: int, deadline: float, peer: str, where: 
     return bytes(out)
 
 
+def _not_json(name: str) -> NoReturn:
+    """``json.loads``'s hook for ``NaN``, ``Infinity`` and ``-Infinity``, which Python writes and JSON has not:
+    a peer's frame holding one is refused (a version or size of ``inf`` would fail far from where it came in)."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """``json.loads``'s hook for a number with a fraction or an exponent: one out of a double's range (``1e400``,
+    which Python reads as ``inf``) is refused."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
 class Channel:
     """One authenticated connection to one peer process: JSON control frames (final).
 
@@ -553,8 +569,8 @@ class Channel:
                             )
                         body = opened
                     try:
-                        msg = json.loads(body)
-                    except ValueError:
+                        msg = json.loads(body, parse_constant=_not_json, parse_float=_finite)
+                    except (ValueError, RecursionError):  # not JSON, a number out of range, or nested too deep
                         msg = None
                     if not isinstance(msg, dict):
                         self.close()

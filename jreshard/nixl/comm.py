@@ -313,7 +313,7 @@ class NixlComm(Communicator):
                     for i, t, seq in tags:
                         tag = None if t is None else bytes.fromhex(t)
                         self._tags[int(i)] = (tag, None if seq is None else int(seq))
-                except (TypeError, ValueError) as err:
+                except (TypeError, ValueError, OverflowError) as err:
                     raise PeerError(f"NixlComm: {ch.peer} sent malformed tags {tags!r:.200}") from err
                 continue
             md, entries = msg.get("md", []), msg.get("recvs")
@@ -326,7 +326,7 @@ class NixlComm(Communicator):
                     sealed, sized = (bool(flags[k]) if len(flags) > k else False for k in (0, 1))
                     post = (int(i), int(addr), int(n), str(mem), int(dev), sealed, sized)
                     key = (int(src), int(dst), int(tag))
-                except (TypeError, ValueError) as err:
+                except (TypeError, ValueError, OverflowError) as err:
                     raise PeerError(f"NixlComm: {ch.peer} sent a malformed receive descriptor {e!r}") from err
                 if post[3] not in ("DRAM", "VRAM") or post[2] < 0:
                     raise PeerError(f"NixlComm: {ch.peer} sent a receive descriptor {e!r} of no known memory")

@@ -121,7 +121,7 @@ class _Hub:
                         entries = np.asarray(msg["recvs"], np.int64).reshape(-1, 7)
                         self.comm._agent.load(ch, [str(m) for m in md])
                         self.descs[(ch, int(msg["p"]))] = (int(msg["v"]), entries)
-                except (KeyError, TypeError, ValueError) as err:
+                except (KeyError, TypeError, ValueError, OverflowError) as err:  # an int past int64: OverflowError
                     raise PeerError(f"NixlComm: {ch.peer} sent a malformed {op} message") from err
 
 
