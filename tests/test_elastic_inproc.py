@@ -423,3 +423,34 @@ def test_a_member_that_sends_what_json_does_not_hold_is_dropped_and_the_trainer_
     assert v == 1 and exact(tree, 1)
     good.leave()
     odd.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"processes": 2, "process": [1]}, "process=[1] is not an int in 0..1"),
+        ({"processes": 2, "process": 2}, "process=2 is not an int in 0..1"),
+        ({"processes": 2, "name": ["r"]}, "name=['r'] is not a str"),
+        ({"processes": True}, "processes=True is not an int"),
+        ({"name": {"a": 1}}, "name={'a': 1} is not a str"),
+    ],
+    ids=["process-list", "process-past-n", "name-list-of-2", "processes-bool", "name-dict"],
+)
+def test_a_malformed_hello_is_refused_with_the_reason_and_the_trainer_serves_on(trainer, change, why):
+    """A hello whose process count, process number or name cannot be a replica's is refused, saying which, on that
+    connection only: before, a process number that was not an int (or a name that was a list) stopped the
+    trainer's service thread for every replica."""
+    from jreshard.refit.decl import declare_local
+
+    decl = declare_local("destination", like(1), list(D[2:4]), None)
+    bad = connect(parse_address(trainer.address, timeout_s=1), "trainer", key=KEY, timeout_s=1)
+    hello = {"op": "hello", "name": "odd", "decl": decl, "peer_address": ["127.0.0.1", 1], "process": 0}
+    bad.send_control(hello | {"processes": 1} | change, timeout_s=1.0)
+    answer = bad.recv_control(timeout_s=5.0)
+    assert answer["op"] == "reject" and why in answer["errors"][0], answer
+    bad.close()
+    good = replica(trainer, 2, "good")
+    trainer.push(params(1), version=1)
+    tree, v = good.pull()
+    assert v == 1 and exact(tree, 1)
+    good.leave()

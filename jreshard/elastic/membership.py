@@ -54,6 +54,20 @@ class _Member:  # mutable bookkeeping of the service thread; the public view is 
             ch.send_control(msg, timeout_s=timeout_s)
 
 
+_MAX_PROCESSES = 1 << 16  # processes of one replica a hello may declare
+
+
+def _malformed_hello(n: Any, name: Any, process: Any) -> str:
+    """Why a hello's ``processes``, ``name`` and ``process`` cannot be a replica's ("": they can)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MAX_PROCESSES:
+        return f"processes={n!r:.40} is not an int in 1..{_MAX_PROCESSES}"
+    if isinstance(process, bool) or not isinstance(process, int) or not 0 <= process < n:
+        return f"process={process!r:.40} is not an int in 0..{n - 1}"
+    if name is not None and (not isinstance(name, str) or not name or len(name) > 256):
+        return f"name={name!r:.40} is not a str of 1 to 256 characters"
+    return ""
+
+
 def _peer_address(ch: Channel, said: object) -> tuple[str, int]:
     """Where a replica process serves catch-ups: the host it bound (the one its trainer connection
     came from when it bound every interface) and its port."""
@@ -202,15 +216,19 @@ class Membership:
 
     def _hello(self, ch: Channel, hello: dict, deadline: float) -> None:
         """One process's hello: a replica of several processes is admitted when all of them said hello."""
-        n, name = hello.get("processes", 1), hello.get("name")
-        if hello.get("op") != "hello" or not isinstance(n, int) or n < 1:
+        if hello.get("op") != "hello":
             ch.close()
+            return
+        n, name, process = hello.get("processes", 1), hello.get("name"), hello.get("process", 0)
+        why = _malformed_hello(n, name, process)
+        if why:  # refused with the reason, this connection only (the trainer serves on)
+            self._reject([(ch, hello)], [f"a malformed hello ({why}): not a jreshard replica?"])
             return
         if n == 1:
             self._admit([(ch, hello)])
             return
         group, _ = self._forming.setdefault(str(name), ({}, deadline))
-        group[int(hello.get("process", 0))] = (ch, hello)
+        group[process] = (ch, hello)
         if len(group) == n:
             del self._forming[str(name)]
             self._admit([group[p] for p in sorted(group)])

@@ -117,8 +117,10 @@ class ElasticReplica:
 
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticReplica: options={options!r} must be a jreshard.Options")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"ElasticReplica: name={name!r} must be a non-empty str or None")
+        if name is not None and (not isinstance(name, str) or not name or len(name) > 256):
+            raise ValueError(
+                f"ElasticReplica: name={name!r:.80} must be a non-empty str of at most 256 characters, or None"
+            )
         self._index, self._processes = jax.process_index(), jax.process_count()
         if self._processes > 1 and name is None:
             raise ValueError(
