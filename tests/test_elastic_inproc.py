@@ -454,3 +454,34 @@ def test_a_malformed_hello_is_refused_with_the_reason_and_the_trainer_serves_on(
     tree, v = good.pull()
     assert v == 1 and exact(tree, 1)
     good.leave()
+
+
+@pytest.mark.parametrize(
+    "fetch",
+    [
+        {"version": "x"},
+        {"version": [1]},
+        {"process": [0]},
+        {"process": 3},
+    ],
+    ids=["version-str", "version-list", "process-list", "process-past-decls"],
+)
+def test_a_malformed_fetch_to_a_replica_is_refused_and_it_serves_on(trainer, fetch):
+    """What a joining replica asks a replica that already holds the version (a peer catch-up) with a version or
+    process number that cannot be one is refused on that connection only: before, the first three stopped the
+    replica's service thread, so it served no more versions."""
+    r = replica(trainer, 1, "r")
+    assert trainer.wait(count=1, timeout_s=5.0) == ("r",)
+    host, port = r._listener.getsockname()[:2]
+    bad = connect((host, port), "replica 'r'", key=KEY, timeout_s=1)
+    bad.send_control({"op": "fetch", "name": "x", "decls": [{}], "version": 0, "process": 0} | fetch, timeout_s=1.0)
+    deadline = time.monotonic() + 5.0
+    while not bad.eof and time.monotonic() < deadline:  # the replica closes this connection
+        bad.pump()
+        time.sleep(0.01)
+    assert bad.eof
+    bad.close()
+    trainer.push(params(1), version=1)
+    tree, v = r.pull()
+    assert v == 1 and exact(tree, 1)
+    r.leave()

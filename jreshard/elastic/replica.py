@@ -355,7 +355,7 @@ class ElasticReplica:
             return
         while self._gone is None and (msg := ch.pop()) is not None:
             op, v = msg.get("op"), msg.get("version")
-            if op in ("refit", "catchup") and not isinstance(v, int):
+            if op in ("refit", "catchup", "commit") and not _is_int(v):
                 self._set_gone(f"the trainer sent a malformed message {msg!r}: not a jreshard trainer?")
                 ch.close()
                 return
@@ -470,12 +470,20 @@ class ElasticReplica:
                 continue
             pending.remove((ch, deadline))
             msg = ch.inbox.popleft() if ch.inbox else {}
-            if msg.get("op") != "fetch" or not isinstance(msg.get("decls"), list):
+            decls, version, process = msg.get("decls"), msg.get("version", -1), msg.get("process", 0)
+            if (
+                msg.get("op") != "fetch"
+                or not isinstance(decls, list)
+                or not decls
+                or not _is_int(version)
+                or not _is_int(process)
+                or not 0 <= process < len(decls)
+            ):  # not a joiner's fetch: this connection only
                 ch.close()
                 continue
-            key = (str(msg.get("name")), int(msg.get("version", -1)))
+            key = (str(msg.get("name")), version)
             group = fetches.setdefault(key, ({}, deadline))[0]
-            group[int(msg.get("process", 0))] = ch
+            group[process] = ch
             if len(group) == len(msg["decls"]):
                 del fetches[key]
                 self._serve_peer(group, msg)
@@ -511,3 +519,8 @@ class ElasticReplica:
             run_pair(pair, self._index, chs, shards=shards, options=self.options)
         except Exception:  # e.g. the held arrays were deleted: ends these connections only
             pass  # the joiner reports its failure to the trainer, which serves it another way
+
+
+def _is_int(v: Any) -> bool:
+    """Whether a peer's message field is an int (JSON's ``true`` is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
