@@ -680,3 +680,41 @@ def test_encrypt_must_be_a_bool():
     with pytest.raises(TypeError, match="encrypt='yes' must be True or False"):
         Options(encrypt="yes")
     assert Options(encrypt=True).plan_key() == Options().plan_key()  # how bytes travel, not the plan
+
+
+@pytest.mark.parametrize(
+    "join",
+    [
+        {"role": "destination", "index": 0, "count": 10**9},  # the coordinator would wait for 10**9 processes
+        {"role": "destination", "index": 0, "count": 0},  # would form the group with no destination
+        {"role": "destination", "index": 5, "count": 2},
+        {"role": "source", "index": 0, "count": 1},  # process 0 is the coordinator itself
+        {"role": "destination", "index": True, "count": 1},
+        {"role": "root", "index": 0, "count": 1},
+    ],
+    ids=["count-1e9", "count-0", "index-past-count", "source-0", "index-bool", "role"],
+)
+def test_a_join_no_process_of_the_group_sends_is_dropped_and_the_group_forms(tmp_path, join):
+    """A process with the key that joins a RefitGroup's rendezvous with a role, index or count that no process of
+    the group has is dropped; the group forms with its real processes."""
+    address = str(tmp_path / "group")
+    made: dict = {}
+
+    def coordinate():
+        made["0"] = ProcessGroup.join("source", address, index=0, count=1, key=KEY, timeout_s=30)
+
+    zero = threading.Thread(target=coordinate)
+    zero.start()
+    bad = connect(parse_address(address, timeout_s=10.0), "process 0", key=KEY, timeout_s=5.0)
+    bad.send_control({"op": "join", "at": ["127.0.0.1", 1]} | join, timeout_s=5.0)
+    deadline = time.monotonic() + 5.0
+    while not bad.eof and time.monotonic() < deadline:  # dropped
+        bad.pump()
+        time.sleep(0.01)
+    assert bad.eof
+    bad.close()
+    dst = ProcessGroup.join("destination", address, index=0, count=1, key=KEY, timeout_s=30)
+    zero.join(10)
+    assert dst.rank == 1 and made["0"].rank == 0 and made["0"].roles == {0: "source", 1: "destination"}
+    dst.close()
+    made["0"].close()

@@ -41,6 +41,29 @@ __all__ = ["ProcessGroup"]
 _ANY = ("0.0.0.0", "::", "")
 
 
+_MAX_PROCESSES = 1 << 16  # processes of one role a join may declare
+
+
+def _join_of(msg: dict, n_src: int) -> tuple[tuple[str, int] | None, int, str, int]:
+    """A joining process's ``(role, index)``, its count of its role's processes and its listener's host and port,
+    from its ``join`` message; ``(None, ...)`` for one no process of this group sends (its role is not one, its
+    index, count or port are not ints in range: a count of a billion would have the coordinator wait for a
+    billion processes)."""
+    try:
+        role, index, count, (host, port) = msg["role"], msg["index"], msg["count"], msg["at"]
+    except (KeyError, TypeError, ValueError):
+        return None, 0, "", 0
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (index, count, port))
+    if not ints or role not in ("source", "destination") or not isinstance(host, str):
+        return None, 0, "", 0
+    limit = n_src if role == "source" else min(count, _MAX_PROCESSES)
+    if not (
+        1 <= count <= _MAX_PROCESSES and 0 <= index < limit and (role, index) != ("source", 0) and 0 < port < 65536
+    ):
+        return None, 0, "", 0
+    return (role, index), count, host, port
+
+
 def _address(address: str) -> tuple[str, int] | None:
     host, sep, port = address.rpartition(":")
     if sep and host and port.isdigit() and os.path.sep not in address:
@@ -170,12 +193,9 @@ class ProcessGroup:
                 )
             # the handshake first; a refused client is logged and dropped
             for c, msg in accept_first(listener, pending, key=key, who="a joining process", wait_s=min(left, 0.05)):
-                try:
-                    who = (str(msg["role"]), int(msg["index"]))
-                    count = int(msg["count"])
-                    host, port = str(msg["at"][0]), int(msg["at"][1])
-                except (KeyError, TypeError, ValueError, IndexError):
-                    c.close()
+                who, count, host, port = _join_of(msg, n_src)
+                if who is None or (who[0] == "destination" and n_dst is not None and count != n_dst):
+                    c.close()  # not a process of this group (or one that counts the destinations otherwise)
                     continue
                 if host in _ANY:
                     host = c.sock.getpeername()[0]
