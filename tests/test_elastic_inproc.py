@@ -227,6 +227,31 @@ def test_a_failed_peer_catch_up_falls_back_to_the_trainer(monkeypatch):
     r2.leave()
 
 
+def test_a_malformed_peer_catch_up_falls_back_to_the_trainer(monkeypatch):
+    """A catch-up message naming its peer replica's addresses in a form that cannot be addresses is reported as
+    failed, and the trainer serves the joiner itself (before, it stopped the joiner's service thread)."""
+    send = membership_module._Member.send
+
+    def garbled(self, msg: dict, timeout_s: float) -> None:
+        if msg.get("op") == "catchup" and msg.get("from") == "peer":
+            msg = msg | {"addresses": [["127.0.0.1", 1, "extra"]]}
+        send(self, msg, timeout_s)
+
+    monkeypatch.setattr(membership_module._Member, "send", garbled)
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.PEER)
+    r1 = replica(tr, 1, "r1")
+    tr.wait(count=1)
+    tr.push(params(1), version=1)
+    r2 = replica(tr, 2, "r2")
+    assert tr.wait(version=1) == ("r1", "r2")
+    assert [(a.version, a.source) for a in r2.arrivals] == [(1, "trainer")]
+    tree, v = r2.pull(newer_than=0)
+    assert v == 1 and exact(tree, 1)
+    tr.close()
+    r1.leave()
+    r2.leave()
+
+
 def test_a_deleted_trainer_copy_is_served_by_a_peer():
     tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, catch_up=CatchUp.TRAINER)
     r1 = replica(tr, 1, "r1")

@@ -375,9 +375,12 @@ class ElasticReplica:
                     self._receive(self._sources, self._trainer_decls, version, "trainer", peer=False, delta=delta)
                 elif op == "catchup":
                     try:
-                        self._fetch(msg, version, f"replica {msg['peer']!r}")
+                        self._fetch(msg, version, f"replica {msg.get('peer')!r}")
                     except JReshardError as err:
                         ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
+                    except (KeyError, TypeError, ValueError, IndexError) as err:  # the trainer serves it instead
+                        why = f"a malformed catch-up from a peer ({type(err).__name__}: {err})"
+                        ch.send_control({"op": "failed", "version": v, "error": why}, timeout_s=1.0)
             except JReshardError as err:
                 try:  # tell the trainer why, then close: it drops this replica at once
                     ch.send_control({"op": "failed", "version": v, "error": str(err)}, timeout_s=1.0)
