@@ -304,8 +304,9 @@ def test_300_silent_connections_do_not_delay_a_join(trainer):
             s.close()
 
 
-def test_300_silent_connections_do_not_delay_a_refit_groups_rendezvous(tmp_path):
-    address = str(tmp_path / "group")
+def _coordinator(address: str) -> tuple[threading.Thread, dict]:
+    """Process 0 of a one-source, one-destination ProcessGroup at ``address``, joining in a thread; ``made["0"]`` is
+    its group once formed."""
     made: dict = {}
 
     def coordinate():
@@ -313,6 +314,12 @@ def test_300_silent_connections_do_not_delay_a_refit_groups_rendezvous(tmp_path)
 
     zero = threading.Thread(target=coordinate)
     zero.start()
+    return zero, made
+
+
+def test_300_silent_connections_do_not_delay_a_refit_groups_rendezvous(tmp_path):
+    address = str(tmp_path / "group")
+    zero, made = _coordinator(address)
     silent = _flood(parse_address(address, timeout_s=10.0), 300)
     try:
         time.sleep(0.5)
@@ -698,13 +705,7 @@ def test_a_join_no_process_of_the_group_sends_is_dropped_and_the_group_forms(tmp
     """A process with the key that joins a RefitGroup's rendezvous with a role, index or count that no process of
     the group has is dropped; the group forms with its real processes."""
     address = str(tmp_path / "group")
-    made: dict = {}
-
-    def coordinate():
-        made["0"] = ProcessGroup.join("source", address, index=0, count=1, key=KEY, timeout_s=30)
-
-    zero = threading.Thread(target=coordinate)
-    zero.start()
+    zero, made = _coordinator(address)
     bad = connect(parse_address(address, timeout_s=10.0), "process 0", key=KEY, timeout_s=5.0)
     bad.send_control({"op": "join", "at": ["127.0.0.1", 1]} | join, timeout_s=5.0)
     deadline = time.monotonic() + 5.0
