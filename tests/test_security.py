@@ -93,7 +93,10 @@ class Relay:
                 ready, _, _ = select.select([server, client], [], [], 0.05)
                 for s in ready:
                     down, to = ends[s]
-                    data = s.recv(1 << 16)
+                    try:
+                        data = s.recv(1 << 16)
+                    except OSError:  # an end reset the connection: the relay ends with it
+                        return
                     if not data:
                         return
                     self.seen[down] += data
@@ -110,7 +113,10 @@ class Relay:
                         frame = bytes(buf[down][:size])
                         del buf[down][:size]
                         out += self._tamper(frame, held) if down == self.downstream else frame
-                    to.sendall(out)
+                    try:
+                        to.sendall(out)
+                    except OSError:  # the other end closed (it refused what it got, as it should): the relay ends
+                        return
         finally:
             client.close()
             server.close()
