@@ -416,7 +416,7 @@ def _nixl_worker(path: str, me: int) -> None:
     """One of the two processes of the NIXL path: process 0 the rank (``execute`` over ``NixlComm`` and
     :class:`CpuBuffers`), process 1 every peer of it (the mirrored rounds replayed over its own ``NixlComm``),
     connected by an authenticated channel on loopback, one NIXL agent (UCX) each."""
-    from jreshard.net.channel import Channel, connect, format_address, listen, parse_address
+    from jreshard.net.channel import accept_one, connect, format_address, listen, parse_address
     from jreshard.nixl import NixlAgent, NixlComm
 
     with open(path, "rb") as f:
@@ -429,14 +429,7 @@ def _nixl_worker(path: str, me: int) -> None:
         with open(address + ".tmp", "w") as f:
             f.write(format_address(*server.getsockname()[:2]))
         os.replace(address + ".tmp", address)
-        server.setblocking(True)
-        server.settimeout(120)
-        sock, _ = server.accept()
-        ch = Channel.server(sock, "the peers' process", key=key)
-        deadline = time.monotonic() + 30
-        while not ch.authenticated and time.monotonic() < deadline:
-            ch.pump()
-            time.sleep(0.001)
+        ch = accept_one(server, "the peers' process", key=key, timeout_s=120)
     else:
         ch = connect(parse_address(address, timeout_s=120), "the rank's process", key=key, timeout_s=120)
     opts = Options(timeout_s=300.0)

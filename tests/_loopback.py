@@ -4,10 +4,9 @@ NIXL pair themselves."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
-from jreshard.net.channel import Channel, connect, listen
+from jreshard.net.channel import accept_one, connect, listen
 
 
 def channel_pair(key: bytes) -> tuple[Any, Any]:
@@ -19,13 +18,7 @@ def channel_pair(key: bytes) -> tuple[Any, Any]:
         target=lambda: made.setdefault("c", connect(listener.getsockname()[:2], "b", key=key, timeout_s=10))
     )
     client.start()
-    listener.setblocking(True)
-    listener.settimeout(10)
-    sock, _ = listener.accept()
-    server = Channel.server(sock, "a", key=key)
-    deadline = time.monotonic() + 10
-    while not server.authenticated and time.monotonic() < deadline:
-        server.pump()
+    server = accept_one(listener, "a", key=key, timeout_s=10)
     client.join(10)
     listener.close()
     return server, made["c"]

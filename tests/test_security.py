@@ -725,3 +725,41 @@ def test_a_join_no_process_of_the_group_sends_is_dropped_and_the_group_forms(tmp
     assert dst.rank == 1 and made["0"].rank == 0 and made["0"].roles == {0: "source", 1: "destination"}
     dst.close()
     made["0"].close()
+
+
+def test_accept_one_returns_an_authenticated_channel_and_refuses_a_wrong_key_or_nobody():
+    """``accept_one``: the peer that proves the key gets an authenticated channel; a wrong key is refused; a listener
+    nobody connects to is a timeout, not a wait without end."""
+    from jreshard.errors import JReshardError
+    from jreshard.net.channel import accept_one
+
+    def client(where, key, out):
+        try:
+            out.append(connect(where, "the server", key=key, timeout_s=5.0))
+        except JReshardError as err:
+            out.append(err)
+
+    for key, want in ((KEY, None), (b"another-key-0123456789abcdef", AuthenticationError)):
+        listener = listen("127.0.0.1", 0)
+        got: list = []
+        t = threading.Thread(target=client, args=(listener.getsockname()[:2], key, got))
+        t.start()
+        if want is None:
+            ch = accept_one(listener, "the client", key=KEY, timeout_s=5.0)
+            assert ch.authenticated
+            t.join(5)
+            ch.send_control({"op": "x"}, timeout_s=1.0)
+            assert got[0].recv_control(timeout_s=1.0) == {"op": "x"}
+            got[0].close()
+            ch.close()
+        else:
+            with pytest.raises(want):
+                accept_one(listener, "the client", key=KEY, timeout_s=5.0)
+            t.join(5)
+        listener.close()
+    listener = listen("127.0.0.1", 0)
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="nobody connected"):
+        accept_one(listener, "the client", key=KEY, timeout_s=0.2)
+    assert time.monotonic() - t0 < 2.0
+    listener.close()

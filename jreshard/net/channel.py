@@ -52,6 +52,7 @@ __all__ = [
     "TRANSPORT_OPS",
     "Channel",
     "accept_first",
+    "accept_one",
     "connect",
     "format_address",
     "listen",
@@ -246,6 +247,29 @@ def accept_first(
         pending.remove(c)
         ready.append((c, msg))
     return ready
+
+
+def accept_one(listener: socket.socket, peer: str, *, key: bytes, timeout_s: float) -> Channel:
+    """The next connection to ``listener``, as the server end of a handshake with ``peer``, once it proved the key
+    (for a program that expects exactly one peer, e.g. a benchmark's or a test's second process).
+
+    Raises:
+      TransferTimeoutError: nobody connected, or the handshake did not finish, within ``timeout_s``.
+      AuthenticationError: the peer does not hold the key (the channel logged why and closed).
+    """
+    deadline = time.monotonic() + timeout_s
+    if not select.select([listener], [], [], max(0.0, timeout_s))[0]:
+        raise TransferTimeoutError(f"nobody connected to {peer!r}'s listener within {timeout_s} s")
+    sock, _ = listener.accept()
+    ch = Channel.server(sock, peer, key=key)
+    while not ch.authenticated:
+        left = deadline - time.monotonic()
+        if left <= 0 or ch.eof:
+            ch.close()
+            raise TransferTimeoutError(f"{peer} connected but did not finish the handshake within {timeout_s} s")
+        select.select([ch], [], [], min(left, 0.05))
+        ch.pump()
+    return ch
 
 
 _Pending = TypeVar("_Pending", "Channel", "tuple[Channel, float]")  # a pending connection, with its deadline or not

@@ -4,9 +4,8 @@ address to a file, process 1 reads it and connects (the bodies in this folder ru
 from __future__ import annotations
 
 import os
-import time
 
-from jreshard.net.channel import Channel, connect, format_address, listen, parse_address
+from jreshard.net.channel import accept_one, connect, format_address, listen, parse_address
 
 
 def channel(me: int, address_file: str, key: bytes):
@@ -15,13 +14,5 @@ def channel(me: int, address_file: str, key: bytes):
         with open(address_file + ".tmp", "w") as f:
             f.write(format_address(*server.getsockname()[:2]))
         os.replace(address_file + ".tmp", address_file)
-        server.setblocking(True)
-        server.settimeout(30)
-        sock, _ = server.accept()
-        ch = Channel.server(sock, "process 1", key=key)
-        deadline = time.monotonic() + 10
-        while not ch.authenticated and time.monotonic() < deadline:
-            ch.pump()
-            time.sleep(0.001)
-        return ch
+        return accept_one(server, "process 1", key=key, timeout_s=30)
     return connect(parse_address(address_file, timeout_s=30), "process 0", key=key, timeout_s=30)
