@@ -29,7 +29,7 @@ from jreshard.elastic.delta import TrainerBases, unit_of
 from jreshard.elastic.pairs import pair_plan, run_pair, source_shards
 from jreshard.elastic.types import PushReport
 from jreshard.errors import JReshardError, PeerError, TransferTimeoutError
-from jreshard.net.channel import Channel, accept_first, connect, listen, make_room
+from jreshard.net.channel import Channel, accept_first, connect, listen, make_room, peer_int
 from jreshard.options import Options
 
 __all__ = ["Followers", "FollowerService", "gather_followers"]
@@ -281,7 +281,7 @@ class FollowerService:
                 self._deltas.forget(member)
             else:  # as process 0 decided: both ends run delta rounds
                 said = msg.get("bases") or []
-                bases = [b if isinstance(b, int) and not isinstance(b, bool) else None for b in said]
+                bases = [b if peer_int(b) else None for b in said]
                 bases += [None] * (len(decls) - len(bases))
                 ranks = [pair.ranks(pair.n_src + j) for j in range(len(decls))]
                 delta = self._deltas.refit(member, bases[: len(decls)], ranks, unit_of(decls))

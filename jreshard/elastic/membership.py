@@ -19,7 +19,7 @@ from jreshard.elastic.followers import Followers
 from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
 from jreshard.errors import JReshardError, TransferError
-from jreshard.net.channel import Channel, make_room
+from jreshard.net.channel import Channel, make_room, peer_int
 from jreshard.options import Delta, Options
 from jreshard.refit.delta import Backoff
 
@@ -59,9 +59,9 @@ _MAX_PROCESSES = 1 << 16  # processes of one replica a hello may declare
 
 def _malformed_hello(n: Any, name: Any, process: Any) -> str:
     """Why a hello's ``processes``, ``name`` and ``process`` cannot be a replica's ("": they can)."""
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MAX_PROCESSES:
+    if not peer_int(n, 1, _MAX_PROCESSES):
         return f"processes={n!r:.40} is not an int in 1..{_MAX_PROCESSES}"
-    if isinstance(process, bool) or not isinstance(process, int) or not 0 <= process < n:
+    if not peer_int(process, 0, n - 1):
         return f"process={process!r:.40} is not an int in 0..{n - 1}"
     if name is not None and (not isinstance(name, str) or not name or len(name) > 256):
         return f"name={name!r:.40} is not a str of 1 to 256 characters"
@@ -371,7 +371,7 @@ class Membership:
             seen = m.have if op == "have" else m.at
             if op == "at":  # the version its kept chunks are of (None: none): what the next refit encodes against
                 base = msg.get("base")
-                m.bases[process] = int(base) if isinstance(base, int) and not isinstance(base, bool) else None
+                m.bases[process] = base if peer_int(base) else None
             seen.setdefault(v, set()).add(process)
             if len(seen[v]) < len(m.channels):
                 return

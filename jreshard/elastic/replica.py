@@ -48,7 +48,7 @@ from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import Arrival, Publication
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
-from jreshard.net.channel import Channel, connect, listen, make_room, parse_address
+from jreshard.net.channel import Channel, connect, listen, make_room, parse_address, peer_int
 from jreshard.options import Options
 from jreshard.refit.background import lower_priority
 from jreshard.refit.decl import declare_local, problems
@@ -355,7 +355,7 @@ class ElasticReplica:
             return
         while self._gone is None and (msg := ch.pop()) is not None:
             op, v = msg.get("op"), msg.get("version")
-            if op in ("refit", "catchup", "commit") and not _is_int(v):
+            if op in ("refit", "catchup", "commit") and not peer_int(v):
                 self._set_gone(f"the trainer sent a malformed message {msg!r}: not a jreshard trainer?")
                 ch.close()
                 return
@@ -478,8 +478,8 @@ class ElasticReplica:
                 msg.get("op") != "fetch"
                 or not isinstance(decls, list)
                 or not decls
-                or not _is_int(version)
-                or not _is_int(process)
+                or not peer_int(version)
+                or not peer_int(process)
                 or not 0 <= process < len(decls)
             ):  # not a joiner's fetch: this connection only
                 ch.close()
@@ -522,8 +522,3 @@ class ElasticReplica:
             run_pair(pair, self._index, chs, shards=shards, options=self.options)
         except Exception:  # e.g. the held arrays were deleted: ends these connections only
             pass  # the joiner reports its failure to the trainer, which serves it another way
-
-
-def _is_int(v: Any) -> bool:
-    """Whether a peer's message field is an int (JSON's ``true`` is not one)."""
-    return isinstance(v, int) and not isinstance(v, bool)

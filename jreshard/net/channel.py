@@ -53,6 +53,7 @@ __all__ = [
     "Channel",
     "accept_first",
     "accept_one",
+    "peer_int",
     "connect",
     "format_address",
     "listen",
@@ -247,6 +248,18 @@ def accept_first(
         pending.remove(c)
         ready.append((c, msg))
     return ready
+
+
+def peer_int(value: Any, lo: int | None = None, hi: int | None = None) -> bool:
+    """Whether a field of a peer's message is an int (JSON's ``true`` is not one), in ``lo..hi`` where given.
+
+    Example:
+      >>> peer_int(3, 0, 3), peer_int(True), peer_int(4, 0, 3), peer_int("3"), peer_int(-1, lo=0)
+      (True, False, False, False, False)
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        return False
+    return (lo is None or value >= lo) and (hi is None or value <= hi)
 
 
 def accept_one(listener: socket.socket, peer: str, *, key: bytes, timeout_s: float) -> Channel:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jreshard.errors import PeerError, TransferTimeoutError
-from jreshard.net.channel import Channel, accept_first, connect, format_address, listen, parse_address
+from jreshard.net.channel import Channel, accept_first, connect, format_address, listen, parse_address, peer_int
 from jreshard.nixl.agent import NixlAgent
 from jreshard.nixl.comm import NixlComm
 from jreshard.types import ControlObject
@@ -53,13 +53,12 @@ def _join_of(msg: dict, n_src: int) -> tuple[tuple[str, int] | None, int, str, i
         role, index, count, (host, port) = msg["role"], msg["index"], msg["count"], msg["at"]
     except (KeyError, TypeError, ValueError):
         return None, 0, "", 0
-    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (index, count, port))
-    if not ints or role not in ("source", "destination") or not isinstance(host, str):
+    if role not in ("source", "destination") or not isinstance(host, str) or not peer_int(port, 1, 65535):
         return None, 0, "", 0
-    limit = n_src if role == "source" else min(count, _MAX_PROCESSES)
-    if not (
-        1 <= count <= _MAX_PROCESSES and 0 <= index < limit and (role, index) != ("source", 0) and 0 < port < 65536
-    ):
+    if not peer_int(count, 1, _MAX_PROCESSES):
+        return None, 0, "", 0
+    first, last = (1, n_src - 1) if role == "source" else (0, count - 1)  # source 0 is the coordinator itself
+    if not peer_int(index, first, last):
         return None, 0, "", 0
     return (role, index), count, host, port
 
