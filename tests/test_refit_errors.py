@@ -1,5 +1,6 @@
 """RefitGroup's messages: a declaration mismatch names each leaf and field that differs, counts its
-problems in good English, and a peer that closes the group is noticed at once (under mpiexec)."""
+problems in good English, a peer that closes the group is noticed at once (under mpiexec), and a process
+whose declaration or vote cannot be one is named with what is wrong, nothing published (jreshard.refit.votes)."""
 
 import pytest
 
@@ -53,3 +54,129 @@ def test_a_peer_that_closes_is_noticed_at_once(tmp_path):
     assert d["versions"] == [1, 2] and d["version"] == 2, d
     assert "process 0 (source) closed the group" in d["error"], d
     assert d["elapsed"] < 5.0  # timeout_s is 30: the notice, not the deadline, ended the wait
+
+
+@pytest.mark.parametrize("mode", ["declaration", "begin", "commit"])
+def test_a_process_whose_message_cannot_be_one_is_named_and_nothing_is_published(tmp_path, mode):
+    """A destination whose declaration, begin vote or commit vote is malformed
+    (tests/mpi_bodies/refit_malformed_body.py): both sides raise PeerError naming it (before the checks, a KeyError
+    or TypeError out of push and pull), the destination keeps version 1, and after a malformed begin vote the group
+    refuses further refits."""
+    from mpi_launch import launch, need_mpi, program, results
+
+    need_mpi()
+    body = "refit_malformed_body.py"
+    launch(
+        [program(1, body, "source", mode), program(1, body, "destination", mode)],
+        tmp_path,
+        devices=1,
+        timeout_s=100,
+    )
+    (src,) = results(tmp_path, f"malformed-{mode}-source").values()
+    (dst,) = results(tmp_path, f"malformed-{mode}-destination").values()
+    for side in (src, dst):
+        assert side["error"].startswith("PeerError"), side
+        assert "process 1 (destination)" in side["error"] or "process 1:" in side["error"], side
+    if mode == "declaration":
+        assert "a declaration that cannot be one" in src["error"] and "it is a list" in src["error"], src
+        return
+    what = {"begin": "a begin vote that cannot be one (it is a list", "commit": "a commit vote that cannot be one"}
+    assert what[mode] in src["error"] and what[mode] in dst["error"], (src, dst)
+    assert src["versions"] == [1] and dst["versions"] == [1] and dst["version"] == 1 and dst["held"] == 1.0, dst
+    if mode == "begin":
+        assert "nothing moved" in src["error"] and "broken" in src["third"] and "broken" in dst["third"], (src, dst)
+    else:
+        assert "keeps its previous version" in dst["error"], dst
+
+
+def _begin(role: str, change: dict | None = None) -> dict:
+    from jreshard.options import Options
+    from jreshard.refit.delta import GroupDelta
+
+    delta = GroupDelta(Options(), 4, {0: 0, 1: 1}, str).vote()  # what a process of a new group votes
+    vote = {"role": role, "error": "", "version": 7 if role == "source" else None, **delta}
+    if role == "source":
+        vote["nonce"] = "0f" * 16
+    return vote | (change or {})
+
+
+def test_the_votes_and_declarations_the_group_sends_pass_its_checks():
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard.refit.decl import declare_local
+    from jreshard.refit.votes import begin_problem, commit_problem, declaration_problem
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    params = {
+        "w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("x"))),
+        "s": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, P())),
+    }
+    for role in ("source", "destination"):
+        assert declaration_problem(declare_local(role, params, list(mesh.devices.flat), 0)) is None
+        assert begin_problem(_begin(role), role) is None
+    assert begin_problem(_begin("source", {"delta_dense": [0.8125, 4]}), "source") is None
+    assert commit_problem({"error": ""}) is None and commit_problem({"error": "x", "digests": {}}) is None
+
+
+@pytest.mark.parametrize(
+    "role, change, says",
+    [
+        ("destination", {"role": "source"}, "but the process declared 'destination'"),
+        ("source", {"error": None}, "its error is None"),
+        ("source", {"version": "7"}, "its version is '7'"),
+        ("source", {"version": True}, "its version is True"),
+        ("source", {"version": 2**64}, "not an int"),
+        ("source", {"nonce": ""}, "its nonce"),
+        ("source", {"nonce": "f" * 200}, "its nonce"),
+        ("destination", {"version": 3}, "a destination's vote names version 3"),
+        ("source", {"delta": "yes"}, "its delta is 'yes'"),
+        ("source", {"delta_base": 1.5}, "its delta_base is 1.5"),
+        ("source", {"delta_dense": [0.5]}, "its delta_dense"),
+        ("source", {"delta_dense": [float("nan"), 1]}, "its delta_dense"),
+        ("source", {"delta_dense": [0.5, -1]}, "its delta_dense"),
+        ("source", {"delta_dense": [2.0, 1]}, "its delta_dense"),
+    ],
+)
+def test_a_malformed_begin_vote_is_named_with_what_is_wrong(role, change, says):
+    from jreshard.refit.votes import begin_problem
+
+    assert says in (begin_problem(_begin(role, change), role) or "")
+
+
+def test_a_malformed_vote_or_declaration_that_is_not_an_object_or_lacks_fields():
+    from jreshard.refit.votes import begin_problem, commit_problem, declaration_problem
+
+    for v in (None, 3, "vote", ["error", ""], []):
+        assert "not an object" in begin_problem(v, "source")
+        assert "not an object" in commit_problem(v)
+        assert "not an object" in declaration_problem(v)
+    assert "its error is 1" in commit_problem({"error": 1})
+    assert "role" in begin_problem({}, "source")
+    good = decl("source", [["w", [8, 4], "float32", [[0, [0, 0], [8, 4]]]]])
+    from jreshard.refit.votes import declaration_problem as form
+
+    assert form(good) is None
+    bad = {
+        "role": "trainer",
+        "ndev": -1,
+        "domain": "rack",
+        "errors": "none",
+        "params": {"w": 1},
+    }
+    for field, value in bad.items():
+        assert form(good | {field: value}) is not None, field
+    for p in (
+        ["w"],
+        ["w", [8, 4], "float32"],
+        [1, [8, 4], "float32", []],
+        ["w", [8, -4], "float32", []],
+        ["w", [8, 4], "float32", [[1, [0, 0], [8, 4]]]],
+        ["w", [8, 4], "float32", [[0, [0], [8, 4]]]],
+        ["w", [8, 4], "float32", [[0, [0, 0], [8, "4"]]]],
+        ["w", [8, 4], "float32", {}],
+    ):
+        assert form(good | {"params": [p]}) is not None, p
+    assert form(good | {"recipe": []}) is not None

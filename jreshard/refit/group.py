@@ -67,7 +67,7 @@ from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.digest import DigestComm, DigestCost, Digests
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
 from jreshard.engine.rounds import ExecStats
-from jreshard.errors import LayoutMismatchError, PeerError, TransferError
+from jreshard.errors import IntegrityError, LayoutMismatchError, PeerError, TransferError
 from jreshard.options import Options
 from jreshard.refit.decl import (
     GroupViews,
@@ -82,6 +82,7 @@ from jreshard.refit.decl import (
 )
 from jreshard.refit.delta import DeltaReport, GroupDelta, wire_unit
 from jreshard.refit.views import lower_group, run_group, schedule_group
+from jreshard.refit.votes import begin_problem, commit_problem, declaration_problem
 from jreshard.schedule.steps import Schedule
 from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.plan import Plan
@@ -232,6 +233,14 @@ class RefitGroup:
             _group.describe = self._describe
         self._roles: dict[int, str] = {}
         decls = self._control.allgather(mine, timeout_s=self.options.timeout_s)
+        malformed = [(p, why) for p, d in sorted(decls.items()) if (why := declaration_problem(d)) is not None]
+        if malformed:
+            self._control.close()
+            raise PeerError(
+                "RefitGroup: a process sent a declaration that cannot be one (no weights moved): "
+                + "; ".join(f"process {p}: {why}" for p, why in malformed),
+                destination_intact=True,
+            )
         self._roles = {p: d["role"] for p, d in decls.items()}
         errors = validate(decls, views=True)
         if errors:
@@ -353,7 +362,7 @@ class RefitGroup:
         try:
             port = MPI.Open_port() if role is Role.SOURCE and comm.Get_rank() == 0 else None
             ports = group.allgather({"port": port}, timeout_s=options.timeout_s)
-            name = ports[0]["port"]
+            name = ports[0].get("port") if isinstance(ports[0], dict) else None
             if not isinstance(name, str) or not name:
                 raise PeerError(f"RefitGroup.connect: the source's process 0 sent no MPI port ({ports[0]!r})")
             # every process of both sides is alive and calls in now (MPI's accept has no timeout: watched)
@@ -453,6 +462,15 @@ class RefitGroup:
 
     def _begin(self, vote: dict, timeout_s: float) -> int:
         votes = self._control.allgather(vote, timeout_s=timeout_s)
+        self._votes = {}
+        malformed = [
+            f"{self._describe(p)} sent a begin vote that cannot be one ({why})"
+            for p, v in sorted(votes.items())
+            if (why := begin_problem(v, self._roles.get(p))) is not None
+        ]
+        if malformed:  # a process that does not speak the protocol: nothing moves, and the group is done
+            self._broken = malformed[0]
+            raise PeerError("refit not started (nothing moved):\n  " + "\n  ".join(malformed), destination_intact=True)
         self._votes = votes
         bad = [f"{self._describe(p)}: {v['error']}" for p, v in sorted(votes.items()) if v["error"]]
         versions = {v["version"] for v in votes.values() if v["role"] == "source"}
@@ -551,9 +569,14 @@ class RefitGroup:
             votes = self._control.allgather(
                 vote,
                 timeout_s=0.0 if err else self.options.timeout_s,  # a failed process only tells the others
-                stop=lambda p, v: bool(v["error"]),
+                stop=lambda p, v: commit_problem(v) is not None or bool(v["error"]),
             )
-            failed = [f"{self._describe(p)}: {v['error']}" for p, v in sorted(votes.items()) if v["error"]]
+            failed = []
+            for p, v in sorted(votes.items()):
+                if (why := commit_problem(v)) is not None:
+                    failed.append(f"{self._describe(p)} sent a commit vote that cannot be one ({why})")
+                elif v["error"]:
+                    failed.append(f"{self._describe(p)}: {v['error']}")
             if err and not failed:
                 failed = [f"{self._describe(self._control.rank)}: {err}"]
         except TransferError as e:
@@ -569,7 +592,15 @@ class RefitGroup:
                 destination_intact=True,
             ) from cause
         if digests is not None:
-            self._check_digests(votes)  # on every process alike: all hold every vote
+            try:
+                self._check_digests(votes)  # on every process alike: all hold every vote
+            except IntegrityError:  # the bytes differ: refused, and the group stays usable
+                self._delta.abort()
+                raise
+            except PeerError as e:  # digests that cannot be digests: a peer off the protocol
+                self._broken = self._broken or str(e)
+                self._delta.abort()
+                raise
         return shards
 
     def _move_views(
