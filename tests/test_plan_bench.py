@@ -87,8 +87,9 @@ def test_engine_bench_runs_every_round_of_the_schedule(capsys):
     sched, _, _, _ = engine_bench.schedule_of("llama3-70b", 16, 16 + 8 + 3)
     steps = sched.steps[16 + 8 + 3]
     want_ops = sum(len(steps[k].sends) + len(steps[k].recvs) for k in range(sched.rounds) if k in steps)
-    engine_bench.main(["--model", "llama3-70b", "--ranks", "16", "--repeat", "1"])
+    engine_bench.main(["--model", "llama3-70b", "--ranks", "16", "--repeat", "1", "--launches", "2"])
     out = capsys.readouterr().out
     assert f"operations {want_ops}," in out and "us per round" in out and "predicted refit" in out
+    assert "host us per round in each of 2 launches" in out and out.rstrip().splitlines()[-1].startswith("engine host:")
     if importlib.util.find_spec("nixl_cu12") is not None:  # the NIXL columns, run as RefitGroup runs NIXL
         assert "NIXL prepared: " in out and "box MACs " in out and "NIXL prepared, tags: " in out, out[-2000:]
