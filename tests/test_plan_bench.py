@@ -93,3 +93,15 @@ def test_engine_bench_runs_every_round_of_the_schedule(capsys):
     assert "host us per round in each of 2 launches" in out and out.rstrip().splitlines()[-1].startswith("engine host:")
     if importlib.util.find_spec("nixl_cu12") is not None:  # the NIXL columns, run as RefitGroup runs NIXL
         assert "NIXL prepared: " in out and "box MACs " in out and "NIXL prepared, tags: " in out, out[-2000:]
+
+
+def test_shard_read_bench_times_jax_as_shipped_and_restores_it(capsys):
+    """benchmarks/shard_read_bench.py at a small scale: it prints its three rows and puts jax's function back."""
+    import shard_read_bench
+    from jax._src import sharding_impls
+
+    before = sharding_impls.make_single_device_sharding
+    shard_read_bench.main(["--leaves", "8", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "8 leaves, 32 shards" in out and "faster with shared shardings" in out, out
+    assert sharding_impls.make_single_device_sharding is before
