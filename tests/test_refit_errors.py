@@ -180,3 +180,24 @@ def test_a_malformed_vote_or_declaration_that_is_not_an_object_or_lacks_fields()
     ):
         assert form(good | {"params": [p]}) is not None, p
     assert form(good | {"recipe": []}) is not None
+
+
+@pytest.mark.parametrize(
+    "recipe, says",
+    [
+        ({"w": "garbage"}, "recipe leaf w: ValueError"),
+        ({"w": [1, 2, 3]}, "recipe leaf w: ValueError"),
+        ({"w": {"op": "nope"}}, "recipe leaf w: KeyError"),
+        ({"w": ["cast", ["param", "w"], 5]}, "recipe leaf w: TypeError"),
+        ({"w": ["leaf", [["a"], 3, "f"]]}, "recipe leaf w: TypeError"),
+        ({"w": None}, "recipe leaf w: null is not a view"),
+        ({1: ["leaf", ["w", [8, 4], "float32"]]}, "recipe leaf 1 is not a parameter"),
+    ],
+)
+def test_a_recipe_no_encoder_writes_is_a_declaration_problem_not_an_exception(recipe, says):
+    """A destination's recipe as another process sends it (JSON or MPI's pickle): what cannot be a view is one of
+    the declaration's problems, reported on every process, never an exception out of the group's constructor."""
+    src = decl("source", [["w", [8, 4], "float32", [[0, [0, 0], [8, 4]]]]])
+    dst = decl("destination", [["w", [8, 4], "float32", [[0, [0, 0], [8, 4]]]]]) | {"recipe": recipe}
+    errors = validate({0: src, 1: dst}, views=True)
+    assert any(says in e for e in errors), errors

@@ -157,8 +157,8 @@ def validate(decls: Mapping[int, dict], *, views: bool = False) -> list[str]:
         if not errors:
             try:
                 group_views(decls)
-            except JReshardError as err:
-                errors.append(f"the declared layouts cannot be planned: {err}")
+            except (JReshardError, ValueError, TypeError, KeyError, IndexError) as err:
+                errors.append(f"the declared layouts cannot be planned: {err}"[:500])
         return errors
     if any("recipe" in decls[p] for p in sides["destination"]):
         errors.append("the destination side declares a recipe, which this group does not take")
@@ -232,10 +232,13 @@ def view_problems(
 
     errors: list[str] = []
     used: set[str] = set()
-    for n in sorted(set(recipe) - set(dst)):
+    for n in sorted(map(str, set(recipe) - set(dst))):
         errors.append(f"recipe leaf {n} is not a parameter the destination declares")
     for n, (shape, dtype) in sorted(dst.items()):
         form = recipe.get(n)
+        if form is None and n in recipe:
+            errors.append(f"recipe leaf {n}: null is not a view (leave the leaf out of the recipe instead)")
+            continue
         if form is None:
             if n not in src:
                 errors.append(f"parameter {n} is declared by the destination side only (and no recipe leaf makes it)")
@@ -251,7 +254,12 @@ def view_problems(
                 )
             continue
         bad = len(errors)
-        for name, rshape, rdtype in reads(form):
+        try:
+            read = reads(form)
+        except (ValueError, TypeError, IndexError, KeyError, RecursionError) as err:  # another process's form
+            errors.append(f"recipe leaf {n}: {type(err).__name__}: {err}"[:500])
+            continue
+        for name, rshape, rdtype in read:
             used.add(name)
             if name not in src:
                 errors.append(f"recipe leaf {n}: it reads {name}, which the source side does not declare")
@@ -264,8 +272,8 @@ def view_problems(
             continue
         try:
             view = decode(form, lambda name: param(name, *src[name]))
-        except (ValueError, TypeError, IndexError) as err:
-            errors.append(f"recipe leaf {n}: {err}")
+        except (ValueError, TypeError, IndexError, KeyError, RecursionError) as err:
+            errors.append(f"recipe leaf {n}: {err}"[:500])
             continue
         if view.shape != shape:
             errors.append(f"recipe leaf {n}: the view has shape {view.shape}, but the destination declares {shape}")
