@@ -6,7 +6,7 @@ Python function ``jax._src.sharding_impls.make_single_device_sharding`` for each
 half the cost. This script times, for a pytree of ``--leaves`` arrays of 128x128 float32 sharded over 4 of 8 CPU
 devices (the many-leaf case of ``transfer_bench.py``; a fresh array object each time, as a train step makes):
 
-- ``_arrays`` of every leaf, as jax ships;
+- ``_arrays`` of every leaf, as jax ships (alternated with the next row, each first in turn);
 - the same with ``make_single_device_sharding`` replaced, for this measurement only, by a version that returns
   one sharding object per (device, memory kind) (shardings are immutable, so sharing them changes no result);
 - ``unsafe_buffer_pointer()`` of every shard, once its object exists.
@@ -20,6 +20,7 @@ Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/shard_read_bench.py [--leav
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -41,14 +42,13 @@ def fresh(tree: list) -> list:
     return [ArrayImpl(a.aval, a.sharding, list(a._arrays), committed=True) for a in tree]
 
 
-def timed(fn, tree: list, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        leaves = fresh(tree)
-        t0 = time.perf_counter()
-        fn(leaves)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
+def timed(fn, tree: list) -> float:
+    """Milliseconds of ``fn`` over fresh array objects of ``tree`` (built, and garbage collected, first)."""
+    leaves = fresh(tree)
+    gc.collect()
+    t0 = time.perf_counter()
+    fn(leaves)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,15 +68,12 @@ def main(argv: list[str] | None = None) -> None:
         for a in leaves:
             a._arrays  # noqa: B018 - the read is what is timed
 
-    def pointers(leaves: list) -> None:
+    def pointers(leaves: list) -> float:
         arrays = [a._arrays for a in leaves]
         t0 = time.perf_counter()
         [s.unsafe_buffer_pointer() for arrs in arrays for s in arrs]
-        pointers.took.append((time.perf_counter() - t0) * 1e3)  # type: ignore[attr-defined]
+        return (time.perf_counter() - t0) * 1e3
 
-    pointers.took = []  # type: ignore[attr-defined]
-    plain = timed(read, tree, args.repeats)
-    timed(pointers, tree, args.repeats)
     from jax._src import sharding_impls
 
     original = sharding_impls.make_single_device_sharding
@@ -88,11 +85,22 @@ def main(argv: list[str] | None = None) -> None:
             shared[key] = original(device, memory_kind=memory_kind)
         return shared[key]
 
-    sharding_impls.make_single_device_sharding = one_per_device
-    try:
-        cached = timed(read, tree, args.repeats)
-    finally:
-        sharding_impls.make_single_device_sharding = original
+    plain: list[float] = []
+    cached: list[float] = []
+    ptrs: list[float] = []
+    for k in range(args.repeats + 1):  # the two alternated, in turn first; the first round is a warm-up
+        for which in ("plain", "cached") if k % 2 else ("cached", "plain"):
+            if which == "cached":
+                sharding_impls.make_single_device_sharding = one_per_device
+            try:
+                took = timed(read, tree)
+            finally:
+                sharding_impls.make_single_device_sharding = original
+            if k:
+                (cached if which == "cached" else plain).append(took)
+        leaves = fresh(tree)
+        if k:
+            ptrs.append(pointers(leaves))
 
     def spread(xs: list[float]) -> str:
         return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}] ms"
@@ -100,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"jax {jax.__version__}, {args.leaves} leaves, {shards} shards, median [min-max] of {args.repeats}")
     print(f"  _arrays of every leaf, as jax ships:                      {spread(plain)}")
     print(f"  _arrays with one sharding object per device (measured only): {spread(cached)}")
-    print(f"  unsafe_buffer_pointer() of every shard:                    {spread(pointers.took)}")  # type: ignore[attr-defined]
+    print(f"  unsafe_buffer_pointer() of every shard:                    {spread(ptrs)}")
     print(f"shard objects: {statistics.median(plain) / statistics.median(cached):.2f}x faster with shared shardings")
 
 
