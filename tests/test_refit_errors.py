@@ -118,6 +118,8 @@ def test_the_votes_and_declarations_the_group_sends_pass_its_checks():
         assert declaration_problem(declare_local(role, params, list(mesh.devices.flat), 0)) is None
         assert begin_problem(_begin(role), role) is None
     assert begin_problem(_begin("source", {"delta_dense": [0.8125, 4]}), "source") is None
+    numpy_domain = declare_local("source", params, list(mesh.devices.flat), np.int64(3))  # as MPI pickles it
+    assert declaration_problem(numpy_domain) is None
     assert commit_problem({"error": ""}) is None and commit_problem({"error": "x", "digests": {}}) is None
 
 

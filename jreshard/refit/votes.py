@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +34,8 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 
 def _int(v: Any) -> bool:
-    return type(v) is int and _INT64[0] <= v <= _INT64[1]
+    """An integer in int64's range: a Python or NumPy int (over MPI a declaration keeps the caller's), never a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
 
 
 def _shape(v: Any) -> str:
