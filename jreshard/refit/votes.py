@@ -35,7 +35,7 @@ _INT64 = (-(2**63), 2**63 - 1)
 
 def _int(v: Any) -> bool:
     """An integer in int64's range: a Python or NumPy int (over MPI a declaration keeps the caller's), never a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and _INT64[0] <= v <= _INT64[1]
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and _INT64[0] <= int(v) <= _INT64[1]
 
 
 def _shape(v: Any) -> str:
