@@ -5,6 +5,7 @@ flipped in flight (tests/_faulty_comm.py) refused on both sides over MPI (Option
 
 from __future__ import annotations
 
+import hashlib
 import sys
 
 import numpy as np
@@ -277,16 +278,49 @@ def test_a_box_mac_past_the_librarys_limit_is_tagged_in_pieces(monkeypatch):
 
     s = auth.Session(b"k" * 16, bytes(32), bytes(32), client=True)
     monkeypatch.setattr(auth, "_GMAC_SPAN", 16)
+    mac = s.box_macs(b"refit")
     data = np.arange(40, dtype=np.uint8)
-    tag = s.box_mac(b"m", data)
-    assert len(tag) == 3 * 16 and tag == s.box_mac(b"m", data.copy())
+    tag = mac(b"m", data)
+    assert len(tag) == 3 * 16 and tag == mac(b"m", data.copy())
     for i in (0, 17, 39):
         other = data.copy()
         other[i] ^= 1
-        assert s.box_mac(b"m", other) != tag
+        assert mac(b"m", other) != tag
     swapped = np.concatenate([data[16:32], data[:16], data[32:]])
-    assert s.box_mac(b"m", swapped) != tag
-    assert len(s.box_mac(b"m", np.zeros(0, np.uint8))) == 16  # an empty message still has a tag
+    assert mac(b"m", swapped) != tag
+    assert len(mac(b"m", np.zeros(0, np.uint8))) == 16  # an empty message still has a tag
+
+
+def test_each_message_of_a_refit_is_tagged_under_its_own_nonce():
+    """One key per refit and connection, one GCM nonce per message: the nonces of the labels a refit uses (every
+    (src, dst, tag, occurrence) as Digests packs them) and of the spans of a long buffer are all distinct; a tag
+    depends on the label, the bytes and the refit; a label past the nonce's room is refused."""
+    import struct
+
+    from jreshard.net import auth
+
+    s = auth.Session(b"k" * 16, bytes(32), bytes(32), client=True)
+    labels = [
+        struct.pack("!qqqq", src, dst, tag, n)
+        for src in range(3)
+        for dst in range(3)
+        for tag in (0, 7)
+        for n in range(3)
+    ]
+    ivs = {auth._BOX_IV + lab + struct.pack("!I", span) for lab in labels for span in range(3)}
+    assert len(ivs) == 3 * len(labels)
+    mac = s.box_macs(b"refit 1")
+    data = np.arange(64, dtype=np.uint8)
+    tags = [mac(lab, data) for lab in labels]
+    assert len(set(tags)) == len(tags)  # the same bytes under each label: each its own tag
+    assert s.box_macs(b"refit 1")(labels[0], data) == tags[0] != s.box_macs(b"refit 2")(labels[0], data)
+    # the same as AES-GCM with that key and nonce, authenticating the bytes and encrypting nothing
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    one = hashlib.blake2b(b"refit 1", key=s._mac_key, digest_size=32, person=b"jreshard gmac/2").digest()
+    assert AESGCM(one).encrypt(auth._BOX_IV + labels[0] + bytes(4), b"", data.tobytes()) == tags[0]
+    with pytest.raises(ValueError, match="at most 116 bytes"):
+        mac(bytes(117), data)
 
 
 class _Wire(Communicator):

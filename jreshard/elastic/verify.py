@@ -5,7 +5,7 @@ sides (:mod:`jreshard.refit.boxes`, :mod:`jreshard.engine.digest`):
 
 1. the source process draws a nonce for each connection to a destination process and sends it, sealed,
    as its first word of the refit (``nixl.box.nonce``); the destination process waits for it (bounded by
-   ``timeout_s``) before it posts its receives: the one-time MAC keys of the refit derive from it;
+   ``timeout_s``) before it posts its receives: the refit's MAC key derives from it;
 2. both sides MAC every message that crosses between them as it is sent or lands;
 3. when its rounds are done the source sends, sealed, the digest of each stream into that destination
    process (``nixl.box.digests``); the destination compares them with what landed before the version is

@@ -16,8 +16,8 @@ differ, and the version is refused everywhere before it is published.
 Two digests share this machinery (``digest`` of :class:`Digests`, one call per message):
 
 - **a keyed MAC**, when the programs share a secret: the caller's function (an AES-GMAC tag under a
-  one-time key derived from the connection's session, the refit's nonce and the message's label,
-  :meth:`jreshard.net.auth.Session.box_mac`); nobody without the secret can make a stream match;
+  key derived from the connection's session and the refit's nonce, each message under its own GCM nonce,
+  its label: :meth:`jreshard.net.auth.Session.box_macs`); nobody without the secret can make a stream match;
 - **a plain fast hash** for ``Options(verify=True)`` (:func:`plain`: XXH3-128 from the ``xxhash``
   package), which catches corruption (a flipped bit, a short or misplaced write), not an attacker.
 

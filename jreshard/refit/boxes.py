@@ -5,9 +5,9 @@ sides). This module decides, for a group or an elastic pair, which digest to use
 two sides report:
 
 - where the weights cross NIXL between programs that share a secret (``RefitGroup`` over NIXL, elastic
-  refits), always **keyed MACs**: AES-256-GMAC tags under one-time keys derived from the session of the two
-  processes at the ends of the stream, the refit's nonce (drawn by the source side and sent inside the
-  sealed channel) and the message's label;
+  refits), always **keyed MACs**: AES-256-GMAC tags under a key derived from the session of the two
+  processes at the ends of the stream and the refit's nonce (drawn by the source side and sent inside the
+  sealed channel), each message under its own GCM nonce, its label;
 - over MPI, trusted as MPI is, only with ``Options(verify=True)``: keyed MACs between two launches (they
   share a secret), **plain XXH3-128 hashes** in one MPI universe;
 - otherwise nothing is digested and a refit costs nothing more.
@@ -50,14 +50,14 @@ def mode(options: Options, sessions: Sequence[Any] | None, *, always: bool = Fal
 
 
 def new_nonce() -> str:
-    """A refit's nonce (hex): the one-time MAC keys of its messages derive from it, so none is used twice."""
+    """A refit's nonce (hex): the MAC key of its messages derives from it, so no refit's key is used twice."""
     return secrets.token_hex(16)
 
 
 def keyed(session: Any, nonce: str) -> Callable[[bytes, Any], bytes]:
     """The keyed MAC of one connection's messages in one refit: ``mac(label, bytes)``, an AES-GMAC tag under the
-    one-time key ``session`` derives for the refit's ``nonce`` (hex, drawn fresh for each refit) and ``label``
-    (:meth:`jreshard.net.auth.Session.box_mac`).
+    key ``session`` derives for the refit's ``nonce`` (hex, drawn fresh for each refit), each message under its
+    ``label`` (:meth:`jreshard.net.auth.Session.box_macs`).
 
     Raises:
       PeerError: ``nonce`` is not 16 bytes of hex (a malformed vote or message).
@@ -68,8 +68,7 @@ def keyed(session: Any, nonce: str) -> Callable[[bytes, Any], bytes]:
         raw = b""
     if len(raw) != 16:
         raise PeerError(f"the refit's nonce for the box MACs is malformed ({nonce!r:.80})")
-    prefix = _MAC_LABEL + raw
-    return lambda label, data: session.box_mac(prefix + label, data)
+    return session.box_macs(_MAC_LABEL + raw)  # type: ignore[no-any-return]
 
 
 def digests_for(
