@@ -210,7 +210,7 @@ class BoxMacs:
     (:class:`jreshard.engine.digest.Digests`), and the key changes with every refit. GCM takes nonces of any
     length; one of other than 12 bytes is hashed into the counter block with its length, so nonces of
     different labels never meet. Made by :meth:`Session.box_macs`: the key schedule runs once per refit and
-    connection, not once per message (a 64-byte message: about 1 us, where a one-time key each took 2.8).
+    connection, not once per message (a 64-byte message: 0.96 us, where a one-time key each took 2.12).
     """
 
     __slots__ = ("_gmac",)
