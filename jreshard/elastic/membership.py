@@ -19,7 +19,7 @@ from jreshard.elastic.followers import Followers
 from jreshard.elastic.pairs import check_pair, choose_source, pair_plan, run_pair, source_shards
 from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo, ReplicaState
 from jreshard.errors import JReshardError, TransferError
-from jreshard.net.channel import Channel, make_room, peer_int
+from jreshard.net.channel import MAX_PEER_PROCESSES, Channel, make_room, peer_int
 from jreshard.options import Delta, Options
 from jreshard.refit.delta import Backoff
 
@@ -54,13 +54,10 @@ class _Member:  # mutable bookkeeping of the service thread; the public view is 
             ch.send_control(msg, timeout_s=timeout_s)
 
 
-_MAX_PROCESSES = 1 << 16  # processes of one replica a hello may declare
-
-
 def _malformed_hello(n: Any, name: Any, process: Any) -> str:
     """Why a hello's ``processes``, ``name`` and ``process`` cannot be a replica's ("": they can)."""
-    if not peer_int(n, 1, _MAX_PROCESSES):
-        return f"processes={n!r:.40} is not an int in 1..{_MAX_PROCESSES}"
+    if not peer_int(n, 1, MAX_PEER_PROCESSES):
+        return f"processes={n!r:.40} is not an int in 1..{MAX_PEER_PROCESSES}"
     if not peer_int(process, 0, n - 1):
         return f"process={process!r:.40} is not an int in 0..{n - 1}"
     if name is not None and (not isinstance(name, str) or not name or len(name) > 256):

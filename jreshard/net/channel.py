@@ -34,6 +34,7 @@ import collections
 import json
 import logging
 import math
+import numbers
 import os
 import select
 import socket
@@ -52,6 +53,8 @@ __all__ = [
     "TRANSPORT_OPS",
     "Channel",
     "accept_first",
+    "INT64",
+    "MAX_PEER_PROCESSES",
     "accept_one",
     "peer_int",
     "connect",
@@ -250,16 +253,27 @@ def accept_first(
     return ready
 
 
+MAX_PEER_PROCESSES = 1 << 16
+"""The most processes a peer may say one side of a group (a role of a rendezvous, a replica) has."""
+
+INT64 = (-(2**63), 2**63 - 1)
+"""The range of a peer's int field that goes on into NumPy or a wire format (``peer_int(v, *INT64)``)."""
+
+
 def peer_int(value: Any, lo: int | None = None, hi: int | None = None) -> bool:
-    """Whether a field of a peer's message is an int (JSON's ``true`` is not one), in ``lo..hi`` where given.
+    """Whether a field of a peer's message is an int (JSON's ``true`` is not one; a NumPy int, as MPI's pickle
+    keeps a caller's, is), in ``lo..hi`` where given.
 
     Example:
+      >>> import numpy as np
       >>> peer_int(3, 0, 3), peer_int(True), peer_int(4, 0, 3), peer_int("3"), peer_int(-1, lo=0)
       (True, False, False, False, False)
+      >>> peer_int(np.int64(3), *INT64), peer_int(2**64, *INT64), peer_int(3.0)
+      (True, False, False)
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return False
-    return (lo is None or value >= lo) and (hi is None or value <= hi)
+    return (lo is None or int(value) >= lo) and (hi is None or int(value) <= hi)
 
 
 def accept_one(listener: socket.socket, peer: str, *, key: bytes, timeout_s: float) -> Channel:

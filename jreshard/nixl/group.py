@@ -31,7 +31,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jreshard.errors import PeerError, TransferTimeoutError
-from jreshard.net.channel import Channel, accept_first, connect, format_address, listen, parse_address, peer_int
+from jreshard.net.channel import (
+    MAX_PEER_PROCESSES,
+    Channel,
+    accept_first,
+    connect,
+    format_address,
+    listen,
+    parse_address,
+    peer_int,
+)
 from jreshard.nixl.agent import NixlAgent
 from jreshard.nixl.comm import NixlComm
 from jreshard.types import ControlObject
@@ -39,9 +48,6 @@ from jreshard.types import ControlObject
 __all__ = ["ProcessGroup"]
 
 _ANY = ("0.0.0.0", "::", "")
-
-
-_MAX_PROCESSES = 1 << 16  # processes of one role a join may declare
 
 
 def _join_of(msg: dict, n_src: int) -> tuple[tuple[str, int] | None, int, str, int]:
@@ -55,7 +61,7 @@ def _join_of(msg: dict, n_src: int) -> tuple[tuple[str, int] | None, int, str, i
         return None, 0, "", 0
     if role not in ("source", "destination") or not isinstance(host, str) or not peer_int(port, 1, 65535):
         return None, 0, "", 0
-    if not peer_int(count, 1, _MAX_PROCESSES):
+    if not peer_int(count, 1, MAX_PEER_PROCESSES):
         return None, 0, "", 0
     first, last = (1, n_src - 1) if role == "source" else (0, count - 1)  # source 0 is the coordinator itself
     if not peer_int(index, first, last):

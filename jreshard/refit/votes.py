@@ -23,19 +23,19 @@ Example:
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
+
+from jreshard.net.channel import INT64, peer_int
 
 __all__ = ["NONCE_CHARS", "begin_problem", "commit_problem", "declaration_problem"]
 
 NONCE_CHARS = 128  # a refit's nonce is 32 hex digits (refit/boxes.py); anything past this is not one
-_INT64 = (-(2**63), 2**63 - 1)
 
 
 def _int(v: Any) -> bool:
-    """An integer in int64's range: a Python or NumPy int (over MPI a declaration keeps the caller's), never a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and _INT64[0] <= int(v) <= _INT64[1]
+    """An int in int64's range (a NumPy one too: over MPI a declaration keeps the caller's), never a bool."""
+    return peer_int(v, *INT64)
 
 
 def _shape(v: Any) -> str:
