@@ -406,6 +406,15 @@ def test_wrong_keys_garbage_huge_frames_and_stalled_peers_are_refused_and_the_tr
     r2.leave()
 
 
+def _serves_on(trainer: ElasticTrainer) -> None:
+    """The trainer still admits a replica and refits it (its service thread did not stop)."""
+    good = replica(trainer, 2, "good")
+    trainer.push(params(1), version=1)
+    tree, v = good.pull()
+    assert v == 1 and exact(tree, 1)
+    good.leave()
+
+
 def _send_raw(ch: Channel, body: bytes) -> None:
     """A sealed control frame of ``body`` as it is (what a peer with the secret but another encoder may send)."""
     from jreshard.net import auth
@@ -442,11 +451,7 @@ def test_a_member_that_sends_what_json_does_not_hold_is_dropped_and_the_trainer_
     while "odd" in trainer.replicas() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert "odd" not in trainer.replicas()
-    good = replica(trainer, 2, "good")
-    trainer.push(params(1), version=1)
-    tree, v = good.pull()
-    assert v == 1 and exact(tree, 1)
-    good.leave()
+    _serves_on(trainer)
     odd.close()
 
 
@@ -474,11 +479,7 @@ def test_a_malformed_hello_is_refused_with_the_reason_and_the_trainer_serves_on(
     answer = bad.recv_control(timeout_s=5.0)
     assert answer["op"] == "reject" and why in answer["errors"][0], answer
     bad.close()
-    good = replica(trainer, 2, "good")
-    trainer.push(params(1), version=1)
-    tree, v = good.pull()
-    assert v == 1 and exact(tree, 1)
-    good.leave()
+    _serves_on(trainer)
 
 
 @pytest.mark.parametrize(
