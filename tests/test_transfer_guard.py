@@ -98,6 +98,22 @@ def test_pytrees_views_and_transfer_into_run_under_the_guard(guard):
     assert_same_as_device_put(cast, cast_want)
 
 
+@pytest.mark.parametrize("guard", list(_guards()))
+def test_backend_xla_runs_under_the_guard(guard):
+    """The XLA computation's inputs include blocks for devices that hold none of a leaf; they are made by a
+    computation on those devices, not put from the host (which the guards refuse)."""
+    src, dst = PAIRS["other_devices"]
+    x = jax.device_put(jnp.arange(64.0).reshape(8, 8), src)
+    into = jax.device_put(jnp.zeros((8, 8)), dst)
+    want = jax.block_until_ready(jax.device_put(x, dst))
+    xla = jreshard.Options(backend="xla")
+    with _guards()[guard]():
+        got = jax.block_until_ready(jreshard.transfer(x, dst, options=xla))
+        written = jax.block_until_ready(jreshard.transfer_into(x, into, options=xla))
+    assert_same_as_device_put(got, want)
+    assert_same_as_device_put(written, want)
+
+
 def test_host_sources_obey_the_host_to_device_guard_as_device_put_does():
     dst = PAIRS["other_devices"][1]
     with jax.transfer_guard_host_to_device("disallow_explicit"):

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jreshard.engine.arrays import empty_array
 from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import packed_bits
 from jreshard.types import Array, DType, PyTree, Sharding, TreeLeaf
@@ -172,7 +173,10 @@ def encode(leaf: TreeLeaf, enc: Encoding) -> Any:
         return leaf if kind in (None, "device") else jax.device_put(leaf, leaf.sharding.with_memory_kind("device"))
     if enc.kind == "key":
         return jax.random.key_data(leaf)
-    return _encoder(enc, leaf.sharding, tuple(leaf.shape))(leaf)
+    shape = tuple(leaf.shape)
+    if not math.prod(shape):  # nothing to encode (and no jitted call: arrays.empty_array)
+        return empty_array(shape, np.uint8, encoded_sharding(enc, leaf.sharding, shape))
+    return _encoder(enc, leaf.sharding, shape)(leaf)
 
 
 def decode(moved: Any, enc: Encoding, sharding: Sharding, into: PyTree = None) -> Any:
@@ -188,6 +192,8 @@ def decode(moved: Any, enc: Encoding, sharding: Sharding, into: PyTree = None) -
 
     if enc.kind == "key" and into is None:
         return jax.random.wrap_key_data(moved, impl=_impl_name(enc.dtype))
+    if enc.kind != "key" and not math.prod(moved.shape):  # no byte to write: a fresh empty array, into kept
+        return empty_array(tuple(moved.shape), enc.dtype, sharding)
     out = _decoder(enc, sharding, False)(moved) if into is None else _decoder(enc, sharding, True)(moved, into)
     return rewrapped(out, sharding)  # (the cached decoder was made for an equal sharding object)
 

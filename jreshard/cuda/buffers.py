@@ -52,6 +52,7 @@ from jreshard.cuda import kernels as CK
 from jreshard.cuda.dlpack import Typed
 from jreshard.cuda.runtime import event_done
 from jreshard.cuda.streams import GpuStreams
+from jreshard.engine.arrays import zeros_on
 from jreshard.engine.buffers import KDLCUDA, Buffers, Capsule, dlpack_type, retype_capsule
 from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
 from jreshard.schedule import kernels as K
@@ -220,7 +221,7 @@ class CupyBuffers(Buffers[CupyArray]):
         total = -(-total // (1 << 20)) * (1 << 20) if total > (1 << 20) else total  # fewer shapes to compile
         o = _ordinal(device)
         try:
-            block = jnp.zeros((total,), jnp.uint8, device=device)
+            block = zeros_on(device, (total,), jnp.uint8)
         except Exception as err:  # XlaRuntimeError: RESOURCE_EXHAUSTED
             if "RESOURCE_EXHAUSTED" not in str(err) and "out of memory" not in str(err).lower():
                 raise

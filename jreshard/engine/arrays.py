@@ -27,7 +27,7 @@ from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.layout import Layout
 from jreshard.types import Array, Device, DType, Sharding
 
-__all__ = ["BatchedPut", "batched_put", "fresh_shards", "make_array", "put_allowed"]
+__all__ = ["BatchedPut", "batched_put", "empty_array", "fresh_shards", "make_array", "put_allowed", "zeros_on"]
 
 
 # The dtypes numpy itself exports through DLPack (ml_dtypes' bfloat16 and float8 are not among them).
@@ -173,6 +173,32 @@ def make_array(
         if v.size and a.unsafe_buffer_pointer() != v.ctypes.data:
             raise TransferError(f"jax copied the {v.dtype}{list(v.shape)} result shard on {d} instead of aliasing it")
     return _ASSEMBLE(shape, dtype, sharding, shards, weak_type)
+
+
+def zeros_on(device: Device, shape: tuple[int, ...], dtype: DType, memory_kind: str | None = None) -> Array:
+    """An array of zeros made on ``device`` (in its ``memory_kind``) by a computation of its own, from no host
+    data (``jnp.zeros(..., device=)`` transfers its scalar from the host, which a ``jax.transfer_guard`` that
+    forbids host transfers refuses); one compiled computation per shape, dtype, device and memory kind."""
+    return _zeros(tuple(shape), np.dtype(dtype), device, memory_kind)()
+
+
+@cache(max_size=256)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device, memory_kind: str | None) -> Any:
+    import jax.numpy as jnp
+
+    out = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out)
+
+
+def empty_array(shape: tuple[int, ...], dtype: DType, sharding: Sharding) -> Array:
+    """An array of ``shape`` with no element (a dimension of 0) and ``sharding``: the result of moving a zero-size
+    leaf, which has no byte to move. Each shard is made on its device (:func:`zeros_on`), never by a jitted call
+    with ``out_shardings``: for a zero-size result jax (0.10) gives every shard the global shape, an array whose
+    shards contradict its sharding, which jax refuses in a later call."""
+    per = sharding.shard_shape(shape)
+    kind = getattr(sharding, "memory_kind", None)
+    arrays = [zeros_on(d, per, dtype, kind) for d in sharding.addressable_devices_indices_map(shape)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 
 def _padded(nbytes: int) -> int:

@@ -14,11 +14,13 @@ computation, and passes the blocks of its own devices. Not run on GPU or TPU.
 
 from __future__ import annotations
 
+import math
 from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
+from jreshard.engine.arrays import empty_array, zeros_on
 from jreshard.engine.ownership import claim, shard_pointer, source_addresses
 from jreshard.engine.prepared import Mode
 from jreshard.errors import LayoutError, LayoutMismatchError
@@ -177,6 +179,8 @@ def run_xla(
     with builder.timed(ReportPhase.PLAN):
         shardings = _targets(leaves, targets, shardings, mode)
         moved = [i for i, sh in enumerate(shardings) if sh is not None]
+        empty = [i for i in moved if not math.prod(leaves[i].shape)]  # no byte to move: made, into kept
+        moved = [i for i in moved if math.prod(leaves[i].shape)]
         pairs = tuple(
             (
                 _layout(leaves[i].sharding, leaves[i].shape, leaves[i].dtype),
@@ -189,6 +193,8 @@ def run_xla(
     result = (
         list(leaves) if mode is Mode.TRANSFER else [leaves[i] if t is None else None for i, t in enumerate(targets)]
     )
+    for i in empty:
+        result[i] = empty_array(tuple(leaves[i].shape), leaves[i].dtype, shardings[i])
     if not moved:
         return result
     mine = {d.id for d in jax.local_devices()}
@@ -212,10 +218,10 @@ def run_xla(
             def make(d: Any) -> jax.Array:
                 shape = block or (1,)
                 if not shared:
-                    return jnp.zeros(shape, dtype, device=d)
+                    return zeros_on(d, shape, dtype)
                 key = (d, shape, jnp.dtype(dtype))
                 if key not in spares:
-                    spares[key] = jnp.zeros(shape, dtype, device=d)
+                    spares[key] = zeros_on(d, shape, dtype)
                 return spares[key]
 
             return make
