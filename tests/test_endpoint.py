@@ -44,6 +44,9 @@ def test_a_declaration_is_checked_when_made():
         Tensor(name="w", shape=(4,), dtype="float32", boxes=((0, Box((0,), (2,))), (0, Box((2,), (4,)))))
     with pytest.raises(TypeError):
         Tensor(name="w", shape=(4,), dtype="no-such-dtype", boxes=())
+    for packed in ("int4", "uint2", "float4_e2m1fn"):  # held several values a byte: a refit moves whole bytes
+        with pytest.raises(LayoutError, match=f"Tensor w: dtype {packed} is held .* declare it uint8"):
+            Tensor(name="w", shape=(4,), dtype=packed, boxes=((0, Box((0,), (4,))),))
 
 
 def test_buffers_are_viewed_in_place_and_refused_by_name():

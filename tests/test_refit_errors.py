@@ -203,3 +203,37 @@ def test_a_recipe_no_encoder_writes_is_a_declaration_problem_not_an_exception(re
     dst = decl("destination", [["w", [8, 4], "float32", [[0, [0, 0], [8, 4]]]]]) | {"recipe": recipe}
     errors = validate({0: src, 1: dst}, views=True)
     assert any(says in e for e in errors), errors
+
+
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int2", "uint2", "float4_e2m1fn", "key"])
+def test_a_leaf_a_refit_cannot_move_is_a_declaration_problem_that_says_how(dtype):
+    """Packed sub-byte arrays and typed PRNG keys do not cross between programs (the declarations describe
+    whole bytes of plain arrays): each is a problem of its declaration, named by its leaf with the way to
+    refit it, on every process before any byte moves; it used to raise TypeError (keys) or a LayoutError
+    that named neither the leaf nor the fix."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard.refit.decl import declare_local
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    rows = NamedSharding(mesh, P("x"))
+    if dtype == "key":
+        odd = jax.device_put(jax.random.split(jax.random.key(0), 4), rows)
+        fix = "jax.random.key_data"
+    else:
+        odd = jax.ShapeDtypeStruct((4, 6), jnp.dtype(dtype), sharding=rows)
+        fix = "jax.lax.bitcast_convert_type"
+    params = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=rows), "odd": odd}
+    decls = {
+        p: declare_local(role, params, list(mesh.devices.flat), 0) for p, role in enumerate(("source", "destination"))
+    }
+    for d in decls.values():
+        assert [name for name, *_ in d["params"]] == ["['w']"]
+        (error,) = d["errors"]
+        assert error.startswith("leaf ['odd'] is") and fix in error
+    found = validate(decls)
+    assert len(found) == 2 and all("['odd']" in e for e in found)

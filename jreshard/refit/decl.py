@@ -73,6 +73,10 @@ def declare_leaves(role: str, leaves: Sequence[tuple[Any, Any]], devices: Sequen
                 f"leaf {name} is {type(leaf).__name__}; expected a jax.Array or ShapeDtypeStruct with a sharding"
             )
             continue
+        why = _dtype_problem(leaf.dtype)
+        if why is not None:
+            errors.append(f"leaf {name} {why}")
+            continue
         shape = tuple(int(n) for n in leaf.shape)
         lay = Layout.from_sharding(sharding, shape, leaf.dtype)
         boxes = []
@@ -84,6 +88,36 @@ def declare_leaves(role: str, leaves: Sequence[tuple[Any, Any]], devices: Sequen
             boxes.append([devices.index(d), list(b.lo), list(b.hi)])
         out.append([name, list(shape), dtype_name(leaf.dtype), boxes])
     return {"role": role, "ndev": len(devices), "domain": domain, "params": out, "errors": errors}
+
+
+def _dtype_problem(dtype: Any) -> str | None:
+    """Why a leaf of ``dtype`` cannot be declared for a refit between programs, in words (``None``: it can).
+
+    A refit moves whole bytes of plain arrays; in one process ``jreshard.transfer`` repacks the others on their
+    devices (:mod:`jreshard.call.repack`), which the declarations of two programs do not describe.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jreshard.sharding.dtypes import packed_bits
+
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return (
+            f"is a {dtype} array (typed PRNG keys or another extended dtype), and a refit between programs moves "
+            "plain arrays: refit jax.random.key_data(keys) and wrap it back with jax.random.wrap_key_data(data, "
+            "impl=...) after the pull"
+        )
+    bits = packed_bits(np.dtype(dtype))
+    if bits is not None:
+        u = jnp.dtype(f"uint{bits}").name
+        return (
+            f"is {np.dtype(dtype).name}, which devices hold {8 // bits} values a byte, and a refit between programs "
+            f"moves whole bytes: refit it one value a byte, jax.lax.bitcast_convert_type(x, jnp.{u}).astype("
+            f"jnp.uint8), and narrow it back after the pull, jax.lax.bitcast_convert_type(y.astype(jnp.{u}), "
+            f"jnp.{np.dtype(dtype).name})"
+        )
+    return None
 
 
 def _up_to(treedef: TreeDef, tree: PyTree) -> list[Any]:

@@ -36,7 +36,7 @@ from jreshard.errors import LayoutError
 from jreshard.options import Options
 from jreshard.refit.group import RefitGroup, Role
 from jreshard.sharding.box import Box
-from jreshard.sharding.dtypes import dtype_name, numpy_dtype, storage_bytes
+from jreshard.sharding.dtypes import dtype_name, numpy_dtype, packed_bits, storage_bytes
 from jreshard.types import ByteBuffer
 
 __all__ = ["Declaration", "Endpoint", "RawMemory", "Tensor", "byte_view"]
@@ -53,7 +53,7 @@ class Tensor:
       boxes: ``((slot, Box), ...)``: the parts this process holds, at most one per slot.
 
     Raises:
-      LayoutError: a box outside the shape, of another rank, or two boxes in one slot.
+      LayoutError: a box outside the shape, of another rank, or two boxes in one slot; a packed sub-byte dtype.
     """
 
     name: str
@@ -68,6 +68,13 @@ class Tensor:
         object.__setattr__(self, "boxes", boxes)
         if not isinstance(self.name, str) or not self.name:
             raise LayoutError(f"Tensor: name={self.name!r} must be a non-empty string")
+        bits = packed_bits(numpy_dtype(self.dtype))
+        if bits is not None:
+            raise LayoutError(
+                f"Tensor {self.name}: dtype {self.dtype} is held {8 // bits} values a byte, and a refit moves whole "
+                "bytes: declare it uint8, one value a byte, as the source refits it (jax.lax.bitcast_convert_type("
+                f"x, jnp.uint{bits}).astype(jnp.uint8))"
+            )
         slots = [s for s, _ in boxes]
         if len(set(slots)) != len(slots):
             raise LayoutError(f"Tensor {self.name}: slots {slots} hold two boxes of one tensor")
