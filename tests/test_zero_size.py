@@ -79,10 +79,21 @@ def test_a_zero_size_leaf_through_backend_xla_and_under_a_transfer_guard(dtype, 
         _check(jreshard.transfer_into(x, _empty(x.dtype, dst, shape=shape), options=xla), dst, x.dtype, shape)
 
 
-@pytest.mark.parametrize("to", ["bfloat16", "int4", "float8_e4m3fn"])
-def test_a_zero_size_leaf_cast_on_the_way(to):
-    dst = TARGETS["split_over_8"]
-    x = _empty(jnp.float32, SRC)
+@pytest.mark.parametrize(
+    "src, to",
+    [
+        ("float32", "bfloat16"),  # narrower: cast on the source devices, before the move
+        ("float32", "int4"),
+        ("float32", "float8_e4m3fn"),
+        ("int8", "int32"),  # wider: cast on the target devices, after the move
+        ("uint4", "int32"),
+        ("float8_e3m4", "float32"),
+    ],
+)
+@pytest.mark.parametrize("target", ["split_over_8", "zero_dim_split"])
+def test_a_zero_size_leaf_cast_on_the_way(src, to, target):
+    dst = TARGETS[target]
+    x = _empty(jnp.dtype(src), SRC)
     _check(jreshard.transfer(x, jax.ShapeDtypeStruct(SHAPE, jnp.dtype(to), sharding=dst)), dst, jnp.dtype(to))
 
 

@@ -21,6 +21,7 @@ Everything else is returned untouched; nothing is flattened again (the front doo
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ import numpy as np
 
 from jreshard.call.describe import describe
 from jreshard.call.front import _renamed, leaf_names
+from jreshard.engine.arrays import empty_array
 from jreshard.errors import LayoutMismatchError, TopologyError
 from jreshard.types import DType, PyTree, Sharding, Target, TreeDef, TreeLeaf
 
@@ -125,8 +127,16 @@ class Normalized:
             return out
         out = list(out)
         for i, dtype in self.after.items():
-            out[i] = out[i].astype(dtype)
+            out[i] = _cast(out[i], dtype)
         return out
+
+
+def _cast(a: Any, dtype: DType) -> Any:
+    """``a.astype(dtype)`` with ``a``'s sharding; a zero-size ``a`` made shard by shard (jax 0.10's ``astype`` of a
+    sharded zero-size array gives a replicated result whose every shard has the global shape)."""
+    if not math.prod(a.shape):
+        return empty_array(tuple(a.shape), dtype, a.sharding)
+    return a.astype(dtype)
 
 
 def _bits(dtype: DType) -> int:
@@ -193,7 +203,7 @@ def normalize(leaves: list[Any], treedef: TreeDef, targets: list[Any], x: PyTree
         if moves and _bits(dtype) > _bits(new_leaves[i].dtype):
             after[i] = dtype  # widening: the narrower source dtype crosses the links
         else:
-            new_leaves[i] = new_leaves[i].astype(dtype)
+            new_leaves[i] = _cast(new_leaves[i], dtype)
     return Normalized(new_leaves, new_targets, after)
 
 
