@@ -1,5 +1,6 @@
 """Across processes under mpiexec: multi-controller transfers between random layouts (2, 4 and 8
-processes with 1 or 2 CPU devices each), an MPMD trainer + server doing 5 versioned refits, mismatched
+processes with 1 or 2 CPU devices each), an MPMD trainer + server doing 5 versioned refits, a refit of random
+leaves (every dtype, zero-size and scalar shapes, random shardings on each side) between two programs, mismatched
 declarations rejected on both sides, and a peer killed mid-refit (two launches: the other program
 survives, raises within the timeout and keeps the previous version)."""
 
@@ -52,6 +53,26 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
         full, later = r["delta"][0], r["delta"][1:]
         assert full[1] >= full[2] > 0  # whole chunks and their headers
         assert all(sent < 0.6 * whole for _, sent, whole, _ in later), later
+
+
+@pytest.mark.parametrize(("seed", "verify"), [(1, ""), (2, "verify")])
+def test_a_refit_of_random_leaves_between_two_programs(tmp_path, seed, verify):
+    """Every dtype a refit moves, shapes with sizes of 0 and scalars, each side its own random shardings over
+    4 devices (some leaves cast on the destination): two versions, every destination shard's bits checked."""
+    need_mpi()
+    args = [str(seed), "40", *([verify] if verify else [])]
+    launch(
+        [program(1, "refit_random_body.py", "source", *args), program(1, "refit_random_body.py", "destination", *args)],
+        tmp_path,
+        devices=4,
+        timeout_s=150,
+    )
+    src, dst = results(tmp_path, "random-source"), results(tmp_path, "random-destination")
+    for r in (*src.values(), *dst.values()):
+        assert "error" not in r, r.get("error")
+        assert r["version"] == 2
+    ((_, got),) = dst.items()
+    assert got["leaves"] == 40 and got["bad"] == [], got["bad"]
 
 
 def test_mismatched_declarations_rejected_on_both_sides(tmp_path):

@@ -1,0 +1,112 @@
+"""One side of a refit between two programs (``mpiexec -n 1 ... source : -n 1 ... destination``) of a tree of
+random leaves: every dtype a refit moves, shapes of rank 0-3 with sizes of 0 and more, each side's own random
+sharding over its devices (one device, or a mesh over 1, 2 or 4 of them in any order), some float leaves cast
+on the destination. Two versions; the destination checks every shard's bits against the host values (a cast:
+against jax's ``astype``). ``refit_random_body.py source|destination SEED LEAVES [verify]``.
+"""
+
+import random
+import sys
+import zlib
+
+import numpy as np
+from _common import main
+
+DTYPES = [
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e3m4", "float8_e8m0fnu",
+]  # fmt: skip
+CASTS = ["float32", "bfloat16", "float16"]
+
+
+def _dtype(name: str):
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def _sharding(r: random.Random, devs: np.ndarray, shape: tuple[int, ...]):
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
+
+    k = r.choice([1, 2, 4])
+    d = devs[r.sample(range(len(devs)), k)]
+    if r.random() < 0.1:
+        return SingleDeviceSharding(d[0])
+    mesh_shape = r.choice({1: [(1,)], 2: [(2,), (1, 2)], 4: [(4,), (2, 2)]}[k])
+    names = tuple("ab"[: len(mesh_shape)])
+    mesh = Mesh(d.reshape(mesh_shape), names)
+    spec: list = [None] * len(shape)
+    for axis in names:
+        if not shape or r.random() < 0.3:
+            continue
+        dim = r.randrange(len(shape))
+        axes = () if spec[dim] is None else (spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],))
+        if shape[dim] % (int(np.prod([mesh.shape[a] for a in axes])) * mesh.shape[axis]):
+            continue
+        spec[dim] = (*axes, axis) if axes else axis
+    return NamedSharding(mesh, P(*spec))
+
+
+def _values(name: str, shape: tuple[int, ...], dtype: str, version: int) -> np.ndarray:
+    dt = _dtype(dtype)
+    rng = np.random.default_rng(zlib.crc32(f"{name}-{version}".encode()))
+    if dt.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)  # every bit pattern (NaNs of every payload included)
+
+
+def body() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jreshard.options import Options
+    from jreshard.refit import RefitGroup
+
+    role, seed, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    devs = np.array(jax.devices())
+    r = random.Random(seed)  # both programs draw the same cases
+    leaves = []
+    for i in range(count):
+        dtype = r.choice(DTYPES)
+        shape = tuple(r.choice([0, 1, 2, 3, 4, 6, 8, 12]) for _ in range(r.choice([0, 1, 2, 2, 3])))
+        wire = r.choice(CASTS) if dtype in CASTS and r.random() < 0.3 else dtype
+        leaves.append((f"l{i}", shape, dtype, wire, _sharding(r, devs, shape), _sharding(r, devs, shape)))
+    opts = Options(timeout_s=60.0, verify="verify" in sys.argv[4:])
+    if role == "source":
+        tree = {n: jax.device_put(_values(n, s, dt, 0), src) for n, s, dt, _, src, _ in leaves}
+    else:
+        tree = {n: jax.ShapeDtypeStruct(s, _dtype(w), sharding=dst) for n, s, _, w, _, dst in leaves}
+    group = RefitGroup(role, tree, options=opts)
+    bad: list[str] = []
+    for version in (1, 2):
+        if role == "source":
+            group.push(
+                {n: jax.device_put(_values(n, s, dt, version), src) for n, s, dt, _, src, _ in leaves}, version=version
+            )
+            continue
+        out, got_version = group.pull(like=tree)
+        assert got_version == version
+        for n, shape, dtype, wire, _, dst in leaves:
+            a, host = out[n], _values(n, shape, dtype, version)
+            want = np.asarray(jnp.asarray(host).astype(_dtype(wire))) if wire != dtype else host
+            index = dst.addressable_devices_indices_map(shape)
+            if a.dtype != _dtype(wire) or a.shape != shape or not a.sharding.is_equivalent_to(dst, len(shape)):
+                bad.append(f"{n} {shape} {dtype}->{wire}: {a.dtype} {a.shape} {a.sharding}")
+                continue
+            for s in a.addressable_shards:
+                w = np.ascontiguousarray(want[index[s.device]]) if shape else np.asarray(want)
+                g = np.asarray(s.data)
+                if (
+                    g.shape != w.shape
+                    or g.reshape(-1).view(np.uint8).tobytes() != w.reshape(-1).view(np.uint8).tobytes()
+                ):
+                    bad.append(f"{n} {shape} {dtype}->{wire} on {s.device}: {g.shape} against {w.shape}")
+                    break
+    group.close()
+    return {"leaves": count, "bad": bad, "version": group.version}
+
+
+if __name__ == "__main__":
+    main(f"random-{sys.argv[1]}", body)
