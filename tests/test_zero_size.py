@@ -106,3 +106,16 @@ def test_a_zero_size_leaf_into_host_memory(kind):
     out = jreshard.transfer_into(x, into)
     _check(out, dst, x.dtype)
     assert out.sharding.memory_kind == kind
+
+
+def test_a_weakly_typed_zero_size_leaf_stays_weak_as_device_put_keeps_it():
+    dst = TARGETS["split_over_8"]
+    x = jax.device_put(jnp.broadcast_to(1.0, SHAPE), SRC)  # a Python float broadcast: weakly typed
+    assert x.weak_type and jax.device_put(x, dst).weak_type
+    for options in (None, jreshard.Options(backend="xla")):
+        out = jreshard.transfer(x, dst, options=options)
+        _check(out, dst, x.dtype)
+        assert out.weak_type
+    host = dst.with_memory_kind("pinned_host")
+    out = jreshard.transfer_into(x, jax.device_put(jnp.broadcast_to(1.0, SHAPE), host))
+    assert out.weak_type and out.sharding.memory_kind == "pinned_host"

@@ -193,7 +193,7 @@ def decode(moved: Any, enc: Encoding, sharding: Sharding, into: PyTree = None) -
     if enc.kind == "key" and into is None:
         return jax.random.wrap_key_data(moved, impl=_impl_name(enc.dtype))
     if enc.kind != "key" and not math.prod(moved.shape):  # no byte to write: a fresh empty array, into kept
-        return empty_array(tuple(moved.shape), enc.dtype, sharding)
+        return empty_array(tuple(moved.shape), enc.dtype, sharding, getattr(moved, "weak_type", False))
     out = _decoder(enc, sharding, False)(moved) if into is None else _decoder(enc, sharding, True)(moved, into)
     return rewrapped(out, sharding)  # (the cached decoder was made for an equal sharding object)
 

@@ -190,14 +190,18 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype, device: Device, memory_kind:
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out)
 
 
-def empty_array(shape: tuple[int, ...], dtype: DType, sharding: Sharding) -> Array:
-    """An array of ``shape`` with no element (a dimension of 0) and ``sharding``: the result of moving a zero-size
-    leaf, which has no byte to move. Each shard is made on its device (:func:`zeros_on`), never by a jitted call
-    with ``out_shardings``: for a zero-size result jax (0.10) gives every shard the global shape, an array whose
-    shards contradict its sharding, which jax refuses in a later call."""
+def empty_array(shape: tuple[int, ...], dtype: DType, sharding: Sharding, weak_type: bool = False) -> Array:
+    """An array of ``shape`` with no element (a dimension of 0) and ``sharding``, weakly typed where asked (as
+    ``jax.device_put`` keeps a weakly typed source): the result of moving a zero-size leaf, which has no byte to
+    move. Each shard is made on its device (:func:`zeros_on`), never by a jitted call with ``out_shardings``: for
+    a zero-size result jax (0.10) gives every shard the global shape, an array whose shards contradict its
+    sharding, which jax refuses in a later call."""
     per = sharding.shard_shape(shape)
     kind = getattr(sharding, "memory_kind", None)
+    dtype = jax.dtypes.canonicalize_dtype(dtype)  # as the shards are made (64-bit types without x64: 32-bit)
     arrays = [zeros_on(d, per, dtype, kind) for d in sharding.addressable_devices_indices_map(shape)]
+    if weak_type and arrays:
+        return _ASSEMBLE(shape, dtype, sharding, arrays, True)
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
 
 

@@ -194,7 +194,7 @@ def run_xla(
         list(leaves) if mode is Mode.TRANSFER else [leaves[i] if t is None else None for i, t in enumerate(targets)]
     )
     for i in empty:
-        result[i] = empty_array(tuple(leaves[i].shape), leaves[i].dtype, shardings[i])
+        result[i] = empty_array(tuple(leaves[i].shape), leaves[i].dtype, shardings[i], leaves[i].weak_type)
     if not moved:
         return result
     mine = {d.id for d in jax.local_devices()}
