@@ -397,3 +397,26 @@ def test_public_assembly_path_gives_the_same_results(monkeypatch):
     out = jreshard.transfer(x, d)
     for k in x:
         _shards_equal(out[k], jax.device_put(x[k], d))
+
+
+@pytest.mark.parametrize("backend", ["local", "xla", "mpi"])
+@pytest.mark.parametrize("shape", [(8, 8), (0, 8), ()])
+def test_a_weakly_typed_leaf_stays_weak_on_every_backend(backend, shape):
+    """``jax.device_put`` keeps a source's ``weak_type`` (a Python scalar broadcast); so does every backend, the
+    in-place results of ``transfer_into`` included. Backends xla and mpi (one process) used to return strongly
+    typed arrays."""
+    if backend == "mpi":
+        pytest.importorskip("mpi4py")
+    devs = np.array(jax.devices())
+    src = NamedSharding(Mesh(devs[:4], ("x",)), P(*([None] * (len(shape) - 1)), "x") if shape else P())
+    dst = NamedSharding(Mesh(devs[4:], ("y",)), P("y") if shape else P())
+    x = jax.device_put(jnp.broadcast_to(1.5, shape), src)
+    want = jax.device_put(x, dst)
+    assert x.weak_type and want.weak_type
+    options = jreshard.Options(backend=backend)
+    out = jreshard.transfer(x, dst, options=options)
+    assert out.weak_type and out.dtype == want.dtype and np.array_equal(out, want)
+    if backend != "mpi":  # transfer_into runs in one process on local and xla
+        into = jax.device_put(jnp.broadcast_to(2.5, shape), dst)
+        written = jreshard.transfer_into(x, into, options=options)
+        assert written.weak_type and np.array_equal(written, want)

@@ -27,7 +27,16 @@ from jreshard.sharding.dtypes import storage_bytes
 from jreshard.sharding.layout import Layout
 from jreshard.types import Array, Device, DType, Sharding
 
-__all__ = ["BatchedPut", "batched_put", "empty_array", "fresh_shards", "make_array", "put_allowed", "zeros_on"]
+__all__ = [
+    "BatchedPut",
+    "assembled",
+    "batched_put",
+    "empty_array",
+    "fresh_shards",
+    "make_array",
+    "put_allowed",
+    "zeros_on",
+]
 
 
 # The dtypes numpy itself exports through DLPack (ml_dtypes' bfloat16 and float8 are not among them).
@@ -200,9 +209,18 @@ def empty_array(shape: tuple[int, ...], dtype: DType, sharding: Sharding, weak_t
     kind = getattr(sharding, "memory_kind", None)
     dtype = jax.dtypes.canonicalize_dtype(dtype)  # as the shards are made (64-bit types without x64: 32-bit)
     arrays = [zeros_on(d, per, dtype, kind) for d in sharding.addressable_devices_indices_map(shape)]
+    return assembled(shape, dtype, sharding, arrays, weak_type)
+
+
+def assembled(
+    shape: tuple[int, ...], dtype: DType, sharding: Sharding, arrays: Sequence[Any], weak_type: bool = False
+) -> Array:
+    """``jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)``, weakly typed where asked
+    (the public function has no such argument; ``jax.device_put`` keeps a source's ``weak_type``). A process with
+    no shard of the array gets it strongly typed (jax has no weak array without a shard)."""
     if weak_type and arrays:
-        return _ASSEMBLE(shape, dtype, sharding, arrays, True)
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+        return _ASSEMBLE(shape, jax.dtypes.canonicalize_dtype(dtype), sharding, list(arrays), True)
+    return jax.make_array_from_single_device_arrays(shape, sharding, list(arrays), dtype=dtype)
 
 
 def _padded(nbytes: int) -> int:

@@ -118,12 +118,14 @@ def run_schedule(
     return out, stats
 
 
-def assemble(shape: tuple[int, ...], dtype: DType, sharding: Sharding, shards: Mapping[Any, Any]) -> Any:
-    """A global jax array from this process's shards ``{device: array}`` (none: no addressable shards)."""
-    import jax
+def assemble(
+    shape: tuple[int, ...], dtype: DType, sharding: Sharding, shards: Mapping[Any, Any], weak_type: bool = False
+) -> Any:
+    """A global jax array from this process's shards ``{device: array}`` (none: no addressable shards), weakly
+    typed where asked (:func:`jreshard.engine.arrays.assembled`)."""
+    from jreshard.engine.arrays import assembled
 
-    arrays = [shards[d] for d in sorted(shards, key=lambda d: d.id)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+    return assembled(shape, dtype, sharding, [shards[d] for d in sorted(shards, key=lambda d: d.id)], weak_type)
 
 
 def run_leaves(
@@ -195,7 +197,8 @@ def run_leaves(
             if d.process_index == me:
                 targets[(t, d.id)] = d
     builder = report or ReportBuilder(Backend.LOCAL)
-    taken = take(into, moved, source_addresses(leaves), builder) if into is not None else None
+    weak = [bool(getattr(a, "weak_type", False)) for a in leaves]  # as jax.device_put keeps it
+    taken = take(into, moved, source_addresses(leaves), builder, weak) if into is not None else None
     owned = {i: a for i, (a, _) in taken.donated.items()} if taken is not None else {}
     buffers = buffers or CpuBuffers()
     given = {
@@ -215,7 +218,7 @@ def run_leaves(
             continue
         a, sharding = leaves[i], shardings[i]
         mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
-        out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine)
+        out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine, weak[i])
         if taken is not None:  # an into leaf not claimed: its bytes went to fresh buffers
             taken.count(builder, i, storage(out[i]))
     return out, stats, plans

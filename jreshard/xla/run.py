@@ -20,7 +20,7 @@ from typing import Any, cast
 import jax
 import jax.numpy as jnp
 
-from jreshard.engine.arrays import empty_array, zeros_on
+from jreshard.engine.arrays import assembled, empty_array, zeros_on
 from jreshard.engine.ownership import claim, shard_pointer, source_addresses
 from jreshard.engine.prepared import Mode
 from jreshard.errors import LayoutError, LayoutMismatchError
@@ -248,7 +248,7 @@ def run_xla(
             blocks = {s.device: s.data for s in outs[t].addressable_shards}
             order = addressable_order(sh)
             arrays = [blocks[d] if plan.dst_block[t] else jnp.reshape(blocks[d], ()) for d in order]
-            result[i] = jax.make_array_from_single_device_arrays(leaves[i].shape, sh, arrays, dtype=leaves[i].dtype)
+            result[i] = assembled(leaves[i].shape, leaves[i].dtype, sh, arrays, leaves[i].weak_type)
             nbytes = sum(a.nbytes for a in arrays)
             if claims is not None and not donate[t]:
                 builder.add_unowned(nbytes, i, claims.why[i])
