@@ -1,5 +1,6 @@
 """Any dtype, any shape (zero-size and scalars included), any pair of shardings: ``transfer``, ``transfer_into``,
-a cast on the way and backend ``xla``, each shard checked against the host values.
+a cast on the way and backend ``xla``, weakly typed sources among them, each shard checked against the host
+values (and ``weak_type`` kept, as ``jax.device_put`` keeps it).
 
 The oracle is the host array the source was placed from (``jax.device_put`` from the host, then read back, so
 a value a dtype cannot hold is what the device holds) indexed by the target sharding's own index map; for a
@@ -74,21 +75,37 @@ def _check(out, host: np.ndarray, target, dtype) -> None:
         assert _bytes(got) == _bytes(want), s.device
 
 
+WEAK = {"float32": 1.5, "int32": 3, "complex64": 2j, "bool": True}  # a Python scalar broadcast: weakly typed
+
+
 @settings(max_examples=120, deadline=None)
-@given(cases(), st.sampled_from(["transfer", "transfer_into", "cast"]), st.sampled_from(DTYPES), st.integers(0, 9))
-def test_every_dtype_shape_and_sharding_pair_lands_as_the_host_values(case, mode, to, draw_xla):
+@given(
+    cases(),
+    st.sampled_from(["transfer", "transfer_into", "cast"]),
+    st.sampled_from(DTYPES),
+    st.integers(0, 9),
+    st.booleans(),
+)
+def test_every_dtype_shape_and_sharding_pair_lands_as_the_host_values(case, mode, to, draw_xla, weak):
     dtype, shape, src, dst = case
-    x = jax.device_put(host_values(dtype, shape, seed=len(shape)), src)
+    if weak and dtype in WEAK:
+        x = jax.device_put(jnp.broadcast_to(WEAK[dtype], shape), src)
+    else:
+        x = jax.device_put(host_values(dtype, shape, seed=len(shape)), src)
     host = np.asarray(x)  # what the devices hold (a value the dtype cannot hold, as jax stored it)
     options = jreshard.Options(backend="xla") if draw_xla == 0 else None  # a tenth of the cases: compiling is slow
     if mode == "transfer":
-        _check(jreshard.transfer(x, dst, options=options), host, dst, x.dtype)
+        out = jreshard.transfer(x, dst, options=options)
+        _check(out, host, dst, x.dtype)
+        assert out.weak_type == x.weak_type  # as jax.device_put keeps it
     elif mode == "transfer_into":
         per = dst.shard_shape(shape)
         into = jax.make_array_from_single_device_arrays(
             shape, dst, [jax.device_put(np.zeros(per, x.dtype), d) for d in dst.addressable_devices_indices_map(shape)]
         )
-        _check(jreshard.transfer_into(x, into, options=options), host, dst, x.dtype)
+        out = jreshard.transfer_into(x, into, options=options)
+        _check(out, host, dst, x.dtype)
+        assert out.weak_type == x.weak_type
     else:
         # Casts jax warns about (complex to real; 64-bit without x64, truncated) are refused by the suite's
         # warnings-as-errors; jreshard's cast is jax's there too.
