@@ -55,12 +55,13 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
         assert all(sent < 0.6 * whole for _, sent, whole, _ in later), later
 
 
-@pytest.mark.parametrize(("seed", "verify"), [(1, ""), (2, "verify")])
-def test_a_refit_of_random_leaves_between_two_programs(tmp_path, seed, verify):
+@pytest.mark.parametrize(("seed", "flags"), [(1, ""), (2, "verify"), (3, "x64")])
+def test_a_refit_of_random_leaves_between_two_programs(tmp_path, seed, flags):
     """Every dtype a refit moves, shapes with sizes of 0 and scalars, each side its own random shardings over
-    4 devices (some leaves cast on the destination): two versions, every destination shard's bits checked."""
+    4 devices (some leaves cast on the destination): two versions, every destination shard's bits checked;
+    with ``verify``, and with ``jax_enable_x64`` and the 64-bit dtypes (``complex128`` used to fail)."""
     need_mpi()
-    args = [str(seed), "40", *([verify] if verify else [])]
+    args = [str(seed), "40", *flags.split()]
     launch(
         [program(1, "refit_random_body.py", "source", *args), program(1, "refit_random_body.py", "destination", *args)],
         tmp_path,
@@ -68,6 +69,7 @@ def test_a_refit_of_random_leaves_between_two_programs(tmp_path, seed, verify):
         timeout_s=150,
     )
     src, dst = results(tmp_path, "random-source"), results(tmp_path, "random-destination")
+    assert len(src) == 1 and len(dst) == 1
     for r in (*src.values(), *dst.values()):
         assert "error" not in r, r.get("error")
         assert r["version"] == 2

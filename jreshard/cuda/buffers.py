@@ -53,7 +53,7 @@ from jreshard.cuda.dlpack import Typed
 from jreshard.cuda.runtime import event_done
 from jreshard.cuda.streams import GpuStreams
 from jreshard.engine.arrays import zeros_on
-from jreshard.engine.buffers import KDLCUDA, Buffers, Capsule, dlpack_type, retype_capsule
+from jreshard.engine.buffers import KDLCUDA, Buffers, Capsule, carrier, dlpack_type, retype_capsule
 from jreshard.errors import BackendUnavailableError, TransferError, TransferTimeoutError, cuda_extra
 from jreshard.schedule import kernels as K
 from jreshard.types import Array, CudaStream, CupyArray, CupyModule, Device
@@ -65,7 +65,6 @@ GPU_ALIGN = 256  # bytes: the alignment of every destination and staging buffer
 POLL_MIN_S, POLL_MAX_S = 20e-6, 100e-6
 SMALL_BYTES = 1 << 20  # destination buffers under this share one XLA block per device and call
 MAX_PLAIN_COPIES = 4  # a table of at most this many contiguous runs is copied with cudaMemcpyAsync
-_UINT = 1
 
 
 def _no_room(what: str, nbytes: int, ordinal: int, free: int, total: int) -> str:
@@ -156,11 +155,9 @@ class CupyBuffers(Buffers[CupyArray]):
     def _view(self, array: Array, o: int, stream: CudaStream) -> CupyArray:
         """A 1-D uint8 CuPy view of a single-device jax array, ``stream`` ordered after its producer."""
         cp = self._cp
-        bits = array.dtype.itemsize * 8
-        if bits > 64:
-            raise TransferError(f"CupyBuffers: dtype {array.dtype} ({bits} bits) has no unsigned integer of its width")
+        code, bits, _ = carrier(array.dtype.itemsize * 8)  # complex128: itself (no uint128)
         with cp.cuda.Device(o), stream:
-            capsule = retype_capsule(array.__dlpack__(stream=stream.ptr), _UINT, bits)
+            capsule = retype_capsule(array.__dlpack__(stream=stream.ptr), code, bits)
             return cp.from_dlpack(Capsule(capsule, o, KDLCUDA)).reshape(-1).view(cp.uint8)
 
     def export_source(self, shard: Array) -> CupyArray:

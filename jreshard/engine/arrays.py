@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jreshard.engine.buffers import Capsule, dlpack_type, retype_capsule
+from jreshard.engine.buffers import Capsule, carrier, dlpack_type, retype_capsule
 from jreshard.engine.ownership import with_weak_type
 from jreshard.engine.pool import ALIGN, BufferPool
 from jreshard.errors import TransferError
@@ -50,7 +50,7 @@ def _capsule(view: np.ndarray, device_id: int | None = None) -> Any:
     if dtype in _NUMPY_DLPACK and device_id is None:
         return view.__dlpack__()
     code, bits = dlpack_type(dtype)
-    return retype_capsule(view.view(np.dtype(f"uint{bits}")).__dlpack__(), code, bits, device_id)
+    return retype_capsule(view.view(carrier(bits)[2]).__dlpack__(), code, bits, device_id)
 
 
 def _public_import(view: np.ndarray, device: Device) -> Any:

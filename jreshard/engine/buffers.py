@@ -112,9 +112,27 @@ def dlpack_type(dtype: np.dtype) -> tuple[int, int]:
     if dtype.name in _FLOAT8:
         return _FLOAT8[dtype.name], bits
     code = {"b": _BOOL, "i": _INT, "u": _UINT, "f": _FLOAT, "c": _COMPLEX}.get(dtype.kind)
-    if code is None or dtype.name.startswith(("float4", "float6", "int4", "uint4", "int2", "uint2")):
+    if code is None or packed_bits(dtype) is not None or dtype.name.startswith(("float4_", "float6_")):
         raise TransferError(f"dtype {dtype.name} has no DLPack type code jreshard knows; cannot move it zero-copy")
     return code, bits
+
+
+def carrier(bits: int) -> tuple[int, int, np.dtype]:
+    """``(DLPack code, bits, numpy dtype)`` of the plain type an element of ``bits`` bits is viewed as, whatever its
+    own type: the unsigned integer of its width, or for 128 bits (``complex128``: numpy has no ``uint128``)
+    ``complex128`` itself, which numpy and DLPack both know.
+
+    >>> carrier(16)[::2], carrier(128)[::2]
+    ((1, dtype('uint16')), (5, dtype('complex128')))
+
+    Raises:
+      TransferError: no such type (a width other than 8, 16, 32, 64 or 128 bits).
+    """
+    if bits in (8, 16, 32, 64):
+        return _UINT, bits, np.dtype(f"uint{bits}")
+    if bits == 128:
+        return _COMPLEX, bits, np.dtype(np.complex128)
+    raise TransferError(f"no plain type of {bits} bits to view an element as")
 
 
 def retype_capsule(capsule: DLPackCapsule, code: int, bits: int, device_id: int | None = None) -> DLPackCapsule:
@@ -162,8 +180,8 @@ def export_source(shard: Array) -> np.ndarray:
     if shard.size == 0:
         return np.zeros(0, np.uint8)
     _refuse_packed(shard, "export_source")
-    bits = shard.dtype.itemsize * 8
-    capsule = retype_capsule(shard.__dlpack__(), _UINT, bits)
+    code, bits, _ = carrier(shard.dtype.itemsize * 8)
+    capsule = retype_capsule(shard.__dlpack__(), code, bits)
     flat = np.from_dlpack(Capsule(capsule, 0)).reshape(-1)
     return flat.view(np.uint8)
 
@@ -211,7 +229,7 @@ def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, devi
     if region.ctypes.data % ALIGN:
         raise TransferError(f"import_shard: buffer at {region.ctypes.data:#x} is not {ALIGN}-byte aligned")
     code, bits = dlpack_type(dtype)
-    typed = region.view(np.dtype(f"uint{bits}")).reshape(shape)
+    typed = region.view(carrier(bits)[2]).reshape(shape)
     hw = device.local_hardware_id
     out = jax.dlpack.from_dlpack(Capsule(retype_capsule(typed.__dlpack__(), code, bits, hw), hw))
     if out.dtype != dtype:

@@ -2,7 +2,8 @@
 random leaves: every dtype a refit moves, shapes of rank 0-3 with sizes of 0 and more, each side's own random
 sharding over its devices (one device, or a mesh over 1, 2 or 4 of them in any order), some float leaves cast
 on the destination. Two versions; the destination checks every shard's bits against the host values (a cast:
-against jax's ``astype``). ``refit_random_body.py source|destination SEED LEAVES [verify]``.
+against jax's ``astype``). ``refit_random_body.py source|destination SEED LEAVES [verify] [x64]`` (``x64``: with
+``jax_enable_x64``, the 64-bit dtypes too).
 """
 
 import random
@@ -65,11 +66,15 @@ def body() -> dict:
     from jreshard.refit import RefitGroup
 
     role, seed, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dtypes = DTYPES
+    if "x64" in sys.argv[4:]:
+        jax.config.update("jax_enable_x64", True)
+        dtypes = [*DTYPES, "float64", "complex128", "int64", "uint64"]
     devs = np.array(jax.devices())
     r = random.Random(seed)  # both programs draw the same cases
     leaves = []
     for i in range(count):
-        dtype = r.choice(DTYPES)
+        dtype = r.choice(dtypes)
         shape = tuple(r.choice([0, 1, 2, 3, 4, 6, 8, 12]) for _ in range(r.choice([0, 1, 2, 2, 3])))
         wire = r.choice(CASTS) if dtype in CASTS and r.random() < 0.3 else dtype
         leaves.append((f"l{i}", shape, dtype, wire, _sharding(r, devs, shape), _sharding(r, devs, shape)))
