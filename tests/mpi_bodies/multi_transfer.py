@@ -2,9 +2,9 @@
 
 Each process starts jax.distributed over MPI_COMM_WORLD; every process calls ``transfer_multiprocess``
 with the same seeded random source and target shardings (meshes on disjoint, equal or overlapping
-device sets, drawn from all devices of the cluster). Each addressable target shard must equal the
-numpy global array at its index; processes with no target device must get an array with no
-addressable shards.
+device sets, drawn from all devices of the cluster), over dtypes of one to eight bytes (bfloat16, bool,
+float8, complex) and a zero-size shape. Each addressable target shard must hold the bytes of the numpy
+global array at its index; processes with no target device must get an array with no addressable shards.
 """
 
 import numpy as np
@@ -25,7 +25,8 @@ def body() -> dict:
     n = len(devs)
     rng = np.random.default_rng(1234)
     checked, empty = 0, 0
-    for case in range(6):
+    dtypes = [np.float32, np.int16, np.int8, "bfloat16", np.bool_, "float8_e4m3fn", np.uint32, np.complex64]
+    for case in range(16):
 
         def sharding(k):
             chosen = [devs[i] for i in rng.permutation(n)[:k]]
@@ -39,9 +40,9 @@ def body() -> dict:
 
         ks = [k for k in (1, 2, 4, 8) if k <= n]
         src, dst = sharding(int(rng.choice(ks))), sharding(int(rng.choice(ks)))
-        shape = (8, 16)
-        dtype = [np.float32, np.int16, np.int8][case % 3]
-        g = (np.arange(np.prod(shape)) * (case + 1)).reshape(shape).astype(dtype)
+        shape = (0, 16) if case % 4 == 3 else (8, 16)
+        dtype = np.dtype(jax.numpy.dtype(dtypes[case % len(dtypes)]))
+        g = ((np.arange(np.prod(shape)) * (case + 1)) % 97).reshape(shape).astype(dtype)
         x = jax.make_array_from_callback(shape, src, lambda idx, g=g: g[idx], dtype=dtype)
         y = transfer_multiprocess(
             {"w": x, "b": x}, {"w": dst, "b": src}, options=Options(chunk_bytes=96, staging_bytes=4096, timeout_s=60)
@@ -53,7 +54,8 @@ def body() -> dict:
             if not mine:
                 empty += 1
             for s in leaf.addressable_shards:
-                np.testing.assert_array_equal(np.asarray(s.data), g[s.index])
+                got, want = np.asarray(s.data), g[s.index]
+                assert got.shape == want.shape and got.tobytes() == want.tobytes(), (case, dtype, s.device)
                 checked += 1
     return {"checked": checked, "empty": empty, "devices": n}
 
