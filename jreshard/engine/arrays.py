@@ -217,7 +217,7 @@ def assembled(
 ) -> Array:
     """``jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)``, weakly typed where asked
     (the public function has no such argument; ``jax.device_put`` keeps a source's ``weak_type``). A process with
-    no shard of the array gets it strongly typed (jax has no weak array without a shard)."""
+    no shard of the array gets it from the public function, strongly typed (not run across processes weakly)."""
     if weak_type and arrays:
         return _ASSEMBLE(shape, jax.dtypes.canonicalize_dtype(dtype), sharding, list(arrays), True)
     return jax.make_array_from_single_device_arrays(shape, sharding, list(arrays), dtype=dtype)

@@ -47,21 +47,21 @@ from jreshard.net import auth
 
 __all__ = [
     "HANDSHAKE_S",
+    "INT64",
     "MAX_FRAME_BYTES",
+    "MAX_PEER_PROCESSES",
     "MAX_UNAUTHENTICATED",
     "MAX_UNAUTHENTICATED_PER_HOST",
     "TRANSPORT_OPS",
     "Channel",
     "accept_first",
-    "INT64",
-    "MAX_PEER_PROCESSES",
     "accept_one",
-    "peer_int",
     "connect",
     "format_address",
     "listen",
     "make_room",
     "parse_address",
+    "peer_int",
 ]
 
 log = logging.getLogger("jreshard.net.channel")
