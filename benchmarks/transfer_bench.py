@@ -5,7 +5,9 @@ Cases, all measured in one run (these hosts are shared and noisy: read the ratio
 - ``leaves``: pytrees of many small leaves, FSDP over devices 0-3 -> TP2 x DP2 over
   devices 4-7 (1000 and 200 leaves of 128x128 float32, 1000 leaves of 8x8): the
   case users hit first. Besides the time, the *fixed cost per leaf*:
-  ``(time - floor) / leaves``.
+  ``(time - floor) / leaves``; and *jax's own calls*: what any in-place transfer of the tree must ask of
+  jax (wait for the new sources, read the address of every source shard, donate ``into``), timed alone in
+  the same run, so ``device_put`` over it is the most ``transfer_into`` could reach on this jax and machine.
 - ``first call``: the 1000-leaf pytree after ``jreshard.clear_caches()`` (planning
   included), against the cached call.
 - ``tensor``: one 256 MiB float32 tensor, TP4 -> TP2 x DP2, against the warm memcpy
@@ -340,7 +342,32 @@ def compare(name: str, x, target, repeats: int, leaves: int | None = None, xla: 
     row["report"] = rep
     if leaves:
         row["per_leaf_us"] = {k: (np.median(row[k]) - floor) / leaves * 1e6 for k in ("transfer", "into")}
+        row["jax_calls"] = timings(jax_calls(x, target), repeats, fresh(), floor_copy)
     return row
+
+
+def jax_calls(x, target):
+    """What any in-place transfer of ``x`` asks of jax, and nothing else: wait for the new source arrays, read
+    the buffer address of each of their shards (``_arrays``, the cheapest way jax offers: one object a shard),
+    and take ``into``'s memory over (its arrays donated to one identity computation, as ``jax.jit(...,
+    donate_argnums=...)`` hands memory over). No byte is copied.
+
+    Its time bounds ``transfer_into`` from below on this jax and this machine, whatever jreshard does (the copies
+    could run beside it on another core), so ``device_put`` over it bounds the ratio ``transfer_into`` can reach."""
+    held = [jax.tree.leaves(jreshard.transfer(x, target))]
+    n = len(held[0])
+    take_over = jax.jit(lambda *a: a, donate_argnums=tuple(range(n)), out_shardings=target)
+
+    def run(xs):
+        leaves = jax.tree.leaves(xs)
+        jax.block_until_ready(leaves)
+        for a in leaves:
+            for s in a._arrays:
+                s.unsafe_buffer_pointer()
+        held[0] = list(take_over(*held[0]))
+        return held[0]
+
+    return run
 
 
 def main() -> None:
@@ -449,6 +476,14 @@ def main() -> None:
             f"\nfirst call on 1000 leaves (clear_caches, planning included): {stats(firsts)} ms; "
             f"cached: {stats(cached)} ms; ratio {np.median(firsts) / np.median(cached):.2f}x"
         )
+    for r in rows:
+        if "jax_calls" in r:
+            calls, dp = float(np.median(r["jax_calls"])), float(np.median(r["device_put"]))
+            print(
+                f"\n{r['case']}: jax's own calls for one transfer_into (wait for the sources, read every source "
+                f"shard's address, donate into; no copy): {stats(r['jax_calls'])} ms, so transfer_into can be at most "
+                f"{dp / calls:.2f}x faster than jax.device_put here; it is {dp / float(np.median(r['into'])):.2f}x"
+            )
     during = ", ".join(f"{r['bytes'] / r['floor'] / 1e9:.2f}" for r in rows)
     print(f"\nfloor bandwidth (GB/s) during each case: {during}")
     for r in rows:
