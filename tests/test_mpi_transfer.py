@@ -55,11 +55,15 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
         assert all(sent < 0.6 * whole for _, sent, whole, _ in later), later
 
 
-@pytest.mark.parametrize(("seed", "flags"), [(1, ""), (2, "verify"), (3, "x64")])
+@pytest.mark.parametrize(
+    ("seed", "flags"),
+    [(1, ""), (2, "verify"), (3, "x64"), (4, "delta"), (5, "async into"), (6, "delta async into verify")],
+)
 def test_a_refit_of_random_leaves_between_two_programs(tmp_path, seed, flags):
     """Every dtype a refit moves, shapes with sizes of 0 and scalars, each side its own random shardings over
     4 devices (some leaves cast on the destination): two versions, every destination shard's bits checked;
-    with ``verify``, and with ``jax_enable_x64`` and the 64-bit dtypes (``complex128`` used to fail)."""
+    with ``verify``, and with ``jax_enable_x64`` and the 64-bit dtypes (``complex128`` used to fail); with deltas
+    (three versions, a tenth of the elements changed each), a background pull and a pull into the arrays held."""
     need_mpi()
     args = [str(seed), "40", *flags.split()]
     launch(
@@ -72,7 +76,10 @@ def test_a_refit_of_random_leaves_between_two_programs(tmp_path, seed, flags):
     assert len(src) == 1 and len(dst) == 1
     for r in (*src.values(), *dst.values()):
         assert "error" not in r, r.get("error")
-        assert r["version"] == 2
+        assert r["version"] == (3 if "delta" in flags else 2)
+    if "delta" in flags:  # the later versions went as deltas
+        ((_, sent),) = src.items()
+        assert sent["modes"] == ["full", "delta", "delta"], sent["modes"]
     ((_, got),) = dst.items()
     assert got["leaves"] == 40 and got["bad"] == [], got["bad"]
 

@@ -2,8 +2,10 @@
 random leaves: every dtype a refit moves, shapes of rank 0-3 with sizes of 0 and more, each side's own random
 sharding over its devices (one device, or a mesh over 1, 2 or 4 of them in any order), some float leaves cast
 on the destination. Two versions; the destination checks every shard's bits against the host values (a cast:
-against jax's ``astype``). ``refit_random_body.py source|destination SEED LEAVES [verify] [x64]`` (``x64``: with
-``jax_enable_x64``, the 64-bit dtypes too).
+against jax's ``astype``). ``refit_random_body.py source|destination SEED LEAVES [verify] [x64] [delta] [async]
+[into]`` (``x64``: with ``jax_enable_x64``, the 64-bit dtypes too; ``delta``: ``Options(delta="on")`` and three
+versions, each changing a random tenth of the elements of the one before; ``async``: the destination pulls with
+``pull_async`` and flips; ``into``: it pulls ``into=`` the arrays it holds).
 """
 
 import random
@@ -49,13 +51,21 @@ def _sharding(r: random.Random, devs: np.ndarray, shape: tuple[int, ...]):
     return NamedSharding(mesh, P(*spec))
 
 
-def _values(name: str, shape: tuple[int, ...], dtype: str, version: int) -> np.ndarray:
+def _values(name: str, shape: tuple[int, ...], dtype: str, version: int, delta: bool = False) -> np.ndarray:
+    """The leaf's host values at ``version``: new random bits each version (``delta``: version 0's, with a random
+    tenth of the elements redrawn at each version since)."""
     dt = _dtype(dtype)
-    rng = np.random.default_rng(zlib.crc32(f"{name}-{version}".encode()))
+    rng = np.random.default_rng(zlib.crc32(f"{name}-{0 if delta else version}".encode()))
     if dt.kind == "b":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
-    return raw.view(dt).reshape(shape)  # every bit pattern (NaNs of every payload included)
+        out = rng.integers(0, 2, size=shape).astype(bool)
+    else:
+        raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+        out = raw.view(dt).reshape(shape)  # every bit pattern (NaNs of every payload included)
+    for v in range(1, version + 1) if delta else ():
+        rng = np.random.default_rng(zlib.crc32(f"{name}-{v}".encode()))
+        changed = rng.random(size=shape) < 0.1
+        out = np.where(changed, _values(name, shape, dtype, v), out)
+    return out
 
 
 def body() -> dict:
@@ -78,23 +88,35 @@ def body() -> dict:
         shape = tuple(r.choice([0, 1, 2, 3, 4, 6, 8, 12]) for _ in range(r.choice([0, 1, 2, 2, 3])))
         wire = r.choice(CASTS) if dtype in CASTS and r.random() < 0.3 else dtype
         leaves.append((f"l{i}", shape, dtype, wire, _sharding(r, devs, shape), _sharding(r, devs, shape)))
-    opts = Options(timeout_s=60.0, verify="verify" in sys.argv[4:])
+    flags = set(sys.argv[4:])
+    delta = "delta" in flags
+    opts = Options(timeout_s=60.0, verify="verify" in flags, **({"delta": "on"} if delta else {}))
     if role == "source":
-        tree = {n: jax.device_put(_values(n, s, dt, 0), src) for n, s, dt, _, src, _ in leaves}
+        tree = {n: jax.device_put(_values(n, s, dt, 0, delta), src) for n, s, dt, _, src, _ in leaves}
     else:
         tree = {n: jax.ShapeDtypeStruct(s, _dtype(w), sharding=dst) for n, s, _, w, _, dst in leaves}
     group = RefitGroup(role, tree, options=opts)
     bad: list[str] = []
-    for version in (1, 2):
+    held = None
+    modes: list[str] = []  # the source's delta report of each version: full or delta
+    for version in (1, 2, 3) if delta else (1, 2):
         if role == "source":
             group.push(
-                {n: jax.device_put(_values(n, s, dt, version), src) for n, s, dt, _, src, _ in leaves}, version=version
+                {n: jax.device_put(_values(n, s, dt, version, delta), src) for n, s, dt, _, src, _ in leaves},
+                version=version,
             )
+            rep = group.delta_report
+            modes.append(rep.mode if rep is not None else "none")
             continue
-        out, got_version = group.pull(like=tree)
+        where = {"into": held} if "into" in flags and held is not None else {"like": tree}
+        if "async" in flags:
+            out, got_version = group.pull_async(**where).result()
+        else:
+            out, got_version = group.pull(**where)
+        held = out
         assert got_version == version
         for n, shape, dtype, wire, _, dst in leaves:
-            a, host = out[n], _values(n, shape, dtype, version)
+            a, host = out[n], _values(n, shape, dtype, version, delta)
             want = np.asarray(jnp.asarray(host).astype(_dtype(wire))) if wire != dtype else host
             index = dst.addressable_devices_indices_map(shape)
             if a.dtype != _dtype(wire) or a.shape != shape or not a.sharding.is_equivalent_to(dst, len(shape)):
@@ -110,7 +132,7 @@ def body() -> dict:
                     bad.append(f"{n} {shape} {dtype}->{wire} on {s.device}: {g.shape} against {w.shape}")
                     break
     group.close()
-    return {"leaves": count, "bad": bad, "version": group.version}
+    return {"leaves": count, "bad": bad, "version": group.version, "modes": modes}
 
 
 if __name__ == "__main__":
