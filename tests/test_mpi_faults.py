@@ -133,3 +133,26 @@ def test_ucx_warnings_after_a_killed_peer_print_where_the_user_asks_for_them(tmp
     out, _ = finish(live), finish(fresh)
     assert live.returncode == 0, out
     assert "UCX  WARN" in out and "was not returned to mpool ucp_requests" in out, out
+
+
+def test_a_side_that_fails_before_it_joins_makes_the_other_raise_within_its_timeout(tmp_path):
+    """One launch whose destination (a PyTorch receiver refusing its tensor's dtype) fails before it makes its side:
+    the source raises TransferTimeoutError within timeout_s, saying why; it used to wait in MPI_Comm_dup for
+    good, far past its timeout."""
+    from mpi_launch import launch, program, results
+
+    need_mpi()
+    t0 = time.monotonic()
+    launch(
+        [program(1, "join_refused_body.py", "source"), program(1, "join_refused_body.py", "destination")],
+        tmp_path,
+        devices=1,
+        timeout_s=90,
+    )
+    src, dst = results(tmp_path, "join-source"), results(tmp_path, "join-destination")
+    ((_, s),) = src.items()
+    ((_, d),) = dst.items()
+    assert "int4 has no jreshard counterpart" in d["refused"], d
+    assert "not every one of the communicator's 2 processes joined within 4 s" in s["raised"], s
+    assert 4.0 <= s["after_s"] < 4.0 + SLACK_S, s
+    assert time.monotonic() - t0 < 60

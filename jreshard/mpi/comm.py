@@ -64,7 +64,7 @@ from jreshard.engine.loopback import match, match_and_copy
 from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
 from jreshard.types import ByteBuffer, MpiCommunicator, MpiModule
 
-__all__ = ["MpiComm", "import_mpi", "quiet_ucx"]
+__all__ = ["MpiComm", "dup_within", "import_mpi", "quiet_ucx"]
 
 _MAX_SLEEP_S = 1e-3  # polling backs off to this: keeps 8 processes on 2 cores responsive
 _YIELD_S = 2e-4  # a prepared group's wait first polls yielding the core this long (the compiled replay's YIELD_NS)
@@ -109,6 +109,41 @@ def quiet_ucx() -> Iterator[None]:
     finally:
         if quiet:
             os.environ.pop("UCX_LOG_LEVEL", None)
+
+
+def dup_within(comm: MpiCommunicator, timeout_s: float, what: str) -> MpiCommunicator:
+    """A duplicate of ``comm``, or :class:`TransferTimeoutError` once ``timeout_s`` passes without every process
+    of ``comm`` duplicating it too.
+
+    ``MPI_Comm_dup`` is collective and cannot time out: a process whose peers failed or exited before making
+    their side (an import error, a refused declaration) would wait in it forever. The non-blocking duplicate is
+    polled against the deadline instead. After a timeout the duplicate stays pending inside MPI (a collective
+    cannot be cancelled): end the launch (``MPI.COMM_WORLD.Abort()``) rather than use ``comm`` again.
+
+    Args:
+      comm: an mpi4py intracommunicator.
+      timeout_s: the longest wait.
+      what: what is being formed, for the message (``"RefitGroup"``).
+
+    Example:
+      >>> from mpi4py import MPI
+      >>> dup_within(MPI.COMM_SELF, 1.0, "a group").Get_size()
+      1
+    """
+    new, request = comm.Idup()
+    deadline = time.monotonic() + timeout_s
+    sleep = 0.0
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError(
+                f"{what}: not every one of the communicator's {comm.Get_size()} processes joined within "
+                f"{timeout_s:.3g} s (it forms collectively: each process must make its side; one that failed "
+                "or exited before doing so leaves the others waiting). No weights moved; MPI still holds the "
+                "pending join, so end the launch (MPI.COMM_WORLD.Abort()) rather than use this communicator again"
+            )
+        time.sleep(sleep)
+        sleep = min(2 * sleep + 1e-5, 1e-3)
+    return new
 
 
 def _key_tag(src: int, dst: int, tag: int, tag_ub: int) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jreshard.errors import PeerError, TransferTimeoutError
-from jreshard.mpi.comm import import_mpi
+from jreshard.mpi.comm import dup_within, import_mpi
 from jreshard.types import ControlObject, MpiCommunicator
 
 __all__ = ["Control"]
@@ -34,8 +34,12 @@ class Control:
     """All-to-all exchange of small Python objects among MPI processes, with a deadline (final).
 
     Args:
-      comm: an mpi4py intracommunicator; it is duplicated.
+      comm: an mpi4py intracommunicator; it is duplicated, which every process of it must do (collectively).
       describe: names a process in error messages (default ``"process p"``).
+      timeout_s: the longest wait for every process of ``comm`` to make its ``Control``.
+
+    Raises:
+      TransferTimeoutError: not every process of ``comm`` made its ``Control`` within ``timeout_s``.
 
     Example:
       >>> from mpi4py import MPI
@@ -43,10 +47,12 @@ class Control:
       {0: {'ok': True}}
     """
 
-    def __init__(self, comm: MpiCommunicator, describe: Callable[[int], str] | None = None):
+    def __init__(
+        self, comm: MpiCommunicator, describe: Callable[[int], str] | None = None, *, timeout_s: float = 300.0
+    ):
         MPI = import_mpi()
         self._MPI = MPI
-        self._comm = comm.Dup()
+        self._comm = dup_within(comm, timeout_s, "forming the refit group")
         self._comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()

@@ -227,7 +227,7 @@ class RefitGroup:
         if _group is None:  # one MPI universe
             MPI = import_mpi()
             comm = MPI.COMM_WORLD if comm is None else comm
-            self._control: Any = Control(comm, describe=self._describe)
+            self._control: Any = Control(comm, describe=self._describe, timeout_s=self.options.timeout_s)
         else:  # a jreshard.nixl.group.ProcessGroup made by connect(transport="nixl")
             self._control = _group
             _group.describe = self._describe
