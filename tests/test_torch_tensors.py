@@ -31,6 +31,12 @@ def test_importing_the_adapter_imports_neither_jax_nor_torch():
         ("int8", "int8"),
         ("bool", "bool"),
         ("float8_e4m3fn", "float8_e4m3fn"),
+        ("float8_e8m0fnu", "float8_e8m0fnu"),
+        ("float8_e5m2fnuz", "float8_e5m2fnuz"),
+        ("complex64", "complex64"),
+        ("complex128", "complex128"),
+        ("uint32", "uint32"),
+        ("uint64", "uint64"),
     ],
 )
 def test_dtype_names(dtype, name):
@@ -38,8 +44,10 @@ def test_dtype_names(dtype, name):
 
 
 def test_a_dtype_without_a_counterpart_and_a_non_tensor_are_named():
-    with pytest.raises(TypeError, match="complex64 has no jreshard counterpart"):
-        tensor_dtype(torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="int4 has no jreshard counterpart"):
+        tensor_dtype(torch.zeros(2, dtype=torch.int4))
+    with pytest.raises(TypeError, match="qint8 has no jreshard counterpart"):
+        tensor_dtype(torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8))
     with pytest.raises(TypeError, match=r"expected a torch\.Tensor, got ndarray"):
         tensor_dtype(np.zeros(2))
 

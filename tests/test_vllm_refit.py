@@ -151,3 +151,30 @@ def test_the_same_over_mpi(tmp_path):
         assert "error" not in r, r
     for d in dst.values():
         assert d["exact"] == [True, True, True] and d["version"] == 3 and d["loaded"] == [], d
+
+
+@pytest.mark.parametrize(("seed", "flags"), [(1, ""), (4, "in_place")])
+def test_a_pytorch_receiver_of_random_tensors_over_mpi(tmp_path, seed, flags):
+    """A JAX trainer refits a PyTorch receiver (no jax, two processes) of random tensors: every dtype jax and torch
+    both hold (complex, unsigned and the float8s of both families included), shapes with sizes of 0 (these
+    were refused by the planner: no process declared them) and scalars, halves and whole tensors per process;
+    staged and in place. Two versions, every tensor's bytes checked."""
+    from mpi_launch import launch, need_mpi, program, results
+
+    need_mpi()
+    args = [str(seed), "16"]
+    launch(
+        [
+            program(1, "torch_random_body.py", "trainer", *args),
+            program(2, "torch_random_body.py", "server", *args, flags),
+        ],
+        tmp_path,
+        devices=2,
+        timeout_s=180,
+    )
+    src, dst = results(tmp_path, "torch-random-trainer"), results(tmp_path, "torch-random-server")
+    assert len(src) == 1 and len(dst) == 2, (src, dst)
+    for r in [*src.values(), *dst.values()]:
+        assert "error" not in r, r
+    for d in dst.values():
+        assert d["bad"] == [] and d["version"] == 2 and d["loaded"] == [], d

@@ -42,7 +42,8 @@ class Shard:
     Attributes:
       tensor: the ``torch.Tensor`` written (contiguous).
       shape: the global shape it is a part of.
-      box: the part of the global tensor it holds (empty: it holds none of it, only padding).
+      box: the part of the global tensor it holds (empty: it holds none of it, only padding; a tensor of no
+        element is held, empty, by every process that names it).
       tensor_box: where ``box`` lands in ``tensor`` (default: all of it); one contiguous run of its memory.
     """
 
@@ -68,7 +69,7 @@ class Receiver:
         self._targets: dict[tuple[str, int], tuple[int, int]] = {}
         self._device: dict[tuple[str, int], Any] = {}  # tensors off the host: copied with torch at the commit
         for name, s in shards.items():
-            if not s.box.volume:
+            if not _declares(s):
                 continue
             self._targets[(name, 0)] = tensor_region(s.tensor, s.tensor_box or _whole(s.tensor), what=name)
             if str(s.tensor.device) != "cpu":
@@ -80,7 +81,8 @@ class Receiver:
                 self._device[(name, 0)] = s.tensor
         self._buffers: dict[tuple[str, int], Any]
         if self.in_place:
-            self._buffers = {k: RawMemory(a, n) for k, (a, n) in self._targets.items()}
+            # (a tensor of no element has no memory to name: an empty buffer, which no byte reaches)
+            self._buffers = {k: RawMemory(a, n) if n else np.empty(0, np.uint8) for k, (a, n) in self._targets.items()}
         else:
             self._buffers = {k: np.empty(n, np.uint8) for k, (_, n) in self._targets.items()}
         self._tensors = {name: s.tensor for name, s in shards.items()}  # kept alive with their memory
@@ -105,7 +107,7 @@ class Receiver:
                     f"{name}: its box {box} has {box.volume} elements, its tensor_box {region} {region.volume}"
                 )
             tensor_region(s.tensor, region, what=name)
-            boxes = ((0, box),) if box.volume else ()
+            boxes = ((0, box),) if _declares(s) else ()
             tensors.append(Tensor(name=name, shape=tuple(s.shape), dtype=tensor_dtype(s.tensor), boxes=boxes))
         return Declaration(tensors=tuple(tensors), slots=1, domain=domain, recipe=recipe)
 
@@ -205,6 +207,13 @@ def _to_device(t: Target, address: int, src: np.ndarray) -> None:
     flat = t.detach().reshape(-1).view(torch.uint8)
     start = address - int(t.data_ptr())
     flat[start : start + src.size].copy_(torch.from_numpy(src))
+
+
+def _declares(s: Shard) -> bool:
+    """Whether this process declares ``s``: an empty box holds nothing (padding only), except of a tensor of no
+    element, which every process declares (as jax declares a zero-size array on each of its devices)."""
+    box = s.box if isinstance(s.box, Box) else Box(*s.box)
+    return bool(box.volume) or 0 in tuple(s.shape)
 
 
 def _whole(t: Target) -> Box:

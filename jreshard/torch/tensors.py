@@ -20,20 +20,29 @@ TORCH_DTYPES = {
     "bfloat16": "bfloat16",
     "float8_e4m3fn": "float8_e4m3fn",
     "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fnuz": "float8_e4m3fnuz",
+    "float8_e5m2fnuz": "float8_e5m2fnuz",
+    "float8_e8m0fnu": "float8_e8m0fnu",
+    "complex64": "complex64",
+    "complex128": "complex128",
     "int8": "int8",
     "uint8": "uint8",
     "int16": "int16",
+    "uint16": "uint16",
     "int32": "int32",
+    "uint32": "uint32",
     "int64": "int64",
+    "uint64": "uint64",
     "bool": "bool",
 }
+# (torch's sub-byte dtypes (int4, float4_e2m1fn_x2...) have no counterpart: a refit moves whole bytes of them)
 
 
 def tensor_dtype(t: Target) -> str:
     """``t``'s dtype by jreshard's name (``torch.bfloat16`` -> ``"bfloat16"``).
 
     Raises:
-      TypeError: ``t`` is not a tensor, or its dtype has no counterpart here (complex, quantised).
+      TypeError: ``t`` is not a tensor, or its dtype has no counterpart here (sub-byte, quantised).
     """
     dtype = getattr(t, "dtype", None)
     name = str(dtype).removeprefix("torch.")
