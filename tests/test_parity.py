@@ -213,6 +213,18 @@ def test_unreduced_target_is_refused_with_the_reason() -> None:
     assert not into.is_deleted()
 
 
+def test_a_manual_mesh_target_is_refused_with_the_reason() -> None:
+    """A target on a mesh of Manual axes (which exist inside shard_map only): jax.device_put fails on it with an
+    AssertionError from its own internals; jreshard refuses it before any byte moves, naming the axes and the
+    fix (it raised the same AssertionError, from the results it made)."""
+    from jax.sharding import AxisType
+
+    x = source("ns_explicit_x")
+    mesh = jax.make_mesh((2,), ("m",), axis_types=(AxisType.Manual,), devices=jax.devices()[2:4])
+    with pytest.raises(jreshard.LayoutError, match=r"axes \['m'\] are Manual.*Auto or Explicit"):
+        jreshard.transfer(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("m")))
+
+
 # ------------------------------------------------------------------------------------------------- dtypes
 
 DTYPE_CASES = [(d, s, t) for d in DTYPES for s, t in DTYPE_PAIRS]

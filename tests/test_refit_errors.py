@@ -237,3 +237,36 @@ def test_a_leaf_a_refit_cannot_move_is_a_declaration_problem_that_says_how(dtype
         assert error.startswith("leaf ['odd'] is") and fix in error
     found = validate(decls)
     assert len(found) == 2 and all("['odd']" in e for e in found)
+
+
+@pytest.mark.parametrize("kind", ["unreduced", "manual"])
+def test_a_sharding_no_array_lives_on_is_a_declaration_problem_named_by_its_leaf(kind):
+    """A leaf whose sharding has unreduced axes (partial sums) or lies on a mesh of Manual axes (only inside
+    shard_map) has no boxes to move: a problem of its declaration, reported on every process before any byte
+    moves; it used to raise in this process alone, before the group formed (the manual mesh with jax's own
+    AssertionError), leaving the other side to wait."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard.refit.decl import declare_local
+
+    devices = jax.devices()[:2]
+    if kind == "manual":
+        mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Manual,), devices=devices)
+        odd = NamedSharding(mesh, P("x"))
+        says = "are Manual"
+    else:
+        mesh = jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=devices)
+        odd = NamedSharding(mesh, P(None, unreduced={"x"}))
+        says = "unreduced axes ['x']"
+    rows = NamedSharding(jax.sharding.Mesh(np.array(devices), ("x",)), P("x"))
+    params = {
+        "w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=rows),
+        "odd": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=odd),
+    }
+    decl = declare_local("destination", params, list(devices), 0)
+    assert [name for name, *_ in decl["params"]] == ["['w']"]
+    (error,) = decl["errors"]
+    assert error.startswith("leaf ['odd']: ") and says in error, error

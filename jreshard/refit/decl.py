@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jreshard.errors import JReshardError
+from jreshard.errors import JReshardError, LayoutError
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
 from jreshard.sharding.layout import Layout
@@ -78,7 +78,11 @@ def declare_leaves(role: str, leaves: Sequence[tuple[Any, Any]], devices: Sequen
             errors.append(f"leaf {name} {why}")
             continue
         shape = tuple(int(n) for n in leaf.shape)
-        lay = Layout.from_sharding(sharding, shape, leaf.dtype)
+        try:
+            lay = Layout.from_sharding(sharding, shape, leaf.dtype)
+        except LayoutError as err:  # (unreduced or manual axes, a shape the sharding cannot hold): said everywhere
+            errors.append(f"leaf {name}: {err}")
+            continue
         boxes = []
         for d in sorted(sharding.addressable_devices, key=lambda d: d.id):
             if d not in devices:
@@ -411,8 +415,6 @@ def _side_layout(
     dtype: str,
 ) -> Layout:
     """The layout of parameter ``name`` over the ranks of ``procs`` (one side's processes)."""
-    from jreshard.errors import LayoutError
-
     boxes = {}
     for p in procs:
         entry = next(e for e in decls[p]["params"] if e[0] == name)

@@ -64,6 +64,13 @@ def describe_sharding(
                 f"sharding {sharding} has unreduced axes {sorted(pspec.unreduced)}: its shards hold partial sums, "
                 "not parts of the array; the fix is to reduce them (jax.lax.psum) before moving the array"
             )
+        manual = _manual_axes(mesh)
+        if manual:
+            raise LayoutError(
+                f"sharding {sharding} is on a mesh whose axes {manual} are Manual: a manual axis exists only inside "
+                "shard_map, and no array outside it lives on one (jax.device_put fails on it too); the fix is the "
+                "same mesh with those axes Auto or Explicit (jax.make_mesh(..., axis_types=...))"
+            )
         # Reduced axes hold full copies (as replication does for the bytes); the partitions say the boxes.
         spec = tuple(getattr(pspec, "partitions", pspec))
         if mesh.devices.size and all(e is None or isinstance(e, (str, tuple)) for e in spec):
@@ -74,6 +81,13 @@ def describe_sharding(
     except ValueError as err:
         raise LayoutError(f"sharding {sharding} cannot hold a tensor of shape={shape}: {err}") from err
     return {rank_of(d): Box.from_slices(idx, shape) for d, idx in index_map.items()}
+
+
+def _manual_axes(mesh: Any) -> list[str]:
+    """The names of ``mesh``'s axes of type ``Manual`` (none where this jax has no axis types)."""
+    manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
+    types = getattr(mesh, "axis_types", None) or ()
+    return [str(n) for n, t in zip(mesh.axis_names, types, strict=False) if manual is not None and t == manual]
 
 
 def addressable_order(sharding: Sharding) -> tuple[Any, ...]:
