@@ -156,3 +156,22 @@ def test_a_side_that_fails_before_it_joins_makes_the_other_raise_within_its_time
     assert "not every one of the communicator's 2 processes joined within 4 s" in s["raised"], s
     assert 4.0 <= s["after_s"] < 4.0 + SLACK_S, s
     assert time.monotonic() - t0 < 60
+
+
+def test_a_process_that_never_calls_initialize_makes_the_others_raise_within_timeout(tmp_path):
+    """jreshard.mpi.cluster.initialize in one launch where one process exits before calling it: the other raises
+    TransferTimeoutError within timeout_s (its allgather of host names waited in MPI for good)."""
+    from mpi_launch import launch, program, results
+
+    need_mpi()
+    t0 = time.monotonic()
+    launch(
+        [program(1, "join_refused_body.py", "initialize"), program(1, "join_refused_body.py", "absent")],
+        tmp_path,
+        devices=1,
+        timeout_s=90,
+    )
+    ((_, r),) = results(tmp_path, "join-initialize").items()
+    assert "not every one of the communicator's 2 processes joined within 4 s" in r["raised"], r
+    assert 4.0 <= r["after_s"] < 4.0 + SLACK_S, r
+    assert time.monotonic() - t0 < 60

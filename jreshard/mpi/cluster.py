@@ -8,11 +8,13 @@ processes must be the MPI processes of ``comm``
 
 from __future__ import annotations
 
+import math
 import socket
 from contextlib import ExitStack
 
 from jreshard.errors import BackendUnavailableError
 from jreshard.mpi.comm import MpiComm, import_mpi
+from jreshard.mpi.control import Control
 from jreshard.net.ports import reserved_port
 from jreshard.types import MpiCommunicator
 
@@ -21,7 +23,7 @@ __all__ = ["cluster_comm", "initialize"]
 _COMMS: dict[int, MpiComm] = {}
 
 
-def initialize(comm: MpiCommunicator = None, *, port: int | None = None) -> None:
+def initialize(comm: MpiCommunicator = None, *, port: int | None = None, timeout_s: float = 300.0) -> None:
     """Start ``jax.distributed`` over the processes of an MPI communicator.
 
     ``comm`` defaults to ``MPI.COMM_WORLD``, where jax's ``mpi4py`` cluster
@@ -33,20 +35,34 @@ def initialize(comm: MpiCommunicator = None, *, port: int | None = None) -> None
     address is loopback when every process of ``comm`` runs on one host, else
     process 0's host name. Set the CPU device count with
     ``JAX_NUM_CPU_DEVICES`` before jax starts.
+
+    Every wait is bounded by ``timeout_s`` (jax's own start-up included, as its ``initialization_timeout``).
+
+    Raises:
+      TransferTimeoutError: not every process of ``comm`` called it within ``timeout_s`` (one failed or exited
+        before it: the message names it where it can); end the launch then.
     """
     import jax
 
     MPI = import_mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
-    host = coordinator_host(comm.allgather(socket.gethostname()))
-    with ExitStack() as held:
-        if port is None and comm.Get_rank() == 0:
-            port = held.enter_context(reserved_port())  # held until the coordinator has bound it
-        address = f"{host}:{comm.bcast(port, root=0)}"
-        if comm == MPI.COMM_WORLD:  # jax's mpi4py detection: a GPU per process of a host, by local rank
-            jax.distributed.initialize(address, cluster_detection_method="mpi4py")
-        else:
-            jax.distributed.initialize(address, num_processes=comm.Get_size(), process_id=comm.Get_rank())
+    control = Control(comm, timeout_s=timeout_s)  # MPI's own collectives would wait for a missing process for good
+    try:
+        with ExitStack() as held:
+            if port is None and comm.Get_rank() == 0:
+                port = held.enter_context(reserved_port())  # held until the coordinator has bound it
+            got = control.allgather({"host": socket.gethostname(), "port": port}, timeout_s=timeout_s)
+            host = coordinator_host([got[p]["host"] for p in sorted(got)])
+            address = f"{host}:{got[0]['port']}"
+            wait = max(1, math.ceil(timeout_s))
+            if comm == MPI.COMM_WORLD:  # jax's mpi4py detection: a GPU per process of a host, by local rank
+                jax.distributed.initialize(address, cluster_detection_method="mpi4py", initialization_timeout=wait)
+            else:
+                jax.distributed.initialize(
+                    address, num_processes=comm.Get_size(), process_id=comm.Get_rank(), initialization_timeout=wait
+                )
+    finally:
+        control.close()
 
 
 def coordinator_host(hosts: list[str]) -> str:

@@ -1,6 +1,9 @@
 """One MPI launch where the destination side fails before it makes its side of the group (here: a PyTorch
 receiver whose tensor has a dtype it refuses, or any error): ``join_refused_body.py source|destination``. The
-source must raise :class:`TransferTimeoutError` within its ``timeout_s``, not wait forever in MPI."""
+source must raise :class:`TransferTimeoutError` within its ``timeout_s``, not wait forever in MPI.
+
+``join_refused_body.py initialize|absent``: the same for :func:`jreshard.mpi.cluster.initialize`, which the
+``absent`` process never calls."""
 
 import sys
 import time
@@ -39,5 +42,22 @@ def destination() -> dict:
     return {"refused": None}
 
 
+def initialize() -> dict:
+    from jreshard import TransferTimeoutError
+    from jreshard.mpi.cluster import initialize
+
+    t0 = time.monotonic()
+    try:
+        initialize(timeout_s=TIMEOUT_S)
+    except TransferTimeoutError as err:
+        return {"raised": str(err), "after_s": time.monotonic() - t0}
+    return {"raised": None}
+
+
 if __name__ == "__main__":
-    main(f"join-{sys.argv[1]}", source if sys.argv[1] == "source" else destination)
+    bodies = {"source": source, "destination": destination, "initialize": initialize}
+    if sys.argv[1] == "absent":  # a process of the launch (MPI started) that exits before it calls initialize
+        from mpi4py import MPI  # noqa: F401  (starts MPI)
+
+        sys.exit(0)
+    main(f"join-{sys.argv[1]}", bodies[sys.argv[1]])
