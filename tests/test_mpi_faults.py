@@ -175,3 +175,20 @@ def test_a_process_that_never_calls_initialize_makes_the_others_raise_within_tim
     assert "not every one of the communicator's 2 processes joined within 4 s" in r["raised"], r
     assert 4.0 <= r["after_s"] < 4.0 + SLACK_S, r
     assert time.monotonic() - t0 < 60
+
+
+def test_a_process_that_never_makes_the_first_transfer_makes_the_others_raise_within_timeout(tmp_path):
+    """A multi-controller cluster whose second process never calls the first transfer across processes (which forms
+    the cluster's MPI communicator): the first raises TransferTimeoutError within timeout_s."""
+    from mpi_launch import launch, program, results
+
+    need_mpi()
+    launch(
+        [program(1, "join_refused_body.py", "transfer"), program(1, "join_refused_body.py", "idle")],
+        tmp_path,
+        devices=1,
+        timeout_s=120,
+    )
+    ((_, r),) = results(tmp_path, "join-transfer").items()
+    assert "not every one of the communicator's 2 processes joined within 4 s" in r["raised"], r
+    assert 4.0 <= r["after_s"] < 4.0 + SLACK_S, r

@@ -166,13 +166,14 @@ def runner(name: str) -> Callable[..., list[Array]]:
     return run
 
 
-def cluster_transport(name: str = "mpi") -> Communicator:
+def cluster_transport(name: str = "mpi", timeout_s: float = 300.0) -> Communicator:
     """The communicator over every process of this jax cluster for the transport ``name`` (MPI's
     ``COMM_WORLD``): the default of the calls every process makes (views across processes,
-    :func:`transfer_multiprocess`)."""
+    :func:`transfer_multiprocess`). The first call forms it: every process must make it within ``timeout_s``
+    (else :class:`~jreshard.errors.TransferTimeoutError`)."""
     if name != "mpi":
         raise ValueError(f"cluster_transport: name={name!r}; the cluster-wide default transport is 'mpi'")
-    return kit("mpi").world()
+    return kit("mpi").world(timeout_s)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -434,7 +435,8 @@ def transfer_multiprocess(
     from jreshard.engine.driver import run_leaves
 
     if transport is None:
-        transport = cluster_transport() if comm is None else kit("mpi").cluster(comm)
+        timeout_s = (options or Options()).timeout_s
+        transport = cluster_transport(timeout_s=timeout_s) if comm is None else kit("mpi").cluster(comm, timeout_s)
     leaves, treedef, targets = flatten(x, target, "into" if into else "target")
     out, stats, plans = run_leaves(
         leaves,

@@ -427,7 +427,7 @@ def run_cluster(
         key, lowerings, topo = lower_views(views, srcs, layouts, dsts, topology)
         quant = tuple((v.part, v.block, v.x.dtype) if isinstance(v, _Quant) else None for v in views)
         if transport is None:
-            transport = cluster_transport("mpi")
+            transport = cluster_transport("mpi", options.timeout_s)
         sched_opts = (options.chunk_bytes, options.staging_bytes)
         vs = _schedule(
             (key, sched_opts), lowerings, tuple(layouts), tuple(dsts), topo, options, quant, transport.pipelines_packs

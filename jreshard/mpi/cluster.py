@@ -70,15 +70,27 @@ def coordinator_host(hosts: list[str]) -> str:
     return "127.0.0.1" if len(set(hosts)) == 1 else hosts[0]
 
 
-def cluster_comm(comm: MpiCommunicator) -> MpiComm:
-    """One MpiComm per MPI communicator, mapping every jax device id to its MPI process."""
+def cluster_comm(comm: MpiCommunicator, timeout_s: float = 300.0) -> MpiComm:
+    """One MpiComm per MPI communicator, mapping every jax device id to its MPI process.
+
+    The first call for ``comm`` forms it, collectively: every process of ``comm`` must make it (its first
+    transfer across processes) within ``timeout_s``.
+
+    Raises:
+      TransferTimeoutError: a process of ``comm`` did not (the message names it where it can).
+    """
     import jax
 
     key = id(comm)
     c = _COMMS.get(key)
     if c is not None and c.broken is None:
         return c
-    procs = comm.allgather(jax.process_index())  # MPI rank -> jax process index (setup, once)
+    control = Control(comm, timeout_s=timeout_s)  # MPI's allgather would wait for a missing process for good
+    try:  # MPI rank -> jax process index (set up once)
+        got = control.allgather(jax.process_index(), timeout_s=timeout_s)
+    finally:
+        control.close()
+    procs = [got[p] for p in sorted(got)]
     if sorted(procs) != list(range(jax.process_count())) or comm.Get_size() != jax.process_count():
         raise BackendUnavailableError(
             f"transfer across processes: the MPI communicator has {comm.Get_size()} processes with jax process "
@@ -86,5 +98,5 @@ def cluster_comm(comm: MpiCommunicator) -> MpiComm:
             "over the MPI processes (jreshard.mpi.cluster.initialize())"
         )
     mpi_of = {p: i for i, p in enumerate(procs)}
-    c = _COMMS[key] = MpiComm(comm, {d.id: mpi_of[d.process_index] for d in jax.devices()})
+    c = _COMMS[key] = MpiComm(comm, {d.id: mpi_of[d.process_index] for d in jax.devices()}, timeout_s=timeout_s)
     return c

@@ -169,6 +169,7 @@ class MpiComm(Communicator):
         (``MPI.COMM_WORLD`` by default). It is duplicated; the original is untouched.
       rank_process: ``{jreshard rank: process rank in comm}`` for every rank
         taking part; every process must pass the same mapping.
+      timeout_s: the longest wait for every process of ``comm`` to make its ``MpiComm`` (collectively).
 
     Example:
       >>> from mpi4py import MPI
@@ -183,7 +184,9 @@ class MpiComm(Communicator):
 
     posts_ahead = True  # a posted message moves while the host packs (MPI's progress, the peer's copy, the NIC)
 
-    def __init__(self, comm: MpiCommunicator = None, rank_process: Mapping[int, int] | None = None):
+    def __init__(
+        self, comm: MpiCommunicator = None, rank_process: Mapping[int, int] | None = None, *, timeout_s: float = 300.0
+    ):
         MPI = import_mpi()
         comm = MPI.COMM_WORLD if comm is None else comm
         if rank_process is None:
@@ -195,7 +198,7 @@ class MpiComm(Communicator):
                 f"{comm.Get_size()} processes"
             )
         self._MPI = MPI
-        self._comm = comm.Dup()
+        self._comm = dup_within(comm, timeout_s, "MpiComm")
         self._comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._me = self._comm.Get_rank()
         self._proc = {int(r): int(p) for r, p in rank_process.items()}

@@ -35,14 +35,15 @@ class MpiKit:
     live: type[LiveComm] = LiveComm
     import_mpi: Callable[[], ModuleType] = import_mpi
 
-    def world(self) -> MpiComm:
-        """The communicator over every process of the jax cluster (``MPI.COMM_WORLD``)."""
-        return cluster_comm(import_mpi().COMM_WORLD)
+    def world(self, timeout_s: float = 300.0) -> MpiComm:
+        """The communicator over every process of the jax cluster (``MPI.COMM_WORLD``); formed at the first
+        call, by every process within ``timeout_s``."""
+        return cluster_comm(import_mpi().COMM_WORLD, timeout_s)
 
-    def cluster(self, comm: MpiCommunicator) -> MpiComm:
+    def cluster(self, comm: MpiCommunicator, timeout_s: float = 300.0) -> MpiComm:
         """The communicator over the processes of the mpi4py communicator ``comm``, which must be the jax
-        cluster's (every jax device id mapped to its MPI process)."""
-        return cluster_comm(comm)
+        cluster's (every jax device id mapped to its MPI process); formed as :meth:`world` is."""
+        return cluster_comm(comm, timeout_s)
 
 
 def _probe(import_module: ImportModule) -> str | None:
@@ -52,7 +53,7 @@ def _probe(import_module: ImportModule) -> str | None:
 
 
 def _open(devices: Mapping[int, Device], single_process: bool, options: Options, topology: Topology | None) -> Opened:
-    return Opened(comm=MpiKit().world())
+    return Opened(comm=MpiKit().world(options.timeout_s))
 
 
 RECORD: TransportRecord[MpiKit] = TransportRecord(

@@ -271,9 +271,10 @@ class RefitGroup:
         self._plan: Plan | None = None
         self._schedule: Schedule | None = None  # this process's ranks only, agreed with peers at the first refit
         if _group is None:
-            self._comm: Any = MpiComm(comm, rank_process)
+            self._comm: Any = MpiComm(comm, rank_process, timeout_s=self.options.timeout_s)
         elif comm is not None:  # two MPI launches: the weights over MPI, never posted to a peer known gone
-            self._comm = LiveComm(MpiComm(comm, rank_process), _group.gone, self._describe)
+            mpi = MpiComm(comm, rank_process, timeout_s=self.options.timeout_s)
+            self._comm = LiveComm(mpi, _group.gone, self._describe)
         else:
             self._comm = _group.communicator(
                 rank_process, timeout_s=self.options.timeout_s, encrypt=self.options.encrypt

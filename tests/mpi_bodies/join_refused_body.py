@@ -3,7 +3,8 @@ receiver whose tensor has a dtype it refuses, or any error): ``join_refused_body
 source must raise :class:`TransferTimeoutError` within its ``timeout_s``, not wait forever in MPI.
 
 ``join_refused_body.py initialize|absent``: the same for :func:`jreshard.mpi.cluster.initialize`, which the
-``absent`` process never calls."""
+``absent`` process never calls. ``join_refused_body.py transfer|idle``: a multi-controller cluster whose ``idle``
+process never makes the first transfer across processes (it waits, then exits)."""
 
 import sys
 import time
@@ -54,8 +55,47 @@ def initialize() -> dict:
     return {"raised": None}
 
 
+def transfer() -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard import Options, TransferTimeoutError
+    from jreshard.call.routes import transfer_multiprocess
+    from jreshard.mpi.cluster import initialize
+
+    initialize(timeout_s=60.0)
+    devs = jax.devices()
+    one, other = (NamedSharding(jax.sharding.Mesh(np.array(d), ("a",)), P("a")) for d in (devs[:1], devs[1:]))
+    x = jax.make_array_from_callback((8,), one, lambda idx: np.arange(8, dtype=np.float32)[idx])
+    t0 = time.monotonic()
+    try:
+        transfer_multiprocess(x, other, options=Options(timeout_s=TIMEOUT_S))
+    except TransferTimeoutError as err:
+        return {"raised": str(err), "after_s": time.monotonic() - t0}
+    return {"raised": None}
+
+
+def idle() -> dict:
+    import jax
+
+    from jreshard.mpi.cluster import initialize
+
+    initialize(timeout_s=60.0)
+    jax.devices()  # the cluster's CPU client forms with every process's
+    time.sleep(3 * TIMEOUT_S)  # never calls the transfer; the other process must give up first
+    return {}
+
+
 if __name__ == "__main__":
-    bodies = {"source": source, "destination": destination, "initialize": initialize}
+    bodies = {
+        "source": source,
+        "destination": destination,
+        "initialize": initialize,
+        "transfer": transfer,
+        "idle": idle,
+    }
     if sys.argv[1] == "absent":  # a process of the launch (MPI started) that exits before it calls initialize
         from mpi4py import MPI  # noqa: F401  (starts MPI)
 
