@@ -310,19 +310,35 @@ def test_communicator_creation_is_bounded_by_timeout_s(monkeypatch):
     assert not cupy_nccl._CACHE
 
 
-def test_mpi_rendezvous_over_a_stand_in_communicator():
-    class Comm:
-        def __init__(self, values):
-            self.values = values
+def test_mpi_rendezvous_in_one_process():
+    from mpi4py import MPI
 
-        def allgather(self, value):
-            return self.values
-
-    assert MpiRendezvous(Comm([None, b"id", None])).share("k", None, timeout_s=1) == b"id"
+    assert MpiRendezvous(MPI.COMM_SELF).share("k", b"id", timeout_s=1) == b"id"
     with pytest.raises(PeerError, match=r"MPI processes \[\] supplied"):
-        MpiRendezvous(Comm([None, None])).share("k", None, timeout_s=1)
-    with pytest.raises(PeerError, match=r"\[0, 1\]"):
-        MpiRendezvous(Comm([b"a", b"b"])).share("k", b"a", timeout_s=1)
+        MpiRendezvous(MPI.COMM_SELF).share("k", None, timeout_s=1)
+
+
+@pytest.mark.parametrize("case", ["one", "none", "two", "late"])
+def test_mpi_rendezvous_among_three_processes(tmp_path, case):
+    """Every process gets the one value made; none or two made is PeerError everywhere; a process that never
+    calls it is TransferTimeoutError on the others within timeout_s (MPI's allgather waited for good)."""
+    from mpi_launch import launch, need_mpi, program, results
+
+    need_mpi()
+    launch([program(3, "rendezvous_body.py", case)], tmp_path, devices=1, timeout_s=90)
+    got = results(tmp_path, f"rendezvous-{case}")
+    assert sorted(got) == [0, 1, 2], got
+    for rank, r in got.items():
+        assert "error" not in r, r
+        if case == "one":
+            assert r["got"] == "id", r
+        elif case == "none":
+            assert r["raised"].startswith("PeerError") and "MPI processes [] supplied" in r["raised"], r
+        elif case == "two":
+            assert r["raised"].startswith("PeerError") and "[0, 1]" in r["raised"], r
+        elif rank != 2:
+            assert "not every one of the communicator's 3 processes joined within 4 s" in r["raised"], r
+            assert 4.0 <= r["after_s"] < 9.0, r
 
 
 def test_key_value_rendezvous_from_jax_needs_a_cluster():

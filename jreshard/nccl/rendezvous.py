@@ -7,7 +7,7 @@ Exactly one process makes the value; every process of the group calls
 - :class:`KeyValueRendezvous`: the key-value store of a ``jax.distributed``
   cluster (or any client with the same two calls), when every process is in one
   JAX cluster;
-- :class:`MpiRendezvous`: an ``allgather`` over an mpi4py communicator, when
+- :class:`MpiRendezvous`: an exchange over an mpi4py communicator (bounded by ``timeout_s``), when
   the processes were launched under MPI;
 - a ``RefitGroup`` supplies its own over the address the group was formed at.
 
@@ -129,9 +129,8 @@ class KeyValueRendezvous(Rendezvous):
 
 
 class MpiRendezvous(Rendezvous):
-    """Over an mpi4py communicator: an ``allgather`` of every process's value (final).
-
-    MPI has no timeout on a collective: ``timeout_s`` is not enforced here.
+    """Over an mpi4py communicator: an all-to-all exchange of every process's value, bounded by ``timeout_s``
+    (a :class:`~jreshard.mpi.control.Control`: MPI's own collectives cannot time out) (final).
 
     Args:
       comm: an mpi4py communicator spanning every process of the group
@@ -152,7 +151,14 @@ class MpiRendezvous(Rendezvous):
         self._comm = comm
 
     def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
-        values = self._comm.allgather(None if value is None else bytes(value))
+        from jreshard.mpi.control import Control
+
+        control = Control(self._comm, timeout_s=timeout_s)
+        try:
+            got = control.allgather(None if value is None else bytes(value), timeout_s=timeout_s)
+        finally:
+            control.close()
+        values = [got[p] for p in sorted(got)]
         made = [i for i, v in enumerate(values) if v is not None]
         if len(made) != 1:
             raise PeerError(
