@@ -154,6 +154,7 @@ def test_a_side_that_fails_before_it_joins_makes_the_other_raise_within_its_time
     ((_, d),) = dst.items()
     assert "int4 has no jreshard counterpart" in d["refused"], d
     assert "not every one of the communicator's 2 processes joined within 4 s" in s["raised"], s
+    assert s["raised"].startswith("forming the refit group: "), s
     assert 4.0 <= s["after_s"] < 4.0 + SLACK_S, s
     assert time.monotonic() - t0 < 60
 
@@ -173,6 +174,7 @@ def test_a_process_that_never_calls_initialize_makes_the_others_raise_within_tim
     )
     ((_, r),) = results(tmp_path, "join-initialize").items()
     assert "not every one of the communicator's 2 processes joined within 4 s" in r["raised"], r
+    assert r["raised"].startswith("jreshard.mpi.cluster.initialize: "), r
     assert 4.0 <= r["after_s"] < 4.0 + SLACK_S, r
     assert time.monotonic() - t0 < 60
 
@@ -191,4 +193,5 @@ def test_a_process_that_never_makes_the_first_transfer_makes_the_others_raise_wi
     )
     ((_, r),) = results(tmp_path, "join-transfer").items()
     assert "not every one of the communicator's 2 processes joined within 4 s" in r["raised"], r
+    assert r["raised"].startswith("the first transfer across processes: "), r
     assert 4.0 <= r["after_s"] < 4.0 + SLACK_S, r

@@ -338,6 +338,7 @@ def test_mpi_rendezvous_among_three_processes(tmp_path, case):
             assert r["raised"].startswith("PeerError") and "[0, 1]" in r["raised"], r
         elif rank != 2:
             assert "not every one of the communicator's 3 processes joined within 4 s" in r["raised"], r
+            assert r["raised"].startswith("TransferTimeoutError: rendezvous 'k': "), r
             assert 4.0 <= r["after_s"] < 9.0, r
 
 

@@ -46,7 +46,8 @@ def initialize(comm: MpiCommunicator = None, *, port: int | None = None, timeout
 
     MPI = import_mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
-    control = Control(comm, timeout_s=timeout_s)  # MPI's own collectives would wait for a missing process for good
+    # (MPI's own collectives would wait for a missing process for good)
+    control = Control(comm, timeout_s=timeout_s, what="jreshard.mpi.cluster.initialize")
     try:
         with ExitStack() as held:
             if port is None and comm.Get_rank() == 0:
@@ -85,7 +86,8 @@ def cluster_comm(comm: MpiCommunicator, timeout_s: float = 300.0) -> MpiComm:
     c = _COMMS.get(key)
     if c is not None and c.broken is None:
         return c
-    control = Control(comm, timeout_s=timeout_s)  # MPI's allgather would wait for a missing process for good
+    # (MPI's allgather would wait for a missing process for good)
+    control = Control(comm, timeout_s=timeout_s, what="the first transfer across processes")
     try:  # MPI rank -> jax process index (set up once)
         got = control.allgather(jax.process_index(), timeout_s=timeout_s)
     finally:

@@ -123,7 +123,7 @@ def dup_within(comm: MpiCommunicator, timeout_s: float, what: str) -> MpiCommuni
     Args:
       comm: an mpi4py intracommunicator.
       timeout_s: the longest wait.
-      what: what is being formed, for the message (``"RefitGroup"``).
+      what: what is being formed, for the message (``"forming the refit group"``).
 
     Example:
       >>> from mpi4py import MPI
@@ -138,8 +138,8 @@ def dup_within(comm: MpiCommunicator, timeout_s: float, what: str) -> MpiCommuni
             raise TransferTimeoutError(
                 f"{what}: not every one of the communicator's {comm.Get_size()} processes joined within "
                 f"{timeout_s:.3g} s (it forms collectively: each process must make its side; one that failed "
-                "or exited before doing so leaves the others waiting). No weights moved; MPI still holds the "
-                "pending join, so end the launch (MPI.COMM_WORLD.Abort()) rather than use this communicator again"
+                "or exited before doing so leaves the others waiting). MPI still holds the pending join: end the "
+                "launch (MPI.COMM_WORLD.Abort()) rather than use this communicator again"
             )
         time.sleep(sleep)
         sleep = min(2 * sleep + 1e-5, 1e-3)

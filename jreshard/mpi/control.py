@@ -37,6 +37,7 @@ class Control:
       comm: an mpi4py intracommunicator; it is duplicated, which every process of it must do (collectively).
       describe: names a process in error messages (default ``"process p"``).
       timeout_s: the longest wait for every process of ``comm`` to make its ``Control``.
+      what: what the processes form, for that error's message.
 
     Raises:
       TransferTimeoutError: not every process of ``comm`` made its ``Control`` within ``timeout_s``.
@@ -48,11 +49,16 @@ class Control:
     """
 
     def __init__(
-        self, comm: MpiCommunicator, describe: Callable[[int], str] | None = None, *, timeout_s: float = 300.0
+        self,
+        comm: MpiCommunicator,
+        describe: Callable[[int], str] | None = None,
+        *,
+        timeout_s: float = 300.0,
+        what: str = "forming the refit group",
     ):
         MPI = import_mpi()
         self._MPI = MPI
-        self._comm = dup_within(comm, timeout_s, "forming the refit group")
+        self._comm = dup_within(comm, timeout_s, what)
         self._comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank = self._comm.Get_rank()
         self.size = self._comm.Get_size()

@@ -153,7 +153,7 @@ class MpiRendezvous(Rendezvous):
     def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
         from jreshard.mpi.control import Control
 
-        control = Control(self._comm, timeout_s=timeout_s)
+        control = Control(self._comm, timeout_s=timeout_s, what=f"rendezvous {key!r}")
         try:
             got = control.allgather(None if value is None else bytes(value), timeout_s=timeout_s)
         finally:
