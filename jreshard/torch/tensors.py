@@ -35,7 +35,8 @@ TORCH_DTYPES = {
     "uint64": "uint64",
     "bool": "bool",
 }
-# (torch's sub-byte dtypes (int4, float4_e2m1fn_x2...) have no counterpart: a refit moves whole bytes of them)
+# Not here: torch's sub-byte dtypes (int4, float4_e2m1fn_x2, ...) and quantised ones (qint8, ...), whose elements
+# are not whole bytes of a plain type.
 
 
 def tensor_dtype(t: Target) -> str:
