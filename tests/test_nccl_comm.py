@@ -17,9 +17,10 @@ from cupy_standins import CUDA_ERROR_NOT_READY, UID13, FakeDeviceArray, NcclErro
 
 from jreshard.engine.comm import RecvOp, SendOp
 from jreshard.errors import PeerError, TransferError, TransferTimeoutError
+from jreshard.mpi.rendezvous import MpiRendezvous
 from jreshard.nccl import cupy_nccl
 from jreshard.nccl.cupy_nccl import NcclComm, device_pointer, uid_from_bytes, uid_to_bytes
-from jreshard.nccl.rendezvous import KeyValueRendezvous, MpiRendezvous
+from jreshard.nccl.rendezvous import KeyValueRendezvous
 
 
 class Store:

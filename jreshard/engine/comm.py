@@ -46,6 +46,7 @@ __all__ = [
     "Posted",
     "PreparedGroups",
     "RecvOp",
+    "Rendezvous",
     "Row",
     "SendOp",
     "hook_point",
@@ -303,6 +304,30 @@ class StepGraph(abc.ABC):
     @abc.abstractmethod
     def release(self) -> None:
         """Free what the graph holds."""
+
+
+class Rendezvous(abc.ABC):
+    """Shares one value, made by one process, with every process of a group (abstract): how the processes of a
+    transport that needs one agree on it (the NCCL unique id) before they share a communicator. Implementations:
+    ``jreshard.nccl.rendezvous.KeyValueRendezvous`` (a ``jax.distributed`` cluster's store),
+    ``jreshard.mpi.rendezvous.MpiRendezvous`` (an MPI launch), and a ``RefitGroup``'s own."""
+
+    @abc.abstractmethod
+    def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
+        """Collective: every process of the group calls it with the same ``key``.
+
+        Args:
+          key: names this exchange; unique within the group's lifetime.
+          value: the value, from exactly one process; ``None`` from every other.
+          timeout_s: how long to wait for the value.
+
+        Returns:
+          The value.
+
+        Raises:
+          TransferTimeoutError: the value did not arrive within ``timeout_s``.
+          PeerError: no process, or more than one, supplied a value.
+        """
 
 
 class Communicator(abc.ABC):

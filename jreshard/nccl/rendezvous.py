@@ -7,8 +7,9 @@ Exactly one process makes the value; every process of the group calls
 - :class:`KeyValueRendezvous`: the key-value store of a ``jax.distributed``
   cluster (or any client with the same two calls), when every process is in one
   JAX cluster;
-- :class:`MpiRendezvous`: an exchange over an mpi4py communicator (bounded by ``timeout_s``), when
-  the processes were launched under MPI;
+- :class:`jreshard.mpi.rendezvous.MpiRendezvous`: an exchange over an mpi4py communicator, bounded by
+  ``timeout_s``, when the processes were launched under MPI (with the MPI transport: one transport never
+  imports another);
 - a ``RefitGroup`` supplies its own over the address the group was formed at.
 
 These move a few hundred bytes once per communicator; they are not a data path.
@@ -16,34 +17,12 @@ These move a few hundred bytes once per communicator; they are not a data path.
 
 from __future__ import annotations
 
-import abc
 from typing import Any
 
-from jreshard.errors import BackendUnavailableError, PeerError, TransferTimeoutError
-from jreshard.types import MpiCommunicator
+from jreshard.engine.comm import Rendezvous
+from jreshard.errors import BackendUnavailableError, TransferTimeoutError
 
-__all__ = ["KeyValueRendezvous", "MpiRendezvous", "Rendezvous"]
-
-
-class Rendezvous(abc.ABC):
-    """Shares one value, made by one process, with every process of a group (abstract)."""
-
-    @abc.abstractmethod
-    def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
-        """Collective: every process of the group calls it with the same ``key``.
-
-        Args:
-          key: names this exchange; unique within the group's lifetime.
-          value: the value, from exactly one process; ``None`` from every other.
-          timeout_s: how long to wait for the value.
-
-        Returns:
-          The value.
-
-        Raises:
-          TransferTimeoutError: the value did not arrive within ``timeout_s``.
-          PeerError: no process, or more than one, supplied a value.
-        """
+__all__ = ["KeyValueRendezvous", "Rendezvous"]
 
 
 class _LocalStore:
@@ -126,44 +105,3 @@ class KeyValueRendezvous(Rendezvous):
                 destination_intact=True,
             ) from err
         return bytes.fromhex(text)
-
-
-class MpiRendezvous(Rendezvous):
-    """Over an mpi4py communicator: an all-to-all exchange of every process's value, bounded by ``timeout_s``
-    (a :class:`~jreshard.mpi.control.Control`: MPI's own collectives cannot time out) (final).
-
-    Args:
-      comm: an mpi4py communicator spanning every process of the group
-        (``mpi4py.MPI.COMM_WORLD`` by default, imported when first needed).
-    """
-
-    __slots__ = ("_comm",)
-
-    def __init__(self, comm: MpiCommunicator = None):
-        if comm is None:
-            try:
-                from mpi4py import MPI
-            except ImportError as err:
-                raise BackendUnavailableError(
-                    f"MpiRendezvous: mpi4py does not import ({err}); the fix is pip install 'jreshard[mpi]'"
-                ) from err
-            comm = MPI.COMM_WORLD
-        self._comm = comm
-
-    def share(self, key: str, value: bytes | None, *, timeout_s: float) -> bytes:
-        from jreshard.mpi.control import Control
-
-        control = Control(self._comm, timeout_s=timeout_s, what=f"rendezvous {key!r}")
-        try:
-            got = control.allgather(None if value is None else bytes(value), timeout_s=timeout_s)
-        finally:
-            control.close()
-        values = [got[p] for p in sorted(got)]
-        made = [i for i, v in enumerate(values) if v is not None]
-        if len(made) != 1:
-            raise PeerError(
-                f"rendezvous {key!r}: MPI processes {made} supplied a value; exactly one must "
-                f"(the one that drives NCCL rank 0)",
-                destination_intact=True,
-            )
-        return values[made[0]]

@@ -12,7 +12,7 @@ TIMEOUT_S = 4.0
 
 def body() -> dict:
     from jreshard.errors import PeerError, TransferTimeoutError
-    from jreshard.nccl.rendezvous import MpiRendezvous
+    from jreshard.mpi.rendezvous import MpiRendezvous
 
     case, me = sys.argv[1], world_rank()
     value = {"one": {1: b"id"}, "none": {}, "two": {0: b"a", 1: b"b"}, "late": {0: b"id"}}[case].get(me)
