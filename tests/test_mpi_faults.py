@@ -135,63 +135,34 @@ def test_ucx_warnings_after_a_killed_peer_print_where_the_user_asks_for_them(tmp
     assert "UCX  WARN" in out and "was not returned to mpool ucp_requests" in out, out
 
 
-def test_a_side_that_fails_before_it_joins_makes_the_other_raise_within_its_timeout(tmp_path):
-    """One launch whose destination (a PyTorch receiver refusing its tensor's dtype) fails before it makes its side:
-    the source raises TransferTimeoutError within timeout_s, saying why; it used to wait in MPI_Comm_dup for
-    good, far past its timeout."""
+@pytest.mark.parametrize(
+    ("joins", "stays_out", "what"),
+    [
+        ("source", "destination", "forming the refit group"),
+        ("initialize", "absent", "jreshard.mpi.cluster.initialize"),
+        ("transfer", "idle", "the first transfer across processes"),
+    ],
+)
+def test_a_process_that_never_joins_makes_the_other_raise_within_its_timeout(tmp_path, joins, stays_out, what):
+    """One launch of two processes, one of which never makes its side of what they form together: a RefitGroup (the
+    destination, a PyTorch receiver, refuses its tensor's dtype first), jreshard.mpi.cluster.initialize (the
+    process exits first), the multi-controller cluster's first transfer across processes (the process idles).
+    The other raises TransferTimeoutError within its timeout_s, naming what did not form; each used to wait in
+    MPI (MPI_Comm_dup, allgather) for good."""
     from mpi_launch import launch, program, results
 
     need_mpi()
     t0 = time.monotonic()
     launch(
-        [program(1, "join_refused_body.py", "source"), program(1, "join_refused_body.py", "destination")],
-        tmp_path,
-        devices=1,
-        timeout_s=90,
-    )
-    src, dst = results(tmp_path, "join-source"), results(tmp_path, "join-destination")
-    ((_, s),) = src.items()
-    ((_, d),) = dst.items()
-    assert "int4 has no jreshard counterpart" in d["refused"], d
-    assert "not every one of the communicator's 2 processes joined within 4 s" in s["raised"], s
-    assert s["raised"].startswith("forming the refit group: "), s
-    assert 4.0 <= s["after_s"] < 4.0 + SLACK_S, s
-    assert time.monotonic() - t0 < 60
-
-
-def test_a_process_that_never_calls_initialize_makes_the_others_raise_within_timeout(tmp_path):
-    """jreshard.mpi.cluster.initialize in one launch where one process exits before calling it: the other raises
-    TransferTimeoutError within timeout_s (its allgather of host names waited in MPI for good)."""
-    from mpi_launch import launch, program, results
-
-    need_mpi()
-    t0 = time.monotonic()
-    launch(
-        [program(1, "join_refused_body.py", "initialize"), program(1, "join_refused_body.py", "absent")],
-        tmp_path,
-        devices=1,
-        timeout_s=90,
-    )
-    ((_, r),) = results(tmp_path, "join-initialize").items()
-    assert "not every one of the communicator's 2 processes joined within 4 s" in r["raised"], r
-    assert r["raised"].startswith("jreshard.mpi.cluster.initialize: "), r
-    assert 4.0 <= r["after_s"] < 4.0 + SLACK_S, r
-    assert time.monotonic() - t0 < 60
-
-
-def test_a_process_that_never_makes_the_first_transfer_makes_the_others_raise_within_timeout(tmp_path):
-    """A multi-controller cluster whose second process never calls the first transfer across processes (which forms
-    the cluster's MPI communicator): the first raises TransferTimeoutError within timeout_s."""
-    from mpi_launch import launch, program, results
-
-    need_mpi()
-    launch(
-        [program(1, "join_refused_body.py", "transfer"), program(1, "join_refused_body.py", "idle")],
+        [program(1, "join_refused_body.py", joins), program(1, "join_refused_body.py", stays_out)],
         tmp_path,
         devices=1,
         timeout_s=120,
     )
-    ((_, r),) = results(tmp_path, "join-transfer").items()
-    assert "not every one of the communicator's 2 processes joined within 4 s" in r["raised"], r
-    assert r["raised"].startswith("the first transfer across processes: "), r
+    ((_, r),) = results(tmp_path, f"join-{joins}").items()
+    assert r["raised"].startswith(f"{what}: not every one of the communicator's 2 processes joined within 4 s"), r
     assert 4.0 <= r["after_s"] < 4.0 + SLACK_S, r
+    if stays_out == "destination":
+        ((_, d),) = results(tmp_path, "join-destination").items()
+        assert "int4 has no jreshard counterpart" in d["refused"], d
+    assert time.monotonic() - t0 < 90
