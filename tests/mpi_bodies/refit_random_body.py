@@ -62,8 +62,7 @@ def _values(name: str, shape: tuple[int, ...], dtype: str, version: int, delta: 
         raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
         out = raw.view(dt).reshape(shape)  # every bit pattern (NaNs of every payload included)
     for v in range(1, version + 1) if delta else ():
-        rng = np.random.default_rng(zlib.crc32(f"{name}-{v}".encode()))
-        changed = rng.random(size=shape) < 0.1
+        changed = np.random.default_rng(zlib.crc32(f"mask-{name}-{v}".encode())).random(size=shape) < 0.1
         out = np.where(changed, _values(name, shape, dtype, v), out)
     return out
 
