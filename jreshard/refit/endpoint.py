@@ -202,6 +202,8 @@ class Endpoint:
 
     Raises:
       LayoutMismatchError: the declarations of the group disagree (same message on every process).
+      TransferTimeoutError: a process of the group did not join within ``options.timeout_s`` (one that failed
+        or exited before making its side).
     """
 
     def __init__(

@@ -198,7 +198,8 @@ class RefitGroup:
 
     Raises:
       LayoutMismatchError: the declarations disagree (same message on every process).
-      TransferTimeoutError: a process did not answer while forming the group.
+      TransferTimeoutError: a process did not join or answer while forming the group (one that failed or exited
+        before making its side, included), within ``options.timeout_s``.
     """
 
     def __init__(
