@@ -94,13 +94,21 @@ class _Grid:
     def rect(self, box: Box) -> tuple[float, float, float, float]:
         """(x, y, width, height) of ``box``; rows grow downwards, like a matrix."""
         row, col = self.dims
-        c0, c1 = (box.lo[col] / self.shape[col], box.hi[col] / self.shape[col]) if col is not None else (0.0, 1.0)
-        r0, r1 = (box.lo[row] / self.shape[row], box.hi[row] / self.shape[row]) if row is not None else (0.0, 1.0)
+        c0, c1 = _span(box, col, self.shape)
+        r0, r1 = _span(box, row, self.shape)
         return self.x0 + c0 * self.w, self.y0 + self.h * (1 - r1), (c1 - c0) * self.w, (r1 - r0) * self.h
 
     def centre(self, box: Box) -> tuple[float, float]:
         x, y, w, h = self.rect(box)
         return x + w / 2, y + h / 2
+
+
+def _span(box: Box, dim: int | None, shape: tuple[int, ...]) -> tuple[float, float]:
+    """Where ``box`` starts and ends along ``dim``, as fractions of the drawn extent: all of it for an undrawn
+    dimension, or one of size 0 (a tensor of no element: every box is all of nothing)."""
+    if dim is None or shape[dim] == 0:
+        return 0.0, 1.0
+    return box.lo[dim] / shape[dim], box.hi[dim] / shape[dim]
 
 
 def _copies(dst: Layout) -> list[list[int]]:

@@ -134,6 +134,17 @@ def test_draw_into_a_missing_folder_is_refused_before_any_work(capsys, tmp_path,
     assert f"'{png}': the folder '{png.parent}' does not exist" in line
 
 
+@pytest.mark.parametrize("shape", ["0,8", "8,0", "0"])
+def test_a_tensor_of_no_element_is_planned_and_drawn(capsys, tmp_path, shape):
+    """A dimension of size 0: nothing moves, which plan prints and draws (both raised: max() of no rank, a
+    division by the dimension's size)."""
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--shape", shape, "--src", "fsdp=4", "--dst", "tp=2", "--draw", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "(none: no rank sends or receives a byte)" in out and png.stat().st_size > 0
+    assert main(["simulate", "--shape", shape, "--src", "fsdp=4", "--dst", "tp=2"]) == 0
+
+
 def test_zero_latency_is_kept_not_replaced_by_the_default(capsys):
     assert main(["simulate", *FFN, "--latency-us", "0"]) == 0
     assert "latency 0 us" in capsys.readouterr().out

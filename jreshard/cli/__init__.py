@@ -228,6 +228,9 @@ def _print_ops(plan: Plan, options: Options, per_rank: bool) -> None:
             span([groups[r] for r in ranks]),
         ]
         print(f"  {span(ranks):<12}" + "".join(f"{c:>14}" for c in cols))
+    if not counts:  # a tensor of no element: nothing to send
+        print("  (none: no rank sends or receives a byte)")
+        return
     busiest = max(counts, key=lambda r: sum(counts[r]))
     print(f"  busiest rank {busiest}: {sum(counts[busiest])} operations; {note}")
 
