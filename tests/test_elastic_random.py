@@ -8,15 +8,14 @@ against the host values (a cast: against jax's ``astype``)."""
 from __future__ import annotations
 
 import random
-import zlib
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from random_trees import dtype as _dtype
+from random_trees import sharding as _sharding
+from random_trees import values as _values
 
 from jreshard import Options
 from jreshard.elastic import ElasticReplica, ElasticTrainer
@@ -30,51 +29,6 @@ DTYPES = [
     "float8_e5m2fnuz",
 ]  # fmt: skip
 CASTS = ["float32", "bfloat16", "float16"]
-
-
-def _dtype(name: str) -> np.dtype:
-    return np.dtype(getattr(ml_dtypes, name, None) or name)
-
-
-def _sharding(r: random.Random, devs: np.ndarray, shape: tuple[int, ...]):
-    k = r.choice([1, 2, 4])
-    d = devs[r.sample(range(len(devs)), k)]
-    if r.random() < 0.1:
-        return SingleDeviceSharding(d[0])
-    mesh_shape = r.choice({1: [(1,)], 2: [(2,), (1, 2)], 4: [(4,), (2, 2)]}[k])
-    names = tuple("ab"[: len(mesh_shape)])
-    mesh = Mesh(d.reshape(mesh_shape), names)
-    spec: list = [None] * len(shape)
-    for axis in names:
-        if not shape or r.random() < 0.3:
-            continue
-        dim = r.randrange(len(shape))
-        axes = () if spec[dim] is None else (spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],))
-        if shape[dim] % (int(np.prod([mesh.shape[a] for a in axes])) * mesh.shape[axis]):
-            continue
-        spec[dim] = (*axes, axis) if axes else axis
-    return NamedSharding(mesh, P(*spec))
-
-
-def _drawn(name: str, shape: tuple[int, ...], dtype: str, seed: str) -> np.ndarray:
-    dt = _dtype(dtype)
-    rng = np.random.default_rng(zlib.crc32(f"{name}-{seed}".encode()))
-    if dt.kind == "b":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
-    return raw.view(dt).reshape(shape)  # every bit pattern (NaNs of every payload included)
-
-
-def _values(name: str, shape: tuple[int, ...], dtype: str, version: int, delta: bool) -> np.ndarray:
-    """Version ``version``'s host values: new random bits each version (``delta``: version 0's, with a random
-    tenth of the elements redrawn at each version since)."""
-    if not delta:
-        return _drawn(name, shape, dtype, str(version))
-    out = _drawn(name, shape, dtype, "0")
-    for v in range(1, version + 1):
-        changed = np.random.default_rng(zlib.crc32(f"mask-{name}-{v}".encode())).random(size=shape) < 0.1
-        out = np.where(changed, _drawn(name, shape, dtype, str(v)), out)
-    return out
 
 
 FLAGS = ["", "cast", "delta cast", "verify delta"]

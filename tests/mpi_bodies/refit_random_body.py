@@ -10,61 +10,21 @@ versions, each changing a random tenth of the elements of the one before; ``asyn
 
 import random
 import sys
-import zlib
+from pathlib import Path
 
 import numpy as np
 from _common import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for random_trees
+from random_trees import dtype as _dtype
+from random_trees import sharding as _sharding
+from random_trees import values as _values
 
 DTYPES = [
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
     "float8_e4m3fn", "float8_e5m2", "float8_e3m4", "float8_e8m0fnu",
 ]  # fmt: skip
 CASTS = ["float32", "bfloat16", "float16"]
-
-
-def _dtype(name: str):
-    import ml_dtypes
-
-    return np.dtype(getattr(ml_dtypes, name, None) or name)
-
-
-def _sharding(r: random.Random, devs: np.ndarray, shape: tuple[int, ...]):
-    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
-    from jax.sharding import PartitionSpec as P
-
-    k = r.choice([1, 2, 4])
-    d = devs[r.sample(range(len(devs)), k)]
-    if r.random() < 0.1:
-        return SingleDeviceSharding(d[0])
-    mesh_shape = r.choice({1: [(1,)], 2: [(2,), (1, 2)], 4: [(4,), (2, 2)]}[k])
-    names = tuple("ab"[: len(mesh_shape)])
-    mesh = Mesh(d.reshape(mesh_shape), names)
-    spec: list = [None] * len(shape)
-    for axis in names:
-        if not shape or r.random() < 0.3:
-            continue
-        dim = r.randrange(len(shape))
-        axes = () if spec[dim] is None else (spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],))
-        if shape[dim] % (int(np.prod([mesh.shape[a] for a in axes])) * mesh.shape[axis]):
-            continue
-        spec[dim] = (*axes, axis) if axes else axis
-    return NamedSharding(mesh, P(*spec))
-
-
-def _values(name: str, shape: tuple[int, ...], dtype: str, version: int, delta: bool = False) -> np.ndarray:
-    """The leaf's host values at ``version``: new random bits each version (``delta``: version 0's, with a random
-    tenth of the elements redrawn at each version since)."""
-    dt = _dtype(dtype)
-    rng = np.random.default_rng(zlib.crc32(f"{name}-{0 if delta else version}".encode()))
-    if dt.kind == "b":
-        out = rng.integers(0, 2, size=shape).astype(bool)
-    else:
-        raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
-        out = raw.view(dt).reshape(shape)  # every bit pattern (NaNs of every payload included)
-    for v in range(1, version + 1) if delta else ():
-        changed = np.random.default_rng(zlib.crc32(f"mask-{name}-{v}".encode())).random(size=shape) < 0.1
-        out = np.where(changed, _values(name, shape, dtype, v), out)
-    return out
 
 
 def body() -> dict:

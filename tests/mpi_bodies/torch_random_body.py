@@ -7,31 +7,19 @@ values."""
 
 import random
 import sys
-import zlib
+from pathlib import Path
 
 import numpy as np
 from _common import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for random_trees
+from random_trees import values as _values
 
 DTYPES = [
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
 ]  # fmt: skip
 VERSIONS = (1, 2)
-
-
-def _dtype(name: str) -> np.dtype:
-    import ml_dtypes
-
-    return np.dtype(getattr(ml_dtypes, name, None) or name)
-
-
-def _values(name: str, shape: tuple[int, ...], dtype: str, version: int) -> np.ndarray:
-    dt = _dtype(dtype)
-    rng = np.random.default_rng(zlib.crc32(f"{name}-{version}".encode()))
-    if dt.kind == "b":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
-    return raw.view(dt).reshape(shape)  # every bit pattern
 
 
 def _leaves(seed: int, count: int) -> list[tuple[str, tuple[int, ...], str, int | None]]:

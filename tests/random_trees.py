@@ -1,0 +1,65 @@
+"""Random leaves for the refit tests that draw their trees (``test_elastic_random.py`` and the MPI bodies
+``refit_random_body.py`` and ``torch_random_body.py``): dtypes by name, a random sharding of a shape over some
+devices, and each version's host values. Imports neither jax nor torch at module level (a PyTorch server
+without jax reads the values too)."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from typing import Any
+
+import numpy as np
+
+
+def dtype(name: str) -> np.dtype:
+    """The numpy dtype of a name, ml_dtypes' included (``bfloat16``, ``float8_e4m3fn``...)."""
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def sharding(r: random.Random, devs: np.ndarray, shape: tuple[int, ...]) -> Any:
+    """A random sharding of ``shape``: one device (a tenth of the time), or a mesh over 1, 2 or 4 of ``devs`` in
+    any order whose axes split the dimensions they divide (some left unused)."""
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+    from jax.sharding import PartitionSpec as P
+
+    k = r.choice([1, 2, 4])
+    d = devs[r.sample(range(len(devs)), k)]
+    if r.random() < 0.1:
+        return SingleDeviceSharding(d[0])
+    mesh_shape = r.choice({1: [(1,)], 2: [(2,), (1, 2)], 4: [(4,), (2, 2)]}[k])
+    names = tuple("ab"[: len(mesh_shape)])
+    mesh = Mesh(d.reshape(mesh_shape), names)
+    spec: list = [None] * len(shape)
+    for axis in names:
+        if not shape or r.random() < 0.3:
+            continue
+        dim = r.randrange(len(shape))
+        axes = () if spec[dim] is None else (spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],))
+        if shape[dim] % (int(np.prod([mesh.shape[a] for a in axes])) * mesh.shape[axis]):
+            continue
+        spec[dim] = (*axes, axis) if axes else axis
+    return NamedSharding(mesh, P(*spec))
+
+
+def _drawn(name: str, shape: tuple[int, ...], dtype_name: str, seed: int) -> np.ndarray:
+    dt = dtype(dtype_name)
+    rng = np.random.default_rng(zlib.crc32(f"{name}-{seed}".encode()))
+    if dt.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)  # every bit pattern (NaNs of every payload included)
+
+
+def values(name: str, shape: tuple[int, ...], dtype_name: str, version: int, delta: bool = False) -> np.ndarray:
+    """Leaf ``name``'s host values at ``version``: new random bits each version (``delta``: version 0's, with a
+    random tenth of the elements redrawn at each version since, as a training step changes some weights)."""
+    if not delta:
+        return _drawn(name, shape, dtype_name, version)
+    out = _drawn(name, shape, dtype_name, 0)
+    for v in range(1, version + 1):
+        changed = np.random.default_rng(zlib.crc32(f"mask-{name}-{v}".encode())).random(size=shape) < 0.1
+        out = np.where(changed, _drawn(name, shape, dtype_name, v), out)
+    return out
