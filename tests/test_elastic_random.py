@@ -2,8 +2,9 @@
 control over authenticated loopback, the bytes NIXL WRITEs of this process's agent to itself): every dtype jax
 holds that a refit moves, shapes of rank 0-3 with sizes of 0, each side's own random sharding (one device, or a
 mesh over 1, 2 or 4 of its devices in any order), some float leaves cast on the replica, small and large chunks,
-``verify``, and versions that change a tenth of their elements (deltas). Every shard of every version is checked
-against the host values (a cast: against jax's ``astype``)."""
+``verify``, and versions that change a tenth of their elements (deltas); some leaves declared weakly typed.
+Every shard of every version is checked against the host values (a cast: against jax's ``astype``), and each
+array's ``weak_type`` against the replica's declaration."""
 
 from __future__ import annotations
 
@@ -48,7 +49,11 @@ def test_an_elastic_refit_of_random_leaves(seed, flags):
     def params(v: int) -> dict:
         return {n: jax.device_put(_values(n, s, d, v, delta), src) for n, (s, d, _, src, _) in leaves.items()}
 
-    like = {n: jax.ShapeDtypeStruct(s, _dtype(w), sharding=dst) for n, (s, _, w, _, dst) in leaves.items()}
+    weak = random.Random(seed + 1000)  # some replicas declare a leaf weakly typed: its arrays come back so
+    like = {
+        n: jax.ShapeDtypeStruct(s, _dtype(w), sharding=dst, weak_type=weak.random() < 0.3)
+        for n, (s, _, w, _, dst) in leaves.items()
+    }
     chunks = r.choice([{"chunk_bytes": 64, "staging_bytes": 1024}, {}])
     opts = Options(timeout_s=20.0, secret=KEY, verify="verify" in flags, delta="on" if delta else "auto", **chunks)
     trainer = ElasticTrainer(params(0), devices=list(D[:4]), options=opts)
@@ -63,6 +68,7 @@ def test_an_elastic_refit_of_random_leaves(seed, flags):
                 a, host = tree[n], _values(n, shape, dtype, v, delta)
                 want = np.asarray(jnp.asarray(host).astype(_dtype(wire))) if wire != dtype else host
                 assert a.shape == shape and a.dtype == _dtype(wire) and a.sharding.is_equivalent_to(dst, len(shape))
+                assert a.weak_type == like[n].weak_type, (n, a.weak_type)
                 for s in a.addressable_shards:
                     w = np.ascontiguousarray(want[s.index])
                     got_bytes = np.asarray(s.data).reshape(-1).view(np.uint8).tobytes()

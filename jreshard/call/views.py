@@ -132,6 +132,15 @@ def _front(call: Call) -> tuple[Call, _Sources]:
     return call.with_targets(resolved), _Sources(srcs, layouts, dsts)
 
 
+def _weak_types(call: Call) -> list[bool]:
+    """Per leaf, the ``weak_type`` its result takes: a plain array's own where it is not cast (as
+    ``jax.device_put`` keeps it); a view's result is strongly typed (as ``astype`` makes it)."""
+    return [
+        isinstance(leaf, jax.Array) and bool(leaf.weak_type) and dtype_name(r.view.dtype) == dtype_name(leaf.dtype)
+        for leaf, r in zip(call.leaves, call.resolved, strict=True)
+    ]
+
+
 def _check_cpu(named: list[tuple[str, Any]], what: str) -> None:
     """Views run on CPU devices in one process.
 
@@ -267,17 +276,18 @@ def run(
             raise TransferError(f"transfer failed while copying ({type(err).__name__}: {err})") from err
     with builder.timed(ReportPhase.BUFFERS):
         del arrays
-        out = [_assemble(d, sh, b) for d, sh, b in zip(dsts, shardings, bufs, strict=True)]
+        weak = _weak_types(call)
+        out = [_assemble(d, sh, b, w) for d, sh, b, w in zip(dsts, shardings, bufs, weak, strict=True)]
     _count(builder, lowerings)
     builder.add_fresh(pool.stats().fresh_bytes - fresh0)
     return call.unflatten(out)
 
 
-def _assemble(d: Layout, sharding: Sharding, shards: list[np.ndarray]) -> Any:
+def _assemble(d: Layout, sharding: Sharding, shards: list[np.ndarray], weak_type: bool = False) -> Any:
     """A global array over host shards (``d.ranks`` order), zero-copy on CPU."""
     slot = {r: k for k, r in enumerate(d.ranks)}
     devs = addressable_order(sharding)
-    return make_array(d.shape, d.np_dtype, sharding, [shards[slot[dev.id]] for dev in devs], list(devs))
+    return make_array(d.shape, d.np_dtype, sharding, [shards[slot[dev.id]] for dev in devs], list(devs), weak_type)
 
 
 def _count(builder: ReportBuilder, lowerings: Sequence[LeafLowering]) -> None:
@@ -325,7 +335,8 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
     with builder.timed(ReportPhase.BUFFERS):
         arrays, boxes = _sources(lowerings, srcs, layouts)
         src_ptrs = {p for leaf in srcs for p in shard_addresses(leaf.source)} - {0}
-        taken = take(into_leaves, range(len(into_leaves)), src_ptrs, builder)
+        weak = _weak_types(call)
+        taken = take(into_leaves, range(len(into_leaves)), src_ptrs, builder, weak)
         bufs: list[dict[int, np.ndarray]] = []
         fresh: dict[int, list[np.ndarray]] = {}
         for t, d in enumerate(dsts):
@@ -348,7 +359,7 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
     with builder.timed(ReportPhase.BUFFERS):
         del arrays, bufs
         out = [
-            taken.donated[t][0] if t in taken.donated else _assemble(d, sh, fresh[t])
+            taken.donated[t][0] if t in taken.donated else _assemble(d, sh, fresh[t], weak[t])
             for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True))
         ]
         remember_all([a for a, _ in taken.donated.values()], [p for _, p in taken.donated.values()], by_jax=True)
@@ -463,12 +474,12 @@ def run_cluster(
         report=builder,
     )
     with builder.timed(ReportPhase.BUFFERS):
-        out = []
+        out, weak = [], _weak_types(call)
         for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
             here = {
                 dev: backend.import_shard(dst[(t, dev.id)], d.box_of(dev.id).shape, d.np_dtype, dev)
                 for dev in sh.device_set
                 if dev.id in mine
             }
-            out.append(assemble(d.shape, d.np_dtype, sh, here))
+            out.append(assemble(d.shape, d.np_dtype, sh, here, weak[t]))
     return call.unflatten(out)

@@ -46,6 +46,7 @@ from jreshard.elastic.pairs import (
 )
 from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import Arrival, Publication
+from jreshard.engine.arrays import assembled
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address, peer_int
@@ -437,9 +438,8 @@ class ElasticReplica:
             mine = {d: shards[(t, base + self._devices.index(d))] for d in a.sharding.addressable_devices}
             arrays = [mine[d] for d in sorted(mine, key=lambda d: d.id)]
             nbytes += sum(x.nbytes for x in arrays)
-            leaves.append(
-                (name, jax.make_array_from_single_device_arrays(tuple(a.shape), a.sharding, arrays, dtype=a.dtype))
-            )
+            weak = bool(getattr(a, "weak_type", False))  # the like's (a ShapeDtypeStruct's or an array's) type
+            leaves.append((name, assembled(tuple(a.shape), a.dtype, a.sharding, arrays, weak)))
         tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
         arrival = Arrival(version, source, time.monotonic() - t0, nbytes, time.thread_time() - c0,
                           costs[0] if costs else None)  # fmt: skip

@@ -24,6 +24,7 @@ from jreshard.engine.pool import ALIGN, BufferPool
 from jreshard.errors import TransferError
 from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import storage_bytes
+from jreshard.sharding.jax import addressable_order
 from jreshard.sharding.layout import Layout
 from jreshard.types import Array, Device, DType, Sharding
 
@@ -219,7 +220,10 @@ def assembled(
     (the public function has no such argument; ``jax.device_put`` keeps a source's ``weak_type``). A process with
     no shard of the array gets it from the public function, strongly typed (not run across processes weakly)."""
     if weak_type and arrays:
-        return _ASSEMBLE(shape, jax.dtypes.canonicalize_dtype(dtype), sharding, list(arrays), True)
+        # (jax's constructor takes the shards in the sharding's own device order, which need not be the ids')
+        by_device = {next(iter(a.devices())): a for a in arrays}
+        ordered = [by_device[d] for d in addressable_order(sharding)]
+        return _ASSEMBLE(shape, jax.dtypes.canonicalize_dtype(dtype), sharding, ordered, True)
     return jax.make_array_from_single_device_arrays(shape, sharding, list(arrays), dtype=dtype)
 
 

@@ -772,7 +772,7 @@ class RefitGroup:
                 for d in a.sharding.addressable_devices
                 if (r := self._rank_of(d)) is not None
             }
-            out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine))
+            out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine, bool(getattr(a, "weak_type", False))))
         phases["assembled"] = time.monotonic()
         return jax.tree_util.tree_unflatten(treedef, out), version
 

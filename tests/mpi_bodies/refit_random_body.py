@@ -52,8 +52,12 @@ def body() -> dict:
     opts = Options(timeout_s=60.0, verify="verify" in flags, **({"delta": "on"} if delta else {}))
     if role == "source":
         tree = {n: jax.device_put(_values(n, s, dt, 0, delta), src) for n, s, dt, _, src, _ in leaves}
-    else:
-        tree = {n: jax.ShapeDtypeStruct(s, _dtype(w), sharding=dst) for n, s, _, w, _, dst in leaves}
+    else:  # some leaves declared weakly typed: their arrays come back so
+        weak = random.Random(seed + 1000)
+        tree = {
+            n: jax.ShapeDtypeStruct(s, _dtype(w), sharding=dst, weak_type=weak.random() < 0.3)
+            for n, s, _, w, _, dst in leaves
+        }
     group = RefitGroup(role, tree, options=opts)
     bad: list[str] = []
     held = None
@@ -78,6 +82,8 @@ def body() -> dict:
             a, host = out[n], _values(n, shape, dtype, version, delta)
             want = np.asarray(jnp.asarray(host).astype(_dtype(wire))) if wire != dtype else host
             index = dst.addressable_devices_indices_map(shape)
+            if a.weak_type != tree[n].weak_type:
+                bad.append(f"{n} {shape} {dtype}->{wire}: weak_type {a.weak_type}, declared {tree[n].weak_type}")
             if a.dtype != _dtype(wire) or a.shape != shape or not a.sharding.is_equivalent_to(dst, len(shape)):
                 bad.append(f"{n} {shape} {dtype}->{wire}: {a.dtype} {a.shape} {a.sharding}")
                 continue
