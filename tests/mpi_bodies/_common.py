@@ -9,7 +9,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -73,3 +73,14 @@ def refit_side(role: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
         initialize(side)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
     return {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P())) for k, s in shapes.items()}
+
+
+def push_versions(params: Callable[[int], Any], versions: Sequence[int]) -> dict[str, Any]:
+    """A source ``RefitGroup`` of ``params(0)`` over the launch that pushes ``params(v)`` as each version ``v``."""
+    from jreshard import Options, RefitGroup
+
+    group = RefitGroup("source", params(0), options=Options(timeout_s=60.0))
+    for v in versions:
+        group.push(params(v), version=v)
+    group.close()
+    return {"version": group.version}

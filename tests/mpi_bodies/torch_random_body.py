@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _common import main
+from _common import main, push_versions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for random_trees
 from random_trees import values as _values
@@ -40,8 +40,6 @@ def trainer_side() -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jreshard import Options, RefitGroup
-
     seed, count = int(sys.argv[2]), int(sys.argv[3])
     leaves = _leaves(seed, count)
     mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
@@ -59,11 +57,7 @@ def trainer_side() -> dict:
     def params(v: int) -> dict:
         return {n: jax.device_put(_values(n, s, d, v), shardings[n]) for n, s, d, _ in leaves}
 
-    group = RefitGroup("source", params(0), options=Options(timeout_s=60.0))
-    for v in VERSIONS:
-        group.push(params(v), version=v)
-    group.close()
-    return {"version": group.version}
+    return push_versions(params, VERSIONS)
 
 
 def server_side() -> dict:

@@ -6,7 +6,7 @@ re-enactment of vLLM's weight loaders."""
 import sys
 from pathlib import Path
 
-from _common import main
+from _common import main, push_versions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for _vllm_reference
 
@@ -22,7 +22,6 @@ def trainer_side() -> dict:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jreshard import Options, RefitGroup
     from jreshard.integrations import vllm
 
     model = vllm.DecoderShape(**CFG)
@@ -31,11 +30,7 @@ def trainer_side() -> dict:
     def params(v: int) -> dict:
         return {k: jax.device_put(a, NamedSharding(mesh, P("fsdp"))) for k, a in trainer(model, seed=v).items()}
 
-    group = RefitGroup("source", params(0), options=Options(timeout_s=60.0))
-    for v in VERSIONS:
-        group.push(params(v), version=v)
-    group.close()
-    return {"version": group.version}
+    return push_versions(params, VERSIONS)
 
 
 def server_side() -> dict:
