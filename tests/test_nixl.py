@@ -7,6 +7,8 @@ frames; the agent registers each buffer's allocation once and releases it when i
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import socket
@@ -270,6 +272,59 @@ def test_a_pools_block_keeps_its_registration_from_one_lease_to_the_next():
         del again
         pool.clear()  # the block dies: its registration goes with it
         assert agent.registered_bytes == 0
+    finally:
+        agent.close()
+
+
+def test_registrations_never_nest_and_a_write_across_a_view_registered_inside_another_finds_its_memory():
+    """NIXL finds the registration of a range by the nearest one starting at or before it: a registration nested in
+    another (a view whose owner is not its ``base``, as a view of jax's memory) hid the larger one from every range
+    starting inside it and ending past it (``NIXL_ERR_NOT_FOUND`` at the WRITE's post). Such a view joins the
+    registration that holds it."""
+    from jreshard.engine.comm import RecvOp, SendOp
+
+    a, b, closing = _nixl_pair(False)
+    try:
+        agent = a._agent
+        block = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)  # 64 KiB
+        first = agent.region(block[:10])
+        made = agent.registrations
+        inner = np.frombuffer((ctypes.c_uint8 * 4096).from_address(block.ctypes.data + 4096), np.uint8)
+        assert inner.base is not None and not isinstance(inner.base, np.ndarray)  # its owner is not found from it
+        assert agent.region(inner).key == first.key and agent.registrations == made
+        shifted = np.frombuffer((ctypes.c_uint8 * 8192).from_address(block.ctypes.data + 8192), np.uint8)
+        assert agent.region(shifted).key == first.key  # one that is not at the start either
+        msg = block[6000:12000]  # starts inside inner's range, ends past it
+        rx = np.zeros(len(msg), np.uint8)
+        t = threading.Thread(target=lambda: a.exchange([SendOp(0, 1, 0, msg)], [], timeout_s=10))
+        t.start()
+        b.exchange([], [RecvOp(0, 1, 0, rx)], timeout_s=10)
+        t.join(10)
+        assert rx.tobytes() == msg.tobytes()
+        del inner, shifted
+        assert agent.registered_bytes >= block.nbytes  # the block's registration outlives the views in it
+    finally:
+        for x in closing:
+            x.close()
+
+
+def test_a_registration_made_again_at_the_same_place_is_a_new_one():
+    """A root collected and another allocated where it was: a new registration (a new serial), and the agent's
+    epoch moves, so whoever kept addresses (prepared groups) binds again rather than trusting them."""
+    from jreshard.nixl import NixlAgent
+
+    agent = NixlAgent()
+    try:
+        a = np.zeros(1 << 20, np.uint8)
+        where, first = a.ctypes.data, agent.region(a)
+        epoch = agent.epoch
+        del a
+        gc.collect()
+        assert agent.epoch > epoch
+        b = np.zeros(1 << 20, np.uint8)
+        again = agent.region(b)
+        assert again.serial > first.serial and agent.registered_bytes == 1 << 20
+        assert b.ctypes.data != where or again.key == first.key  # (the same place, most often: the same key)
     finally:
         agent.close()
 

@@ -6,6 +6,10 @@ memory; a pool's lease, an array over a memoryview of a block, leads to the bloc
 registered once, whole, and the registration is cached by ``(memory type, device, address, size)``;
 every later buffer inside it reuses the registration (the engine's pools hand the same blocks out
 again, destination shards and staging arenas alike, so a refit loop registers its buffers once).
+Registrations never nest: NIXL finds the registration of a range by the nearest one that starts at or
+before it, so one inside another would hide the larger from every range that starts inside the smaller and
+ends past it. A root found inside a registration already made (a view whose owner is not its ``base``, as
+jax's memory is) joins that registration instead, which lives until the last of its roots dies.
 When a root is garbage collected its registration is released at the next call (a
 ``weakref.finalize`` queues it; NIXL is not called from the collector), and
 :meth:`NixlAgent.close` releases all of them.
@@ -43,6 +47,7 @@ is ``VRAM`` on its device (not run on GPU).
 from __future__ import annotations
 
 import base64
+import bisect
 import dataclasses
 import fcntl
 import ipaddress
@@ -155,6 +160,7 @@ class Region:
     address: int
     nbytes: int
     key: tuple[str, int, int, int]  # the registration it lies in
+    serial: int = 0  # that registration's number in its agent (one registered again at the same place: a new one)
 
 
 class _Retired:
@@ -167,12 +173,17 @@ class _Retired:
 
 
 class _Registration:
-    __slots__ = ("descs", "key", "live", "partial", "root")
+    """One registered range: its descriptors, partial metadata, and the roots that keep it (it dies with the last)."""
 
-    def __init__(self, key: tuple[str, int, int, int], descs: NixlHandle, root: ByteBuffer, partial: str):
-        self.key, self.descs, self.partial = key, descs, partial
-        self.root = weakref.ref(root)
+    __slots__ = ("descs", "key", "live", "partial", "roots", "serial")
+
+    def __init__(self, key: tuple[str, int, int, int], descs: NixlHandle, partial: str, serial: int):
+        self.key, self.descs, self.partial, self.serial = key, descs, partial, serial
+        self.roots: list[weakref.ref] = []  # the roots alive that lie in it (one, but for views it contains)
         self.live = True
+
+    def holds(self, root: Any) -> bool:
+        return any(r() is root for r in self.roots)
 
 
 def _describe(buffer: ByteBuffer) -> tuple[str, int, int, int, Any, int, int]:
@@ -270,6 +281,11 @@ class NixlAgent:
         self._pins: dict[int, int] = {}  # id of registration descs -> how many retired WRITEs read through them
         self._deferred: dict[int, Any] = {}  # id -> registration descs released once no retired WRITE reads them
         self.registrations = 0
+        self.serials = 0  # registrations made (each one's serial)
+        self._starts: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (mem, device) -> sorted (address, size)
+        # counts registrations released and roots collected: a caller that kept addresses (prepared groups) sees
+        # whether one it relies on may have gone
+        self.epoch = 0
         self._pid = os.getpid()
         self.closed = False
 
@@ -297,31 +313,71 @@ class NixlAgent:
 
     # ---- registrations --------------------------------------------------------------------------
     def region(self, buffer: ByteBuffer) -> Region:
-        """Where ``buffer`` (contiguous 1-D uint8) lies in registered memory, registering its root if needed."""
+        """Where ``buffer`` (contiguous 1-D uint8) lies in registered memory, registering its root if needed.
+
+        Registrations never nest: NIXL finds the registration of a range by the nearest one starting at or
+        before it, so a smaller one inside a larger one hides the larger from every range that starts in the
+        smaller and ends past it (``NIXL_ERR_NOT_FOUND``). A root that lies inside a registration already made
+        (a view whose owner is not its ``base``, as jax's memory is) joins that one, which then lives until
+        its last root dies."""
         mem, device, addr, nbytes, root, raddr, rbytes = _describe(buffer)
         key = (mem, device, raddr, rbytes)
         with self._lock:
             self._reap()
             self._release_dead()
             reg = self._regs.get(key)
-            if reg is not None and reg.root() is not root:  # an older root at the same place: replace it
+            if reg is not None and not reg.holds(root):  # an older root at the same place: replace it
                 self._deregister(reg)
                 reg = None
             if reg is None and rbytes:
-                descs = self._agent.register_memory([(raddr, rbytes, device, "")], mem)
-                self.registrations += 1
-                partial = self._agent.get_partial_agent_metadata(descs, inc_conn_info=False)
-                reg = _Registration(key, descs, root, base64.b64encode(partial).decode())
-                self._regs[key] = reg
-                weakref.finalize(root, self._dead.append, reg)
-        return Region(mem, device, addr, nbytes, key)
+                reg = self._container(key)
+                if reg is None:
+                    descs = self._agent.register_memory([(raddr, rbytes, device, "")], mem)
+                    self.registrations += 1
+                    self.serials += 1
+                    partial = self._agent.get_partial_agent_metadata(descs, inc_conn_info=False)
+                    reg = _Registration(key, descs, base64.b64encode(partial).decode(), self.serials)
+                    self._regs[key] = reg
+                    bisect.insort(self._starts.setdefault((mem, device), []), (raddr, rbytes))
+                reg.roots.append(weakref.ref(root))
+                weakref.finalize(root, self._root_died, reg)
+        if reg is None:
+            return Region(mem, device, addr, nbytes, key)
+        return Region(mem, device, addr, nbytes, reg.key, reg.serial)
+
+    def _container(self, key: tuple[str, int, int, int]) -> _Registration | None:
+        """The live registration whose range holds ``key``'s, if one does (the nearest starting at or before it)."""
+        mem, device, addr, nbytes = key
+        starts = self._starts.get((mem, device))
+        if not starts:
+            return None
+        i = bisect.bisect_right(starts, (addr, float("inf"))) - 1
+        while i >= 0:
+            start, size = starts[i]
+            if start + size >= addr + nbytes:
+                reg = self._regs.get((mem, device, start, size))
+                if reg is not None and any(r() is not None for r in reg.roots):
+                    return reg
+            if start < addr:
+                return None
+            i -= 1  # one at the same start, shorter: the one before may hold it
+        return None
+
+    def _root_died(self, reg: _Registration) -> None:
+        """A root in ``reg`` was collected (from the collector: NIXL is not called here)."""
+        self.epoch += 1
+        if not any(r() is not None for r in reg.roots):
+            self._dead.append(reg)
 
     def _deregister(self, reg: _Registration) -> None:
         if not reg.live:
             return
         reg.live = False
+        self.epoch += 1
         if self._regs.get(reg.key) is reg:
             del self._regs[reg.key]
+            starts = self._starts[reg.key[:2]]
+            del starts[bisect.bisect_left(starts, reg.key[2:])]
         for told in self._told.values():
             told.discard(reg.key)
         self.deregister(reg.descs)

@@ -8,11 +8,15 @@ What is made once, and what a step costs:
   the same group at both ends: :mod:`jreshard.schedule.groups`). A sender WRITEs a batch as one NIXL transfer
   with one notification: a prepared local descriptor list and a prepared remote one
   (``prep_xfer_dlist``), and one WRITE handle over them (``make_prepped_xfer``), made at the first step and
-  re-posted every step (``transfer(handle, notif_msg=...)``); made again only when a buffer of the batch moved.
-- **Descriptors, once per binding.** At :meth:`~NixlPrepared.bind`, a receiver registers the ranges of the
-  buffers the messages land in (again only when one moved) and sends each sender, sealed, its receives'
-  descriptors for the whole schedule (``nixl.pdesc``: keys, group, address, size, with the partial metadata of
-  new registrations), again only when a receive buffer moved. The sender matches them to its sends by
+  re-posted every step (``transfer(handle, notif_msg=...)``); made again only when a buffer of the batch moved or
+  a registration under one, on either side, was made again (a handle holds the registrations it was made over).
+- **Descriptors, once per binding.** At :meth:`~NixlPrepared.bind`, both sides find the agent's registration of
+  every buffer the messages use (:meth:`NixlAgent.region <jreshard.nixl.agent.NixlAgent.region>`, the one the
+  per-operation path uses: registrations never nest), again only when a buffer moved or the agent released a
+  registration or saw a root collected since (its ``epoch``). A receiver sends each sender, sealed, its receives'
+  descriptors for the whole schedule (``nixl.pdesc``: keys, group, address, size, the serial of the registration
+  under each, with the partial metadata of registrations the sender has not seen), again only when a receive
+  buffer moved or a registration under one was made again. The sender matches them to its sends by
   ``(src, dst, tag)`` in listed order, as the per-operation path does, and checks sizes and groups.
 - **Every step, per batch.** The receiver starts a group by sending each of its senders a fresh receive id
   (63 random bits, bound to that sender's agent: :meth:`NixlAgent.new_id`) inside the sealed channel
@@ -39,7 +43,6 @@ hands a prepared group addresses, not buffers, so it cannot tell GPU memory.
 
 from __future__ import annotations
 
-import base64
 import collections
 import ctypes
 import os
@@ -92,7 +95,9 @@ class _Hub:
 
     def __init__(self, comm: NixlComm):
         self.comm = weakref.proxy(comm)  # the communicator holds the hub
-        self.descs: dict[tuple[Channel, int], tuple[int, np.ndarray]] = {}  # (ch, token) -> (version, entries)
+        # (ch, token) -> (version, entries): per receive its keys, group, address, size, device, then the serial of
+        # the receiver's registration it lies in (one registered again at the same place has a new one)
+        self.descs: dict[tuple[Channel, int], tuple[int, np.ndarray]] = {}
         self.gos: dict[tuple[Channel, int], collections.deque[tuple[int, int]]] = {}  # (ch, token) -> (group, id)
         self.tags: dict[int, list[bytes | None]] = {}  # receive id -> its batch's tags
         self.claimed: dict[tuple[Channel, int], Any] = {}  # (ch, token) -> the NixlPrepared that sends to it
@@ -119,8 +124,11 @@ class _Hub:
                         if not isinstance(md, list):
                             raise TypeError("not a list")
                         entries = np.asarray(msg["recvs"], np.int64).reshape(-1, 7)
+                        serials = np.asarray(msg["s"], np.int64).reshape(-1, 1)
+                        if len(serials) != len(entries):
+                            raise ValueError("a serial per receive")
                         self.comm._agent.load(ch, [str(m) for m in md])
-                        self.descs[(ch, int(msg["p"]))] = (int(msg["v"]), entries)
+                        self.descs[(ch, int(msg["p"]))] = (int(msg["v"]), np.concatenate([entries, serials], 1))
                 except (KeyError, TypeError, ValueError, OverflowError) as err:  # an int past int64: OverflowError
                     raise PeerError(f"NixlComm: {ch.peer} sent a malformed {op} message") from err
 
@@ -179,6 +187,7 @@ class _Out:
         self.version = -1
         self.remote: np.ndarray | None = None  # per row, the matched receive's address
         self.pair: np.ndarray | None = None  # per row, the matched receive's index in the receiver's descriptors
+        self.serial: np.ndarray | None = None  # per row, the serial of the receiver's registration under it
         self.shape: np.ndarray | None = None  # the receiver's descriptors but their addresses, when matched
         self.by_group: dict[int, _Batch] = {}  # the receiver's group -> batch
         self.mine: dict[int, list[_Batch]] = {}  # this schedule's group -> batches
@@ -226,12 +235,14 @@ class NixlPrepared(PreparedGroups):
             self._copies.append([(s.buffer[0], s.buffer[1], r.buffer[0], r.buffer[1], s.buffer[2]) for s, r in pairs])
         self._recv = {ch: np.array(rows, np.int64).reshape(-1, 7) for ch, rows in recv.items()}
         self._out = {ch: _Out(np.array(rows, np.int64).reshape(-1, 7)) for ch, rows in send.items()}
-        self._posted: dict[Channel, tuple[np.ndarray, set]] = {}  # the receive addresses (and ranges) each sender has
+        # the receive addresses (and the registrations under them) each sender has
+        self._posted: dict[Channel, tuple[np.ndarray, np.ndarray]] = {}
         self._version = 0
-        self._generation = 0  # counts registrations released (a handle made before one is made again)
-        self._told: dict[Channel, set[tuple[int, int]]] = {}  # registrations each peer has the metadata of
-        # (address, size) -> (descs, partial metadata), the least recently bound first
-        self._regs: collections.OrderedDict[tuple[int, int], tuple[Any, str]] = collections.OrderedDict()
+        # per buffer: the agent's registration it lies in (its key and serial; the serial 0 for none), from the last
+        # bind, and the agent's epoch then (a registration released or a root collected since: bound again)
+        self._keys: list[Any] = []
+        self._serial = np.zeros(0, np.int64)
+        self._epoch = -1
         used = [r[:, _BUF] for r in (*self._recv.values(), *(o.rows for o in self._out.values()))]
         self._used = np.unique(np.concatenate(used)) if used else np.zeros(0, np.int64)
         self._addr: np.ndarray | None = None
@@ -245,7 +256,6 @@ class NixlPrepared(PreparedGroups):
         self._started = np.full(len(groups), -1, np.int64)  # the step each group was last started in
         self._buffers: Sequence[Any] | None = None  # the step's buffers, while it runs
         self.posts = self.prepped = 0  # descriptor lists posted to senders; WRITE handles made
-        self._finalizer = weakref.finalize(self, _deregister, self._agent, self._regs)
 
     # ---- binding --------------------------------------------------------------------------------
     def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
@@ -253,8 +263,13 @@ class NixlPrepared(PreparedGroups):
         self._buffers = buffers  # receives given up keep their buffers until their late WRITEs are told (_break)
         self._step += 1
         last = self._last
-        if last is not None and np.array_equal(addresses, last[0]) and np.array_equal(sizes, last[1]):
-            return  # the buffers of the last step: every descriptor still points where it should
+        if (
+            last is not None
+            and self._epoch == self._agent.epoch
+            and np.array_equal(addresses, last[0])
+            and np.array_equal(sizes, last[1])
+        ):
+            return  # the buffers of the last step, their registrations untouched: every descriptor still holds
         self._last = None
         for rows in (*self._recv.values(), *(o.rows for o in self._out.values())):
             buf, off, n = rows[:, _BUF], rows[:, _OFF], rows[:, _N]
@@ -275,50 +290,46 @@ class NixlPrepared(PreparedGroups):
                         destination_intact=True,
                     )
         self._addr = addresses.copy()
-        self._register(addresses, sizes)
+        self._register(buffers, sizes)
         self._version += 1
         for ch, rows in self._recv.items():  # descriptors to each sender, where one moved
             where = addresses[rows[:, _BUF]] + rows[:, _OFF]
-            keys = {(int(addresses[b]), int(sizes[b])) for b in np.unique(rows[:, _BUF]).tolist()}
-            keys = {k for k in keys if k[1] > 0}
+            used = np.unique(rows[:, _BUF])
+            serials = self._serial[used]
             before = self._posted.get(ch)
-            if before is not None and np.array_equal(where, before[0]) and keys == before[1]:
+            if before is not None and np.array_equal(where, before[0]) and np.array_equal(serials, before[1]):
                 continue
-            told = self._told.setdefault(ch, set())
-            md = [self._regs[k][1] for k in sorted(keys - told)]
-            told |= keys
+            md = self._agent.unannounced(ch, {self._keys[b] for b in used.tolist() if self._keys[b] is not None})
             entries = np.stack([rows[:, _SRC], rows[:, _DST], rows[:, _TAG], rows[:, _G], where, rows[:, _N]], 1)
             entries = np.concatenate([entries, np.zeros((len(rows), 1), np.int64)], 1)  # device
             try:
                 ch.queue_control(
-                    {"op": "nixl.pdesc", "p": self._token, "v": self._version, "md": md, "recvs": entries.tolist()}
+                    {
+                        **{"op": "nixl.pdesc", "p": self._token, "v": self._version, "md": md},
+                        **{"recvs": entries.tolist(), "s": self._serial[rows[:, _BUF]].tolist()},
+                    }
                 )
                 ch.flush()
             except PeerError as err:
                 self._break(err)
                 raise
-            self._posted[ch] = (where, keys)
+            self._posted[ch] = (where, serials)
             self.posts += 1
         self._last = (addresses.copy(), sizes.copy())
 
-    def _register(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
-        """Register the ranges of the buffers the messages use (once each; a moved one again)."""
-        want = {(int(addresses[b]), int(sizes[b])) for b in self._used.tolist() if sizes[b] > 0}
-        agent = self._agent.nixl
-        for key in sorted(want - set(self._regs)):
-            descs = agent.register_memory([(key[0], key[1], 0, "")], "DRAM")
-            partial = agent.get_partial_agent_metadata(descs, inc_conn_info=False)
-            self._regs[key] = (descs, base64.b64encode(partial).decode())
-            self._agent.registrations += 1
-        for key in want:
-            self._regs.move_to_end(key)
-        stale = len(self._regs) - len(want)
-        for key in list(self._regs)[: max(stale - max(len(want), 16), 0)]:  # as many unused as used are kept
-            self._generation += 1
-            descs, _ = self._regs.pop(key)
-            for told in self._told.values():
-                told.discard(key)
-            self._agent.deregister(descs)  # later, while a WRITE given up still reads through it
+    def _register(self, buffers: Sequence[Any], sizes: np.ndarray) -> None:
+        """The agent's registration of every buffer the messages use (:meth:`NixlAgent.region`: its root's, the
+        one the per-operation path uses too, so no registration nests in another)."""
+        agent = self._agent
+        epoch = agent.epoch  # read first: whatever goes while these are made is seen at the next bind
+        n = len(buffers)
+        keys: list[Any] = [None] * n
+        serial = np.zeros(n, np.int64)
+        for b in self._used.tolist():
+            if b < n and sizes[b] > 0:
+                region = agent.region(_bytes_of(buffers[b]))
+                keys[b], serial[b] = region.key, region.serial
+        self._keys, self._serial, self._epoch = keys, serial, epoch
 
     # ---- the sending side -------------------------------------------------------------------------
     def _claim(self, ch: Channel, out: _Out) -> None:
@@ -344,9 +355,10 @@ class NixlPrepared(PreparedGroups):
                 return
         version, entries = hub.descs[(ch, out.token)]
         if version != out.version:
-            shape = np.delete(entries, 4, axis=1)
+            shape = np.delete(entries, [4, 7], axis=1)
             if out.pair is not None and out.shape is not None and np.array_equal(shape, out.shape):
                 out.remote = entries[out.pair, 4].copy()  # the same receives, moved
+                out.serial = entries[out.pair, 7].copy()
             else:
                 self._match_batches(ch, out, entries, check=True)
                 out.shape = shape
@@ -393,7 +405,7 @@ class NixlPrepared(PreparedGroups):
             return True
         for batch in out.by_group.values():
             batch.drop()
-        out.remote, out.pair = entries[pair, 4].copy(), pair
+        out.remote, out.serial, out.pair = entries[pair, 4].copy(), entries[pair, 7].copy(), pair
         out.by_group, out.mine = {}, {}
         for rg, ix in by.items():
             ix.sort(key=lambda i: pair[i])  # in the receiver's order: a tag's index is the receive's in its group
@@ -405,13 +417,19 @@ class NixlPrepared(PreparedGroups):
         """WRITE ``batch`` notifying receive ``i``, then send its tags."""
         agent = self._agent.nixl
         addr = self._addr
-        assert addr is not None and out.remote is not None
+        assert addr is not None and out.remote is not None and out.serial is not None
         rows = out.rows[batch.rows]
         local = addr[rows[:, _BUF]] + rows[:, _OFF]
         sizes = rows[:, _N]
         peer = self._agent.peer(ch)
         remote = out.remote[batch.rows]
-        key = (local.tobytes(), remote.tobytes(), self._generation)
+        # the handles hold the registrations they were made over: one made again, at the same place or not, is new
+        key = (
+            local.tobytes(),
+            remote.tobytes(),
+            self._serial[rows[:, _BUF]].tobytes(),
+            out.serial[batch.rows].tobytes(),
+        )
         notice = NOTICE + str(i).encode()
         try:
             if sizes.any():
@@ -643,7 +661,8 @@ class NixlPrepared(PreparedGroups):
     def _retire(self, batch: _Batch) -> None:
         """Retire ``batch``'s WRITE, keeping this step's buffers and every registration of this schedule until NIXL
         is done with it."""
-        batch.retire(self._agent, tuple(self._buffers or ()), tuple(d for d, _ in self._regs.values()))
+        held = {k for k in self._keys if k is not None}
+        batch.retire(self._agent, tuple(self._buffers or ()), tuple(self._agent.descs_of(k) for k in held))
 
     def finish(self) -> None:
         self._buffers = None
@@ -663,16 +682,14 @@ class NixlPrepared(PreparedGroups):
         for ch, out in self._out.items():
             if out.token is not None:
                 self._hub.claimed.pop((ch, out.token), None)
-        self._finalizer()
         self._posted.clear()
-        self._told.clear()
         self._last = None
 
 
-def _deregister(agent: NixlHandle, regs: dict[tuple[int, int], tuple[Any, str]]) -> None:
-    for descs, _ in regs.values():
-        try:
-            agent.deregister(descs)  # later, while a WRITE given up still reads through it
-        except Exception:  # the agent may be gone already
-            pass
-    regs.clear()
+def _bytes_of(buffer: Any) -> np.ndarray:
+    """``buffer`` (a host array) as the contiguous 1-D uint8 view :meth:`NixlAgent.region` takes."""
+    if buffer.dtype == np.uint8 and buffer.ndim == 1:
+        return buffer
+    if not buffer.flags.c_contiguous:
+        raise TransferError(f"NixlComm: a {buffer.dtype}{list(buffer.shape)} buffer is not contiguous")
+    return buffer.reshape(-1).view(np.uint8)

@@ -69,7 +69,7 @@ def main() -> None:
             shards, rows = None, []
             for s in range(1, 7):
                 shards, digest, checked = step(comm, s, None if s >= 4 else shards)
-                counters = [(p.posts, p.prepped, len(p._regs)) for p in prepared_of(comm)]
+                counters = [(p.posts, p.prepped, len({k for k in p._keys if k})) for p in prepared_of(comm)]
                 rows.append({"digest": digest, "checked": checked, "counters": counters})
             out[name] = rows
             comm.close()
