@@ -141,12 +141,14 @@ def test_ucx_warnings_after_a_killed_peer_print_where_the_user_asks_for_them(tmp
         ("source", "destination", "forming the refit group"),
         ("initialize", "absent", "jreshard.mpi.cluster.initialize"),
         ("transfer", "idle", "the first transfer across processes"),
+        ("mpicomm", "duplicates", "MpiComm"),
     ],
 )
 def test_a_process_that_never_joins_makes_the_other_raise_within_its_timeout(tmp_path, joins, stays_out, what):
     """One launch of two processes, one of which never makes its side of what they form together: a RefitGroup (the
     destination, a PyTorch receiver, refuses its tensor's dtype first), jreshard.mpi.cluster.initialize (the
-    process exits first), the multi-controller cluster's first transfer across processes (the process idles).
+    process exits first), the multi-controller cluster's first transfer across processes (the process idles), an
+    MpiComm past its duplicate (the process only duplicates).
     The other raises TransferTimeoutError within its timeout_s, naming what did not form; each used to wait in
     MPI (MPI_Comm_dup, allgather) for good."""
     from mpi_launch import launch, program, results

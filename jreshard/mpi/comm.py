@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import hashlib
 import os
 import sys
 import time
@@ -64,7 +65,7 @@ from jreshard.engine.loopback import match, match_and_copy
 from jreshard.errors import BackendUnavailableError, PeerError, TransferError, TransferTimeoutError
 from jreshard.types import ByteBuffer, MpiCommunicator, MpiModule
 
-__all__ = ["MpiComm", "dup_within", "import_mpi", "quiet_ucx"]
+__all__ = ["MpiComm", "dup_within", "import_mpi", "quiet_ucx", "room_per_process"]
 
 _MAX_SLEEP_S = 1e-3  # polling backs off to this: keeps 8 processes on 2 cores responsive
 _YIELD_S = 2e-4  # a prepared group's wait first polls yielding the core this long (the compiled replay's YIELD_NS)
@@ -131,6 +132,13 @@ def dup_within(comm: MpiCommunicator, timeout_s: float, what: str) -> MpiCommuni
       1
     """
     new, request = comm.Idup()
+    _wait_within(request, comm, timeout_s, what)
+    return new
+
+
+def _wait_within(request: Any, comm: MpiCommunicator, timeout_s: float, what: str) -> None:
+    """Poll the non-blocking collective ``request`` on ``comm`` until it completes, or raise
+    :class:`TransferTimeoutError` past ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     sleep = 0.0
     while not request.Test():
@@ -143,7 +151,25 @@ def dup_within(comm: MpiCommunicator, timeout_s: float, what: str) -> MpiCommuni
             )
         time.sleep(sleep)
         sleep = min(2 * sleep + 1e-5, 1e-3)
-    return new
+
+
+def room_per_process(comm: MpiCommunicator, timeout_s: float, what: str) -> bool:
+    """Whether every host of ``comm`` has a core for each of its processes there: one non-blocking all-gather of
+    (host, cores) per process, bounded by ``timeout_s`` (:class:`TransferTimeoutError`, as :func:`dup_within`).
+
+    Example:
+      >>> from mpi4py import MPI
+      >>> room_per_process(MPI.COMM_SELF, 1.0, "a group")
+      True
+    """
+    name = import_mpi().Get_processor_name()  # MPI's name of this host
+    host = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little")
+    mine = np.array([host, os.cpu_count() or 1], np.int64)
+    every = np.zeros((comm.Get_size(), 2), np.int64)
+    _wait_within(comm.Iallgather(mine, every), comm, timeout_s, what)
+    hosts, counts = np.unique(every[:, 0], return_counts=True)
+    per_host = dict(zip(hosts.tolist(), counts.tolist(), strict=True))
+    return all(per_host[h] <= cores for h, cores in every.tolist())
 
 
 def _key_tag(src: int, dst: int, tag: int, tag_ub: int) -> int:
@@ -206,10 +232,7 @@ class MpiComm(Communicator):
         # Cut a casting sender's messages finer (views) only where every host has a core per process:
         # with more processes than cores the casts have no idle core to overlap the copies on, and the
         # extra chunks only cost. Agreed by all, since both ends of a message must chunk it alike.
-        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-        room = int(node.Get_size() <= (os.cpu_count() or 1))
-        node.Free()
-        self.pipelines_packs = bool(self._comm.allreduce(room, op=MPI.MIN))
+        self.pipelines_packs = room_per_process(self._comm, timeout_s, "MpiComm")
         ub = self._comm.Get_attr(MPI.TAG_UB)
         self._tag_ub = int(ub) if ub else 32767
         self._broken: str | None = None

@@ -4,7 +4,9 @@ source must raise :class:`TransferTimeoutError` within its ``timeout_s``, not wa
 
 ``join_refused_body.py initialize|absent``: the same for :func:`jreshard.mpi.cluster.initialize`, which the
 ``absent`` process never calls. ``join_refused_body.py transfer|idle``: a multi-controller cluster whose ``idle``
-process never makes the first transfer across processes (it waits, then exits)."""
+process never makes the first transfer across processes (it waits, then exits). ``join_refused_body.py
+mpicomm|duplicates``: an ``MpiComm`` whose other process duplicates the communicator with it, then never
+takes part in what MpiComm agrees next (each process's host and cores)."""
 
 import sys
 import time
@@ -88,6 +90,30 @@ def idle() -> dict:
     return {}
 
 
+def mpicomm() -> dict:
+    from mpi4py import MPI
+
+    from jreshard import TransferTimeoutError
+    from jreshard.mpi.comm import MpiComm
+
+    t0 = time.monotonic()
+    try:
+        MpiComm(MPI.COMM_WORLD, {0: 0, 1: 1}, timeout_s=TIMEOUT_S)
+    except TransferTimeoutError as err:
+        return {"raised": str(err), "after_s": time.monotonic() - t0}
+    return {"raised": None}
+
+
+def duplicates() -> dict:
+    from mpi4py import MPI
+
+    from jreshard.mpi.comm import dup_within
+
+    dup_within(MPI.COMM_WORLD, 60.0, "the test's duplicate")  # MpiComm's first step, with the other process
+    time.sleep(3 * TIMEOUT_S)  # then nothing: the other process must give up first
+    return {}
+
+
 if __name__ == "__main__":
     bodies = {
         "source": source,
@@ -95,6 +121,8 @@ if __name__ == "__main__":
         "initialize": initialize,
         "transfer": transfer,
         "idle": idle,
+        "mpicomm": mpicomm,
+        "duplicates": duplicates,
     }
     if sys.argv[1] == "absent":  # a process of the launch (MPI started) that exits before it calls initialize
         from mpi4py import MPI  # noqa: F401  (starts MPI)
