@@ -1,7 +1,7 @@
-"""Random leaves for the refit tests that draw their trees (``test_elastic_random.py`` and the MPI bodies
-``refit_random_body.py`` and ``torch_random_body.py``): dtypes by name, a random sharding of a shape over some
-devices, and each version's host values. Imports neither jax nor torch at module level (a PyTorch server
-without jax reads the values too)."""
+"""Random leaves for the refit tests that draw their trees (``test_elastic_random.py``, the MPI bodies
+``refit_random_body.py`` and ``torch_random_body.py``, the NIXL body ``torch_bodies/random_pair.py``): dtypes by
+name, a random sharding of a shape over some devices, and each version's host values. Imports neither jax nor
+torch at module level (a PyTorch server without jax reads the values too)."""
 
 from __future__ import annotations
 
@@ -62,4 +62,24 @@ def values(name: str, shape: tuple[int, ...], dtype_name: str, version: int, del
     for v in range(1, version + 1):
         changed = np.random.default_rng(zlib.crc32(f"mask-{name}-{v}".encode())).random(size=shape) < 0.1
         out = np.where(changed, _drawn(name, shape, dtype_name, v), out)
+    return out
+
+
+TORCH_DTYPES = [
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+]  # fmt: skip
+"""Every dtype a jax trainer and a PyTorch receiver both hold."""
+
+
+def torch_leaves(seed: int, count: int) -> list[tuple[str, tuple[int, ...], str, int | None]]:
+    """Random leaves for a PyTorch receiver of two processes, ``(name, shape, dtype, split)``: shapes of rank 0-3
+    with sizes of 0, and ``split`` the dimension the two processes halve (``None``: each holds all of it)."""
+    r = random.Random(seed)
+    out = []
+    for i in range(count):
+        shape = tuple(r.choice([0, 1, 2, 3, 4, 6, 8]) for _ in range(r.choice([0, 1, 2, 2, 3])))
+        even = [d for d, n in enumerate(shape) if n % 2 == 0]
+        split = r.choice(even) if even and r.random() < 0.7 else None
+        out.append((f"t{i}", shape, r.choice(TORCH_DTYPES), split))
     return out

@@ -13,26 +13,10 @@ import numpy as np
 from _common import main, push_versions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for random_trees
+from random_trees import torch_leaves as _leaves
 from random_trees import values as _values
 
-DTYPES = [
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
-    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-]  # fmt: skip
 VERSIONS = (1, 2)
-
-
-def _leaves(seed: int, count: int) -> list[tuple[str, tuple[int, ...], str, int | None]]:
-    """``(name, shape, dtype, split)``: ``split`` is the dimension the two server processes halve (``None``:
-    each holds all of it)."""
-    r = random.Random(seed)
-    out = []
-    for i in range(count):
-        shape = tuple(r.choice([0, 1, 2, 3, 4, 6, 8]) for _ in range(r.choice([0, 1, 2, 2, 3])))
-        even = [d for d, n in enumerate(shape) if n % 2 == 0]
-        split = r.choice(even) if even and r.random() < 0.7 else None
-        out.append((f"t{i}", shape, r.choice(DTYPES), split))
-    return out
 
 
 def trainer_side() -> dict:
