@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -276,7 +277,7 @@ def test_a_pools_block_keeps_its_registration_from_one_lease_to_the_next():
         agent.close()
 
 
-def test_registrations_never_nest_and_a_write_across_a_view_registered_inside_another_finds_its_memory():
+def test_registrations_never_nest_and_a_write_across_a_view_registered_inside_another_finds_its_memory(caplog):
     """NIXL finds the registration of a range by the nearest one starting at or before it: a registration nested in
     another (a view whose owner is not its ``base``, as a view of jax's memory) hid the larger one from every range
     starting inside it and ending past it (``NIXL_ERR_NOT_FOUND`` at the WRITE's post). Such a view joins the
@@ -303,6 +304,14 @@ def test_registrations_never_nest_and_a_write_across_a_view_registered_inside_an
         assert rx.tobytes() == msg.tobytes()
         del inner, shifted
         assert agent.registered_bytes >= block.nbytes  # the block's registration outlives the views in it
+        # the other way round (a view holding memory registered before it) is registered beside it, and said
+        other = np.zeros(1 << 16, np.uint8)
+        small = np.frombuffer((ctypes.c_uint8 * 4096).from_address(other.ctypes.data + 4096), np.uint8)
+        agent.region(small)
+        around = np.frombuffer((ctypes.c_uint8 * (1 << 14)).from_address(other.ctypes.data), np.uint8)
+        with caplog.at_level(logging.WARNING, logger="jreshard.nixl"):
+            agent.region(around)
+        assert "hold or overlap memory registered before them" in caplog.text
     finally:
         for x in closing:
             x.close()

@@ -6,10 +6,12 @@ memory; a pool's lease, an array over a memoryview of a block, leads to the bloc
 registered once, whole, and the registration is cached by ``(memory type, device, address, size)``;
 every later buffer inside it reuses the registration (the engine's pools hand the same blocks out
 again, destination shards and staging arenas alike, so a refit loop registers its buffers once).
-Registrations never nest: NIXL finds the registration of a range by the nearest one that starts at or
-before it, so one inside another would hide the larger from every range that starts inside the smaller and
-ends past it. A root found inside a registration already made (a view whose owner is not its ``base``, as
-jax's memory is) joins that registration instead, which lives until the last of its roots dies.
+A registration must not nest in another: NIXL finds the registration of a range by the nearest one that
+starts at or before it, so one inside another hides the larger from every range that starts inside the
+smaller and ends past it. A root found inside a registration already made (a view whose owner is not its
+``base``, as jax's memory is) joins that registration instead, which lives until the last of its roots dies.
+(The other way round, a root that holds registrations made before it, is registered whole beside them until
+their roots die: the engine never makes one, and the agent logs it.)
 When a root is garbage collected its registration is released at the next call (a
 ``weakref.finalize`` queues it; NIXL is not called from the collector), and
 :meth:`NixlAgent.close` releases all of them.
@@ -315,11 +317,11 @@ class NixlAgent:
     def region(self, buffer: ByteBuffer) -> Region:
         """Where ``buffer`` (contiguous 1-D uint8) lies in registered memory, registering its root if needed.
 
-        Registrations never nest: NIXL finds the registration of a range by the nearest one starting at or
-        before it, so a smaller one inside a larger one hides the larger from every range that starts in the
-        smaller and ends past it (``NIXL_ERR_NOT_FOUND``). A root that lies inside a registration already made
-        (a view whose owner is not its ``base``, as jax's memory is) joins that one, which then lives until
-        its last root dies."""
+        A registration does not nest in another: NIXL finds the registration of a range by the nearest one
+        starting at or before it, so a smaller one inside a larger one hides the larger from every range that
+        starts in the smaller and ends past it (``NIXL_ERR_NOT_FOUND``). A root that lies inside a registration
+        already made (a view whose owner is not its ``base``, as jax's memory is) joins that one, which then
+        lives until its last root dies (see the module docstring for the other way round)."""
         mem, device, addr, nbytes, root, raddr, rbytes = _describe(buffer)
         key = (mem, device, raddr, rbytes)
         with self._lock:
@@ -332,6 +334,14 @@ class NixlAgent:
             if reg is None and rbytes:
                 reg = self._container(key)
                 if reg is None:
+                    if self._overlaps(key):
+                        log.warning(
+                            "NixlAgent: %d bytes at %#x hold or overlap memory registered before them: a WRITE "
+                            "of a range that starts inside the older registration and ends past it may not find "
+                            "its registration (NIXL_ERR_NOT_FOUND) until that one is released",
+                            rbytes,
+                            raddr,
+                        )
                     descs = self._agent.register_memory([(raddr, rbytes, device, "")], mem)
                     self.registrations += 1
                     self.serials += 1
@@ -362,6 +372,15 @@ class NixlAgent:
                 return None
             i -= 1  # one at the same start, shorter: the one before may hold it
         return None
+
+    def _overlaps(self, key: tuple[str, int, int, int]) -> bool:
+        """Whether a registration shares a byte with ``key``'s range (none holds it: :meth:`_container`)."""
+        mem, device, addr, nbytes = key
+        starts = self._starts.get((mem, device), [])
+        i = bisect.bisect_left(starts, (addr, 0))
+        after = i < len(starts) and starts[i][0] < addr + nbytes
+        before = i > 0 and starts[i - 1][0] + starts[i - 1][1] > addr
+        return after or before
 
     def _root_died(self, reg: _Registration) -> None:
         """A root in ``reg`` was collected (from the collector: NIXL is not called here)."""
