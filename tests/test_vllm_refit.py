@@ -180,17 +180,17 @@ def test_a_pytorch_receiver_of_random_tensors_over_mpi(tmp_path, seed, flags):
         assert d["bad"] == [] and d["version"] == 2 and d["loaded"] == [], d
 
 
-@pytest.mark.parametrize(("seed", "flags"), [(2, ""), (5, "in_place")])
+@pytest.mark.parametrize(("seed", "flags"), [(2, ""), (5, "in_place"), (3, "in_place delta")])
 def test_a_pytorch_receiver_of_random_tensors_over_nixl(tmp_path, seed, flags):
     """The random tensors of the MPI test above, between two programs over NIXL (loopback): a JAX trainer of 2
     devices, a PyTorch receiver of two processes without jax, staged and in place; three versions, every tensor's
-    bytes checked after each."""
+    bytes checked after each; with ``delta``, versions that change a tenth of their elements go as deltas."""
     body = ROOT / "tests" / "torch_bodies" / "random_pair.py"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_FLAGS"))}
     env |= {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "OMP_NUM_THREADS": "1"}
     env |= {"JRESHARD_SECRET": "jax-trainer-torch-random-key-0123"}
     address, args = str(tmp_path / "address"), [str(seed), "16"]
-    roles = [["trainer"], ["server:0", flags], ["server:1", flags]]
+    roles = [["trainer", *flags.split()], ["server:0", *flags.split()], ["server:1", *flags.split()]]
     procs = [
         subprocess.Popen(
             [sys.executable, str(body), role, address, *args, *rest],
@@ -211,6 +211,8 @@ def test_a_pytorch_receiver_of_random_tensors_over_nixl(tmp_path, seed, flags):
     got = [json.loads(next((ln for ln in o.splitlines() if ln.startswith("{")), "{}")) for o in outs]
     assert [p.returncode for p in procs] == [0, 0, 0], [o[-3000:] for o in outs]
     assert got[0]["pushed"] == [1, 2, 3], got
+    if "delta" in flags:
+        assert got[0]["modes"] == ["full", "delta", "delta"], got
     for d in got[1:]:
         assert d["checked"] == [1, 2, 3] and d["bad"] == [] and d["loaded"] == [], d
         assert "closed" in d["end"], d  # the trainer's close ends the pulls, nothing else

@@ -1,8 +1,9 @@
 """A JAX trainer refits a PyTorch receiver (no jax) of random tensors over NIXL, two programs on loopback:
-``random_pair.py trainer ADDRESS SEED LEAVES`` (2 CPU devices) and ``random_pair.py server:I ADDRESS SEED LEAVES
-[in_place]`` (process I of 2). The leaves of ``random_trees.torch_leaves``; the trainer's on random shardings,
-three versions pushed. Each server pulls until the trainer closes and checks every tensor's bytes against the host
-values; one JSON line per side on stdout. The key is ``$JRESHARD_SECRET``."""
+``random_pair.py trainer ADDRESS SEED LEAVES [delta]`` (2 CPU devices) and ``random_pair.py server:I ADDRESS SEED
+LEAVES [in_place] [delta]`` (process I of 2). The leaves of ``random_trees.torch_leaves``; the trainer's on random
+shardings, three versions pushed (``delta``: each changes a tenth of the elements, and the trainer has deltas
+on; it reports how each went). Each server pulls until the trainer closes and checks every tensor's bytes
+against the host values; one JSON line per side on stdout. The key is ``$JRESHARD_SECRET``."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from random_trees import torch_leaves, values  # noqa: E402
 from jreshard import Options  # noqa: E402
 from jreshard.errors import PeerError, TransferError  # noqa: E402
 
-OPTIONS = Options(timeout_s=30.0)
+DELTA = "delta" in sys.argv[5:]
+OPTIONS = Options(timeout_s=30.0, delta="on" if DELTA else "auto")
 VERSIONS = (1, 2, 3)
 LEAVES = torch_leaves(SEED, COUNT)
 
@@ -49,17 +51,18 @@ def run_trainer() -> dict:
     shardings = {n: sharding(s) for n, s, _, _ in LEAVES}
 
     def params(v: int) -> dict:
-        return {n: jax.device_put(values(n, s, d, v), shardings[n]) for n, s, d, _ in LEAVES}
+        return {n: jax.device_put(values(n, s, d, v, DELTA), shardings[n]) for n, s, d, _ in LEAVES}
 
     group = RefitGroup.connect("source", params(0), address=ADDRESS, transport="nixl", options=OPTIONS)
-    pushed = []
+    pushed, modes = [], []
     try:
         for v in VERSIONS:
             group.push(params(v), version=v)
             pushed.append(v)
+            modes.append(group.delta_report.mode if group.delta_report is not None else None)
     finally:
         group.close()
-    return {"pushed": pushed}
+    return {"pushed": pushed, "modes": modes}
 
 
 def run_server(index: int, in_place: bool) -> dict:
@@ -86,7 +89,7 @@ def run_server(index: int, in_place: bool) -> dict:
             end = f"{type(err).__name__}: {err}"[:300]
             break
         for n, shape, dtype, _ in LEAVES:
-            want = np.ascontiguousarray(values(n, shape, dtype, v)[boxes[n]]).reshape(-1).view(np.uint8)
+            want = np.ascontiguousarray(values(n, shape, dtype, v, DELTA)[boxes[n]]).reshape(-1).view(np.uint8)
             got = shards[f"['{n}']"].tensor.reshape(-1).view(torch.uint8).numpy()
             if got.tobytes() != want.tobytes():
                 bad.append(f"{n} {shape} {dtype} at version {v}")
