@@ -83,3 +83,54 @@ def torch_leaves(seed: int, count: int) -> list[tuple[str, tuple[int, ...], str,
         split = r.choice(even) if even and r.random() < 0.7 else None
         out.append((f"t{i}", shape, r.choice(TORCH_DTYPES), split))
     return out
+
+
+def torch_shardings(seed: int, leaves: list, devices: Any) -> dict[str, Any]:
+    """The trainer's sharding of each of ``leaves`` (``torch_leaves``'s): a mesh over ``devices`` (two), each leaf
+    split along one of its even dimensions (7 in 10) or replicated."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(devices), ("fsdp",))
+    r = random.Random(seed + 1)
+    out = {}
+    for name, shape, _, _ in leaves:
+        dims = [d for d, n in enumerate(shape) if n % 2 == 0]
+        spec: list[str | None] = [None] * len(shape)
+        if dims and r.random() < 0.7:
+            spec[r.choice(dims)] = "fsdp"
+        out[name] = NamedSharding(mesh, P(*spec))
+    return out
+
+
+def torch_shards(leaves: list, index: int) -> tuple[dict[str, Any], dict[str, tuple[slice, ...]]]:
+    """What receiving process ``index`` of two holds of ``leaves`` (``torch_leaves``'s): ``({key path: Shard}, {name:
+    its box as slices})``, each tensor zeros of its dtype."""
+    import torch
+
+    from jreshard.sharding.box import Box
+    from jreshard.torch.receiver import Shard
+
+    shards, boxes = {}, {}
+    for name, shape, dtype_name, split in leaves:
+        lo, hi = [0] * len(shape), list(shape)
+        if split is not None:
+            half = shape[split] // 2
+            lo[split], hi[split] = index * half, (index + 1) * half
+        box = Box(tuple(lo), tuple(hi))
+        shards[f"['{name}']"] = Shard(torch.zeros(box.shape, dtype=getattr(torch, dtype_name)), shape, box)
+        boxes[name] = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+    return shards, boxes
+
+
+def torch_mismatches(leaves: list, shards: dict, boxes: dict, version: int, delta: bool = False) -> list[str]:
+    """The leaves whose tensor does not hold ``version``'s bytes (``torch_shards``'s shards and boxes)."""
+    import torch
+
+    bad = []
+    for name, shape, dtype_name, _ in leaves:
+        want = np.ascontiguousarray(values(name, shape, dtype_name, version, delta)[boxes[name]])
+        got = shards[f"['{name}']"].tensor.reshape(-1).view(torch.uint8).numpy()
+        if got.tobytes() != want.reshape(-1).view(np.uint8).tobytes():
+            bad.append(f"{name} {shape} {dtype_name} at version {version}")
+    return bad

@@ -8,7 +8,6 @@ against the host values; one JSON line per side on stdout. The key is ``$JRESHAR
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -19,8 +18,7 @@ if ROLE.startswith("server"):
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for random_trees
 
-import numpy as np  # noqa: E402
-from random_trees import torch_leaves, values  # noqa: E402
+from random_trees import torch_leaves, torch_mismatches, torch_shardings, torch_shards, values  # noqa: E402
 
 from jreshard import Options  # noqa: E402
 from jreshard.errors import PeerError, TransferError  # noqa: E402
@@ -33,22 +31,10 @@ LEAVES = torch_leaves(SEED, COUNT)
 
 def run_trainer() -> dict:
     import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jreshard import RefitGroup
 
-    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
-    r = random.Random(SEED + 1)
-
-    def sharding(shape: tuple[int, ...]) -> NamedSharding:
-        dims = [d for d, n in enumerate(shape) if n % 2 == 0]
-        spec = [None] * len(shape)
-        if dims and r.random() < 0.7:
-            spec[r.choice(dims)] = "fsdp"
-        return NamedSharding(mesh, P(*spec))
-
-    shardings = {n: sharding(s) for n, s, _, _ in LEAVES}
+    shardings = torch_shardings(SEED, LEAVES, jax.devices()[:2])
 
     def params(v: int) -> dict:
         return {n: jax.device_put(values(n, s, d, v, DELTA), shardings[n]) for n, s, d, _ in LEAVES}
@@ -66,20 +52,9 @@ def run_trainer() -> dict:
 
 
 def run_server(index: int, in_place: bool) -> dict:
-    import torch
+    from jreshard.torch.receiver import Receiver
 
-    from jreshard.sharding.box import Box
-    from jreshard.torch.receiver import Receiver, Shard
-
-    shards, boxes = {}, {}
-    for n, shape, dtype, split in LEAVES:
-        lo, hi = [0] * len(shape), list(shape)
-        if split is not None:
-            half = shape[split] // 2
-            lo[split], hi[split] = index * half, (index + 1) * half
-        t = torch.zeros(Box(tuple(lo), tuple(hi)).shape, dtype=getattr(torch, dtype))
-        shards[f"['{n}']"] = Shard(t, shape, Box(tuple(lo), tuple(hi)))  # the trainer's leaf, by its key path
-        boxes[n] = tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+    shards, boxes = torch_shards(LEAVES, index)
     rx = Receiver.connect(shards, address=ADDRESS, index=index, count=2, options=OPTIONS, in_place=in_place)
     checked, bad, end = [], [], ""
     while True:
@@ -88,11 +63,7 @@ def run_server(index: int, in_place: bool) -> dict:
         except (PeerError, TransferError) as err:  # the trainer closed after its last version
             end = f"{type(err).__name__}: {err}"[:300]
             break
-        for n, shape, dtype, _ in LEAVES:
-            want = np.ascontiguousarray(values(n, shape, dtype, v, DELTA)[boxes[n]]).reshape(-1).view(np.uint8)
-            got = shards[f"['{n}']"].tensor.reshape(-1).view(torch.uint8).numpy()
-            if got.tobytes() != want.tobytes():
-                bad.append(f"{n} {shape} {dtype} at version {v}")
+        bad += torch_mismatches(LEAVES, shards, boxes, v, DELTA)
         checked.append(v)
     rx.close()
     loaded = sorted(m for m in sys.modules if m.startswith("jax") and sys.modules[m] is not None)
