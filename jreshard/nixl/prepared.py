@@ -37,8 +37,8 @@ Not covered here, so :meth:`NixlComm.prepare` returns ``None`` and the step runs
 ``encrypt=True`` (each message sealed under its own sequence number into a fresh landing buffer). A peer
 that posts per operation while this side prepared its sends (it has ``encrypt=True``, this side not) is
 :class:`TransferTimeoutError` saying so, asking for ``encrypt`` on both sides (the other way round,
-:class:`PeerError` at once). Host memory (``DRAM``) only: the replay
-hands a prepared group addresses, not buffers, so it cannot tell GPU memory.
+:class:`PeerError` at once). Host memory (``DRAM``) only: the replay binds host arrays (their addresses
+read in one call), and the descriptors made from them are ``DRAM``.
 """
 
 from __future__ import annotations
