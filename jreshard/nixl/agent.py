@@ -349,6 +349,7 @@ class NixlAgent:
                     reg = _Registration(key, descs, base64.b64encode(partial).decode(), self.serials)
                     self._regs[key] = reg
                     bisect.insort(self._starts.setdefault((mem, device), []), (raddr, rbytes))
+                reg.roots = [r for r in reg.roots if r() is not None]  # (views that come and go in one)
                 reg.roots.append(weakref.ref(root))
                 weakref.finalize(root, self._root_died, reg)
         if reg is None:
