@@ -308,6 +308,9 @@ def test_registrations_never_nest_and_a_write_across_a_view_registered_inside_an
             view = np.frombuffer((ctypes.c_uint8 * 64).from_address(block.ctypes.data + 64), np.uint8)
             assert agent.region(view).key == first.key
         assert len(agent._regs[first.key].roots) <= 2 and agent.registrations == made
+        for _ in range(100):  # one that lives on, seen every step: in it once
+            assert agent.region(view).key == first.key
+        assert len(agent._regs[first.key].roots) == 2
         # the other way round (a view holding memory registered before it) is registered beside it, and said
         other = np.zeros(1 << 16, np.uint8)
         small = np.frombuffer((ctypes.c_uint8 * 4096).from_address(other.ctypes.data + 4096), np.uint8)

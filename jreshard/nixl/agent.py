@@ -349,9 +349,10 @@ class NixlAgent:
                     reg = _Registration(key, descs, base64.b64encode(partial).decode(), self.serials)
                     self._regs[key] = reg
                     bisect.insort(self._starts.setdefault((mem, device), []), (raddr, rbytes))
-                reg.roots = [r for r in reg.roots if r() is not None]  # (views that come and go in one)
-                reg.roots.append(weakref.ref(root))
-                weakref.finalize(root, self._root_died, reg)
+                if not reg.holds(root):  # (a view that joined it, seen again, is in it once)
+                    reg.roots = [r for r in reg.roots if r() is not None]  # (views that come and go in one)
+                    reg.roots.append(weakref.ref(root))
+                    weakref.finalize(root, self._root_died, reg)
         if reg is None:
             return Region(mem, device, addr, nbytes, key)
         return Region(mem, device, addr, nbytes, reg.key, reg.serial)
