@@ -57,13 +57,17 @@ def test_mpmd_refits_fsdp_to_tp_dp(tmp_path, trainers, servers, devices, mode):
 
 @pytest.mark.parametrize(
     ("seed", "flags"),
-    [(1, ""), (2, "verify"), (3, "x64"), (4, "delta"), (5, "async into"), (6, "delta async into verify")],
+    [
+        *[(1, ""), (2, "verify"), (3, "x64"), (4, "delta"), (5, "async into"), (6, "delta async into verify")],
+        *[(7, "nixl"), (8, "nixl delta async into verify")],
+    ],
 )
 def test_a_refit_of_random_leaves_between_two_programs(tmp_path, seed, flags):
     """Every dtype a refit moves, shapes with sizes of 0 and scalars, each side its own random shardings over
     4 devices (some leaves cast on the destination): two versions, every destination shard's bits checked;
     with ``verify``, and with ``jax_enable_x64`` and the 64-bit dtypes (``complex128`` used to fail); with deltas
-    (three versions, a tenth of the elements changed each), a background pull and a pull into the arrays held."""
+    (three versions, a tenth of the elements changed each), a background pull and a pull into the arrays held; and
+    the group formed over NIXL instead (prepared NIXL groups between the two programs)."""
     need_mpi()
     args = [str(seed), "40", *flags.split()]
     launch(

@@ -5,9 +5,12 @@ on the destination. Two versions; the destination checks every shard's bits agai
 against jax's ``astype``). ``refit_random_body.py source|destination SEED LEAVES [verify] [x64] [delta] [async]
 [into]`` (``x64``: with ``jax_enable_x64``, the 64-bit dtypes too; ``delta``: ``Options(delta="on")`` and three
 versions, each changing a random tenth of the elements of the one before; ``async``: the destination pulls with
-``pull_async`` and flips; ``into``: it pulls ``into=`` the arrays it holds).
+``pull_async`` and flips; ``into``: it pulls ``into=`` the arrays it holds; ``nixl``: the two form their group over
+NIXL, ``RefitGroup.connect`` at an address file in ``$JRESHARD_MPI_OUT``, rather than over the launch's MPI).
 """
 
+import dataclasses
+import os
 import random
 import sys
 from pathlib import Path
@@ -50,6 +53,8 @@ def body() -> dict:
     flags = set(sys.argv[4:])
     delta = "delta" in flags
     opts = Options(timeout_s=60.0, verify="verify" in flags, **({"delta": "on"} if delta else {}))
+    if "nixl" in flags:
+        opts = dataclasses.replace(opts, secret=b"refit-random-nixl-key-0123456789")
     if role == "source":
         tree = {n: jax.device_put(_values(n, s, dt, 0, delta), src) for n, s, dt, _, src, _ in leaves}
     else:  # some leaves declared weakly typed: their arrays come back so
@@ -58,7 +63,11 @@ def body() -> dict:
             n: jax.ShapeDtypeStruct(s, _dtype(w), sharding=dst, weak_type=weak.random() < 0.3)
             for n, s, _, w, _, dst in leaves
         }
-    group = RefitGroup(role, tree, options=opts)
+    if "nixl" in flags:
+        address = os.path.join(os.environ["JRESHARD_MPI_OUT"], "address")
+        group = RefitGroup.connect(role, tree, address=address, transport="nixl", options=opts)
+    else:
+        group = RefitGroup(role, tree, options=opts)
     bad: list[str] = []
     held = None
     modes: list[str] = []  # the source's delta report of each version: full or delta
