@@ -333,3 +333,28 @@ def _check_big(out: dict, follower: dict, r1: Program, r2: Program, r3: Program)
     _exact(reps["r1"], [1, 2, 3, 4, 5])
     assert [v for v, _ in reps["r1"]["arrivals"]] == [1, 2, 3, 4, 5]
     assert reps["r2"]["end"] == "left" and reps["r2"]["checked"][-1] == 2 and reps["r2"]["bad"] == []
+
+
+@pytest.mark.parametrize(("seed", "catch_up"), [(1, "peer"), (2, "trainer")])
+def test_random_trees_between_programs_with_a_joiner(tmp_path, programs, seed, catch_up):
+    """A trainer and three replicas, each its own program of 4 devices, over a random tree (every dtype a refit
+    moves, sizes of 0, each side's random shardings, casts, weak types, deltas): the third replica joins at
+    version 2 and catches up from a replica or the trainer; every version each replica holds is checked."""
+    address, four = str(tmp_path / "address"), {"JAX_NUM_CPU_DEVICES": "4"}
+    trainer = programs("random_elastic.py", "trainer", address, str(seed), catch_up, env=four)
+    r1 = programs("random_elastic.py", "replica", address, str(seed), "r1", env=four)
+    r2 = programs("random_elastic.py", "replica", address, str(seed), "r2", env=four)
+    trainer.wait_event("join-now")
+    r3 = programs("random_elastic.py", "replica", address, str(seed), "r3", env=four)
+    out = trainer.result()
+    reps = {r["name"]: r for r in (r1.result(), r2.result(), r3.result())}
+    for v in ("3", "4"):
+        assert out["pushes"][v]["committed"] == ["r1", "r2", "r3"], out
+    for name, rep in reps.items():
+        assert rep["bad"] == [], (name, rep)
+        assert rep["checked"] and rep["checked"][-1] == 4 and "trainer closed" in rep["end"], (name, rep)
+    first_version, source = reps["r3"]["arrivals"][0]
+    assert first_version == 2, reps["r3"]
+    assert source == ("trainer" if catch_up == "trainer" else out["joined"]["r3"]), (source, out["joined"])
+    if catch_up == "peer":
+        assert source in ("replica 'r1'", "replica 'r2'"), source
