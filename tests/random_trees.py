@@ -65,6 +65,41 @@ def values(name: str, shape: tuple[int, ...], dtype_name: str, version: int, del
     return out
 
 
+REFIT_DTYPES = [
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
+    "float8_e4m3fn", "float8_e5m2", "float8_e3m4", "float8_e8m0fnu", "float8_e4m3b11fnuz", "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+]  # fmt: skip
+"""Every dtype jax holds (without ``jax_enable_x64``) that a refit moves."""
+
+CASTS = ["float32", "bfloat16", "float16"]
+"""The float dtypes a destination may declare a float leaf as (the cast on the way)."""
+
+
+def mismatches(out: Any, leaves: list, version: int, delta: bool = False) -> list[str]:
+    """What ``out`` (a pulled tree of jax arrays, by leaf name) holds wrongly at ``version``: per leaf of ``leaves``,
+    ``(name, shape, dtype name, wire dtype name, destination sharding, declared weak_type or None)``, its dtype,
+    shape, sharding, weak type, and every shard's bits against the host values (a cast: against jax's ``astype``)."""
+    import jax.numpy as jnp
+
+    bad = []
+    for name, shape, dtype_name, wire, dst, weak in leaves:
+        a, host = out[name], values(name, shape, dtype_name, version, delta)
+        want = np.asarray(jnp.asarray(host).astype(dtype(wire))) if wire != dtype_name else host
+        what = f"{name} {shape} {dtype_name}->{wire} at version {version}"
+        if a.dtype != dtype(wire) or a.shape != shape or not a.sharding.is_equivalent_to(dst, len(shape)):
+            bad.append(f"{what}: {a.dtype} {a.shape} {a.sharding}")
+            continue
+        if weak is not None and a.weak_type != weak:
+            bad.append(f"{what}: weak_type {a.weak_type}, declared {weak}")
+        for s in a.addressable_shards:
+            w, g = np.array(want[s.index], order="C"), np.asarray(s.data)  # (0-d stays 0-d)
+            if g.shape != w.shape or g.reshape(-1).view(np.uint8).tobytes() != w.reshape(-1).view(np.uint8).tobytes():
+                bad.append(f"{what} on {s.device}: {g.shape} against {w.shape}")
+                break
+    return bad
+
+
 TORCH_DTYPES = [
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for random_trees
+from random_trees import CASTS, REFIT_DTYPES, mismatches
 from random_trees import dtype as _dtype
 from random_trees import sharding as _sharding
 from random_trees import values as _values
@@ -28,11 +28,6 @@ from jreshard import Options
 from jreshard.elastic import ElasticReplica, ElasticTrainer
 from jreshard.errors import PeerError
 
-DTYPES = [
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
-    "float8_e4m3fn", "float8_e5m2", "float8_e3m4", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz",
-]  # fmt: skip
-CASTS = ["float32", "bfloat16", "float16"]
 STARTUP_S = 60.0  # the replicas are programs of their own: waiting for them includes importing jax
 
 
@@ -43,7 +38,7 @@ def leaves(seed: int) -> list[tuple]:
     out = []
     for i in range(r.randint(6, 12)):
         shape = tuple(r.choice([0, 1, 2, 3, 4, 6, 8, 16]) for _ in range(r.randint(0, 3)))
-        dtype = r.choice(DTYPES)
+        dtype = r.choice(REFIT_DTYPES)
         wire = r.choice(CASTS) if _dtype(dtype).kind == "f" and r.random() < 0.3 else dtype
         out.append(
             (f"l{i}", shape, dtype, wire, _sharding(r, devs, shape), _sharding(r, devs, shape), r.random() < 0.3)
@@ -86,19 +81,8 @@ def replica(address: str, seed: int, name: str) -> None:
         except PeerError as err:
             end = str(err)[:300]
             break
-        for n, shape, dtype, wire, _, dst, weak in tree:
-            a, host = got[n], _values(n, shape, dtype, version, True)
-            want = np.asarray(jnp.asarray(host).astype(_dtype(wire))) if wire != dtype else host
-            if a.dtype != _dtype(wire) or a.shape != shape or not a.sharding.is_equivalent_to(dst, len(shape)):
-                bad.append([version, n, "layout"])
-                continue
-            if a.weak_type != weak:
-                bad.append([version, n, "weak_type"])
-            for s in a.addressable_shards:
-                w = np.ascontiguousarray(want[s.index])
-                if np.asarray(s.data).reshape(-1).view(np.uint8).tobytes() != w.reshape(-1).view(np.uint8).tobytes():
-                    bad.append([version, n, str(s.device)])
-                    break
+        specs = [(n, shape, dtype, wire, dst, weak) for n, shape, dtype, wire, _, dst, weak in tree]
+        bad += mismatches(got, specs, version, True)
         checked.append(version)
     arrivals = [[a.version, a.source] for a in rep.arrivals]
     say(name=name, checked=checked, bad=bad[:10], arrivals=arrivals, end=end)

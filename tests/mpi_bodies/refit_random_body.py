@@ -19,6 +19,7 @@ import numpy as np
 from _common import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for random_trees
+from random_trees import CASTS, mismatches
 from random_trees import dtype as _dtype
 from random_trees import sharding as _sharding
 from random_trees import values as _values
@@ -27,12 +28,10 @@ DTYPES = [
     "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "float16", "bfloat16", "float32", "complex64",
     "float8_e4m3fn", "float8_e5m2", "float8_e3m4", "float8_e8m0fnu",
 ]  # fmt: skip
-CASTS = ["float32", "bfloat16", "float16"]
 
 
 def body() -> dict:
     import jax
-    import jax.numpy as jnp
 
     from jreshard.options import Options
     from jreshard.refit import RefitGroup
@@ -87,24 +86,9 @@ def body() -> dict:
             out, got_version = group.pull(**where)
         held = out
         assert got_version == version
-        for n, shape, dtype, wire, _, dst in leaves:
-            a, host = out[n], _values(n, shape, dtype, version, delta)
-            want = np.asarray(jnp.asarray(host).astype(_dtype(wire))) if wire != dtype else host
-            index = dst.addressable_devices_indices_map(shape)
-            if a.weak_type != tree[n].weak_type:
-                bad.append(f"{n} {shape} {dtype}->{wire}: weak_type {a.weak_type}, declared {tree[n].weak_type}")
-            if a.dtype != _dtype(wire) or a.shape != shape or not a.sharding.is_equivalent_to(dst, len(shape)):
-                bad.append(f"{n} {shape} {dtype}->{wire}: {a.dtype} {a.shape} {a.sharding}")
-                continue
-            for s in a.addressable_shards:
-                w = np.ascontiguousarray(want[index[s.device]]) if shape else np.asarray(want)
-                g = np.asarray(s.data)
-                if (
-                    g.shape != w.shape
-                    or g.reshape(-1).view(np.uint8).tobytes() != w.reshape(-1).view(np.uint8).tobytes()
-                ):
-                    bad.append(f"{n} {shape} {dtype}->{wire} on {s.device}: {g.shape} against {w.shape}")
-                    break
+        bad += mismatches(
+            out, [(n, s, dt, w, dst, tree[n].weak_type) for n, s, dt, w, _, dst in leaves], version, delta
+        )
     group.close()
     return {"leaves": count, "bad": bad, "version": group.version, "modes": modes}
 
