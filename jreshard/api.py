@@ -38,14 +38,16 @@ from typing import Any
 import jax
 
 from jreshard.call import repack
-from jreshard.call.front import Call, Mode, flatten, prepare
+from jreshard.call.front import Call, Mode, flatten, plain_key, prepare, shape_of
 from jreshard.call.normalize import normalize
-from jreshard.call.routes import route, run_engine, runner, target_shardings
+from jreshard.call.routes import BackendChoice, route, route_shardings, run_engine, runner, target_shardings
 from jreshard.engine.buffers import Buffers
 from jreshard.engine.comm import Communicator
+from jreshard.engine.prepared import Prepared, Shape
 from jreshard.errors import BackendUnavailableError
 from jreshard.options import Backend, Options
 from jreshard.report import NotInPlace, ReportBuilder, ReportPhase, TransferReport
+from jreshard.sharding.caches import cache
 from jreshard.sharding.topology import Topology
 from jreshard.types import PyTree, Target, TreeDef
 
@@ -106,6 +108,16 @@ def _run_flat_tree(
     targets: list[Any],
 ) -> PyTree:
     """:func:`_run` after the flattening."""
+    builder = ReportBuilder(Backend.LOCAL)
+    with builder.timed(ReportPhase.PLAN):
+        plain = _plain(leaves, treedef, targets, mode, topology, options)
+    if plain is not None:  # the common call: checked, routed and planned from its key in one pass
+        from jreshard.engine.inprocess import run_local
+
+        prep, choice = plain
+        builder.choose(choice.backend, choice.reason)
+        result = treedef.unflatten(run_local(prep, topology, options, builder))
+        return (result, builder.build()) if report else result
     if _has_views(leaves):
         call = Call(mode=mode, leaves=leaves, treedef=treedef, targets=targets, x=x)
         return _run_views(call, topology, options, report)
@@ -113,7 +125,6 @@ def _run_flat_tree(
     if mode is Mode.TRANSFER:  # array targets, casts, host data and host memory: what device_put takes
         norm = normalize(leaves, treedef, targets, x, target)
         leaves, targets = norm.leaves, norm.targets
-    builder = ReportBuilder(Backend.LOCAL)
     encs = repack.encodings(leaves, targets if mode is Mode.INTO else None)
     if encs is None:
         out = _run_flat(leaves, treedef, targets, mode, topology, options, builder, x)
@@ -123,6 +134,50 @@ def _run_flat_tree(
         out = norm.finish(out)
     result = treedef.unflatten(out)
     return (result, builder.build()) if report else result
+
+
+def _plain(
+    leaves: list[Any], treedef: TreeDef, targets: list[Any], mode: Mode, topology: Topology | None, options: Options
+) -> tuple[Prepared, BackendChoice] | None:
+    """A plain call (:func:`~jreshard.call.front.plain_key`: live, row-major jax arrays to ``NamedSharding``
+    targets or into live arrays) that runs in this process over CPU devices with nothing to normalize or
+    repack: its prepared call and route, at the cost of one pass over its leaves. Everything the full path
+    would check beyond that pass depends on the key alone and is checked (and cached) once per key.
+    ``None`` for any other call: the full path runs it, and raises what is wrong with it."""
+    key = plain_key(leaves, treedef, targets, mode, topology, options)
+    if key is None:
+        return None
+    try:
+        known = _plain_route(key)
+    except Exception:  # the full path raises it again, naming the leaf by its key path
+        return None
+    if known is None:
+        return None
+    choice, shape = known
+    return Prepared(mode, leaves, targets, treedef, shape), choice
+
+
+@cache(max_size=256)
+def _plain_route(key: tuple) -> tuple[BackendChoice, Shape] | None:
+    """The backend and :class:`Shape` of a plain call with this key when it runs in this process over CPU
+    devices with every leaf as it is (device memory, a dtype the engine addresses: nothing for
+    :func:`normalize` or :mod:`jreshard.call.repack` to do), else ``None``.
+
+    Raises:
+      LayoutError, IndivisibleError, TopologyError, BackendUnavailableError: what the key fails.
+    """
+    _treedef, specs, _mode, _topology, options = key
+    shardings = {sh for spec in specs for sh in spec[2:4] if sh is not None}
+    if any(getattr(sh, "memory_kind", None) not in (None, "device") for sh in shardings):
+        return None
+    if any(repack.encoding_of(dtype) is not None for dtype in {spec[1] for spec in specs}):
+        return None
+    choice, single_process = route_shardings(shardings, options)
+    if choice.backend is not Backend.LOCAL or not single_process:
+        return None
+    if any(d.platform != "cpu" for sh in shardings for d in sh.device_set):
+        return None
+    return choice, shape_of(key)
 
 
 def _run_flat(

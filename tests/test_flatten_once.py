@@ -150,6 +150,7 @@ def test_nccl_route_flattens_x_and_target_once(counted, monkeypatch):
         routes, "route", lambda leaves, targets, options: (BackendChoice(backend=Backend.NCCL, reason="test"), True)
     )
     monkeypatch.setattr(jreshard.api, "route", routes.route)
+    monkeypatch.setattr(jreshard.api, "_plain_route", lambda key: None)  # routed to NCCL: not a local call
     x = _tree(2)
     target = {"a": DST, "b": [DST]}
     counted.watch(x, target)

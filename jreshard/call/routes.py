@@ -66,6 +66,7 @@ __all__ = [
     "kit",
     "program_transport",
     "route",
+    "route_shardings",
     "run_engine",
     "runner",
     "select_backend",
@@ -308,7 +309,7 @@ def route(leaves: Sequence[TreeLeaf], targets: Sequence[Target], options: Option
     """
     import jax
 
-    shardings = set()
+    shardings: set[Sharding] = set()
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             shardings.add(leaf.sharding)
@@ -319,6 +320,13 @@ def route(leaves: Sequence[TreeLeaf], targets: Sequence[Target], options: Option
             shardings.add(t)
         elif isinstance(t, jax.ShapeDtypeStruct) and t.sharding is not None:
             shardings.add(t.sharding)
+    return route_shardings(shardings, options)
+
+
+def route_shardings(shardings: Iterable[Sharding], options: Options) -> tuple[BackendChoice, bool]:
+    """:func:`route` of a call whose leaves and targets have ``shardings`` (the set of them)."""
+    import jax
+
     devices: set[Device] = set()
     for sh in shardings:
         try:
