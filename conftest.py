@@ -31,5 +31,25 @@ def held_port():
         yield lambda: stack.enter_context(reserved_port())
 
 
+@pytest.fixture
+def column_major():
+    """``column_major(value, sharding)``: ``value`` placed with ``sharding`` in a column-major memory layout, or the
+    test skipped where this jax cannot make one (or ignores the layout asked for)."""
+
+    def make(value, sharding):
+        import jax
+        from jax.experimental.layout import Format, Layout
+
+        try:
+            out = jax.device_put(value, Format(Layout(major_to_minor=(1, 0)), sharding))
+        except Exception as err:  # pragma: no cover - a backend without custom layouts
+            pytest.skip(f"this jax cannot make a column-major array: {err}")
+        if tuple(out.format.layout.major_to_minor) == (0, 1):  # pragma: no cover
+            pytest.skip("this jax ignored the requested layout")
+        return out
+
+    return make
+
+
 # Scripts a test launches, not modules: they read their command line when imported.
 collect_ignore_glob = ["tests/torch_bodies/*.py"]
