@@ -245,14 +245,23 @@ def test_chunks_are_exact_and_cover_every_byte_once(shapes, chunk):
     assert order == sorted(order)  # plan order, C order inside each piece
 
 
-def test_missing_buffers_raise_before_writing():
+@pytest.mark.parametrize("gone", ["one source", "every source", "a destination"])
+def test_missing_buffers_raise_before_writing(gone):
     src = Layout.from_mesh(np.arange(2), ("x",), ("x",), (8,), "float32")
     dst = Layout.from_mesh(np.arange(2, 4), ("x",), (None,), (8,), "float32")
     topo = Topology.uniform(range(4), domain_size=2)
     plan = plan_layouts([(src, dst)], topo)
     shards = _shards([(src, dst)], [_global(src, 0)])
-    del shards.src[(0, 1)]
-    with pytest.raises(TransferError, match="source shard of tensor 0 on rank 1") as info:
+    if gone == "one source":
+        del shards.src[(0, 1)]
+        want = "source shard of tensor 0 on rank 1"
+    elif gone == "every source":
+        shards.src.clear()
+        want = "source shard of tensor 0 on rank 0"
+    else:
+        shards.dst.pop((0, 3))
+        want = "destination shard of tensor 0 on rank 3"
+    with pytest.raises(TransferError, match=want) as info:
         execute(
             build_schedule(plan, plan.options),
             RecordingComm(ranks=range(4), topology=topo),

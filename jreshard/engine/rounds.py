@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -87,8 +88,10 @@ class Shards:
         """``[src(t0), dst(t0), src(t1), dst(t1), ...]`` of ``rank`` (``None`` where it holds no such shard)."""
         keys = _keys(rank, ntensors)
         out: list[Any] = [None] * (2 * ntensors)
-        out[0::2] = map(self.src.get, keys)
-        out[1::2] = map(self.dst.get, keys)
+        if self.src:  # (a destination rank's step looks up no source)
+            out[0::2] = map(self.src.get, keys)
+        if self.dst:
+            out[1::2] = map(self.dst.get, keys)
         return out
 
 
@@ -513,6 +516,8 @@ def _check_buffers(
 ) -> None:
     missing: list[str] = []
     for r in ranks:
+        if not any(map(operator.is_, map(bufs[r].__getitem__, compiled.needs[r]), itertools.repeat(None))):
+            continue  # (the common case, checked without a Python loop; ``in`` would compare arrays with ==)
         for b in sorted(compiled.needs[r]):
             if bufs[r][b] is None:
                 missing.append(f"{'source' if b % 2 == SRC else 'destination'} shard of tensor {b // 2} on rank {r}")
