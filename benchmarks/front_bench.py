@@ -1,8 +1,9 @@
 """What the front door costs a many-leaf call: the plain path against the full checks, alternated in one process.
 
-A *plain* call (every leaf a live, row-major ``jax.Array``; ``transfer`` to ``NamedSharding`` targets or
-``transfer_into`` live arrays; this process's CPU devices) is checked, routed and planned from its key in one pass
-over the leaves, with what depends on the key alone cached per key (``jreshard/call/front.py``, ``plain_key``).
+A *plain* call (every leaf a live, row-major ``jax.Array``; ``transfer`` to ``NamedSharding`` or
+``SingleDeviceSharding`` targets or ``transfer_into`` live arrays; this process's CPU devices) is checked, routed
+and planned from its key in one pass over the leaves, with what depends on the key alone cached per key
+(``jreshard/call/front.py``, ``plain_key``).
 Every other call takes the full path: the normalization of targets, the scan for leaves to repack, the routing and
 :func:`~jreshard.call.front.prepare`'s checks, each a pass over the leaves. This script times both on the same
 pytree, call after call in turn (the full path forced by replacing ``jreshard.api._plain``, for the measurement

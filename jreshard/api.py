@@ -139,10 +139,10 @@ def _run_flat_tree(
 def _plain(
     leaves: list[Any], treedef: TreeDef, targets: list[Any], mode: Mode, topology: Topology | None, options: Options
 ) -> tuple[Prepared, BackendChoice] | None:
-    """A plain call (:func:`~jreshard.call.front.plain_key`: live, row-major jax arrays to ``NamedSharding``
-    targets or into live arrays) that runs in this process over CPU devices with nothing to normalize or
-    repack: its prepared call and route, at the cost of one pass over its leaves. Everything the full path
-    would check beyond that pass depends on the key alone and is checked (and cached) once per key.
+    """A plain call (:func:`~jreshard.call.front.plain_key`: live, row-major jax arrays to ``NamedSharding`` or
+    ``SingleDeviceSharding`` targets or into live arrays) that runs in this process over CPU devices with nothing
+    to normalize or repack: its prepared call and route, at the cost of one pass over its leaves. Everything the
+    full path would check beyond that pass depends on the key alone and is checked (and cached) once per key.
     ``None`` for any other call: the full path runs it, and raises what is wrong with it."""
     key = plain_key(leaves, treedef, targets, mode, topology, options)
     if key is None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+from parity_cases import _gspmd_like
 from random_trees import REFIT_DTYPES, sharding, values
 
 import jreshard
@@ -29,7 +30,7 @@ TP = NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
 
 def _tree(seed: int) -> tuple[dict, dict]:
     """A random tree (every dtype the refits move, int4 and sizes of 0 among them, random shardings both sides,
-    some leaves kept) and its NamedSharding targets (a few None)."""
+    some leaves kept) and its targets (NamedShardings and SingleDeviceShardings, a few None)."""
     r = random.Random(seed)
     x, targets = {}, {}
     for k in range(r.randint(1, 12)):
@@ -43,7 +44,7 @@ def _tree(seed: int) -> tuple[dict, dict]:
         dst = sharding(r, DEVS, shape)
         if r.random() < 0.15:
             dst = src  # kept, as jax.device_put keeps it
-        targets[f"l{k}"] = None if r.random() < 0.1 else dst if isinstance(dst, NamedSharding) else None
+        targets[f"l{k}"] = None if r.random() < 0.1 else dst
     return x, targets
 
 
@@ -126,7 +127,8 @@ def _calls():
             False,
             lambda: jreshard.transfer(a, jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=TP)),
         ),
-        "a SingleDeviceSharding target": (False, lambda: jreshard.transfer(a, SingleDeviceSharding(DEVS[5]))),
+        "a SingleDeviceSharding target": (True, lambda: jreshard.transfer(a, SingleDeviceSharding(DEVS[5]))),
+        "a GSPMDSharding target": (False, lambda: jreshard.transfer(a, _gspmd_like(TP, 2))),
         "a cast": (False, lambda: jreshard.transfer(a, jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=TP))),
         "an int4 leaf": (False, lambda: jreshard.transfer(a.astype(jnp.int4), TP)),
         "a key array": (False, lambda: jreshard.transfer(key, SingleDeviceSharding(DEVS[1]))),

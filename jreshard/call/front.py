@@ -416,6 +416,10 @@ def prepare(
     return Prepared(mode, leaves, targets, treedef, cached)
 
 
+# The target types a plain call's targets are (a type check is cheaper than ``isinstance``).
+_PLAIN_TARGETS = frozenset({jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding})
+
+
 def plain_key(
     leaves: list[Any], treedef: TreeDef, targets: list[Any], mode: Mode, topology: Topology | None, options: Options
 ) -> tuple | None:
@@ -424,10 +428,10 @@ def plain_key(
 
     Plain: every leaf is a live ``jax.Array`` whose shards are row-major; for ``transfer_into`` every
     ``into`` leaf is one too (or ``None``), of its leaf's shape and dtype; for ``transfer`` every target
-    is a ``NamedSharding`` (or ``None``). This pass makes every check :func:`prepare` makes leaf by leaf;
-    the others depend on the key alone (:func:`_shape`, cached per key).
+    is a ``NamedSharding`` or ``SingleDeviceSharding`` (or ``None``). This pass makes every check
+    :func:`prepare` makes leaf by leaf; the others depend on the key alone (:func:`_shape`, cached per key).
     """
-    array, named, into = _ARRAY, jax.sharding.NamedSharding, mode is Mode.INTO
+    array, shardings, into = _ARRAY, _PLAIN_TARGETS, mode is Mode.INTO
     specs = []
     for leaf, t in zip(leaves, targets, strict=True):
         if type(leaf) is not array or leaf.is_deleted():
@@ -443,7 +447,7 @@ def plain_key(
             if theirs.shape != dims or theirs.dtype != dtype or (len(dims) > 1 and not _row_major(t)):
                 return None
             sh = t.sharding
-        elif t is None or type(t) is named:
+        elif t is None or type(t) in shardings:
             sh = t
         else:
             return None
