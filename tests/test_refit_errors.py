@@ -56,6 +56,30 @@ def test_a_peer_that_closes_is_noticed_at_once(tmp_path):
     assert d["elapsed"] < 5.0  # timeout_s is 30: the notice, not the deadline, ended the wait
 
 
+def test_a_tree_like_the_last_one_that_matched_is_still_checked_for_what_its_key_cannot_see(tmp_path):
+    """tests/mpi_bodies/refit_stale_body.py: after a tree that matched the declaration (checked in full once), a
+    tree with a leaf deleted since, then one with a leaf of another dtype, are refused on both sides before
+    anything moves (at once: the timeout is 30 s), the destination keeps version 1, and version 2 goes through."""
+    from mpi_launch import launch, need_mpi, program, results
+
+    need_mpi()
+    launch(
+        [program(1, "refit_stale_body.py", "source"), program(1, "refit_stale_body.py", "destination")],
+        tmp_path,
+        devices=1,
+        timeout_s=100,
+    )
+    (src,) = results(tmp_path, "stale-source").values()
+    (dst,) = results(tmp_path, "stale-destination").values()
+    assert src["versions"] == [1, 2] and dst["versions"] == [1, 2] and dst["exact"], (src, dst)
+    assert dst["held"] == [1.0, 1.0], dst
+    for side in (src, dst):
+        deleted, cast = side["errors"]
+        assert "nothing moved" in deleted and "['b'] has been deleted or donated" in deleted, side
+        assert "nothing moved" in cast and "['w']: dtype bfloat16 where float32 was declared" in cast, side
+        assert max(side["seconds"]) < 10.0, side
+
+
 @pytest.mark.parametrize("mode", ["declaration", "begin", "commit"])
 def test_a_process_whose_message_cannot_be_one_is_named_and_nothing_is_published(tmp_path, mode):
     """A destination whose declaration, begin vote or commit vote is malformed

@@ -66,6 +66,7 @@ from jreshard.call.routes import kit, program_transport
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.digest import DigestComm, DigestCost, Digests
 from jreshard.engine.driver import assemble, run_schedule, schedule_local
+from jreshard.engine.ownership import shard_arrays
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import IntegrityError, LayoutMismatchError, PeerError, TransferError
 from jreshard.options import Options
@@ -92,6 +93,29 @@ from jreshard.types import Device, PyTree
 from jreshard.views.lowering import LeafLowering
 
 __all__ = ["RefitGroup", "Role"]
+
+
+def _tree_key(flat: Sequence[tuple[Any, Any]], treedef: Any) -> tuple | None:
+    """What a declaration reads of a flattened tree: its structure (its leaves' names) and each leaf's type,
+    shape, dtype and sharding; ``None`` where a leaf has no shape, dtype or sharding."""
+    leaves = []
+    for _, a in flat:
+        try:
+            leaves.append((type(a), a.shape, a.dtype, a.sharding))
+        except AttributeError:
+            return None
+    return treedef, tuple(leaves)
+
+
+def _deleted(flat: Sequence[tuple[Any, Any]]) -> str:
+    """Why a source tree cannot be read (``""``: it can): a leaf deleted or donated since it was made."""
+    import jax
+
+    for path, a in flat:
+        if isinstance(a, jax.Array) and a.is_deleted():
+            name = jax.tree_util.keystr(path) or "x"
+            return f"leaf {name} has been deleted or donated; the fix is to push live arrays"
+    return ""
 
 
 def _local_devices() -> list[Any]:
@@ -298,6 +322,9 @@ class RefitGroup:
         wire = [d.np_dtype for _, d in pairs] if self._views is None else [d.np_dtype for d in self._views.dsts]
         self._delta = GroupDelta(self.options, wire_unit(wire), rank_process, self._describe)  # refit/delta.py
         self._votes: dict = {}
+        self._checked: tuple | None = None  # the key of the last tree that matched the declaration (_tree_key)
+        self._order: tuple[Any, list[int]] | None = None  # (treedef, its leaves' tensor indices)
+        self._shards: tuple[Any, dict, dict] | None = None  # (the key they were made for, _shards_of's answer)
 
     @classmethod
     def connect(
@@ -633,17 +660,21 @@ class RefitGroup:
         import jax
 
         self._check_usable()
-        flat = jax.tree_util.tree_flatten_with_path(params)[0]  # the one flattening of the call
-        error = self._local_check(flat)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)  # the one flattening of the call
+        error = self._local_check(flat, treedef) or _deleted(flat)
         vote = {"role": "source", "error": error, "version": int(version), "nonce": boxes.new_nonce()}
         vote |= self._delta.vote()
         self._begin(vote, self.options.timeout_s)
+        from jreshard.sharding.jax import addressable_order
+
         sources = {}
-        for t, a in self._indexed(flat):
-            for sh in a.addressable_shards:
-                r = self._rank_of(sh.device)
-                if r is not None and r in self._src_layouts[t].ranks:
-                    sources[(t, r)] = sh.data
+        for t, a in self._indexed(flat, treedef):
+            ranks = self._src_layouts[t].ranks
+            # (jax's own list of the shards, in the order of their devices: no Shard object built)
+            for d, data in zip(addressable_order(a.sharding), shard_arrays(a), strict=True):
+                r = self._rank_of(d)
+                if r is not None and r in ranks:
+                    sources[(t, r)] = data
         self._run(sources, {})
         self.version = int(version)
         self._delta.commit(self.version, sum(self.sent_bytes.values()))
@@ -742,37 +773,25 @@ class RefitGroup:
             raise ValueError("RefitGroup.pull: pass into=<current params> or like=<abstract tree>")
         if self._background is not None and _phases is None:
             raise ValueError("RefitGroup.pull: a background pull is in flight; flip or cancel it first")
+        self._check_usable()
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)  # the one flattening of the call
-        error = self._local_check(flat) if self._broken is None else ""
+        error = self._local_check(flat, treedef)
         if not error and _abort is not None and _abort(False):
             error = "the destination cancelled the refit (PullHandle.cancel)"
-        leaves = self._indexed(flat) if not error else []
+        leaves = self._indexed(flat, treedef) if not error else []
         phases = {} if _phases is None else _phases  # when each phase ended, for a background pull's report
         # Fresh host buffers for this process's shards, one block per device (the endpoint's pull loop
         # writes into them), and jax arrays over them once every process has committed.
         backend = CpuBuffers()
-        meta: dict[tuple[int, int], tuple[tuple[int, ...], Any, Any]] = {}
-        by_device: dict[Any, list[tuple[int, int]]] = {}
-        for t, a in leaves:
-            layout = self._dst_layout(t)
-            for d in a.sharding.addressable_devices:
-                r = self._rank_of(d)
-                if r is not None:
-                    meta[(t, r)] = (layout.box_of(r).shape, layout.np_dtype, d)
-                    by_device.setdefault(d, []).append((t, r))
+        meta, by_device = self._shards_of(leaves) if not error else ({}, {})
         given: dict[tuple[int, int], Any] = {}
-        for d, keys in by_device.items():
-            sizes = [storage_bytes(meta[k][1], math.prod(meta[k][0])) for k in keys]
+        for d, (keys, sizes) in by_device.items():
             given.update(zip(keys, backend.allocate(sizes, d), strict=True))
         version = self._receive(error, given, timeout_s, phases=phases, abort=_abort)
-        out = []
-        for t, a in leaves:
-            mine = {
-                d: backend.import_shard(given[(t, r)], *meta[(t, r)])
-                for d in a.sharding.addressable_devices
-                if (r := self._rank_of(d)) is not None
-            }
-            out.append(assemble(tuple(a.shape), a.dtype, a.sharding, mine, bool(getattr(a, "weak_type", False))))
+        from jreshard.engine.arrays import put_allowed
+
+        put = put_allowed()
+        out = [self._made(t, a, given, meta, backend, put) for t, a in leaves]
         phases["assembled"] = time.monotonic()
         return jax.tree_util.tree_unflatten(treedef, out), version
 
@@ -806,16 +825,65 @@ class RefitGroup:
         self._delta.commit(version, sum(self.sent_bytes.values()))
         return version
 
+    def _shards_of(self, leaves: list[tuple[int, Any]]) -> tuple[dict, dict]:
+        """``(meta, by_device)`` of the shards this process receives of a tree's ``leaves`` (``(tensor, leaf)``):
+        ``meta[(tensor, rank)] = (shape, dtype, device)`` and ``by_device[device] = (keys, byte sizes)``. Kept for
+        the tree the declaration check matched last (:meth:`_local_check`), whose key says all they depend on."""
+        if self._shards is not None and self._shards[0] is self._checked is not None:
+            return self._shards[1], self._shards[2]
+        meta: dict[tuple[int, int], tuple[tuple[int, ...], Any, Any]] = {}
+        keys: dict[Any, list[tuple[int, int]]] = {}
+        for t, a in leaves:
+            layout = self._dst_layout(t)
+            for d in a.sharding.addressable_devices:
+                r = self._rank_of(d)
+                if r is not None:
+                    meta[(t, r)] = (layout.box_of(r).shape, layout.np_dtype, d)
+                    keys.setdefault(d, []).append((t, r))
+        by_device = {d: (ks, [storage_bytes(meta[k][1], math.prod(meta[k][0])) for k in ks]) for d, ks in keys.items()}
+        self._shards = (self._checked, meta, by_device)
+        return meta, by_device
+
+    def _made(self, t: int, a: Any, given: dict, meta: dict, backend: CpuBuffers, put: bool) -> Any:
+        """Leaf ``a``'s new array (tensor ``t``) over the shards this process received into ``given`` (once every
+        process committed them): on CPU devices all of this process's, one batched put over the buffers
+        (zero-copy where jax aliases them; a copy is as good, every byte has landed), else each shard imported
+        through DLPack (:meth:`CpuBuffers.import_shard`) and the array assembled from them."""
+        from jreshard.engine.arrays import make_array
+        from jreshard.sharding.jax import addressable_order
+
+        sharding, weak = a.sharding, bool(getattr(a, "weak_type", False))
+        devices = addressable_order(sharding)
+        ranks = [self._rank_of(d) for d in devices]
+        if (
+            put
+            and sharding.is_fully_addressable
+            and all(r is not None and d.platform == "cpu" for d, r in zip(devices, ranks, strict=True))
+        ):
+            views = []
+            for r in ranks:
+                shape, dtype, _ = meta[(t, r)]
+                views.append(given[(t, r)].view(dtype).reshape(shape))
+            return make_array(tuple(a.shape), a.dtype, sharding, views, devices, weak, put=True)
+        mine = {
+            d: backend.import_shard(given[(t, r)], *meta[(t, r)])
+            for d, r in zip(devices, ranks, strict=True)
+            if r is not None
+        }
+        return assemble(tuple(a.shape), a.dtype, sharding, mine, weak)
+
     def _dst_layout(self, t: int) -> Any:
         """The destination layout of this side's tensor ``t``."""
         return self._tensors[t].dst if self._views is None else self._views.dsts[t]
 
-    def _indexed(self, flat: Sequence[tuple[Any, Any]]) -> list[tuple[int, Any]]:
+    def _indexed(self, flat: Sequence[tuple[Any, Any]], treedef: Any) -> list[tuple[int, Any]]:
         """``(plan tensor index, leaf)`` of a flattened tree's ``(key path, leaf)`` pairs, in its own leaf
-        order (tensors are matched by name)."""
+        order (tensors are matched by name; the names of the last tree structure are kept)."""
         import jax
 
-        return [(self._index[jax.tree_util.keystr(p) or "x"], a) for p, a in flat]
+        if self._order is None or self._order[0] != treedef:
+            self._order = (treedef, [self._index[jax.tree_util.keystr(p) or "x"] for p, _ in flat])
+        return list(zip(self._order[1], (a for _, a in flat), strict=True))
 
     def _rank_of(self, device: Device) -> int | None:
         try:
@@ -823,7 +891,20 @@ class RefitGroup:
         except ValueError:
             return None
 
-    def _local_check(self, flat: Sequence[tuple[Any, Any]]) -> str:
+    def _local_check(self, flat: Sequence[tuple[Any, Any]], treedef: Any) -> str:
+        """Why a flattened tree does not match this process's declaration (``""``: it does). A tree with the key
+        of the last one that matched (:func:`_tree_key`: its structure and each leaf's type, shape, dtype and
+        sharding, everything the declaration says of it) matches without being declared again."""
+        key = _tree_key(flat, treedef)
+        if key is not None and key == self._checked:
+            return ""
+        self._checked = None
+        error = self._declared_check(flat)
+        if not error:
+            self._checked = key
+        return error
+
+    def _declared_check(self, flat: Sequence[tuple[Any, Any]]) -> str:
         try:
             now = declare_leaves(self.role.value, flat, self._devices, self._decl["domain"])
         except (ValueError, TypeError) as err:

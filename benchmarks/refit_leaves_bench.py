@@ -1,0 +1,117 @@
+"""What a refit between two programs costs per leaf: ``RefitGroup.push`` and ``pull`` of many small leaves against
+one leaf of the same bytes, in the same run.
+
+Two MPI processes (``mpiexec -n 1 ... source : -n 1 ... destination``, started by this script), each with 4 CPU
+devices: the source holds ``--leaves`` arrays of ``--side`` x ``--side`` float32, FSDP over its 4 devices; the
+destination holds them TP2 x DP2. Two groups over the same processes: one of the many leaves, one of a single
+leaf of as many bytes (``leaves * side`` rows). Each step pushes (and pulls into the arrays held) a new version
+of both, in turns; the first two steps prepare and are not counted. Printed per side: the median [min-max] of
+each group's step in ms, and the fixed cost per leaf, ``(many - one) / leaves`` in us: what the declaration
+check, reading each leaf's shards, and making each pulled array cost a step, beside the bytes.
+
+Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/refit_leaves_bench.py [--leaves 1000] [--side 16] [--steps 12]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def side_main(role: str, leaves: int, side: int, steps: int) -> None:
+    """One process of the launch: form both groups, run the steps, print its times as one JSON line."""
+    os.environ["JAX_NUM_CPU_DEVICES"] = "4"
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard.options import Options
+    from jreshard.refit import RefitGroup
+
+    devs = np.array(jax.devices())
+    if role == "source":
+        sh = NamedSharding(jax.sharding.Mesh(devs, ("fsdp",)), P("fsdp"))
+    else:
+        sh = NamedSharding(jax.sharding.Mesh(devs.reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    trees = {
+        "many": {f"layer{i:05d}": jax.ShapeDtypeStruct((side, side), np.float32, sharding=sh) for i in range(leaves)},
+        "one": {"w": jax.ShapeDtypeStruct((leaves * side, side), np.float32, sharding=sh)},
+    }
+    opts = Options(timeout_s=120, delta="off")
+    groups = {name: RefitGroup(role, sds, options=opts) for name, sds in trees.items()}
+    make = {
+        name: jax.jit(
+            lambda v, sds=sds: jax.tree.map(lambda s: jax.numpy.full(s.shape, v, s.dtype), sds),
+            out_shardings=jax.tree.map(lambda s: s.sharding, sds),
+        )
+        for name, sds in trees.items()
+    }
+    held = {name: make[name](0.0) for name in trees} if role == "destination" else {}
+    times: dict[str, list[float]] = {name: [] for name in trees}
+    for v in range(1, steps + 1):
+        for name in ("many", "one") if v % 2 else ("one", "many"):
+            g = groups[name]
+            if role == "source":
+                x = jax.block_until_ready(make[name](float(v)))
+                t = time.perf_counter()
+                g.push(x, version=v)
+            else:
+                t = time.perf_counter()
+                held[name], got = g.pull(into=held[name])
+                if got != v or float(jax.tree.leaves(held[name])[-1][0, 0]) != v:
+                    raise SystemExit(f"refit_leaves_bench: {name} pulled version {got}, not {v}")
+            if v > 2:
+                times[name].append(time.perf_counter() - t)
+    for g in groups.values():
+        g.close()
+    print("RESULT " + json.dumps({"role": role, "times": times}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--leaves", type=int, default=1000)
+    ap.add_argument("--side", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--side-of", choices=["source", "destination"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.side_of:
+        side_main(args.side_of, args.leaves, args.side, args.steps)
+        return
+    import statistics
+
+    exe = Path(sys.executable)
+    mpiexec = exe.parent / "mpiexec"
+    me = str(Path(__file__).resolve())
+    common = ["--leaves", str(args.leaves), "--side", str(args.side), "--steps", str(args.steps)]
+    cmd = [str(mpiexec)]
+    for role in ("source", "destination"):
+        cmd += ["-n", "1", str(exe), me, *common, "--side-of", role] + ([":"] if role == "source" else [])
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    results = [json.loads(ln[len("RESULT ") :]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or len(results) != 2:
+        raise SystemExit(f"refit_leaves_bench: the launch failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    print(
+        f"{args.leaves} leaves of {args.side}x{args.side} float32 (FSDP4 -> TP2 x DP2) against one leaf of the same "
+        f"{args.leaves * args.side * args.side * 4 / 2**20:.1f} MiB, {args.steps - 2} steps each, 2 processes, "
+        f"{os.cpu_count()} cores"
+    )
+    for r in sorted(results, key=lambda r: r["role"] != "source"):
+        t = {k: [x * 1e3 for x in v] for k, v in r["times"].items()}
+        many, one = statistics.median(t["many"]), statistics.median(t["one"])
+        call = "push" if r["role"] == "source" else "pull"
+        fixed = (many - one) / args.leaves * 1e3
+        print(
+            f"{call}: {args.leaves} leaves {many:.1f} [{min(t['many']):.1f}-{max(t['many']):.1f}] ms, one leaf "
+            f"{one:.1f} [{min(t['one']):.1f}-{max(t['one']):.1f}] ms; fixed cost {fixed:.0f} us a leaf"
+        )
+
+
+if __name__ == "__main__":
+    main()
