@@ -185,6 +185,17 @@ def make_array(
     return _ASSEMBLE(shape, dtype, sharding, shards, weak_type)
 
 
+def put_one(view: np.ndarray, device: Device) -> Any:
+    """A single-device array on CPU ``device`` over the host buffer ``view`` (of its shape and dtype) by jax's
+    batched put, zero-copy where jax aliases it (the caller checks); ``None`` where the batched put is not
+    available or ``jax.transfer_guard`` forbids it."""
+    if not put_allowed():
+        return None
+    assert _PUT is not None
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return _PUT.raw(_PUT.aval(view.shape, view.dtype, False), sharding, [view], [device], True)
+
+
 def zeros_on(device: Device, shape: tuple[int, ...], dtype: DType, memory_kind: str | None = None) -> Array:
     """An array of zeros made on ``device`` (in its ``memory_kind``) by a computation of its own, from no host
     data (``jnp.zeros(..., device=)`` transfers its scalar from the host, which a ``jax.transfer_guard`` that
