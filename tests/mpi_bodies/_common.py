@@ -75,6 +75,24 @@ def refit_side(role: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     return {k: jax.ShapeDtypeStruct(s, np.float32, sharding=NamedSharding(mesh, P())) for k, s in shapes.items()}
 
 
+def filled_refit(role: str, shapes: dict[str, tuple[int, ...]], timeout_s: float) -> tuple[Any, dict, Callable]:
+    """``(group, sds, tree)``: ``role``'s side of an MPMD launch declaring ``shapes`` (:func:`refit_side`), its
+    ``RefitGroup`` with ``timeout_s``, and ``tree(v)``: a tree of the side's arrays with every element ``v``."""
+    import jax
+    import numpy as np
+
+    from jreshard.options import Options
+    from jreshard.refit import RefitGroup
+
+    sds = refit_side(role, shapes)
+    group = RefitGroup(role, sds, options=Options(timeout_s=timeout_s))
+
+    def tree(v: float) -> dict:
+        return {k: jax.device_put(np.full(s, float(v), np.float32), sds[k].sharding) for k, s in shapes.items()}
+
+    return group, sds, tree
+
+
 def push_versions(params: Callable[[int], Any], versions: Sequence[int]) -> dict[str, Any]:
     """A source ``RefitGroup`` of ``params(0)`` over the launch that pushes ``params(v)`` as each version ``v``."""
     from jreshard import Options, RefitGroup

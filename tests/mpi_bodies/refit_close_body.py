@@ -6,7 +6,7 @@ import sys
 import time
 
 import numpy as np
-from _common import main, refit_side
+from _common import filled_refit, main
 
 SHAPES = {"w": (8, 4), "b": (4,)}
 TIMEOUT_S = 30.0
@@ -14,20 +14,14 @@ TIMEOUT_S = 30.0
 
 def body() -> dict:
     role = sys.argv[1]
-    sds = refit_side(role, SHAPES)
-
-    import jax
+    group, sds, tree = filled_refit(role, SHAPES, TIMEOUT_S)
 
     from jreshard.errors import PeerError
-    from jreshard.options import Options
-    from jreshard.refit import RefitGroup
 
-    group = RefitGroup(role, sds, options=Options(timeout_s=TIMEOUT_S))
     log: dict = {"versions": []}
     if role == "source":
         for v in (1, 2):
-            tree = {k: jax.device_put(np.full(s, float(v), np.float32), sds[k].sharding) for k, s in SHAPES.items()}
-            group.push(tree, version=v)
+            group.push(tree(v), version=v)
             log["versions"].append(v)
         group.close()
         return log

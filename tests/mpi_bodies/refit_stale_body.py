@@ -15,7 +15,7 @@ import sys
 import time
 
 import numpy as np
-from _common import main, refit_side
+from _common import filled_refit, main
 
 SHAPES = {"w": (8, 4), "b": (4,)}
 TIMEOUT_S = 30.0
@@ -23,19 +23,11 @@ TIMEOUT_S = 30.0
 
 def body() -> dict:
     role = sys.argv[1]
-    sds = refit_side(role, SHAPES)
+    group, sds, tree = filled_refit(role, SHAPES, TIMEOUT_S)
 
-    import jax
     import jax.numpy as jnp
 
     from jreshard.errors import PeerError
-    from jreshard.options import Options
-    from jreshard.refit import RefitGroup
-
-    group = RefitGroup(role, sds, options=Options(timeout_s=TIMEOUT_S))
-
-    def tree(v: float) -> dict:
-        return {k: jax.device_put(np.full(s, v, np.float32), sds[k].sharding) for k, s in SHAPES.items()}
 
     log: dict = {"versions": [], "errors": [], "seconds": []}
     if role == "source":
