@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jreshard
 from jreshard import api
-from jreshard.call.front import _shape
+from jreshard.api import _plain_route
 from jreshard.engine import pool
 from jreshard.engine.recording import RecordingComm
 from jreshard.errors import BackendUnavailableError, IndivisibleError, LayoutError, LayoutMismatchError, TopologyError
@@ -145,9 +145,9 @@ def test_thousands_of_leaves_and_a_cached_second_transfer():
     x = [jax.device_put(jnp.full((2, 2), i, jnp.float32), src) for i in range(2000)]
     out = jreshard.transfer(x, dst)
     assert [float(o[1, 1]) for o in out[::400]] == [0.0, 400.0, 800.0, 1200.0, 1600.0]
-    before = _shape.cache_info()
+    before = _plain_route.cache_info()  # (a plain call: its route and plan cached under its key)
     jreshard.transfer(x, dst)
-    after = _shape.cache_info()
+    after = _plain_route.cache_info()
     assert after.hits == before.hits + 1 and after.misses == before.misses
 
 
@@ -388,8 +388,9 @@ def test_public_assembly_path_gives_the_same_results(monkeypatch):
     """Without jax's private DLPack import and array constructor (another jax version), results come from
     public calls (``jax.dlpack.from_dlpack``, ``jax.make_array_from_single_device_arrays``), equal."""
     import jreshard.engine.arrays as arrays
+    import jreshard.engine.put as put
 
-    monkeypatch.setattr(arrays, "_PUT", None)  # no batched put either: the DLPack path, through public calls
+    monkeypatch.setattr(put, "_PUT", None)  # no batched put either: the DLPack path, through public calls
     monkeypatch.setattr(arrays, "_IMPORT", arrays._public_import)
     monkeypatch.setattr(arrays, "_ASSEMBLE", arrays._public_assemble)
     s, d = NamedSharding(Mesh(DEVS[:4], ("x",)), P("x")), NamedSharding(Mesh(DEVS[4:], ("y",)), P(None, "y"))

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jreshard
-from jreshard.engine import arrays
+from jreshard.engine import arrays, put
 
 DEVS = np.array(jax.devices())
 A4 = Mesh(DEVS[:4], ("x",))
@@ -135,7 +135,7 @@ def test_a_failure_making_results_is_raised_and_the_fast_path_stays_on(monkeypat
         return real(view, device)
 
     monkeypatch.setattr(arrays, "_IMPORT", flaky)
-    monkeypatch.setattr(arrays, "_PUT", None)  # the DLPack path, as under a guard that refuses host puts
+    monkeypatch.setattr(put, "_PUT", None)  # the DLPack path, as under a guard that refuses host puts
     with pytest.raises(RuntimeError, match="injected import failure"):
         jreshard.transfer(x, dst)
     assert arrays._IMPORT is flaky

@@ -21,6 +21,7 @@ import numpy as np
 from jreshard.engine.buffers import Capsule, carrier, dlpack_type, retype_capsule
 from jreshard.engine.ownership import with_weak_type
 from jreshard.engine.pool import ALIGN, BufferPool
+from jreshard.engine.put import batched_put, put_allowed
 from jreshard.errors import TransferError
 from jreshard.sharding.caches import cache
 from jreshard.sharding.dtypes import storage_bytes
@@ -29,13 +30,10 @@ from jreshard.sharding.layout import Layout
 from jreshard.types import Array, Device, DType, Sharding
 
 __all__ = [
-    "BatchedPut",
     "assembled",
-    "batched_put",
     "empty_array",
     "fresh_shards",
     "make_array",
-    "put_allowed",
     "zeros_on",
 ]
 
@@ -105,53 +103,6 @@ _IMPORT = _dlpack_import()
 _ASSEMBLE = _array_impl()
 
 
-class BatchedPut:
-    """jax's one-call assembly of a global array from per-device host buffers (zero-copy on CPU):
-    ``put(shape, dtype, sharding, views, devices, weak)``, or :meth:`raw` with an aval made once
-    (by :meth:`aval`) for many arrays of one shape and dtype."""
-
-    __slots__ = ("aval", "raw")
-
-    def __init__(self, raw: Any, aval: Any):
-        self.raw, self.aval = raw, aval
-
-    def __call__(
-        self, shape: tuple[int, ...], dtype: DType, sharding: Sharding, views: Sequence[Any], devices: Any, weak: bool
-    ) -> Any:
-        return self.raw(self.aval(shape, dtype, weak), sharding, views, devices, True)
-
-
-def _find_batched_put() -> BatchedPut | None:
-    """:class:`BatchedPut`, or ``None`` where this jax has none of that private signature."""
-    try:
-        from jax._src import core
-        from jax._src.lib import xla_client as xc
-
-        fn = xc.batched_device_put
-    except (ImportError, AttributeError):  # pragma: no cover - other jax versions: DLPack import only
-        return None
-    return BatchedPut(fn, cache(max_size=4096)(core.ShapedArray))
-
-
-_PUT = _find_batched_put()
-
-
-def put_allowed() -> bool:
-    """Whether :func:`make_array` may make arrays with jax's batched put now (it exists here, and the
-    transfer guard allows it)."""
-    return _PUT is not None and _host_to_device_allowed()
-
-
-def _host_to_device_allowed() -> bool:
-    """Whether ``jax.transfer_guard`` lets host buffers be put on devices here (its default does)."""
-    try:
-        from jax._src import config
-
-        return config.transfer_guard_host_to_device.value in (None, "allow")
-    except (ImportError, AttributeError):  # pragma: no cover - another jax: the guard-proof path
-        return False
-
-
 def make_array(
     shape: tuple[int, ...],
     dtype: DType,
@@ -176,24 +127,14 @@ def make_array(
     Raises:
       TransferError: jax copied a buffer instead of aliasing it, or a dtype has no DLPack type (sub-byte).
     """
-    if _PUT is not None and (put_allowed() if put is None else put):
-        return _PUT(shape, dtype, sharding, views, devices, weak_type)
+    putter = batched_put(put_allowed() if put is None else put)
+    if putter is not None:
+        return putter(shape, dtype, sharding, views, devices, weak_type)
     shards = [_IMPORT(v, d) for v, d in zip(views, devices, strict=True)]
     for v, d, a in zip(views, devices, shards, strict=True):
         if v.size and a.unsafe_buffer_pointer() != v.ctypes.data:
             raise TransferError(f"jax copied the {v.dtype}{list(v.shape)} result shard on {d} instead of aliasing it")
     return _ASSEMBLE(shape, dtype, sharding, shards, weak_type)
-
-
-def put_one(view: np.ndarray, device: Device) -> Any:
-    """A single-device array on CPU ``device`` over the host buffer ``view`` (of its shape and dtype) by jax's
-    batched put, zero-copy where jax aliases it (the caller checks); ``None`` where the batched put is not
-    available or ``jax.transfer_guard`` forbids it."""
-    if not put_allowed():
-        return None
-    assert _PUT is not None
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return _PUT.raw(_PUT.aval(view.shape, view.dtype, False), sharding, [view], [device], True)
 
 
 def zeros_on(device: Device, shape: tuple[int, ...], dtype: DType, memory_kind: str | None = None) -> Array:
@@ -266,8 +207,3 @@ def fresh_shards(
         cols.append(list(per_leaf) if shape else [per_leaf[j, ...] for j in range(n)])
     slots = range(len(shapes)) if order is None else order
     return ptr, [list(v) for v in zip(*(cols[k] for k in slots), strict=True)]
-
-
-def batched_put(put: bool) -> BatchedPut | None:
-    """jax's batched put where ``put`` (:func:`put_allowed`, asked once for a call) allows it, else ``None``."""
-    return _PUT if put else None

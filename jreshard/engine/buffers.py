@@ -229,7 +229,7 @@ def import_shard(region: np.ndarray, shape: Sequence[int], dtype: np.dtype, devi
     if region.ctypes.data % ALIGN:
         raise TransferError(f"import_shard: buffer at {region.ctypes.data:#x} is not {ALIGN}-byte aligned")
     if device.platform == "cpu":  # jax's batched put over the buffer: about 8 us, where DLPack takes 60-100
-        from jreshard.engine.arrays import put_one
+        from jreshard.engine.put import put_one
 
         out = put_one(region.view(np.dtype(dtype)).reshape(shape), device)
         if out is not None and out.dtype == dtype and out.unsafe_buffer_pointer() == region.ctypes.data:

@@ -49,7 +49,7 @@ import jax
 import numpy as np
 
 from jreshard.engine import strided
-from jreshard.engine.arrays import batched_put, fresh_shards, make_array, put_allowed
+from jreshard.engine.arrays import fresh_shards, make_array
 from jreshard.engine.copies import CopyLowering, addresses, lower_local
 from jreshard.engine.ownership import (
     remember,
@@ -60,6 +60,7 @@ from jreshard.engine.ownership import (
 )
 from jreshard.engine.pool import BufferPool, default_pool
 from jreshard.engine.prepared import Group, Kind, Mode, Prepared, sharding_of
+from jreshard.engine.put import batched_put, put_allowed
 from jreshard.errors import TransferError
 from jreshard.options import Options
 from jreshard.report import ReportBuilder, ReportPhase

@@ -788,7 +788,7 @@ class RefitGroup:
         for d, (keys, sizes) in by_device.items():
             given.update(zip(keys, backend.allocate(sizes, d), strict=True))
         version = self._receive(error, given, timeout_s, phases=phases, abort=_abort)
-        from jreshard.engine.arrays import put_allowed
+        from jreshard.engine.put import put_allowed
 
         put = put_allowed()
         out = [self._made(t, a, given, meta, backend, put) for t, a in leaves]
