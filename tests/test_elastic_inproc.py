@@ -187,6 +187,10 @@ def test_push_checks_its_arguments_before_anything_moves(trainer):
     bad = params(2) | {"b": jax.device_put(np.zeros(8, np.int32), params(2)["b"].sharding)}
     with pytest.raises(ValueError, match=r"\['b'\]: dtype int32 where float32 was declared"):
         trainer.push(bad, version=2)
+    donated = params(2)
+    donated["b"].delete()  # (a train step donated it): refused here, where it used to cost r1 its connection
+    with pytest.raises(ValueError, match=r"leaf \['b'\] has been deleted or donated"):
+        trainer.push(donated, version=2)
     assert r1.version == 1 and trainer.version == 1
     with pytest.raises(TransferTimeoutError, match=r"every replica at version 2 .* \{'r1': 1\}"):
         trainer.wait(version=2, timeout_s=0.1)

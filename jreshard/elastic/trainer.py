@@ -42,7 +42,7 @@ from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, format_address, listen, parse_address
 from jreshard.options import Options
-from jreshard.refit.decl import declare_local
+from jreshard.refit.decl import declare_local, deleted_leaf
 from jreshard.types import PyTree
 
 __all__ = ["ElasticTrainer"]
@@ -258,11 +258,15 @@ class ElasticTrainer:
             (use :meth:`wait` for "any k replicas at v").
 
         Raises:
-          ValueError: ``params`` does not match the declaration, or ``version`` does not increase.
+          ValueError: ``params`` does not match the declaration, a leaf of it was deleted or donated, or
+            ``version`` does not increase.
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"ElasticTrainer.push: version={version!r} must be an int")
         leaves = check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push")  # one flattening
+        gone = deleted_leaf(leaves)
+        if gone:  # (read after the job started, it would cost every replica its connection)
+            raise ValueError(f"ElasticTrainer.push: {gone}")
         if self._follower is not None:
             return self._follower_push(self._follower, version, leaves, block)
         with self._cv:

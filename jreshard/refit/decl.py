@@ -27,6 +27,7 @@ __all__ = [
     "GroupViews",
     "declare_leaves",
     "declare_local",
+    "deleted_leaf",
     "group_layouts",
     "group_views",
     "leaf_differences",
@@ -92,6 +93,19 @@ def declare_leaves(role: str, leaves: Sequence[tuple[Any, Any]], devices: Sequen
             boxes.append([devices.index(d), list(b.lo), list(b.hi)])
         out.append([name, list(shape), dtype_name(leaf.dtype), boxes])
     return {"role": role, "ndev": len(devices), "domain": domain, "params": out, "errors": errors}
+
+
+def deleted_leaf(leaves: Sequence[tuple[Any, Any]]) -> str:
+    """Why a source tree cannot be read (``""``: it can): a leaf deleted or donated since it was made. ``leaves``
+    are ``(key path or name, leaf)`` pairs. A declaration reads shapes, dtypes and shardings, which a deleted array
+    still has: a source checks this every call, before anything moves."""
+    import jax
+
+    for path, a in leaves:
+        if isinstance(a, jax.Array) and a.is_deleted():
+            name = path if isinstance(path, str) else jax.tree_util.keystr(path) or "x"
+            return f"leaf {name} has been deleted or donated; the fix is to push live arrays"
+    return ""
 
 
 def _dtype_problem(dtype: Any) -> str | None:

@@ -74,6 +74,7 @@ from jreshard.refit.decl import (
     GroupViews,
     declare_leaves,
     declare_local,
+    deleted_leaf,
     group_layouts,
     group_views,
     leaf_differences,
@@ -105,17 +106,6 @@ def _tree_key(flat: Sequence[tuple[Any, Any]], treedef: Any) -> tuple | None:
         except AttributeError:
             return None
     return treedef, tuple(leaves)
-
-
-def _deleted(flat: Sequence[tuple[Any, Any]]) -> str:
-    """Why a source tree cannot be read (``""``: it can): a leaf deleted or donated since it was made."""
-    import jax
-
-    for path, a in flat:
-        if isinstance(a, jax.Array) and a.is_deleted():
-            name = jax.tree_util.keystr(path) or "x"
-            return f"leaf {name} has been deleted or donated; the fix is to push live arrays"
-    return ""
 
 
 def _local_devices() -> list[Any]:
@@ -661,7 +651,7 @@ class RefitGroup:
 
         self._check_usable()
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)  # the one flattening of the call
-        error = self._local_check(flat, treedef) or _deleted(flat)
+        error = self._local_check(flat, treedef) or deleted_leaf(flat)
         vote = {"role": "source", "error": error, "version": int(version), "nonce": boxes.new_nonce()}
         vote |= self._delta.vote()
         self._begin(vote, self.options.timeout_s)
