@@ -72,10 +72,12 @@ def put_one(view: np.ndarray, device: Device) -> Any:
     """A single-device array on CPU ``device`` over the host buffer ``view`` (of its shape and dtype) by jax's
     batched put, zero-copy where jax aliases it (the caller checks); ``None`` where the batched put is not
     available or ``jax.transfer_guard`` forbids it."""
-    if _PUT is None or not put_allowed():
+    put = batched_put(put_allowed())
+    if put is None:
         return None
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return _PUT.raw(_PUT.aval(view.shape, view.dtype, False), sharding, [view], [device], True)
+    return put.raw(
+        put.aval(view.shape, view.dtype, False), jax.sharding.SingleDeviceSharding(device), [view], [device], True
+    )
 
 
 def batched_put(put: bool) -> BatchedPut | None:
