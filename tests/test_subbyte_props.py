@@ -15,7 +15,10 @@ packed array to that path (``jreshard.call.repack``).
 
 :func:`test_the_properties_under_malloc_check` runs this file again in a child process with glibc's
 checking allocator loaded (``MALLOC_CHECK_=3`` takes effect only with ``libc_malloc_debug.so`` preloaded
-on glibc 2.34 and later) and ``JRESHARD_CHECK_BOUNDS=1`` (every copy checked against its buffers).
+on glibc 2.34 and later) and ``JRESHARD_CHECK_BOUNDS=1`` (every copy checked against its buffers). That child
+draws the profile's full count of examples for both properties, checked bit for bit as here and under both
+checkers; the parent draws at most :data:`_PARENT_EXAMPLES` (a quick check where the child is not run, e.g.
+``-m "not slow"``), so a suite does not run the full count twice.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -43,6 +46,12 @@ DEVS = np.array(jax.devices())
 PACKED = [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
 _MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2), (1, 2), (2, 2, 2)]
 _CHILD = "JRESHARD_SUBBYTE_CHILD"
+_PARENT_EXAMPLES = 15
+_examples = (
+    settings()
+    if os.environ.get(_CHILD) == "1"
+    else settings(max_examples=min(_PARENT_EXAMPLES, settings().max_examples))
+)
 
 
 @st.composite
@@ -90,6 +99,7 @@ def _values(dtype, shape, seed):
     return raw.view(np.dtype(dtype))
 
 
+@_examples
 @given(packed_case())
 def test_packed_transfer_and_transfer_into_equal_device_put_from_the_host(case):
     dtype, shape, src, dst, seed = case
@@ -105,6 +115,7 @@ def test_packed_transfer_and_transfer_into_equal_device_put_from_the_host(case):
     np.testing.assert_array_equal(np.asarray(x).view(np.uint8), host.view(np.uint8))  # x unchanged
 
 
+@_examples
 @given(packed_case())
 def test_packed_leaves_in_one_pytree_with_others(case):
     """Packed leaves of every dtype beside a float32 leaf, in one call: each its own device_put."""
