@@ -175,15 +175,49 @@ class Capsule:
 def export_source(shard: Array) -> np.ndarray:
     """A read-only, zero-copy 1-D uint8 view of one single-device jax array (a shard's ``.data``).
 
-    The export waits until the array is ready (DLPack with no stream).
+    The export waits until the array is ready (DLPack with no stream). The view holds a DLPack reference to
+    the buffer: while it lives, jax does not hand the buffer to a computation that donates the array (it
+    copies instead), so what the view reads is never overwritten under it.
     """
     if shard.size == 0:
         return np.zeros(0, np.uint8)
-    _refuse_packed(shard, "export_source")
-    code, bits, _ = carrier(shard.dtype.itemsize * 8)
-    capsule = retype_capsule(shard.__dlpack__(), code, bits)
-    flat = np.from_dlpack(Capsule(capsule, 0)).reshape(-1)
-    return flat.view(np.uint8)
+    retype = _export_retype(shard.dtype)
+    if retype is None:
+        _refuse_packed(shard, "export_source")
+        raise AssertionError("unreachable: a dtype with no export type is a packed one")  # pragma: no cover
+    capsule = _EXPORT(shard) if not shard.is_deleted() else shard.__dlpack__()  # (jax's own error for a deleted one)
+    if retype:
+        capsule = retype_capsule(capsule, *retype)
+    return np.from_dlpack(Capsule(capsule, 0)).reshape(-1).view(np.uint8)
+
+
+def _find_export() -> Any:
+    """jax's own export of a single-device array as a DLPack capsule (``_jax.buffer_to_dlpack_managed_tensor``, which
+    ``__dlpack__`` calls after checks that cost several times the export: its device, its dtype, and the array
+    rebuilt from its buffer); ``__dlpack__`` itself where this jax has no such function."""
+    try:
+        from jax._src.lib import _jax
+
+        export = _jax.buffer_to_dlpack_managed_tensor
+    except (ImportError, AttributeError):  # pragma: no cover - another jax
+        return lambda shard: shard.__dlpack__()
+    return lambda shard: export(shard, stream=None)
+
+
+_EXPORT = _find_export()
+
+
+@functools.lru_cache(maxsize=64)
+def _export_retype(dtype: np.dtype) -> tuple[int, int] | tuple[()] | None:
+    """How :func:`export_source` types a capsule of ``dtype``: ``()`` as it is (numpy reads it), ``(code, bits)``
+    retyped to the plain type of its width (numpy has no bfloat16 or float8), ``None`` for a packed sub-byte one."""
+    dtype = np.dtype(dtype)
+    if packed_bits(dtype) is not None:
+        return None
+    code, bits, _ = carrier(dtype.itemsize * 8)
+    if dtype.kind in "iufc" and dtype.isbuiltin == 1:  # numpy's own types, which its DLPack import takes
+        return ()
+    return code, bits
 
 
 def _refuse_packed(array: Array, what: str) -> None:
@@ -371,8 +405,9 @@ class CpuBuffers(Buffers[np.ndarray]):
         return writable_view(array)
 
     def allocate(self, sizes: Sequence[int], device: Device) -> list[np.ndarray]:
-        # One lease per buffer: each goes back to the pool on its own when jax lets it go.
-        return [self.pool.take(int(n)) for n in sizes]
+        # The small buffers share one lease (one block of the pool per call), each large one has its own: it
+        # goes back to the pool on its own when jax lets it go (BufferPool.take_many).
+        return self.pool.take_many(sizes)
 
     def import_shard(self, buffer: np.ndarray, shape: Sequence[int], dtype: np.dtype, device: Device) -> Array:
         return import_shard(buffer, shape, dtype, device)

@@ -30,10 +30,9 @@ This module imports no transport: the caller hands it one.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
@@ -92,15 +91,15 @@ def run_schedule(
     devices: dict[int, Any] = {}
     by_device: dict[Any, list[tuple[int, int]]] = {}
     for (t, r), device in targets.items():
-        lay = tensors[t].dst
-        box = lay.box_of(r)
-        meta[(t, r)] = (box.shape, lay.np_dtype, device)
         devices[r] = device
+        if (t, r) in given:  # the caller's buffer: nothing to size or to import
+            continue
+        lay = tensors[t].dst
+        meta[(t, r)] = (lay.box_of(r).shape, lay.np_dtype, device)
         by_device.setdefault(device, []).append((t, r))
-    for device, keys in by_device.items():  # one block per device for all its destination shards
-        keys = [k for k in keys if k not in given]
-        sizes = [storage_bytes(meta[k][1], int(np.prod(meta[k][0]))) for k in keys]
-        dst.update(zip(keys, buffers.allocate(sizes, device) if keys else [], strict=True))
+    for device, keys in by_device.items():  # one call per device for all its new destination shards
+        sizes = [storage_bytes(meta[k][1], math.prod(meta[k][0])) for k in keys]
+        dst.update(zip(keys, buffers.allocate(sizes, device), strict=True))
     dst.update({k: v for k, v in given.items() if k in targets})
     for (_, r), a in sources.items():
         devices.setdefault(r, next(iter(a.devices())))

@@ -54,12 +54,13 @@ with two launches the other program survives and raises within the timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jreshard.refit.boxes as boxes
 from jreshard.call.routes import kit, program_transport
@@ -92,6 +93,9 @@ from jreshard.sharding.rows import TensorSpec
 from jreshard.sharding.topology import Link, Topology
 from jreshard.types import Device, PyTree
 from jreshard.views.lowering import LeafLowering
+
+if TYPE_CHECKING:  # jax is imported only where a call needs it (a PyTorch endpoint runs without it)
+    from jreshard.engine.put import BatchedPut
 
 __all__ = ["RefitGroup", "Role"]
 
@@ -171,6 +175,23 @@ def _join_mpi(MPI: Any, comm: Any, port: str, source: bool, group: Any, timeout_
     if "error" in box:
         raise PeerError(f"RefitGroup.connect: MPI failed joining the two launches: {box['error']}") from box["error"]
     return box["inter"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Landing:
+    """How a pulled leaf's new array is made from the buffers its shards landed in, worked out once per tree.
+
+    Attributes:
+      devices: its addressable devices, in the order jax assembles its shards.
+      ranks: per device, its rank on this side (``None``: a device of the sharding this side does not hold).
+      forms: per device, its shard's ``(shape, dtype)``.
+      direct: every device is a CPU device of this side and the sharding is fully addressable: one batched put.
+    """
+
+    devices: tuple[Device, ...]
+    ranks: tuple[int | None, ...]
+    forms: tuple[tuple[tuple[int, ...], Any], ...]
+    direct: bool
 
 
 class Role(enum.Enum):
@@ -314,7 +335,8 @@ class RefitGroup:
         self._votes: dict = {}
         self._checked: tuple | None = None  # the key of the last tree that matched the declaration (_tree_key)
         self._order: tuple[Any, list[int]] | None = None  # (treedef, its leaves' tensor indices)
-        self._shards: tuple[Any, dict, dict] | None = None  # (the key they were made for, _shards_of's answer)
+        self._shards: tuple[Any, dict, dict, list] | None = None  # (the key they were made for, _shards_of's answer)
+        self._sent: tuple[Any, list] | None = None  # (the key it was made for, _sent_of's answer)
 
     @classmethod
     def connect(
@@ -655,16 +677,12 @@ class RefitGroup:
         vote = {"role": "source", "error": error, "version": int(version), "nonce": boxes.new_nonce()}
         vote |= self._delta.vote()
         self._begin(vote, self.options.timeout_s)
-        from jreshard.sharding.jax import addressable_order
-
+        leaves = self._indexed(flat, treedef)
         sources = {}
-        for t, a in self._indexed(flat, treedef):
-            ranks = self._src_layouts[t].ranks
-            # (jax's own list of the shards, in the order of their devices: no Shard object built)
-            for d, data in zip(addressable_order(a.sharding), shard_arrays(a), strict=True):
-                r = self._rank_of(d)
-                if r is not None and r in ranks:
-                    sources[(t, r)] = data
+        for (t, a), picks in zip(leaves, self._sent_of(leaves), strict=True):
+            shards = shard_arrays(a)  # jax's own list, in the order of their devices: no Shard object built
+            for k, r in picks:
+                sources[(t, r)] = shards[k]
         self._run(sources, {})
         self.version = int(version)
         self._delta.commit(self.version, sum(self.sent_bytes.values()))
@@ -773,15 +791,18 @@ class RefitGroup:
         # Fresh host buffers for this process's shards, one block per device (the endpoint's pull loop
         # writes into them), and jax arrays over them once every process has committed.
         backend = CpuBuffers()
-        meta, by_device = self._shards_of(leaves) if not error else ({}, {})
+        meta, by_device, landings = self._shards_of(leaves) if not error else ({}, {}, [])
         given: dict[tuple[int, int], Any] = {}
         for d, (keys, sizes) in by_device.items():
             given.update(zip(keys, backend.allocate(sizes, d), strict=True))
         version = self._receive(error, given, timeout_s, phases=phases, abort=_abort)
-        from jreshard.engine.put import put_allowed
+        from jreshard.engine.put import batched_put, put_allowed
 
-        put = put_allowed()
-        out = [self._made(t, a, given, meta, backend, put) for t, a in leaves]
+        put = batched_put(put_allowed())
+        out = [
+            self._made(t, a, landing, given, meta, backend, put)
+            for (t, a), landing in zip(leaves, landings, strict=True)
+        ]
         phases["assembled"] = time.monotonic()
         return jax.tree_util.tree_unflatten(treedef, out), version
 
@@ -815,14 +836,18 @@ class RefitGroup:
         self._delta.commit(version, sum(self.sent_bytes.values()))
         return version
 
-    def _shards_of(self, leaves: list[tuple[int, Any]]) -> tuple[dict, dict]:
-        """``(meta, by_device)`` of the shards this process receives of a tree's ``leaves`` (``(tensor, leaf)``):
-        ``meta[(tensor, rank)] = (shape, dtype, device)`` and ``by_device[device] = (keys, byte sizes)``. Kept for
-        the tree the declaration check matched last (:meth:`_local_check`), whose key says all they depend on."""
+    def _shards_of(self, leaves: list[tuple[int, Any]]) -> tuple[dict, dict, list[_Landing]]:
+        """``(meta, by_device, landings)`` of the shards this process receives of a tree's ``leaves`` (``(tensor,
+        leaf)``): ``meta[(tensor, rank)] = (shape, dtype, device)``, ``by_device[device] = (keys, byte sizes)`` and
+        per leaf how its new array is made (:class:`_Landing`). Kept for the tree the declaration check matched
+        last (:meth:`_local_check`), whose key says all they depend on."""
         if self._shards is not None and self._shards[0] is self._checked is not None:
-            return self._shards[1], self._shards[2]
+            return self._shards[1], self._shards[2], self._shards[3]
+        from jreshard.sharding.jax import addressable_order
+
         meta: dict[tuple[int, int], tuple[tuple[int, ...], Any, Any]] = {}
         keys: dict[Any, list[tuple[int, int]]] = {}
+        landings: list[_Landing] = []
         for t, a in leaves:
             layout = self._dst_layout(t)
             for d in a.sharding.addressable_devices:
@@ -830,34 +855,50 @@ class RefitGroup:
                 if r is not None:
                     meta[(t, r)] = (layout.box_of(r).shape, layout.np_dtype, d)
                     keys.setdefault(d, []).append((t, r))
+            devices = tuple(addressable_order(a.sharding))
+            ranks = tuple(self._rank_of(d) for d in devices)
+            direct = a.sharding.is_fully_addressable and all(
+                r is not None and d.platform == "cpu" for d, r in zip(devices, ranks, strict=True)
+            )
+            forms = tuple(meta[(t, r)][:2] if r is not None else ((), None) for r in ranks)
+            landings.append(_Landing(devices, ranks, forms, direct))
         by_device = {d: (ks, [storage_bytes(meta[k][1], math.prod(meta[k][0])) for k in ks]) for d, ks in keys.items()}
-        self._shards = (self._checked, meta, by_device)
-        return meta, by_device
+        self._shards = (self._checked, meta, by_device, landings)
+        return meta, by_device, landings
 
-    def _made(self, t: int, a: Any, given: dict, meta: dict, backend: CpuBuffers, put: bool) -> Any:
+    def _sent_of(self, leaves: list[tuple[int, Any]]) -> list[tuple[tuple[int, int], ...]]:
+        """Per leaf of a tree this process pushes, ``(position in its shard list, rank)`` of each shard it sends (its
+        devices that are ranks of the leaf's source layout). Kept for the tree the declaration check matched last,
+        as :meth:`_shards_of`."""
+        if self._sent is not None and self._sent[0] is self._checked is not None:
+            return self._sent[1]
+        from jreshard.sharding.jax import addressable_order
+
+        out = []
+        for t, a in leaves:
+            ranks = self._src_layouts[t].ranks
+            picks = ((k, self._rank_of(d)) for k, d in enumerate(addressable_order(a.sharding)))
+            out.append(tuple((k, r) for k, r in picks if r is not None and r in ranks))
+        self._sent = (self._checked, out)
+        return out
+
+    def _made(
+        self, t: int, a: Any, landing: _Landing, given: dict, meta: dict, backend: CpuBuffers, put: BatchedPut | None
+    ) -> Any:
         """Leaf ``a``'s new array (tensor ``t``) over the shards this process received into ``given`` (once every
         process committed them): on CPU devices all of this process's, one batched put over the buffers
         (zero-copy where jax aliases them; a copy is as good, every byte has landed), else each shard imported
         through DLPack (:meth:`CpuBuffers.import_shard`) and the array assembled from them."""
-        from jreshard.engine.arrays import make_array
-        from jreshard.sharding.jax import addressable_order
-
         sharding, weak = a.sharding, bool(getattr(a, "weak_type", False))
-        devices = addressable_order(sharding)
-        ranks = [self._rank_of(d) for d in devices]
-        if (
-            put
-            and sharding.is_fully_addressable
-            and all(r is not None and d.platform == "cpu" for d, r in zip(devices, ranks, strict=True))
-        ):
-            views = []
-            for r in ranks:
-                shape, dtype, _ = meta[(t, r)]
-                views.append(given[(t, r)].view(dtype).reshape(shape))
-            return make_array(tuple(a.shape), a.dtype, sharding, views, devices, weak, put=True)
+        if put is not None and landing.direct:
+            views = [
+                given[(t, r)].view(dtype).reshape(shape)
+                for r, (shape, dtype) in zip(landing.ranks, landing.forms, strict=True)
+            ]
+            return put.raw(put.aval(tuple(a.shape), a.dtype, weak), sharding, views, landing.devices, True)
         mine = {
             d: backend.import_shard(given[(t, r)], *meta[(t, r)])
-            for d, r in zip(devices, ranks, strict=True)
+            for d, r in zip(landing.devices, landing.ranks, strict=True)
             if r is not None
         }
         return assemble(tuple(a.shape), a.dtype, sharding, mine, weak)
