@@ -32,13 +32,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.deltarounds import DeltaRefit
 from jreshard.engine.mail import comm_mail
-from jreshard.engine.ownership import source_addresses, storage, take
+from jreshard.engine.ownership import shard_arrays, source_addresses, storage, take
 from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
@@ -52,7 +54,15 @@ from jreshard.sharding.topology import Topology
 from jreshard.sharding.trees import layout_pairs
 from jreshard.types import DType, Sharding
 
-__all__ = ["assemble", "run_leaves", "run_schedule", "schedule_local"]
+__all__ = ["Landed", "assemble", "landed_array", "receive_schedule", "run_leaves", "run_schedule", "schedule_local"]
+
+if TYPE_CHECKING:
+    from jreshard.engine.put import BatchedPut
+
+
+Landed = dict[tuple[int, int], tuple[Any, tuple[int, ...], np.dtype, Any]]
+"""``{(tensor, rank): (buffer, shard shape, dtype, device)}``: the new destination shards :func:`receive_schedule`
+filled, as the buffers they landed in."""
 
 
 def run_schedule(
@@ -68,7 +78,8 @@ def run_schedule(
     given: Mapping[tuple[int, int], Any] | None = None,
     delta: DeltaRefit | None = None,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
-    """Run ``schedule`` (rounds of this process's ranks) and return the new destination shards.
+    """Run ``schedule`` (rounds of this process's ranks) and return the new destination shards, each imported as a
+    single-device array (:func:`receive_schedule` leaves them as buffers, for a caller that makes whole arrays).
 
     Args:
       tensors: the tensors the schedule moves (their destination layouts size the new shards).
@@ -83,8 +94,32 @@ def run_schedule(
         endpoint's); those keys come back as the buffers themselves, not imported arrays.
       delta: send what changed since the receivers' bases (:mod:`jreshard.engine.deltarounds`).
     """
-    given = given or {}
     buffers = buffers or CpuBuffers()
+    landed, kept, stats = receive_schedule(
+        tensors, schedule, comm, sources, targets, options=options, buffers=buffers, report=report, given=given,
+        delta=delta,
+    )  # fmt: skip
+    out = {k: buffers.import_shard(*v) for k, v in landed.items()}
+    return kept | out, stats
+
+
+def receive_schedule(
+    tensors: Sequence[TensorSpec],
+    schedule: Schedule,
+    comm: Communicator,
+    sources: Mapping[tuple[int, int], Any],
+    targets: Mapping[tuple[int, int], Any],
+    *,
+    options: Options,
+    buffers: Buffers,
+    report: ReportBuilder | None = None,
+    given: Mapping[tuple[int, int], Any] | None = None,
+    delta: DeltaRefit | None = None,
+) -> tuple[Landed, dict[tuple[int, int], Any], ExecStats]:
+    """:func:`run_schedule` up to the new shards: ``(landed, given, stats)``, the shards written into new buffers
+    (:data:`Landed`, for the caller to make arrays over), those written into ``given`` (the caller's buffers),
+    and what the engine did."""
+    given = given or {}
     src = {k: buffers.export_source(a) for k, a in sources.items()}
     dst: dict[tuple[int, int], Any] = {}
     meta: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
@@ -100,7 +135,7 @@ def run_schedule(
     for device, keys in by_device.items():  # one call per device for all its new destination shards
         sizes = [storage_bytes(meta[k][1], math.prod(meta[k][0])) for k in keys]
         dst.update(zip(keys, buffers.allocate(sizes, device), strict=True))
-    dst.update({k: v for k, v in given.items() if k in targets})
+    dst.update((k, v) for k, v in given.items() if k in targets)
     for (_, r), a in sources.items():
         devices.setdefault(r, next(iter(a.devices())))
     stats = execute(
@@ -113,8 +148,38 @@ def run_schedule(
         report=report,
         delta=delta,
     )
-    out = {k: dst[k] if k in given else buffers.import_shard(dst[k], *meta[k]) for k in dst}
-    return out, stats
+    kept = {k: v for k, v in given.items() if k in targets}
+    return {k: (dst[k], *meta[k]) for k in meta}, kept, stats
+
+
+def landed_array(
+    t: int,
+    shape: tuple[int, ...],
+    dtype: DType,
+    sharding: Sharding,
+    landed: Landed,
+    buffers: Buffers,
+    put: BatchedPut | None,
+    weak_type: bool = False,
+) -> Any:
+    """Tensor ``t``'s global array over this process's shards of it in ``landed`` (:func:`receive_schedule`).
+
+    Where every addressable device of ``sharding`` is a CPU device with its shard here and ``put`` (jax's batched
+    put, :func:`jreshard.engine.put.batched_put`) is given, one call makes the array over the buffers (zero-copy
+    where jax aliases them; a copy is as good: every byte has landed), a few microseconds a shard; otherwise each
+    shard is imported (:meth:`Buffers.import_shard`) and the array assembled from them (:func:`assemble`).
+    """
+    from jreshard.sharding.jax import addressable_order
+
+    devices = addressable_order(sharding)
+    if put is not None and devices and all((t, d.id) in landed and d.platform == "cpu" for d in devices):
+        views = []
+        for d in devices:
+            buf, box, np_dtype, _ = landed[(t, d.id)]
+            views.append(buf.view(np_dtype).reshape(box))
+        return put.raw(put.aval(shape, dtype, weak_type), sharding, views, list(devices), True)
+    mine = {d: buffers.import_shard(*landed[(t, d.id)]) for d in sharding.device_set if (t, d.id) in landed}
+    return assemble(shape, dtype, sharding, mine, weak_type)
 
 
 def assemble(
@@ -171,6 +236,9 @@ def run_leaves(
     """
     import jax
 
+    from jreshard.engine.put import batched_put, put_allowed
+    from jreshard.sharding.jax import addressable_order
+
     options = options or Options()
     planned = options  # the schedule's options: two arenas a rank must fit options.staging_bytes together
     if buffers is not None and buffers.staging_buffers > 1:
@@ -189,9 +257,10 @@ def run_leaves(
     me = jax.process_index()
     for t, i in enumerate(moved):
         src_ranks = set(pairs[t][0].ranks)
-        for sh in leaves[i].addressable_shards:
-            if sh.device.id in src_ranks:
-                sources[(t, sh.device.id)] = sh.data
+        # (jax's own list of the shards, in the order of their devices: no Shard object built)
+        for d, data in zip(addressable_order(leaves[i].sharding), shard_arrays(leaves[i]), strict=True):
+            if d.id in src_ranks:
+                sources[(t, d.id)] = data
         for d in shardings[i].device_set:
             if d.process_index == me:
                 targets[(t, d.id)] = d
@@ -207,17 +276,17 @@ def run_leaves(
         for sh in owned[i].addressable_shards
         if (t, sh.device.id) in targets
     }
-    shards, stats = run_schedule(
+    landed, _, stats = receive_schedule(
         tensors, sched, transport, sources, targets, options=options, buffers=buffers, report=report, given=given
     )
+    put = batched_put(put_allowed()) if isinstance(buffers, CpuBuffers) else None
     out = list(leaves)
     for t, i in enumerate(moved):
         if i in owned:  # written in place: the donated output is the result
             out[i] = owned[i]
             continue
-        a, sharding = leaves[i], shardings[i]
-        mine = {d: shards[(t, d.id)] for d in sharding.device_set if (t, d.id) in shards}
-        out[i] = assemble(tuple(a.shape), a.dtype, sharding, mine, weak[i])
+        a = leaves[i]
+        out[i] = landed_array(t, tuple(a.shape), a.dtype, shardings[i], landed, buffers, put, weak[i])
         if taken is not None:  # an into leaf not claimed: its bytes went to fresh buffers
             taken.count(builder, i, storage(out[i]))
     return out, stats, plans

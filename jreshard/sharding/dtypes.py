@@ -31,7 +31,14 @@ def dtype_name(dtype: object) -> str:
     """Canonical name of a numpy/jax/ml_dtypes dtype or dtype name."""
     if isinstance(dtype, str):
         return numpy_dtype(dtype).name
+    if isinstance(dtype, np.dtype):
+        return _name_of(dtype)
     return np.dtype(dtype).name  # type: ignore[call-overload]
+
+
+@cache(max_size=1024)
+def _name_of(dtype: np.dtype) -> str:
+    return dtype.name  # (numpy computes it in Python each time it is read: microseconds)
 
 
 @cache(max_size=1024)
