@@ -1,5 +1,6 @@
 """What a refit between two programs costs per leaf: ``RefitGroup.push`` and ``pull`` of many small leaves against
-one leaf of the same bytes, in the same run.
+one leaf of the same bytes, in the same run (``--call transfer``: ``jreshard.transfer`` in one multi-controller
+program of the same two processes instead, every process calling it).
 
 Two MPI processes (``mpiexec -n 1 ... source : -n 1 ... destination``, started by this script), each with 4 CPU
 devices: the source holds ``--leaves`` arrays of ``--side`` x ``--side`` float32, FSDP over its 4 devices; the
@@ -9,7 +10,12 @@ of both, in turns; the first two steps prepare and are not counted. Printed per 
 each group's step in ms, and the fixed cost per leaf, ``(many - one) / leaves`` in us: what the declaration
 check, reading each leaf's shards, and making each pulled array cost a step, beside the bytes.
 
-Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/refit_leaves_bench.py [--leaves 1000] [--side 16] [--steps 12]``
+With ``--call transfer`` the two processes form one ``jax.distributed`` cluster (``jreshard.mpi.cluster.initialize``)
+and both call ``jreshard.transfer`` of the tree from the first process's FSDP sharding to the second's TP2 x DP2 one
+(the multi-controller path, over MPI); each process's call is timed, and its result checked on the second.
+
+Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/refit_leaves_bench.py [--leaves 1000] [--side 16] [--steps 12]
+[--call refit|transfer]``
 """
 
 from __future__ import annotations
@@ -73,22 +79,66 @@ def side_main(role: str, leaves: int, side: int, steps: int) -> None:
     print("RESULT " + json.dumps({"role": role, "times": times}), flush=True)
 
 
+def transfer_main(leaves: int, side: int, steps: int) -> None:
+    """One process of a ``--call transfer`` launch: one cluster, both calls, its times as one JSON line."""
+    os.environ["JAX_NUM_CPU_DEVICES"] = "4"
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jreshard
+    from jreshard.mpi.cluster import initialize
+    from jreshard.options import Options
+
+    initialize()
+    me = jax.process_index()
+    src = np.array([d for d in jax.devices() if d.process_index == 0])
+    dst = np.array([d for d in jax.devices() if d.process_index == 1])
+    fsdp = NamedSharding(jax.sharding.Mesh(src, ("fsdp",)), P("fsdp"))
+    tp = NamedSharding(jax.sharding.Mesh(dst.reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    shapes = {"many": [(side, side)] * leaves, "one": [(leaves * side, side)]}
+    make = {
+        name: jax.jit(
+            lambda v, sh=sh: [jax.numpy.full(s, v + k, np.float32) for k, s in enumerate(sh)],
+            out_shardings=[fsdp] * len(sh),
+        )
+        for name, sh in shapes.items()
+    }
+    opts = Options(timeout_s=120)
+    times: dict[str, list[float]] = {name: [] for name in shapes}
+    for v in range(1, steps + 1):
+        for name in ("many", "one") if v % 2 else ("one", "many"):
+            x = jax.block_until_ready(make[name](float(v)))
+            t = time.perf_counter()
+            y = jreshard.transfer(x, [tp] * len(x), options=opts)
+            if v > 2:
+                times[name].append(time.perf_counter() - t)
+            if me == 1 and float(np.asarray(y[-1].addressable_shards[0].data)[0, 0]) != v + len(x) - 1:
+                raise SystemExit(f"refit_leaves_bench: {name} moved the wrong values at step {v}")
+    print("RESULT " + json.dumps({"role": "source" if me == 0 else "destination", "times": times}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--leaves", type=int, default=1000)
     ap.add_argument("--side", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--call", choices=["refit", "transfer"], default="refit")
     ap.add_argument("--side-of", choices=["source", "destination"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side_of:
-        side_main(args.side_of, args.leaves, args.side, args.steps)
+        if args.call == "transfer":
+            transfer_main(args.leaves, args.side, args.steps)
+        else:
+            side_main(args.side_of, args.leaves, args.side, args.steps)
         return
     import statistics
 
     exe = Path(sys.executable)
     mpiexec = exe.parent / "mpiexec"
     me = str(Path(__file__).resolve())
-    common = ["--leaves", str(args.leaves), "--side", str(args.side), "--steps", str(args.steps)]
+    common = ["--leaves", str(args.leaves), "--side", str(args.side), "--steps", str(args.steps), "--call", args.call]
     cmd = [str(mpiexec)]
     for role in ("source", "destination"):
         cmd += ["-n", "1", str(exe), me, *common, "--side-of", role] + ([":"] if role == "source" else [])
@@ -105,7 +155,7 @@ def main() -> None:
     for r in sorted(results, key=lambda r: r["role"] != "source"):
         t = {k: [x * 1e3 for x in v] for k, v in r["times"].items()}
         many, one = statistics.median(t["many"]), statistics.median(t["one"])
-        call = "push" if r["role"] == "source" else "pull"
+        call = ("push" if r["role"] == "source" else "pull") if args.call == "refit" else f"transfer ({r['role']})"
         fixed = (many - one) / args.leaves * 1e3
         print(
             f"{call}: {args.leaves} leaves {many:.1f} [{min(t['many']):.1f}-{max(t['many']):.1f}] ms, one leaf "
