@@ -197,6 +197,26 @@ def test_push_checks_its_arguments_before_anything_moves(trainer):
     r1.leave()
 
 
+def test_a_tree_like_the_last_one_pushed_is_not_declared_again_and_any_other_is(trainer, monkeypatch):
+    from jreshard.elastic import pairs
+
+    declared = []
+    real = pairs.declare_leaves
+    monkeypatch.setattr(pairs, "declare_leaves", lambda *a: declared.append(1) or real(*a))
+    r1 = replica(trainer, 1, "r1")
+    trainer.wait(count=1)
+    trainer.push(params(1), version=1)
+    trainer.push(params(2), version=2)  # new arrays, the same structure, shapes, dtypes and shardings
+    assert len(declared) == 1
+    moved = params(3) | {"b": jax.device_put(params(3)["b"], NamedSharding(Mesh(np.array(D[:2]), ("fsdp",)), P()))}
+    with pytest.raises(ValueError, match=r"\['b'\]"):  # another sharding: declared, and refused
+        trainer.push(moved, version=3)
+    assert len(declared) == 2
+    trainer.push(params(3), version=3)  # like the last tree that matched: not declared again
+    assert len(declared) == 2 and r1.pull(newer_than=2)[1] == 3
+    r1.leave()
+
+
 def test_versions_waits_and_pulls(trainer):
     r1, r2 = replica(trainer, 1, "r1"), replica(trainer, 2, "r2")
     assert trainer.wait(count=2) == ("r1", "r2")

@@ -379,6 +379,34 @@ def test_a_communicator_with_prepared_refits_is_freed_when_its_last_reference_go
     assert gone() is None
 
 
+def test_a_schedule_replayed_over_a_new_communicator_each_step_compiles_its_operations_once(monkeypatch):
+    """An elastic refit makes a communicator per version: the schedule's operations (every table compacted for the
+    compiled loop) are built on the first and shared by the next, each of which prepares its own requests, bit
+    exact; ``jreshard.clear_caches()`` lets them go."""
+    import jreshard
+    from jreshard.engine import rounds
+
+    built = []
+    monkeypatch.setattr(rounds, "ops_of", lambda *a: built.append(1) or replay.ops_of(*a))
+    pairs, topo = _pairs()
+    opts = Options(chunk_bytes=1024, staging_bytes=16384)
+    sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
+    dst = _dst(pairs)
+    comms = []
+    for step in range(3):
+        if step == 2:
+            jreshard.clear_caches()
+        comms.append(_self_comm(topo))
+        globals_ = [_global(s, 10 * step + t) for t, (s, _) in enumerate(pairs)]
+        report = _step(sched, comms[-1], _src(pairs, globals_), dst, opts)
+        _check(pairs, globals_, dst)
+        assert report.replayed_rounds == 0  # each communicator's first step prepares its requests
+        assert len(built) == (1 if step < 2 else 2)
+    assert _replay_of(comms[0]).ops is _replay_of(comms[1]).ops is not _replay_of(comms[2]).ops
+    for comm in comms:
+        comm.close()
+
+
 class _Watched(PreparedGroups):
     """``inner`` observed (:attr:`PreparedGroups.observes`): at every hook it checks that the bytes of every message
     still watched are as they were when watched began (a group's sends from its ``starting``, its receives from

@@ -35,6 +35,7 @@ from jreshard.refit.decl import (
     group_views,
     leaf_differences,
     needs_views,
+    tree_key,
     validate,
 )
 from jreshard.types import PyTree
@@ -117,19 +118,34 @@ def leaves_by_name(tree: PyTree) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p) or "x", a) for p, a in leaves]
 
 
-def check_like(tree: PyTree, decl: dict, role: str, devices: Sequence[Any], who: str) -> list[tuple[str, Any]]:
+def check_like(
+    tree: PyTree, decl: dict, role: str, devices: Sequence[Any], who: str, memo: dict | None = None
+) -> list[tuple[str, Any]]:
     """Raise ``ValueError`` naming each leaf and field where ``tree`` differs from the declaration; returns
-    ``tree``'s ``[(key path, leaf)]`` (:func:`leaves_by_name`), from its one flattening."""
+    ``tree``'s ``[(key path, leaf)]`` (:func:`leaves_by_name`), from its one flattening.
+
+    ``memo``: a dict the caller keeps for one declaration; a tree with the key (:func:`~jreshard.refit.decl.tree_key`)
+    of the last one that matched is not declared again, and the leaves' names are read once per tree structure.
+    """
     import jax
 
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    now = declare_leaves(role, flat, devices, None)
-    if now["errors"]:
-        raise ValueError(f"{who}: " + "; ".join(now["errors"]))
-    diff = leaf_differences(now["params"], decl["params"])
-    if diff:
-        raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
-    return [(jax.tree_util.keystr(p) or "x", a) for p, a in flat]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    key = tree_key(flat, treedef) if memo is not None else None
+    if key is None or memo is None or memo.get("key") != key:
+        now = declare_leaves(role, flat, devices, None)
+        if now["errors"]:
+            raise ValueError(f"{who}: " + "; ".join(now["errors"]))
+        diff = leaf_differences(now["params"], decl["params"])
+        if diff:
+            raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
+        if memo is not None:
+            memo["key"] = key
+    if memo is None or "treedef" not in memo or memo["treedef"] != treedef:
+        names = [jax.tree_util.keystr(p) or "x" for p, _ in flat]
+        if memo is None:
+            return list(zip(names, (a for _, a in flat), strict=True))
+        memo["treedef"], memo["names"] = treedef, names
+    return list(zip(memo["names"], (a for _, a in flat), strict=True))
 
 
 def _decls(
@@ -265,15 +281,21 @@ def choose_source(
 
 def source_shards(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: Sequence[Any], process: int) -> dict:
     """``{(tensor, rank): single-device array}``: source ``process``'s shards of ``tree_leaves``."""
+    from jreshard.engine.ownership import shard_arrays
+    from jreshard.sharding.jax import addressable_order
+
     index = {n: t for t, n in enumerate(pair.names)}
     base = pair.bases[process]
+    rank_of = {d: base + i for i, d in enumerate(devices)}
     out = {}
     for name, a in tree_leaves:
         t = index[name]
         ranks = set(pair.src_ranks(t))
-        for sh in a.addressable_shards:
-            if sh.device in devices and base + devices.index(sh.device) in ranks:
-                out[(t, base + devices.index(sh.device))] = sh.data
+        # (jax's own list of the shards, in the order of their devices: no Shard object built)
+        for d, data in zip(addressable_order(a.sharding), shard_arrays(a), strict=True):
+            r = rank_of.get(d)
+            if r is not None and r in ranks:
+                out[(t, r)] = data
     return out
 
 
@@ -295,6 +317,7 @@ def run_pair(
     options: Options,
     costs: list | None = None,
     delta: DeltaRefit | None = None,
+    landed: bool = False,
 ) -> tuple[dict, ExecStats]:
     """Run ``process``'s side of ``pair`` over NIXL: the only call into the engine.
 
@@ -313,6 +336,9 @@ def run_pair(
       costs: if given, the refit's :class:`~jreshard.engine.digest.DigestCost` on this process is appended
         (every message is MACed: :mod:`jreshard.elastic.verify`).
       delta: send what changed since the receivers' bases (:mod:`jreshard.elastic.delta`); both ends alike.
+      landed: a destination of a pair of plain arrays gets its new shards as the buffers they landed in
+        (:data:`~jreshard.engine.driver.Landed`), for the caller to make whole arrays over them
+        (:func:`~jreshard.engine.driver.landed_array`); a pair of views returns arrays whatever it says.
 
     Returns:
       ``({(tensor, rank): new single-device array}, engine statistics)``: the arrays on a destination
@@ -320,7 +346,8 @@ def run_pair(
     """
     from jreshard.call.routes import kit
     from jreshard.elastic.verify import PairDigests
-    from jreshard.engine.driver import run_schedule, schedule_local
+    from jreshard.engine.buffers import CpuBuffers
+    from jreshard.engine.driver import receive_schedule, run_schedule, schedule_local
 
     NixlAgent, NixlComm = kit("nixl").agent, kit("nixl").comm
 
@@ -348,7 +375,13 @@ def run_pair(
             tensors = pair.plan.tensors
             layouts = [(t.src, t.dst) for t in tensors]
             _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
-            out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options, delta=delta)
+            if landed:
+                got, _, stats = receive_schedule(
+                    tensors, sched, digests.comm, sources, targets, options=options, buffers=CpuBuffers(), delta=delta
+                )
+                out = (got, stats)
+            else:
+                out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options, delta=delta)
     except BaseException:
         digests.abandon()
         raise

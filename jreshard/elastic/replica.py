@@ -27,6 +27,7 @@ out neither unless asked (``allow_stale=True``).
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import threading
@@ -47,6 +48,9 @@ from jreshard.elastic.pairs import (
 from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import Arrival, Publication
 from jreshard.engine.arrays import assembled
+from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.driver import landed_array
+from jreshard.engine.put import batched_put, put_allowed
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address, peer_int
@@ -426,20 +430,29 @@ class ElasticReplica:
         targets = target_devices(pair, self._like, self._devices, self._index)
         costs: list = []
         refit = self._deltas.refit(delta and not peer, 1)  # the unit comes with each chunk
+        as_buffers = pair.views is None  # plain arrays: each leaf made at once over the buffers its shards landed in
         shards, _ = run_pair(
-            pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs, delta=refit
-        )
+            pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs, delta=refit,
+            landed=as_buffers,
+        )  # fmt: skip
         self._deltas.staged(version)
         index = {n: t for t, n in enumerate(pair.dst_names)}
         base = pair.bases[pair.n_src + self._index]
+        ranks = {d: base + i for i, d in enumerate(self._devices)}
+        put = batched_put(put_allowed()) if as_buffers else None
         leaves, nbytes = [], 0
         for name, a in self._like:
             t = index[name]
-            mine = {d: shards[(t, base + self._devices.index(d))] for d in a.sharding.addressable_devices}
-            arrays = [mine[d] for d in sorted(mine, key=lambda d: d.id)]
-            nbytes += sum(x.nbytes for x in arrays)
             weak = bool(getattr(a, "weak_type", False))  # the like's (a ShapeDtypeStruct's or an array's) type
-            leaves.append((name, assembled(tuple(a.shape), a.dtype, a.sharding, arrays, weak)))
+            keys = [(t, ranks[d]) for d in a.sharding.addressable_devices]
+            if as_buffers:
+                nbytes += sum(math.prod(shards[k][1]) * shards[k][2].itemsize for k in keys)
+                made = landed_array(t, tuple(a.shape), a.dtype, a.sharding, shards, CpuBuffers(), put, weak, ranks)
+            else:
+                arrays = sorted((shards[k] for k in keys), key=lambda x: next(iter(x.devices())).id)
+                nbytes += sum(x.nbytes for x in arrays)
+                made = assembled(tuple(a.shape), a.dtype, a.sharding, arrays, weak)
+            leaves.append((name, made))
         tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
         arrival = Arrival(version, source, time.monotonic() - t0, nbytes, time.thread_time() - c0,
                           costs[0] if costs else None)  # fmt: skip

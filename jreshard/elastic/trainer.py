@@ -95,6 +95,7 @@ class ElasticTrainer:
         self._links = dict(links or {})
         self._devices = list(jax.local_devices() if devices is None else devices)
         self._decl = declare_local("source", params, self._devices, None)
+        self._checked: dict = {}  # check_like's memo of the last tree push matched against the declaration
         if self._decl["errors"]:
             raise ValueError("ElasticTrainer: " + "; ".join(self._decl["errors"]))
         from jreshard.call.routes import kit
@@ -263,7 +264,7 @@ class ElasticTrainer:
         """
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"ElasticTrainer.push: version={version!r} must be an int")
-        leaves = check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push")  # one flattening
+        leaves = check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push", self._checked)
         gone = deleted_leaf(leaves)
         if gone:  # (read after the job started, it would cost every replica its connection)
             raise ValueError(f"ElasticTrainer.push: {gone}")

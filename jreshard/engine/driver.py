@@ -161,8 +161,10 @@ def landed_array(
     buffers: Buffers,
     put: BatchedPut | None,
     weak_type: bool = False,
+    ranks: Mapping[Any, int] | None = None,
 ) -> Any:
-    """Tensor ``t``'s global array over this process's shards of it in ``landed`` (:func:`receive_schedule`).
+    """Tensor ``t``'s global array over this process's shards of it in ``landed`` (:func:`receive_schedule`), keyed
+    by each device's rank: ``ranks[device]``, or its id where ``ranks`` is not given.
 
     Where every addressable device of ``sharding`` is a CPU device with its shard here and ``put`` (jax's batched
     put, :func:`jreshard.engine.put.batched_put`) is given, one call makes the array over the buffers (zero-copy
@@ -172,13 +174,18 @@ def landed_array(
     from jreshard.sharding.jax import addressable_order
 
     devices = addressable_order(sharding)
-    if put is not None and devices and all((t, d.id) in landed and d.platform == "cpu" for d in devices):
+    keys = [(t, d.id if ranks is None else ranks.get(d, -1)) for d in devices]  # (-1: not a rank here)
+    if (
+        put is not None
+        and devices
+        and all(k in landed and d.platform == "cpu" for k, d in zip(keys, devices, strict=True))
+    ):
         views = []
-        for d in devices:
-            buf, box, np_dtype, _ = landed[(t, d.id)]
+        for k in keys:
+            buf, box, np_dtype, _ = landed[k]
             views.append(buf.view(np_dtype).reshape(box))
         return put.raw(put.aval(shape, dtype, weak_type), sharding, views, list(devices), True)
-    mine = {d: buffers.import_shard(*landed[(t, d.id)]) for d in sharding.device_set if (t, d.id) in landed}
+    mine = {d: buffers.import_shard(*landed[k]) for k, d in zip(keys, devices, strict=True) if k in landed}
     return assemble(shape, dtype, sharding, mine, weak_type)
 
 

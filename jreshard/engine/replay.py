@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +55,7 @@ from jreshard.engine.comm import (
 from jreshard.engine.strided import checking_bounds
 from jreshard.errors import TransferError
 from jreshard.schedule import kernels
+from jreshard.sharding.caches import register_clear
 
 __all__ = [
     "EXCHANGE",
@@ -67,6 +69,7 @@ __all__ = [
     "Replay",
     "addresses",
     "compiled_replay",
+    "ops_cached",
     "ops_of",
     "replay_of",
 ]
@@ -77,6 +80,7 @@ packs before the next start and is nothing on host-ordered buffers)."""
 
 PHASE_PACK, PHASE_NETWORK, PHASE_FANOUT, PHASE_UNPACK = 0, 1, 2, 3
 PER_COMM = 8
+OPS_KEPT = 16  # compiled schedules whose operations are kept apart from any communicator (ops_cached)
 
 _native: ModuleType | None
 try:
@@ -533,6 +537,41 @@ def _waiting(prepared: PreparedGroups, group: int) -> None:
 
 
 _by_comm: weakref.WeakKeyDictionary[Communicator, collections.OrderedDict[tuple, Replay]] = weakref.WeakKeyDictionary()
+
+
+_ops: collections.OrderedDict[tuple, tuple[object, Ops]] = collections.OrderedDict()
+_ops_lock = threading.Lock()
+
+
+def ops_cached(key: object, shape: tuple, build: Callable[[], Ops]) -> Ops:
+    """The operations of compiled schedule ``key`` over a step's buffers laid out as ``shape`` says (where each rank's
+    buffers start, how many, which rounds pack ahead: every input of :func:`ops_of` besides the rounds), built with
+    ``build()`` the first time and kept for the last :data:`OPS_KEPT` schedules.
+
+    A :class:`Replay` is kept per communicator (:func:`replay_of`); these are kept apart from any, for a schedule
+    replayed over a new communicator each step (an elastic refit makes one per version), whose first step on it
+    would otherwise compact every table of the schedule again. Operations are read-only, so replays share them.
+    """
+    k = (id(key), shape)
+    with _ops_lock:
+        hit = _ops.get(k)
+        if hit is not None and hit[0] is key:
+            _ops.move_to_end(k)
+            return hit[1]
+    ops = build()
+    with _ops_lock:
+        _ops[k] = (key, ops)  # the key held: its id names it while it is here
+        while len(_ops) > OPS_KEPT:
+            _ops.popitem(last=False)
+    return ops
+
+
+def _clear_ops() -> None:
+    with _ops_lock:
+        _ops.clear()
+
+
+register_clear(_clear_ops)
 
 
 def replay_of(

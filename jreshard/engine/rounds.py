@@ -59,7 +59,7 @@ import numpy as np
 from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator, Row
 from jreshard.engine.deltarounds import DeltaRefit, run_delta_rounds
-from jreshard.engine.replay import ops_of, replay_of
+from jreshard.engine.replay import ops_cached, ops_of, replay_of
 from jreshard.errors import TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder, ReportPhase
@@ -194,8 +194,12 @@ def execute(
     else:
         ahead = compiled.ahead if comm.posts_ahead else (False,) * len(compiled.rounds)
         nbuf = 2 * schedule.ntensors
+        shape = (tuple(segments.items()), nbuf, tuple(ahead))
         replay, fresh = replay_of(
-            comm, compiled, lambda: ops_of(compiled.rounds, ahead, segments, nbuf), posts_ahead=comm.posts_ahead
+            comm,
+            compiled,
+            lambda: ops_cached(compiled, shape, lambda: ops_of(compiled.rounds, ahead, segments, nbuf)),
+            posts_ahead=comm.posts_ahead,
         )
         replay.intact = same_device_bytes == 0  # a step that fails before its rounds has written no destination byte
         if not buffers.native_rows:

@@ -95,6 +95,20 @@ def declare_leaves(role: str, leaves: Sequence[tuple[Any, Any]], devices: Sequen
     return {"role": role, "ndev": len(devices), "domain": domain, "params": out, "errors": errors}
 
 
+def tree_key(flat: Sequence[tuple[Any, Any]], treedef: Any) -> tuple | None:
+    """What a declaration reads of a flattened tree: its structure (its leaves' names) and each leaf's type,
+    shape, dtype and sharding; ``None`` where a leaf has no shape, dtype or sharding. Two trees with one key declare
+    alike, so a tree with the key of one that matched a declaration matches it too (what can change under one key,
+    a leaf deleted since, is checked apart: :func:`deleted_leaf`)."""
+    leaves = []
+    for _, a in flat:
+        try:
+            leaves.append((type(a), a.shape, a.dtype, a.sharding))
+        except AttributeError:
+            return None
+    return treedef, tuple(leaves)
+
+
 def deleted_leaf(leaves: Sequence[tuple[Any, Any]]) -> str:
     """Why a source tree cannot be read (``""``: it can): a leaf deleted or donated since it was made. ``leaves``
     are ``(key path or name, leaf)`` pairs. A declaration reads shapes, dtypes and shardings, which a deleted array

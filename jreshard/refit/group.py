@@ -81,6 +81,7 @@ from jreshard.refit.decl import (
     leaf_differences,
     needs_views,
     problems,
+    tree_key,
     validate,
 )
 from jreshard.refit.delta import DeltaReport, GroupDelta, wire_unit
@@ -98,18 +99,6 @@ if TYPE_CHECKING:  # jax is imported only where a call needs it (a PyTorch endpo
     from jreshard.engine.put import BatchedPut
 
 __all__ = ["RefitGroup", "Role"]
-
-
-def _tree_key(flat: Sequence[tuple[Any, Any]], treedef: Any) -> tuple | None:
-    """What a declaration reads of a flattened tree: its structure (its leaves' names) and each leaf's type,
-    shape, dtype and sharding; ``None`` where a leaf has no shape, dtype or sharding."""
-    leaves = []
-    for _, a in flat:
-        try:
-            leaves.append((type(a), a.shape, a.dtype, a.sharding))
-        except AttributeError:
-            return None
-    return treedef, tuple(leaves)
 
 
 def _local_devices() -> list[Any]:
@@ -333,7 +322,7 @@ class RefitGroup:
         wire = [d.np_dtype for _, d in pairs] if self._views is None else [d.np_dtype for d in self._views.dsts]
         self._delta = GroupDelta(self.options, wire_unit(wire), rank_process, self._describe)  # refit/delta.py
         self._votes: dict = {}
-        self._checked: tuple | None = None  # the key of the last tree that matched the declaration (_tree_key)
+        self._checked: tuple | None = None  # the key of the last tree that matched the declaration (tree_key)
         self._order: tuple[Any, list[int]] | None = None  # (treedef, its leaves' tensor indices)
         self._shards: tuple[Any, dict, dict, list] | None = None  # (the key they were made for, _shards_of's answer)
         self._sent: tuple[Any, list] | None = None  # (the key it was made for, _sent_of's answer)
@@ -924,9 +913,9 @@ class RefitGroup:
 
     def _local_check(self, flat: Sequence[tuple[Any, Any]], treedef: Any) -> str:
         """Why a flattened tree does not match this process's declaration (``""``: it does). A tree with the key
-        of the last one that matched (:func:`_tree_key`: its structure and each leaf's type, shape, dtype and
-        sharding, everything the declaration says of it) matches without being declared again."""
-        key = _tree_key(flat, treedef)
+        of the last one that matched (:func:`~jreshard.refit.decl.tree_key`: its structure and each leaf's type,
+        shape, dtype and sharding, everything the declaration says of it) matches without being declared again."""
+        key = tree_key(flat, treedef)
         if key is not None and key == self._checked:
             return ""
         self._checked = None
