@@ -1,6 +1,7 @@
 """What a refit between two programs costs per leaf: ``RefitGroup.push`` and ``pull`` of many small leaves against
 one leaf of the same bytes, in the same run (``--call transfer``: ``jreshard.transfer`` in one multi-controller
-program of the same two processes instead, every process calling it).
+program of the same two processes instead, every process calling it; ``--call elastic``: an ``ElasticTrainer`` and
+an ``ElasticReplica`` in one process, over NIXL).
 
 Two MPI processes (``mpiexec -n 1 ... source : -n 1 ... destination``, started by this script), each with 4 CPU
 devices: the source holds ``--leaves`` arrays of ``--side`` x ``--side`` float32, FSDP over its 4 devices; the
@@ -14,8 +15,12 @@ With ``--call transfer`` the two processes form one ``jax.distributed`` cluster 
 and both call ``jreshard.transfer`` of the tree from the first process's FSDP sharding to the second's TP2 x DP2 one
 (the multi-controller path, over MPI); each process's call is timed, and its result checked on the second.
 
+With ``--call elastic`` one process of 8 CPU devices holds an ``ElasticTrainer`` (FSDP over devices 0-3) and an
+``ElasticReplica`` (TP2 x DP2 over devices 4-7) of each tree, with a shared secret (every message MACed) and
+``delta="off"``; a step is the trainer's ``push`` and then the replica's ``pull`` of that version, timed together.
+
 Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/refit_leaves_bench.py [--leaves 1000] [--side 16] [--steps 12]
-[--call refit|transfer]``
+[--call refit|transfer|elastic]``
 """
 
 from __future__ import annotations
@@ -119,12 +124,55 @@ def transfer_main(leaves: int, side: int, steps: int) -> None:
     print("RESULT " + json.dumps({"role": "source" if me == 0 else "destination", "times": times}), flush=True)
 
 
+def elastic_main(leaves: int, side: int, steps: int) -> dict:
+    """``--call elastic``: both sides in this process; ``{"many": [s, ...], "one": [...]}``."""
+    os.environ["JAX_NUM_CPU_DEVICES"] = "8"
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard import Options
+    from jreshard.elastic import ElasticReplica, ElasticTrainer
+
+    devs = jax.devices()
+    fsdp = NamedSharding(Mesh(np.array(devs[:4]), ("fsdp",)), P("fsdp"))
+    tp = NamedSharding(Mesh(np.array(devs[4:8]).reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    opts = Options(timeout_s=120.0, secret=b"refit-leaves-bench-secret-0123", delta="off")
+    shapes = {"many": {f"layer{i:05d}": (side, side) for i in range(leaves)}, "one": {"w": (leaves * side, side)}}
+    make, pairs = {}, {}
+    for name, tree in shapes.items():
+        make[name] = jax.jit(
+            lambda v, tree=tree: {k: jax.numpy.full(s, v, np.float32) for k, s in tree.items()}, out_shardings=fsdp
+        )
+        like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=tp) for k, s in tree.items()}
+        trainer = ElasticTrainer(make[name](0.0), devices=list(devs[:4]), options=opts)
+        replica = ElasticReplica(like, trainer.address, name=name, devices=list(devs[4:8]), options=opts)
+        pairs[name] = (trainer, replica)
+    times: dict[str, list[float]] = {name: [] for name in shapes}
+    for v in range(1, steps + 1):
+        for name in ("many", "one") if v % 2 else ("one", "many"):
+            trainer, replica = pairs[name]
+            x = jax.block_until_ready(make[name](float(v)))
+            t = time.perf_counter()
+            trainer.push(x, version=v)
+            tree, got = replica.pull(newer_than=v - 1)
+            if v > 2:
+                times[name].append(time.perf_counter() - t)
+            if got != v or float(jax.tree.leaves(tree)[-1][0, 0]) != v:
+                raise SystemExit(f"refit_leaves_bench: {name} pulled version {got}, not {v}")
+    for trainer, replica in pairs.values():
+        replica.leave()
+        trainer.close()
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--leaves", type=int, default=1000)
     ap.add_argument("--side", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--call", choices=["refit", "transfer"], default="refit")
+    ap.add_argument("--call", choices=["refit", "transfer", "elastic"], default="refit")
     ap.add_argument("--side-of", choices=["source", "destination"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side_of:
@@ -133,8 +181,15 @@ def main() -> None:
         else:
             side_main(args.side_of, args.leaves, args.side, args.steps)
         return
-    import statistics
 
+    head = (
+        f"{args.leaves} leaves of {args.side}x{args.side} float32 (FSDP4 -> TP2 x DP2) against one leaf of the same "
+        f"{args.leaves * args.side * args.side * 4 / 2**20:.1f} MiB, {args.steps - 2} steps each"
+    )
+    if args.call == "elastic":
+        print(f"{head}, one process, {os.cpu_count()} cores")
+        _print_row("elastic push + pull", elastic_main(args.leaves, args.side, args.steps), args.leaves)
+        return
     exe = Path(sys.executable)
     mpiexec = exe.parent / "mpiexec"
     me = str(Path(__file__).resolve())
@@ -147,20 +202,22 @@ def main() -> None:
     results = [json.loads(ln[len("RESULT ") :]) for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode or len(results) != 2:
         raise SystemExit(f"refit_leaves_bench: the launch failed (rc {done.returncode}):\n{done.stdout}\n{done.stderr}")
-    print(
-        f"{args.leaves} leaves of {args.side}x{args.side} float32 (FSDP4 -> TP2 x DP2) against one leaf of the same "
-        f"{args.leaves * args.side * args.side * 4 / 2**20:.1f} MiB, {args.steps - 2} steps each, 2 processes, "
-        f"{os.cpu_count()} cores"
-    )
+    print(f"{head}, 2 processes, {os.cpu_count()} cores")
     for r in sorted(results, key=lambda r: r["role"] != "source"):
-        t = {k: [x * 1e3 for x in v] for k, v in r["times"].items()}
-        many, one = statistics.median(t["many"]), statistics.median(t["one"])
         call = ("push" if r["role"] == "source" else "pull") if args.call == "refit" else f"transfer ({r['role']})"
-        fixed = (many - one) / args.leaves * 1e3
-        print(
-            f"{call}: {args.leaves} leaves {many:.1f} [{min(t['many']):.1f}-{max(t['many']):.1f}] ms, one leaf "
-            f"{one:.1f} [{min(t['one']):.1f}-{max(t['one']):.1f}] ms; fixed cost {fixed:.0f} us a leaf"
-        )
+        _print_row(call, r["times"], args.leaves)
+
+
+def _print_row(call: str, times: dict[str, list[float]], leaves: int) -> None:
+    import statistics
+
+    t = {k: [x * 1e3 for x in v] for k, v in times.items()}
+    many, one = statistics.median(t["many"]), statistics.median(t["one"])
+    fixed = (many - one) / leaves * 1e3
+    print(
+        f"{call}: {leaves} leaves {many:.1f} [{min(t['many']):.1f}-{max(t['many']):.1f}] ms, one leaf "
+        f"{one:.1f} [{min(t['one']):.1f}-{max(t['one']):.1f}] ms; fixed cost {fixed:.0f} us a leaf"
+    )
 
 
 if __name__ == "__main__":
