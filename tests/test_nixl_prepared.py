@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from jreshard.engine import replay
+
 pytest.importorskip("nixl_cu12", reason="the NIXL tests need nixl-cu12 (pip install --no-deps nixl-cu12)")
 
 ROOT = Path(__file__).parent.parent
@@ -61,6 +63,8 @@ def test_prepared_and_per_op_refits_are_bit_identical_step_after_step_and_moved_
         assert len({r["digest"] for r in prepared}) == len(prepared) == 6  # new bytes every step (no stale data)
         assert all(r["checked"] == prepared[0]["checked"] > 0 for r in prepared + per_op)
         assert all(r["counters"] == [] for r in per_op)  # per operation: nothing prepared
+        # prepared: the packs and unpacks of every step compiled, the groups from Python (NIXL has no compiled loop)
+        assert g["prepared_rows_steps"] == (6 if replay.compiled_replay() else 0) and g["per_op_rows_steps"] == 0
         counters = [r["counters"][0][:2] for r in prepared]  # (descriptor lists posted, WRITE handles made)
         assert counters[0][0] > 0 and counters[0][1] > 0  # the first step posted the descriptors, made the handles
         # steps 2 and 3 keep the destination arrays; the staging arenas of two ranks of the same size trade places

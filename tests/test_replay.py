@@ -73,10 +73,28 @@ def _self_comm(topo) -> MpiComm:
     return MpiComm(MPI.COMM_SELF, dict.fromkeys(topo.ranks, 0))
 
 
-def _step(sched, comm, src, dst, opts):
+class _NoRows(CpuBuffers):
+    """Host buffers whose rows the replay does not run compiled: each pack and unpack from Python."""
+
+    __slots__ = ()
+    native_rows = False
+
+
+def _step(sched, comm, src, dst, opts, buffers=None):
     rep = ReportBuilder(Backend.MPI)
-    execute(sched, comm, Shards(src=src, dst=dst), options=opts, buffers=CpuBuffers(), report=rep)
+    execute(sched, comm, Shards(src=src, dst=dst), options=opts, buffers=buffers or CpuBuffers(), report=rep)
     return rep.build()
+
+
+# How a step's operations run: the compiled replay drives the prepared groups ("compiled"), or the groups run from
+# Python with the packs and unpacks compiled ("rows": NIXL's prepared groups), or everything from Python ("python").
+MODES = ["compiled", "rows", "python"]
+
+
+def _counted(r: replay.Replay, mode: str, steps: int) -> None:
+    built = replay.compiled_replay()
+    assert r.native_steps == (steps if mode == "compiled" and built else 0)
+    assert r.rows_steps == (steps if mode == "rows" and built else 0)
 
 
 def _replay_of(comm) -> replay.Replay:
@@ -506,7 +524,7 @@ class _WatchedComm(_Wrapping):
         return p
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("mode", MODES)
 @given(
     st.sampled_from([(None, "x"), ("x", None)]),
     st.sampled_from([(None, "tp"), ("tp", None)]),
@@ -514,22 +532,22 @@ class _WatchedComm(_Wrapping):
     st.integers(2, 8),
 )
 def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_schedule_says(
-    native, src_spec, dst_spec, chunk, staging_chunks
+    mode, src_spec, dst_spec, chunk, staging_chunks
 ):
     src = Layout.from_mesh(np.arange(4), ("x",), src_spec, (24, 40), "float32")
     dst = Layout.from_mesh(np.arange(2, 6).reshape(2, 2), ("dp", "tp"), dst_spec, (24, 40), "float32")
     pairs, topo = [(src, dst)], Topology.uniform(range(8), domain_size=4)
     opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging_chunks)
     sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
-    comm = _WatchedComm(_self_comm(topo), native)
+    comm = _WatchedComm(_self_comm(topo), mode == "compiled")
     for step in range(2):  # the step that prepares, then a replay
         g = [_global(src, step)]
         out = _dst(pairs)
-        _step(sched, comm, _src(pairs, g), out, opts)
+        _step(sched, comm, _src(pairs, g), out, opts, _NoRows() if mode == "python" else None)
         _check(pairs, g, out)
     (watched,) = comm.prepared
     r = _replay_of(comm)
-    assert r.native_steps == (2 if native and replay.compiled_replay() else 0)
+    _counted(r, mode, 2)
     n = len(r.ops.groups)
     want = [(gr, m) for gr in range(n) for m in (STARTING, WAITING, LANDED)]
     assert [h[:2] for h in watched.hooks] == want * 2  # every group's three hooks, in order, each step
@@ -548,14 +566,15 @@ class _PythonLoop(_Wrapping):
         return prepared
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "worker"])
 @pytest.mark.parametrize("flip", [None, 3])
-def test_a_digested_prepared_refit_digests_every_crossing_message_as_sent_and_as_landed(native, overlap, flip):
+def test_a_digested_prepared_refit_digests_every_crossing_message_as_sent_and_as_landed(mode, overlap, flip):
     """The engine's rounds over MPI in one process (every message an in-process copy), digested as if ranks 0-3 (the
     sources) were one process and ranks 4-7 another: one step digests what 0-3 send to 4-7, a second what 4-7
-    received from 0-3. The prepared groups run in the compiled replay or its Python loop, the digests inline or on
-    the worker; every stream's two digests agree, but the one whose message had a byte flipped as it landed."""
+    received from 0-3. The prepared groups run in the compiled replay, or from Python with the rows compiled, or in
+    the Python loop, the digests inline or on the worker; every stream's two digests agree, but the one whose message
+    had a byte flipped as it landed."""
     from _faulty_comm import FlipComm
 
     from jreshard.engine.digest import DigestComm, Digests, mismatches, plain
@@ -568,7 +587,7 @@ def test_a_digested_prepared_refit_digests_every_crossing_message_as_sent_and_as
     for side in (range(4), range(4, 8)):
         inner = _self_comm(topo)
         wire = FlipComm(inner, nth=10**9, prepared=True, local=side) if flip and side == range(4, 8) else inner
-        comm = DigestComm(wire if native else _PythonLoop(wire))
+        comm = DigestComm(wire if mode == "compiled" else _PythonLoop(wire))
         comm._mine = frozenset(side)  # this side's ranks: messages from or to the others are digested
         comm.overlap = overlap
         digests = Digests(side, plain(), "hash")
@@ -577,13 +596,12 @@ def test_a_digested_prepared_refit_digests_every_crossing_message_as_sent_and_as
             if step and isinstance(wire, FlipComm):
                 wire.seen, wire.nth = 0, flip  # the replay's step flips
             dst = _dst(pairs)
-            _step(sched, comm, _src(pairs, g), dst, opts)
+            _step(sched, comm, _src(pairs, g), dst, opts, _NoRows() if mode == "python" else None)
             comm.finish()
             comm.end()
             if not flip:
                 _check(pairs, g, dst)
-        r = _replay_of(comm)
-        assert r.native_steps == (2 if native and replay.compiled_replay() else 0)
+        _counted(_replay_of(comm), mode, 2)
         streams.append(digests.streams())
         comm.close()
     crossing = lambda m: {k: v for k, v in m.items() if int(k.split(">")[0]) < 4 <= int(k.split(">")[1])}  # noqa: E731

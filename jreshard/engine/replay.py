@@ -290,6 +290,8 @@ class Replay:
     Attributes:
       steps: how many steps it ran (the first prepared it).
       native_steps: how many of them ran in the compiled replay.
+      rows_steps: how many ran their packs and unpacks compiled and their groups from Python (prepared groups the
+        compiled replay cannot drive: NIXL's).
     """
 
     def __init__(self, key: object, ops: Ops, comm: Communicator):
@@ -297,10 +299,11 @@ class Replay:
         self.ops = ops
         self.prepared: PreparedGroups | None = comm.prepare(ops.groups)
         self.graph: StepGraph | None = comm.graph(ops)
-        self.steps = self.native_steps = 0
+        self.steps = self.native_steps = self.rows_steps = 0
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._checked: np.ndarray | None = None  # the sizes the native rows were last checked against
         self._args: tuple | None = None
+        self._empty: tuple[np.ndarray, np.ndarray] | None = None  # _no_groups
         self.intact = True  # whether the step wrote no destination byte before the rounds (no same-device copies)
 
     def release(self) -> None:
@@ -333,8 +336,8 @@ class Replay:
                 buffers, bufs, bases, timeout_s, lambda: self._run_python(comm, buffers, bufs, bases, timeout_s, clock)
             )
         prepared = self.prepared
-        native = self.ops.native is not None and buffers.native_rows and prepared is not None
-        native = native and prepared is not None and prepared.native is not None
+        rows = self.ops.native is not None and buffers.native_rows and prepared is not None
+        native = rows and prepared is not None and prepared.native is not None
         if prepared is not None:
             arrays = self._arrays
             if arrays is None or len(arrays[0]) != len(bases):
@@ -347,6 +350,9 @@ class Replay:
                 if native and self._native_checked(addr, size, ro):
                     self.native_steps += 1
                     return self._run_native(timeout_s)
+                if rows and self._native_checked(addr, size, ro):
+                    self.rows_steps += 1
+                    return self._run_rows(timeout_s, clock)
                 return self._run_python(comm, buffers, bufs, bases, timeout_s, clock)
             finally:
                 prepared.finish()
@@ -371,11 +377,11 @@ class Replay:
             return True
         assert _native is not None and self.ops.native is not None and self.prepared is not None
         n = self.prepared.native
-        assert n is not None
+        groups, copies = (n.groups, n.copies) if n is not None else self._no_groups()
         ops = self.ops.native
         self._checked = None
         bad = _native.validate(
-            ops.ctypes.data, len(ops), n.groups.ctypes.data, len(n.groups), n.copies.ctypes.data, len(n.copies),
+            ops.ctypes.data, len(ops), groups.ctypes.data, len(groups), copies.ctypes.data, len(copies),
             addr.ctypes.data, size.ctypes.data, len(addr),
         )  # fmt: skip
         if bad >= 0:
@@ -434,6 +440,65 @@ class Replay:
         if lo < len(ops):
             self._run_part(lo, len(ops), tail, timeout_s)
         return times.copy()
+
+    def _no_groups(self) -> tuple[np.ndarray, np.ndarray]:
+        """Groups with no request and no in-process copy, and no copies: what the compiled code is told of prepared
+        groups it does not drive (:meth:`_run_rows`), so that it checks and runs the packs and unpacks alone."""
+        assert _native is not None
+        if self._empty is None:
+            self._empty = (
+                np.zeros((len(self.ops.groups), _native.GROUP_WORDS), np.int64),
+                np.zeros((0, _native.COPY_WORDS), np.int64),
+            )
+        return self._empty
+
+    def _run_rows(self, timeout_s: float, clock: Callable[[], float]) -> np.ndarray:
+        """The operations of prepared groups that have no compiled replay (NIXL's): every run of packs and unpacks
+        between two starts or waits in one compiled call over the rows compacted once (:attr:`Ops.native`, checked
+        against this step's buffers by :meth:`_native_checked`), each start and wait from Python, with the hooks of
+        groups that observe the step, as :meth:`_run_python` runs them. Where :meth:`_run_python` analyses each
+        table again every step (its rows, buffers and addresses), this reads them from the step's address list."""
+        assert _native is not None and self.prepared is not None and self.ops.native is not None
+        assert self._arrays is not None
+        prepared, ops, kept = self.prepared, self.ops.native, self.ops.kept
+        groups, copies = self._no_groups()
+        addr, size, _ = self._arrays
+        times = np.zeros(5)
+        fail = np.zeros(4, np.int64)
+        args = (
+            groups.ctypes.data, 0, copies.ctypes.data, 0, addr.ctypes.data, size.ctypes.data, len(addr),
+            0, 0, 0, 0, 0, 0, 0, 0, 0, int(timeout_s * 1e9), times.ctypes.data, fail.ctypes.data, 0,
+        )  # fmt: skip
+        started = -1
+        lo = 0
+        cuts = np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist()
+        for at in [*cuts, len(ops)]:
+            if at > lo:  # packs and unpacks only: no group is named, so the compiled code drives none
+                try:
+                    _native.run(ops.ctypes.data + lo * ops.strides[0], at - lo, *args)
+                except BaseException as err:
+                    if started >= 0:
+                        prepared.abort(started, f"a pack failed while a group was posted: {err!r}")
+                    raise
+            if at == len(ops):
+                break
+            group, phase = int(ops[at, 1]), int(ops[at, 5])
+            t = clock()
+            if ops[at, 0] == START:
+                if prepared.observes:
+                    prepared.starting(group, kept[group][0])
+                prepared.start(group, timeout_s)
+                started = group
+            else:
+                if prepared.observes:
+                    _waiting(prepared, group)
+                started = -1
+                prepared.wait(group)
+                if prepared.observes:
+                    prepared.landed(group, kept[group][1])
+            times[phase] += clock() - t
+            lo = at + 1
+        return times
 
     def _run_part(self, lo: int, hi: int, tail: tuple, timeout_s: float) -> None:
         """Operations ``lo:hi`` of the native operations in one compiled call."""

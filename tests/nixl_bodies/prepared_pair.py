@@ -72,6 +72,7 @@ def main() -> None:
                 counters = [(p.posts, p.prepped, len({k for k in p._keys if k})) for p in prepared_of(comm)]
                 rows.append({"digest": digest, "checked": checked, "counters": counters})
             out[name] = rows
+            out[name + "_rows_steps"] = sum(r.rows_steps for r in replay._by_comm.get(comm, {}).values())
             comm.close()
             ch.send_control({"op": "phase"}, timeout_s=20.0)  # both done before the next communicator posts
             ch.recv_control(timeout_s=60.0)
