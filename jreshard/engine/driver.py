@@ -66,41 +66,13 @@ filled, as the buffers they landed in."""
 
 
 def run_schedule(
-    tensors: Sequence[TensorSpec],
-    schedule: Schedule,
-    comm: Communicator,
-    sources: Mapping[tuple[int, int], Any],
-    targets: Mapping[tuple[int, int], Any],
-    *,
-    options: Options,
-    buffers: Buffers | None = None,
-    report: ReportBuilder | None = None,
-    given: Mapping[tuple[int, int], Any] | None = None,
-    delta: DeltaRefit | None = None,
+    *args: Any, buffers: Buffers | None = None, **kwargs: Any
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
-    """Run ``schedule`` (rounds of this process's ranks) and return the new destination shards, each imported as a
-    single-device array (:func:`receive_schedule` leaves them as buffers, for a caller that makes whole arrays).
-
-    Args:
-      tensors: the tensors the schedule moves (their destination layouts size the new shards).
-      schedule: the rounds of ``comm``'s local ranks (:func:`schedule_local`).
-      comm: the transport; its local ranks are this process's.
-      sources: ``{(tensor, rank): single-device array}``, the source shards held here.
-      targets: ``{(tensor, rank): device}``, the destination shards to make here.
-      options: chunking, staging, timeout.
-      buffers: buffer operations (default numpy on CPU).
-      report: where the engine adds its phases, bytes per link and messages.
-      given: destination buffers to write into instead of new ones (``transfer_into``, a receiving
-        endpoint's); those keys come back as the buffers themselves, not imported arrays.
-      delta: send what changed since the receivers' bases (:mod:`jreshard.engine.deltarounds`).
-    """
+    """:func:`receive_schedule` (the same arguments; ``buffers`` default numpy on CPU), with each new destination shard
+    imported as a single-device array: ``({(tensor, rank): array, or the given buffer}, stats)``."""
     buffers = buffers or CpuBuffers()
-    landed, kept, stats = receive_schedule(
-        tensors, schedule, comm, sources, targets, options=options, buffers=buffers, report=report, given=given,
-        delta=delta,
-    )  # fmt: skip
-    out = {k: buffers.import_shard(*v) for k, v in landed.items()}
-    return kept | out, stats
+    landed, kept, stats = receive_schedule(*args, buffers=buffers, **kwargs)
+    return kept | {k: buffers.import_shard(*v) for k, v in landed.items()}, stats
 
 
 def receive_schedule(
@@ -116,9 +88,23 @@ def receive_schedule(
     given: Mapping[tuple[int, int], Any] | None = None,
     delta: DeltaRefit | None = None,
 ) -> tuple[Landed, dict[tuple[int, int], Any], ExecStats]:
-    """:func:`run_schedule` up to the new shards: ``(landed, given, stats)``, the shards written into new buffers
-    (:data:`Landed`, for the caller to make arrays over), those written into ``given`` (the caller's buffers),
-    and what the engine did."""
+    """Run ``schedule`` (rounds of this process's ranks): ``(landed, given, stats)``, the destination shards written
+    into new buffers (:data:`Landed`, for the caller to make arrays over: :func:`landed_array`), those written into
+    ``given`` (the caller's buffers), and what the engine did.
+
+    Args:
+      tensors: the tensors the schedule moves (their destination layouts size the new shards).
+      schedule: the rounds of ``comm``'s local ranks (:func:`schedule_local`).
+      comm: the transport; its local ranks are this process's.
+      sources: ``{(tensor, rank): single-device array}``, the source shards held here.
+      targets: ``{(tensor, rank): device}``, the destination shards to make here.
+      options: chunking, staging, timeout.
+      buffers: buffer operations (numpy on CPU: :class:`CpuBuffers`).
+      report: where the engine adds its phases, bytes per link and messages.
+      given: destination buffers to write into instead of new ones (``transfer_into``, a receiving
+        endpoint's).
+      delta: send what changed since the receivers' bases (:mod:`jreshard.engine.deltarounds`).
+    """
     given = given or {}
     src = {k: buffers.export_source(a) for k, a in sources.items()}
     dst: dict[tuple[int, int], Any] = {}

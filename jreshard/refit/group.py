@@ -66,7 +66,7 @@ import jreshard.refit.boxes as boxes
 from jreshard.call.routes import kit, program_transport
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.digest import DigestComm, DigestCost, Digests
-from jreshard.engine.driver import assemble, run_schedule, schedule_local
+from jreshard.engine.driver import assemble, receive_schedule, schedule_local
 from jreshard.engine.ownership import shard_arrays
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import IntegrityError, LayoutMismatchError, PeerError, TransferError
@@ -564,13 +564,14 @@ class RefitGroup:
                     _, _, self._schedule = schedule_local(
                         self._pairs, self.names, self.topology, self.options, self._wire
                     )
-                shards, stats = run_schedule(
+                _, shards, stats = receive_schedule(
                     self._tensors,
                     self._schedule,
                     self._comm,
                     sources,
                     targets,
                     options=self.options,
+                    buffers=CpuBuffers(),
                     given=given,
                     delta=delta,
                 )
