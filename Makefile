@@ -12,9 +12,7 @@
 # (pytest-xdist, work stealing), one per core of the CI machine; tests/test_docs_site.py builds the docs
 # with `mkdocs build --strict`. They write bytecode caches (__pycache__/, ignored by git) even where
 # PYTHONDONTWRITEBYTECODE is set: the suite starts several hundred Python processes, and each would
-# compile jreshard (about 0.3 s) and its test modules again. The installs do not compile the packages' bytecode
-# (`pip install --no-compile`): the first import of a module writes its cache, and the modules nothing imports
-# (most of torch's, for one) are never compiled; it took the install from 145 s to 77 s here.
+# compile jreshard (about 0.3 s) and its test modules again.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,8 +26,8 @@ SOURCES := pyproject.toml setup.py tools/test-constraints.txt jreshard/views/_ca
 $(STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -e '.[dev,cuda12,tunix]' -c tools/test-constraints.txt
-	$(BIN)/python -m pip install -q --no-compile --no-deps nixl-cu12
+	$(BIN)/python -m pip install -q -e '.[dev,cuda12,tunix]' -c tools/test-constraints.txt
+	$(BIN)/python -m pip install -q --no-deps nixl-cu12
 	$(BIN)/python -c "from jreshard.views import native; assert native.available(), 'the compiled casts were not built'"
 	$(BIN)/python -c "from jreshard.schedule import kernels; assert kernels.compiled_rows(), 'the compiled byte rows were not built'"
 	$(BIN)/python -c "from jreshard.engine import replay; assert replay.compiled_replay(), 'the compiled replay was not built'"
@@ -40,7 +38,7 @@ $(STAMP): $(SOURCES)
 $(DEMO_STAMP): $(SOURCES)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile -e . -c tools/test-constraints.txt
+	$(BIN)/python -m pip install -q -e . -c tools/test-constraints.txt
 	touch $(DEMO_STAMP)
 
 # $(call await,file,what): wait for a background step's status file, at most 20 minutes.

@@ -84,8 +84,7 @@ def venv_for(python: str) -> Path:
     venv.parent.mkdir(parents=True, exist_ok=True)
     run([python, "-m", "venv", str(venv)], "python -m venv")
     py = str(venv / "bin" / "python")
-    # (--no-compile: bytecode is written by the imports below, for what they import only)
-    run([py, "-m", "pip", "install", "-q", "--no-compile", *PACKAGES], "pip install the GPU machine's packages")
+    run([py, "-m", "pip", "install", "-q", *PACKAGES], "pip install the GPU machine's packages")
     stamp.write_text("\n".join(PACKAGES) + "\n")
     return venv
 
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     py = str(venv / "bin" / "python")
     with tempfile.TemporaryDirectory() as build:
         env = dict(os.environ, TMPDIR=build)
-        cmd = [py, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", "--force-reinstall", str(ROOT)]
+        cmd = [py, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)]
         run(cmd, "pip install --no-deps jreshard", env=env)
     run([py, "-m", "pip", "check"], "pip check")
     listed = run([py, "-m", "pip", "list", "--format=freeze"], "pip list").stdout.lower()
