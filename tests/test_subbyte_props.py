@@ -46,7 +46,7 @@ DEVS = np.array(jax.devices())
 PACKED = [jnp.int2, jnp.uint2, jnp.int4, jnp.uint4, jnp.float4_e2m1fn]
 _MESHES = [(1,), (2,), (4,), (8,), (2, 2), (2, 4), (4, 2), (1, 2), (2, 2, 2)]
 _CHILD = "JRESHARD_SUBBYTE_CHILD"
-_PARENT_EXAMPLES = 15
+_PARENT_EXAMPLES = 5
 _examples = (
     settings()
     if os.environ.get(_CHILD) == "1"
