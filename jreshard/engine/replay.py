@@ -475,7 +475,9 @@ class Replay:
         for at in [*cuts, len(ops)]:
             if at > lo:  # packs and unpacks only: no group is named, so the compiled code drives none
                 try:
-                    _native.run(ops.ctypes.data + lo * ops.strides[0], at - lo, *args)
+                    code = _native.run(ops.ctypes.data + lo * ops.strides[0], at - lo, *args)
+                    if code:  # (none of these operations waits on a group: no failure code is expected)
+                        raise TransferError(f"replay: the compiled packs and unpacks stopped with code {code}")
                 except BaseException as err:
                     if started >= 0:
                         prepared.abort(started, f"a pack failed while a group was posted: {err!r}")
