@@ -140,11 +140,10 @@ def check_like(
             raise ValueError(f"{who}: the tree does not match the declaration: " + "; ".join(diff))
         if memo is not None:
             memo["key"] = key
-    if memo is None or "treedef" not in memo or memo["treedef"] != treedef:
-        names = [jax.tree_util.keystr(p) or "x" for p, _ in flat]
-        if memo is None:
-            return list(zip(names, (a for _, a in flat), strict=True))
-        memo["treedef"], memo["names"] = treedef, names
+    if memo is None:
+        return [(jax.tree_util.keystr(p) or "x", a) for p, a in flat]
+    if "treedef" not in memo or memo["treedef"] != treedef:
+        memo["treedef"], memo["names"] = treedef, [jax.tree_util.keystr(p) or "x" for p, _ in flat]
     return list(zip(memo["names"], (a for _, a in flat), strict=True))
 
 
