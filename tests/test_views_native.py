@@ -156,20 +156,29 @@ def _bits(x):
 @pytest.mark.parametrize("band_bytes", [None, 200])
 def test_fused_refit_runs_the_kernel_and_equals_the_numpy_path(monkeypatch, band_bytes):
     tree, target, want = _fused_case()
-    ran = []
+    ran, kernel_runs = [], []
     real = viewcopy._run_scatter
+    key = ("float32", ("bfloat16",))
+    kernel = native.SCATTER_RAW[key]
 
     def counted(*args):
         ran.append(real(*args))
         return ran[-1]
 
+    def counted_kernel(*args):
+        kernel_runs.append(args)
+        return kernel(*args)
+
     monkeypatch.setattr(viewcopy, "_run_scatter", counted)
+    monkeypatch.setitem(native.SCATTER_RAW, key, counted_kernel)
     if band_bytes is not None:
         monkeypatch.setattr(viewcopy, "BLOCK_BYTES", band_bytes)
     jreshard.clear_caches()
     fast = jreshard.transfer(tree, target)
-    assert ran and all(ran)  # every block of this refit runs compiled
+    # every block of this refit runs compiled: all from the one table, none one by one
+    assert kernel_runs and not ran
     monkeypatch.setattr(native, "SCATTER", {})
+    monkeypatch.setattr(native, "SCATTER_RAW", {})
     monkeypatch.setattr(native, "KERNELS", {})
     jreshard.clear_caches()
     slow = jreshard.transfer(tree, target)
@@ -205,3 +214,98 @@ def test_scatter_kernel_refuses_an_entry_outside_its_buffers_and_writes_nothing(
     with pytest.raises(ValueError, match=r"outside the band|past the end"):
         native.SCATTER["float32", ("bfloat16",)](band.ctypes.data, 32, 2, 8, table)
     assert not block[:8].any() and (block[8:] == 7).all()  # nothing written, the neighbour intact
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_contiguous_span_matches_numpy(data):
+    """Where ``_contiguous_span`` calls ``a[index]`` one run of ``a``, numpy agrees on its start, its size and its
+    contiguity; where it says ``None``, the slice is empty or not one run of ``a``."""
+    ndim = data.draw(st.integers(1, 4))
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=ndim, max_size=ndim)))
+    index = []
+    for n in shape[: data.draw(st.integers(0, ndim))]:
+        lo = data.draw(st.integers(0, n))
+        index.append(slice(lo, data.draw(st.integers(lo, n)), data.draw(st.sampled_from([None, 1, 2]))))
+    a = np.zeros(shape, np.float32)
+    part = a[tuple(index)]
+    got = viewcopy._contiguous_span(shape, tuple(index), 4)
+    one_run = part.size > 0 and part.flags.c_contiguous
+    if got is None:
+        assert not one_run
+    else:
+        assert one_run
+        assert got == (part.ctypes.data - a.ctypes.data, part.nbytes)
+
+
+def _cast_tree(n=24):
+    """``n`` float32 leaves of several shapes, FSDP over devices 0-3, and their bfloat16 TP2 x DP2 targets."""
+    devs = np.array(jax.devices())
+    fsdp = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
+    tp = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    rng = np.random.default_rng(5)
+    shapes = [(8, 4), (16, 16), (4, 2), (32, 8)]
+    xs = [jax.device_put(rng.standard_normal(shapes[i % len(shapes)]).astype(np.float32), fsdp) for i in range(n)]
+    return xs, tp
+
+
+def _bits_equal(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.sharding == w.sharding
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16))
+
+
+def test_many_cast_leaves_run_from_one_table_bit_exact(monkeypatch):
+    """A tree of many cast leaves runs every block from the one table (no block built one by one), bit for bit
+    ``jnp.astype`` then ``jax.device_put``, in ``transfer`` and in a steady ``transfer_into`` loop."""
+    xs, tp = _cast_tree()
+    want = [jax.device_put(x.astype(jnp.bfloat16), tp) for x in xs]
+    ran, kernel_runs = [], []
+    real, key = viewcopy._run_scatter, ("float32", ("bfloat16",))
+    kernel = native.SCATTER_RAW[key]
+    monkeypatch.setattr(viewcopy, "_run_scatter", lambda *a: ran.append(a) or real(*a))
+    monkeypatch.setitem(native.SCATTER_RAW, key, lambda *a: kernel_runs.append(a) or kernel(*a))
+    jreshard.clear_caches()
+    got = jreshard.transfer([views.astype(x, jnp.bfloat16) for x in xs], [tp] * len(xs))
+    assert len(kernel_runs) >= len(xs) and not ran
+    _bits_equal(got, want)
+    for step in range(3):  # transfer_into, donating the last results: written in place, from the table
+        xs = [x + 1 for x in xs]
+        want = [jax.device_put(x.astype(jnp.bfloat16), tp) for x in xs]
+        kernel_runs.clear()
+        got = jreshard.transfer_into([views.astype(x, jnp.bfloat16) for x in xs], got)
+        assert len(kernel_runs) >= len(xs) and not ran, step
+        _bits_equal(got, want)
+
+
+def test_scatter_table_refuses_shards_unlike_the_compiled_ones():
+    """The one-table run is not taken (and nothing is written) where a shard is not as the table was compiled for:
+    another dtype, another shape, a read-only destination; the blocks then run one by one."""
+    from jreshard.call import views as call_views
+
+    xs, tp = _cast_tree(3)
+    jreshard.clear_caches()
+    jreshard.transfer([views.astype(x, jnp.bfloat16) for x in xs], [tp] * len(xs))
+    ((_, tasks, _),) = call_views._CACHE.values()
+    sc = tasks.scatters
+    assert sc is not None
+    src = {k: np.zeros(s, np.float32) for k, s in zip(sc.src_keys, sc.src_shapes, strict=True)}
+    dst: dict = {}
+    for (t, r), s in zip(sc.dst_keys, sc.dst_shapes, strict=True):
+        dst.setdefault(t, {})[r] = np.zeros(s, BF16)
+    dsts = [dst[t] for t in range(max(dst) + 1)]
+    calls, table = viewcopy._kernel_calls(sc, src, dsts)
+    assert calls is not None and table is not None
+    (t0, r0) = sc.dst_keys[0]
+    for bad in (
+        np.zeros(sc.dst_shapes[0], np.float16),  # another dtype
+        np.zeros((1, *sc.dst_shapes[0]), BF16),  # another shape
+        np.zeros(sc.dst_shapes[0], BF16),  # read-only
+    ):
+        if bad.dtype == BF16 and bad.shape == sc.dst_shapes[0]:
+            bad.flags.writeable = False
+        dsts[t0] = {**dst[t0], r0: bad}
+        assert viewcopy._kernel_calls(sc, src, dsts) == (None, None)
+    dsts[t0] = dst[t0]
+    k0 = sc.src_keys[0]
+    assert viewcopy._kernel_calls(sc, {**src, k0: np.zeros(sc.src_shapes[0], np.float64)}, dsts) == (None, None)

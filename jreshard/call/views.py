@@ -37,11 +37,11 @@ import numpy as np
 from jreshard.call.front import Call, LeafTarget, Mode
 from jreshard.call.routes import cluster_transport
 from jreshard.engine.arrays import fresh_shards, make_array
-from jreshard.engine.buffers import Buffers, CpuBuffers, writable_view
+from jreshard.engine.buffers import Buffers, CpuBuffers, export_source, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import assemble
 from jreshard.engine.ownership import remember_all, shard_addresses, shard_arrays, take
-from jreshard.engine.pool import default_pool
+from jreshard.engine.pool import BufferPool, default_pool
 from jreshard.engine.viewcopy import CopyTasks, compile_tasks, execute_pieces
 from jreshard.engine.viewrun import run_view_schedule
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
@@ -60,7 +60,7 @@ from jreshard.views.quant import QuantView as _Quant
 
 __all__ = ["lower_views", "run", "run_cluster", "transfer", "transfer_cluster", "transfer_into"]
 
-_CACHE: dict[tuple, tuple[list[LeafLowering], CopyTasks]] = {}
+_CACHE: dict[tuple, tuple[list[LeafLowering], CopyTasks, dict[int, tuple[int, ...]]]] = {}
 register_clear(_CACHE.clear)
 _LOWERED: dict[tuple, list[LeafLowering]] = {}
 register_clear(_LOWERED.clear)
@@ -176,17 +176,22 @@ def lower_views(
 
 def _lowerings(
     views: list, srcs: list, layouts: list, dsts: list, topology: Topology | None
-) -> tuple[list[LeafLowering], CopyTasks]:
-    """The lowering of every leaf and the copy tasks that run it in one process, cached as the lowering is."""
+) -> tuple[list[LeafLowering], CopyTasks, dict[int, tuple[int, ...]]]:
+    """The lowering of every leaf, the copy tasks that run it in one process, and per source leaf the ranks
+    whose shards they read, cached as the lowering is."""
     key, lowerings, _ = lower_views(views, srcs, layouts, dsts, topology)
     got = _CACHE.get(key)
     if got is None:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
-        boxes = {k: layouts[k[0]].box_of(k[1]) for k in wanted}
+        read: dict[int, set[int]] = {}
+        for low in lowerings:
+            for p in [*low.pieces, *(p for t in low.tasks for p in t.pieces)]:
+                read.setdefault(p.leaf, set()).add(p.src_rank)
+        boxes = {(i, r): layouts[i].box_of(r) for i, ranks in read.items() for r in ranks}
         shapes = {(t, r): d.box_of(r).shape for t, d in enumerate(dsts) for r in d.ranks}
-        got = _CACHE[key] = (lowerings, compile_tasks(lowerings, boxes, dst_shapes=shapes))
+        wanted = {i: tuple(sorted(ranks)) for i, ranks in sorted(read.items())}
+        got = _CACHE[key] = (lowerings, compile_tasks(lowerings, boxes, dst_shapes=shapes), wanted)
     return got
 
 
@@ -195,25 +200,36 @@ def _devices(dsts: list) -> set:
     return {d for d in jax.devices() if d.id in ids}
 
 
-def _sources(lowerings: list[LeafLowering], srcs: list[Leaf], layouts: list[Layout]) -> tuple[dict, dict]:
-    wanted = {(p.leaf, p.src_rank) for low in lowerings for p in low.pieces}
-    wanted |= {(p.leaf, p.src_rank) for low in lowerings for t in low.tasks for p in t.pieces}
+def _sources(wanted: dict[int, tuple[int, ...]], srcs: list[Leaf], layouts: list[Layout]) -> tuple[dict, dict]:
+    """``(arrays, boxes)``: per ``(source leaf, rank)`` the pieces read (``wanted``: the ranks of each leaf), a
+    read-only typed view of that shard (exported through DLPack, which waits until it is ready and keeps a
+    donating computation off it while the view lives) and its box."""
     arrays, boxes = {}, {}
-    for i, leaf in enumerate(srcs):
-        ranks = sorted(r for (j, r) in wanted if j == i)
-        if not ranks:
-            continue
+    for i, ranks in wanted.items():
+        leaf, layout = srcs[i], layouts[i]
         order = addressable_order(leaf.source.sharding)
         shards = {d.id: a for d, a in zip(order, shard_arrays(leaf.source), strict=True)}
+        dtype = layout.np_dtype
         for r in ranks:
             if r not in shards:
                 raise TransferError(f"source leaf {i}: rank {r}'s shard is not addressable in this process")
-            box = layouts[i].box_of(r)
-            raw = writable_view(shards[r])  # waits until the shard is ready; the caller holds the source
-            raw.flags.writeable = False  # a source is only read
-            arrays[(i, r)] = raw.view(layouts[i].np_dtype).reshape(box.shape)
+            box = layout.box_of(r)
+            arrays[(i, r)] = export_source(shards[r]).view(dtype).reshape(box.shape)
             boxes[(i, r)] = box
     return arrays, boxes
+
+
+def _fresh(dsts: Sequence[Layout], pool: BufferPool) -> list[list[np.ndarray]]:
+    """Fresh destination shards of every leaf (each leaf's in its layout's rank order): one pool block per
+    distinct layout and slot, cut per leaf (:func:`~jreshard.engine.arrays.fresh_shards`)."""
+    same: dict[Layout, list[int]] = {}
+    for t, d in enumerate(dsts):
+        same.setdefault(d, []).append(t)
+    out: list[list[np.ndarray]] = [[] for _ in dsts]
+    for d, leaves in same.items():
+        for t, shards in zip(leaves, fresh_shards(d, len(leaves), pool)[1], strict=True):
+            out[t] = shards
+    return out
 
 
 def transfer(
@@ -255,12 +271,12 @@ def run(
         call, sources = _front(call)
         srcs, layouts, dsts = sources.leaves, sources.layouts, sources.dsts
         views, shardings = [r.view for r in call.resolved], [r.sharding for r in call.resolved]
-        lowerings, copy_tasks = _lowerings(views, srcs, layouts, dsts, topology)
+        lowerings, copy_tasks, wanted = _lowerings(views, srcs, layouts, dsts, topology)
     pool = default_pool()
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
-        arrays, boxes = _sources(lowerings, srcs, layouts)
-        bufs = [fresh_shards(d, 1, pool)[1][0] for d in dsts]
+        arrays, boxes = _sources(wanted, srcs, layouts)
+        bufs = _fresh(dsts, pool)
     with builder.timed(ReportPhase.COPY):
         try:
             execute_pieces(
@@ -329,11 +345,11 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
         srcs, layouts, dsts = sources.leaves, sources.layouts, sources.dsts
         views, shardings = [r.view for r in call.resolved], [r.sharding for r in call.resolved]
         into_leaves = call.targets
-        lowerings, copy_tasks = _lowerings(views, srcs, layouts, dsts, topology)
+        lowerings, copy_tasks, wanted = _lowerings(views, srcs, layouts, dsts, topology)
     pool = default_pool()
     fresh0 = pool.stats().fresh_bytes
     with builder.timed(ReportPhase.BUFFERS):
-        arrays, boxes = _sources(lowerings, srcs, layouts)
+        arrays, boxes = _sources(wanted, srcs, layouts)
         src_ptrs = {p for leaf in srcs for p in shard_addresses(leaf.source)} - {0}
         weak = _weak_types(call)
         taken = take(into_leaves, range(len(into_leaves)), src_ptrs, builder, weak)

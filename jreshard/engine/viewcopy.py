@@ -118,12 +118,46 @@ class ShardJob:
     copies: tuple[tuple[tuple[int, int], Copy], ...]  # (source shard key, copy)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Scatters:
+    """Every block of a :class:`CopyTasks` that the compiled float32 -> bfloat16 kernel runs, as one table.
+
+    A call reads each source shard's and each destination shard's address and size once, fills the table's
+    destination columns for every block in two vectorised steps and calls the kernel once per block with plain
+    integers: a tree of many small leaves pays a few microseconds a block instead of building each block's table.
+
+    Attributes:
+      tasks: the blocks' positions in :attr:`CopyTasks.tasks`.
+      src_keys, src_shapes: the source shards ``(leaf, rank)`` the blocks read, each once, and their shapes.
+      dst_keys, dst_shapes: the destination shards ``(leaf, rank)`` they write, each once, and their shapes.
+      task_src: per block, its source shard (an index into ``src_keys``).
+      band: per block ``(byte offset in its source shard, bytes, row stride in bytes, rows, row elements,
+        first table row, table rows)``; the band is a C-contiguous run of its shard's bytes.
+      table: ``(entries, 5)`` int64, the kernel's rows with columns 0-2 filled (band row, first column, columns).
+      slot: per table row, its destination shard (an index into ``dst_keys``).
+      offsets: per table row, its byte offset in that shard.
+    """
+
+    tasks: tuple[int, ...]
+    src_keys: tuple[tuple[int, int], ...]
+    src_shapes: tuple[tuple[int, ...], ...]
+    dst_keys: tuple[tuple[int, int], ...]
+    dst_shapes: tuple[tuple[int, ...], ...]
+    task_src: np.ndarray
+    band: np.ndarray
+    table: np.ndarray
+    slot: np.ndarray
+    offsets: np.ndarray
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CopyTasks:
-    """Every task of a lowering; ``wire_bytes``: the bytes its pieces carry."""
+    """Every task of a lowering; ``wire_bytes``: the bytes its pieces carry; ``scatters``: its blocks that the
+    compiled kernel runs, as one table (``None``: none, or the kernel was not built)."""
 
     tasks: tuple[Block | ShardJob, ...]
     wire_bytes: int
+    scatters: Scatters | None = None
 
 
 def compile_tasks(
@@ -170,7 +204,86 @@ def compile_tasks(
         bands = _bands(hull, group[0][1].wire_dtype, block_bytes)
         tasks += [_block(group, rows, src_boxes, dst_shapes) for rows in bands]
     tasks.sort(key=task_elements, reverse=True)  # the largest first
-    return CopyTasks(tuple(tasks), wire)
+    return CopyTasks(tuple(tasks), wire, _scatters(tasks, src_boxes))
+
+
+def _scatters(tasks: Sequence[Block | ShardJob], src_boxes: Mapping[tuple[int, int], Box]) -> Scatters | None:
+    """The blocks of ``tasks`` that the compiled kernel runs, as one :class:`Scatters` (``None``: none).
+
+    A block qualifies when it has a :class:`Scatter` for the float32 -> bfloat16 kernel and its band is one
+    C-contiguous run of its source shard (whole rows: how :func:`_bands` cuts them)."""
+    picked: list[int] = []
+    bands: list[tuple[int, ...]] = []
+    src_at: dict[tuple[int, int], int] = {}
+    dst_at: dict[tuple[int, int], int] = {}
+    shapes: dict[tuple[int, int], tuple[int, ...]] = {}
+    tables, slots, offsets, task_src = [], [], [], []
+    first = 0
+    for i, task in enumerate(tasks):
+        # (a block has a Scatter only where its source dtype and casts have a kernel: float32 to bfloat16 alone)
+        if (
+            not isinstance(task, Block)
+            or task.scatter is None
+            or native.SCATTER_RAW.get(("float32", task.casts)) is None
+        ):
+            continue
+        shape = src_boxes[task.key].shape
+        span = _contiguous_span(shape, task.rows, 4)
+        sc = task.scatter
+        if span is None or span[1] != 4 * math.prod(task.shape):
+            continue
+        picked.append(i)
+        task_src.append(src_at.setdefault(task.key, len(src_at)))
+        here = np.array([dst_at.setdefault(d, len(dst_at)) for d in sc.dests], np.int64)
+        shapes.update(zip(sc.dests, sc.shapes, strict=True))
+        n = len(sc.table)
+        stride = 4 * task.shape[-1]
+        bands.append((span[0], span[1], stride, math.prod(task.shape) // sc.row_elems, sc.row_elems, first, n))
+        tables.append(sc.table[:, :3])
+        slots.append(here[sc.table[:, 3]])
+        offsets.append(sc.offsets)
+        first += n
+    if not picked:
+        return None
+    table = np.zeros((first, 5), np.int64)
+    table[:, :3] = np.concatenate(tables)
+    return Scatters(
+        tasks=tuple(picked),
+        src_keys=tuple(src_at),
+        src_shapes=tuple(src_boxes[k].shape for k in src_at),
+        dst_keys=tuple(dst_at),
+        dst_shapes=tuple(shapes[k] for k in dst_at),
+        task_src=np.array(task_src, np.int64),
+        band=np.array(bands, np.int64).reshape(-1, 7),
+        table=table,
+        slot=np.concatenate(slots),
+        offsets=np.concatenate(offsets).astype(np.int64),
+    )
+
+
+def _contiguous_span(shape: tuple[int, ...], index: tuple[slice, ...], itemsize: int) -> tuple[int, int] | None:
+    """``(byte offset, bytes)`` of ``a[index]`` in a C-contiguous ``a`` of ``shape`` where that is one contiguous
+    run of ``a``: every axis before the first of several indices takes one, every axis after it is whole (``None``
+    otherwise, or where it is empty).
+
+    >>> _contiguous_span((6, 4), (slice(2, 5), slice(0, 4)), 4), _contiguous_span((6, 4), (slice(2, 5), slice(0, 2)), 4)
+    ((32, 48), None)
+    >>> _contiguous_span((6, 4, 2), (slice(3, 4), slice(1, 3)), 4)
+    (104, 16)
+    """
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    if len(index) != len(shape) or not all(isinstance(sl, slice) for sl in index):
+        return None
+    offset, size, several = 0, itemsize, False
+    for d, sl in enumerate(index):
+        start, stop, step = sl.indices(shape[d])
+        n = len(range(start, stop, step))
+        if n == 0 or (n > 1 and step != 1) or (several and n != shape[d]):
+            return None
+        several = several or n > 1
+        offset += start * itemsize * math.prod(shape[d + 1 :])
+        size *= n
+    return offset, size
 
 
 def task_elements(task: Block | ShardJob) -> int:
@@ -379,7 +492,12 @@ def execute_pieces(
             _copy_piece(p, src, src_box, tile)
         dst[t][task.dst_rank][...] = quant.compute(tile, task.hull, task.box)
 
-    calls: list[tuple[int, Any, tuple]] = [(task_elements(t), run_task, (t, src, dst)) for t in copy_tasks.tasks]
+    kernel_calls, _table = _kernel_calls(copy_tasks.scatters, src, dst)  # (the calls read _table: kept until they ran)
+    skip = () if kernel_calls is None else set(copy_tasks.scatters.tasks)  # type: ignore[union-attr]
+    calls: list[tuple[int, Any, tuple]] = [
+        (task_elements(t), run_task, (t, src, dst)) for i, t in enumerate(copy_tasks.tasks) if i not in skip
+    ]
+    calls += kernel_calls or []
     calls += [(k.hull.volume, quantised, (t, k)) for t, low in enumerate(lowerings) for k in low.tasks]
     lanes = 1 if copy_tasks.wire_bytes < _THREADED_BYTES else min(len(calls), strided.threads_for(threads))
     if lanes <= 1:
@@ -393,6 +511,46 @@ def execute_pieces(
 
 
 _THREADED_BYTES = 4 << 20
+
+
+def _kernel_calls(
+    sc: Scatters | None, src: Mapping[tuple[int, int], np.ndarray], dst: Sequence[Mapping[int, np.ndarray]]
+) -> tuple[list[tuple[int, Any, tuple]] | None, np.ndarray | None]:
+    """The compiled kernel's call for every block of ``sc`` over this call's shards, as ``(weight, kernel,
+    integer arguments)``, and the table they read (the caller keeps it alive until they ran); ``(None, None)``
+    where there is none, or where a shard is not as compiled (its shape, dtype, layout, or a read-only
+    destination): then the blocks run one by one (:func:`run_task`), which checks each again.
+
+    Every address and size is read from the shards themselves; the kernel checks every table row against its
+    band and its destination's end, and each band is checked here to lie within its source shard."""
+    kernel = native.SCATTER_RAW.get(("float32", ("bfloat16",)))
+    if sc is None or kernel is None:
+        return None, None
+    f32, bf16 = np.dtype(np.float32), numpy_dtype("bfloat16")
+    srcs = [src[k] for k in sc.src_keys]
+    dsts = [dst[t][r] for t, r in sc.dst_keys]
+    for a, shape in zip(srcs, sc.src_shapes, strict=True):
+        if a.shape != shape or a.dtype != f32 or not (a.flags.c_contiguous and a.flags.aligned):
+            return None, None
+    for a, shape in zip(dsts, sc.dst_shapes, strict=True):
+        if a.shape != shape or a.dtype != bf16 or not (a.flags.c_contiguous and a.flags.writeable):
+            return None, None
+    src_addr = np.array([a.ctypes.data for a in srcs], np.int64)
+    src_size = np.array([a.nbytes for a in srcs], np.int64)
+    dst_addr = np.array([a.ctypes.data for a in dsts], np.int64)
+    dst_end = dst_addr + np.array([a.nbytes for a in dsts], np.int64)  # sizes from the buffers themselves
+    band = sc.band
+    if np.any(band[:, 0] + band[:, 1] > src_size[sc.task_src]):  # pragma: no cover - shapes were checked
+        return None, None
+    table = sc.table.copy()
+    table[:, 3] = dst_addr[sc.slot] + sc.offsets
+    table[:, 4] = dst_end[sc.slot]
+    at = (src_addr[sc.task_src] + band[:, 0]).tolist()
+    rows = (table.ctypes.data + 40 * band[:, 5]).tolist()
+    return [
+        (nbytes // 4, kernel, (a, stride, n, elems, t, entries))
+        for a, t, (_, nbytes, stride, n, elems, _, entries) in zip(at, rows, band.tolist(), strict=True)
+    ], table
 
 
 def _copy_piece(p: ViewPiece, src: Mapping, src_box: Mapping, out: np.ndarray) -> None:

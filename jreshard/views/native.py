@@ -26,7 +26,7 @@ try:
 except ImportError:  # not built (no compiler, or a checkout run in place)
     _compiled = None
 
-__all__ = ["KERNELS", "SCATTER", "available", "cast_into"]
+__all__ = ["KERNELS", "SCATTER", "SCATTER_RAW", "available", "cast_into"]
 
 _Kernel = Callable[[int, int, int, int, int, int], None]
 
@@ -51,6 +51,13 @@ def _scatter_f32_bf16(src: int, src_stride: int, rows: int, row_elems: int, tabl
 # band and the buffer's end before it writes anything.
 SCATTER: dict[tuple[str, tuple[str, ...]], Callable[[int, int, int, int, np.ndarray], None]] = (
     {} if _compiled is None else {("float32", ("bfloat16",)): _scatter_f32_bf16}
+)
+
+
+# The same kernels taking the table's address and row count (``kernel(src, row stride, rows, row elements, table
+# address, table rows)``), for callers that fill one table for many blocks (jreshard.engine.viewcopy.Scatters).
+SCATTER_RAW: dict[tuple[str, tuple[str, ...]], Callable[[int, int, int, int, int, int], None]] = (
+    {} if _compiled is None else {("float32", ("bfloat16",)): _compiled.f32_to_bf16_scatter}
 )
 
 
