@@ -63,6 +63,46 @@ def test_a_cast_target_crosses_the_links_in_the_narrower_dtype(src, dst, wire):
     assert moved > 0 and moved * np.dtype(dst).itemsize == wire * plain_moved
 
 
+def test_many_cast_targets_over_several_device_sets_match_device_put(monkeypatch):
+    """Narrowing and widening casts of many leaves, on two device sets, with a zero-size and a weakly typed leaf:
+    cast in one jitted call per device set (before the move, or after it), bit for bit ``astype`` then
+    ``jax.device_put``."""
+    from jreshard.call import normalize
+
+    calls = []
+    real = normalize._cast_jitted
+    monkeypatch.setattr(normalize, "_cast_jitted", lambda xs, ds: calls.append(len(xs)) or real(xs, ds))
+    other = NamedSharding(Mesh(DEVS[4:6], ("x",)), P("x"))
+    rng = np.random.default_rng(7)
+    x, target, want = {}, {}, {}
+    cases = [
+        (jnp.float32, jnp.bfloat16, TRAIN, INFER),
+        (jnp.float32, jnp.float16, TRAIN, INFER_1D),
+        (jnp.bfloat16, jnp.float32, other, INFER),  # widening: cast on the target devices after the move
+        (jnp.float32, jnp.int8, other, INFER),
+        (jnp.int32, jnp.float32, TRAIN, INFER),
+    ]
+    for i in range(12):
+        src, dst, s_from, s_to = cases[i % len(cases)]
+        shape = (8,) if s_to is INFER_1D else (8, 4)
+        x[f"l{i}"] = jax.device_put((rng.standard_normal(shape) * 50).astype(src), s_from)
+        target[f"l{i}"] = jax.ShapeDtypeStruct(shape, dst, sharding=s_to)
+        want[f"l{i}"] = jax.device_put(x[f"l{i}"].astype(dst), s_to)
+    x["empty"] = jax.device_put(jnp.zeros((0, 4), jnp.float32), TRAIN)
+    target["empty"] = jax.ShapeDtypeStruct((0, 4), jnp.bfloat16, sharding=INFER)
+    want["empty"] = jax.device_put(x["empty"].astype(jnp.bfloat16), INFER)
+    x["weak"] = jax.device_put(jnp.asarray(1.5), NamedSharding(TRAIN.mesh, P()))  # weakly typed
+    target["weak"] = jax.ShapeDtypeStruct((), jnp.bfloat16, sharding=NamedSharding(INFER.mesh, P()))
+    want["weak"] = jax.device_put(x["weak"].astype(jnp.bfloat16), target["weak"].sharding)
+    out = jreshard.transfer(x, target)
+    assert calls and max(calls) > 1  # batched, not one dispatch per leaf
+    for k in x:
+        assert_same_as_device_put(out[k], want[k])
+        np.testing.assert_array_equal(
+            np.asarray(out[k]).reshape(-1).view(np.uint8), np.asarray(want[k]).reshape(-1).view(np.uint8), err_msg=k
+        )
+
+
 def test_a_target_of_another_shape_is_refused_with_shapes_not_data():
     x = _params()
     big = jax.device_put(jnp.zeros((64, 64)), INFER)

@@ -21,6 +21,7 @@ Everything else is returned untouched; nothing is flattened again (the front doo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -126,8 +127,8 @@ class Normalized:
         if not self.after:
             return out
         out = list(out)
-        for i, dtype in self.after.items():
-            out[i] = _cast(out[i], dtype)
+        for i, a in zip(self.after, _cast_all([out[i] for i in self.after], list(self.after.values())), strict=True):
+            out[i] = a
         return out
 
 
@@ -137,6 +138,32 @@ def _cast(a: Any, dtype: DType) -> Any:
     if not math.prod(a.shape):
         return empty_array(tuple(a.shape), dtype, a.sharding)
     return a.astype(dtype)
+
+
+def _cast_all(arrays: list[Any], dtypes: list[DType]) -> list[Any]:
+    """``[_cast(a, d) ...]``, with the arrays of each device set cast in one jitted call (compiled once per tree
+    of shapes, dtypes and shardings, as jax caches it): one dispatch per call instead of one per leaf, the same
+    ``convert_element_type`` per leaf, bit for bit. A lone array, or a zero-size one, is cast on its own."""
+    out = list(arrays)
+    groups: dict[frozenset, list[int]] = {}
+    for i, a in enumerate(arrays):
+        if math.prod(a.shape):
+            groups.setdefault(frozenset(a.sharding.device_set), []).append(i)
+        else:
+            out[i] = _cast(a, dtypes[i])
+    for picked in groups.values():
+        if len(picked) == 1:
+            out[picked[0]] = _cast(arrays[picked[0]], dtypes[picked[0]])
+            continue
+        names = tuple(np.dtype(jax.dtypes.canonicalize_dtype(dtypes[i])) for i in picked)
+        for i, a in zip(picked, _cast_jitted([arrays[i] for i in picked], names), strict=True):
+            out[i] = a
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_jitted(arrays: list[Any], dtypes: tuple[np.dtype, ...]) -> list[Any]:
+    return [a.astype(d) for a, d in zip(arrays, dtypes, strict=True)]
 
 
 def _bits(dtype: DType) -> int:
@@ -198,12 +225,15 @@ def normalize(leaves: list[Any], treedef: TreeDef, targets: list[Any], x: PyTree
         for i, a in zip(uncommitted, jax.device_put([leaves[i] for i in uncommitted]), strict=True):
             new_leaves[i] = a
     after: dict[int, Any] = {}
+    now: dict[int, Any] = {}
     for i, dtype in casts.items():
         moves = new_targets[i] is not None and _on_device(new_leaves[i])  # else placed at its target already
         if moves and _bits(dtype) > _bits(new_leaves[i].dtype):
             after[i] = dtype  # widening: the narrower source dtype crosses the links
         else:
-            new_leaves[i] = _cast(new_leaves[i], dtype)
+            now[i] = dtype
+    for i, a in zip(now, _cast_all([new_leaves[i] for i in now], list(now.values())), strict=True):
+        new_leaves[i] = a
     return Normalized(new_leaves, new_targets, after)
 
 
