@@ -357,8 +357,10 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
         fresh: dict[int, list[np.ndarray]] = {}
         for t, d in enumerate(dsts):
             if t in taken.donated:
-                shards = {s.device.id: s.data for s in taken.donated[t][0].addressable_shards}
-                bufs.append({r: writable_view(shards[r]).view(d.np_dtype).reshape(d.box_of(r).shape) for r in d.ranks})
+                a = taken.donated[t][0]
+                shards = dict(zip((dev.id for dev in addressable_order(a.sharding)), shard_arrays(a), strict=True))
+                dtype = d.np_dtype
+                bufs.append({r: writable_view(shards[r]).view(dtype).reshape(d.box_of(r).shape) for r in d.ranks})
             else:
                 fresh[t] = fresh_shards(d, 1, pool)[1][0]
                 bufs.append(dict(zip(d.ranks, fresh[t], strict=True)))
