@@ -16,14 +16,14 @@ setup(
         Extension(
             "jreshard.views._casts",
             ["jreshard/views/_casts.c"],
-            depends=["jreshard/_stream.h"],
+            depends=["jreshard/_stream.h", "jreshard/_bf16.h"],
             optional=True,
             extra_compile_args=FLAGS,
         ),
         Extension(
             "jreshard.schedule._rows",
             ["jreshard/schedule/_rows.c"],
-            depends=["jreshard/_stream.h", "jreshard/schedule/_rows.h"],
+            depends=["jreshard/_stream.h", "jreshard/_bf16.h", "jreshard/schedule/_rows.h"],
             optional=True,
             extra_compile_args=FLAGS,
         ),

@@ -163,7 +163,7 @@ def test_the_compiled_module_reads_the_columns_this_module_writes():
 
 
 def test_cast_rows_beside_byte_rows_still_cast():
-    """A table mixing both: the kernel takes the byte rows, numpy the cast row."""
+    """A table mixing both: the kernel takes the byte rows and the float32 -> bfloat16 cast row."""
     x = np.arange(12, dtype=np.float32)
     (cast_row,) = kernels.element_rows([(0, 0, (4,), 4)], (12,), ("float32", "bfloat16"), staged_itemsize=2)
     byte = kernels.build_table([(1, (16,), Box((4,), (12,)))], staging_offset=24)
@@ -276,3 +276,118 @@ def test_the_split_of_a_frozen_table_is_kept_while_it_lives_however_many_there_a
     ids = [id(t) for t in tables]
     del t, tables
     assert not any(i in kernels._ROW_CACHE for i in ids)  # dropped with their tables
+
+
+def _f32_bits(rng: np.random.Generator, n: int) -> np.ndarray:
+    """``n`` float32 of random bits with the rounding edges, NaNs, infinities and subnormals among them."""
+    u = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x7F7FFFFF, 0x00008000, 0x3F808000,
+                      0x3F818000, 0x3F80FFFF, 0x00000001, 0x80000000, 0x7F80FFFF], np.uint32)  # fmt: skip
+    u[: min(n, len(edges))] = edges[: min(n, len(edges))]
+    return u.view(np.float32)
+
+
+@st.composite
+def cast_boxes(draw):
+    """A float32 shard of 1-4 dimensions, a box of it, the axis order staging holds it in, and a random offset of
+    the shard in its buffer (whole floats)."""
+    shape = tuple(draw(st.integers(1, 6)) for _ in range(draw(st.integers(1, 4))))
+    box = draw(box_in(shape))
+    order = draw(st.permutations(range(len(shape))))
+    return shape, box, order, draw(st.integers(0, 3)), draw(st.integers(0, 3))
+
+
+def _cast_row(shape, box, order, lead, stage, chain):
+    strides = [4 * int(np.prod(shape[d + 1 :])) for d in range(len(shape))]
+    first = 4 * lead + sum(lo * s for lo, s in zip(box.lo, strides, strict=True))
+    extents = [box.hi[a] - box.lo[a] for a in order]
+    (row,) = kernels.element_rows(
+        [(0, first, [strides[a] for a in order], 4)], extents, chain, stage=2 * stage, staged_itemsize=2
+    )
+    return row
+
+
+@given(case=cast_boxes(), seed=st.integers(0, 2**16))
+def test_compiled_cast_rows_move_the_bits_numpy_moves(case, seed):
+    """A pack's float32 -> bfloat16 row and an unpack's bfloat16 -> float32 row, of any box, transposed or not,
+    at any offset: the kernel takes them (none left to numpy) and writes the bits the numpy kernels write, and no
+    byte outside the row's elements changes (guard bytes around every buffer)."""
+    shape, box, order, lead, stage = case
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape)) + lead
+    pack = _cast_row(shape, box, order, lead, stage, ("float32", "bfloat16"))
+    unpack = _cast_row(shape, box, order, lead, stage, ("bfloat16", "float32"))
+    _, shard = _guarded(4 * n, rng)
+    shard[:] = _f32_bits(rng, n).view(np.uint8)
+    staged = 2 * stage + int(pack[0, kernels.NBYTES])
+    got_whole, got = _guarded(staged, rng)
+    want_whole = got_whole.copy()
+    want = want_whole[GUARD : GUARD + staged]
+    compiled, rest = kernels._split(pack, [shard], got, unpack=False)
+    assert compiled is not None and len(rest) == 0
+    kernels.pack_cpu(pack, [shard], got)
+    kernels._pack_numpy(pack, [shard], want)
+    assert got_whole.tobytes() == want_whole.tobytes()
+    into_whole, into = _guarded(4 * n, rng)
+    ref_whole = into_whole.copy()
+    ref = ref_whole[GUARD : GUARD + 4 * n]
+    compiled, rest = kernels._split(unpack, [into], got, unpack=True)
+    assert compiled is not None and len(rest) == 0
+    kernels.unpack_cpu(unpack, got, [into])
+    kernels._unpack_numpy(unpack, got, [ref])
+    assert into_whole.tobytes() == ref_whole.tobytes()
+
+
+def test_a_cast_row_of_the_other_direction_goes_to_numpy_and_still_casts():
+    """An unpack's bfloat16 -> float32 row in a pack (the sender widening) is not the kernel's: numpy runs it."""
+    x = np.arange(8, dtype=ml_dtypes.bfloat16)
+    (row,) = kernels.element_rows([(0, 0, (2,), 2)], (8,), ("bfloat16", "float32"), staged_itemsize=4)
+    staging = np.zeros(32, np.uint8)
+    compiled, rest = kernels._split(row, [x.view(np.uint8)], staging, unpack=False)
+    assert compiled is None and len(rest) == 1
+    kernels.pack_cpu(row, [x.view(np.uint8)], staging)
+    np.testing.assert_array_equal(staging.view(np.float32), x.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    ("edit", "unpack"),
+    [
+        ({}, False),  # as made: taken (the control)
+        ({}, True),
+        ({kernels.OFF: 4}, False),  # the last float one element past the buffer
+        ({kernels.OFF: 2}, True),  # the last float's last two bytes past the buffer
+        ({kernels.NBYTES: 26}, False),  # a staged size that is not 2 bytes an element
+        ({kernels.STAGE: 10}, True),  # staging one element short
+        ({kernels.CAST: kernels.chain_code(("float32", "bfloat16"))}, True),  # a pack's cast in an unpack
+    ],
+)
+def test_a_cast_row_outside_its_buffer_or_staging_is_refused_before_any_byte_moves(edit, unpack):
+    """The kernel's checks, called directly: a cast row that leaves its buffer or staging by one element or less,
+    claims another staged size, or casts the other way is refused, and nothing is written."""
+    from jreshard.schedule import _rows
+
+    (row,) = kernels.element_rows([(0, 0, (4,), 4)], (12,), ("float32", "bfloat16"), staged_itemsize=2)
+    row = row.copy()
+    if unpack:
+        row[0, kernels.CAST] = kernels.chain_code(("bfloat16", "float32"))
+    for col, value in edit.items():
+        row[0, col] = value
+    shard = np.full(48, 7, np.uint8)
+    staging = np.full(32, 9, np.uint8)
+    addresses = np.array([shard.ctypes.data], np.int64)
+    sizes = np.array([shard.nbytes], np.int64)
+    bad = _rows.copy_rows(
+        row.ctypes.data,
+        1,
+        addresses.ctypes.data,
+        sizes.ctypes.data,
+        1,
+        staging.ctypes.data,
+        24 + 2 * (not unpack) * 4,
+        unpack,
+    )
+    if not edit:
+        assert bad == -1 and (shard.tolist() != [7] * 48 or staging.tolist() != [9] * 32)
+        return
+    assert bad == 0
+    assert shard.tolist() == [7] * 48 and staging.tolist() == [9] * 32

@@ -374,9 +374,9 @@ def pack_cpu(table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarr
     """Copy every piece of ``table`` out of ``buffers`` (1-D uint8) into ``staging`` (1-D uint8),
     casting the cast rows' elements on the way.
 
-    The byte rows run in the compiled kernel where it was built (:func:`compiled_rows`), the cast rows,
-    and every row where it was not built, in numpy. Every row is checked against the size of its buffer
-    and of the staging before any byte moves.
+    The byte rows and the float32 -> bfloat16 cast rows run in the compiled kernel where it was built
+    (:func:`compiled_rows`), the other cast rows, and every row where it was not built, in numpy. Every row is
+    checked against the size of its buffer and of the staging before any byte moves.
 
     Raises:
       ValueError: a row leaves its buffer or staging, or names a missing buffer (nothing was written).
@@ -454,6 +454,14 @@ _ROWS = (
     else None
 )
 _NO_ROWS = np.zeros((0, COLUMNS), np.int64)
+# The cast rows the compiled kernel runs: a pack's float32 -> bfloat16, an unpack's bfloat16 -> float32 (where the
+# build has them and its codes are this module's).
+_PACK_CAST, _UNPACK_CAST = chain_code(("float32", "bfloat16")), chain_code(("bfloat16", "float32"))
+_CAST_ROWS = (
+    _ROWS is not None
+    and getattr(_ROWS, "CAST_F32_BF16", None) == _PACK_CAST
+    and getattr(_ROWS, "CAST_BF16_F32", None) == _UNPACK_CAST
+)
 
 
 def compiled_rows() -> bool:
@@ -472,19 +480,22 @@ _Compiled = tuple[np.ndarray, np.ndarray, np.ndarray, int]  # (rows, addresses, 
 def _split(
     table: np.ndarray, buffers: Sequence[np.ndarray], staging: np.ndarray, *, unpack: bool
 ) -> tuple[_Compiled | None, np.ndarray]:
-    """The byte rows of ``table`` the compiled kernel takes, with the addresses and sizes of their buffers,
-    and the rows left for numpy (cast rows, rows of a buffer that is not flat uint8, every row where it
-    was not built). Nothing moves.
+    """The rows of ``table`` the compiled kernel takes (byte rows, and a pack's float32 -> bfloat16 or an unpack's
+    bfloat16 -> float32 cast rows), with the addresses and sizes of their buffers, and the rows left for numpy
+    (other casts, rows of a buffer that is not flat uint8, every row where it was not built). Nothing moves.
 
     Raises:
       ValueError: a read-only buffer a row would write into.
     """
     if _ROWS is None or not len(table) or not _flat(staging) or (not unpack and not staging.flags.writeable):
         return None, table
-    t, take, named, kept, rest = _byte_rows(table)
+    t, take, named, kept, rest, casts = _byte_rows(table)
+    resplit = False  # a buffer that is not flat, or a cast of the other direction: its rows go to numpy
+    other = _PACK_CAST if unpack else _UNPACK_CAST  # a pack's cast in an unpack, or the reverse
+    if other in casts:
+        take, resplit = take & (t[:, CAST] != other), True
     addresses = np.zeros(len(buffers), np.int64)
     sizes = np.zeros(len(buffers), np.int64)
-    resplit = False  # a buffer that is not flat: its rows go to numpy, and the kept split no longer holds
     for b in named:
         buf = buffers[b] if 0 <= b < len(buffers) else None
         if buf is None:
@@ -525,18 +536,26 @@ def _take(t: np.ndarray, take: np.ndarray) -> tuple[np.ndarray | None, np.ndarra
     return np.ascontiguousarray(t[take]), t[~take]
 
 
-def _byte_rows(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray | None, np.ndarray]:
-    """``table`` as C-ordered int64, which of its rows are byte rows with a unit innermost stride (the rows
-    the kernel can take), the buffers they name, and those rows and the rest (:func:`_take`). Cached for
-    tables that cannot change (the schedule's, which every round of every refit runs again)."""
+def _byte_rows(
+    table: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray | None, np.ndarray, frozenset[int]]:
+    """``table`` as C-ordered int64, which of its rows the kernel can take (byte rows with a unit innermost
+    stride, and the float32 <-> bfloat16 cast rows), the buffers they name, those rows and the rest
+    (:func:`_take`), and the cast codes among them. Cached for tables that cannot change (the schedule's, which
+    every round of every refit runs again)."""
     hit = _ROW_CACHE.get(id(table))
     if hit is not None and hit[0]() is table:
         return tuple(table if x is _SELF else x for x in hit[1])  # type: ignore[return-value]
     t = np.ascontiguousarray(table, np.int64)
     nd = np.clip(t[:, NDIM], 1, MAX_DIMS)
     take = (t[:, CAST] == 0) & (t[np.arange(len(t)), STRIDE0 + nd - 1] == 1)
+    casts: frozenset[int] = frozenset()
+    if _CAST_ROWS:  # (each direction's own: _split drops the other's)
+        cast = (t[:, CAST] == _PACK_CAST) | (t[:, CAST] == _UNPACK_CAST)
+        take |= cast
+        casts = frozenset(np.unique(t[cast, CAST]).tolist())
     take.setflags(write=False)
-    got = (t, take, np.unique(t[take, BUF]).tolist(), *_take(t, take))
+    got = (t, take, np.unique(t[take, BUF]).tolist(), *_take(t, take), casts)
     if _frozen(table):
         key = id(table)
         gone = lambda _, key=key: _ROW_CACHE.pop(key, None)  # noqa: E731 - the table died: so does its entry

@@ -2,10 +2,7 @@
  *
  * Each function casts a block of `rows` rows of `cols` contiguous elements, rows
  * `src_stride` / `dst_stride` bytes apart, with the GIL released. The results are
- * bit-exact with jnp.astype (and ml_dtypes): float32 -> bfloat16 rounds to nearest
- * even, overflows to inf, keeps subnormals, and turns every NaN into the quiet NaN
- * 0x7fc0 with the sign kept; bfloat16 -> float32 is exact (the bits shifted up, NaN
- * payloads kept).
+ * bit-exact with jnp.astype (and ml_dtypes): see ../_bf16.h.
  *
  * The loops are plain C that compilers vectorise; on x86-64 with GCC or clang an
  * AVX-512 or AVX2 clone is chosen at load time when the CPU has it (target_clones),
@@ -15,6 +12,8 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "../_bf16.h"
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
@@ -32,10 +31,7 @@ static void f32_to_bf16_rows(const char *src, Py_ssize_t src_stride, char *dst, 
         const uint32_t *restrict s = (const uint32_t *)(src + r * src_stride);
         uint16_t *restrict d = (uint16_t *)(dst + r * dst_stride);
         for (Py_ssize_t c = 0; c < cols; c++) {
-            uint32_t u = s[c];
-            uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-            uint32_t quiet = ((u >> 16) & 0x8000u) | 0x7FC0u;
-            d[c] = (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+            d[c] = bf16_of_f32_bits(s[c]);
         }
     }
 }
@@ -47,7 +43,7 @@ static void bf16_to_f32_rows(const char *src, Py_ssize_t src_stride, char *dst, 
         const uint16_t *restrict s = (const uint16_t *)(src + r * src_stride);
         uint32_t *restrict d = (uint32_t *)(dst + r * dst_stride);
         for (Py_ssize_t c = 0; c < cols; c++) {
-            d[c] = (uint32_t)s[c] << 16;
+            d[c] = f32_bits_of_bf16(s[c]);
         }
     }
 }
