@@ -84,8 +84,9 @@ def side_main(role: str, leaves: int, side: int, steps: int) -> None:
     print("RESULT " + json.dumps({"role": role, "times": times}), flush=True)
 
 
-def transfer_main(leaves: int, side: int, steps: int) -> None:
-    """One process of a ``--call transfer`` launch: one cluster, both calls, its times as one JSON line."""
+def transfer_main(leaves: int, side: int, steps: int, cast: bool = False) -> None:
+    """One process of a ``--call transfer`` launch: one cluster, both calls, its times as one JSON line (``cast``:
+    every leaf a ``views.astype`` to bfloat16)."""
     os.environ["JAX_NUM_CPU_DEVICES"] = "4"
     import jax
     import numpy as np
@@ -93,6 +94,7 @@ def transfer_main(leaves: int, side: int, steps: int) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jreshard
+    from jreshard import views
     from jreshard.mpi.cluster import initialize
     from jreshard.options import Options
 
@@ -116,10 +118,14 @@ def transfer_main(leaves: int, side: int, steps: int) -> None:
         for name in ("many", "one") if v % 2 else ("one", "many"):
             x = jax.block_until_ready(make[name](float(v)))
             t = time.perf_counter()
-            y = jreshard.transfer(x, [tp] * len(x), options=opts)
+            if cast:
+                y = jreshard.transfer([views.astype(a, jax.numpy.bfloat16) for a in x], [tp] * len(x), options=opts)
+            else:
+                y = jreshard.transfer(x, [tp] * len(x), options=opts)
             if v > 2:
                 times[name].append(time.perf_counter() - t)
-            if me == 1 and float(np.asarray(y[-1].addressable_shards[0].data)[0, 0]) != v + len(x) - 1:
+            got = np.asarray(y[-1].addressable_shards[0].data).astype(np.float32)[0, 0] if me == 1 else None
+            if me == 1 and got != float(jax.numpy.asarray(v + len(x) - 1, y[-1].dtype)):
                 raise SystemExit(f"refit_leaves_bench: {name} moved the wrong values at step {v}")
     print("RESULT " + json.dumps({"role": "source" if me == 0 else "destination", "times": times}), flush=True)
 
@@ -173,18 +179,22 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--call", choices=["refit", "transfer", "elastic"], default="refit")
+    ap.add_argument("--cast", action="store_true", help="--call transfer: every leaf a views.astype to bfloat16")
     ap.add_argument("--side-of", choices=["source", "destination"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side_of:
         if args.call == "transfer":
-            transfer_main(args.leaves, args.side, args.steps)
+            transfer_main(args.leaves, args.side, args.steps, args.cast)
         else:
             side_main(args.side_of, args.leaves, args.side, args.steps)
         return
 
+    if args.cast and args.call != "transfer":
+        raise SystemExit("refit_leaves_bench: --cast goes with --call transfer")
+    cast = " cast to bfloat16 (views.astype)" if args.cast else ""
     head = (
-        f"{args.leaves} leaves of {args.side}x{args.side} float32 (FSDP4 -> TP2 x DP2) against one leaf of the same "
-        f"{args.leaves * args.side * args.side * 4 / 2**20:.1f} MiB, {args.steps - 2} steps each"
+        f"{args.leaves} leaves of {args.side}x{args.side} float32{cast} (FSDP4 -> TP2 x DP2) against one leaf of "
+        f"the same {args.leaves * args.side * args.side * 4 / 2**20:.1f} MiB, {args.steps - 2} steps each"
     )
     if args.call == "elastic":
         print(f"{head}, one process, {os.cpu_count()} cores")
@@ -194,6 +204,7 @@ def main() -> None:
     mpiexec = exe.parent / "mpiexec"
     me = str(Path(__file__).resolve())
     common = ["--leaves", str(args.leaves), "--side", str(args.side), "--steps", str(args.steps), "--call", args.call]
+    common += ["--cast"] if args.cast else []
     cmd = [str(mpiexec)]
     for role in ("source", "destination"):
         cmd += ["-n", "1", str(exe), me, *common, "--side-of", role] + ([":"] if role == "source" else [])

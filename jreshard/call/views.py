@@ -39,9 +39,10 @@ from jreshard.call.routes import cluster_transport
 from jreshard.engine.arrays import fresh_shards, make_array
 from jreshard.engine.buffers import Buffers, CpuBuffers, export_source, writable_view
 from jreshard.engine.comm import Communicator
-from jreshard.engine.driver import assemble
+from jreshard.engine.driver import landed_array
 from jreshard.engine.ownership import remember_all, shard_addresses, shard_arrays, take
 from jreshard.engine.pool import BufferPool, default_pool
+from jreshard.engine.put import batched_put, put_allowed
 from jreshard.engine.viewcopy import CopyTasks, compile_tasks, execute_pieces
 from jreshard.engine.viewrun import run_view_schedule
 from jreshard.errors import BackendUnavailableError, LayoutError, LayoutMismatchError, TransferError
@@ -466,18 +467,24 @@ def run_cluster(
         src = {}
         devices: dict[int, Any] = {}
         for i, leaf in enumerate(srcs):
-            for s in leaf.source.addressable_shards:
-                r = s.device.id
-                if r in mine and r in layouts[i].ranks:
-                    src[(i, r)] = backend.export_source(s.data)
-                    devices[r] = s.device
-        dst = {}
-        for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
-            for dev in sh.device_set:
-                if dev.id in mine:
-                    nbytes = storage_bytes(d.np_dtype, d.box_of(dev.id).volume)
-                    (dst[(t, dev.id)],) = backend.allocate([nbytes], dev)
+            ranks = layouts[i].ranks
+            for dev, a in zip(addressable_order(leaf.source.sharding), shard_arrays(leaf.source), strict=True):
+                if dev.id in mine and dev.id in ranks:
+                    src[(i, dev.id)] = backend.export_source(a)
                     devices[dev.id] = dev
+        made: dict[Any, list[int]] = {}  # device -> the leaves with a shard on it
+        for t, sh in enumerate(shardings):
+            for dev in addressable_order(sh):
+                if dev.id in mine:
+                    made.setdefault(dev, []).append(t)
+                    devices[dev.id] = dev
+        dst, landed = {}, {}
+        for dev, leaves in made.items():  # one block per device for all its destination shards
+            boxes = [dsts[t].box_of(dev.id) for t in leaves]
+            sizes = [storage_bytes(dsts[t].np_dtype, b.volume) for t, b in zip(leaves, boxes, strict=True)]
+            for t, box, buf in zip(leaves, boxes, backend.allocate(sizes, dev), strict=True):
+                dst[(t, dev.id)] = buf
+                landed[(t, dev.id)] = (buf, box.shape, dsts[t].np_dtype, dev)
     run_view_schedule(
         vs,
         views,
@@ -492,12 +499,10 @@ def run_cluster(
         report=builder,
     )
     with builder.timed(ReportPhase.BUFFERS):
-        out, weak = [], _weak_types(call)
-        for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True)):
-            here = {
-                dev: backend.import_shard(dst[(t, dev.id)], d.box_of(dev.id).shape, d.np_dtype, dev)
-                for dev in sh.device_set
-                if dev.id in mine
-            }
-            out.append(assemble(d.shape, d.np_dtype, sh, here, weak[t]))
+        put = batched_put(put_allowed()) if isinstance(backend, CpuBuffers) else None  # (host buffers alone)
+        weak = _weak_types(call)
+        out = [
+            landed_array(t, d.shape, d.np_dtype, sh, landed, backend, put, weak[t])
+            for t, (d, sh) in enumerate(zip(dsts, shardings, strict=True))
+        ]
     return call.unflatten(out)
