@@ -416,6 +416,7 @@ def chunk_elements(
     out: list[list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = []
     cur: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
     space = chunk_bytes
+    smallest = min((it for _, it in items), default=chunk_bytes)  # a chunk with less space left than this is full
     work = collections.deque((i, (0,) * len(ext), tuple(ext)) for i, (ext, _) in enumerate(items))
     while work:
         i, lo, hi = work.popleft()
@@ -447,7 +448,7 @@ def chunk_elements(
                 cut = lo[d] + 1
                 work.appendleft((i, (*lo[:d], cut, *lo[d + 1 :]), hi))
                 work.appendleft((i, lo, (*hi[:d], cut, *hi[d + 1 :])))
-        if space < min(it for _, it in items):
+        if space < smallest:
             out.append(cur)
             cur, space = [], chunk_bytes
     if cur:
