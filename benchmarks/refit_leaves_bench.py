@@ -19,8 +19,11 @@ With ``--call elastic`` one process of 8 CPU devices holds an ``ElasticTrainer``
 ``ElasticReplica`` (TP2 x DP2 over devices 4-7) of each tree, with a shared secret (every message MACed) and
 ``delta="off"``; a step is the trainer's ``push`` and then the replica's ``pull`` of that version, timed together.
 
+With ``--cast`` the destination holds bfloat16: ``--call transfer`` moves ``views.astype(x, bfloat16)`` of each leaf,
+``--call elastic`` has a replica declared in bfloat16 (the trainer's float32 cast on the way).
+
 Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/refit_leaves_bench.py [--leaves 1000] [--side 16] [--steps 12]
-[--call refit|transfer|elastic]``
+[--call refit|transfer|elastic] [--cast]``
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def transfer_main(leaves: int, side: int, steps: int, cast: bool = False) -> Non
     print("RESULT " + json.dumps({"role": "source" if me == 0 else "destination", "times": times}), flush=True)
 
 
-def elastic_main(leaves: int, side: int, steps: int) -> dict:
+def elastic_main(leaves: int, side: int, steps: int, cast: bool = False) -> dict:
     """``--call elastic``: both sides in this process; ``{"many": [s, ...], "one": [...]}``."""
     os.environ["JAX_NUM_CPU_DEVICES"] = "8"
     import jax
@@ -151,7 +154,8 @@ def elastic_main(leaves: int, side: int, steps: int) -> dict:
         make[name] = jax.jit(
             lambda v, tree=tree: {k: jax.numpy.full(s, v, np.float32) for k, s in tree.items()}, out_shardings=fsdp
         )
-        like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=tp) for k, s in tree.items()}
+        held = jax.numpy.bfloat16 if cast else np.float32  # a replica of bfloat16: the trainer's float32 cast to it
+        like = {k: jax.ShapeDtypeStruct(s, held, sharding=tp) for k, s in tree.items()}
         trainer = ElasticTrainer(make[name](0.0), devices=list(devs[:4]), options=opts)
         replica = ElasticReplica(like, trainer.address, name=name, devices=list(devs[4:8]), options=opts)
         pairs[name] = (trainer, replica)
@@ -179,7 +183,11 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=16)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--call", choices=["refit", "transfer", "elastic"], default="refit")
-    ap.add_argument("--cast", action="store_true", help="--call transfer: every leaf a views.astype to bfloat16")
+    ap.add_argument(
+        "--cast",
+        action="store_true",
+        help="--call transfer: every leaf a views.astype to bfloat16; elastic: a bfloat16 replica",
+    )
     ap.add_argument("--side-of", choices=["source", "destination"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side_of:
@@ -189,8 +197,8 @@ def main() -> None:
             side_main(args.side_of, args.leaves, args.side, args.steps)
         return
 
-    if args.cast and args.call != "transfer":
-        raise SystemExit("refit_leaves_bench: --cast goes with --call transfer")
+    if args.cast and args.call == "refit":
+        raise SystemExit("refit_leaves_bench: --cast goes with --call transfer or elastic")
     cast = " cast to bfloat16 (views.astype)" if args.cast else ""
     head = (
         f"{args.leaves} leaves of {args.side}x{args.side} float32{cast} (FSDP4 -> TP2 x DP2) against one leaf of "
@@ -198,7 +206,7 @@ def main() -> None:
     )
     if args.call == "elastic":
         print(f"{head}, one process, {os.cpu_count()} cores")
-        _print_row("elastic push + pull", elastic_main(args.leaves, args.side, args.steps), args.leaves)
+        _print_row("elastic push + pull", elastic_main(args.leaves, args.side, args.steps, args.cast), args.leaves)
         return
     exe = Path(sys.executable)
     mpiexec = exe.parent / "mpiexec"

@@ -335,9 +335,9 @@ def run_pair(
       costs: if given, the refit's :class:`~jreshard.engine.digest.DigestCost` on this process is appended
         (every message is MACed: :mod:`jreshard.elastic.verify`).
       delta: send what changed since the receivers' bases (:mod:`jreshard.elastic.delta`); both ends alike.
-      landed: a destination of a pair of plain arrays gets its new shards as the buffers they landed in
+      landed: a destination gets its new shards as the buffers they landed in
         (:data:`~jreshard.engine.driver.Landed`), for the caller to make whole arrays over them
-        (:func:`~jreshard.engine.driver.landed_array`); a pair of views returns arrays whatever it says.
+        (:func:`~jreshard.engine.driver.landed_array`).
 
     Returns:
       ``({(tensor, rank): new single-device array}, engine statistics)``: the arrays on a destination
@@ -366,7 +366,14 @@ def run_pair(
             from jreshard.refit.views import run_group
 
             out = run_group(
-                pair.views.group, pair.views.schedule, digests.comm, sources, targets, options=options, delta=delta
+                pair.views.group,
+                pair.views.schedule,
+                digests.comm,
+                sources,
+                targets,
+                options=options,
+                delta=delta,
+                landed=landed,
             )
         else:
             # The per-process schedule, as every message-passing path runs: this process's rounds, agreed with

@@ -47,7 +47,6 @@ from jreshard.elastic.pairs import (
 )
 from jreshard.elastic.service import stop_service
 from jreshard.elastic.types import Arrival, Publication
-from jreshard.engine.arrays import assembled
 from jreshard.engine.buffers import CpuBuffers
 from jreshard.engine.driver import landed_array
 from jreshard.engine.put import batched_put, put_allowed
@@ -430,28 +429,23 @@ class ElasticReplica:
         targets = target_devices(pair, self._like, self._devices, self._index)
         costs: list = []
         refit = self._deltas.refit(delta and not peer, 1)  # the unit comes with each chunk
-        as_buffers = pair.views is None  # plain arrays: each leaf made at once over the buffers its shards landed in
+        # each leaf made at once over the buffers its shards landed in (plain arrays and views alike)
         shards, _ = run_pair(
             pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs, delta=refit,
-            landed=as_buffers,
+            landed=True,
         )  # fmt: skip
         self._deltas.staged(version)
         index = {n: t for t, n in enumerate(pair.dst_names)}
         base = pair.bases[pair.n_src + self._index]
         ranks = {d: base + i for i, d in enumerate(self._devices)}
-        put = batched_put(put_allowed()) if as_buffers else None
+        put = batched_put(put_allowed())
         leaves, nbytes = [], 0
         for name, a in self._like:
             t = index[name]
             weak = bool(getattr(a, "weak_type", False))  # the like's (a ShapeDtypeStruct's or an array's) type
             keys = [(t, ranks[d]) for d in a.sharding.addressable_devices]
-            if as_buffers:
-                nbytes += sum(math.prod(shards[k][1]) * shards[k][2].itemsize for k in keys)
-                made = landed_array(t, tuple(a.shape), a.dtype, a.sharding, shards, CpuBuffers(), put, weak, ranks)
-            else:
-                arrays = sorted((shards[k] for k in keys), key=lambda x: next(iter(x.devices())).id)
-                nbytes += sum(x.nbytes for x in arrays)
-                made = assembled(tuple(a.shape), a.dtype, a.sharding, arrays, weak)
+            nbytes += sum(math.prod(shards[k][1]) * shards[k][2].itemsize for k in keys)
+            made = landed_array(t, tuple(a.shape), a.dtype, a.sharding, shards, CpuBuffers(), put, weak, ranks)
             leaves.append((name, made))
         tree = jax.tree_util.tree_unflatten(self._treedef, [x for _, x in leaves])
         arrival = Arrival(version, source, time.monotonic() - t0, nbytes, time.thread_time() - c0,
