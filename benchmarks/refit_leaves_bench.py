@@ -19,8 +19,8 @@ With ``--call elastic`` one process of 8 CPU devices holds an ``ElasticTrainer``
 ``ElasticReplica`` (TP2 x DP2 over devices 4-7) of each tree, with a shared secret (every message MACed) and
 ``delta="off"``; a step is the trainer's ``push`` and then the replica's ``pull`` of that version, timed together.
 
-With ``--cast`` the destination holds bfloat16: ``--call transfer`` moves ``views.astype(x, bfloat16)`` of each leaf,
-``--call elastic`` has a replica declared in bfloat16 (the trainer's float32 cast on the way).
+With ``--cast`` the destination holds bfloat16: its ``RefitGroup`` (or elastic replica) is declared in bfloat16
+(the source's float32 cast on the way), and ``--call transfer`` moves ``views.astype(x, bfloat16)`` of each leaf.
 
 Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/refit_leaves_bench.py [--leaves 1000] [--side 16] [--steps 12]
 [--call refit|transfer|elastic] [--cast]``
@@ -37,8 +37,9 @@ import time
 from pathlib import Path
 
 
-def side_main(role: str, leaves: int, side: int, steps: int) -> None:
-    """One process of the launch: form both groups, run the steps, print its times as one JSON line."""
+def side_main(role: str, leaves: int, side: int, steps: int, cast: bool = False) -> None:
+    """One process of the launch: form both groups, run the steps, print its times as one JSON line (``cast``: the
+    destination declares bfloat16)."""
     os.environ["JAX_NUM_CPU_DEVICES"] = "4"
     import jax
     import numpy as np
@@ -53,9 +54,10 @@ def side_main(role: str, leaves: int, side: int, steps: int) -> None:
         sh = NamedSharding(jax.sharding.Mesh(devs, ("fsdp",)), P("fsdp"))
     else:
         sh = NamedSharding(jax.sharding.Mesh(devs.reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    dtype = jax.numpy.bfloat16 if cast and role == "destination" else np.float32
     trees = {
-        "many": {f"layer{i:05d}": jax.ShapeDtypeStruct((side, side), np.float32, sharding=sh) for i in range(leaves)},
-        "one": {"w": jax.ShapeDtypeStruct((leaves * side, side), np.float32, sharding=sh)},
+        "many": {f"layer{i:05d}": jax.ShapeDtypeStruct((side, side), dtype, sharding=sh) for i in range(leaves)},
+        "one": {"w": jax.ShapeDtypeStruct((leaves * side, side), dtype, sharding=sh)},
     }
     opts = Options(timeout_s=120, delta="off")
     groups = {name: RefitGroup(role, sds, options=opts) for name, sds in trees.items()}
@@ -186,7 +188,7 @@ def main() -> None:
     ap.add_argument(
         "--cast",
         action="store_true",
-        help="--call transfer: every leaf a views.astype to bfloat16; elastic: a bfloat16 replica",
+        help="the destination holds bfloat16 (declared so; --call transfer: views.astype)",
     )
     ap.add_argument("--side-of", choices=["source", "destination"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -194,12 +196,10 @@ def main() -> None:
         if args.call == "transfer":
             transfer_main(args.leaves, args.side, args.steps, args.cast)
         else:
-            side_main(args.side_of, args.leaves, args.side, args.steps)
+            side_main(args.side_of, args.leaves, args.side, args.steps, args.cast)
         return
 
-    if args.cast and args.call == "refit":
-        raise SystemExit("refit_leaves_bench: --cast goes with --call transfer or elastic")
-    cast = " cast to bfloat16 (views.astype)" if args.cast else ""
+    cast = " cast to bfloat16" if args.cast else ""
     head = (
         f"{args.leaves} leaves of {args.side}x{args.side} float32{cast} (FSDP4 -> TP2 x DP2) against one leaf of "
         f"the same {args.leaves * args.side * args.side * 4 / 2**20:.1f} MiB, {args.steps - 2} steps each"
