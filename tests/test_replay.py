@@ -14,13 +14,14 @@ from hypothesis import strategies as st
 from schedule_oracle import build_schedule
 
 from jreshard.engine import replay
-from jreshard.engine.buffers import CpuBuffers
+from jreshard.engine.buffers import CpuBuffers, aligned_empty
 from jreshard.engine.comm import LANDED, STARTING, WAITING, Communicator, NativeGroups, PreparedGroups, hook_point
 from jreshard.engine.recording import RecordingComm
 from jreshard.engine.rounds import Shards, execute
 from jreshard.errors import PeerError, TransferError
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
+from jreshard.schedule import kernels
 from jreshard.sharding.layout import Layout
 from jreshard.sharding.planner import plan_layouts
 from jreshard.sharding.topology import Topology
@@ -611,3 +612,68 @@ def test_a_digested_prepared_refit_digests_every_crossing_message_as_sent_and_as
     assert len(bad) == (1 if flip else 0) and all(why == "differ" for _, _, why in bad), bad
     if flip:
         assert wire.flipped == 1
+
+
+@pytest.mark.parametrize("mode", ["compiled", "python"])
+def test_a_cast_refit_of_views_replays_in_the_compiled_loop_bit_exact(mode):
+    """A refit of views that casts on both ends (a fused float32 -> bfloat16 ``qkv`` packed as bfloat16 by its
+    senders, a bfloat16 -> float32 leaf widened by its receivers) replays every step after the first in the
+    compiled loop, its cast rows compiled; each step's shards equal ``views.transfer``'s bit for bit, as the
+    Python loop's do."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard import views
+    from jreshard.engine.viewrun import run_view_schedule
+    from jreshard.schedule.viewsched import view_schedule
+    from jreshard.views.lowering import lower_tree
+
+    devs = np.array(jax.devices())
+    fsdp = NamedSharding(Mesh(devs[:4], ("fsdp",)), P(None, "fsdp"))
+    tp = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+    topo = Topology.uniform(range(8), domain_size=2)
+    opts = Options(chunk_bytes=512, staging_bytes=8192)
+    comm = _self_comm(topo)
+    buffers = CpuBuffers() if mode == "compiled" else _NoRows()
+    outs: dict = {}
+    vs = None
+    for step in range(3):
+        rng = np.random.default_rng(step)
+        q, k = (jax.device_put(rng.standard_normal((16, n)).astype(np.float32), fsdp) for n in (16, 8))
+        low_bf16 = jax.device_put(rng.standard_normal((16, 8)).astype(jnp.bfloat16), fsdp)
+        tree = [
+            views.astype(views.concat([q, k], axis=1, groups=2), jnp.bfloat16),
+            views.astype(low_bf16, jnp.float32),
+        ]
+        leaves = [leaf for v in tree for leaf in v.leaves()]
+        layouts = [Layout.from_sharding(leaf.source.sharding, leaf.shape, leaf.dtype) for leaf in leaves]
+        dsts = [Layout.from_sharding(tp, v.shape, v.dtype) for v in tree]
+        lows = lower_tree(tree, leaves, layouts, dsts, topo)
+        if vs is None:  # one schedule for every step, as a refit keeps it
+            vs = view_schedule(lows, layouts, dsts, topo, opts, [None, None], pipelined=True)
+        src = {
+            (i, s.device.id): np.ascontiguousarray(np.asarray(s.data)).reshape(-1).view(np.uint8)
+            for i, leaf in enumerate(leaves)
+            for s in leaf.source.addressable_shards
+        }
+        for t, d in enumerate(dsts):
+            for r in d.ranks:
+                outs.setdefault((t, r), aligned_empty(d.box_of(r).volume * d.np_dtype.itemsize))[:] = SENTINEL
+        run_view_schedule(vs, tree, layouts, dsts, comm, src, outs, options=opts, buffers=buffers)
+        for t, (v, d) in enumerate(zip(tree, dsts, strict=True)):
+            want = views.transfer(v, tp)
+            for s in want.addressable_shards:
+                got = outs[(t, s.device.id)].view(d.np_dtype).reshape(d.box_of(s.device.id).shape)
+                np.testing.assert_array_equal(got.view(np.uint8), np.asarray(s.data).view(np.uint8))
+    r = _replay_of(comm)
+    built = replay.compiled_replay()
+    assert r.steps == 3 and r.native_steps == (3 if mode == "compiled" and built else 0)
+    packs = {op[0]: set() for op in r.ops.ops if op[0] in (replay.PACK, replay.UNPACK)}
+    for op in r.ops.ops:
+        if op[0] in packs:
+            packs[op[0]] |= set(np.unique(op[1][:, kernels.CAST]).tolist()) - {0}
+    pack, unpack = (kernels.chain_code(c) for c in (("float32", "bfloat16"), ("bfloat16", "float32")))
+    assert packs == {replay.PACK: {pack}, replay.UNPACK: {unpack}}  # both casts ran, each in its direction
+    comm.close()

@@ -13,8 +13,9 @@
  *
  * ``table`` is the descriptor table (kernels.py's columns), which ``validate`` checks; ``rows`` is the same n rows
  * compacted, which ``run`` copies: per row (buffer, offset, staging offset, nbytes, ndim), then for a row of more
- * than one dimension its (extent, stride) pairs (a one-dimensional row is a run of nbytes bytes). A refit reads a
- * few words of each row instead of its 22 columns; ``bytes`` is the total the table moves.
+ * than one dimension its (extent, stride) pairs (a one-dimensional row is a run of nbytes bytes); a cast row
+ * (../schedule/_rows.h: a pack's float32 -> bfloat16, an unpack's bfloat16 -> float32) has -ndim and all its pairs.
+ * A refit reads a few words of each row instead of its 22 columns; ``bytes`` is the total the table moves.
  *
  * The buffers are named by index into two arrays that the caller refreshes every step: their addresses and
  * byte sizes (``addresses``, read from this step's shard and staging buffers). ``validate`` checks every row
@@ -83,6 +84,17 @@ static int64_t now_ns(void) {
 /* Copy one compacted row (see the top; its descriptor row passed ``validate``); returns the words it takes. */
 static inline int64_t copy_compact(const int64_t *r, const int64_t *addr, char *staging, int unpack, int stream) {
     int64_t nd = r[4], n = r[3];
+    if (nd < 0) { /* a cast row (its descriptor row passed cast_row_ok): -ndim, then every (extent, stride) pair */
+        int64_t full[COLUMNS] = {0};
+        nd = -nd;
+        full[C_BUF] = r[0], full[C_OFF] = r[1], full[C_STAGE] = r[2], full[C_NBYTES] = n, full[C_NDIM] = nd;
+        full[C_CAST] = unpack ? CAST_BF16_F32 : CAST_F32_BF16;
+        for (int64_t d = 0; d < nd; d++) {
+            full[C_SHAPE0 + d] = r[5 + 2 * d], full[C_STRIDE0 + d] = r[6 + 2 * d];
+        }
+        cast_row(full, addr, staging, unpack);
+        return 5 + 2 * nd;
+    }
     if (nd == 1) {
         if (n > 0) {
             char *at = (char *)(uintptr_t)addr[r[0]] + r[1], *stage = staging + r[2];
@@ -178,7 +190,9 @@ static PyObject *py_validate(PyObject *self, PyObject *args) {
                 return PyLong_FromSsize_t(i);
             }
             for (int64_t k = 0; k < op[2]; k++) {
-                if (!row_ok(table + COLUMNS * k, p.addr + seg, p.size + seg, n, p.size[arena])) {
+                const int64_t *r = table + COLUMNS * k;
+                if (r[C_CAST] ? !cast_row_ok(r, p.addr + seg, p.size + seg, n, p.size[arena], op[0] == OP_UNPACK)
+                              : !row_ok(r, p.addr + seg, p.size + seg, n, p.size[arena])) {
                     return PyLong_FromSsize_t(i);
                 }
             }
@@ -456,7 +470,9 @@ PyMODINIT_FUNC PyInit__replay(void) {
         PyModule_AddIntConstant(m, "COPY_WORDS", COPY_WORDS) || PyModule_AddIntConstant(m, "COLUMNS", COLUMNS) ||
         PyModule_AddIntConstant(m, "FAIL_TIMEOUT", FAIL_TIMEOUT) ||
         PyModule_AddIntConstant(m, "FAIL_TRANSPORT", FAIL_TRANSPORT) ||
-        PyModule_AddIntConstant(m, "FAIL_SIZE", FAIL_SIZE) || PyModule_AddIntConstant(m, "FAIL_SIGNAL", FAIL_SIGNAL)) {
+        PyModule_AddIntConstant(m, "FAIL_SIZE", FAIL_SIZE) || PyModule_AddIntConstant(m, "FAIL_SIGNAL", FAIL_SIGNAL) ||
+        PyModule_AddIntConstant(m, "CAST_F32_BF16", CAST_F32_BF16) ||
+        PyModule_AddIntConstant(m, "CAST_BF16_F32", CAST_BF16_F32)) {
         Py_DECREF(m);
         return NULL;
     }

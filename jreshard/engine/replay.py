@@ -111,7 +111,8 @@ class Ops:
         process's ranks, ``phase`` the report phase its time counts to.
       groups: the exchange groups, ``(sends, recvs)`` rows, in the order they run.
       native: the operations as ``_replay.c`` reads them (``(n, 8)`` int64: exchanges split, fences dropped),
-        or ``None`` where a table holds rows it cannot run (cast rows).
+        or ``None`` where a table holds rows it cannot run (cast rows other than a pack's float32 -> bfloat16 and
+        an unpack's bfloat16 -> float32).
       tables: the C-ordered tables, and their compacted rows, that the native operations point into (kept alive
         here).
       written: the indices of the step's buffer list that receives and unpacks write.
@@ -226,7 +227,7 @@ def _native_ops(ops: list[tuple], segments: Mapping[int, int], nbuf: int) -> tup
             table = np.ascontiguousarray(op[1], np.int64)
             if table.ndim != 2 or table.shape[1] != _native.COLUMNS:
                 return None, ()
-            if table[:, kernels.CAST].any():  # cast rows: the Python loop runs them (the compiled casts)
+            if not _compiled_casts(table, code):  # other cast rows: the Python loop runs them (the compiled casts)
                 return None, ()
             rows = _compact(table)
             tables += [table, rows]
@@ -242,18 +243,34 @@ def _native_ops(ops: list[tuple], segments: Mapping[int, int], nbuf: int) -> tup
     return native, tuple(tables)
 
 
+def _compiled_casts(table: np.ndarray, code: int) -> bool:
+    """Whether the compiled replay runs every cast row of a pack (``code`` :data:`PACK`) or unpack table: none, or
+    only a pack's float32 -> bfloat16 or an unpack's bfloat16 -> float32 rows, with a build whose codes agree."""
+    casts = table[:, kernels.CAST]
+    if not casts.any():
+        return True
+    assert _native is not None
+    pack, unpack = kernels.chain_code(("float32", "bfloat16")), kernels.chain_code(("bfloat16", "float32"))
+    if (getattr(_native, "CAST_F32_BF16", None), getattr(_native, "CAST_BF16_F32", None)) != (pack, unpack):
+        return False  # pragma: no cover - a stale build
+    return bool(((casts == 0) | (casts == (pack if code == PACK else unpack))).all())
+
+
 def _compact(table: np.ndarray) -> np.ndarray:
     """``table``'s rows as ``_replay.c`` copies them: ``(buffer, offset, staging offset, nbytes, ndim)``, then for a
-    row of more than one dimension its ``(extent, stride)`` pairs."""
+    row of more than one dimension its ``(extent, stride)`` pairs; a cast row has ``-ndim`` and all its pairs."""
     k = kernels
     head = table[:, [k.BUF, k.OFF, k.STAGE, k.NBYTES, k.NDIM]]
-    if (table[:, k.NDIM] == 1).all():  # runs of bytes (every row of a plain refit)
+    if (table[:, k.NDIM] == 1).all() and not table[:, k.CAST].any():  # runs of bytes (every row of a plain refit)
         return np.ascontiguousarray(head).reshape(-1)
     parts = []
     for row, h in zip(table, head, strict=True):
         nd = int(row[k.NDIM])
+        if row[k.CAST]:
+            h = h.copy()
+            h[4] = -nd
         parts.append(h)
-        if nd > 1:
+        if nd > 1 or row[k.CAST]:
             pairs = np.stack([row[k.SHAPE0 : k.SHAPE0 + nd], row[k.STRIDE0 : k.STRIDE0 + nd]], axis=1)
             parts.append(pairs.reshape(-1))
     return np.concatenate(parts).astype(np.int64)

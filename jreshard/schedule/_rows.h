@@ -1,13 +1,15 @@
 /* The byte rows of a descriptor table (jreshard.schedule.kernels), shared by the compiled kernels that run
  * them: jreshard/schedule/_rows.c (one table a call) and jreshard/engine/_replay.c (a prepared schedule's
  * tables, a whole refit a call). row_ok checks one row against the sizes of the buffers it names;
- * copy_row moves the bytes of a row row_ok accepted. Sizes come from the buffers, never from the table.
+ * copy_row moves the bytes of a row row_ok accepted; cast_row_ok and cast_row do the same for the float32 <->
+ * bfloat16 cast rows. Sizes come from the buffers, never from the table.
  */
 #ifndef JRESHARD_ROWS_H
 #define JRESHARD_ROWS_H
 #include <stdint.h>
 #include <string.h>
 
+#include "../_bf16.h"
 #include "../_stream.h"
 
 /* kernels.py's columns; jreshard.schedule.kernels checks they agree before using this module. */
@@ -89,6 +91,126 @@ static inline void copy_row(const int64_t *r, const int64_t *addresses, char *st
             }
         }
         for (int64_t d = nd - 3; d >= 0; d--) {
+            if (++idx[d] < r[C_SHAPE0 + d]) {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+/* Cast rows (kernels.py's CAST column, here only the two casts a view's rows make on the way to and from the
+ * wire): a pack row reads float32 elements from its buffer (SHAPE counts elements, STRIDE is in bytes) and stages
+ * them as bfloat16, back to back; an unpack row reads bfloat16 from staging and writes float32 into its buffer.
+ * NBYTES is what the row takes in staging (2 bytes an element). The codes are kernels.chain_code's, which
+ * jreshard.schedule.kernels checks against CAST_F32_BF16 and CAST_BF16_F32 before it hands this module a cast
+ * row. Unaligned elements are read and written through memcpy. */
+#define CAST_F32_BF16 33 /* chain_code(("float32", "bfloat16")): a pack row */
+#define CAST_BF16_F32 18 /* chain_code(("bfloat16", "float32")): an unpack row */
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define JRESHARD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+#endif
+#endif
+#ifndef JRESHARD_CLONES
+#define JRESHARD_CLONES
+#endif
+
+/* Whether row r is a cast row of this direction that lies inside its buffer and inside staging. */
+static inline int cast_row_ok(const int64_t *r, const int64_t *addresses, const int64_t *sizes, int64_t buffers,
+                       int64_t staging_size, int unpack) {
+    int64_t b = r[C_BUF], nd = r[C_NDIM];
+    if (r[C_CAST] != (unpack ? CAST_BF16_F32 : CAST_F32_BF16) || b < 0 || b >= buffers || addresses[b] == 0 ||
+        nd < 1 || nd > MAX_DIMS || r[C_OFF] < 0 || r[C_STAGE] < 0) {
+        return 0;
+    }
+    int64_t count = 1, last = r[C_OFF], span, staged, end, stage_end;
+    for (int64_t d = 0; d < nd; d++) {
+        int64_t n = r[C_SHAPE0 + d], stride = r[C_STRIDE0 + d];
+        if (n < 0 || stride < 0 || __builtin_mul_overflow(count, n, &count)) {
+            return 0;
+        }
+        if (n > 0 && (__builtin_mul_overflow(n - 1, stride, &span) || __builtin_add_overflow(last, span, &last))) {
+            return 0;
+        }
+    }
+    if (__builtin_mul_overflow(count, 2, &staged) || staged != r[C_NBYTES]) {
+        return 0;
+    }
+    if (count == 0) {
+        return 1;
+    }
+    if (__builtin_add_overflow(last, 4, &end) || end > sizes[b] || __builtin_add_overflow(r[C_STAGE], staged, &stage_end) ||
+        stage_end > staging_size) {
+        return 0;
+    }
+    return 1;
+}
+
+JRESHARD_CLONES
+static void f32_to_bf16_run(const char *src, int64_t stride, char *dst, int64_t n) {
+    if (stride == 4) {
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t u;
+            memcpy(&u, src + 4 * i, 4);
+            uint16_t h = bf16_of_f32_bits(u);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i * stride, 4);
+        uint16_t h = bf16_of_f32_bits(u);
+        memcpy(dst + 2 * i, &h, 2);
+    }
+}
+
+JRESHARD_CLONES
+static void bf16_to_f32_run(const char *src, char *dst, int64_t stride, int64_t n) {
+    if (stride == 4) {
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, src + 2 * i, 2);
+            uint32_t u = f32_bits_of_bf16(h);
+            memcpy(dst + 4 * i, &u, 4);
+        }
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * i, 2);
+        uint32_t u = f32_bits_of_bf16(h);
+        memcpy(dst + i * stride, &u, 4);
+    }
+}
+
+/* Cast one row that cast_row_ok accepted: its innermost extent is a run of elements STRIDE bytes apart in the
+ * buffer, back to back in staging; the outer extents are walked in C order. */
+static inline void cast_row(const int64_t *r, const int64_t *addresses, char *staging, int unpack) {
+    int64_t nd = r[C_NDIM];
+    if (r[C_NBYTES] == 0) {
+        return;
+    }
+    char *base = (char *)(uintptr_t)addresses[r[C_BUF]] + r[C_OFF];
+    char *stage = staging + r[C_STAGE];
+    int64_t run = r[C_SHAPE0 + nd - 1], stride = r[C_STRIDE0 + nd - 1], outer = 1;
+    int64_t idx[MAX_DIMS] = {0};
+    for (int64_t d = 0; d + 1 < nd; d++) {
+        outer *= r[C_SHAPE0 + d];
+    }
+    for (int64_t o = 0; o < outer; o++, stage += 2 * run) {
+        char *at = base;
+        for (int64_t d = 0; d + 1 < nd; d++) {
+            at += idx[d] * r[C_STRIDE0 + d];
+        }
+        if (unpack) {
+            bf16_to_f32_run(stage, at, stride, run);
+        } else {
+            f32_to_bf16_run(at, stride, stage, run);
+        }
+        for (int64_t d = nd - 2; d >= 0; d--) {
             if (++idx[d] < r[C_SHAPE0 + d]) {
                 break;
             }
