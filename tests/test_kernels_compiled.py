@@ -391,3 +391,31 @@ def test_a_cast_row_outside_its_buffer_or_staging_is_refused_before_any_byte_mov
         return
     assert bad == 0
     assert shard.tolist() == [7] * 48 and staging.tolist() == [9] * 32
+
+
+@pytest.mark.parametrize(("lead", "stage", "transposed"), [(0, 0, False), (3, 5, False), (1, 2, True)])
+def test_large_cast_rows_take_the_streaming_stores_and_match(lead, stage, transposed):
+    """A pack's cast rows of more than the streaming threshold (runs of 2,050 elements, cast in chunks and streamed
+    to staging at odd offsets), and a transposed box (a run of strided elements), against numpy: the same bits, no
+    byte past staging touched; and their unpack back."""
+    rng = np.random.default_rng(lead)
+    shape = (300, 2100)
+    box = Box((7, 40), (300, 2090))
+    order = (1, 0) if transposed else (0, 1)
+    n = int(np.prod(shape)) + lead
+    _, shard = _guarded(4 * n, rng)
+    shard[:] = _f32_bits(rng, n).view(np.uint8)
+    pack = _cast_row(shape, box, order, lead, stage, ("float32", "bfloat16"))
+    staged = 2 * stage + int(pack[0, kernels.NBYTES])
+    assert staged - 2 * stage >= 1 << 20
+    got_whole, got = _guarded(staged, rng)
+    want_whole = got_whole.copy()
+    kernels.pack_cpu(pack, [shard], got)
+    kernels._pack_numpy(pack, [shard], want_whole[GUARD : GUARD + staged])
+    assert got_whole.tobytes() == want_whole.tobytes()
+    unpack = _cast_row(shape, box, order, lead, stage, ("bfloat16", "float32"))
+    into_whole, into = _guarded(4 * n, rng)
+    ref_whole = into_whole.copy()
+    kernels.unpack_cpu(unpack, got, [into])
+    kernels._unpack_numpy(unpack, got, [ref_whole[GUARD : GUARD + 4 * n]])
+    assert into_whole.tobytes() == ref_whole.tobytes()

@@ -92,7 +92,7 @@ static inline int64_t copy_compact(const int64_t *r, const int64_t *addr, char *
         for (int64_t d = 0; d < nd; d++) {
             full[C_SHAPE0 + d] = r[5 + 2 * d], full[C_STRIDE0 + d] = r[6 + 2 * d];
         }
-        cast_row(full, addr, staging, unpack);
+        cast_row(full, addr, staging, unpack, stream);
         return 5 + 2 * nd;
     }
     if (nd == 1) {

@@ -53,7 +53,7 @@ static PyObject *py_copy_rows(PyObject *self, PyObject *args) {
     for (Py_ssize_t k = 0; k < rows; k++) {
         const int64_t *r = table + COLUMNS * k;
         if (r[C_CAST]) {
-            cast_row(r, addresses, (char *)(uintptr_t)staging_p, unpack);
+            cast_row(r, addresses, (char *)(uintptr_t)staging_p, unpack, stream);
         } else {
             copy_row(r, addresses, (char *)(uintptr_t)staging_p, unpack, stream);
         }

@@ -186,9 +186,22 @@ static void bf16_to_f32_run(const char *src, char *dst, int64_t stride, int64_t 
     }
 }
 
+#define CAST_CHUNK 2048 /* elements a pack casts into the first level cache before it streams them out */
+
+/* A pack's run: cast into the cache, then streamed to staging (no read-for-ownership of the lines it writes). */
+static inline void f32_to_bf16_streamed(const char *src, int64_t stride, char *dst, int64_t n) {
+    uint16_t scratch[CAST_CHUNK];
+    for (int64_t i = 0; i < n; i += CAST_CHUNK) {
+        int64_t m = n - i < CAST_CHUNK ? n - i : CAST_CHUNK;
+        f32_to_bf16_run(src + i * stride, stride, (char *)scratch, m);
+        stream_copy(dst + 2 * i, (const char *)scratch, (size_t)(2 * m));
+    }
+}
+
 /* Cast one row that cast_row_ok accepted: its innermost extent is a run of elements STRIDE bytes apart in the
- * buffer, back to back in staging; the outer extents are walked in C order. */
-static inline void cast_row(const int64_t *r, const int64_t *addresses, char *staging, int unpack) {
+ * buffer, back to back in staging; the outer extents are walked in C order. With ``stream`` (a call that moves
+ * STREAM_MIN bytes or more) a pack's runs of STREAM_RUN staged bytes or more are streamed to staging. */
+static inline void cast_row(const int64_t *r, const int64_t *addresses, char *staging, int unpack, int stream) {
     int64_t nd = r[C_NDIM];
     if (r[C_NBYTES] == 0) {
         return;
@@ -207,6 +220,8 @@ static inline void cast_row(const int64_t *r, const int64_t *addresses, char *st
         }
         if (unpack) {
             bf16_to_f32_run(stage, at, stride, run);
+        } else if (stream && 2 * run >= STREAM_RUN) {
+            f32_to_bf16_streamed(at, stride, stage, run);
         } else {
             f32_to_bf16_run(at, stride, stage, run);
         }
