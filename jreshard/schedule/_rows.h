@@ -108,15 +108,6 @@ static inline void copy_row(const int64_t *r, const int64_t *addresses, char *st
 #define CAST_F32_BF16 33 /* chain_code(("float32", "bfloat16")): a pack row */
 #define CAST_BF16_F32 18 /* chain_code(("bfloat16", "float32")): an unpack row */
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define JRESHARD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#endif
-#endif
-#ifndef JRESHARD_CLONES
-#define JRESHARD_CLONES
-#endif
-
 /* Whether row r is a cast row of this direction that lies inside its buffer and inside staging. */
 static inline int cast_row_ok(const int64_t *r, const int64_t *addresses, const int64_t *sizes, int64_t buffers,
                        int64_t staging_size, int unpack) {
@@ -148,42 +139,33 @@ static inline int cast_row_ok(const int64_t *r, const int64_t *addresses, const 
     return 1;
 }
 
-JRESHARD_CLONES
-static void f32_to_bf16_run(const char *src, int64_t stride, char *dst, int64_t n) {
-    if (stride == 4) {
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t u;
-            memcpy(&u, src + 4 * i, 4);
-            uint16_t h = bf16_of_f32_bits(u);
-            memcpy(dst + 2 * i, &h, 2);
-        }
-        return;
-    }
+/* One run of n elements, ``stride`` bytes apart in the buffer, back to back in staging. Inlined twice into each
+ * clone below: with the stride of contiguous float32 (a constant the compiler vectorises) and with any other. */
+static inline __attribute__((always_inline)) void cast_run(char *buf, int64_t stride, char *stage, int64_t n,
+                                                           int unpack) {
     for (int64_t i = 0; i < n; i++) {
         uint32_t u;
-        memcpy(&u, src + i * stride, 4);
-        uint16_t h = bf16_of_f32_bits(u);
-        memcpy(dst + 2 * i, &h, 2);
+        uint16_t h;
+        if (unpack) {
+            memcpy(&h, stage + 2 * i, 2);
+            u = f32_bits_of_bf16(h);
+            memcpy(buf + i * stride, &u, 4);
+        } else {
+            memcpy(&u, buf + i * stride, 4);
+            h = bf16_of_f32_bits(u);
+            memcpy(stage + 2 * i, &h, 2);
+        }
     }
 }
 
 JRESHARD_CLONES
+static void f32_to_bf16_run(const char *src, int64_t stride, char *dst, int64_t n) {
+    stride == 4 ? cast_run((char *)src, 4, dst, n, 0) : cast_run((char *)src, stride, dst, n, 0);
+}
+
+JRESHARD_CLONES
 static void bf16_to_f32_run(const char *src, char *dst, int64_t stride, int64_t n) {
-    if (stride == 4) {
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, src + 2 * i, 2);
-            uint32_t u = f32_bits_of_bf16(h);
-            memcpy(dst + 4 * i, &u, 4);
-        }
-        return;
-    }
-    for (int64_t i = 0; i < n; i++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * i, 2);
-        uint32_t u = f32_bits_of_bf16(h);
-        memcpy(dst + i * stride, &u, 4);
-    }
+    stride == 4 ? cast_run(dst, 4, (char *)src, n, 1) : cast_run(dst, stride, (char *)src, n, 1);
 }
 
 #define CAST_CHUNK 2048 /* elements a pack casts into the first level cache before it streams them out */

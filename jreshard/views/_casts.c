@@ -15,15 +15,6 @@
 
 #include "../_bf16.h"
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define JRESHARD_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-#endif
-#endif
-#ifndef JRESHARD_CLONES
-#define JRESHARD_CLONES
-#endif
-
 JRESHARD_CLONES
 static void f32_to_bf16_rows(const char *src, Py_ssize_t src_stride, char *dst, Py_ssize_t dst_stride,
                              Py_ssize_t rows, Py_ssize_t cols) {
