@@ -13,10 +13,11 @@ refit's arena out again). So, the way ``jax.jit`` prepares a computation, the en
   (:func:`addresses`); requests whose buffer moved are re-made (:meth:`PreparedGroups.bind`), and every
   descriptor row is checked again against the buffer sizes whenever one changed, so nothing ever writes
   through a stale pointer or past a buffer's end. Then the operations run: in one compiled call with the
-  GIL released (``_replay.c``) where the buffers are host memory moved by the compiled byte rows and the
-  transport gave the C functions that start and poll its requests, else in a Python loop over the same
-  operations (casting tables, GPU buffers, transports that post each group afresh). Prepared groups that
-  observe the step (:attr:`PreparedGroups.observes`: a refit's digests) have their hooks called before each
+  GIL released (``_replay.c``) where the buffers are host memory moved by the compiled rows (bytes, and the
+  float32 <-> bfloat16 casts) and the transport gave the C functions that start and poll its requests, else in
+  a Python loop over the same operations (tables of other casts, GPU buffers, transports that post each group
+  afresh). Prepared groups that observe the step (:attr:`PreparedGroups.observes`: a refit's digests) have
+  their hooks called before each
   start, before each wait and after it; the compiled replay then runs in parts cut there, and each hook is
   told how long the bytes it may read stay as they are (:attr:`Ops.kept`).
 
