@@ -140,30 +140,37 @@ def _cast(a: Any, dtype: DType) -> Any:
     return a.astype(dtype)
 
 
+_CAST_CHUNK = 64  # leaves of one kind cast by one jitted call (compiling more at once costs more than it saves)
+
+
 def _cast_all(arrays: list[Any], dtypes: list[DType]) -> list[Any]:
-    """``[_cast(a, d) ...]``, with the arrays of each device set cast in one jitted call (compiled once per tree
-    of shapes, dtypes and shardings, as jax caches it): one dispatch per call instead of one per leaf, the same
-    ``convert_element_type`` per leaf, bit for bit. A lone array, or a zero-size one, is cast on its own."""
+    """``[_cast(a, d) ...]``, with the arrays of each kind (shape, dtype, sharding and the dtype cast to) cast
+    :data:`_CAST_CHUNK` at a time by one jitted call: one dispatch per chunk instead of one per leaf, the same
+    ``convert_element_type`` per leaf, bit for bit. Chunks of one kind share one compiled computation (and a last,
+    shorter one its own), so a tree of many like leaves compiles a few small computations, once. A lone array,
+    or a zero-size one, is cast on its own."""
     out = list(arrays)
-    groups: dict[frozenset, list[int]] = {}
+    kinds: dict[tuple, list[int]] = {}
     for i, a in enumerate(arrays):
         if math.prod(a.shape):
-            groups.setdefault(frozenset(a.sharding.device_set), []).append(i)
+            to = np.dtype(jax.dtypes.canonicalize_dtype(dtypes[i]))
+            kinds.setdefault((a.shape, a.dtype, a.sharding, to), []).append(i)
         else:
             out[i] = _cast(a, dtypes[i])
-    for picked in groups.values():
+    for (*_, to), picked in kinds.items():
         if len(picked) == 1:
-            out[picked[0]] = _cast(arrays[picked[0]], dtypes[picked[0]])
+            out[picked[0]] = _cast(arrays[picked[0]], to)
             continue
-        names = tuple(np.dtype(jax.dtypes.canonicalize_dtype(dtypes[i])) for i in picked)
-        for i, a in zip(picked, _cast_jitted([arrays[i] for i in picked], names), strict=True):
-            out[i] = a
+        for k in range(0, len(picked), _CAST_CHUNK):
+            chunk = picked[k : k + _CAST_CHUNK]
+            for i, a in zip(chunk, _cast_jitted([arrays[i] for i in chunk], to), strict=True):
+                out[i] = a
     return out
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _cast_jitted(arrays: list[Any], dtypes: tuple[np.dtype, ...]) -> list[Any]:
-    return [a.astype(d) for a, d in zip(arrays, dtypes, strict=True)]
+def _cast_jitted(arrays: list[Any], dtype: np.dtype) -> list[Any]:
+    return [a.astype(dtype) for a in arrays]
 
 
 def _bits(dtype: DType) -> int:
