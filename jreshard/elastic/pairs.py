@@ -316,7 +316,6 @@ def run_pair(
     options: Options,
     costs: list | None = None,
     delta: DeltaRefit | None = None,
-    landed: bool = False,
 ) -> tuple[dict, ExecStats]:
     """Run ``process``'s side of ``pair`` over NIXL: the only call into the engine.
 
@@ -335,18 +334,17 @@ def run_pair(
       costs: if given, the refit's :class:`~jreshard.engine.digest.DigestCost` on this process is appended
         (every message is MACed: :mod:`jreshard.elastic.verify`).
       delta: send what changed since the receivers' bases (:mod:`jreshard.elastic.delta`); both ends alike.
-      landed: a destination gets its new shards as the buffers they landed in
-        (:data:`~jreshard.engine.driver.Landed`), for the caller to make whole arrays over them
-        (:func:`~jreshard.engine.driver.landed_array`).
 
     Returns:
-      ``({(tensor, rank): new single-device array}, engine statistics)``: the arrays on a destination
-      (fresh buffers), ``{}`` on a source; the statistics count the bytes this process's ranks sent.
+      ``({(tensor, rank): landed shard}, engine statistics)``: on a destination its new shards as the buffers they
+      landed in (:data:`~jreshard.engine.driver.Landed`), for the caller to make whole arrays over them
+      (:func:`~jreshard.engine.driver.landed_array`); ``{}`` on a source. The statistics count the bytes this
+      process's ranks sent.
     """
     from jreshard.call.routes import kit
     from jreshard.elastic.verify import PairDigests
     from jreshard.engine.buffers import CpuBuffers
-    from jreshard.engine.driver import receive_schedule, run_schedule, schedule_local
+    from jreshard.engine.driver import receive_schedule, schedule_local
 
     NixlAgent, NixlComm = kit("nixl").agent, kit("nixl").comm
 
@@ -373,7 +371,6 @@ def run_pair(
                 targets,
                 options=options,
                 delta=delta,
-                landed=landed,
             )
         else:
             # The per-process schedule, as every message-passing path runs: this process's rounds, agreed with
@@ -381,13 +378,10 @@ def run_pair(
             tensors = pair.plan.tensors
             layouts = [(t.src, t.dst) for t in tensors]
             _, _, sched = schedule_local(layouts, list(pair.names), pair.topology, options, comm)
-            if landed:
-                got, _, stats = receive_schedule(
-                    tensors, sched, digests.comm, sources, targets, options=options, buffers=CpuBuffers(), delta=delta
-                )
-                out = (got, stats)
-            else:
-                out = run_schedule(tensors, sched, digests.comm, sources, targets, options=options, delta=delta)
+            got, _, stats = receive_schedule(
+                tensors, sched, digests.comm, sources, targets, options=options, buffers=CpuBuffers(), delta=delta
+            )
+            out = (got, stats)
     except BaseException:
         digests.abandon()
         raise

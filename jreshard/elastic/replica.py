@@ -431,9 +431,8 @@ class ElasticReplica:
         refit = self._deltas.refit(delta and not peer, 1)  # the unit comes with each chunk
         # each leaf made at once over the buffers its shards landed in (plain arrays and views alike)
         shards, _ = run_pair(
-            pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs, delta=refit,
-            landed=True,
-        )  # fmt: skip
+            pair, pair.n_src + self._index, chs, shards=targets, options=self.options, costs=costs, delta=refit
+        )
         self._deltas.staged(version)
         index = {n: t for t, n in enumerate(pair.dst_names)}
         base = pair.bases[pair.n_src + self._index]

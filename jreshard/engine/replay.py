@@ -17,9 +17,8 @@ refit's arena out again). So, the way ``jax.jit`` prepares a computation, the en
   float32 <-> bfloat16 casts) and the transport gave the C functions that start and poll its requests, else in
   a Python loop over the same operations (tables of other casts, GPU buffers, transports that post each group
   afresh). Prepared groups that observe the step (:attr:`PreparedGroups.observes`: a refit's digests) have
-  their hooks called before each
-  start, before each wait and after it; the compiled replay then runs in parts cut there, and each hook is
-  told how long the bytes it may read stay as they are (:attr:`Ops.kept`).
+  their hooks called before each start, before each wait and after it; the compiled replay then runs in parts
+  cut there, and each hook is told how long the bytes it may read stay as they are (:attr:`Ops.kept`).
 
 Every wait stays bounded by ``timeout_s`` from its group's start, as in the Python loop; a failure gives the
 posted group up (the communicator is then broken) and raises what the transport raises.
@@ -250,11 +249,9 @@ def _compiled_casts(table: np.ndarray, code: int) -> bool:
     casts = table[:, kernels.CAST]
     if not casts.any():
         return True
-    assert _native is not None
-    pack, unpack = kernels.chain_code(("float32", "bfloat16")), kernels.chain_code(("bfloat16", "float32"))
-    if (getattr(_native, "CAST_F32_BF16", None), getattr(_native, "CAST_BF16_F32", None)) != (pack, unpack):
-        return False  # pragma: no cover - a stale build
-    return bool(((casts == 0) | (casts == (pack if code == PACK else unpack))).all())
+    if not kernels.compiled_cast_codes(_native):  # pragma: no cover - a stale build
+        return False
+    return bool(((casts == 0) | (casts == (kernels.PACK_CAST if code == PACK else kernels.UNPACK_CAST))).all())
 
 
 def _compact(table: np.ndarray) -> np.ndarray:

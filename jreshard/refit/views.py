@@ -100,7 +100,6 @@ def run_group(
     options: Options,
     given: Mapping[tuple[int, int], Any] | None = None,
     delta: DeltaRefit | None = None,
-    landed: bool = False,
 ) -> tuple[dict[tuple[int, int], Any], ExecStats]:
     """This process's ranks (``comm.local_ranks``) of ``vs`` through the one round loop, into fresh buffers
     (or into ``given`` ones).
@@ -113,14 +112,13 @@ def run_group(
       targets: ``{(destination leaf, rank): jax device}`` of the destination shards this process makes.
       options: chunking, staging, ``timeout_s``.
       given: ``{(destination leaf, rank): 1-D uint8 buffer}`` to write into instead of fresh buffers
-        (a receiving endpoint's); those come back as the buffers themselves, not jax arrays.
+        (a receiving endpoint's); those come back as the buffers themselves.
       delta: send what changed since the receivers' bases (:mod:`jreshard.engine.deltarounds`).
-      landed: the fresh shards come back as the buffers they landed in (:data:`~jreshard.engine.driver.Landed`:
-        ``(buffer, shape, dtype, device)``), for the caller to make whole arrays over them
-        (:func:`~jreshard.engine.driver.landed_array`), instead of single-device arrays.
 
     Returns:
-      ``({(destination leaf, rank): new single-device jax array}, this process's engine statistics)``.
+      ``({(destination leaf, rank): shard}, this process's engine statistics)``: a fresh shard as the buffer it
+      landed in (:data:`~jreshard.engine.driver.Landed`: ``(buffer, shape, dtype, device)``), for the caller to make
+      whole arrays over (:func:`~jreshard.engine.driver.landed_array`); a given one as its buffer.
     """
     from jreshard.engine.buffers import CpuBuffers
     from jreshard.engine.viewrun import run_view_schedule
@@ -152,11 +150,8 @@ def run_group(
         devices=devices,
         delta=delta,
     )
-    out: dict[tuple[int, int], Any] = {}
-    for (t, r), buf in dst.items():
-        if (t, r) in given:
-            out[(t, r)] = buf
-            continue
-        made = (buf, gv.dsts[t].box_of(r).shape, gv.dsts[t].np_dtype, targets[(t, r)])
-        out[(t, r)] = made if landed else backend.import_shard(*made)
+    out = {
+        (t, r): buf if (t, r) in given else (buf, gv.dsts[t].box_of(r).shape, gv.dsts[t].np_dtype, targets[(t, r)])
+        for (t, r), buf in dst.items()
+    }
     return out, stats

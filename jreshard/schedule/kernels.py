@@ -78,9 +78,11 @@ __all__ = [
     "NBYTES",
     "NDIM",
     "OFF",
+    "PACK_CAST",
     "SHAPE0",
     "STAGE",
     "STRIDE0",
+    "UNPACK_CAST",
     "build_copy_tables",
     "chain_code",
     "chain_of",
@@ -88,6 +90,7 @@ __all__ = [
     "build_table",
     "byte_box",
     "byte_shape",
+    "compiled_cast_codes",
     "compiled_rows",
     "copy_cpu",
     "pack_cpu",
@@ -454,14 +457,18 @@ _ROWS = (
     else None
 )
 _NO_ROWS = np.zeros((0, COLUMNS), np.int64)
-# The cast rows the compiled kernel runs: a pack's float32 -> bfloat16, an unpack's bfloat16 -> float32 (where the
-# build has them and its codes are this module's).
-_PACK_CAST, _UNPACK_CAST = chain_code(("float32", "bfloat16")), chain_code(("bfloat16", "float32"))
-_CAST_ROWS = (
-    _ROWS is not None
-    and getattr(_ROWS, "CAST_F32_BF16", None) == _PACK_CAST
-    and getattr(_ROWS, "CAST_BF16_F32", None) == _UNPACK_CAST
-)
+PACK_CAST, UNPACK_CAST = chain_code(("float32", "bfloat16")), chain_code(("bfloat16", "float32"))
+"""The ``CAST`` codes of the cast rows the compiled kernels run (``_rows.h``): a pack's float32 -> bfloat16 and an
+unpack's bfloat16 -> float32."""
+
+
+def compiled_cast_codes(module: ModuleType | None) -> bool:
+    """Whether a compiled module (``_rows``, ``_replay``) was built with this module's cast codes."""
+    got = (getattr(module, "CAST_F32_BF16", None), getattr(module, "CAST_BF16_F32", None))
+    return module is not None and got == (PACK_CAST, UNPACK_CAST)
+
+
+_CAST_ROWS = compiled_cast_codes(_ROWS)
 
 
 def compiled_rows() -> bool:
@@ -491,7 +498,7 @@ def _split(
         return None, table
     t, take, named, kept, rest, casts = _byte_rows(table)
     resplit = False  # a buffer that is not flat, or a cast of the other direction: its rows go to numpy
-    other = _PACK_CAST if unpack else _UNPACK_CAST  # a pack's cast in an unpack, or the reverse
+    other = PACK_CAST if unpack else UNPACK_CAST  # a pack's cast in an unpack, or the reverse
     if other in casts:
         take, resplit = take & (t[:, CAST] != other), True
     addresses = np.zeros(len(buffers), np.int64)
@@ -551,7 +558,7 @@ def _byte_rows(
     take = (t[:, CAST] == 0) & (t[np.arange(len(t)), STRIDE0 + nd - 1] == 1)
     casts: frozenset[int] = frozenset()
     if _CAST_ROWS:  # (each direction's own: _split drops the other's)
-        cast = (t[:, CAST] == _PACK_CAST) | (t[:, CAST] == _UNPACK_CAST)
+        cast = (t[:, CAST] == PACK_CAST) | (t[:, CAST] == UNPACK_CAST)
         take |= cast
         casts = frozenset(np.unique(t[cast, CAST]).tolist())
     take.setflags(write=False)
