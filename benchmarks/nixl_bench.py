@@ -98,6 +98,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
 
     from jreshard import Options, RefitGroup
     from jreshard.engine.digest import DigestComm
+    from jreshard.refit import boxes
 
     shapes = tree_shapes(mib)
     devs = jax.devices()
@@ -112,7 +113,9 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
         }
         sharding = {k: NamedSharding(mesh, spec[k]) for k in shapes}
     like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding[k]) for k, s in shapes.items()}
-    opts = Options(timeout_s=120.0, chunk_bytes=8 << 20, staging_bytes=64 << 20, delta="off")  # every refit whole
+    # every refit whole; messages of at most 1 MiB in every group, as a digested refit cuts them (boxes.digested),
+    # so that a row with digests and one without move the same messages
+    opts = Options(timeout_s=120.0, chunk_bytes=boxes.DIGEST_CHUNK, staging_bytes=64 << 20, delta="off")
     groups = {
         "mpi": RefitGroup(role, like, options=opts),
         "mpi-observed": RefitGroup(role, like, options=opts),

@@ -558,6 +558,90 @@ def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_sc
     comm.inner.close()
 
 
+class _ByMessage(_Watched):
+    """:class:`_Watched` that asks for every message (:attr:`PreparedGroups.by_message`) and checks each hand-over:
+    a send's bytes when packed are those it has as its group starts (final), a receive's when unpacked are those
+    that landed (nothing wrote them since); each message is handed over once a step."""
+
+    by_message = True
+
+    def __init__(self, inner, groups, native: bool):
+        super().__init__(inner, groups, native)
+        self.handed: list[tuple[str, int, int]] = []
+        self._packed: dict[tuple[int, int], bytes] = {}
+        self._landed: dict[int, list[bytes]] = {}
+
+    def packed(self, group, sends):
+        rows = self._groups[group][0]
+        for k in sends:
+            self.handed.append(("send", group, k))
+            self._packed[group, k] = self._bytes([rows[k]])[0]
+
+    def starting(self, group, sends_kept):
+        rows = self._groups[group][0]
+        for k, b in enumerate(self._bytes(rows)):
+            assert self._packed.pop((group, k)) == b, f"send {k} of group {group} changed after it was handed over"
+        super().starting(group, sends_kept)
+
+    def landed(self, group, recvs_kept):
+        super().landed(group, recvs_kept)
+        self._landed[group] = self._bytes(self._groups[group][1])
+
+    def unpacked(self, group, recvs):
+        rows = self._groups[group][1]
+        for k in recvs:
+            self.handed.append(("recv", group, k))
+            assert self._bytes([rows[k]])[0] == self._landed[group][k], f"receive {k} of group {group} was overwritten"
+
+
+class _ByMessageComm(_WatchedComm):
+    def prepare(self, groups):
+        p = _ByMessage(self.inner.prepare(groups), groups, self.native)
+        self.prepared.append(p)
+        return p
+
+
+@pytest.mark.parametrize("mode", MODES)
+@given(
+    st.sampled_from([(None, "x"), ("x", None)]),
+    st.sampled_from([(None, "tp"), ("tp", None)]),
+    st.sampled_from([64, 256]),
+    st.integers(2, 8),
+)
+def test_groups_that_read_every_message_get_each_once_final_and_as_landed(mode, src_spec, dst_spec, chunk, staging):
+    """By message (:attr:`PreparedGroups.by_message`), every send and receive of every group is handed over exactly
+    once a step, a send with its final bytes (right after its last pack where the packs are compiled), a receive
+    as it landed (right after its last unpack); the cut operations write the same bytes, and their packs are the
+    whole packs' rows, cut."""
+    src = Layout.from_mesh(np.arange(4), ("x",), src_spec, (24, 40), "float32")
+    dst = Layout.from_mesh(np.arange(2, 6).reshape(2, 2), ("dp", "tp"), dst_spec, (24, 40), "float32")
+    pairs, topo = [(src, dst)], Topology.uniform(range(8), domain_size=4)
+    opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging)
+    sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
+    comm = _ByMessageComm(_self_comm(topo), mode == "compiled")
+    for step in range(2):
+        g = [_global(src, step)]
+        out = _dst(pairs)
+        _step(sched, comm, _src(pairs, g), out, opts, _NoRows() if mode == "python" else None)
+        _check(pairs, g, out)
+    (watched,) = comm.prepared
+    r = _replay_of(comm)
+    _counted(r, mode, 2)
+    every = sorted(
+        (what, gr, k)
+        for gr, (sends, recvs) in enumerate(r.ops.groups)
+        for what, rows in (("send", sends), ("recv", recvs))
+        for k in range(len(rows))
+    )
+    assert sorted(watched.handed) == sorted(every * 2)  # each message once a step
+    if mode != "python" and replay.compiled_replay():
+        fine = replay.by_message(r.ops)
+        assert fine is not None and (fine.after or fine.unpacked)  # packs and unpacks cut at messages
+        whole = {tuple(row) for op in r.ops.ops if op[0] in (replay.PACK, replay.UNPACK) for row in op[1].tolist()}
+        assert all(tuple(row) in whole for t in fine.tables[::2] for row in t.tolist())  # the whole ops' rows, cut
+    comm.inner.close()
+
+
 class _PythonLoop(_Wrapping):
     """``inner``, its prepared groups without the compiled replay (the replay's Python loop runs them)."""
 

@@ -211,7 +211,15 @@ def pair_plan(
       ValueError: ``options.chunk_bytes`` is below an item on the wire of the views.
     """
     key = json.dumps([_decls(src, dst, peer=peer), len(src), sorted(links.items())], sort_keys=True)
-    return _pair_plan(key, dataclasses.replace(options, relays=False))
+    return _pair_plan(key, _planned(options))
+
+
+def _planned(options: Options) -> Options:
+    """The options a pair is scheduled with: relays off, and messages cut small enough to digest each in the cache
+    (every message of a pair is MACed: :func:`jreshard.refit.boxes.digested`)."""
+    from jreshard.refit import boxes
+
+    return boxes.digested(dataclasses.replace(options, relays=False))
 
 
 @functools.lru_cache(maxsize=64)
@@ -357,7 +365,7 @@ def run_pair(
     # the destination compares before anything is staged (jreshard.elastic.verify)
     digests = PairDigests.start(pair, process, channels, comm, options)
     comm.tags = digests.digests is None  # the box MACs check every message
-    options = dataclasses.replace(options, relays=False)
+    options = _planned(options)
     sources, targets = (shards, {}) if source else ({}, shards)
     try:
         if pair.views is not None:

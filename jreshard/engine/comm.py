@@ -198,6 +198,14 @@ class PreparedGroups(abc.ABC):
     group (prepared groups that digest what crosses, :class:`~jreshard.engine.digest.DigestComm`'s): the compiled
     replay then runs its operations in parts, back in Python around every start and wait."""
 
+    @property
+    def by_message(self) -> bool:
+        """Whether the replay hands every message to :meth:`packed` or :meth:`unpacked` (where :attr:`observes`;
+        read every step): a send as soon as its last pack ran, a receive as soon as its last unpack ran, so that what
+        observes the step reads every message while it is in the cache (the replay then cuts its packs and
+        unpacks at messages). Default: no."""
+        return False
+
     @abc.abstractmethod
     def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
         """Point the requests at this step's buffers: ``addresses`` and byte ``sizes`` (``-1``: no buffer) per
@@ -232,6 +240,16 @@ class PreparedGroups(abc.ABC):
     def landed(self, group: int, recvs_kept: int) -> None:  # noqa: B027 - optional hook, not abstract
         """The wait of group ``group`` returned (where :attr:`observes`): its receives landed, and stay as they
         landed through the hook point ``recvs_kept`` (:func:`hook_point`; at least this one)."""
+
+    def packed(self, group: int, sends: Sequence[int]) -> None:  # noqa: B027 - optional hook, not abstract
+        """(Where :attr:`by_message`.) The last pack that writes the sends ``sends`` of group ``group`` (indices of
+        its send rows) just ran: their bytes are final, and stay so through the group's :meth:`landed`. Packs of
+        their buffer that run before it is started are written with plain stores (they are read again now)."""
+
+    def unpacked(self, group: int, recvs: Sequence[int]) -> None:  # noqa: B027 - optional hook, not abstract
+        """(Where :attr:`by_message`.) The last unpack that reads the receives ``recvs`` of group ``group`` just ran
+        (or none does, and the group just landed): they hold what landed, and nothing writes them before this
+        hook returns."""
 
     @abc.abstractmethod
     def abort(self, group: int, why: str) -> None:
@@ -279,6 +297,14 @@ class WrappedGroups(PreparedGroups):
     def landed(self, group: int, recvs_kept: int) -> None:
         if self._inner.observes:
             self._inner.landed(group, recvs_kept)
+
+    def packed(self, group: int, sends: Sequence[int]) -> None:
+        if self._inner.observes:
+            self._inner.packed(group, sends)
+
+    def unpacked(self, group: int, recvs: Sequence[int]) -> None:
+        if self._inner.observes:
+            self._inner.unpacked(group, recvs)
 
     def abort(self, group: int, why: str) -> None:
         self._inner.abort(group, why)

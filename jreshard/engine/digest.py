@@ -212,17 +212,16 @@ class DigestComm(Communicator):
     waits for the last ones (raising a digest's failure) and :meth:`end` stops. Made once per group and kept
     (replays are cached per communicator).
 
-    Where the digests run. By default in the caller's thread, where it would otherwise wait for its peers. In a
-    prepared refit (the transport's prepared groups, replayed in the compiled loop where it has one, see
-    ``_DigestPrepared``): a group's sends just before its wait, after the packs that run while it is posted,
-    while its bytes are on the wire; its receives, where the schedule leaves them as they landed that long,
-    just before the next group's wait, while that group's bytes move (else as they landed). Each group posted
-    afresh: its sends just before it is posted, its receives as it completed. With :attr:`overlap` set, on a
-    worker thread instead (the MAC and the hash release the GIL), each started as soon as its bytes are final
-    and joined before anything may write them again. On the 2-core development machine, loaded, the worker made
-    the refit slower than inline (``benchmarks/nixl_bench.py``, rows ``nixl-overlap`` and
-    ``mpi-verify-overlap``), so inline is the default; the worker may pay where a core is free for it (not
-    measured). The time the caller waited for digests is :attr:`DigestCost.waited_s` (inline: all of it).
+    Where the digests run. By default in the caller's thread. In a prepared refit (the transport's prepared groups,
+    replayed in the compiled loop where it has one, see ``_DigestPrepared``), message by message while each is in
+    the cache: a send right after the pack that wrote it last (written with plain stores for that), a receive right
+    after the unpack that read it last (a 1 MiB message, as a digested refit cuts them: ``jreshard.refit.boxes``).
+    Each group posted afresh: its sends just before it is posted, its receives as it completed. With
+    :attr:`overlap` set, on a worker thread instead (the MAC and the hash release the GIL), each started at the
+    same place and joined before anything may write it again. On the 2-core development machine the worker made
+    the refit slower than inline (``benchmarks/nixl_bench.py``, rows ``nixl-overlap`` and ``mpi-verify-overlap``),
+    so inline is the default; the worker may pay where a core is free for it (not measured). The time the caller
+    waited for digests is :attr:`DigestCost.waited_s` (inline: all of it).
 
     Args:
       inner: the transport's communicator.
@@ -367,29 +366,27 @@ class _DigestPosted(Posted):
 
 
 class _DigestPrepared(WrappedGroups):
-    """The transport's prepared groups, observed (:attr:`PreparedGroups.observes`): the replay, compiled or from
-    Python, calls the hooks around each group's start and wait, and the messages are digested there, where this
-    process would otherwise wait for its peers:
+    """The transport's prepared groups, observed (:attr:`PreparedGroups.observes`) message by message
+    (:attr:`PreparedGroups.by_message`): the replay, compiled or from Python, hands each send over as soon as its
+    last pack ran (that pack then writes with plain stores, so the digest reads the bytes from the cache, not from
+    memory), each receive as soon as its last unpack ran (which read it into the cache); a message with no pack
+    (a forward from landed staging) as its group starts, one with no unpack as its group landed.
 
-    - a group's sends just before its wait: after the next round's packs, while its bytes are on the wire
-      (they cannot change until the wait returns);
-    - a group's receives, where the schedule keeps them as they landed through the next group's wait
-      (:attr:`Ops.kept <jreshard.engine.replay.Ops.kept>`), just before that wait: while the next group's
-      bytes move. Otherwise (the last group, or one whose buffers the step writes sooner) as they landed.
-
-    With :attr:`DigestComm.overlap`, each is started on the worker thread as soon as its bytes are final (the
-    sends before their group starts, the receives as they landed) and joined at the last hook before anything
-    may write them (``sends_kept``, ``recvs_kept``). It holds its communicator weakly: the replays are cached per
-    communicator, which must be free to go."""
+    Inline (the default) each is digested there. With :attr:`DigestComm.overlap`, each is started there on the
+    worker thread and joined at the last hook before anything may write it (``sends_kept``, ``recvs_kept``). It
+    holds its communicator weakly: the replays are cached per communicator, which must be free to go."""
 
     observes = True
+    by_message = True
 
     def __init__(self, comm: DigestComm, inner: PreparedGroups, groups: Sequence[Group]):
         super().__init__(inner)
         self._ref, self._groups = weakref.ref(comm), list(groups)
         self._buffers: Sequence[Any] = ()
-        self._later: list[tuple[int, int, int, Any]] = []  # receives kept for the next wait (inline)
         self._running: dict[int, list[concurrent.futures.Future]] = {}  # hook point -> digests to join there
+        self._sends: dict[int, list[concurrent.futures.Future]] = {}  # group -> its send digests, until it starts
+        self._recvs_kept: dict[int, int] = {}  # group -> the hook point through which its receives stay as landed
+        self._point = -1  # the last hook point passed this step
 
     @property
     def _comm(self) -> DigestComm:
@@ -400,58 +397,60 @@ class _DigestPrepared(WrappedGroups):
     def bind(self, addresses: np.ndarray, sizes: np.ndarray, buffers: Sequence[Any]) -> None:
         self._inner.bind(addresses, sizes, buffers)
         self._buffers = buffers
+        self._point = -1
 
     def finish(self) -> None:
         self._inner.finish()
         self._buffers = ()
-        self._later = []
-        running = [f for fs in self._running.values() for f in fs]
+        running = [f for fs in (*self._running.values(), *self._sends.values()) for f in fs]
         self._running.clear()
+        self._sends.clear()
+        self._recvs_kept.clear()
         concurrent.futures.wait(running)  # a failed step's digests read its buffers no longer (their errors dropped)
+
+    def packed(self, group: int, sends: Sequence[int]) -> None:
+        super().packed(group, sends)
+        comm = self._comm
+        if comm.digests is not None:
+            rows = self._groups[group][0]
+            fut = comm._submit([o for o in _ops([rows[k] for k in sends], self._buffers) if o[1] not in comm._mine])
+            if fut is not None:  # on the worker: joined where the group's start says its sends stay
+                self._sends.setdefault(group, []).append(fut)
+
+    def unpacked(self, group: int, recvs: Sequence[int]) -> None:
+        super().unpacked(group, recvs)
+        comm = self._comm
+        if comm.digests is not None:
+            rows = self._groups[group][1]
+            fut = comm._submit([o for o in _ops([rows[k] for k in recvs], self._buffers) if o[0] not in comm._mine])
+            self._keep(fut, self._recvs_kept.get(group, self._point))
 
     def starting(self, group: int, sends_kept: int) -> None:
         super().starting(group, sends_kept)
-        comm = self._comm
-        now = hook_point(group, STARTING)
-        self._join(now)
-        if comm._pool is not None and comm.digests is not None:
-            self._start(now, sends_kept, self._sends(group))
+        self._passed(hook_point(group, STARTING))
+        for fut in self._sends.pop(group, ()):
+            self._keep(fut, sends_kept)
 
     def waiting(self, group: int) -> None:
         super().waiting(group)
-        comm = self._comm
-        self._join(hook_point(group, WAITING))
-        if comm._pool is None and comm.digests is not None:
-            later, self._later = self._later, []
-            comm._submit(later + self._sends(group))  # not overlapped: digested now
+        self._passed(hook_point(group, WAITING))
 
     def landed(self, group: int, recvs_kept: int) -> None:
         super().landed(group, recvs_kept)
-        comm = self._comm
-        now = hook_point(group, LANDED)
-        self._join(now)
-        if comm.digests is None:
-            return
-        recvs = [o for o in _ops(self._groups[group][1], self._buffers) if o[0] not in comm._mine]
-        if comm._pool is not None:
-            self._start(now, recvs_kept, recvs)
-        elif recvs_kept >= hook_point(group + 1, WAITING):
-            self._later = recvs  # while the next group's bytes move
-        else:
-            comm._submit(recvs)
+        self._passed(hook_point(group, LANDED))
+        self._recvs_kept[group] = recvs_kept
 
-    def _sends(self, group: int) -> list[tuple[int, int, int, Any]]:
-        mine = self._comm._mine
-        return [o for o in _ops(self._groups[group][0], self._buffers) if o[1] not in mine]
-
-    def _start(self, now: int, point: int, ops: list[tuple[int, int, int, Any]]) -> None:
-        """Digest ``ops`` on the worker, joined at hook ``point`` (before this hook returns, where that is ``now``)."""
-        fut = self._comm._submit(ops)
-        if point <= now:
-            self._comm._join(fut)
-        elif fut is not None:
-            self._running.setdefault(point, []).append(fut)
-
-    def _join(self, point: int) -> None:
+    def _passed(self, point: int) -> None:
+        """Hook ``point`` is here: join what must end by it."""
+        self._point = point
         for fut in self._running.pop(point, ()):
             self._comm._join(fut)
+
+    def _keep(self, fut: concurrent.futures.Future | None, point: int) -> None:
+        """Join ``fut`` (a worker's digest, or ``None``) at hook ``point``, or now where that has passed."""
+        if fut is None:
+            return
+        if point <= self._point:
+            self._comm._join(fut)
+        else:
+            self._running.setdefault(point, []).append(fut)

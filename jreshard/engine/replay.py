@@ -30,8 +30,10 @@ prepares anew; a moved buffer re-makes only the requests that name it.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
+import itertools
 import threading
 import time
 import weakref
@@ -243,6 +245,148 @@ def _native_ops(ops: list[tuple], segments: Mapping[int, int], nbuf: int) -> tup
     return native, tuple(tables)
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class ByMessage:
+    """A compiled schedule's native operations cut at its messages, for prepared groups that read every message
+    while it is in the cache (:attr:`PreparedGroups.by_message`; final). Each message is handed to
+    :meth:`~PreparedGroups.packed` (a send) or :meth:`~PreparedGroups.unpacked` (a receive) exactly once:
+
+    - a send right after the last pack that writes it before its group starts (that pack's rows cut there, and
+      written with plain stores, not streamed past the cache), else as its group starts (its bytes come from
+      elsewhere: a forward from landed staging);
+    - a receive right after the last unpack that reads it before anything writes it again (the unpack's rows cut
+      there: the unpack read it into the cache, where the hook reads it again), else as its group landed.
+
+    Attributes:
+      native: the operations as ``_replay.c`` reads them: :attr:`Ops.native`, each pack and unpack cut into runs of
+        rows at those places (each run its own table and compacted rows, checked as the whole ones are).
+      after: native operation index -> ``[(group, sends)]`` packed whole by it.
+      unpacked: native operation index -> ``[(group, recvs)]`` it reads last.
+      sends: per group, the sends handed over as it starts (not packed in this step's operations).
+      recvs: per group, the receives handed over as it landed (no unpack reads them).
+      tables: the cut tables and their compacted rows (kept alive here).
+    """
+
+    native: np.ndarray
+    after: dict[int, list[tuple[int, tuple[int, ...]]]]
+    unpacked: dict[int, list[tuple[int, tuple[int, ...]]]]
+    sends: tuple[tuple[int, ...], ...]
+    recvs: tuple[tuple[int, ...], ...]
+    tables: tuple[np.ndarray, ...]
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+def by_message(ops: Ops) -> ByMessage | None:
+    """:class:`ByMessage` of ``ops`` (``None`` where it has no native operations)."""
+    if ops.native is None or _native is None:
+        return None
+    k = kernels
+    tables = {j: np.ascontiguousarray(op[1], np.int64) for j, op in enumerate(ops.ops) if op[0] in (PACK, UNPACK)}
+    spans = {j: (t[:, k.STAGE], t[:, k.STAGE] + t[:, k.NBYTES], t[:, k.NBYTES] > 0) for j, t in tables.items()}
+    # Per arena (an index of the step's buffer list), the operations that touch it in order: ("pack" | "unpack" |
+    # "lands", python op index); a group's receives land from its start (or exchange) on.
+    touches: dict[int, list[tuple[int, str, int]]] = collections.defaultdict(list)
+    start_at: dict[int, int] = {}
+    wait_at: dict[int, int] = {}
+    for j, op in enumerate(ops.ops):
+        if op[0] in (PACK, UNPACK):
+            touches[op[3]].append((j, "pack" if op[0] == PACK else "unpack", -1))
+        elif op[0] in (START, EXCHANGE):
+            start_at[op[1]] = j
+            for b in sorted({row[3] for row in ops.groups[op[1]][1]}):
+                touches[b].append((j, "lands", op[1]))
+        if op[0] in (WAIT, EXCHANGE):
+            wait_at[op[1]] = j
+    index = {b: [j for j, _, _ in ts] for b, ts in touches.items()}
+    cut_after: dict[int, dict[int, list[tuple[int, int]]]] = collections.defaultdict(dict)  # op -> row -> units
+    cut_unpacked: dict[int, dict[int, list[tuple[int, int]]]] = collections.defaultdict(dict)
+    rest_sends: list[list[int]] = [[] for _ in ops.groups]
+    rest_recvs: list[list[int]] = [[] for _ in ops.groups]
+
+    def overlapping(j: int, lo: int, hi: int) -> np.ndarray:
+        stage, end, nonempty = spans[j]
+        return np.nonzero((stage < hi) & (end > lo) & nonempty)[0]
+
+    def lands(g: int, b: int, lo: int, hi: int) -> bool:
+        return any(row[3] == b and row[4] < hi and row[4] + row[5] > lo and row[5] for row in ops.groups[g][1])
+
+    for g, (sends, recvs) in enumerate(ops.groups):
+        for m, (_, _, _, b, o, n) in enumerate(sends):  # the last write into it before its group starts
+            at, ts = bisect.bisect_left(index.get(b, []), start_at[g]), touches.get(b, [])
+            row = -1
+            for j, what, h in reversed(ts[:at]):
+                if what == "lands" and lands(h, b, o, o + n):
+                    break  # landed bytes: handed over as the group starts
+                hit = overlapping(j, o, o + n) if what == "pack" else _NO_ROWS
+                if len(hit):
+                    row = int(hit[-1])  # the pack that wrote it last
+                    break
+            if row < 0 or n == 0:
+                rest_sends[g].append(m)
+            else:
+                cut_after[j].setdefault(row, []).append((g, m))
+        for m, (_, _, _, b, o, n) in enumerate(recvs):  # the last unpack of it before anything writes it again
+            at, ts = bisect.bisect_right(index.get(b, []), wait_at[g]), touches.get(b, [])
+            row = last = -1
+            for j, what, h in ts[at:]:
+                if what == "lands" and lands(h, b, o, o + n):
+                    break  # written over
+                hit = overlapping(j, o, o + n) if what != "lands" else _NO_ROWS
+                if what == "pack" and len(hit):
+                    break  # packed over
+                if what == "unpack" and len(hit):
+                    row, last = int(hit[-1]), j
+            if row < 0 or n == 0:
+                rest_recvs[g].append(m)
+            else:
+                cut_unpacked[last].setdefault(row, []).append((g, m))
+
+    def units(us: list[tuple[int, int]]) -> list[tuple[int, tuple[int, ...]]]:
+        by: dict[int, list[int]] = {}
+        for g, m in us:
+            by.setdefault(g, []).append(m)
+        return [(g, tuple(ms)) for g, ms in sorted(by.items())]
+
+    out: list[np.ndarray] = []
+    kept: list[np.ndarray] = []
+    after: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    unpacked: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+    native = iter(ops.native)
+    for j, op in enumerate(ops.ops):
+        if op[0] == FENCE:
+            continue
+        nat = next(native)
+        cuts = cut_after.get(j) if op[0] == PACK else cut_unpacked.get(j) if op[0] == UNPACK else None
+        if op[0] == EXCHANGE:
+            out += [nat, next(native)]
+            continue
+        if not cuts:
+            out.append(nat)
+            continue
+        table = tables[j]
+        bounds = sorted({0, len(table)} | {r + 1 for r in cuts})
+        for lo, hi in itertools.pairwise(bounds):
+            sub = np.ascontiguousarray(table[lo:hi])
+            rows = _compact(sub)
+            kept += [sub, rows]
+            total = 0 if op[0] == PACK else int(sub[:, k.NBYTES].sum())  # packed to be read again: plain stores
+            out.append(np.array([nat[0], rows.ctypes.data, hi - lo, nat[3], nat[4], nat[5], total, sub.ctypes.data]))
+            if hi - 1 in cuts:
+                (after if op[0] == PACK else unpacked)[len(out) - 1] = units(cuts[hi - 1])
+    arr = np.array(out, np.int64).reshape(-1, _native.OP_WORDS)
+    arr.setflags(write=False)
+    return ByMessage(
+        native=arr,
+        after=after,
+        unpacked=unpacked,
+        sends=tuple(tuple(r) for r in rest_sends),
+        recvs=tuple(tuple(r) for r in rest_recvs),
+        tables=tuple(kept),
+    )
+
+
 def _compiled_casts(table: np.ndarray, code: int) -> bool:
     """Whether the compiled replay runs every cast row of a pack (``code`` :data:`PACK`) or unpack table: none, or
     only a pack's float32 -> bfloat16 or an unpack's bfloat16 -> float32 rows, with a build whose codes agree."""
@@ -320,6 +464,8 @@ class Replay:
         self._args: tuple | None = None
         self._empty: tuple[np.ndarray, np.ndarray] | None = None  # _no_groups
         self.intact = True  # whether the step wrote no destination byte before the rounds (no same-device copies)
+        self._by_message: ByMessage | None = None  # the operations cut at messages (_fine), once asked for
+        self._hook_times = np.zeros(5)  # where an observed step's hooks add their time
 
     def release(self) -> None:
         """Free the transport's prepared requests and graph."""
@@ -393,12 +539,14 @@ class Replay:
         assert _native is not None and self.ops.native is not None and self.prepared is not None
         n = self.prepared.native
         groups, copies = (n.groups, n.copies) if n is not None else self._no_groups()
-        ops = self.ops.native
         self._checked = None
-        bad = _native.validate(
-            ops.ctypes.data, len(ops), groups.ctypes.data, len(groups), copies.ctypes.data, len(copies),
-            addr.ctypes.data, size.ctypes.data, len(addr),
-        )  # fmt: skip
+        for ops in (self.ops.native, *([self._fine().native] if self.prepared.by_message else [])):
+            bad = _native.validate(
+                ops.ctypes.data, len(ops), groups.ctypes.data, len(groups), copies.ctypes.data, len(copies),
+                addr.ctypes.data, size.ctypes.data, len(addr),
+            )  # fmt: skip
+            if bad >= 0:
+                break
         if bad >= 0:
             k = bad - len(ops)
             what = f"operation {bad} ({ops[bad].tolist()})" if bad < len(ops) else f"in-process message {k}"
@@ -409,6 +557,71 @@ class Replay:
             )
         self._checked = size.copy()
         return True
+
+    def _fine(self) -> ByMessage:
+        """The operations cut at messages (:func:`by_message`, built on the first step that asks)."""
+        if self._by_message is None:
+            self._by_message = by_message(self.ops)
+        assert self._by_message is not None  # asked for only where there are native operations
+        return self._by_message
+
+    def _observed(
+        self,
+        ops: np.ndarray,
+        fine: ByMessage | None,
+        run: Callable[[int, int], None],
+        start_wait: Callable[[int], None],
+    ) -> None:
+        """The native operations ``ops`` of a step whose prepared groups observe it (:attr:`ByMessage.native` where
+        they read every message, ``fine``): ``run(lo, hi)`` runs operations ``lo:hi`` compiled, ``start_wait(at)``
+        the start or wait at ``at`` with its hooks; by message, each message is handed over after the pack or
+        unpack that wrote or read it last (the hook's time counts to that operation's phase)."""
+        prepared = self.prepared
+        assert prepared is not None
+        cuts = set(np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist())
+        if fine is not None:
+            cuts |= {*fine.after, *fine.unpacked}
+        times = self._hook_times
+        lo = 0
+        for at in sorted(cuts):
+            run(lo, at)
+            code = int(ops[at, 0])
+            if code == START or code == WAIT:
+                start_wait(at)
+            else:
+                phase = PHASE_PACK if code == PACK else PHASE_UNPACK
+                assert fine is not None
+                run(at, at + 1)
+                t = time.perf_counter()
+                for group, sends in fine.after.get(at, ()):
+                    prepared.packed(group, sends)
+                for group, recvs in fine.unpacked.get(at, ()):
+                    prepared.unpacked(group, recvs)
+                times[phase] += time.perf_counter() - t
+            lo = at + 1
+        run(lo, len(ops))
+
+    def _starting(self, group: int, fine: ByMessage | None) -> None:
+        """The hooks before group ``group`` starts: where the groups read every message, its sends not handed over
+        after their packs (``fine``: the step's operations cut at messages; ``None``: none was), then ``starting``."""
+        prepared = self.prepared
+        assert prepared is not None
+        if prepared.by_message:
+            rest = fine.sends[group] if fine is not None else tuple(range(len(self.ops.groups[group][0])))
+            if rest:
+                prepared.packed(group, rest)
+        prepared.starting(group, self.ops.kept[group][0])
+
+    def _landed(self, group: int, fine: ByMessage | None) -> None:
+        """The hooks after group ``group`` landed: ``landed``, then, where the groups read every message, its receives
+        not handed over after their unpacks (``fine`` as in :meth:`_starting`)."""
+        prepared = self.prepared
+        assert prepared is not None
+        prepared.landed(group, self.ops.kept[group][1])
+        if prepared.by_message:
+            rest = fine.recvs[group] if fine is not None else tuple(range(len(self.ops.groups[group][1])))
+            if rest:
+                prepared.unpacked(group, rest)
 
     def _run_native(self, timeout_s: float) -> np.ndarray:
         """The operations in the compiled loop: in one call, or, where the prepared groups observe the step
@@ -432,28 +645,31 @@ class Replay:
         fail[:] = 0
         tail = (int(timeout_s * 1e9), times.ctypes.data, fail.ctypes.data, self._posted.ctypes.data)
         if not prepared.observes:
-            self._run_part(0, len(ops), tail, timeout_s)
+            self._run_part(ops, 0, len(ops), tail, timeout_s)
             return times.copy()
-        lo = 0
-        kept = self.ops.kept
-        for at in np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist():
-            group, phase = int(ops[at, 1]), int(ops[at, 5])
-            self._run_part(lo, at, tail, timeout_s)
+        self._hook_times = times
+        fine = self._fine() if prepared.by_message else None
+        step = fine.native if fine is not None else ops
+
+        def run(lo: int, hi: int) -> None:
+            self._run_part(step, lo, hi, tail, timeout_s)
+
+        def start_wait(at: int) -> None:
+            group, phase = int(step[at, 1]), int(step[at, 5])
             t = time.perf_counter()
-            if ops[at, 0] == START:
-                prepared.starting(group, kept[group][0])
+            if step[at, 0] == START:
+                self._starting(group, fine)
                 times[phase] += time.perf_counter() - t
-                self._run_part(at, at + 1, tail, timeout_s)
+                run(at, at + 1)
             else:
                 _waiting(prepared, group)
                 times[phase] += time.perf_counter() - t
-                self._run_part(at, at + 1, tail, timeout_s)
+                run(at, at + 1)
                 t = time.perf_counter()
-                prepared.landed(group, kept[group][1])
+                self._landed(group, fine)
                 times[phase] += time.perf_counter() - t
-            lo = at + 1
-        if lo < len(ops):
-            self._run_part(lo, len(ops), tail, timeout_s)
+
+        self._observed(step, fine, run, start_wait)
         return times.copy()
 
     def _no_groups(self) -> tuple[np.ndarray, np.ndarray]:
@@ -475,7 +691,7 @@ class Replay:
         table again every step (its rows, buffers and addresses), this reads them from the step's address list."""
         assert _native is not None and self.prepared is not None and self.ops.native is not None
         assert self._arrays is not None
-        prepared, ops, kept = self.prepared, self.ops.native, self.ops.kept
+        prepared = self.prepared
         groups, copies = self._no_groups()
         addr, size, _ = self._arrays
         times = np.zeros(5)
@@ -484,26 +700,31 @@ class Replay:
             groups.ctypes.data, 0, copies.ctypes.data, 0, addr.ctypes.data, size.ctypes.data, len(addr),
             0, 0, 0, 0, 0, 0, 0, 0, 0, int(timeout_s * 1e9), times.ctypes.data, fail.ctypes.data, 0,
         )  # fmt: skip
+        fine = self._fine() if prepared.observes and prepared.by_message else None
+        ops = fine.native if fine is not None else self.ops.native
         started = -1
-        lo = 0
-        cuts = np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist()
-        for at in [*cuts, len(ops)]:
-            if at > lo:  # packs and unpacks only: no group is named, so the compiled code drives none
-                try:
-                    code = _native.run(ops.ctypes.data + lo * ops.strides[0], at - lo, *args)
-                    if code:  # (none of these operations waits on a group: no failure code is expected)
-                        raise TransferError(f"replay: the compiled packs and unpacks stopped with code {code}")
-                except BaseException as err:
-                    if started >= 0:
-                        prepared.abort(started, f"a pack failed while a group was posted: {err!r}")
-                    raise
-            if at == len(ops):
-                break
+
+        def run(
+            lo: int, hi: int
+        ) -> None:  # packs and unpacks only: no group is named, so the compiled code drives none
+            if hi <= lo:
+                return
+            try:
+                code = _native.run(ops.ctypes.data + lo * ops.strides[0], hi - lo, *args)
+                if code:  # (none of these operations waits on a group: no failure code is expected)
+                    raise TransferError(f"replay: the compiled packs and unpacks stopped with code {code}")
+            except BaseException as err:
+                if started >= 0:
+                    prepared.abort(started, f"a pack failed while a group was posted: {err!r}")
+                raise
+
+        def start_wait(at: int) -> None:
+            nonlocal started
             group, phase = int(ops[at, 1]), int(ops[at, 5])
             t = clock()
             if ops[at, 0] == START:
                 if prepared.observes:
-                    prepared.starting(group, kept[group][0])
+                    self._starting(group, fine)
                 prepared.start(group, timeout_s)
                 started = group
             else:
@@ -512,19 +733,30 @@ class Replay:
                 started = -1
                 prepared.wait(group)
                 if prepared.observes:
-                    prepared.landed(group, kept[group][1])
+                    self._landed(group, fine)
             times[phase] += clock() - t
+
+        if prepared.observes:
+            self._hook_times = times
+            self._observed(ops, fine, run, start_wait)
+            return times
+        lo = 0
+        for at in np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist():
+            run(lo, at)
+            start_wait(at)
             lo = at + 1
+        run(lo, len(ops))
         return times
 
-    def _run_part(self, lo: int, hi: int, tail: tuple, timeout_s: float) -> None:
-        """Operations ``lo:hi`` of the native operations in one compiled call."""
-        assert _native is not None and self.prepared is not None and self.ops.native is not None
+    def _run_part(self, ops: np.ndarray, lo: int, hi: int, tail: tuple, timeout_s: float) -> None:
+        """Operations ``lo:hi`` of the native operations ``ops`` (:attr:`Ops.native`, or cut by message) in one
+        compiled call."""
+        assert _native is not None and self.prepared is not None
         assert self._args is not None
         if hi <= lo:
             return
         fail = self._fail
-        start = self.ops.native.ctypes.data + lo * self.ops.native.strides[0]
+        start = ops.ctypes.data + lo * ops.strides[0]
         try:
             code = _native.run(start, hi - lo, *self._args, *tail)
         except BaseException:  # a signal while a group was posted: give it up, then let the exception go
@@ -572,20 +804,20 @@ class Replay:
             elif code == EXCHANGE:
                 if prepared is not None:
                     if observes:
-                        prepared.starting(op[1], self.ops.kept[op[1]][0])
+                        self._starting(op[1], None)
                     prepared.start(op[1], timeout_s)
                     if observes:
                         _waiting(prepared, op[1])
                     prepared.wait(op[1])
                     if observes:
-                        prepared.landed(op[1], self.ops.kept[op[1]][1])
+                        self._landed(op[1], None)
                 else:
                     sends, recvs = groups[op[1]]
                     comm.exchange_rows(sends, recvs, bases, timeout_s=timeout_s)
             elif code == START:
                 if prepared is not None:
                     if observes:
-                        prepared.starting(op[1], self.ops.kept[op[1]][0])
+                        self._starting(op[1], None)
                     prepared.start(op[1], timeout_s)
                     started = op[1]
                 else:
@@ -598,7 +830,7 @@ class Replay:
                     started = -1
                     prepared.wait(op[1])
                     if observes:
-                        prepared.landed(op[1], self.ops.kept[op[1]][1])
+                        self._landed(op[1], None)
                 else:
                     assert posted is not None
                     p, posted = posted, None

@@ -18,6 +18,7 @@ the destination boxes it fills; the version is not published anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -28,9 +29,27 @@ from jreshard.options import Options
 from jreshard.sharding.box import intersect
 from jreshard.sharding.layout import Layout
 
-__all__ = ["boxes_at", "check", "digests_for", "keyed", "mode", "new_nonce", "streams_of"]
+__all__ = ["DIGEST_CHUNK", "boxes_at", "check", "digested", "digests_for", "keyed", "mode", "new_nonce", "streams_of"]
 
 _MAC_LABEL = b"jreshard box mac "
+
+
+DIGEST_CHUNK = 1 << 20
+"""The largest message of a refit whose messages are digested: each is digested right after its last pack and
+just before its first unpack (:attr:`jreshard.engine.comm.PreparedGroups.by_message`), and a message of this size
+is still in the core's cache there (2 MiB of second-level cache a core on the machines measured); larger ones are
+read back from memory, at a third to a half of the digest's speed (``benchmarks/nixl_bench.py``)."""
+
+
+def digested(options: Options) -> Options:
+    """``options`` as a refit whose messages are digested schedules them: chunks of at most :data:`DIGEST_CHUNK`.
+
+    >>> digested(Options()).chunk_bytes == DIGEST_CHUNK, digested(Options(chunk_bytes=4096)).chunk_bytes
+    (True, 4096)
+    """
+    if options.chunk_bytes <= DIGEST_CHUNK:
+        return options
+    return dataclasses.replace(options, chunk_bytes=DIGEST_CHUNK)
 
 
 def mode(options: Options, sessions: Sequence[Any] | None, *, always: bool = False) -> str | None:

@@ -313,6 +313,8 @@ class RefitGroup:
             if _group is not None and comm is None:  # NIXL: the box MACs check every message
                 self._wire.tags = False
             self._comm = DigestComm(self._comm)
+        # the schedule's options: a digested refit cuts its messages small enough to digest them in the cache
+        self._planned = self.options if self._digest_kind is None else boxes.digested(self.options)
         self._nonce = ""
         self.digest_cost: DigestCost | None = None
         self._decl = mine
@@ -562,7 +564,7 @@ class RefitGroup:
             else:
                 if self._schedule is None:
                     _, _, self._schedule = schedule_local(
-                        self._pairs, self.names, self.topology, self.options, self._wire
+                        self._pairs, self.names, self.topology, self._planned, self._wire
                     )
                 _, shards, stats = receive_schedule(
                     self._tensors,
@@ -641,7 +643,7 @@ class RefitGroup:
         refit and kept): ``({(destination leaf, rank): new shard}, stats)``."""
         if self._view_schedule is None:
             self._view_schedule = schedule_group(
-                gv, self.lowerings, self.topology, self.options, pipelined=self._comm.pipelines_packs
+                gv, self.lowerings, self.topology, self._planned, pipelined=self._comm.pipelines_packs
             )
         return run_group(
             gv, self._view_schedule, self._comm, sources, targets, options=self.options, given=given, delta=delta
