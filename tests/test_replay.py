@@ -642,6 +642,24 @@ def test_groups_that_read_every_message_get_each_once_final_and_as_landed(mode, 
     comm.inner.close()
 
 
+@given(st.lists(st.tuples(st.integers(1, kernels.MAX_DIMS), st.booleans()), min_size=1, max_size=12))
+def test_where_records_puts_each_row_is_where_compact_wrote_it(rows):
+    """:func:`replay._records` (where a cut run of rows starts in the compacted rows) against :func:`replay._compact`
+    itself, over tables of byte rows and cast rows of every number of dimensions: each row's buffer and size are
+    at its offset, and the last offset is the compacted length."""
+    k = kernels
+    table = np.zeros((len(rows), k.COLUMNS), np.int64)
+    for i, (nd, cast) in enumerate(rows):
+        table[i, [k.BUF, k.OFF, k.STAGE, k.NBYTES, k.NDIM]] = [i + 1, 7 * i, 11 * i, 100 + i, nd]
+        table[i, k.SHAPE0 : k.SHAPE0 + nd] = 2
+        table[i, k.STRIDE0 : k.STRIDE0 + nd] = 3
+        table[i, k.CAST] = k.PACK_CAST if cast else 0
+    compact, at = replay._compact(table), replay._records(table)
+    assert at[-1] == len(compact)
+    assert compact[at[:-1]].tolist() == table[:, k.BUF].tolist()
+    assert compact[at[:-1] + 3].tolist() == table[:, k.NBYTES].tolist()
+
+
 class _PythonLoop(_Wrapping):
     """``inner``, its prepared groups without the compiled replay (the replay's Python loop runs them)."""
 

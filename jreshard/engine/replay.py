@@ -131,6 +131,9 @@ class Ops:
     written: np.ndarray
     rounds: int
     kept: tuple[tuple[int, int], ...] = ()
+    cut: list[ByMessage] = dataclasses.field(default_factory=list)
+    """The operations cut at messages (:func:`by_message`), once a step asked for them (``[]`` before): kept with
+    the operations, so every communicator that replays them shares the one cut."""
 
 
 def ops_of(
@@ -278,25 +281,52 @@ class ByMessage:
 _NO_ROWS = np.zeros(0, np.int64)
 
 
+class _Spans:
+    """Byte spans ``[start, start + nbytes)`` (a table's rows in staging, a group's receives in an arena), for
+    :func:`by_message`'s lookups: which of them touch a byte range, in their order (spans in ascending order that do
+    not overlap, as the schedule writes them, answer by bisection; any others by a scan)."""
+
+    __slots__ = ("_end", "_ends", "_hi", "_lo", "_rows", "_sorted", "_stage", "_starts")
+
+    def __init__(self, start: np.ndarray, nbytes: np.ndarray):
+        rows = np.nonzero(nbytes > 0)[0]
+        self._rows, self._stage = rows, start[rows]
+        self._end = self._stage + nbytes[rows]
+        self._sorted = bool((self._end[:-1] <= self._stage[1:]).all())
+        self._starts, self._ends = self._stage.tolist(), self._end.tolist()
+        self._lo = int(self._stage.min()) if len(rows) else 0
+        self._hi = int(self._end.max()) if len(rows) else 0
+
+    def overlapping(self, lo: int, hi: int) -> np.ndarray:
+        """The indices of the spans that touch ``[lo, hi)``, ascending."""
+        if hi <= self._lo or lo >= self._hi:
+            return _NO_ROWS
+        if self._sorted:
+            return self._rows[bisect.bisect_right(self._ends, lo) : bisect.bisect_left(self._starts, hi)]
+        return self._rows[(self._stage < hi) & (self._end > lo)]
+
+
 def by_message(ops: Ops) -> ByMessage | None:
     """:class:`ByMessage` of ``ops`` (``None`` where it has no native operations)."""
     if ops.native is None or _native is None:
         return None
     k = kernels
     tables = {j: np.ascontiguousarray(op[1], np.int64) for j, op in enumerate(ops.ops) if op[0] in (PACK, UNPACK)}
-    spans = {j: (t[:, k.STAGE], t[:, k.STAGE] + t[:, k.NBYTES], t[:, k.NBYTES] > 0) for j, t in tables.items()}
-    # Per arena (an index of the step's buffer list), the operations that touch it in order: ("pack" | "unpack" |
-    # "lands", python op index); a group's receives land from its start (or exchange) on.
-    touches: dict[int, list[tuple[int, str, int]]] = collections.defaultdict(list)
+    # Per arena (an index of the step's buffer list), the operations that touch it in order: (python op index,
+    # "pack" | "unpack" | "lands", the spans they touch); a group's receives land from its start (or exchange) on.
+    touches: dict[int, list[tuple[int, str, _Spans]]] = collections.defaultdict(list)
     start_at: dict[int, int] = {}
     wait_at: dict[int, int] = {}
     for j, op in enumerate(ops.ops):
         if op[0] in (PACK, UNPACK):
-            touches[op[3]].append((j, "pack" if op[0] == PACK else "unpack", -1))
+            t = tables[j]
+            touches[op[3]].append((j, "pack" if op[0] == PACK else "unpack", _Spans(t[:, k.STAGE], t[:, k.NBYTES])))
         elif op[0] in (START, EXCHANGE):
             start_at[op[1]] = j
-            for b in sorted({row[3] for row in ops.groups[op[1]][1]}):
-                touches[b].append((j, "lands", op[1]))
+            landing = np.array(ops.groups[op[1]][1], np.int64).reshape(-1, 6)
+            for b in np.unique(landing[:, 3]).tolist():
+                into = landing[landing[:, 3] == b]
+                touches[b].append((j, "lands", _Spans(into[:, 4], into[:, 5])))
         if op[0] in (WAIT, EXCHANGE):
             wait_at[op[1]] = j
     index = {b: [j for j, _, _ in ts] for b, ts in touches.items()}
@@ -305,38 +335,31 @@ def by_message(ops: Ops) -> ByMessage | None:
     rest_sends: list[list[int]] = [[] for _ in ops.groups]
     rest_recvs: list[list[int]] = [[] for _ in ops.groups]
 
-    def overlapping(j: int, lo: int, hi: int) -> np.ndarray:
-        stage, end, nonempty = spans[j]
-        return np.nonzero((stage < hi) & (end > lo) & nonempty)[0]
-
-    def lands(g: int, b: int, lo: int, hi: int) -> bool:
-        return any(row[3] == b and row[4] < hi and row[4] + row[5] > lo and row[5] for row in ops.groups[g][1])
-
     for g, (sends, recvs) in enumerate(ops.groups):
         for m, (_, _, _, b, o, n) in enumerate(sends):  # the last write into it before its group starts
             at, ts = bisect.bisect_left(index.get(b, []), start_at[g]), touches.get(b, [])
-            row = -1
-            for j, what, h in reversed(ts[:at]):
-                if what == "lands" and lands(h, b, o, o + n):
-                    break  # landed bytes: handed over as the group starts
-                hit = overlapping(j, o, o + n) if what == "pack" else _NO_ROWS
+            row = last = -1
+            for i in range(at - 1, -1, -1):
+                j, what, spans = ts[i]
+                if what == "unpack":
+                    continue
+                hit = spans.overlapping(o, o + n)
                 if len(hit):
-                    row = int(hit[-1])  # the pack that wrote it last
+                    if what == "pack":  # the pack that wrote it last (else landed bytes)
+                        row, last = int(hit[-1]), j
                     break
             if row < 0 or n == 0:
                 rest_sends[g].append(m)
             else:
-                cut_after[j].setdefault(row, []).append((g, m))
+                cut_after[last].setdefault(row, []).append((g, m))
         for m, (_, _, _, b, o, n) in enumerate(recvs):  # the last unpack of it before anything writes it again
             at, ts = bisect.bisect_right(index.get(b, []), wait_at[g]), touches.get(b, [])
             row = last = -1
-            for j, what, h in ts[at:]:
-                if what == "lands" and lands(h, b, o, o + n):
-                    break  # written over
-                hit = overlapping(j, o, o + n) if what != "lands" else _NO_ROWS
-                if what == "pack" and len(hit):
-                    break  # packed over
-                if what == "unpack" and len(hit):
+            for j, what, spans in itertools.islice(ts, at, None):
+                hit = spans.overlapping(o, o + n)
+                if len(hit) and what != "unpack":
+                    break  # written over: landed or packed
+                if len(hit):
                     row, last = int(hit[-1]), j
             if row < 0 or n == 0:
                 rest_recvs[g].append(m)
@@ -366,15 +389,31 @@ def by_message(ops: Ops) -> ByMessage | None:
             out.append(nat)
             continue
         table = tables[j]
-        bounds = sorted({0, len(table)} | {r + 1 for r in cuts})
-        for lo, hi in itertools.pairwise(bounds):
-            sub = np.ascontiguousarray(table[lo:hi])
-            rows = _compact(sub)
-            kept += [sub, rows]
-            total = 0 if op[0] == PACK else int(sub[:, k.NBYTES].sum())  # packed to be read again: plain stores
-            out.append(np.array([nat[0], rows.ctypes.data, hi - lo, nat[3], nat[4], nat[5], total, sub.ctypes.data]))
-            if hi - 1 in cuts:
-                (after if op[0] == PACK else unpacked)[len(out) - 1] = units(cuts[hi - 1])
+        rows, rec = _compact(table), _records(table)
+        if (
+            rec[-1] != len(rows)
+            or (rows[rec[:-1]] != table[:, k.BUF]).any()
+            or (rows[rec[:-1] + 3] != table[:, k.NBYTES]).any()
+        ):
+            raise RuntimeError(f"by_message: operation {j}'s compacted rows are not where _records puts them")
+        kept += [table, rows]
+        bounds = np.array(sorted({0, len(table)} | {r + 1 for r in cuts}), np.int64)
+        lo, hi = bounds[:-1], bounds[1:]
+        part = np.empty((len(lo), _native.OP_WORDS), np.int64)
+        part[:] = nat
+        part[:, 1] = rows.ctypes.data + 8 * rec[lo]  # each run its rows: a slice of the table and of its compacted rows
+        part[:, 2] = hi - lo
+        part[:, 7] = table.ctypes.data + table.strides[0] * lo
+        if op[0] == PACK:
+            part[:, 6] = 0  # packed to be read again at once: plain stores, no streaming past the cache
+        else:
+            total = np.concatenate([[0], np.cumsum(table[:, k.NBYTES])])
+            part[:, 6] = total[hi] - total[lo]
+        first = len(out)
+        out += list(part)
+        for i, h in enumerate(hi.tolist()):
+            if h - 1 in cuts:
+                (after if op[0] == PACK else unpacked)[first + i] = units(cuts[h - 1])
     arr = np.array(out, np.int64).reshape(-1, _native.OP_WORDS)
     arr.setflags(write=False)
     return ByMessage(
@@ -385,6 +424,24 @@ def by_message(ops: Ops) -> ByMessage | None:
         recvs=tuple(tuple(r) for r in rest_recvs),
         tables=tuple(kept),
     )
+
+
+def _records(table: np.ndarray) -> np.ndarray:
+    """Where each row of ``table`` starts in :func:`_compact`'s rows, in words, and (last) their length: a row takes
+    five words, and two more a dimension where it has more than one or is a cast row.
+
+    >>> t = np.zeros((3, kernels.COLUMNS), np.int64); t[:, kernels.NDIM] = [1, 3, 1]; t[:, kernels.NBYTES] = 8
+    >>> _records(t).tolist(), len(_compact(t))
+    ([0, 5, 16, 21], 21)
+    """
+    k = kernels
+    nd = table[:, k.NDIM]
+    words = 5 + np.where((nd > 1) | (table[:, k.CAST] != 0), 2 * np.abs(nd), 0)
+    if (nd == 1).all() and not table[:, k.CAST].any():
+        words = np.full(len(table), 5, np.int64)
+    out = np.zeros(len(table) + 1, np.int64)
+    np.cumsum(words, out=out[1:])
+    return out
 
 
 def _compiled_casts(table: np.ndarray, code: int) -> bool:
@@ -464,7 +521,6 @@ class Replay:
         self._args: tuple | None = None
         self._empty: tuple[np.ndarray, np.ndarray] | None = None  # _no_groups
         self.intact = True  # whether the step wrote no destination byte before the rounds (no same-device copies)
-        self._by_message: ByMessage | None = None  # the operations cut at messages (_fine), once asked for
         self._hook_times = np.zeros(5)  # where an observed step's hooks add their time
 
     def release(self) -> None:
@@ -559,11 +615,14 @@ class Replay:
         return True
 
     def _fine(self) -> ByMessage:
-        """The operations cut at messages (:func:`by_message`, built on the first step that asks)."""
-        if self._by_message is None:
-            self._by_message = by_message(self.ops)
-        assert self._by_message is not None  # asked for only where there are native operations
-        return self._by_message
+        """The operations cut at messages (:func:`by_message`, built on the first step that asks, kept in
+        :attr:`Ops.cut`)."""
+        cut = self.ops.cut
+        if not cut:
+            fine = by_message(self.ops)
+            assert fine is not None  # asked for only where there are native operations
+            cut.append(fine)
+        return cut[0]
 
     def _observed(
         self,
