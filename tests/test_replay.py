@@ -515,33 +515,36 @@ class _Wrapping(Communicator):
 
 
 class _WatchedComm(_Wrapping):
+    watcher = _Watched  # what prepare wraps the inner prepared groups in
+
     def __init__(self, inner, native: bool):
         super().__init__(inner)
         self.native, self.prepared = native, []
 
     def prepare(self, groups):
-        p = _Watched(self.inner.prepare(groups), groups, self.native)
+        p = self.watcher(self.inner.prepare(groups), groups, self.native)
         self.prepared.append(p)
         return p
 
 
-@pytest.mark.parametrize("mode", MODES)
-@given(
+_WATCHED_CASES = (  # _watched_steps's source and destination specs, chunk bytes and staging chunks
     st.sampled_from([(None, "x"), ("x", None)]),
     st.sampled_from([(None, "tp"), ("tp", None)]),
     st.sampled_from([64, 256]),
     st.integers(2, 8),
 )
-def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_schedule_says(
-    mode, src_spec, dst_spec, chunk, staging_chunks
-):
+
+
+def _watched_steps(comm_type, mode, src_spec, dst_spec, chunk, staging_chunks):
+    """Two steps (the one that prepares, then a replay) of a column- or row-sharded tensor into TP2 x DP2 over
+    ``comm_type`` (a :class:`_WatchedComm`) run in ``mode``, each checked; ``(its watcher, the replay, comm)``."""
     src = Layout.from_mesh(np.arange(4), ("x",), src_spec, (24, 40), "float32")
     dst = Layout.from_mesh(np.arange(2, 6).reshape(2, 2), ("dp", "tp"), dst_spec, (24, 40), "float32")
     pairs, topo = [(src, dst)], Topology.uniform(range(8), domain_size=4)
     opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging_chunks)
     sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
-    comm = _WatchedComm(_self_comm(topo), mode == "compiled")
-    for step in range(2):  # the step that prepares, then a replay
+    comm = comm_type(_self_comm(topo), mode == "compiled")
+    for step in range(2):
         g = [_global(src, step)]
         out = _dst(pairs)
         _step(sched, comm, _src(pairs, g), out, opts, _NoRows() if mode == "python" else None)
@@ -549,6 +552,15 @@ def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_sc
     (watched,) = comm.prepared
     r = _replay_of(comm)
     _counted(r, mode, 2)
+    return watched, r, comm
+
+
+@pytest.mark.parametrize("mode", MODES)
+@given(*_WATCHED_CASES)
+def test_observed_groups_see_every_hook_in_order_and_the_bytes_stay_where_the_schedule_says(
+    mode, src_spec, dst_spec, chunk, staging_chunks
+):
+    watched, r, comm = _watched_steps(_WatchedComm, mode, src_spec, dst_spec, chunk, staging_chunks)
     n = len(r.ops.groups)
     want = [(gr, m) for gr in range(n) for m in (STARTING, WAITING, LANDED)]
     assert [h[:2] for h in watched.hooks] == want * 2  # every group's three hooks, in order, each step
@@ -595,38 +607,17 @@ class _ByMessage(_Watched):
 
 
 class _ByMessageComm(_WatchedComm):
-    def prepare(self, groups):
-        p = _ByMessage(self.inner.prepare(groups), groups, self.native)
-        self.prepared.append(p)
-        return p
+    watcher = _ByMessage
 
 
 @pytest.mark.parametrize("mode", MODES)
-@given(
-    st.sampled_from([(None, "x"), ("x", None)]),
-    st.sampled_from([(None, "tp"), ("tp", None)]),
-    st.sampled_from([64, 256]),
-    st.integers(2, 8),
-)
+@given(*_WATCHED_CASES)
 def test_groups_that_read_every_message_get_each_once_final_and_as_landed(mode, src_spec, dst_spec, chunk, staging):
     """By message (:attr:`PreparedGroups.by_message`), every send and receive of every group is handed over exactly
     once a step, a send with its final bytes (right after its last pack where the packs are compiled), a receive
     as it landed (right after its last unpack); the cut operations write the same bytes, and their packs are the
     whole packs' rows, cut."""
-    src = Layout.from_mesh(np.arange(4), ("x",), src_spec, (24, 40), "float32")
-    dst = Layout.from_mesh(np.arange(2, 6).reshape(2, 2), ("dp", "tp"), dst_spec, (24, 40), "float32")
-    pairs, topo = [(src, dst)], Topology.uniform(range(8), domain_size=4)
-    opts = Options(chunk_bytes=chunk, staging_bytes=chunk * staging)
-    sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
-    comm = _ByMessageComm(_self_comm(topo), mode == "compiled")
-    for step in range(2):
-        g = [_global(src, step)]
-        out = _dst(pairs)
-        _step(sched, comm, _src(pairs, g), out, opts, _NoRows() if mode == "python" else None)
-        _check(pairs, g, out)
-    (watched,) = comm.prepared
-    r = _replay_of(comm)
-    _counted(r, mode, 2)
+    watched, r, comm = _watched_steps(_ByMessageComm, mode, src_spec, dst_spec, chunk, staging)
     every = sorted(
         (what, gr, k)
         for gr, (sends, recvs) in enumerate(r.ops.groups)

@@ -410,20 +410,23 @@ class _DigestPrepared(WrappedGroups):
 
     def packed(self, group: int, sends: Sequence[int]) -> None:
         super().packed(group, sends)
-        comm = self._comm
-        if comm.digests is not None:
-            rows = self._groups[group][0]
-            fut = comm._submit([o for o in _ops([rows[k] for k in sends], self._buffers) if o[1] not in comm._mine])
-            if fut is not None:  # on the worker: joined where the group's start says its sends stay
-                self._sends.setdefault(group, []).append(fut)
+        fut = self._digest(group, 0, sends)
+        if fut is not None:  # on the worker: joined where the group's start says its sends stay
+            self._sends.setdefault(group, []).append(fut)
 
     def unpacked(self, group: int, recvs: Sequence[int]) -> None:
         super().unpacked(group, recvs)
+        self._keep(self._digest(group, 1, recvs), self._recvs_kept.get(group, self._point))
+
+    def _digest(self, group: int, side: int, which: Sequence[int]) -> concurrent.futures.Future | None:
+        """Digest the messages ``which`` of group ``group`` (``side`` 0: its sends, 1: its receives) that cross to
+        or from another process: now, or started on the worker (its future)."""
         comm = self._comm
-        if comm.digests is not None:
-            rows = self._groups[group][1]
-            fut = comm._submit([o for o in _ops([rows[k] for k in recvs], self._buffers) if o[0] not in comm._mine])
-            self._keep(fut, self._recvs_kept.get(group, self._point))
+        if comm.digests is None:
+            return None
+        rows = self._groups[group][side]
+        other = 1 - side  # a send's peer is its destination, a receive's its source
+        return comm._submit([o for o in _ops([rows[k] for k in which], self._buffers) if o[other] not in comm._mine])
 
     def starting(self, group: int, sends_kept: int) -> None:
         super().starting(group, sends_kept)
