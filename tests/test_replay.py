@@ -633,6 +633,59 @@ def test_groups_that_read_every_message_get_each_once_final_and_as_landed(mode, 
     comm.inner.close()
 
 
+class _FailingHook(_ByMessage):
+    """:class:`_ByMessage` whose ``nth`` packed hook raises; it notes whether a group was posted then (the groups are
+    started and waited on from Python: the "rows" mode) and which groups were given up."""
+
+    nth = 3
+
+    def __init__(self, inner, groups, native: bool):
+        super().__init__(inner, groups, native)
+        self.calls, self.posted, self.aborted, self.posted_at_failure = 0, -1, [], None
+
+    def start(self, group, timeout_s):
+        super().start(group, timeout_s)
+        self.posted = group
+
+    def wait(self, group):
+        super().wait(group)
+        self.posted = -1
+
+    def abort(self, group, why):
+        self.aborted.append(group)
+        super().abort(group, why)
+
+    def packed(self, group, sends):
+        self.calls += 1
+        if self.calls == self.nth:
+            self.posted_at_failure = self.posted
+            raise RuntimeError("the digest failed")
+        super().packed(group, sends)
+
+
+class _FailingComm(_WatchedComm):
+    watcher = _FailingHook
+
+
+def test_a_hook_that_fails_between_packs_raises_and_gives_up_only_a_posted_group():
+    """By message, a hook runs after packs, which may run while a group is posted (packed ahead): one that raises
+    there gives that group up, and its error is the step's. This schedule (every rank in one process) packs no round
+    ahead, so the test checks the error and that no group is given up that was not posted; a hook failing while a
+    group is posted is not reached here."""
+    src = Layout.from_mesh(np.arange(4), ("x",), (None, "x"), (64, 64), "float32")
+    dst = Layout.from_mesh(np.arange(4, 8).reshape(2, 2), ("dp", "tp"), (None, "tp"), (64, 64), "float32")
+    pairs, topo = [(src, dst)], Topology.uniform(range(8), domain_size=4)
+    opts = Options(chunk_bytes=256, staging_bytes=8192)
+    sched = build_schedule(plan_layouts(pairs, topo, opts), opts)
+    comm = _FailingComm(_self_comm(topo), native=False)  # its groups from Python: the test sees them posted
+    with pytest.raises(RuntimeError, match="the digest failed"):
+        _step(sched, comm, _src(pairs, [_global(src, 0)]), _dst(pairs), opts)
+    (hook,) = comm.prepared
+    assert hook.calls == hook.nth
+    assert hook.aborted == ([] if hook.posted_at_failure in (None, -1) else [hook.posted_at_failure])
+    comm.inner.close()
+
+
 @given(st.lists(st.tuples(st.integers(1, kernels.MAX_DIMS), st.booleans()), min_size=1, max_size=12))
 def test_where_records_puts_each_row_is_where_compact_wrote_it(rows):
     """:func:`replay._records` (where a cut run of rows starts in the compacted rows) against :func:`replay._compact`

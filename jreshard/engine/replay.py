@@ -518,6 +518,7 @@ class Replay:
         self.steps = self.native_steps = self.rows_steps = 0
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._checked: np.ndarray | None = None  # the sizes the native rows were last checked against
+        self._checked_cut = False  # whether the operations cut at messages were checked against them too
         self._args: tuple | None = None
         self._empty: tuple[np.ndarray, np.ndarray] | None = None  # _no_groups
         self.intact = True  # whether the step wrote no destination byte before the rounds (no same-device copies)
@@ -590,13 +591,19 @@ class Replay:
                 "written by the rounds",
                 destination_intact=self.intact,
             )
-        if self._checked is not None and np.array_equal(size, self._checked) and not checking_bounds():
+        cut = self.prepared is not None and self.prepared.by_message
+        if (
+            self._checked is not None
+            and np.array_equal(size, self._checked)
+            and (self._checked_cut or not cut)
+            and not checking_bounds()
+        ):
             return True
         assert _native is not None and self.ops.native is not None and self.prepared is not None
         n = self.prepared.native
         groups, copies = (n.groups, n.copies) if n is not None else self._no_groups()
         self._checked = None
-        for ops in (self.ops.native, *([self._fine().native] if self.prepared.by_message else [])):
+        for ops in (self.ops.native, *([self._fine().native] if cut else [])):
             bad = _native.validate(
                 ops.ctypes.data, len(ops), groups.ctypes.data, len(groups), copies.ctypes.data, len(copies),
                 addr.ctypes.data, size.ctypes.data, len(addr),
@@ -611,7 +618,7 @@ class Replay:
                 "than the schedule it was prepared for; nothing was written by the rounds",
                 destination_intact=self.intact,
             )
-        self._checked = size.copy()
+        self._checked, self._checked_cut = size.copy(), cut
         return True
 
     def _fine(self) -> ByMessage:
@@ -641,21 +648,27 @@ class Replay:
         if fine is not None:
             cuts |= {*fine.after, *fine.unpacked}
         times = self._hook_times
-        lo = 0
+        lo, posted = 0, -1  # the group started and not yet waited on
         for at in sorted(cuts):
             run(lo, at)
             code = int(ops[at, 0])
             if code == START or code == WAIT:
                 start_wait(at)
+                posted = int(ops[at, 1]) if code == START else -1
             else:
                 phase = PHASE_PACK if code == PACK else PHASE_UNPACK
                 assert fine is not None
                 run(at, at + 1)
                 t = time.perf_counter()
-                for group, sends in fine.after.get(at, ()):
-                    prepared.packed(group, sends)
-                for group, recvs in fine.unpacked.get(at, ()):
-                    prepared.unpacked(group, recvs)
+                try:
+                    for group, sends in fine.after.get(at, ()):
+                        prepared.packed(group, sends)
+                    for group, recvs in fine.unpacked.get(at, ()):
+                        prepared.unpacked(group, recvs)
+                except BaseException as err:  # a hook between the packs that run while a group is posted
+                    if posted >= 0:
+                        prepared.abort(posted, f"what observes the step failed while the group was posted: {err!r}")
+                    raise
                 times[phase] += time.perf_counter() - t
             lo = at + 1
         run(lo, len(ops))
