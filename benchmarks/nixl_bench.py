@@ -113,7 +113,7 @@ def worker(role: str, address: str, result: str, mib: int, warmup: int, repeats:
         }
         sharding = {k: NamedSharding(mesh, spec[k]) for k in shapes}
     like = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding[k]) for k, s in shapes.items()}
-    # every refit whole; messages of at most 1 MiB in every group, as a digested refit cuts them (boxes.digested),
+    # every refit whole; messages of at most 2 MiB in every group, as a digested refit cuts them (boxes.digested),
     # so that a row with digests and one without move the same messages
     opts = Options(timeout_s=120.0, chunk_bytes=boxes.DIGEST_CHUNK, staging_bytes=64 << 20, delta="off")
     groups = {

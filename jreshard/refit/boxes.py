@@ -34,11 +34,13 @@ __all__ = ["DIGEST_CHUNK", "boxes_at", "check", "digested", "digests_for", "keye
 _MAC_LABEL = b"jreshard box mac "
 
 
-DIGEST_CHUNK = 1 << 20
-"""The largest message of a refit whose messages are digested: each is digested right after its last pack and
-just before its first unpack (:attr:`jreshard.engine.comm.PreparedGroups.by_message`), and a message of this size
-is still in the core's cache there (2 MiB of second-level cache a core on the machines measured); larger ones are
-read back from memory, at a third to a half of the digest's speed (``benchmarks/nixl_bench.py``)."""
+DIGEST_CHUNK = 2 << 20
+"""The largest message of a refit whose messages are digested: each is digested right after its last pack or
+unpack (:attr:`jreshard.engine.comm.PreparedGroups.by_message`), where a message of this size is still in the
+core's cache (2 MiB of second-level cache a core on the machines measured); the digests of 8 MiB messages read
+them back from memory, at a third to a half of their speed. Of 1, 2 and 4 MiB, 2 MiB gave the fastest refits with
+the box MACs over NIXL on the development machine (``benchmarks/nixl_bench.py``: 36-40 ms a 63 MB refit, against
+46-49 ms at 1 MiB, where NIXL's own cost a message weighs more, and 43 ms at 4 MiB)."""
 
 
 def digested(options: Options) -> Options:
