@@ -215,13 +215,13 @@ class DigestComm(Communicator):
     Where the digests run. By default in the caller's thread. In a prepared refit (the transport's prepared groups,
     replayed in the compiled loop where it has one, see ``_DigestPrepared``), message by message while each is in
     the cache: a send right after the pack that wrote it last (written with plain stores for that), a receive right
-    after the unpack that read it last (a message of 2 MiB at most, as a digested refit cuts them: ``jreshard.refit.boxes``).
-    Each group posted afresh: its sends just before it is posted, its receives as it completed. With
-    :attr:`overlap` set, on a worker thread instead (the MAC and the hash release the GIL), each started at the
-    same place and joined before anything may write it again. On the 2-core development machine the worker made
-    the refit slower than inline (``benchmarks/nixl_bench.py``, rows ``nixl-overlap`` and ``mpi-verify-overlap``),
-    so inline is the default; the worker may pay where a core is free for it (not measured). The time the caller
-    waited for digests is :attr:`DigestCost.waited_s` (inline: all of it).
+    after the unpack that read it last (a message of 2 MiB at most, as a digested refit cuts them:
+    ``jreshard.refit.boxes``). Each group posted afresh: its sends just before it is posted, its receives as it
+    completed. With :attr:`overlap` set, on a worker thread instead (the MAC and the hash release the GIL), each
+    started at the same place and joined before anything may write it again. On the 2-core development machine the
+    worker made the refit slower than inline (``benchmarks/nixl_bench.py``, rows ``nixl-overlap`` and
+    ``mpi-verify-overlap``), so inline is the default; the worker may pay where a core is free for it (not
+    measured). The time the caller waited for digests is :attr:`DigestCost.waited_s` (inline: all of it).
 
     Args:
       inner: the transport's communicator.
