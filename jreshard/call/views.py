@@ -40,7 +40,7 @@ from jreshard.engine.arrays import fresh_shards, make_array
 from jreshard.engine.buffers import Buffers, CpuBuffers, export_source, writable_view
 from jreshard.engine.comm import Communicator
 from jreshard.engine.driver import landed_array
-from jreshard.engine.ownership import remember_all, shard_addresses, shard_arrays, take
+from jreshard.engine.ownership import device_shards, remember_all, shard_addresses, take
 from jreshard.engine.pool import BufferPool, default_pool
 from jreshard.engine.put import batched_put, put_allowed
 from jreshard.engine.viewcopy import CopyTasks, compile_tasks, execute_pieces
@@ -208,8 +208,7 @@ def _sources(wanted: dict[int, tuple[int, ...]], srcs: list[Leaf], layouts: list
     arrays, boxes = {}, {}
     for i, ranks in wanted.items():
         leaf, layout = srcs[i], layouts[i]
-        order = addressable_order(leaf.source.sharding)
-        shards = {d.id: a for d, a in zip(order, shard_arrays(leaf.source), strict=True)}
+        shards = {d.id: a for d, a in device_shards(leaf.source)}
         dtype = layout.np_dtype
         for r in ranks:
             if r not in shards:
@@ -359,7 +358,7 @@ def _run_into(call: Call, topology: Topology | None, report: ReportBuilder | Non
         for t, d in enumerate(dsts):
             if t in taken.donated:
                 a = taken.donated[t][0]
-                shards = dict(zip((dev.id for dev in addressable_order(a.sharding)), shard_arrays(a), strict=True))
+                shards = {dev.id: s for dev, s in device_shards(a)}
                 dtype = d.np_dtype
                 bufs.append({r: writable_view(shards[r]).view(dtype).reshape(d.box_of(r).shape) for r in d.ranks})
             else:
@@ -468,7 +467,7 @@ def run_cluster(
         devices: dict[int, Any] = {}
         for i, leaf in enumerate(srcs):
             ranks = layouts[i].ranks
-            for dev, a in zip(addressable_order(leaf.source.sharding), shard_arrays(leaf.source), strict=True):
+            for dev, a in device_shards(leaf.source):
                 if dev.id in mine and dev.id in ranks:
                     src[(i, dev.id)] = backend.export_source(a)
                     devices[dev.id] = dev

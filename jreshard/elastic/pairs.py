@@ -288,8 +288,7 @@ def choose_source(
 
 def source_shards(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: Sequence[Any], process: int) -> dict:
     """``{(tensor, rank): single-device array}``: source ``process``'s shards of ``tree_leaves``."""
-    from jreshard.engine.ownership import shard_arrays
-    from jreshard.sharding.jax import addressable_order
+    from jreshard.engine.ownership import device_shards
 
     index = {n: t for t, n in enumerate(pair.names)}
     base = pair.bases[process]
@@ -298,8 +297,7 @@ def source_shards(pair: Pair, tree_leaves: Sequence[tuple[str, Any]], devices: S
     for name, a in tree_leaves:
         t = index[name]
         ranks = set(pair.src_ranks(t))
-        # (jax's own list of the shards, in the order of their devices: no Shard object built)
-        for d, data in zip(addressable_order(a.sharding), shard_arrays(a), strict=True):
+        for d, data in device_shards(a):
             r = rank_of.get(d)
             if r is not None and r in ranks:
                 out[(t, r)] = data

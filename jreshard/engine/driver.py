@@ -40,7 +40,7 @@ from jreshard.engine.buffers import Buffers, CpuBuffers
 from jreshard.engine.comm import Communicator
 from jreshard.engine.deltarounds import DeltaRefit
 from jreshard.engine.mail import comm_mail
-from jreshard.engine.ownership import shard_arrays, source_addresses, storage, take
+from jreshard.engine.ownership import device_shards, source_addresses, storage, take
 from jreshard.engine.rounds import ExecStats, Shards, execute
 from jreshard.options import Backend, Options
 from jreshard.report import ReportBuilder
@@ -230,7 +230,6 @@ def run_leaves(
     import jax
 
     from jreshard.engine.put import batched_put, put_allowed
-    from jreshard.sharding.jax import addressable_order
 
     options = options or Options()
     planned = options  # the schedule's options: two arenas a rank must fit options.staging_bytes together
@@ -250,8 +249,7 @@ def run_leaves(
     me = jax.process_index()
     for t, i in enumerate(moved):
         src_ranks = set(pairs[t][0].ranks)
-        # (jax's own list of the shards, in the order of their devices: no Shard object built)
-        for d, data in zip(addressable_order(leaves[i].sharding), shard_arrays(leaves[i]), strict=True):
+        for d, data in device_shards(leaves[i]):
             if d.id in src_ranks:
                 sources[(t, d.id)] = data
         for d in shardings[i].device_set:

@@ -65,6 +65,14 @@ def shard_arrays(a: Array) -> Sequence[Any]:
         return [a.addressable_data(i) for i in range(len(a.addressable_shards))]
 
 
+def device_shards(a: Array) -> list[tuple[Any, Any]]:
+    """``(device, single-device array)`` of each addressable shard of ``a``: jax's own list of them
+    (:func:`shard_arrays`: no Shard object built) beside the devices in the same order."""
+    from jreshard.sharding.jax import addressable_order
+
+    return list(zip(addressable_order(a.sharding), shard_arrays(a), strict=True))
+
+
 def shard_pointer(a: Array) -> int:
     """The buffer address of a single-device array (0 when it holds no byte)."""
     return 0 if a.size == 0 else int(a.unsafe_buffer_pointer())
