@@ -2,9 +2,10 @@
  *
  * copy_rows(table, rows, addresses, sizes, buffers, staging, staging_size, unpack) moves the
  * bytes of every row of a C-ordered int64 descriptor table (kernels.py's columns: the byte
- * rows, CAST 0 and innermost stride 1, and the float32 <-> bfloat16 cast rows below) between the shard buffers (a base address and a
- * byte size per buffer index; address 0 is a missing buffer) and the staging buffer:
- * from the buffers into staging (unpack 0) or back (unpack 1).
+ * rows, CAST 0 and innermost stride 1, and the float32 <-> bfloat16 cast rows of _rows.h)
+ * between the shard buffers (a base address and a byte size per buffer index; address 0 is
+ * a missing buffer) and the staging buffer: from the buffers into staging (unpack 0) or
+ * back (unpack 1).
  *
  * Every row is checked before any byte moves: its buffer is given, its dimensions and
  * extents are in range, its strides are not negative, NBYTES is the product of its
