@@ -1,16 +1,27 @@
 """Refit while serving: the server's steps/s and its pause per refit, background receive against blocking.
 
-Run: ``.venv/bin/python benchmarks/serve_bench.py [--mib 32] [--every 20] [--refits 24] [--transports nixl,mpi]``.
+Run: ``.venv/bin/python benchmarks/serve_bench.py [--mib 32] [--every 20] [--refits 24] [--transports nixl,mpi]
+[--placement both]``.
 
-One launch (``mpiexec -n 1 : -n 1``) starts two programs, each on one CPU device: a *trainer* that
+A launch (``mpiexec -n 1 : -n 1``) starts two programs, each on one CPU device: a *trainer* that
 holds the parameters of a small transformer (float32, about ``--mib`` MiB) and pushes version after
 version, and a *server* that runs a jitted decode loop over them: each step one forward pass of the
 transformer over a batch of ``--batch`` sequences of ``--seq`` tokens, the argmax of the last position
 appended as the next token (the step waits for its result, as a sampler does). Both programs form a
 ``RefitGroup`` over MPI (``COMM_WORLD``) and one over NIXL (``RefitGroup.connect(transport="nixl")``), with the same
-declaration and Options. The server's XLA runs its step on one thread (``--server-threads 1``), so on a
-2-core machine the other core is left to the receive and the trainer. Per transport, the server runs
-three phases:
+declaration and Options. The server's XLA runs without its Eigen thread pool (``--server-threads 1``); it still
+runs independent operations of a step side by side, so a step the OS may place on two cores takes both.
+
+Two launches, one per *placement* of the threads on the cores (``--placement both``, the default):
+
+- *pinned*: the server's steps, and every thread of the server program but the receive, on the first core; the
+  receive thread on the others (``pull_async(cpus=...)``), with the trainer, which in a fleet runs on other
+  hosts. A server that gives its steps their own cores runs this way: a refit then takes from the steps only what
+  the two threads share (the GIL for the receive's Python bookkeeping, memory bandwidth, the caches).
+- *shared*: no core set; the OS places the server's step, its receive thread and the trainer on the two cores as
+  it likes, so a step idle gets both and a step during a refit shares them with the receive and the trainer.
+
+Per transport and placement, the server runs three phases:
 
 - *idle*: ``--idle-steps`` steps with no refit (a warm-up), then the ``--every`` steps between two
   refits of the next phase, each stretch timed: steps/s idle is their median, measured at the same
@@ -32,7 +43,8 @@ trainer, wire, assemble, receive CPU) is summed up beside it. Every version chan
 byte: with ``--delta auto`` (the default, as ``Options``) the first delta refit finds that, and the
 refits after it go whole (it looks again after 1, 2, 4, ... up to 64 of them, a delta refit each time);
 ``--delta on`` compares and keeps copies every refit; ``--delta off`` never does. The trainer program shares the
-machine's cores with the server: its pack and send are part of what the server competes with.
+machine's cores with the server (the shared placement: all of them; pinned: the receive's): its pack and send are
+part of what the server competes with.
 
 Printed: per transport a row of medians (steps/s idle, during background refits as a % of idle with
 its range, pause median and max, blocking pause, wire ms, receive CPU ms, steps per refit); a second
@@ -40,7 +52,9 @@ row: an idle step, a step during a refit (median and 90th percentile), the first
 version, and the *dispatch* time of a step (the Python
 call that queues it, which needs the GIL) idle and during refits, median and 99th percentile: a receive
 thread holding the GIL would show there; the load average before and after;
-and last, over every transport: ``serve: pause <median> ms (<max> max), throughput during refit
+then a line of the steps/s idle and during refits per placement (the transport lowest during refits: the
+placements' idle rates differ, and a ratio hides that), the shared placement's summary line, and last, the
+pinned placement's, over every transport: ``serve: pause <median> ms (<max> max), throughput during refit
 <pct>% of idle, blocking pause <ms> ms`` (pauses over every background refit of every transport;
 throughput the lowest transport's).
 """
@@ -150,7 +164,7 @@ def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
             )  # the steps between two refits: idle, measured at the same times
             rec["idle_rate"].append(a.every / (time.perf_counter() - t0))
             rec["idle_s"].append(time.perf_counter() - t0)
-            h = group.pull_async(into=params, nice=a.nice)
+            h = group.pull_async(into=params, nice=a.nice, cpus=cores(a.other_cores))
             t_start, steps = time.perf_counter(), 0
             while not h.ready():
                 t_step = time.perf_counter()
@@ -179,7 +193,17 @@ def server(groups: dict, shapes: dict, a: argparse.Namespace) -> dict:
     return out
 
 
+def cores(spec: str) -> set[int] | None:
+    """``--step-cores`` / ``--other-cores`` as a set of cores (``""``: None, the OS places the threads)."""
+    return {int(c) for c in spec.split(",")} if spec else None
+
+
 def worker(a: argparse.Namespace) -> None:
+    # pinned: the server's steps (and every thread it starts but the receive) on --step-cores, the trainer on
+    # --other-cores; the receive thread goes there too (pull_async(cpus=...)). Set before jax starts its threads.
+    mine = cores(a.step_cores if a.role == "destination" else a.other_cores)
+    if mine is not None:
+        os.sched_setaffinity(0, mine)
     if a.role == "source" and a.trainer_nice:
         os.nice(a.trainer_nice)
     if a.role == "destination" and a.switch_interval:
@@ -232,6 +256,15 @@ def main() -> None:
     ap.add_argument(
         "--switch-interval", type=float, default=0.0, help="the server's sys.setswitchinterval (0: Python's)"
     )
+    ap.add_argument(
+        "--placement",
+        choices=["both", "pinned", "shared"],
+        default="both",
+        help="pinned: the server's steps on the first core, its receive thread and the trainer on the others; "
+        "shared: the OS places every thread; both (default): a launch of each, the last line pinned's",
+    )
+    ap.add_argument("--step-cores", default="", help=argparse.SUPPRESS)  # set per launch by --placement
+    ap.add_argument("--other-cores", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--role", choices=["source", "destination"])
     ap.add_argument("--address", default="")
@@ -240,6 +273,29 @@ def main() -> None:
     if a.worker:
         worker(a)
         return
+    have = sorted(os.sched_getaffinity(0))
+    placements = ["pinned", "shared"] if a.placement == "both" else [a.placement]
+    if "pinned" in placements and len(have) < 2:
+        print(f"pinned placement needs 2 cores; this process has {have}: shared only")
+        placements = ["shared"]
+    runs = []
+    for placement in placements:
+        if placement == "pinned":
+            a.step_cores, a.other_cores = str(have[0]), ",".join(map(str, have[1:]))
+        else:
+            a.step_cores = a.other_cores = ""
+        runs.append(launch(a, placement))
+    print(
+        "steps/s idle and during refits (the transport lowest during refits): "
+        + ", ".join(f"{p} {idle:.1f} and {during:.1f}" for p, (_, idle, during) in zip(placements, runs, strict=True))
+    )
+    for placement, (line, _, _) in list(zip(placements, runs, strict=True))[1:]:
+        print(f"{placement}: {line}")
+    print(runs[0][0])
+
+
+def launch(a: argparse.Namespace, placement: str) -> tuple[str, float, float]:
+    """Run the two programs once with ``a``'s cores and print their tables; :func:`report`'s summary."""
     env = dict(os.environ)
     env |= {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1", "JRESHARD_SECRET": SECRET}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -260,6 +316,8 @@ def main() -> None:
             "delta",
             "trainer_nice",
             "switch_interval",
+            "step_cores",
+            "other_cores",
         ):
             me += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
         xla = ["-env", "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false"] if a.server_threads == 1 else []
@@ -270,15 +328,23 @@ def main() -> None:
                 got = json.load(f)
         except FileNotFoundError:
             raise SystemExit(f"the server wrote no result:\n{(done.stdout + done.stderr)[-4000:]}") from None
-    report(got, a, load0, os.getloadavg()[0])
+    where = (
+        f"the server's steps on core {a.step_cores}, its receive thread (pull_async(cpus=...)) and the trainer on "
+        f"{a.other_cores}"
+        if a.step_cores
+        else "the OS places every thread (no cores set)"
+    )
+    print(f"== placement {placement}: {where}")
+    return report(got, a, load0, os.getloadavg()[0])
 
 
 def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def report(got: dict, a: argparse.Namespace, load0: float, load1: float) -> None:
-    """Print the tables and the last line from the server's record."""
+def report(got: dict, a: argparse.Namespace, load0: float, load1: float) -> tuple[str, float, float]:
+    """Print the tables from the server's record; the summary line, and the steps/s idle and during refits of
+    the transport with the lowest throughput during refits (pooled, as the line's percentage)."""
     ms, med = 1e3, statistics.median
     print(
         f"model {got['bytes'] / 2**20:.1f} MiB float32, batch {a.batch} x {a.seq} tokens, a refit every {a.every} steps"
@@ -288,7 +354,7 @@ def report(got: dict, a: argparse.Namespace, load0: float, load1: float) -> None
         "blocking pause ms | wire ms | receive CPU ms | steps per refit |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    pauses, blocking, pcts = [], [], []
+    pauses, blocking, pcts, rates = [], [], [], []
     for name, r in got["transports"].items():
         idle = med(r["idle_rate"])
         ratios = sorted(b / i for b, i in zip(r["bg_rate"], r["idle_rate"], strict=True))  # paired: same moment
@@ -304,6 +370,7 @@ def report(got: dict, a: argparse.Namespace, load0: float, load1: float) -> None
         pauses += r["bg_pause"]
         blocking += r["block_pause"]
         pcts.append(pct)
+        rates.append((pct, a.every * len(r["idle_s"]) / sum(r["idle_s"]), during))
     print()
     print(
         "| transport | step ms idle | step ms during refit, median [p90] | first step on the new version ms | "
@@ -321,10 +388,12 @@ def report(got: dict, a: argparse.Namespace, load0: float, load1: float) -> None
     print(
         f"load average (1 min): {load0:.2f} before, {load1:.2f} after (other programs on this machine share its cores)"
     )
-    print(
+    _, idle_rate, during_rate = min(rates)
+    line = (
         f"serve: pause {ms * med(pauses):.3f} ms ({ms * max(pauses):.3f} max), "
         f"throughput during refit {min(pcts):.0f}% of idle, blocking pause {ms * med(blocking):.1f} ms"
     )
+    return line, idle_rate, during_rate
 
 
 if __name__ == "__main__":

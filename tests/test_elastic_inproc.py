@@ -160,6 +160,23 @@ def test_the_service_thread_runs_at_the_nice_asked_for(trainer):
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread cores are Linux's")
+def test_the_service_thread_runs_on_the_cores_asked_for(trainer):
+    mine = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match=r"ElasticReplica: cpus=\[4096\]: the OS refuses them"):
+        replica(trainer, 1, "r-bad", cpus=[4096])
+    with pytest.raises(ValueError, match=r"ElasticReplica: cpus=set\(\); expected a non-empty set"):
+        replica(trainer, 1, "r-bad", cpus=set())
+    assert trainer.replicas() == {}  # refused before it connected
+    last = max(mine)
+    r = replica(trainer, 1, "r-pinned", cpus=(last,))
+    try:
+        assert os.sched_getaffinity(r._thread.native_id) == {last}
+        assert os.sched_getaffinity(0) == mine
+    finally:
+        r.leave()
+
+
 def test_a_taken_name_is_refused_and_released_on_leave(trainer):
     r1 = replica(trainer, 1, "r1")
     with pytest.raises(LayoutMismatchError, match="the name 'r1' is taken"):

@@ -183,6 +183,35 @@ def test_the_receive_thread_runs_at_the_nice_asked_for_and_the_callers_priority_
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread cores are Linux's")
+def test_the_receive_thread_runs_on_the_cores_asked_for_and_the_callers_are_untouched(pair):
+    src, dst, tree = pair
+    mine = os.sched_getaffinity(0)
+    for bad in (set(), [0, -1], [True], "0", 2.5, [1.0]):
+        with pytest.raises(ValueError, match=r"cpus=.*expected a non-empty set of core numbers"):
+            dst.pull_async(into=tree, cpus=bad)
+    with pytest.raises(ValueError, match=r"cpus=\[4096\]: the OS refuses them"):
+        dst.pull_async(into=tree, cpus=[4096])
+    assert os.sched_getaffinity(0) == mine and dst._background is None
+    seen: list[set[int]] = []
+    run = dst._run
+
+    def observed(sources, targets, **kw):  # runs on the receive thread
+        seen.append(os.sched_getaffinity(0))
+        return run(sources, targets, **kw)
+
+    dst._run = observed  # type: ignore[method-assign]
+    last = max(mine)
+    for cpus, version in (({last}, 2), (None, 3)):
+        h = dst.pull_async(into=tree, cpus=cpus)
+        assert os.sched_getaffinity(0) == mine  # the caller's own, back at once
+        src.push(version)
+        tree, v = h.result(timeout_s=10)
+        assert v == version and holds(tree, version)
+    assert seen == [{last}, mine]  # a fresh thread each pull; None keeps the caller's
+    assert os.sched_getaffinity(0) == mine
+
+
 def test_a_cancel_while_waiting_for_the_source_fails_that_refit_and_a_new_group_refits(pair, tmp_path):
     src, dst, tree = pair
     h = dst.pull_async(into=tree)

@@ -54,7 +54,7 @@ from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, Trans
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address, peer_int
 from jreshard.options import Options
-from jreshard.refit.background import lower_priority
+from jreshard.refit.background import check_cpus, lower_priority, start_on
 from jreshard.refit.decl import declare_local, problems
 from jreshard.types import PyTree
 
@@ -89,14 +89,17 @@ class ElasticReplica:
       nice: added to the nice value of this process's service thread, where every version lands (0 to
         19; Linux, that thread only, as :meth:`jreshard.RefitGroup.pull_async`): where cores are short,
         the server's own steps go first. 0 keeps the caller's priority.
+      cpus: the cores of this process's service thread (a set of core numbers; Linux, that thread only, as
+        :meth:`jreshard.RefitGroup.pull_async`), e.g. cores the server's steps do not use; ``None`` keeps the
+        caller's.
 
     Raises:
       LayoutMismatchError: the trainer refused the declaration (every problem listed: names, shapes,
         dtypes that cannot cast, parameters a recipe reads that the trainer does not declare).
       AuthenticationError: the trainer refused this side's key, or did not prove it holds it.
       TransferTimeoutError: no trainer answered within ``timeout_s``.
-      ValueError: no secret is set, ``recipe`` does not have the structure of ``like``, or ``nice`` is not
-        an int in 0..19.
+      ValueError: no secret is set, ``recipe`` does not have the structure of ``like``, ``nice`` is not
+        an int in 0..19, or ``cpus`` is not a non-empty set of cores the OS lets this process run on.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class ElasticReplica:
         recipe: PyTree = None,
         held: tuple[Any, int] | None = None,
         nice: int = 10,
+        cpus: Any = None,
     ):
         import jax
 
@@ -133,6 +137,7 @@ class ElasticReplica:
         if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
             raise ValueError(f"ElasticReplica: nice={nice!r}; expected an int in 0..19")
         self._nice = nice
+        self._cpus = check_cpus(cpus, "ElasticReplica")
         self.options = options or Options()
         self._key = resolve_secret(self.options.secret, who="ElasticReplica")
         timeout = self.options.timeout_s
@@ -214,7 +219,7 @@ class ElasticReplica:
         self._stop = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name=f"jreshard-elastic-{self.name}", daemon=True)
-        self._thread.start()
+        start_on(self._thread, self._cpus)
 
     @property
     def version(self) -> int | None:

@@ -39,6 +39,12 @@ XLA's keep theirs. ``nice=0`` keeps the caller's priority (on systems other than
 value is per process, nothing is changed). ``benchmarks/serve_bench.py --nice 0`` against its
 default (10) measures what it gives the server.
 
+Cores. ``cpus`` puts the receive thread on cores of the caller's choosing (Linux, that thread and the threads it
+starts; the caller's and XLA's keep theirs): a server that gives its steps their own cores gives the receive
+others, and a refit then takes no cycle from a step but what the two share (the GIL for the receive's Python
+bookkeeping, memory bandwidth, the caches). ``None`` (the default) keeps the caller's cores: the OS then runs the
+receive wherever it finds room, on the steps' cores too. ``benchmarks/serve_bench.py`` runs both placements.
+
 Verified boxes (hashing every box on both sides before the commit vote) plug in at the commit
 vote of :meth:`jreshard.refit.RefitGroup.pull`, which this handle runs unchanged; nothing here
 needs to change for it.
@@ -153,6 +159,7 @@ class PullHandle:
         shadow: Shadow,
         nbytes: int,
         nice: int = 0,
+        cpus: frozenset[int] | None = None,
     ):
         self._group = group
         self._nice = nice
@@ -173,7 +180,7 @@ class PullHandle:
             target=self._receive, args=(into, like, timeout_s), name="jreshard-pull-async", daemon=True
         )
         self._t0 = time.monotonic()
-        self._thread.start()
+        start_on(self._thread, cpus)
 
     def _receive(self, into: PyTree, like: PyTree, timeout_s: float | None) -> None:
         import jax
@@ -281,6 +288,51 @@ class PullHandle:
                 return False
             self._cancel.set()
             return True
+
+
+def check_cpus(cpus: Any, who: str) -> frozenset[int] | None:
+    """``cpus`` as the set of cores a receive thread is to run on (``None``: the caller's, unchanged), checked:
+    a non-empty collection of core numbers that the OS lets the calling thread run on (tried on the caller, whose
+    own cores are put back at once), so a set it refuses is a ValueError before anything starts.
+
+    Raises:
+      ValueError: ``cpus`` is not a non-empty collection of ints >= 0, the OS refuses it, or the system has no
+        ``os.sched_setaffinity`` (Linux has it)."""
+    if cpus is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"{who}: cpus={cpus!r} needs os.sched_setaffinity, which this system lacks (Linux has it)")
+    try:
+        got = frozenset(cpus)
+    except TypeError:
+        got = frozenset([None])
+    if not got or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in got):
+        raise ValueError(f"{who}: cpus={cpus!r}; expected a non-empty set of core numbers (ints >= 0) or None")
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, got)
+    except OSError as err:
+        raise ValueError(
+            f"{who}: cpus={sorted(got)}: the OS refuses them ({err.strerror}); the calling thread's cores are "
+            f"{sorted(own)}"
+        ) from None
+    os.sched_setaffinity(0, own)
+    return got
+
+
+def start_on(thread: threading.Thread, cpus: frozenset[int] | None) -> None:
+    """Start ``thread`` on the cores ``cpus`` (from :func:`check_cpus`; ``None``: the caller's). A new thread
+    starts with its creator's cores, so the caller takes ``cpus`` for the start and its own back after: no
+    thread but the new one changes cores, and it has them before it runs a line."""
+    if cpus is None:
+        thread.start()
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        thread.start()
+    finally:
+        os.sched_setaffinity(0, own)
 
 
 def lower_priority(nice: int) -> bool:

@@ -688,6 +688,7 @@ class RefitGroup:
         shadow: Any = "keep",
         max_shadow_bytes: int | None = None,
         nice: int = 10,
+        cpus: Any = None,
     ) -> Any:
         """Start :meth:`pull` in the background and return its :class:`~jreshard.refit.background.PullHandle`
         (``ready()``, ``result()``, ``flip()``, ``cancel()``): the server keeps stepping on the arrays it
@@ -703,12 +704,15 @@ class RefitGroup:
             held beside the current ones until the flip, exceed it.
           nice: added to the receive thread's nice value (0 to 19; Linux, that thread only): where cores
             are short, the server's own steps go first. 0 keeps the caller's priority.
+          cpus: the cores the receive thread runs on (a set of core numbers; Linux, that thread only), e.g.
+            cores the server's steps do not use; ``None`` keeps the caller's.
 
         Raises:
           ValueError: this process is a source, a background pull is already in flight, the shadow is
-            over ``max_shadow_bytes``, or ``nice`` is not an int in 0..19.
+            over ``max_shadow_bytes``, ``nice`` is not an int in 0..19, or ``cpus`` is not a non-empty set
+            of cores the OS lets this process run on.
         """
-        from jreshard.refit.background import PullHandle, Shadow, shadow_bytes
+        from jreshard.refit.background import PullHandle, Shadow, check_cpus, shadow_bytes
 
         if self.role is not Role.DESTINATION:
             raise ValueError(f"RefitGroup.pull_async: this process is a {self.role.value}; call push()")
@@ -734,9 +738,10 @@ class RefitGroup:
                 )
         if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
             raise ValueError(f"RefitGroup.pull_async: nice={nice!r}; expected an int in 0..19")
+        cores = check_cpus(cpus, "RefitGroup.pull_async")
         self._check_usable()
         self._background = PullHandle(
-            self, into=into, like=like, timeout_s=timeout_s, shadow=mode, nbytes=nbytes, nice=nice
+            self, into=into, like=like, timeout_s=timeout_s, shadow=mode, nbytes=nbytes, nice=nice, cpus=cores
         )
         return self._background
 
