@@ -31,6 +31,12 @@ counts the polls that received a message, and preemption by other processes: on 
 load average of the runs is printed beside it (the CPU time of the engine's thread too, which counts the idle
 polls but not preemption).
 
+**MPI's own floor.** ``mpi_floor.c`` (built with the MPI's ``mpicc``) runs the rank's groups with nothing of
+jreshard: the same sends and receives a group, as persistent requests of 0 bytes built once, each group started
+(``MPI_Startall``) and its requests tested in order (``MPI_Test``), as the compiled replay does, in two C processes,
+in ``--launches`` launches. What it prints per round is what MPI alone costs the rank's rounds on this machine at
+this moment; the engine's host time cannot be below it.
+
 **Launches.** MPICH on the 2-core development VM runs at one of two speeds from one ``mpiexec`` launch to the next
 (about 1.3-1.8 or 2.7-3.1 us a round; a process that only starts and completes the same persistent requests moves
 with it), so one launch's number is a draw. The prepared column therefore runs in ``--launches`` launches (5 by
@@ -333,6 +339,32 @@ def _worker(path: str) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
+def mpi_floor(compiled: CompiledRounds, repeat: int, launches: int, thread_level: str = "multiple") -> list[float]:
+    """MPI's own host time per round for the rank's rounds, nothing of jreshard: ``mpi_floor.c`` (built here with
+    the MPI's ``mpicc``) starts and tests persistent requests of 0 bytes in the rank's groups, with the same sends
+    and receives a group, in ``launches`` launches of two processes; each launch's median us per group (a round
+    is one group here). Empty when it cannot be built."""
+    bindir = Path(sys.executable).parent
+    counts = [len(x) for _, gs, _, _ in compiled.rounds for s, v in gs for x in (s, v)]
+    with tempfile.TemporaryDirectory() as tmp:
+        exe, data = os.path.join(tmp, "mpi_floor"), os.path.join(tmp, "counts")
+        np.array([len(counts) // 2, *counts], dtype=np.int32).tofile(data)
+        src = str(Path(__file__).resolve().parent / "mpi_floor.c")
+        built = subprocess.run([str(bindir / "mpicc"), "-O2", src, "-o", exe], capture_output=True, text=True)
+        if built.returncode:
+            sys.stderr.write(f"engine_bench: mpi_floor.c not built: {built.stderr[-500:]}\n")
+            return []
+        out = []
+        for _ in range(launches):
+            cmd = [str(bindir / "mpiexec"), "-n", "2", exe, data, str(repeat), thread_level]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+            line = next((ln for ln in done.stdout.splitlines() if ln.startswith("floor ")), None)
+            if done.returncode or line is None:
+                raise SystemExit(f"engine_bench: mpi_floor failed (rc {done.returncode}):\n{done.stderr[-2000:]}")
+            out.append(float(line.split()[1]))
+    return out
+
+
 def _counters(label: str | None, rounds: int = 1) -> None:
     """Where the compiled replay's time went, when ``_replay.c`` was built with ``-DREPLAY_PROFILE`` (a profiling
     build; a release has no counters and this does nothing): clear the counters (``label`` None), or print them per
@@ -593,7 +625,7 @@ def main(argv: list[str] | None = None) -> None:
     sched, tensors, r, topo = schedule_of(args.model, n, rank)
     shards = Shards(src={}, dst={(t, rank): _NULL for t, spec in enumerate(tensors) if rank in spec.dst.ranks})
     t0 = time.perf_counter()
-    compile_rounds(sched, (rank,), (1,), Options().max_group_ops)  # once per schedule, then cached
+    rank_rounds = compile_rounds(sched, (rank,), (1,), Options().max_group_ops)  # once per schedule, then cached
     compile_s = time.perf_counter() - t0
 
     def timed(kind: type[NullComm]) -> tuple[list[float], Any, NullComm]:
@@ -626,6 +658,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     serialized = real_path(sched, tensors, rank, args.repeat, SERIALIZED, "serialized")
     serialized.pop("compiled")
+    floor = mpi_floor(rank_rounds, args.repeat, args.launches)
     load = max(load, os.getloadavg()[0])
     rounds = real["prepared"]["rounds"]
     print(f"== engine host cost: {args.model} {n} + {n}, destination rank {rank}, {rounds} rounds")
@@ -669,6 +702,12 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{x:.2f}" for x in per_launch)
         + " (MPICH here runs at one of two speeds from one launch to the next)"
     )
+    if floor:
+        print(
+            f"   MPI's own floor (benchmarks/mpi_floor.c: the rank's {rounds} groups of persistent requests of 0 B, "
+            f"started and tested as the replay does, nothing of jreshard), us per round in each of {len(floor)} "
+            "launches: " + ", ".join(f"{x:.2f}" for x in floor) + f"; median {statistics.median(floor):.2f}"
+        )
     mid = statistics.median(per_launch)
     pct = mid * rounds / 1e6 / predicted * 100
     spread = f"{mid:.2f} us/round ({min(per_launch):.2f}-{max(per_launch):.2f})"
