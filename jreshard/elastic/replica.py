@@ -32,7 +32,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from jreshard.elastic.delta import ReplicaBases
@@ -115,7 +115,7 @@ class ElasticReplica:
         recipe: PyTree = None,
         held: tuple[Any, int] | None = None,
         nice: int = 10,
-        cpus: Any = None,
+        cpus: Iterable[int] | None = None,
     ):
         import jax
 

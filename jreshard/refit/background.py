@@ -58,6 +58,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from jreshard.errors import RefitCancelledError, TransferTimeoutError
@@ -290,7 +291,7 @@ class PullHandle:
             return True
 
 
-def check_cpus(cpus: Any, who: str) -> frozenset[int] | None:
+def check_cpus(cpus: Iterable[int] | None, who: str) -> frozenset[int] | None:
     """``cpus`` as the set of cores a receive thread is to run on (``None``: the caller's, unchanged), checked:
     a non-empty collection of core numbers that the OS lets the calling thread run on (tried on the caller, whose
     own cores are put back at once), so a set it refuses is a ValueError before anything starts.
@@ -303,9 +304,9 @@ def check_cpus(cpus: Any, who: str) -> frozenset[int] | None:
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{who}: cpus={cpus!r} needs os.sched_setaffinity, which this system lacks (Linux has it)")
     try:
-        got = frozenset(cpus)
+        got: frozenset[Any] = frozenset(cpus)
     except TypeError:
-        got = frozenset([None])
+        got = frozenset()
     if not got or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in got):
         raise ValueError(f"{who}: cpus={cpus!r}; expected a non-empty set of core numbers (ints >= 0) or None")
     own = os.sched_getaffinity(0)

@@ -59,7 +59,7 @@ import enum
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jreshard.refit.boxes as boxes
@@ -688,7 +688,7 @@ class RefitGroup:
         shadow: Any = "keep",
         max_shadow_bytes: int | None = None,
         nice: int = 10,
-        cpus: Any = None,
+        cpus: Iterable[int] | None = None,
     ) -> Any:
         """Start :meth:`pull` in the background and return its :class:`~jreshard.refit.background.PullHandle`
         (``ready()``, ``result()``, ``flip()``, ``cancel()``): the server keeps stepping on the arrays it
