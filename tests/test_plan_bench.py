@@ -4,6 +4,7 @@ plan's messages say (each peer's sorted distinct receivers and senders)."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import types
 from pathlib import Path
@@ -91,6 +92,8 @@ def test_engine_bench_runs_every_round_of_the_schedule(capsys):
     out = capsys.readouterr().out
     assert f"operations {want_ops}," in out and "us per round" in out and "predicted refit" in out
     assert "host us per round in each of 2 launches" in out and out.rstrip().splitlines()[-1].startswith("engine host:")
+    floor = re.search(r"MPI's own floor .* us per round in each of 2 launches: ([\d.]+), ([\d.]+); median", out)
+    assert floor and all(float(x) > 0 for x in floor.groups()), out[-2000:]  # mpi_floor.c built and run twice
     if importlib.util.find_spec("nixl_cu12") is not None:  # the NIXL columns, run as RefitGroup runs NIXL
         assert "NIXL prepared: " in out and "box MACs " in out and "NIXL prepared, tags: " in out, out[-2000:]
 
