@@ -177,6 +177,27 @@ def test_the_service_thread_runs_on_the_cores_asked_for(trainer):
         r.leave()
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread cores are Linux's")
+def test_the_trainers_service_thread_runs_on_the_cores_asked_for_and_versions_still_reach_a_replica():
+    mine = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match=r"ElasticTrainer: cpus=\[4096\]: the OS refuses them"):
+        ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, cpus=[4096])
+    last = max(mine)
+    tr = ElasticTrainer(params(0), devices=list(D[:2]), options=OPTS, cpus={last})
+    try:
+        assert os.sched_getaffinity(tr._thread.native_id) == {last} and os.sched_getaffinity(0) == mine
+        r = replica(tr, 1, "r-after-pinned-trainer")
+        try:
+            tr.wait(count=1)
+            tr.push(params(1), version=1)
+            tree, v = r.pull(timeout_s=30)
+            assert v == 1 and exact(tree, 1)
+        finally:
+            r.leave()
+    finally:
+        tr.close()
+
+
 def test_a_taken_name_is_refused_and_released_on_leave(trainer):
     r1 = replica(trainer, 1, "r1")
     with pytest.raises(LayoutMismatchError, match="the name 'r1' is taken"):

@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jreshard.elastic.followers import Followers, FollowerService, gather_followers
@@ -42,6 +42,7 @@ from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, format_address, listen, parse_address
 from jreshard.options import Options
+from jreshard.refit.background import check_cpus, start_on
 from jreshard.refit.decl import declare_local, deleted_leaf
 from jreshard.types import PyTree
 
@@ -65,9 +66,13 @@ class ElasticTrainer:
         ``$JRESHARD_SECRET_FILE``).
       catch_up: where joiners take the latest version from (:class:`CatchUp`).
       links: link speeds for the cost model (``Topology.from_domains`` keywords).
+      cpus: the cores of this process's service thread, which sends every version to the replicas (a set of
+        core numbers; Linux, that thread and the threads it starts), e.g. cores the training steps do not use;
+        ``None`` keeps the caller's.
 
     Raises:
-      ValueError: the declaration is malformed, no secret is set, or ``host`` cannot be bound.
+      ValueError: the declaration is malformed, no secret is set, ``host`` cannot be bound, or ``cpus`` is not
+        a non-empty set of cores the OS lets this process run on.
       BackendUnavailableError: NIXL is not installed.
     """
 
@@ -82,11 +87,13 @@ class ElasticTrainer:
         options: Options | None = None,
         catch_up: CatchUp | str = CatchUp.AUTO,
         links: dict[str, float] | None = None,
+        cpus: Iterable[int] | None = None,
     ):
         import jax
 
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticTrainer: options={options!r} must be a jreshard.Options")
+        self._cpus = check_cpus(cpus, "ElasticTrainer")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"ElasticTrainer: port={port!r} must be an int in [0, 65535] (0: any free port)")
         self.options = options or Options()
@@ -140,7 +147,7 @@ class ElasticTrainer:
         self._cv = self._m.cv
         self._jobs: collections.deque[tuple[Callable[[], Any], dict]] = collections.deque()
         self._thread = threading.Thread(target=self._serve, name="jreshard-elastic-trainer", daemon=True)
-        self._thread.start()
+        start_on(self._thread, self._cpus)
 
     def _start_follower(self, host: str, port: int, address_file: str | None, key: bytes) -> None:
         """This process is not process 0: join process 0 and serve this process's shards."""
@@ -171,7 +178,7 @@ class ElasticTrainer:
                 time.sleep(0.005)
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._follow, name="jreshard-elastic-follower", daemon=True)
-        self._thread.start()
+        start_on(self._thread, self._cpus)
 
     def _follow(self) -> None:
         f = self._follower
