@@ -54,7 +54,7 @@ from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, Trans
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address, peer_int
 from jreshard.options import Options
-from jreshard.refit.background import check_cpus, lower_priority, start_on
+from jreshard.refit.background import check_cpus, check_nice, lower_priority, start_on
 from jreshard.refit.decl import declare_local, problems
 from jreshard.types import PyTree
 
@@ -134,9 +134,7 @@ class ElasticReplica:
             raise ValueError(
                 f"ElasticReplica: this replica has {self._processes} processes; pass the same name=... in each"
             )
-        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-            raise ValueError(f"ElasticReplica: nice={nice!r}; expected an int in 0..19")
-        self._nice = nice
+        self._nice = check_nice(nice, "ElasticReplica")
         self._cpus = check_cpus(cpus, "ElasticReplica")
         self.options = options or Options()
         self._key = resolve_secret(self.options.secret, who="ElasticReplica")

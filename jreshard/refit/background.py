@@ -52,13 +52,14 @@ needs to change for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from jreshard.errors import RefitCancelledError, TransferTimeoutError
@@ -309,15 +310,14 @@ def check_cpus(cpus: Iterable[int] | None, who: str) -> frozenset[int] | None:
         got = frozenset()
     if not got or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in got):
         raise ValueError(f"{who}: cpus={cpus!r}; expected a non-empty set of core numbers (ints >= 0) or None")
-    own = os.sched_getaffinity(0)
     try:
-        os.sched_setaffinity(0, got)
+        with _on_cores(got):
+            pass
     except OSError as err:
         raise ValueError(
             f"{who}: cpus={sorted(got)}: the OS refuses them ({err.strerror}); the calling thread's cores are "
-            f"{sorted(own)}"
+            f"{sorted(os.sched_getaffinity(0))}"
         ) from None
-    os.sched_setaffinity(0, own)
     return got
 
 
@@ -328,12 +328,27 @@ def start_on(thread: threading.Thread, cpus: frozenset[int] | None) -> None:
     if cpus is None:
         thread.start()
         return
+    with _on_cores(cpus):
+        thread.start()
+
+
+@contextlib.contextmanager
+def _on_cores(cpus: frozenset[int]) -> Iterator[None]:
+    """The calling thread on ``cpus`` inside the block, on its own cores again after (OSError: the OS refused
+    ``cpus``, nothing changed)."""
     own = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cpus)
     try:
-        thread.start()
+        yield
     finally:
         os.sched_setaffinity(0, own)
+
+
+def check_nice(nice: int, who: str) -> int:
+    """``nice`` checked: an int in 0..19 (ValueError naming ``who`` otherwise)."""
+    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+        raise ValueError(f"{who}: nice={nice!r}; expected an int in 0..19")
+    return nice
 
 
 def lower_priority(nice: int) -> bool:

@@ -712,7 +712,7 @@ class RefitGroup:
             over ``max_shadow_bytes``, ``nice`` is not an int in 0..19, or ``cpus`` is not a non-empty set
             of cores the OS lets this process run on.
         """
-        from jreshard.refit.background import PullHandle, Shadow, check_cpus, shadow_bytes
+        from jreshard.refit.background import PullHandle, Shadow, check_cpus, check_nice, shadow_bytes
 
         if self.role is not Role.DESTINATION:
             raise ValueError(f"RefitGroup.pull_async: this process is a {self.role.value}; call push()")
@@ -736,8 +736,7 @@ class RefitGroup:
                     f"RefitGroup.pull_async: the shadow copy needs {nbytes} bytes on this process, over "
                     f"max_shadow_bytes={max_shadow_bytes}; raise it, or pull() between steps (no second copy)"
                 )
-        if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
-            raise ValueError(f"RefitGroup.pull_async: nice={nice!r}; expected an int in 0..19")
+        check_nice(nice, "RefitGroup.pull_async")
         cores = check_cpus(cpus, "RefitGroup.pull_async")
         self._check_usable()
         self._background = PullHandle(
