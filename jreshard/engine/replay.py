@@ -631,17 +631,17 @@ class Replay:
             cut.append(fine)
         return cut[0]
 
-    def _observed(
+    def _in_parts(
         self,
         ops: np.ndarray,
         fine: ByMessage | None,
         run: Callable[[int, int], None],
         start_wait: Callable[[int], None],
     ) -> None:
-        """The native operations ``ops`` of a step whose prepared groups observe it (:attr:`ByMessage.native` where
-        they read every message, ``fine``): ``run(lo, hi)`` runs operations ``lo:hi`` compiled, ``start_wait(at)``
-        the start or wait at ``at`` with its hooks; by message, each message is handed over after the pack or
-        unpack that wrote or read it last (the hook's time counts to that operation's phase)."""
+        """The native operations ``ops`` of a step (:attr:`ByMessage.native` where the prepared groups read every
+        message, ``fine``) in parts cut at every start and wait: ``run(lo, hi)`` runs operations ``lo:hi`` compiled,
+        ``start_wait(at)`` the start or wait at ``at`` with its hooks; by message, each message is also handed over
+        after the pack or unpack that wrote or read it last (the hook's time counts to that operation's phase)."""
         prepared = self.prepared
         assert prepared is not None
         cuts = set(np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist())
@@ -741,7 +741,7 @@ class Replay:
                 self._landed(group, fine)
                 times[phase] += time.perf_counter() - t
 
-        self._observed(step, fine, run, start_wait)
+        self._in_parts(step, fine, run, start_wait)
         return times.copy()
 
     def _no_groups(self) -> tuple[np.ndarray, np.ndarray]:
@@ -776,9 +776,8 @@ class Replay:
         ops = fine.native if fine is not None else self.ops.native
         started = -1
 
-        def run(
-            lo: int, hi: int
-        ) -> None:  # packs and unpacks only: no group is named, so the compiled code drives none
+        def run(lo: int, hi: int) -> None:
+            """Packs and unpacks only: no group is named, so the compiled code drives none."""
             if hi <= lo:
                 return
             try:
@@ -808,16 +807,8 @@ class Replay:
                     self._landed(group, fine)
             times[phase] += clock() - t
 
-        if prepared.observes:
-            self._hook_times = times
-            self._observed(ops, fine, run, start_wait)
-            return times
-        lo = 0
-        for at in np.nonzero((ops[:, 0] == START) | (ops[:, 0] == WAIT))[0].tolist():
-            run(lo, at)
-            start_wait(at)
-            lo = at + 1
-        run(lo, len(ops))
+        self._hook_times = times
+        self._in_parts(ops, fine, run, start_wait)
         return times
 
     def _run_part(self, ops: np.ndarray, lo: int, hi: int, tail: tuple, timeout_s: float) -> None:
