@@ -339,7 +339,7 @@ def _worker(path: str) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
-def mpi_floor(compiled: CompiledRounds, repeat: int, launches: int, thread_level: str = "multiple") -> list[float]:
+def mpi_floor(compiled: CompiledRounds, repeat: int, launches: int) -> list[float]:
     """MPI's own host time per round for the rank's rounds, nothing of jreshard: ``mpi_floor.c`` (built here with
     the MPI's ``mpicc``) starts and tests persistent requests of 0 bytes in the rank's groups, with the same sends
     and receives a group, in ``launches`` launches of two processes; each launch's median us per group (a round
@@ -356,7 +356,7 @@ def mpi_floor(compiled: CompiledRounds, repeat: int, launches: int, thread_level
             return []
         out = []
         for _ in range(launches):
-            cmd = [str(bindir / "mpiexec"), "-n", "2", exe, data, str(repeat), thread_level]
+            cmd = [str(bindir / "mpiexec"), "-n", "2", exe, data, str(repeat)]  # MPI_THREAD_MULTIPLE, as mpi4py
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
             line = next((ln for ln in done.stdout.splitlines() if ln.startswith("floor ")), None)
             if done.returncode or line is None:
