@@ -36,7 +36,11 @@ first ``into`` leaf is donated. Donating chunk by chunk while the previous chunk
 slower on two shared cores than one start after all of them; a second try of the first (2026-12-05,
 chunks of 100, 256 and 500 leaves, each chunk's copies started once it was donated) measured 1-6% faster
 on 1,000 leaves (35.2-36.4 ms against 37.0-37.4 ms, alternated in one process), too little to carry a
-second path.
+second path. Reading the source addresses inside one jitted computation instead (an XLA FFI call per device,
+under ``shard_map``, writing its operands' addresses into its output; 2026-12-06, a prototype, not kept) gave the
+same addresses but cost 12-19 ms for 1,000 leaves of four shards (its dispatch alone 10-17 ms), where waiting for
+the sources and reading their addresses through ``_arrays`` cost 15-22 ms in the same runs: jax's dispatch of a
+call takes about as long per argument as building its shards' objects.
 """
 
 from __future__ import annotations
