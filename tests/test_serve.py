@@ -187,7 +187,7 @@ def test_the_receive_thread_runs_at_the_nice_asked_for_and_the_callers_priority_
 def test_the_receive_thread_runs_on_the_cores_asked_for_and_the_callers_are_untouched(pair):
     src, dst, tree = pair
     mine = os.sched_getaffinity(0)
-    for bad in (set(), [0, -1], [True], "0", 2.5, [1.0]):
+    for bad in (set(), [0, -1], [True], [0, True], np.array([True]), "0", 2.5, [1.0], np.array([0.0])):
         with pytest.raises(ValueError, match=r"cpus=.*expected a non-empty set of core numbers"):
             dst.pull_async(into=tree, cpus=bad)
     with pytest.raises(ValueError, match=r"cpus=\[4096\]: the OS refuses them"):
@@ -202,13 +202,13 @@ def test_the_receive_thread_runs_on_the_cores_asked_for_and_the_callers_are_unto
 
     dst._run = observed  # type: ignore[method-assign]
     last = max(mine)
-    for cpus, version in (({last}, 2), (None, 3)):
+    for cpus, version in (({last}, 2), (None, 3), (np.array([last]), 4), ((c for c in [last]), 5)):
         h = dst.pull_async(into=tree, cpus=cpus)
         assert os.sched_getaffinity(0) == mine  # the caller's own, back at once
         src.push(version)
         tree, v = h.result(timeout_s=10)
         assert v == version and holds(tree, version)
-    assert seen == [{last}, mine]  # a fresh thread each pull; None keeps the caller's
+    assert seen == [{last}, mine, {last}, {last}]  # a fresh thread each pull; None keeps the caller's
     assert os.sched_getaffinity(0) == mine
 
 

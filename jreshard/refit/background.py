@@ -55,12 +55,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import operator
 import os
 import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+import numpy as np
 
 from jreshard.errors import RefitCancelledError, TransferTimeoutError
 from jreshard.types import PyTree
@@ -304,11 +307,12 @@ def check_cpus(cpus: Iterable[int] | None, who: str) -> frozenset[int] | None:
         return None
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{who}: cpus={cpus!r} needs os.sched_setaffinity, which this system lacks (Linux has it)")
-    try:
-        got: frozenset[Any] = frozenset(cpus)
+    try:  # core numbers of any integer type (a numpy array of them too), not bools, floats or strings
+        given = list(cpus)
+        got = frozenset(operator.index(c) for c in given)
     except TypeError:
-        got = frozenset()
-    if not got or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in got):
+        given, got = [], frozenset()
+    if not got or any(isinstance(c, bool | np.bool_) for c in given) or any(c < 0 for c in got):
         raise ValueError(f"{who}: cpus={cpus!r}; expected a non-empty set of core numbers (ints >= 0) or None")
     try:
         with _on_cores(got):
