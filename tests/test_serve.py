@@ -190,8 +190,9 @@ def test_the_receive_thread_runs_on_the_cores_asked_for_and_the_callers_are_unto
     for bad in (set(), [0, -1], [True], [0, True], np.array([True]), "0", 2.5, [1.0], np.array([0.0])):
         with pytest.raises(ValueError, match=r"cpus=.*expected a non-empty set of core numbers"):
             dst.pull_async(into=tree, cpus=bad)
-    with pytest.raises(ValueError, match=r"cpus=\[4096\]: the OS refuses them"):
-        dst.pull_async(into=tree, cpus=[4096])
+    for far in (4096, 1 << 40, 1 << 70):
+        with pytest.raises(ValueError, match=rf"cpus=\[{far}\]: the OS refuses them"):
+            dst.pull_async(into=tree, cpus=[far])
     assert os.sched_getaffinity(0) == mine and dst._background is None
     seen: list[set[int]] = []
     run = dst._run

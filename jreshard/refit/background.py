@@ -317,10 +317,10 @@ def check_cpus(cpus: Iterable[int] | None, who: str) -> frozenset[int] | None:
     try:
         with _on_cores(got):
             pass
-    except OSError as err:
+    except (OSError, OverflowError) as err:  # OverflowError: a core number past what the OS can name
         raise ValueError(
-            f"{who}: cpus={sorted(got)}: the OS refuses them ({err.strerror}); the calling thread's cores are "
-            f"{sorted(os.sched_getaffinity(0))}"
+            f"{who}: cpus={sorted(got)}: the OS refuses them ({getattr(err, 'strerror', None) or err}); the calling "
+            f"thread's cores are {sorted(os.sched_getaffinity(0))}"
         ) from None
     return got
 
