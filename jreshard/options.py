@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+import numbers
+import operator
 
 __all__ = ["Backend", "Delta", "Options"]
 
@@ -104,19 +107,23 @@ class Options:
                 ) from None
             object.__setattr__(self, "backend", b)
         for f in ("staging_bytes", "chunk_bytes"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Options: {f}={v!r} must be a positive int")
+            if self._whole(f) < 1:
+                raise ValueError(f"Options: {f}={getattr(self, f)!r} must be a positive int")
         if self.chunk_bytes > self.staging_bytes:
             raise ValueError(
                 f"Options: chunk_bytes={self.chunk_bytes} exceeds staging_bytes={self.staging_bytes}; "
                 "a chunk must fit in staging"
             )
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"Options: timeout_s={self.timeout_s!r} must be a positive number of seconds")
-        if self.copy_threads is not None and (not isinstance(self.copy_threads, int) or self.copy_threads < 1):
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < float(t) < math.inf:
+            raise ValueError(
+                f"Options: timeout_s={t!r} must be a positive, finite number of seconds (every wait on a peer is "
+                "bounded by it)"
+            )
+        object.__setattr__(self, "timeout_s", float(t))
+        if self.copy_threads is not None and self._whole("copy_threads") < 1:
             raise ValueError(f"Options: copy_threads={self.copy_threads!r} must be None or an int >= 1")
-        if not isinstance(self.max_group_ops, int) or isinstance(self.max_group_ops, bool) or self.max_group_ops < 1:
+        if self._whole("max_group_ops") < 1:
             raise ValueError(f"Options: max_group_ops={self.max_group_ops!r} must be an int >= 1")
         if self.secret is not None and (not isinstance(self.secret, bytes) or len(self.secret) < 16):
             shown = f"{len(self.secret)} bytes" if isinstance(self.secret, bytes) else type(self.secret).__name__
@@ -135,16 +142,25 @@ class Options:
                     '("auto": on between programs)'
                 ) from None
             object.__setattr__(self, "delta", d)
-        if not isinstance(self.delta_bytes, int) or isinstance(self.delta_bytes, bool) or self.delta_bytes < 0:
+        if self._whole("delta_bytes") < 0:
             raise ValueError(f"Options: delta_bytes={self.delta_bytes!r} must be an int >= 0 (0: keep nothing)")
         if not isinstance(self.relays, bool):
             raise TypeError(f"Options: relays={self.relays!r} must be True or False")
-        if (
-            not isinstance(self.min_stripe_bytes, int)
-            or isinstance(self.min_stripe_bytes, bool)
-            or self.min_stripe_bytes < 0
-        ):
+        if self._whole("min_stripe_bytes") < 0:
             raise ValueError(f"Options: min_stripe_bytes={self.min_stripe_bytes!r} must be an int >= 0")
+
+    def _whole(self, field: str) -> int:
+        """Field ``field`` as a Python int, stored back (any integer type: numpy's too); -1 for a value that is not
+        one (a bool, a float, a string), which every caller refuses with its own message."""
+        v = getattr(self, field)
+        if isinstance(v, bool):
+            return -1
+        try:
+            n = operator.index(v)
+        except TypeError:
+            return -1
+        object.__setattr__(self, field, n)
+        return n
 
     @staticmethod
     def of(options: object, name: str = "options") -> Options:
