@@ -8,7 +8,7 @@ import math
 import numbers
 import operator
 
-__all__ = ["Backend", "Delta", "Options"]
+__all__ = ["Backend", "Delta", "Options", "wait_s"]
 
 
 class Backend(enum.Enum):
@@ -115,7 +115,7 @@ class Options:
                 "a chunk must fit in staging"
             )
         t = self.timeout_s
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < float(t) < math.inf:
+        if not _seconds(t) or t == 0:
             raise ValueError(
                 f"Options: timeout_s={t!r} must be a positive, finite number of seconds (every wait on a peer is "
                 "bounded by it)"
@@ -182,3 +182,26 @@ class Options:
     def plan_key(self) -> tuple:
         """The fields that change a plan (the rest change only how it runs)."""
         return (self.relays, self.min_stripe_bytes)
+
+
+def _seconds(t: object) -> bool:
+    """Whether ``t`` is a finite real number >= 0 (numpy's too; not a bool)."""
+    return not isinstance(t, bool) and isinstance(t, numbers.Real) and 0 <= float(t) < math.inf
+
+
+def wait_s(timeout_s: object, default: float, who: str) -> float:
+    """The seconds a call waits: ``timeout_s`` as a float, or ``default`` for ``None``.
+
+    Raises:
+      ValueError: ``timeout_s`` is not ``None`` nor a finite number of seconds >= 0 (``inf`` and ``nan`` included:
+        every wait is bounded), naming ``who``.
+
+    Example:
+      >>> wait_s(None, 300.0, "pull"), wait_s(2, 300.0, "pull")
+      (300.0, 2.0)
+    """
+    if timeout_s is None:
+        return float(default)
+    if not _seconds(timeout_s):
+        raise ValueError(f"{who}: timeout_s={timeout_s!r} must be None or a finite number of seconds >= 0")
+    return float(timeout_s)  # type: ignore[arg-type]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jreshard import Options
+from jreshard.options import wait_s
 
 
 @pytest.mark.parametrize("value", ["no", 0, 1, None])
@@ -65,3 +66,11 @@ def test_timeout_takes_any_real_number_and_holds_a_float(value):
 def test_timeout_must_be_positive_and_finite(bad):
     with pytest.raises(ValueError, match=r"timeout_s=.* must be a positive, finite number of seconds"):
         Options(timeout_s=bad)
+
+
+def test_a_wait_is_none_for_the_default_or_a_finite_number_of_seconds():
+    assert wait_s(None, 300.0, "w") == 300.0
+    assert [wait_s(v, 300.0, "w") for v in (0, 2, 2.5, np.float32(0.5), np.int64(3))] == [0.0, 2.0, 2.5, 0.5, 3.0]
+    for bad in (math.inf, -math.inf, math.nan, -1, True, np.bool_(False), "5", [1]):
+        with pytest.raises(ValueError, match=r"^the call: timeout_s=.* must be None or a finite number of seconds"):
+            wait_s(bad, 300.0, "the call")

@@ -260,6 +260,11 @@ def test_versions_waits_and_pulls(trainer):
     assert trainer.wait(count=2) == ("r1", "r2")
     with pytest.raises(TransferTimeoutError, match="no version newer than None"):
         r1.pull(timeout_s=0.05)
+    for bad in (float("inf"), float("nan"), -1, "1"):  # a wait that bounds nothing, refused at once
+        with pytest.raises(ValueError, match=r"ElasticReplica\.pull: timeout_s=.* must be None or a finite"):
+            r1.pull(timeout_s=bad)
+        with pytest.raises(ValueError, match=r"ElasticTrainer\.wait: timeout_s=.* must be None or a finite"):
+            trainer.wait(count=2, timeout_s=bad)
     trainer.push(params(1), version=1, block=False)
     assert trainer.wait(version=1, count=1)  # any 1 at version 1
     assert trainer.wait(version=1) == ("r1", "r2")  # all at version 1

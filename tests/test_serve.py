@@ -268,3 +268,19 @@ def test_a_source_that_leaves_mid_background_pull_leaves_the_server_on_its_versi
     with pytest.raises(PeerError, match="closed"):
         h.result()
     assert dst.version == 1 and holds(tree, 1)
+
+
+def test_a_timeout_that_bounds_nothing_is_refused_before_anything_moves(pair):
+    src, dst, tree = pair
+    for bad in (float("inf"), float("nan"), -1.0, True, "5"):
+        with pytest.raises(ValueError, match=r"RefitGroup\.pull: timeout_s=.* must be None or a finite number"):
+            dst.pull(into=tree, timeout_s=bad)
+        with pytest.raises(ValueError, match=r"RefitGroup\.pull_async: timeout_s=.* must be None or a finite"):
+            dst.pull_async(into=tree, timeout_s=bad)
+    assert dst._background is None and dst.version == 1
+    h = dst.pull_async(into=tree, timeout_s=np.float32(10))  # numpy's numbers are numbers
+    with pytest.raises(ValueError, match=r"PullHandle\.result: timeout_s=inf must be None or a finite number"):
+        h.result(timeout_s=float("inf"))
+    src.push(2)
+    tree, v = h.result(timeout_s=np.float64(10))
+    assert v == 2 and holds(tree, 2)

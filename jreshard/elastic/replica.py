@@ -53,7 +53,7 @@ from jreshard.engine.put import batched_put, put_allowed
 from jreshard.errors import JReshardError, LayoutMismatchError, PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, connect, listen, make_room, parse_address, peer_int
-from jreshard.options import Options
+from jreshard.options import Options, wait_s
 from jreshard.refit.background import check_cpus, check_nice, lower_priority, start_on
 from jreshard.refit.decl import declare_local, problems
 from jreshard.types import PyTree
@@ -265,7 +265,7 @@ class ElasticReplica:
             and nothing newer is held; or the trainer closed and nothing newer is held.
           TransferTimeoutError: nothing newer, or nothing current, within ``timeout_s``.
         """
-        timeout = self.options.timeout_s if timeout_s is None else timeout_s
+        timeout = wait_s(timeout_s, self.options.timeout_s, "ElasticReplica.pull")
 
         def fresh() -> bool:
             return self._version is not None and (newer_than is None or self._version > newer_than)

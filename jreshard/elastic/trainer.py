@@ -41,7 +41,7 @@ from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, format_address, listen, parse_address
-from jreshard.options import Options
+from jreshard.options import Options, wait_s
 from jreshard.refit.background import check_cpus, start_on
 from jreshard.refit.decl import declare_local, deleted_leaf
 from jreshard.types import PyTree
@@ -309,7 +309,7 @@ class ElasticTrainer:
         self._leader_only("wait")
         if count is not None and (not isinstance(count, int) or count < 1):
             raise ValueError(f"ElasticTrainer.wait: count={count!r} must be None (all) or an int >= 1")
-        timeout = self.options.timeout_s if timeout_s is None else timeout_s
+        timeout = wait_s(timeout_s, self.options.timeout_s, "ElasticTrainer.wait")
 
         def at() -> list[str]:
             return [

@@ -16,6 +16,7 @@ from jreshard.errors import BackendUnavailableError
 from jreshard.mpi.comm import MpiComm, import_mpi
 from jreshard.mpi.control import Control
 from jreshard.net.ports import reserved_port
+from jreshard.options import wait_s
 from jreshard.types import MpiCommunicator
 
 __all__ = ["cluster_comm", "initialize"]
@@ -44,6 +45,7 @@ def initialize(comm: MpiCommunicator = None, *, port: int | None = None, timeout
     """
     import jax
 
+    timeout_s = wait_s(timeout_s, 300.0, "jreshard.mpi.cluster.initialize")
     MPI = import_mpi()
     comm = MPI.COMM_WORLD if comm is None else comm
     # (MPI's own collectives would wait for a missing process for good)

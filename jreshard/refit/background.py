@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from jreshard.errors import RefitCancelledError, TransferTimeoutError
+from jreshard.options import wait_s
 from jreshard.types import PyTree
 
 __all__ = ["PullHandle", "ServeReport", "Shadow", "shadow_bytes"]
@@ -233,7 +234,7 @@ class PullHandle:
           PeerError, TransferTimeoutError, ValueError: the refit failed (as :meth:`RefitGroup.pull`); the
             previous version stays.
         """
-        wait = self._group.options.timeout_s if timeout_s is None else timeout_s
+        wait = wait_s(timeout_s, self._group.options.timeout_s, "PullHandle.result")
         if not self._done.wait(wait):
             raise TransferTimeoutError(
                 f"PullHandle.result: the background refit is still running after timeout_s={wait} "

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from jreshard.errors import LayoutError
-from jreshard.options import Options
+from jreshard.options import Options, wait_s
 from jreshard.refit.group import RefitGroup, Role
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name, numpy_dtype, packed_bits, storage_bytes
@@ -282,6 +282,7 @@ class Endpoint:
             voted, so the source side hears of it and nothing moves.
           PeerError, TransferTimeoutError: the refit failed (every process says why); nothing committed.
         """
+        wait_s(timeout_s, self._group.options.timeout_s, "Endpoint.pull")
         error = ""
         flat: dict[tuple[int, int], np.ndarray] = {}
         try:

@@ -70,7 +70,7 @@ from jreshard.engine.driver import assemble, receive_schedule, schedule_local
 from jreshard.engine.ownership import shard_arrays
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import IntegrityError, LayoutMismatchError, PeerError, TransferError
-from jreshard.options import Options
+from jreshard.options import Options, wait_s
 from jreshard.refit.decl import (
     GroupViews,
     declare_leaves,
@@ -738,6 +738,7 @@ class RefitGroup:
                 )
         check_nice(nice, "RefitGroup.pull_async")
         cores = check_cpus(cpus, "RefitGroup.pull_async")
+        wait_s(timeout_s, self.options.timeout_s, "RefitGroup.pull_async")
         self._check_usable()
         self._background = PullHandle(
             self, into=into, like=like, timeout_s=timeout_s, shadow=mode, nbytes=nbytes, nice=nice, cpus=cores
@@ -777,6 +778,7 @@ class RefitGroup:
             raise ValueError("RefitGroup.pull: pass into=<current params> or like=<abstract tree>")
         if self._background is not None and _phases is None:
             raise ValueError("RefitGroup.pull: a background pull is in flight; flip or cancel it first")
+        wait_s(timeout_s, self.options.timeout_s, "RefitGroup.pull")
         self._check_usable()
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)  # the one flattening of the call
         error = self._local_check(flat, treedef)
