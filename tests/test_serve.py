@@ -8,6 +8,7 @@ on the destination side); the benchmark is benchmarks/serve_bench.py."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -51,7 +52,7 @@ class Source:
     """The trainer in a thread: forms the group, then pushes each version handed to it; records errors."""
 
     def __init__(self, address: str):
-        self.todo: list[int] = []
+        self.todo: list[tuple[int, object]] = []  # (the value's seed, the version it is pushed as)
         self.errors: list[BaseException] = []
         self.pushed: list[int] = []
         self.cv = threading.Condition()
@@ -64,11 +65,11 @@ class Source:
             while True:
                 with self.cv:
                     self.cv.wait_for(lambda: bool(self.todo))
-                    v = self.todo.pop(0)
+                    v, label = self.todo.pop(0)
                 if v < 0:
                     return
                 try:
-                    g.push({k: jax.device_put(x, SRC) for k, x in value(v).items()}, version=v)
+                    g.push({k: jax.device_put(x, SRC) for k, x in value(v).items()}, version=label)  # type: ignore[arg-type]
                     self.pushed.append(v)
                 except PeerError as err:
                     self.errors.append(err)
@@ -77,9 +78,9 @@ class Source:
         finally:
             g.close()
 
-    def push(self, v: int) -> None:
+    def push(self, v: int, version: object = None) -> None:
         with self.cv:
-            self.todo.append(v)
+            self.todo.append((v, v if version is None else version))
             self.cv.notify_all()
 
 
@@ -284,3 +285,16 @@ def test_a_timeout_that_bounds_nothing_is_refused_before_anything_moves(pair):
     src.push(2)
     tree, v = h.result(timeout_s=np.float64(10))
     assert v == 2 and holds(tree, 2)
+
+
+def test_a_version_that_is_not_an_int_is_refused_on_both_sides_and_the_next_refit_goes_through(pair):
+    src, dst, tree = pair
+    for bad in (2.5, True, "2"):
+        src.push(2, version=bad)
+        with pytest.raises(PeerError, match=rf"(?s)refit not started.*version={re.escape(repr(bad))} is not an int"):
+            dst.pull(into=tree)
+        assert dst.version == 1
+    src.push(2, version=np.int64(2))  # numpy's integers are ints
+    tree, v = dst.pull(into=tree)
+    assert v == 2 and type(v) is int and holds(tree, 2)
+    assert len(src.errors) == 3 and all("is not an int" in str(e) for e in src.errors)

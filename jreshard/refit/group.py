@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -111,6 +112,17 @@ _MPI = kit("mpi")  # the transports, by name from the registry (jreshard.call.ro
 MpiComm, Control, LiveComm, import_mpi = _MPI.comm, _MPI.control, _MPI.live, _MPI.import_mpi
 
 MPI_JOIN_EXIT = 75  # the exit status of a process whose MPI accept/connect a dead peer left hanging (EX_TEMPFAIL)
+
+
+def _version_number(version: object) -> int | None:
+    """``version`` as a Python int (any integer type, numpy's too), or ``None`` for anything else (a bool, a float,
+    a string): ``int()`` would turn ``2.7`` into ``2`` without a word."""
+    if isinstance(version, bool):
+        return None
+    try:
+        return operator.index(version)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _join_mpi(MPI: Any, comm: Any, port: str, source: bool, group: Any, timeout_s: float) -> Any:
@@ -654,8 +666,13 @@ class RefitGroup:
 
         Returns when every process of the group has committed the new version.
 
+        Args:
+          params: the source tree.
+          version: an int (numpy's too): every source process pushes the same one.
+
         Raises:
-          PeerError: some process rejected the refit or failed (message names it).
+          PeerError: some process rejected the refit or failed (message names it), a version that is not an
+            int (a float, a bool, a string) included: every process hears of it and nothing moves.
           TransferTimeoutError: a process did not answer within ``options.timeout_s``.
         """
 
@@ -665,8 +682,11 @@ class RefitGroup:
 
         self._check_usable()
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)  # the one flattening of the call
+        number = _version_number(version)
         error = self._local_check(flat, treedef) or deleted_leaf(flat)
-        vote = {"role": "source", "error": error, "version": int(version), "nonce": boxes.new_nonce()}
+        if number is None:
+            error = error or f"RefitGroup.push: version={version!r:.80} is not an int"
+        vote = {"role": "source", "error": error, "version": number or 0, "nonce": boxes.new_nonce()}
         vote |= self._delta.vote()
         self._begin(vote, self.options.timeout_s)
         leaves = self._indexed(flat, treedef)
@@ -676,7 +696,7 @@ class RefitGroup:
             for k, r in picks:
                 sources[(t, r)] = shards[k]
         self._run(sources, {})
-        self.version = int(version)
+        self.version = int(number or 0)
         self._delta.commit(self.version, sum(self.sent_bytes.values()))
 
     def pull_async(
