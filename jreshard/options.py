@@ -8,7 +8,9 @@ import math
 import numbers
 import operator
 
-__all__ = ["Backend", "Delta", "Options", "wait_s"]
+import numpy as np
+
+__all__ = ["Backend", "Delta", "Options", "as_int", "wait_s"]
 
 
 class Backend(enum.Enum):
@@ -150,14 +152,10 @@ class Options:
             raise ValueError(f"Options: min_stripe_bytes={self.min_stripe_bytes!r} must be an int >= 0")
 
     def _whole(self, field: str) -> int:
-        """Field ``field`` as a Python int, stored back (any integer type: numpy's too); -1 for a value that is not
-        one (a bool, a float, a string), which every caller refuses with its own message."""
-        v = getattr(self, field)
-        if isinstance(v, bool):
-            return -1
-        try:
-            n = operator.index(v)
-        except TypeError:
+        """Field ``field`` as a Python int, stored back (:func:`as_int`); -1 for a value that is not one, which every
+        caller refuses with its own message."""
+        n = as_int(getattr(self, field))
+        if n is None:
             return -1
         object.__setattr__(self, field, n)
         return n
@@ -205,3 +203,20 @@ def wait_s(timeout_s: object, default: float, who: str) -> float:
     if not _seconds(timeout_s):
         raise ValueError(f"{who}: timeout_s={timeout_s!r} must be None or a finite number of seconds >= 0")
     return float(timeout_s)  # type: ignore[arg-type]
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int where it is an integer of any type (numpy's too), else ``None`` (a bool, a float, a
+    string: ``int()`` would take ``2.7`` for ``2`` without a word).
+
+    Example:
+      >>> import numpy as np
+      >>> as_int(np.int64(3)), as_int(3), as_int(2.7), as_int(True), as_int("3")
+      (3, 3, None, None, None)
+    """
+    if isinstance(value, bool | np.bool_):  # (numpy's bool had an __index__ once)
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None

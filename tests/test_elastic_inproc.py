@@ -265,7 +265,10 @@ def test_versions_waits_and_pulls(trainer):
             r1.pull(timeout_s=bad)
         with pytest.raises(ValueError, match=r"ElasticTrainer\.wait: timeout_s=.* must be None or a finite"):
             trainer.wait(count=2, timeout_s=bad)
-    trainer.push(params(1), version=1, block=False)
+    for bad in (1.5, True, "1"):
+        with pytest.raises(TypeError, match=r"ElasticTrainer\.push: version=.* must be an int"):
+            trainer.push(params(1), version=bad)
+    trainer.push(params(1), version=np.int64(1), block=False)  # numpy's integers are ints (sent as JSON ints)
     assert trainer.wait(version=1, count=1)  # any 1 at version 1
     assert trainer.wait(version=1) == ("r1", "r2")  # all at version 1
     tree, v = r2.pull()

@@ -41,7 +41,7 @@ from jreshard.elastic.types import CatchUp, PushReport, ReplicaInfo
 from jreshard.errors import PeerError, TransferTimeoutError
 from jreshard.net.auth import resolve_secret
 from jreshard.net.channel import Channel, format_address, listen, parse_address
-from jreshard.options import Options, wait_s
+from jreshard.options import Options, as_int, wait_s
 from jreshard.refit.background import check_cpus, start_on
 from jreshard.refit.decl import declare_local, deleted_leaf
 from jreshard.types import PyTree
@@ -269,8 +269,10 @@ class ElasticTrainer:
           ValueError: ``params`` does not match the declaration, a leaf of it was deleted or donated, or
             ``version`` does not increase.
         """
-        if isinstance(version, bool) or not isinstance(version, int):
+        number = as_int(version)
+        if number is None:
             raise TypeError(f"ElasticTrainer.push: version={version!r} must be an int")
+        version = number  # a Python int: it travels as JSON
         leaves = check_like(params, self._decl, "source", self._devices, "ElasticTrainer.push", self._checked)
         gone = deleted_leaf(leaves)
         if gone:  # (read after the job started, it would cost every replica its connection)

@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import operator
 import os
 import sys
 import threading
@@ -63,10 +62,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
-
 from jreshard.errors import RefitCancelledError, TransferTimeoutError
-from jreshard.options import wait_s
+from jreshard.options import as_int, wait_s
 from jreshard.types import PyTree
 
 __all__ = ["PullHandle", "ServeReport", "Shadow", "shadow_bytes"]
@@ -309,11 +306,11 @@ def check_cpus(cpus: Iterable[int] | None, who: str) -> frozenset[int] | None:
     if not hasattr(os, "sched_setaffinity"):
         raise ValueError(f"{who}: cpus={cpus!r} needs os.sched_setaffinity, which this system lacks (Linux has it)")
     try:  # core numbers of any integer type (a numpy array of them too), not bools, floats or strings
-        given = list(cpus)
-        got = frozenset(operator.index(c) for c in given)
+        given = [as_int(c) for c in cpus]
     except TypeError:
-        given, got = [], frozenset()
-    if not got or any(isinstance(c, bool | np.bool_) for c in given) or any(c < 0 for c in got):
+        given = []
+    got = frozenset(c for c in given if c is not None)
+    if not given or None in given or any(c < 0 for c in got):
         raise ValueError(f"{who}: cpus={cpus!r}; expected a non-empty set of core numbers (ints >= 0) or None")
     try:
         with _on_cores(got):

@@ -57,7 +57,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import operator
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -71,7 +70,7 @@ from jreshard.engine.driver import assemble, receive_schedule, schedule_local
 from jreshard.engine.ownership import shard_arrays
 from jreshard.engine.rounds import ExecStats
 from jreshard.errors import IntegrityError, LayoutMismatchError, PeerError, TransferError
-from jreshard.options import Options, wait_s
+from jreshard.options import Options, as_int, wait_s
 from jreshard.refit.decl import (
     GroupViews,
     declare_leaves,
@@ -112,17 +111,6 @@ _MPI = kit("mpi")  # the transports, by name from the registry (jreshard.call.ro
 MpiComm, Control, LiveComm, import_mpi = _MPI.comm, _MPI.control, _MPI.live, _MPI.import_mpi
 
 MPI_JOIN_EXIT = 75  # the exit status of a process whose MPI accept/connect a dead peer left hanging (EX_TEMPFAIL)
-
-
-def _version_number(version: object) -> int | None:
-    """``version`` as a Python int (any integer type, numpy's too), or ``None`` for anything else (a bool, a float,
-    a string): ``int()`` would turn ``2.7`` into ``2`` without a word."""
-    if isinstance(version, bool):
-        return None
-    try:
-        return operator.index(version)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def _join_mpi(MPI: Any, comm: Any, port: str, source: bool, group: Any, timeout_s: float) -> Any:
@@ -682,7 +670,7 @@ class RefitGroup:
 
         self._check_usable()
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)  # the one flattening of the call
-        number = _version_number(version)
+        number = as_int(version)
         error = self._local_check(flat, treedef) or deleted_leaf(flat)
         if number is None:
             error = error or f"RefitGroup.push: version={version!r:.80} is not an int"
