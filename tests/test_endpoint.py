@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from jreshard.errors import LayoutError
-from jreshard.refit.endpoint import Declaration, RawMemory, Tensor, byte_view
+from jreshard.options import Options
+from jreshard.refit.endpoint import Declaration, Endpoint, RawMemory, Tensor, byte_view
 from jreshard.sharding.box import Box
 
 W = Tensor(name="['w']", shape=(8, 6), dtype="float32", boxes=((0, Box((0, 0), (8, 3))), (1, Box((0, 3), (8, 6)))))
@@ -73,6 +75,15 @@ def test_buffers_are_viewed_in_place_and_refused_by_name():
         byte_view(b"abcd", 4, "bytes")
     with pytest.raises(LayoutError, match="expected a numpy array"):
         byte_view(object(), 4, "obj")
+
+
+def test_a_pull_whose_wait_bounds_nothing_is_refused_before_it_votes():
+    """Endpoint.pull checks ``timeout_s`` first (an endpoint made without connecting: only its options are read)."""
+    ep = Endpoint.__new__(Endpoint)
+    ep._group = types.SimpleNamespace(options=Options())  # type: ignore[attr-defined]
+    for bad in (float("inf"), float("nan"), -0.5, "1"):
+        with pytest.raises(ValueError, match=r"Endpoint\.pull: timeout_s=.* must be None or a finite number"):
+            ep.pull({}, timeout_s=bad)
 
 
 def test_a_jax_trainer_refits_numpy_buffers_of_a_receiver_without_jax(tmp_path):
