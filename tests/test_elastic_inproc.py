@@ -269,7 +269,10 @@ def test_versions_waits_and_pulls(trainer):
         with pytest.raises(TypeError, match=r"ElasticTrainer\.push: version=.* must be an int"):
             trainer.push(params(1), version=bad)
     trainer.push(params(1), version=np.int64(1), block=False)  # numpy's integers are ints (sent as JSON ints)
-    assert trainer.wait(version=1, count=1)  # any 1 at version 1
+    for bad in (0, 1.0, True):
+        with pytest.raises(ValueError, match=rf"ElasticTrainer\.wait: count={bad!r} must be None"):
+            trainer.wait(version=1, count=bad)
+    assert trainer.wait(version=1, count=np.int64(1))  # any 1 at version 1
     assert trainer.wait(version=1) == ("r1", "r2")  # all at version 1
     tree, v = r2.pull()
     assert v == 1 and exact(tree, 1)

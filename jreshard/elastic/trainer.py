@@ -307,10 +307,15 @@ class ElasticTrainer:
 
         Raises:
           TransferTimeoutError: not reached in time; the message names the replicas and their versions.
+          ValueError: ``count`` is not None nor an int >= 1, or ``timeout_s`` not None nor a finite number of
+            seconds >= 0.
         """
         self._leader_only("wait")
-        if count is not None and (not isinstance(count, int) or count < 1):
-            raise ValueError(f"ElasticTrainer.wait: count={count!r} must be None (all) or an int >= 1")
+        if count is not None:
+            n = as_int(count)
+            if n is None or n < 1:
+                raise ValueError(f"ElasticTrainer.wait: count={count!r} must be None (all) or an int >= 1")
+            count = n
         timeout = wait_s(timeout_s, self.options.timeout_s, "ElasticTrainer.wait")
 
         def at() -> list[str]:

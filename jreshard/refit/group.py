@@ -717,8 +717,9 @@ class RefitGroup:
 
         Raises:
           ValueError: this process is a source, a background pull is already in flight, the shadow is
-            over ``max_shadow_bytes``, ``nice`` is not an int in 0..19, or ``cpus`` is not a non-empty set
-            of cores the OS lets this process run on.
+            over ``max_shadow_bytes``, ``nice`` is not an int in 0..19, ``cpus`` is not a non-empty set
+            of cores the OS lets this process run on, or ``timeout_s`` is not None nor a finite number of
+            seconds >= 0.
         """
         from jreshard.refit.background import PullHandle, Shadow, check_cpus, check_nice, shadow_bytes
 
@@ -776,6 +777,8 @@ class RefitGroup:
         Raises:
           PeerError, TransferTimeoutError: the refit failed; ``group.version``
             and the caller's arrays are the previous version.
+          ValueError: this process is a source, neither ``into`` nor ``like`` was given, a background pull is
+            in flight, or ``timeout_s`` is not None nor a finite number of seconds >= 0 (before anything moves).
         """
         import jax
 
