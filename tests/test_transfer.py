@@ -314,6 +314,10 @@ def test_buffer_pool_counts_caps_and_clears():
     assert p.clear() == st.retained_bytes and p.stats().retained_bytes == 0
     with pytest.raises(ValueError, match="max_bytes=-1"):
         pool.BufferPool(max_bytes=-1)
+    for bad in (True, 1.5, "128"):
+        with pytest.raises(ValueError, match=r"max_bytes=.* must be None or an int >= 0"):
+            pool.BufferPool(max_bytes=bad)
+    assert pool.BufferPool(max_bytes=np.int64(128))._max == 128  # numpy's integers are ints
 
 
 def test_threaded_copies_equal_device_put():

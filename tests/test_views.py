@@ -356,3 +356,14 @@ def test_the_lowerings_box_index_finds_every_landed_box_a_query_meets_in_order()
                 if all(a < d and c < b for a, b, c, d in zip(e[0].lo, e[0].hi, q.lo, q.hi, strict=True))
             ]
             assert got == (landed.entries if len(landed.entries) <= _SCAN else overlaps)  # past a few: only overlaps
+
+
+def test_view_sizes_take_numpys_integers_and_refuse_bools_and_floats():
+    q = k = jnp.zeros((8, 8), jnp.float32)
+    assert views.concat([q, k], axis=1, groups=np.int64(2)).groups == 2
+    assert views.quantize_fp8(q, block=(np.int64(4), 4))[0].block == (4, 4)
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(ValueError, match=r"concat: groups=.* must be a positive integer"):
+            views.concat([q, k], axis=1, groups=bad)
+        with pytest.raises(ValueError, match=r"quantize_fp8: block=.* must be two positive integers"):
+            views.quantize_fp8(q, block=(bad, 4))

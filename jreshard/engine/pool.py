@@ -35,6 +35,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jreshard.options import as_int
+
 __all__ = ["SHARED_BELOW", "BufferPool", "PoolStats", "default_pool", "staging_pool"]
 
 ALIGN = 64  # bytes; jax imports CPU buffers zero-copy only at this alignment
@@ -89,9 +91,10 @@ class BufferPool:
     __slots__ = ("_free", "_fresh", "_hits", "_leased", "_lock", "_max", "_misses", "_retained", "_returned")
 
     def __init__(self, *, max_bytes: int | None = None):
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+        limit = None if max_bytes is None else as_int(max_bytes)
+        if max_bytes is not None and (limit is None or limit < 0):
             raise ValueError(f"BufferPool: max_bytes={max_bytes!r} must be None or an int >= 0")
-        self._max = max_bytes
+        self._max = limit
         self._lock = threading.Lock()
         self._free: dict[int, list[np.ndarray]] = {}
         self._returned: collections.deque[tuple[int, np.ndarray]] = collections.deque()

@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
+from jreshard.options import as_int
 from jreshard.sharding.box import Box
 from jreshard.sharding.dtypes import dtype_name
 from jreshard.types import Array, NumpyIndex, TreeLeaf
@@ -334,11 +335,13 @@ class Concat(View):
         rest = sorted({p.shape[:axis] + p.shape[axis + 1 :] for p in parts})
         if len(rest) != 1 or any(p.ndim != nd for p in parts):
             raise ValueError(f"concat: parts {[p.shape for p in parts]} differ outside axis {axis}")
-        if not isinstance(groups, int) or groups < 1 or any(p.shape[axis] % groups for p in parts):
+        n = as_int(groups)
+        if n is None or n < 1 or any(p.shape[axis] % n for p in parts):
             raise ValueError(
-                f"concat: groups={groups} must be a positive integer dividing every part's axis {axis} "
+                f"concat: groups={groups!r} must be a positive integer dividing every part's axis {axis} "
                 f"(sizes {[p.shape[axis] for p in parts]})"
             )
+        groups = n
         self.parts, self.axis, self.groups, self.dtype = parts, axis, groups, _same_dtype(parts, "concat")
         segs, start = [], 0  # (start in the result, length, part, start in the part)
         for g in range(groups):

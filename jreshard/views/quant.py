@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jreshard.options import as_int
 from jreshard.sharding.box import Box
 from jreshard.views.algebra import Mapped, View
 from jreshard.views.casts import cast
@@ -64,9 +65,10 @@ class QuantView(View):
     def __init__(self, x: View, block: tuple[int, int]):
         if x.ndim < 2:
             raise ValueError(f"quantize_fp8: x must have at least 2 axes, got shape {x.shape}")
-        if len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block):
+        sizes = [as_int(b) for b in block] if len(block) == 2 else []
+        if len(sizes) != 2 or any(b is None or b < 1 for b in sizes):
             raise ValueError(f"quantize_fp8: block={block} must be two positive integers")
-        self.x, self.block = x, (int(block[0]), int(block[1]))
+        self.x, self.block = x, (int(sizes[0] or 0), int(sizes[1] or 0))
 
     def regions(self, box: Box) -> list[Mapped]:
         raise TypeError(
