@@ -404,8 +404,9 @@ def test_constructor_arguments_are_checked(monkeypatch):
     monkeypatch.delenv("JRESHARD_SECRET_FILE", raising=False)
     with pytest.raises(TypeError, match=r"options=\{\} must be a jreshard.Options"):
         ElasticTrainer(params(0), devices=list(D[:2]), options={})
-    with pytest.raises(ValueError, match="port=-1 must be an int"):
-        ElasticTrainer(params(0), devices=list(D[:2]), port=-1, options=OPTS)
+    for bad in (-1, 65536, True, 80.0):
+        with pytest.raises(ValueError, match=rf"port={bad!r} must be an int"):
+            ElasticTrainer(params(0), devices=list(D[:2]), port=bad, options=OPTS)
     with pytest.raises(ValueError, match="'sometimes' is not a valid CatchUp"):
         ElasticTrainer(params(0), devices=list(D[:2]), catch_up="sometimes", options=OPTS)
     with pytest.raises(ValueError, match="name='' must be a non-empty str"):

@@ -150,7 +150,9 @@ def test_release_deletes_the_old_version_at_the_flip_and_the_shadow_is_bounded(p
         dst.pull_async(into=tree, shadow="bogus")
     with pytest.raises(ValueError, match=r"release.*pass into="):
         dst.pull_async(like=DST_LIKE, shadow=Shadow.RELEASE)
-    h = dst.pull_async(into=tree, shadow="release", max_shadow_bytes=need)
+    with pytest.raises(ValueError, match=r"max_shadow_bytes=True: a byte count >= 0"):
+        dst.pull_async(into=tree, max_shadow_bytes=True)
+    h = dst.pull_async(into=tree, shadow="release", max_shadow_bytes=np.int64(need))
     with pytest.raises(ValueError, match="in flight"):
         dst.pull(into=tree)
     with pytest.raises(ValueError, match="in flight"):
@@ -175,7 +177,7 @@ def test_the_receive_thread_runs_at_the_nice_asked_for_and_the_callers_priority_
         return run(sources, targets, **kw)
 
     dst._run = observed  # type: ignore[method-assign]
-    for nice, version in ((7, 2), (0, 3)):
+    for nice, version in ((np.int64(7), 2), (0, 3)):  # numpy's integers are ints
         h = dst.pull_async(into=tree, nice=nice)
         src.push(version)
         tree, v = h.result(timeout_s=10)

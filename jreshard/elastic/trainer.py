@@ -94,8 +94,10 @@ class ElasticTrainer:
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"ElasticTrainer: options={options!r} must be a jreshard.Options")
         self._cpus = check_cpus(cpus, "ElasticTrainer")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        number = as_int(port)
+        if number is None or not 0 <= number <= 65535:
             raise ValueError(f"ElasticTrainer: port={port!r} must be an int in [0, 65535] (0: any free port)")
+        port = number
         self.options = options or Options()
         key = resolve_secret(self.options.secret, who="ElasticTrainer")
         self.catch_up = CatchUp(catch_up)

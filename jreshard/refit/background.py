@@ -347,10 +347,11 @@ def _on_cores(cpus: frozenset[int]) -> Iterator[None]:
 
 
 def check_nice(nice: int, who: str) -> int:
-    """``nice`` checked: an int in 0..19 (ValueError naming ``who`` otherwise)."""
-    if isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19:
+    """``nice`` checked: an int in 0..19 (:func:`~jreshard.options.as_int`'s; ValueError naming ``who`` otherwise)."""
+    n = as_int(nice)
+    if n is None or not 0 <= n <= 19:
         raise ValueError(f"{who}: nice={nice!r}; expected an int in 0..19")
-    return nice
+    return n
 
 
 def lower_priority(nice: int) -> bool:

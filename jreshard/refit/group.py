@@ -738,14 +738,15 @@ class RefitGroup:
             raise ValueError("RefitGroup.pull_async: shadow='release' deletes into= at the flip; pass into=")
         nbytes = shadow_bytes(tree)
         if max_shadow_bytes is not None:
-            if isinstance(max_shadow_bytes, bool) or not isinstance(max_shadow_bytes, int) or max_shadow_bytes < 0:
+            limit = as_int(max_shadow_bytes)
+            if limit is None or limit < 0:
                 raise ValueError(f"RefitGroup.pull_async: max_shadow_bytes={max_shadow_bytes!r}: a byte count >= 0")
-            if nbytes > max_shadow_bytes:
+            if nbytes > limit:
                 raise ValueError(
                     f"RefitGroup.pull_async: the shadow copy needs {nbytes} bytes on this process, over "
                     f"max_shadow_bytes={max_shadow_bytes}; raise it, or pull() between steps (no second copy)"
                 )
-        check_nice(nice, "RefitGroup.pull_async")
+        nice = check_nice(nice, "RefitGroup.pull_async")
         cores = check_cpus(cpus, "RefitGroup.pull_async")
         wait_s(timeout_s, self.options.timeout_s, "RefitGroup.pull_async")
         self._check_usable()
