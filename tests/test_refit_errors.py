@@ -294,3 +294,31 @@ def test_a_sharding_no_array_lives_on_is_a_declaration_problem_named_by_its_leaf
     assert [name for name, *_ in decl["params"]] == ["['w']"]
     (error,) = decl["errors"]
     assert error.startswith("leaf ['odd']: ") and says in error, error
+
+
+def test_connect_names_a_bad_role_and_its_own_problems_when_no_peer_comes(tmp_path):
+    """Alone, a destination whose tree is not on the devices it declares times out naming that problem too."""
+    pytest.importorskip("nixl_cu12", reason="the NIXL transport needs nixl-cu12")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jreshard import Options, RefitGroup
+    from jreshard.errors import TransferTimeoutError
+
+    devs = jax.devices()
+    like = {"w": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(Mesh(np.array(devs[:1]), "x"), P()))}
+    opts = Options(timeout_s=0.5, secret=b"k" * 32)
+    where = str(tmp_path / "address")
+    with pytest.raises(
+        ValueError, match=r"RefitGroup\.connect: role='dest'; expected one of \['source', 'destination'\]"
+    ):
+        RefitGroup.connect("dest", like, address=where, transport="nixl", options=opts)
+    with pytest.raises(TransferTimeoutError, match=r"did not appear within .*and this process could not have taken "
+                       r"part: leaf \['w'\] has a shard on"):  # fmt: skip
+        RefitGroup.connect("destination", like, address=where, transport="nixl", devices=devs[1:2], options=opts)
+    with pytest.raises(TransferTimeoutError) as plain:  # nothing wrong here: the timeout alone
+        RefitGroup.connect("destination", like, address=where, transport="nixl", devices=devs[:1], options=opts)
+    assert "could not have taken part" not in str(plain.value)

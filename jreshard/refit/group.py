@@ -69,7 +69,7 @@ from jreshard.engine.digest import DigestComm, DigestCost, Digests
 from jreshard.engine.driver import assemble, receive_schedule, schedule_local
 from jreshard.engine.ownership import shard_arrays
 from jreshard.engine.rounds import ExecStats
-from jreshard.errors import IntegrityError, LayoutMismatchError, PeerError, TransferError
+from jreshard.errors import IntegrityError, LayoutMismatchError, PeerError, TransferError, TransferTimeoutError
 from jreshard.options import Options, as_int, wait_s
 from jreshard.refit.decl import (
     GroupViews,
@@ -105,6 +105,24 @@ def _local_devices() -> list[Any]:
     import jax
 
     return list(jax.local_devices())
+
+
+def _own_problems(role: Role, params: PyTree, kwargs: dict[str, Any]) -> list[str]:
+    """What this process's declaration says is wrong with it (a shard on a device it does not declare, a shape its
+    sharding cannot hold, a dtype no refit moves...), read before it meets its peers; empty when the declaration
+    cannot be made here (the group's constructor raises the same then)."""
+    devices = kwargs.get("devices")
+    try:
+        decl = declare_local(
+            role.value,
+            params,
+            list(_local_devices() if devices is None else devices),
+            kwargs.get("domain"),
+            kwargs.get("recipe"),
+        )
+    except Exception:  # said again, with its own exception, by the constructor
+        return []
+    return [str(e) for e in decl.get("errors", [])]
 
 
 _MPI = kit("mpi")  # the transports, by name from the registry (jreshard.call.routes)
@@ -361,10 +379,28 @@ class RefitGroup:
         ``jax.process_count()``). Every wait, the source's included, is bounded by
         ``options.timeout_s``; a peer that dies is seen within it, and the surviving side can
         ``connect`` again with a new peer.
+
+        This process's own declaration is checked before it meets anyone, and its problems are voted as the group
+        forms, so every process names them; where the group does not form in time, the
+        :class:`TransferTimeoutError` names them too.
         """
-        if program_transport(transport, "RefitGroup.connect") == "nixl":
-            return cls._connect_nixl(Role(role), params, address, host, **kwargs)
-        return cls._connect_mpi(Role(role), params, address, host, comm, **kwargs)
+        try:
+            side = Role(role)
+        except ValueError:
+            raise ValueError(f"RefitGroup.connect: role={role!r}; expected one of {[r.value for r in Role]}") from None
+        nixl = program_transport(transport, "RefitGroup.connect") == "nixl"
+        own = _own_problems(side, params, kwargs)
+        try:
+            if nixl:
+                return cls._connect_nixl(side, params, address, host, **kwargs)
+            return cls._connect_mpi(side, params, address, host, comm, **kwargs)
+        except TransferTimeoutError as err:
+            if not own:
+                raise
+            raise TransferTimeoutError(
+                f"{err}; and this process could not have taken part: " + "; ".join(own),
+                destination_intact=err.destination_intact,
+            ) from err
 
     @classmethod
     def _connect_mpi(cls, role: Role, params: PyTree, address: str, host: str, comm: Any, **kwargs: Any) -> RefitGroup:
