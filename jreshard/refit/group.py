@@ -107,6 +107,14 @@ def _local_devices() -> list[Any]:
     return list(jax.local_devices())
 
 
+def _role(role: Role | str, who: str) -> Role:
+    """``role`` as a :class:`Role` (ValueError naming ``who``, the value and the roles otherwise)."""
+    try:
+        return Role(role)
+    except ValueError:
+        raise ValueError(f"{who}: role={role!r}; expected one of {[r.value for r in Role]}") from None
+
+
 def _own_problems(role: Role, params: PyTree, kwargs: dict[str, Any]) -> list[str]:
     """What this process's declaration says is wrong with it (a shard on a device it does not declare, a shape its
     sharding cannot hold, a dtype no refit moves...), read before it meets its peers; empty when the declaration
@@ -258,7 +266,7 @@ class RefitGroup:
         _group: Any = None,
         _declared: dict | None = None,
     ):
-        self.role = Role(role)
+        self.role = _role(role, "RefitGroup")
         self.options = options or Options()
         self._devices = list(_local_devices() if devices is None else devices)
         if recipe is not None and self.role is not Role.DESTINATION:
@@ -384,10 +392,7 @@ class RefitGroup:
         forms, so every process names them; where the group does not form in time, the
         :class:`TransferTimeoutError` names them too.
         """
-        try:
-            side = Role(role)
-        except ValueError:
-            raise ValueError(f"RefitGroup.connect: role={role!r}; expected one of {[r.value for r in Role]}") from None
+        side = _role(role, "RefitGroup.connect")
         nixl = program_transport(transport, "RefitGroup.connect") == "nixl"
         own = _own_problems(side, params, kwargs)
         try:
