@@ -4,6 +4,7 @@ dtype, transfer_into in place, no host materialisation, and the errors."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -367,3 +368,25 @@ def test_view_sizes_take_numpys_integers_and_refuse_bools_and_floats():
             views.concat([q, k], axis=1, groups=bad)
         with pytest.raises(ValueError, match=r"quantize_fp8: block=.* must be two positive integers"):
             views.quantize_fp8(q, block=(bad, 4))
+
+
+def test_axes_and_extents_are_integers_never_rounded_as_jax_numpy_refuses_floats():
+    x = jnp.zeros((8, 8), jnp.float32)
+    assert views.reshape(x, (np.int64(4), 16)).shape == (4, 16)
+    assert views.transpose(x, (np.int32(1), 0)).shape == (8, 8)
+    assert views.concat([x, x], axis=np.int64(1)).shape == (8, 16)
+    assert views.stack([x, x], axis=np.int64(0)).shape == (2, 8, 8)
+    with pytest.raises(TypeError, match=r"reshape: shape=\(4\.5, 16\): expected integers"):
+        views.reshape(x, (4.5, 16))  # 4.5 * 16 is 72, but int(4.5) * 16 would have passed as 64
+    with pytest.raises(TypeError, match=r"transpose: perm=\(1\.5, 0\.2\): expected integers"):
+        views.transpose(x, (1.5, 0.2))
+    for bad in (1.0, "1"):
+        with pytest.raises(TypeError, match=rf"concat: axis={re.escape(repr(bad))}: expected an integer"):
+            views.concat([x, x], axis=bad)
+        with pytest.raises(TypeError, match=rf"stack: axis={re.escape(repr(bad))}: expected an integer"):
+            views.stack([x, x], axis=bad)
+    with pytest.raises(TypeError, match=r"reshape: shape=\(4\.0, 16\): expected integers"):  # as jnp.reshape
+        views.reshape(x, (4.0, 16))
+    # What jax.numpy takes as an integer, a view takes too (a bool: jnp.reshape(x, (True, 64)) is (1, 64)).
+    assert views.reshape(x, (True, 64)).shape == jnp.reshape(x, (True, 64)).shape == (1, 64)
+    assert views.concat([x, x], axis=True).shape == jnp.concatenate([x, x], axis=True).shape

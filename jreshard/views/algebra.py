@@ -20,7 +20,9 @@ import bisect
 import dataclasses
 import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from jreshard.options import as_int
 from jreshard.sharding.box import Box
@@ -182,13 +184,34 @@ class Cast(View):
         return ("cast", self.dtype, self.x.signature(leaf_key))
 
 
+def _int(value: object, what: str) -> int:
+    """``value`` as a Python int where ``jax.numpy`` takes it as one (any integer type), or the TypeError it raises
+    for a float or a string: a view never rounds an axis or an extent."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"{what}={value!r}: expected an integer (as jax.numpy takes it), not a float or string"
+        ) from None
+
+
+def _ints(values: Any, what: str) -> tuple[int, ...]:
+    """:func:`_int` of each of ``values``, naming them all."""
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise TypeError(
+            f"{what}={values!r}: expected integers (as jax.numpy takes them), not floats or strings"
+        ) from None
+
+
 class Transpose(View):
     """Axis ``d`` of the result is axis ``perm[d]`` of ``x`` (``jnp.transpose``)."""
 
     __slots__ = ("dtype", "perm", "shape", "x")
 
     def __init__(self, x: View, perm: Sequence[int]):
-        perm = tuple(int(p) for p in perm)
+        perm = _ints(perm, "transpose: perm")
         if sorted(perm) != list(range(x.ndim)):
             raise ValueError(f"transpose: perm={perm} is not a permutation of the {x.ndim} axes of shape {x.shape}")
         self.x, self.perm, self.dtype = x, perm, x.dtype
@@ -293,6 +316,7 @@ class Stack(View):
         if len(shapes) != 1:
             raise ValueError(f"stack: the parts have shapes {shapes}; they must be equal")
         nd = parts[0].ndim + 1
+        axis = _int(axis, "stack: axis")
         if not -nd <= axis < nd:
             raise ValueError(f"stack: axis={axis} is out of range for {nd}-d results")
         self.parts, self.axis, self.dtype = parts, axis % nd, _same_dtype(parts, "stack")
@@ -328,6 +352,7 @@ class Concat(View):
         parts = tuple(parts)
         if not parts:
             raise ValueError("concat: needs at least one part")
+        axis = _int(axis, "concat: axis")
         nd = parts[0].ndim
         if nd == 0 or not -nd <= axis < nd:
             raise ValueError(f"concat: axis={axis} is out of range for parts of shape {parts[0].shape}")
@@ -425,7 +450,7 @@ class Reshape(View):
     __slots__ = ("dtype", "groups", "shape", "x")
 
     def __init__(self, x: View, shape: Sequence[int]):
-        dims = [int(n) for n in shape]
+        dims = list(_ints(shape, "reshape: shape"))
         if dims.count(-1) > 1 or any(n < -1 for n in dims):
             raise ValueError(f"reshape: shape={tuple(shape)} has a negative extent (at most one -1 is inferred)")
         if -1 in dims:
