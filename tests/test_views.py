@@ -390,3 +390,13 @@ def test_axes_and_extents_are_integers_never_rounded_as_jax_numpy_refuses_floats
     # What jax.numpy takes as an integer, a view takes too (a bool: jnp.reshape(x, (True, 64)) is (1, 64)).
     assert views.reshape(x, (True, 64)).shape == jnp.reshape(x, (True, 64)).shape == (1, 64)
     assert views.concat([x, x], axis=True).shape == jnp.concatenate([x, x], axis=True).shape
+
+
+def test_an_index_of_numpys_integers_reads_as_jax_numpys():
+    x = jnp.arange(64.0).reshape(8, 8)
+    dst = NamedSharding(TP2DP2, P())
+    for index in ((np.int64(2),), (slice(None), np.int32(-1)), (np.uint8(3), slice(np.int64(1), np.int64(5)))):
+        got = views.transfer(views.as_view(x)[index], dst)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(x[index]))
+    with pytest.raises(IndexError, match=r"views take ints, unit-step slices and \.\.\., not True"):
+        views.as_view(x)[True]  # a mask to jax.numpy, not an integer

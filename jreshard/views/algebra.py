@@ -259,10 +259,10 @@ class Index(View):
                     raise IndexError(f"index {index!r}: views take unit-step slices only, got step {step} on axis {d}")
                 spans.append((start, max(start, stop)))
                 keep.append(True)
-            elif isinstance(it, int) and not isinstance(it, bool):
-                if not -n <= it < n:
-                    raise IndexError(f"index {index!r}: {it} is out of range for axis {d} of size {n}")
-                spans.append((it % n, it % n + 1))
+            elif (k := as_int(it)) is not None:  # an integer of any type (numpy's too); a bool is a mask in jax
+                if not -n <= k < n:
+                    raise IndexError(f"index {index!r}: {k} is out of range for axis {d} of size {n}")
+                spans.append((k % n, k % n + 1))
                 keep.append(False)
             else:
                 raise IndexError(f"index {index!r}: views take ints, unit-step slices and ..., not {it!r}")
