@@ -115,13 +115,14 @@ def _role(role: Role | str, who: str) -> Role:
         raise ValueError(f"{who}: role={role!r}; expected one of {[r.value for r in Role]}") from None
 
 
-def _own_problems(role: Role, params: PyTree, kwargs: dict[str, Any]) -> list[str]:
-    """What this process's declaration says is wrong with it (a shard on a device it does not declare, a shape its
-    sharding cannot hold, a dtype no refit moves...), read before it meets its peers; empty when the declaration
-    cannot be made here (the group's constructor raises the same then)."""
+def _declared_early(role: Role, params: PyTree, kwargs: dict[str, Any]) -> dict | None:
+    """This process's declaration, made before it meets its peers (the group's constructor then takes it as made),
+    with what is wrong with it in its ``errors`` (a shard on a device it does not declare, a shape its sharding
+    cannot hold, a dtype no refit moves...); ``None`` where it cannot be made here: the constructor makes it again
+    and raises what stops it."""
     devices = kwargs.get("devices")
     try:
-        decl = declare_local(
+        return declare_local(
             role.value,
             params,
             list(_local_devices() if devices is None else devices),
@@ -129,8 +130,7 @@ def _own_problems(role: Role, params: PyTree, kwargs: dict[str, Any]) -> list[st
             kwargs.get("recipe"),
         )
     except Exception:  # said again, with its own exception, by the constructor
-        return []
-    return [str(e) for e in decl.get("errors", [])]
+        return None
 
 
 _MPI = kit("mpi")  # the transports, by name from the registry (jreshard.call.routes)
@@ -271,7 +271,7 @@ class RefitGroup:
         self._devices = list(_local_devices() if devices is None else devices)
         if recipe is not None and self.role is not Role.DESTINATION:
             raise ValueError("RefitGroup: recipe= is the destination's (how its tensors are made); a source has none")
-        if _declared is not None:  # an Endpoint's declaration, made without jax: its devices are slots
+        if _declared is not None:  # made by connect() before it met its peers, or an Endpoint's (devices are slots)
             mine = _declared
         else:
             mine = declare_local(self.role.value, params, self._devices, domain, recipe)
@@ -394,7 +394,10 @@ class RefitGroup:
         """
         side = _role(role, "RefitGroup.connect")
         nixl = program_transport(transport, "RefitGroup.connect") == "nixl"
-        own = _own_problems(side, params, kwargs)
+        declared = _declared_early(side, params, kwargs)
+        own = [] if declared is None else [str(e) for e in declared["errors"]]
+        if declared is not None:
+            kwargs["_declared"] = declared  # declared once: the constructor takes it as it is
         try:
             if nixl:
                 return cls._connect_nixl(side, params, address, host, **kwargs)
@@ -715,7 +718,8 @@ class RefitGroup:
         error = self._local_check(flat, treedef) or deleted_leaf(flat)
         if number is None:
             error = error or f"RefitGroup.push: version={version!r:.80} is not an int"
-        vote = {"role": "source", "error": error, "version": number or 0, "nonce": boxes.new_nonce()}
+        said = 0 if number is None else number  # (with an error, every process refuses the refit: never used)
+        vote = {"role": "source", "error": error, "version": said, "nonce": boxes.new_nonce()}
         vote |= self._delta.vote()
         self._begin(vote, self.options.timeout_s)
         leaves = self._indexed(flat, treedef)
@@ -725,7 +729,8 @@ class RefitGroup:
             for k, r in picks:
                 sources[(t, r)] = shards[k]
         self._run(sources, {})
-        self.version = int(number or 0)
+        assert number is not None  # else the begin vote refused it
+        self.version = number
         self._delta.commit(self.version, sum(self.sent_bytes.values()))
 
     def pull_async(
