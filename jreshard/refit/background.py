@@ -307,11 +307,11 @@ def check_cpus(cpus: Iterable[int] | None, who: str) -> frozenset[int] | None:
         raise ValueError(f"{who}: cpus={cpus!r} needs os.sched_setaffinity, which this system lacks (Linux has it)")
     try:  # core numbers of any integer type (a numpy array of them too), not bools, floats or strings
         given = [as_int(c) for c in cpus]
-    except TypeError:
+    except TypeError:  # not a collection
         given = []
-    got = frozenset(c for c in given if c is not None)
-    if not given or None in given or any(c < 0 for c in got):
+    if not given or any(c is None or c < 0 for c in given):
         raise ValueError(f"{who}: cpus={cpus!r}; expected a non-empty set of core numbers (ints >= 0) or None")
+    got = frozenset(c for c in given if c is not None)
     try:
         with _on_cores(got):
             pass
